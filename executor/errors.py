@@ -1,0 +1,76 @@
+"""Error codes and the one exception hierarchy of the executor.
+
+What the user's code did (a timeout, an OOM, a non-JSON return) is a *result* with an
+error code, never an exception. Exceptions here are for what the caller must act on:
+bad settings, Code nodes off, a runtime that cannot start, refused input.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Machine-readable error codes; part of the public contract (CLI JSON, HTTP, run store)."""
+
+    CODE_NODES_DISABLED = "CODE_NODES_DISABLED"
+    RUNTIME_UNAVAILABLE = "RUNTIME_UNAVAILABLE"
+    CODE_INVALID = "CODE_INVALID"
+    CODE_ERROR = "CODE_ERROR"
+    CODE_TIMEOUT = "CODE_TIMEOUT"
+    CODE_MEMORY = "CODE_MEMORY"
+    CODE_OUTPUT_INVALID = "CODE_OUTPUT_INVALID"
+    CODE_CANCELLED = "CODE_CANCELLED"
+    RATE_LIMITED = "RATE_LIMITED"
+
+
+class StudioCodeError(Exception):
+    """Raised when the executor cannot do what was asked; carries a code and a sentence."""
+
+    code: ErrorCode = ErrorCode.RUNTIME_UNAVAILABLE
+
+    def __init__(self, message: str, *, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": str(self.code), "message": self.message}
+
+
+class SettingsError(StudioCodeError):
+    """Raised when a STUDIO_* variable is malformed; start-up must stop."""
+
+    code = ErrorCode.RUNTIME_UNAVAILABLE
+
+
+class CodeNodesDisabled(StudioCodeError):
+    """Raised when Code nodes are off (STUDIO_ENABLE_CODE_NODES unset or an unknown runtime)."""
+
+    code = ErrorCode.CODE_NODES_DISABLED
+
+
+class RuntimeUnavailable(StudioCodeError):
+    """Raised when the runtime cannot run code: Docker unreachable, image or Deno missing."""
+
+    code = ErrorCode.RUNTIME_UNAVAILABLE
+
+
+class CodeInvalid(StudioCodeError):
+    """Raised when code cannot be saved or run: syntax error, no main, a refused import."""
+
+    code = ErrorCode.CODE_INVALID
+
+
+class RateLimited(StudioCodeError):
+    """Raised when a user made more editor test calls than STUDIO_CODE_TEST_PER_MINUTE."""
+
+    code = ErrorCode.RATE_LIMITED
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def to_dict(self) -> dict[str, str]:
+        return {**super().to_dict(), "retry_after_s": str(self.retry_after_s)}

@@ -1,0 +1,66 @@
+"""A language is a small object: how to start its runner, what to check at save time, and a
+test program that proves it is ready (DMOJ's executors, piston's package tests)."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+from executor.models import CodeErrorInfo, CodeJob, Limits
+from executor.settings import Settings
+
+if TYPE_CHECKING:
+    from executor.runtimes.base import RawRun
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason code cannot be saved, with its 1-based line (0 when it has none)."""
+
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}" if self.line else self.message
+
+
+class Language(ABC):
+    """One language of Code nodes."""
+
+    name: str
+    #: a program whose main returns TEST_OUTPUT; readiness means it really ran
+    test_program: str
+    TEST_OUTPUT = {"ready": True}
+
+    @abstractmethod
+    def image(self, settings: Settings) -> str:
+        """The sandbox image of this language in the docker runtime."""
+
+    @abstractmethod
+    def command(self, settings: Settings, limits: Limits, *, in_container: bool) -> list[str]:
+        """argv that starts the runner (the runner's source travels in argv, not in a file)."""
+
+    @abstractmethod
+    def environment(self, settings: Settings, *, in_container: bool) -> dict[str, str]:
+        """The sandbox's whole environment: nothing of the server's is inherited."""
+
+    @abstractmethod
+    def check(self, code: str, settings: Settings) -> list[Problem]:
+        """Save-time problems of ``code``; empty when it may be saved."""
+
+    @abstractmethod
+    def packages(self, settings: Settings) -> list[str]:
+        """Packages the editor shows for this language."""
+
+    def crash_error(self, raw: RawRun) -> CodeErrorInfo | None:
+        """A language-specific reading of a sandbox that died without a result (e.g. V8's
+        fatal out-of-memory); None to let the executor say what the exit status means."""
+        return None
+
+    def stdin_payload(self, job: CodeJob) -> bytes:
+        """Header line with the code (as data), then the state JSON, untouched."""
+        header = json.dumps({"code": job.code}, ensure_ascii=False).encode("utf-8")
+        return header + b"\n" + job.state_json.encode("utf-8")

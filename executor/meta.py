@@ -1,0 +1,69 @@
+"""Runtime meta: what GET /api/meta/runtime returns and the admin's Code nodes card shows."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from executor.runtimes.docker import TMPFS_SIZE
+from executor.service import Executor
+from executor.settings import KNOWN_LANGUAGES, NOBODY, sandbox_ids
+
+
+def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
+    """Enabled, runtime, each language's readiness (proven by its test program) and
+    packages, the limits in force and the sandbox's uid:gid."""
+    s = executor.settings
+    reason = executor.disabled_reason()
+    languages = []
+    for name in KNOWN_LANGUAGES:
+        offered = name in s.languages
+        entry: dict[str, Any] = {"name": name, "offered": offered}
+        if offered:
+            lang = executor.language(name)
+            ready = executor.readiness(lang, fresh=fresh)
+            entry.update(
+                ready=ready.ready,
+                reason=ready.reason,
+                image=lang.image(s) if s.code_runtime == "docker" else None,
+                packages=lang.packages(s),
+            )
+        else:
+            entry.update(ready=False, reason=f"{name} is not in STUDIO_CODE_LANGUAGES.",
+                         image=None, packages=[])
+        languages.append(entry)
+    uid, gid = sandbox_ids()
+    warnings = []
+    if s.code_runtime == "subprocess":
+        from executor.runtimes.subprocess import WARNING
+
+        warnings.append(WARNING)
+    return {
+        "enabled": reason is None,
+        "reason": reason,
+        "code_runtime": s.code_runtime,
+        "isolated": s.code_runtime == "docker",
+        "languages": languages,
+        "limits": {
+            "memory": s.code_memory,
+            "memory_bytes": s.memory_bytes,
+            "cpus": s.code_cpus,
+            "pids": s.code_pids,
+            "max_seconds": s.code_max_seconds,
+            "concurrency": s.code_concurrency,
+            "test_per_minute": s.code_test_per_minute,
+            "tmp_size": TMPFS_SIZE,
+            "log_max_bytes": s.code_log_max_bytes,
+            "output_max_bytes": s.code_output_max_bytes,
+        },
+        "sandbox_user": {
+            "uid": uid,
+            "gid": gid,
+            "note": (
+                f"The server runs as root, so sandboxes run as nobody ({NOBODY}:{NOBODY})."
+                if os.getuid() == 0
+                else "Sandboxes run as the server's own uid and gid."
+            ),
+        },
+        "warnings": warnings,
+    }

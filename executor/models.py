@@ -1,0 +1,109 @@
+"""The job that goes into a sandbox, the limits it runs under, and the result that comes out."""
+
+from __future__ import annotations
+
+import uuid
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from executor.errors import ErrorCode
+
+Language = Literal["python", "typescript"]
+Kind = Literal["run", "test"]
+
+
+class Status(StrEnum):
+    """How a job ended (or where it is). ``cancelled`` covers both a job killed while running
+    and one removed before it ran; the run store's timings (started_at) tell them apart."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    INVALID = "invalid"
+
+    @property
+    def finished(self) -> bool:
+        return self in FINISHED
+
+
+FINISHED = frozenset(
+    {Status.SUCCEEDED, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED, Status.INVALID}
+)
+
+
+class Limits(BaseModel):
+    """What one call may use. Built from Settings; a request can lower, never raise them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    memory_bytes: int
+    cpus: float
+    pids: int
+    timeout_s: float
+    log_max_bytes: int
+    output_max_bytes: int
+
+
+class CodeJob(BaseModel):
+    """One Code node call. ``state_json`` is the state as JSON text, passed through untouched."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    language: Language = "python"
+    code: str
+    state_json: str = "{}"
+    timeout_s: float | None = None
+    kind: Kind = "run"
+    user: str = ""
+
+
+class CodeErrorInfo(BaseModel):
+    """The machine code and the sentence that says what happened and what to do."""
+
+    model_config = ConfigDict(frozen=True)
+
+    code: ErrorCode
+    message: str
+
+
+class TraceRow(BaseModel):
+    """One step of a call as the studio's trace shows it; ``runtime`` is always set."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: str
+    runtime: str
+    duration_ms: float
+    detail: str = ""
+
+
+class CodeResult(BaseModel):
+    """What a call produced. A timeout, OOM or bad return is a result with an error, not an
+    exception: only infrastructure failures raise."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    language: Language
+    status: Status
+    output: Any = None
+    error: CodeErrorInfo | None = None
+    logs: str = ""
+    logs_truncated: bool = False
+    runtime: str
+    code_runtime: str
+    duration_ms: float = 0.0
+    exit_code: int | None = None
+    warnings: list[str] = Field(default_factory=list)
+    trace: list[TraceRow] = Field(default_factory=list)
+
+    def cli_dict(self) -> dict[str, Any]:
+        """The stable JSON object printed by ``studio-code run``."""
+        return self.model_dump(mode="json")

@@ -1,0 +1,292 @@
+"""The docker runtime: a NEW locked-down container for every call, through the Docker SDK.
+
+The whole isolation policy is ``sandbox_policy`` below, on one screen.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import docker
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.types import LogConfig, Ulimit
+
+from executor.errors import RuntimeUnavailable
+from executor.languages.base import Language
+from executor.models import CodeJob, Limits
+from executor.runtimes.base import POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime, owner_id
+from executor.settings import Settings, sandbox_ids
+
+LABEL_JOB = "studio.job_id"
+LABEL_OWNER = "studio.owner"
+LABEL_DEADLINE = "studio.deadline"  # epoch seconds after which any reaper may remove it
+LABEL_LANGUAGE = "studio.language"
+TMPFS_SIZE = "64m"
+KILL_GRACE_S = 10.0
+
+
+def sandbox_policy(
+    settings: Settings, language: Language, job: CodeJob, limits: Limits, owner: str
+) -> dict[str, Any]:
+    """Every isolation control and limit of one sandbox: the create_container arguments.
+
+    Specification's Isolation table: no network; read-only root with a 64 MB tmpfs /tmp and
+    no host mounts; all capabilities dropped, no-new-privileges, the server's own uid:gid
+    (nobody when the server is root); only HOME=/tmp and the language's flags in the
+    environment; the state on stdin. Limits table: memory with swap equal to memory, CPU
+    share, pids. Also: no log driver (output comes through the attach stream, so a print
+    flood cannot fill the host's disk) and no /dev/shm (ipc none), so /tmp is the only
+    writable place.
+    """
+    uid, gid = sandbox_ids()
+    host_config = {
+        "network_mode": "none",
+        "read_only": True,
+        "tmpfs": {"/tmp": f"rw,nosuid,nodev,noexec,size={TMPFS_SIZE},mode=1777"},
+        "binds": [],
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "privileged": False,
+        "ipc_mode": "none",
+        "mem_limit": limits.memory_bytes,
+        "memswap_limit": limits.memory_bytes,
+        "nano_cpus": int(limits.cpus * 1e9),
+        "pids_limit": limits.pids,
+        "ulimits": [Ulimit(name="core", soft=0, hard=0)],
+        "log_config": LogConfig(type=LogConfig.types.NONE),
+    }
+    deadline = int(time.time() + limits.timeout_s + KILL_GRACE_S)
+    return {
+        "image": language.image(settings),
+        "command": language.command(settings, limits, in_container=True),
+        "user": f"{uid}:{gid}",
+        "environment": language.environment(settings, in_container=True),
+        "working_dir": "/tmp",
+        "network_disabled": True,
+        "stdin_open": True,  # with detach=False this also sets StdinOnce: EOF ends stdin
+        "detach": False,
+        "use_config_proxy": False,  # never copy the client's proxy settings into the sandbox
+        "labels": {
+            LABEL_JOB: job.job_id,
+            LABEL_OWNER: owner,
+            LABEL_DEADLINE: str(deadline),
+            LABEL_LANGUAGE: language.name,
+        },
+        "host_config": host_config,
+    }
+
+
+def container_name(job_id: str) -> str:
+    return f"studio-code-{job_id}"
+
+
+class DockerRuntime(Runtime):
+    """Runs each call in a new container and always removes it."""
+
+    name = "docker"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._api: docker.APIClient | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def api(self) -> docker.APIClient:
+        with self._lock:
+            if self._api is None:
+                try:
+                    self._api = docker.from_env(timeout=30).api
+                except DockerException as e:
+                    raise RuntimeUnavailable(_docker_down(e)) from e
+            return self._api
+
+    # --- readiness --------------------------------------------------------------------
+
+    def unavailable_reason(self, language: Language) -> str | None:
+        try:
+            self.api.ping()
+        except (DockerException, RuntimeUnavailable, OSError) as e:
+            return _docker_down(e)
+        image = language.image(self.settings)
+        try:
+            self.api.inspect_image(image)
+        except ImageNotFound:
+            return (
+                f"The {language.name} image {image} is missing: build it with `make image` "
+                f"(docker/build.sh {language.name})."
+            )
+        except DockerException as e:
+            return _docker_down(e)
+        return None
+
+    # --- one call -----------------------------------------------------------------------
+
+    def run(
+        self,
+        job: CodeJob,
+        language: Language,
+        limits: Limits,
+        *,
+        should_cancel: CancelCheck | None = None,
+    ) -> RawRun:
+        api = self.api
+        policy = sandbox_policy(self.settings, language, job, limits, owner_id())
+        policy["host_config"] = api.create_host_config(**policy["host_config"])
+        t0 = time.monotonic()
+        cid = self._create(api, policy, job.job_id)
+        sock = None
+        try:
+            sock = api.attach_socket(
+                cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+            )
+            raw = getattr(sock, "_sock", sock)
+            api.start(cid)
+            started = time.monotonic()
+            writer = threading.Thread(
+                target=_feed, args=(raw, language.stdin_payload(job)), daemon=True
+            )
+            writer.start()
+            out = BoundedBuffer(limits.output_max_bytes + 4096)
+            logs = BoundedBuffer(limits.log_max_bytes)
+            ending = _pump(raw, out, logs, started + limits.timeout_s, should_cancel)
+            if ending != "eof":
+                self._kill_quietly(api, cid)
+            exit_code, oom = self._exit_state(api, cid)
+            return RawRun(
+                exit_code=exit_code,
+                stdout=out.getvalue(),
+                stdout_truncated=out.truncated,
+                logs=logs.getvalue(),
+                logs_total=logs.total,
+                timed_out=ending == "deadline",
+                oom_killed=oom,
+                cancelled=ending == "cancel",
+                start_ms=(started - t0) * 1000,
+                run_ms=(time.monotonic() - started) * 1000,
+            )
+        except (APIError, OSError) as e:
+            raise RuntimeUnavailable(
+                f"The sandbox for job {job.job_id} failed to run: {e}. Check the Docker "
+                "engine (docker info) and the image."
+            ) from e
+        finally:
+            if sock is not None:
+                sock.close()
+            self._remove(api, cid)
+
+    def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> str:
+        name = container_name(job_id)
+        try:
+            return api.create_container(name=name, **policy)["Id"]
+        except ImageNotFound as e:
+            raise RuntimeUnavailable(
+                f"The image {policy['image']} is missing: build it with `make image`."
+            ) from e
+        except APIError as e:
+            if e.status_code != 409:
+                raise RuntimeUnavailable(f"Docker refused to create the sandbox: {e}") from e
+        # A container of this job already exists: a redelivery after a crash. It must not
+        # run twice, so the old one goes first.
+        self.kill(job_id)
+        return api.create_container(name=name, **policy)["Id"]
+
+    def _exit_state(self, api: docker.APIClient, cid: str) -> tuple[int | None, bool]:
+        try:
+            code = api.wait(cid, timeout=KILL_GRACE_S)["StatusCode"]
+            state = api.inspect_container(cid)["State"]
+        except NotFound:
+            return None, False  # removed from outside (a cancel by label)
+        return code, bool(state.get("OOMKilled"))
+
+    @staticmethod
+    def _kill_quietly(api: docker.APIClient, cid: str) -> None:
+        try:
+            api.kill(cid)
+        except (NotFound, APIError):
+            pass  # already gone or already stopped
+
+    @staticmethod
+    def _remove(api: docker.APIClient, cid: str) -> None:
+        try:
+            api.remove_container(cid, force=True)
+        except NotFound:
+            pass
+
+    # --- from anywhere ----------------------------------------------------------------
+
+    def kill(self, job_id: str) -> bool:
+        return bool(self.remove_where({"label": f"{LABEL_JOB}={job_id}"}))
+
+    def remove_where(self, filters: dict[str, Any]) -> list[str]:
+        """Force-remove every sandbox container matching ``filters``; returns their ids."""
+        removed = []
+        for c in self.api.containers(all=True, filters=filters):
+            try:
+                self.api.remove_container(c["Id"], force=True)
+                removed.append(c["Id"])
+            except NotFound:
+                pass
+        return removed
+
+    def sandboxes(self) -> list[dict[str, Any]]:
+        """Every container with a studio.job_id label on this engine."""
+        return self.api.containers(all=True, filters={"label": LABEL_JOB})
+
+
+def _docker_down(e: BaseException) -> str:
+    return (
+        f"Docker is not reachable ({e}). Start the Docker engine, or under Compose mount "
+        "/var/run/docker.sock into this service; or set STUDIO_CODE_RUNTIME=subprocess for "
+        "trusted local work only."
+    )
+
+
+def _feed(raw: socket.socket, payload: bytes) -> None:
+    try:
+        raw.sendall(payload)
+        raw.shutdown(socket.SHUT_WR)  # EOF on the sandbox's stdin
+    except OSError:
+        pass  # the sandbox ended before reading it all; its exit status says why
+
+
+_HEADER = struct.Struct(">BxxxL")
+
+
+def _pump(
+    raw: socket.socket,
+    out: BoundedBuffer,
+    logs: BoundedBuffer,
+    deadline: float,
+    should_cancel: CancelCheck | None,
+) -> str:
+    """Demultiplex Docker's attach stream into stdout and logs until EOF, the deadline or
+    a cancel. Returns "eof", "deadline" or "cancel"."""
+    buf = bytearray()
+    next_check = 0.0
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            return "deadline"
+        if should_cancel is not None and now >= next_check:
+            if should_cancel():
+                return "cancel"
+            next_check = now + POLL_S * 2
+        ready, _, _ = select.select([raw], [], [], min(POLL_S * 2, deadline - now))
+        if not ready:
+            continue
+        chunk = raw.recv(1 << 16)
+        if not chunk:
+            return "eof"
+        buf += chunk
+        while len(buf) >= _HEADER.size:
+            stream, size = _HEADER.unpack_from(buf)
+            if len(buf) < _HEADER.size + size:
+                break
+            data = bytes(buf[_HEADER.size : _HEADER.size + size])
+            del buf[: _HEADER.size + size]
+            (out if stream == 1 else logs).write(data)

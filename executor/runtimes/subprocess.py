@@ -1,0 +1,210 @@
+"""The subprocess runtime: the code runs as a child of the server. THIS IS NOT A SANDBOX.
+
+The child gets an empty environment, its own temporary folder (removed afterwards), its own
+session, and on Linux rlimits on memory, CPU time, open files, file size and processes.
+The time limit kills the whole process group. When the server runs as root, the child
+runs as nobody so that the process limit (counted per uid) holds and it cannot read what
+only root can. It can still use the network and read any file its uid can read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import IO
+
+from executor.errors import RuntimeUnavailable
+from executor.languages.base import Language
+from executor.models import CodeJob, Limits
+from executor.runtimes.base import POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime
+from executor.settings import Settings, sandbox_ids
+
+NOFILE = 256
+FSIZE_BYTES = 64 * 1024 * 1024  # as much as the container's /tmp holds
+
+WARNING = (
+    "STUDIO_CODE_RUNTIME=subprocess: Code nodes run on the host as child processes, NOT in "
+    "a sandbox. Code can use the network and read any file the server user can read "
+    "(including a SQLite database and secret.key). Use it only for trusted local work."
+)
+RUN_WARNING = (
+    "Runs on host: this node ran as a child process of the server (STUDIO_CODE_RUNTIME="
+    "subprocess), not in a sandbox."
+)
+
+
+def rlimits(limits: Limits, *, address_space: bool = True) -> dict[int, tuple[int, int]]:
+    """The whole resource policy of a child, on one screen."""
+    cpu_s = math.ceil(limits.timeout_s) + 1
+    policy = {
+        resource.RLIMIT_CPU: (cpu_s, cpu_s + 1),
+        resource.RLIMIT_NOFILE: (NOFILE, NOFILE),
+        resource.RLIMIT_FSIZE: (FSIZE_BYTES, FSIZE_BYTES),
+        resource.RLIMIT_CORE: (0, 0),
+        resource.RLIMIT_NPROC: (limits.pids, limits.pids),
+    }
+    if address_space:  # V8 reserves far more address space than it uses: Deno caps its heap
+        policy[resource.RLIMIT_AS] = (limits.memory_bytes, limits.memory_bytes)
+    return policy
+
+
+class SubprocessRuntime(Runtime):
+    """Runs each call as an rlimited child process in its own session."""
+
+    name = "subprocess"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def unavailable_reason(self, language: Language) -> str | None:
+        binary = language.command(self.settings, _PROBE_LIMITS, in_container=False)[0]
+        if shutil.which(binary) is None:
+            return f"{binary} is not installed or not on PATH for the server user."
+        if not sys.platform.startswith("linux"):
+            return None  # runs, but without the memory limit: meta's warning says so
+        return None
+
+    def run(
+        self,
+        job: CodeJob,
+        language: Language,
+        limits: Limits,
+        *,
+        should_cancel: CancelCheck | None = None,
+    ) -> RawRun:
+        uid, gid = sandbox_ids()
+        as_root = os.getuid() == 0
+        workdir = tempfile.mkdtemp(prefix="studio-code-")
+        if as_root:
+            os.chown(workdir, uid, gid)
+        policy = rlimits(limits, address_space=language.name != "typescript")
+        argv = language.command(self.settings, limits, in_container=False)
+        t0 = time.monotonic()
+        try:
+            child = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=language.environment(self.settings, in_container=False),
+                start_new_session=True,
+                close_fds=True,
+                user=uid if as_root else None,
+                group=gid if as_root else None,
+                extra_groups=[] if as_root else None,
+                preexec_fn=_apply(policy) if sys.platform.startswith("linux") else None,
+            )
+        except OSError as e:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise RuntimeUnavailable(f"Could not start {argv[0]}: {e}.") from e
+        with self._lock:
+            self._children[job.job_id] = child
+        started = time.monotonic()
+        out = BoundedBuffer(limits.output_max_bytes + 4096)
+        logs = BoundedBuffer(limits.log_max_bytes)
+        assert child.stdin and child.stdout and child.stderr
+        threads = [
+            threading.Thread(target=_feed, args=(child.stdin, language.stdin_payload(job))),
+            threading.Thread(target=_drain, args=(child.stdout, out)),
+            threading.Thread(target=_drain, args=(child.stderr, logs)),
+        ]
+        for t in threads:
+            t.daemon = True
+            t.start()
+        ending = "eof"
+        try:
+            deadline = started + limits.timeout_s
+            while child.poll() is None:
+                now = time.monotonic()
+                if now >= deadline:
+                    ending = "deadline"
+                    break
+                if should_cancel is not None and should_cancel():
+                    ending = "cancel"
+                    break
+                try:
+                    child.wait(timeout=min(POLL_S, deadline - now))
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            # Always: whatever the code started in its session dies with it.
+            _kill_group(child.pid)
+            exit_code = child.wait()
+            for t in threads:
+                t.join(timeout=2)
+            with self._lock:
+                self._children.pop(job.job_id, None)
+            shutil.rmtree(workdir, ignore_errors=True)
+        cpu_killed = exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and ending == "eof"
+        return RawRun(
+            exit_code=exit_code,
+            stdout=out.getvalue(),
+            stdout_truncated=out.truncated,
+            logs=logs.getvalue(),
+            logs_total=logs.total,
+            timed_out=ending == "deadline" or (cpu_killed and exit_code == -signal.SIGXCPU),
+            cancelled=ending == "cancel",
+            start_ms=(started - t0) * 1000,
+            run_ms=(time.monotonic() - started) * 1000,
+        )
+
+    def kill(self, job_id: str) -> bool:
+        with self._lock:
+            child = self._children.get(job_id)
+        if child is None:
+            return False
+        _kill_group(child.pid)
+        return True
+
+
+_PROBE_LIMITS = Limits(
+    memory_bytes=1, cpus=1, pids=1, timeout_s=1, log_max_bytes=1, output_max_bytes=1
+)
+
+
+def _apply(policy: dict[int, tuple[int, int]]):  # type: ignore[no-untyped-def]
+    def set_limits() -> None:
+        for which, value in policy.items():
+            resource.setrlimit(which, value)
+
+    return set_limits
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+
+
+def _feed(pipe: IO[bytes], payload: bytes) -> None:
+    try:
+        pipe.write(payload)
+    except (BrokenPipeError, OSError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+def _drain(pipe: IO[bytes], sink: BoundedBuffer) -> None:
+    fd = pipe.fileno()
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        sink.write(chunk)
+    pipe.close()

@@ -1,0 +1,347 @@
+"""The executor: runs ONE code node in the configured runtime and reads what it did.
+
+No queue here: the CLI's ``run`` uses this directly; the Celery worker calls it too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from executor.audit import SUBPROCESS_RUNTIME_USED, AuditSink, LogAuditSink
+from executor.errors import (
+    CodeInvalid,
+    CodeNodesDisabled,
+    ErrorCode,
+    RuntimeUnavailable,
+    StudioCodeError,
+)
+from executor.languages import get_language
+from executor.languages.base import Language, Problem
+from executor.models import CodeErrorInfo, CodeJob, CodeResult, Limits, Status, TraceRow
+from executor.runtimes.base import CancelCheck, RawRun, Runtime, owner_id
+from executor.settings import KNOWN_RUNTIMES, Settings
+
+log = logging.getLogger("studio_code")
+
+READINESS_TTL_S = 15.0
+READINESS_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether a language can run now, proven by running its test program."""
+
+    ready: bool
+    reason: str | None
+    checked_at: float
+
+
+def make_runtime(settings: Settings) -> Runtime | None:
+    """The runtime STUDIO_CODE_RUNTIME names, or None for an unknown value (Code nodes off)."""
+    if settings.code_runtime == "docker":
+        from executor.runtimes.docker import DockerRuntime
+
+        return DockerRuntime(settings)
+    if settings.code_runtime == "subprocess":
+        from executor.runtimes.subprocess import WARNING, SubprocessRuntime
+
+        log.warning(WARNING)
+        return SubprocessRuntime(settings)
+    return None
+
+
+class Executor:
+    """Validates, runs and reads Code nodes under one Settings; one per server process."""
+
+    def __init__(self, settings: Settings, *, audit: AuditSink | None = None) -> None:
+        self.settings = settings
+        self.audit_sink: AuditSink = audit or LogAuditSink()
+        self.runtime = make_runtime(settings)
+        self._slots = threading.BoundedSemaphore(settings.code_concurrency)
+        self._readiness: dict[str, Readiness] = {}
+        self._audit_lock = threading.Lock()
+        self._audited = False
+
+    # --- what may run -----------------------------------------------------------------
+
+    def disabled_reason(self) -> str | None:
+        """Why Code nodes are off, or None when they are on."""
+        s = self.settings
+        if not s.enable_code_nodes:
+            return (
+                "Code nodes are off: set STUDIO_ENABLE_CODE_NODES=1 on the API and the workers "
+                "to turn them on."
+            )
+        if not s.runtime_known:
+            return (
+                f"STUDIO_CODE_RUNTIME={s.code_runtime!r} is not a known runtime, so Code nodes "
+                f"are off: set it to {' or '.join(KNOWN_RUNTIMES)}."
+            )
+        return None
+
+    def language(self, name: str) -> Language:
+        """The language ``name`` if it is offered; raises CodeInvalid saying what is."""
+        if name not in self.settings.languages:
+            offered = ", ".join(self.settings.languages) or "none"
+            raise CodeInvalid(
+                f"{name} Code nodes are not offered here (STUDIO_CODE_LANGUAGES={offered}): "
+                f"rewrite the node in an offered language or add {name} to "
+                "STUDIO_CODE_LANGUAGES."
+            )
+        return get_language(name)
+
+    def limits(self, timeout_s: float | None = None) -> Limits:
+        """The limits of one call: a node's timeout is capped by STUDIO_CODE_MAX_SECONDS."""
+        s = self.settings
+        cap = s.code_max_seconds
+        timeout = cap if timeout_s is None or timeout_s <= 0 else min(timeout_s, cap)
+        return Limits(
+            memory_bytes=s.memory_bytes,
+            cpus=s.code_cpus,
+            pids=s.code_pids,
+            timeout_s=timeout,
+            log_max_bytes=s.code_log_max_bytes,
+            output_max_bytes=s.code_output_max_bytes,
+        )
+
+    def check_code(self, code: str, language: str) -> list[Problem]:
+        """Save-time check: [] when the code may be saved. Raises CodeInvalid for a language
+        that is not offered."""
+        return self.language(language).check(code, self.settings)
+
+    def validate_node(self, language: str) -> None:
+        """Workflow validation of a Code node: raises CodeNodesDisabled, CodeInvalid (language
+        not offered) or RuntimeUnavailable (with how to fix it); returns when it can run."""
+        reason = self.disabled_reason()
+        if reason:
+            raise CodeNodesDisabled(reason)
+        lang = self.language(language)
+        ready = self.readiness(lang)
+        if not ready.ready:
+            raise RuntimeUnavailable(ready.reason or "The runtime is not ready.")
+
+    def readiness(self, language: Language, *, fresh: bool = False) -> Readiness:
+        """Runs the language's test program in the runtime (cached briefly)."""
+        cached = self._readiness.get(language.name)
+        now = time.monotonic()
+        if cached and not fresh and now - cached.checked_at < READINESS_TTL_S:
+            return cached
+        result = self._probe(language)
+        self._readiness[language.name] = result
+        return result
+
+    def _probe(self, language: Language) -> Readiness:
+        now = time.monotonic()
+        reason = self.disabled_reason()
+        if reason is None and self.runtime is not None:
+            reason = self.runtime.unavailable_reason(language)
+        if reason is not None:
+            return Readiness(False, reason, now)
+        job = CodeJob(
+            job_id=f"ready-{uuid.uuid4().hex[:12]}",
+            language=language.name,  # type: ignore[arg-type]
+            code=language.test_program,
+            timeout_s=READINESS_TIMEOUT_S,
+        )
+        result = self._run(job, language, self.limits(READINESS_TIMEOUT_S), None, probe=True)
+        if result.status is Status.SUCCEEDED and result.output == Language.TEST_OUTPUT:
+            return Readiness(True, None, now)
+        detail = result.error.message if result.error else f"output {result.output!r}"
+        return Readiness(
+            False,
+            f"The {language.name} test program did not run in the {self.runtime_name} "
+            f"runtime: {detail}",
+            now,
+        )
+
+    @property
+    def runtime_name(self) -> str:
+        return self.settings.code_runtime
+
+    # --- one call ----------------------------------------------------------------------
+
+    def run(self, job: CodeJob, *, should_cancel: CancelCheck | None = None) -> CodeResult:
+        """Run one job to a result. Never raises for what the code did, nor for a runtime
+        that is off or down: those are results with an error code too."""
+        started = time.monotonic()
+        try:
+            reason = self.disabled_reason()
+            if reason:
+                raise CodeNodesDisabled(reason)
+            language = self.language(job.language)
+            problems = language.check(job.code, self.settings)
+            if problems:
+                raise CodeInvalid("; ".join(str(p) for p in problems))
+            _check_state(job, self.settings.code_state_max_bytes)
+            return self._run(job, language, self.limits(job.timeout_s), should_cancel)
+        except StudioCodeError as e:
+            status = Status.INVALID if e.code is ErrorCode.CODE_INVALID else Status.FAILED
+            return self._result(job, status, error=e.code, message=e.message, t0=started)
+
+    def _run(
+        self,
+        job: CodeJob,
+        language: Language,
+        limits: Limits,
+        should_cancel: CancelCheck | None,
+        *,
+        probe: bool = False,
+    ) -> CodeResult:
+        assert self.runtime is not None
+        t0 = time.monotonic()
+        while not self._slots.acquire(timeout=0.1):
+            if should_cancel is not None and should_cancel():
+                return self._result(job, Status.CANCELLED, error=ErrorCode.CODE_CANCELLED,
+                                    message="Cancelled before it started.", t0=t0)
+        try:
+            if not probe:
+                self._audit_first_subprocess_call(job)
+            raw = self.runtime.run(job, language, limits, should_cancel=should_cancel)
+        except StudioCodeError as e:
+            return self._result(job, Status.FAILED, error=e.code, message=e.message, t0=t0)
+        finally:
+            self._slots.release()
+        return self._read(job, language, limits, raw, t0)
+
+    def _audit_first_subprocess_call(self, job: CodeJob) -> None:
+        if self.runtime_name != "subprocess" or self._audited:
+            return
+        with self._audit_lock:
+            if self._audited:
+                return
+            self._audited = True
+        self.audit_sink.audit(
+            SUBPROCESS_RUNTIME_USED,
+            {"owner": owner_id(), "job_id": job.job_id, "language": job.language},
+        )
+
+    # --- reading what the sandbox did -------------------------------------------------
+
+    def _read(
+        self, job: CodeJob, language: Language, limits: Limits, raw: RawRun, t0: float
+    ) -> CodeResult:
+        s = self.settings
+        logs = raw.logs.decode("utf-8", errors="replace")
+        if raw.logs_truncated:
+            logs += (
+                f"\n[logs truncated: {raw.logs_total - len(raw.logs)} more bytes were printed "
+                f"than the {limits.log_max_bytes}-byte limit keeps]"
+            )
+        common: dict[str, Any] = {"logs": logs, "raw": raw, "t0": t0}
+        if raw.cancelled:
+            return self._result(job, Status.CANCELLED, error=ErrorCode.CODE_CANCELLED,
+                                message="The run was cancelled and its sandbox killed.", **common)
+        if raw.timed_out:
+            return self._result(
+                job, Status.TIMED_OUT, error=ErrorCode.CODE_TIMEOUT,
+                message=f"The code ran longer than its timeout of {limits.timeout_s:g} s and "
+                "was stopped: make it faster, or raise the node's timeout (at most "
+                f"STUDIO_CODE_MAX_SECONDS={s.code_max_seconds:g}).", **common)
+        if raw.oom_killed:
+            return self._memory_result(job, **common)
+        crash = language.crash_error(raw)
+        if crash is not None:
+            if crash.code is ErrorCode.CODE_MEMORY:
+                return self._memory_result(job, **common)
+            return self._result(job, Status.FAILED, error=crash.code, message=crash.message,
+                                **common)
+        if raw.stdout_truncated:
+            return self._result(
+                job, Status.FAILED, error=ErrorCode.CODE_OUTPUT_INVALID,
+                message=f"The output is larger than {limits.output_max_bytes} bytes: return "
+                "less, or keep large data elsewhere.", **common)
+        if not raw.stdout:
+            return self._result(
+                job, Status.FAILED, error=ErrorCode.CODE_ERROR,
+                message=f"The code ended the process (exit status {raw.exit_code}) before "
+                "main returned a value: return the output from main instead of exiting or "
+                "killing the process.", **common)
+        try:
+            reply = json.loads(raw.stdout)
+            ok = reply["ok"]
+        except (ValueError, KeyError, TypeError):
+            return self._result(
+                job, Status.FAILED, error=ErrorCode.CODE_OUTPUT_INVALID,
+                message="The sandbox's result channel held something that is not the "
+                "runner's JSON (did the code write to the runner's file descriptors?).",
+                **common)
+        if ok:
+            return self._result(job, Status.SUCCEEDED, output=reply.get("output"), **common)
+        err = reply.get("error") or {}
+        try:
+            code = ErrorCode(err.get("code"))
+        except ValueError:
+            code = ErrorCode.CODE_ERROR
+        if code is ErrorCode.CODE_MEMORY:
+            return self._memory_result(job, **common)
+        status = Status.INVALID if code is ErrorCode.CODE_INVALID else Status.FAILED
+        return self._result(job, status, error=code, message=str(err.get("message")), **common)
+
+    def _memory_result(self, job: CodeJob, **common: Any) -> CodeResult:
+        return self._result(
+            job, Status.FAILED, error=ErrorCode.CODE_MEMORY,
+            message=f"The code used more memory than STUDIO_CODE_MEMORY="
+            f"{self.settings.code_memory} and was stopped: process less data at once, or "
+            "ask the operator to raise STUDIO_CODE_MEMORY.", **common)
+
+    def _result(
+        self,
+        job: CodeJob,
+        status: Status,
+        *,
+        t0: float,
+        output: Any = None,
+        error: ErrorCode | None = None,
+        message: str = "",
+        logs: str = "",
+        raw: RawRun | None = None,
+    ) -> CodeResult:
+        runtime = self.runtime_name
+        trace = []
+        if raw is not None:
+            trace = [
+                TraceRow(step="sandbox.start", runtime=runtime, duration_ms=round(raw.start_ms, 3)),
+                TraceRow(step="code.run", runtime=runtime, duration_ms=round(raw.run_ms, 3),
+                         detail=str(status)),
+            ]
+        warnings = []
+        if runtime == "subprocess":
+            from executor.runtimes.subprocess import RUN_WARNING
+
+            warnings.append(RUN_WARNING)
+        return CodeResult(
+            job_id=job.job_id,
+            language=job.language,
+            status=status,
+            output=output,
+            error=CodeErrorInfo(code=error, message=message) if error else None,
+            logs=logs,
+            logs_truncated=bool(raw and raw.logs_truncated),
+            runtime=runtime,
+            code_runtime=runtime,
+            duration_ms=round((time.monotonic() - t0) * 1000, 3),
+            exit_code=raw.exit_code if raw else None,
+            warnings=warnings,
+            trace=trace,
+        )
+
+    # --- cancel from this process -----------------------------------------------------
+
+    def kill(self, job_id: str) -> bool:
+        """Kill the sandbox of ``job_id`` (docker: on this engine, whoever started it)."""
+        return self.runtime.kill(job_id) if self.runtime is not None else False
+
+
+def _check_state(job: CodeJob, max_bytes: int) -> None:
+    size = len(job.state_json.encode("utf-8"))
+    if size > max_bytes:
+        raise CodeInvalid(
+            f"The state is {size} bytes, more than STUDIO_CODE_STATE_MAX_BYTES={max_bytes}: "
+            "pass less data to the node."
+        )
