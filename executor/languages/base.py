@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
+from executor.languages.ts_imports import Problem
 from executor.models import CodeErrorInfo, CodeJob, Limits
 from executor.settings import Settings
 
 if TYPE_CHECKING:
     from executor.runtimes.base import RawRun
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One reason code cannot be saved, with its 1-based line (0 when it has none)."""
-
-    line: int
-    message: str
-
-    def __str__(self) -> str:
-        return f"line {self.line}: {self.message}" if self.line else self.message
 
 
 class Language(ABC):

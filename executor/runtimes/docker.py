@@ -57,7 +57,7 @@ def sandbox_policy(
         "memswap_limit": limits.memory_bytes,
         "nano_cpus": int(limits.cpus * 1e9),
         "pids_limit": limits.pids,
-        "ulimits": [Ulimit(name="core", soft=0, hard=0)],
+        "ulimits": [Ulimit(name="core", soft=0, hard=0), Ulimit(name="msgqueue", soft=0, hard=0)],
         "log_config": LogConfig(type=LogConfig.types.NONE),
     }
     deadline = int(time.time() + limits.timeout_s + KILL_GRACE_S)
@@ -67,6 +67,7 @@ def sandbox_policy(
         "user": f"{uid}:{gid}",
         "environment": language.environment(settings, in_container=True),
         "working_dir": "/tmp",
+        "hostname": "sandbox",
         "network_disabled": True,
         "stdin_open": True,  # with detach=False this also sets StdinOnce: EOF ends stdin
         "detach": False,

@@ -1,0 +1,202 @@
+"""Shared fixtures: real services only. A missing service skips a test on a laptop and
+FAILS it when CI=true."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+LABEL_JOB = "studio.job_id"
+
+
+def require(ok: bool, what: str) -> None:
+    """Skip (laptop) or fail (CI=true) when a service the test needs is missing."""
+    if ok:
+        return
+    if IN_CI:
+        pytest.fail(f"{what} (CI=true: a missing service fails the suite)")
+    pytest.skip(what)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- Docker ---------------------------------------------------------------------------
+
+
+def _docker_client():  # type: ignore[no-untyped-def]
+    try:
+        import docker
+
+        client = docker.from_env(timeout=30)
+        client.ping()
+        return client
+    except Exception:  # noqa: BLE001 - any failure means "no engine"
+        return None
+
+
+@pytest.fixture(scope="session")
+def docker_client():  # type: ignore[no-untyped-def]
+    client = _docker_client()
+    require(client is not None, "no Docker engine reachable")
+    before = {c.id for c in client.containers.list(all=True, filters={"label": LABEL_JOB})}
+    yield client
+    # The suite must leave no sandbox behind: whatever is left is a leak of the code path
+    # that made it, so report it as an error after removing it.
+    left = [
+        c for c in client.containers.list(all=True, filters={"label": LABEL_JOB})
+        if c.id not in before
+    ]
+    for c in left:
+        c.remove(force=True)
+    client.close()
+    assert not left, f"sandbox containers left behind: {[c.name for c in left]}"
+
+
+def _ensure_image(client, tag: str, which: str) -> None:  # type: ignore[no-untyped-def]
+    import docker
+
+    try:
+        client.images.get(tag)
+        return
+    except docker.errors.ImageNotFound:
+        pass
+    build = subprocess.run(
+        [str(ROOT / "docker" / "build.sh"), which], cwd=ROOT, capture_output=True, text=True
+    )
+    require(build.returncode == 0, f"could not build {tag}: {build.stderr[-2000:]}")
+
+
+@pytest.fixture(scope="session")
+def python_image(docker_client) -> str:  # type: ignore[no-untyped-def]
+    tag = os.environ.get("STUDIO_CODE_IMAGE", "studio-code:1")
+    _ensure_image(docker_client, tag, "python")
+    return tag
+
+
+@pytest.fixture(scope="session")
+def ts_image(docker_client) -> str:  # type: ignore[no-untyped-def]
+    tag = os.environ.get("STUDIO_CODE_TS_IMAGE", "studio-code-ts:1")
+    _ensure_image(docker_client, tag, "typescript")
+    return tag
+
+
+# --- Settings and executors ------------------------------------------------------------
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path) -> Callable[..., object]:
+    """Settings as an operator would set them, Code nodes on; keyword overrides win."""
+    from executor.settings import load_settings
+
+    def make(**overrides: object):  # type: ignore[no-untyped-def]
+        base: dict[str, object] = {"enable_code_nodes": True, "data_dir": tmp_path}
+        base.update(overrides)
+        return load_settings(**base)
+
+    return make
+
+
+@pytest.fixture
+def docker_executor(make_settings, python_image):  # type: ignore[no-untyped-def]
+    from executor.service import Executor
+
+    return Executor(make_settings(code_runtime="docker", code_image=python_image))
+
+
+@pytest.fixture
+def subprocess_executor(make_settings):  # type: ignore[no-untyped-def]
+    from executor.service import Executor
+
+    return Executor(make_settings(code_runtime="subprocess"))
+
+
+# --- Redis and PostgreSQL ---------------------------------------------------------------
+
+
+class RedisServer:
+    """A redis-server of the test's own on a free loopback port; it can be stopped and
+    started again (with AOF, so what it acknowledged survives a restart)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
+             "--bind", "127.0.0.1", "--dir", str(self.workdir), "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy",
+             "noeviction", "--daemonize", "no", "--logfile", str(self.workdir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+POSTGRES_URL = os.environ.get(
+    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    try:
+        import psycopg
+
+        dsn = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(dsn, connect_timeout=3):
+            pass
+    except Exception as e:  # noqa: BLE001
+        require(False, f"PostgreSQL not reachable at {POSTGRES_URL}: {e}")
+    return POSTGRES_URL
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    """Run the real `studio-code` console script; returns the CompletedProcess."""
+    full_env = {**os.environ, **(env or {})}
+    exe = Path(sys.executable).with_name("studio-code")
+    return subprocess.run(
+        [str(exe), *args], capture_output=True, text=True, env=full_env, timeout=timeout
+    )
