@@ -158,6 +158,9 @@ class DockerRuntime(Runtime):
             if ending != "eof":
                 self._kill_quietly(api, cid)
             exit_code, oom = self._exit_state(api, cid)
+            if ending == "eof" and exit_code in (None, 137) and not oom and should_cancel:
+                # Killed from outside (cancel by label from another process) before we polled.
+                ending = "cancel" if should_cancel() else ending
             return RawRun(
                 exit_code=exit_code,
                 stdout=out.getvalue(),
@@ -212,11 +215,18 @@ class DockerRuntime(Runtime):
             pass  # already gone or already stopped
 
     @staticmethod
-    def _remove(api: docker.APIClient, cid: str) -> None:
+    def _remove(api: docker.APIClient, cid: str) -> bool:
+        """Force-remove; True when this call removed it. Gone, or already being removed by
+        another process (409), counts as done."""
         try:
             api.remove_container(cid, force=True)
+            return True
         except NotFound:
-            pass
+            return False
+        except APIError as e:
+            if e.status_code == 409:
+                return False
+            raise
 
     # --- from anywhere ----------------------------------------------------------------
 
@@ -225,14 +235,10 @@ class DockerRuntime(Runtime):
 
     def remove_where(self, filters: dict[str, Any]) -> list[str]:
         """Force-remove every sandbox container matching ``filters``; returns their ids."""
-        removed = []
-        for c in self.api.containers(all=True, filters=filters):
-            try:
-                self.api.remove_container(c["Id"], force=True)
-                removed.append(c["Id"])
-            except NotFound:
-                pass
-        return removed
+        api = self.api
+        return [
+            c["Id"] for c in api.containers(all=True, filters=filters) if self._remove(api, c["Id"])
+        ]
 
     def sandboxes(self) -> list[dict[str, Any]]:
         """Every container with a studio.job_id label on this engine."""

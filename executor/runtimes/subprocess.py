@@ -146,14 +146,17 @@ class SubprocessRuntime(Runtime):
             with self._lock:
                 self._children.pop(job.job_id, None)
             shutil.rmtree(workdir, ignore_errors=True)
-        cpu_killed = exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and ending == "eof"
+        if ending == "eof" and exit_code == -signal.SIGKILL and should_cancel is not None:
+            ending = "cancel" if should_cancel() else ending  # killed by kill() elsewhere
+        # RLIMIT_CPU's SIGXCPU is the backstop of the wall-clock deadline: also a timeout.
+        cpu_limit = ending == "eof" and exit_code == -signal.SIGXCPU
         return RawRun(
             exit_code=exit_code,
             stdout=out.getvalue(),
             stdout_truncated=out.truncated,
             logs=logs.getvalue(),
             logs_total=logs.total,
-            timed_out=ending == "deadline" or (cpu_killed and exit_code == -signal.SIGXCPU),
+            timed_out=ending == "deadline" or cpu_limit,
             cancelled=ending == "cancel",
             start_ms=(started - t0) * 1000,
             run_ms=(time.monotonic() - started) * 1000,

@@ -1,0 +1,191 @@
+"""The run store's contract: one row per Code-node job, written by workers, read by the API.
+
+Every state change is a single conditional ``UPDATE ... WHERE job_id = ? AND status IN (...)``
+whose row count says whether this caller won, so any number of processes on any number of
+machines may call these methods at once for the same job:
+
+    queued --claim--> running --finish--> succeeded | failed | timed_out | invalid | cancelled
+       |                 |   \\--claim (redelivered: a worker died)--> running
+       |                 \\--request_cancel--> cancelling --finish / fail_stuck--> cancelled
+       \\--request_cancel--> cancelled
+    running | cancelling --fail_stuck (worker gone past its deadline)--> failed | cancelled
+
+A finished row (succeeded, failed, timed_out, cancelled, invalid) is never changed again.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from executor.errors import ErrorCode
+from executor.models import (
+    CodeErrorInfo,
+    CodeJob,
+    CodeResult,
+    Kind,
+    Language,
+    Status,
+    TraceRow,
+)
+
+CANCELLED_BEFORE_START = CodeErrorInfo(
+    code=ErrorCode.CODE_CANCELLED, message="Cancelled before it started."
+)
+CANCELLED_WHILE_RUNNING = CodeErrorInfo(
+    code=ErrorCode.CODE_CANCELLED, message="Cancelled while running."
+)
+WORKER_STOPPED = "The worker running this job stopped; run it again."
+
+#: Statuses a worker may still write a result over.
+OPEN_STATUSES = (Status.QUEUED, Status.RUNNING, Status.CANCELLING)
+
+
+class JobRecord(BaseModel):
+    """One job as the run store holds it. Datetimes are timezone-aware UTC."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    status: Status
+    kind: Kind = "run"
+    user: str = ""
+    language: Language = "python"
+    code: str = ""
+    state_json: str = "{}"
+    timeout_s: float | None = None
+    code_runtime: str = ""
+    runtime: str | None = None  # CodeResult.runtime, set by finish()
+    output: Any = None
+    error: CodeErrorInfo | None = None
+    logs: str = ""
+    logs_truncated: bool = False
+    warnings: list[str] = Field(default_factory=list)
+    trace: list[TraceRow] = Field(default_factory=list)
+    exit_code: int | None = None
+    duration_ms: float | None = None
+    queued_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    worker: str | None = None
+    attempts: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def to_result(self) -> CodeResult | None:
+        """The CodeResult this record holds, or None while the job has not finished."""
+        if not self.finished:
+            return None
+        return CodeResult(
+            job_id=self.job_id,
+            language=self.language,
+            status=self.status,
+            output=self.output,
+            error=self.error,
+            logs=self.logs,
+            logs_truncated=self.logs_truncated,
+            runtime=self.runtime or self.code_runtime,
+            code_runtime=self.code_runtime,
+            duration_ms=self.duration_ms or 0.0,
+            exit_code=self.exit_code,
+            warnings=list(self.warnings),
+            trace=list(self.trace),
+        )
+
+
+class AuditEntry(BaseModel):
+    """One audit event (e.g. ``system.code_runtime_subprocess``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    at: datetime
+    event: str
+    actor: str
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunStore(ABC):
+    """Where jobs and their results live. Safe to use from many processes and machines."""
+
+    @abstractmethod
+    def create(self, job: CodeJob, *, code_runtime: str) -> bool:
+        """Insert a ``queued`` row. A second call with the same job_id changes nothing.
+        Returns True when this call inserted the row."""
+
+    @abstractmethod
+    def get(self, job_id: str) -> JobRecord | None:
+        """The job, or None if unknown."""
+
+    def get_many(self, job_ids: Iterable[str]) -> dict[str, JobRecord]:
+        """The known jobs among ``job_ids``, by id."""
+        out: dict[str, JobRecord] = {}
+        for job_id in job_ids:
+            rec = self.get(job_id)
+            if rec is not None:
+                out[job_id] = rec
+        return out
+
+    @abstractmethod
+    def claim(self, job_id: str, worker: str) -> JobRecord | None:
+        """queued -> running, or running -> running when redelivered (attempts += 1, new
+        worker, new started_at). None (nothing changed) when the job is unknown, cancelling,
+        cancelled or finished: the worker must not run it."""
+
+    @abstractmethod
+    def request_cancel(self, job_id: str) -> Status | None:
+        """queued -> cancelled at once; running -> cancelling (the worker stops it and its
+        finish() ends it ``cancelled``); otherwise unchanged. The status after the call,
+        None if unknown."""
+
+    @abstractmethod
+    def is_cancel_requested(self, job_id: str) -> bool:
+        """True when the job is cancelling or cancelled."""
+
+    @abstractmethod
+    def finish(self, result: CodeResult, *, worker: str) -> bool:
+        """Write the result once, while the job is queued, running or cancelling; a
+        cancelling job ends ``cancelled`` whatever the result says. True when this call
+        wrote it; False (nothing changed) for a finished or unknown job."""
+
+    @abstractmethod
+    def fail_stuck(
+        self, older_than_s: float, reason: str = WORKER_STOPPED, *, default_timeout_s: float = 30.0
+    ) -> list[str]:
+        """Running/cancelling jobs whose started_at + timeout_s + older_than_s has passed end
+        ``failed`` (``cancelled`` if cancelling) with RUNTIME_UNAVAILABLE and ``reason``.
+        ``default_timeout_s`` stands for a job created without a timeout. The ids changed."""
+
+    @abstractmethod
+    def audit(self, event: str, details: dict[str, Any], *, actor: str = "system") -> None:
+        """Record an audit event."""
+
+    @abstractmethod
+    def list_audit(self, event: str | None = None, limit: int = 100) -> list[AuditEntry]:
+        """Audit events, newest first, optionally of one event name."""
+
+    @abstractmethod
+    def counts_by_status(self) -> dict[str, int]:
+        """Number of jobs per status; every Status value is present (0 when none)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections. The store must not be used afterwards."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

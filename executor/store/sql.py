@@ -1,0 +1,591 @@
+"""The run store on SQLAlchemy Core: a SQLite file by default, PostgreSQL for many machines.
+
+Concurrency rules (see base.py): every state change is one conditional UPDATE whose rowcount
+says whether this caller won. On PostgreSQL (READ COMMITTED) a concurrent UPDATE of the same
+row waits for the row lock and re-checks the WHERE clause against the committed row, so only
+one of two racing writers matches. On SQLite every write transaction starts with
+``BEGIN IMMEDIATE`` (the database write lock is taken up front and waited for with
+busy_timeout), so writers are serialised and never hit SQLite's lock-upgrade deadlock; reads
+use a plain deferred ``BEGIN`` and, with WAL, never block or wait for writers.
+
+Lists and dicts are stored as JSON text so the schema is the same on both databases; tables
+are created when missing (``metadata.create_all``; no migrations).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Connection,
+    DateTime,
+    Double,
+    Engine,
+    Index,
+    Integer,
+    MetaData,
+    Row,
+    String,
+    Table,
+    Text,
+    and_,
+    case,
+    create_engine,
+    event,
+    exc,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.pool import StaticPool
+from sqlalchemy.types import TypeDecorator
+
+from executor.errors import ErrorCode
+from executor.models import CodeErrorInfo, CodeJob, CodeResult, Status, TraceRow
+from executor.store.base import (
+    CANCELLED_BEFORE_START,
+    CANCELLED_WHILE_RUNNING,
+    OPEN_STATUSES,
+    WORKER_STOPPED,
+    AuditEntry,
+    JobRecord,
+    RunStore,
+)
+
+_READ_ONLY = "studio_read_only"  # execution option: a read transaction (plain BEGIN on SQLite)
+_SQLITE_BUSY_TIMEOUT_MS = 30_000
+_PG_CREATE_LOCK = 0x5374_7564_696F  # pg_advisory_xact_lock key serialising create_all
+_CHUNK = 500  # ids per IN (...) in get_many
+
+
+# --- column types ------------------------------------------------------------------------
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes in, aware UTC datetimes out. PostgreSQL: timestamptz; SQLite: the
+    naive UTC wall time (SQLite has no time zones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("the run store only takes timezone-aware datetimes")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class SafeText(TypeDecorator[str]):
+    """Text that PostgreSQL accepts: it refuses NUL characters, which printed output may
+    hold, so they become U+FFFD there (SQLite keeps them)."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
+        if value is not None and dialect.name == "postgresql" and "\x00" in value:
+            return value.replace("\x00", "\ufffd")
+        return value
+
+
+# --- schema ------------------------------------------------------------------------------
+
+metadata = MetaData()
+
+jobs = Table(
+    "code_jobs",
+    metadata,
+    Column("job_id", String, primary_key=True),
+    Column("status", String(16), nullable=False),
+    Column("kind", String(8), nullable=False, default="run"),
+    Column("user", String, nullable=False, default=""),
+    Column("language", String(16), nullable=False),
+    Column("code", SafeText, nullable=False),
+    Column("state_json", SafeText, nullable=False),
+    Column("timeout_s", Double, nullable=True),
+    Column("code_runtime", String, nullable=False, default=""),
+    Column("runtime", String, nullable=True),
+    Column("output", SafeText, nullable=True),  # JSON text
+    Column("error", SafeText, nullable=True),  # CodeErrorInfo as JSON text
+    Column("logs", SafeText, nullable=False, default=""),
+    Column("logs_truncated", Boolean, nullable=False, default=False),
+    Column("warnings", SafeText, nullable=False, default="[]"),  # JSON list of str
+    Column("trace", SafeText, nullable=False, default="[]"),  # JSON list of TraceRow
+    Column("exit_code", Integer, nullable=True),
+    Column("duration_ms", Double, nullable=True),
+    Column("queued_at", UtcDateTime, nullable=False),
+    Column("started_at", UtcDateTime, nullable=True),
+    Column("finished_at", UtcDateTime, nullable=True),
+    # started_at as Unix seconds: lets fail_stuck compare deadlines with plain arithmetic
+    # that both databases evaluate the same way.
+    Column("started_ts", Double, nullable=True),
+    Column("worker", String, nullable=True),
+    Column("attempts", Integer, nullable=False, default=0),
+    Index("ix_code_jobs_status", "status"),
+)
+
+audit_log = Table(
+    "code_audit",
+    metadata,
+    Column(
+        "id",
+        BigInteger().with_variant(Integer, "sqlite"),  # INTEGER PRIMARY KEY = rowid on SQLite
+        primary_key=True,
+        autoincrement=True,
+    ),
+    Column("at", UtcDateTime, nullable=False),
+    Column("event", String, nullable=False),
+    Column("actor", String, nullable=False),
+    Column("details", SafeText, nullable=False),  # JSON object
+    Index("ix_code_audit_event_id", "event", "id"),
+)
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _dumps(value: Any) -> str:
+    # ensure_ascii keeps lone surrogates and NULs escaped: the text is always storable.
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _storable(value: str) -> str:
+    """``value`` without lone surrogates (neither database can encode them)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "replace").decode("utf-8")
+    return value
+
+
+def _error_json(error: CodeErrorInfo | None) -> str | None:
+    return None if error is None else error.model_dump_json()
+
+
+def normalize_url(url: str | URL) -> URL:
+    """``postgres://`` and ``postgresql://`` mean psycopg 3 (psycopg2 is not installed)."""
+    u = make_url(url)
+    if u.drivername in ("postgres", "postgresql"):
+        u = u.set(drivername="postgresql+psycopg")
+    return u
+
+
+def _sqlite_file(u: URL) -> Path | None:
+    db = u.database
+    if not db or db == ":memory:" or db.startswith("file:") or u.query.get("mode") == "memory":
+        return None
+    return Path(db).expanduser()
+
+
+def _record(row: Row[Any]) -> JobRecord:
+    m = row._mapping
+    return JobRecord(
+        job_id=m["job_id"],
+        status=Status(m["status"]),
+        kind=m["kind"],
+        user=m["user"],
+        language=m["language"],
+        code=m["code"],
+        state_json=m["state_json"],
+        timeout_s=m["timeout_s"],
+        code_runtime=m["code_runtime"],
+        runtime=m["runtime"],
+        output=None if m["output"] is None else json.loads(m["output"]),
+        error=None if m["error"] is None else CodeErrorInfo.model_validate_json(m["error"]),
+        logs=m["logs"],
+        logs_truncated=bool(m["logs_truncated"]),
+        warnings=json.loads(m["warnings"]),
+        trace=[TraceRow.model_validate(t) for t in json.loads(m["trace"])],
+        exit_code=m["exit_code"],
+        duration_ms=m["duration_ms"],
+        queued_at=m["queued_at"],
+        started_at=m["started_at"],
+        finished_at=m["finished_at"],
+        worker=m["worker"],
+        attempts=m["attempts"],
+    )
+
+
+# --- the store ---------------------------------------------------------------------------
+
+
+class SqlRunStore(RunStore):
+    """The run store in a SQL database reached through ``url`` (any SQLAlchemy URL; tested
+    on SQLite files and PostgreSQL via psycopg 3). Creates its tables when missing.
+
+    One instance per process: it holds a connection pool. A connection opened before a
+    fork is never reused by the child (it opens its own)."""
+
+    def __init__(self, url: str | URL, *, create_tables: bool = True) -> None:
+        self.url = normalize_url(url)
+        self._engine = self._make_engine(self.url)
+        self._closed = False
+        try:
+            if create_tables:
+                self._create_tables()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    # engine & transactions ------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def dialect(self) -> str:
+        return self._engine.dialect.name
+
+    @staticmethod
+    def _make_engine(u: URL) -> Engine:
+        if u.get_backend_name() == "sqlite":
+            path = _sqlite_file(u)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                engine = create_engine(u)
+            else:  # in memory: one shared connection, or every checkout sees an empty db
+                engine = create_engine(
+                    u, poolclass=StaticPool, connect_args={"check_same_thread": False}
+                )
+            _configure_sqlite(engine)
+        else:
+            engine = create_engine(u, pool_pre_ping=True)
+        _guard_against_fork(engine)
+        return engine
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        with self._engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with self._engine.connect() as conn:
+            conn.execution_options(**{_READ_ONLY: True})
+            with conn.begin():
+                yield conn
+
+    def _create_tables(self) -> None:
+        with self._write() as conn:
+            if self.dialect == "postgresql":
+                # Many workers may start at once; CREATE TABLE races fail on PostgreSQL.
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_CREATE_LOCK})
+            metadata.create_all(conn, checkfirst=True)
+
+    # RunStore ---------------------------------------------------------------------------
+
+    def create(self, job: CodeJob, *, code_runtime: str) -> bool:
+        values = {
+            "job_id": job.job_id,
+            "status": Status.QUEUED.value,
+            "kind": job.kind,
+            "user": job.user,
+            "language": job.language,
+            "code": _storable(job.code),
+            "state_json": job.state_json,
+            "timeout_s": job.timeout_s,
+            "code_runtime": code_runtime,
+            "logs": "",
+            "logs_truncated": False,
+            "warnings": "[]",
+            "trace": "[]",
+            "queued_at": _utcnow(),
+            "attempts": 0,
+        }
+        if self.dialect in ("sqlite", "postgresql"):
+            stmt = (sqlite_insert(jobs) if self.dialect == "sqlite" else pg_insert(jobs)).values(
+                values
+            )
+            stmt = stmt.on_conflict_do_nothing(index_elements=[jobs.c.job_id])
+            with self._write() as conn:
+                if self._engine.dialect.insert_returning:
+                    # rowcount of an INSERT is not reliable (-1 with psycopg); RETURNING is.
+                    returning = stmt.returning(jobs.c.job_id)
+                    return conn.execute(returning).first() is not None
+                return conn.execute(stmt).rowcount == 1
+        try:
+            with self._write() as conn:
+                conn.execute(insert(jobs).values(values))
+            return True
+        except exc.IntegrityError:
+            return False
+
+    def get(self, job_id: str) -> JobRecord | None:
+        with self._read() as conn:
+            row = conn.execute(select(jobs).where(jobs.c.job_id == job_id)).first()
+        return None if row is None else _record(row)
+
+    def get_many(self, job_ids: Iterable[str]) -> dict[str, JobRecord]:
+        ids = list(dict.fromkeys(job_ids))
+        out: dict[str, JobRecord] = {}
+        with self._read() as conn:
+            for i in range(0, len(ids), _CHUNK):
+                chunk = ids[i : i + _CHUNK]
+                for row in conn.execute(select(jobs).where(jobs.c.job_id.in_(chunk))):
+                    rec = _record(row)
+                    out[rec.job_id] = rec
+        return out
+
+    def claim(self, job_id: str, worker: str) -> JobRecord | None:
+        now = _utcnow()
+        stmt = (
+            update(jobs)
+            .where(
+                jobs.c.job_id == job_id,
+                jobs.c.status.in_([Status.QUEUED.value, Status.RUNNING.value]),
+            )
+            .values(
+                status=Status.RUNNING.value,
+                started_at=now,
+                started_ts=now.timestamp(),
+                worker=worker,
+                attempts=jobs.c.attempts + 1,
+            )
+        )
+        with self._write() as conn:
+            if conn.execute(stmt).rowcount != 1:
+                return None
+            # Same transaction: the row is still locked by us, so this is what we wrote.
+            row = conn.execute(select(jobs).where(jobs.c.job_id == job_id)).one()
+        return _record(row)
+
+    def request_cancel(self, job_id: str) -> Status | None:
+        now = _utcnow()
+        queued = jobs.c.status == Status.QUEUED.value
+        stmt = (
+            update(jobs)
+            .where(
+                jobs.c.job_id == job_id,
+                jobs.c.status.in_([Status.QUEUED.value, Status.RUNNING.value]),
+            )
+            .values(
+                status=case(
+                    (queued, literal(Status.CANCELLED.value, String)),
+                    else_=literal(Status.CANCELLING.value, String),
+                ),
+                finished_at=case((queued, literal(now, UtcDateTime)), else_=jobs.c.finished_at),
+                error=case(
+                    (queued, literal(_error_json(CANCELLED_BEFORE_START), SafeText)),
+                    else_=jobs.c.error,
+                ),
+            )
+        )
+        with self._write() as conn:
+            conn.execute(stmt)
+            status = conn.execute(
+                select(jobs.c.status).where(jobs.c.job_id == job_id)
+            ).scalar_one_or_none()
+        return None if status is None else Status(status)
+
+    def is_cancel_requested(self, job_id: str) -> bool:
+        with self._read() as conn:
+            status = conn.execute(
+                select(jobs.c.status).where(jobs.c.job_id == job_id)
+            ).scalar_one_or_none()
+        return status in (Status.CANCELLING.value, Status.CANCELLED.value)
+
+    def finish(self, result: CodeResult, *, worker: str) -> bool:
+        if not result.status.finished:
+            raise ValueError(f"finish() needs a finished status, not {result.status.value!r}")
+        data = result.model_dump(mode="json", include={"output", "warnings", "trace"})
+        cancelling = jobs.c.status == Status.CANCELLING.value
+        output_json = None if data["output"] is None else _dumps(data["output"])
+        stmt = (
+            update(jobs)
+            .where(
+                jobs.c.job_id == result.job_id,
+                jobs.c.status.in_([s.value for s in OPEN_STATUSES]),
+            )
+            .values(
+                # A job cancelled while it ran ends cancelled whatever it returned; its logs,
+                # duration and trace are kept, its output is not.
+                status=case(
+                    (cancelling, literal(Status.CANCELLED.value, String)),
+                    else_=literal(result.status.value, String),
+                ),
+                error=case(
+                    (cancelling, literal(_error_json(CANCELLED_WHILE_RUNNING), SafeText)),
+                    else_=literal(_error_json(result.error), SafeText),
+                ),
+                output=case(
+                    (cancelling, literal(None, SafeText)),
+                    else_=literal(output_json, SafeText),
+                ),
+                logs=_storable(result.logs),
+                logs_truncated=result.logs_truncated,
+                warnings=_dumps(data["warnings"]),
+                trace=_dumps(data["trace"]),
+                exit_code=result.exit_code,
+                duration_ms=result.duration_ms,
+                runtime=result.runtime,
+                code_runtime=result.code_runtime,
+                finished_at=_utcnow(),
+                worker=worker,
+            )
+        )
+        with self._write() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    def fail_stuck(
+        self, older_than_s: float, reason: str = WORKER_STOPPED, *, default_timeout_s: float = 30.0
+    ) -> list[str]:
+        now = _utcnow()
+        deadline = (
+            jobs.c.started_ts
+            + func.coalesce(jobs.c.timeout_s, literal(float(default_timeout_s), Double))
+            + literal(float(older_than_s), Double)
+        )
+        stuck = and_(
+            jobs.c.status.in_([Status.RUNNING.value, Status.CANCELLING.value]),
+            jobs.c.started_ts.is_not(None),
+            deadline < literal(now.timestamp(), Double),
+        )
+        error = CodeErrorInfo(code=ErrorCode.RUNTIME_UNAVAILABLE, message=reason)
+        values = {
+            "status": case(
+                (
+                    jobs.c.status == Status.CANCELLING.value,
+                    literal(Status.CANCELLED.value, String),
+                ),
+                else_=literal(Status.FAILED.value, String),
+            ),
+            "error": _error_json(error),
+            "output": None,
+            "finished_at": now,
+        }
+        if self._engine.dialect.update_returning:
+            stmt = update(jobs).where(stuck).values(values).returning(jobs.c.job_id)
+            with self._write() as conn:
+                return sorted(conn.execute(stmt).scalars().all())
+        # No UPDATE ... RETURNING: find candidates, then win each row with its own
+        # conditional UPDATE (the condition is re-checked, so a racing finish() is safe).
+        with self._read() as conn:
+            candidates = conn.execute(select(jobs.c.job_id).where(stuck)).scalars().all()
+        changed = []
+        for job_id in candidates:
+            with self._write() as conn:
+                one = update(jobs).where(jobs.c.job_id == job_id, stuck).values(values)
+                if conn.execute(one).rowcount == 1:
+                    changed.append(job_id)
+        return sorted(changed)
+
+    def audit(self, event: str, details: dict[str, Any], *, actor: str = "system") -> None:
+        with self._write() as conn:
+            conn.execute(
+                insert(audit_log).values(
+                    at=_utcnow(), event=event, actor=actor, details=_dumps(details)
+                )
+            )
+
+    def list_audit(self, event: str | None = None, limit: int = 100) -> list[AuditEntry]:
+        stmt = select(audit_log).order_by(audit_log.c.id.desc()).limit(max(0, int(limit)))
+        if event is not None:
+            stmt = stmt.where(audit_log.c.event == event)
+        with self._read() as conn:
+            rows = conn.execute(stmt).all()
+        return [
+            AuditEntry(
+                id=r.id, at=r.at, event=r.event, actor=r.actor, details=json.loads(r.details)
+            )
+            for r in rows
+        ]
+
+    def counts_by_status(self) -> dict[str, int]:
+        stmt = select(jobs.c.status, func.count()).group_by(jobs.c.status)
+        counts = {s.value: 0 for s in Status}
+        with self._read() as conn:
+            for status, n in conn.execute(stmt):
+                counts[status] = int(n)
+        return counts
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine.dispose()
+
+    def __repr__(self) -> str:
+        return f"SqlRunStore({self.url.render_as_string(hide_password=True)!r})"
+
+
+# --- engine events -----------------------------------------------------------------------
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    """WAL + busy_timeout on every connection; SQLAlchemy (not sqlite3) emits BEGIN, IMMEDIATE
+    for writes so concurrent writers queue on the lock instead of failing."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # sqlite3 must not emit its own BEGIN
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute(f"PRAGMA busy_timeout = {_SQLITE_BUSY_TIMEOUT_MS}")
+            # Switching to WAL needs a moment of exclusive access; many processes opening a
+            # new file at once can find it locked, so retry briefly (WAL then persists).
+            for attempt in range(50):
+                try:
+                    mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
+                    if str(mode).lower() not in ("wal", "memory"):
+                        cur.execute("PRAGMA journal_mode = WAL")
+                    break
+                except sqlite3.OperationalError as e:
+                    if "locked" not in str(e) or attempt == 49:
+                        raise
+                    time.sleep(0.1)
+        finally:
+            cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        if conn.get_execution_options().get(_READ_ONLY):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _guard_against_fork(engine: Engine) -> None:
+    """A pooled connection opened in a parent is never used (nor closed) by a forked child:
+    SQLAlchemy's documented recipe (Celery prefork workers fork after import)."""
+
+    @event.listens_for(engine, "connect")
+    def _remember_pid(_dbapi_conn: Any, record: Any) -> None:
+        record.info["pid"] = os.getpid()
+
+    @event.listens_for(engine, "checkout")
+    def _check_pid(_dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        if record.info.get("pid") != os.getpid():
+            record.dbapi_connection = proxy.dbapi_connection = None
+            raise exc.DisconnectionError(
+                f"connection opened by process {record.info.get('pid')}, now in {os.getpid()}"
+            )

@@ -1,0 +1,330 @@
+"""Every isolation control and limit of the docker runtime, asserted FROM INSIDE the sandbox:
+the test's code runs in the container and reports what it sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from executor.models import CodeJob, Status
+
+pytestmark = pytest.mark.docker
+
+PROBE = r'''
+import os, socket
+
+def main(state):
+    status = dict(l.split(":\t", 1) for l in open("/proc/self/status").read().splitlines()
+                  if ":\t" in l)
+    mounts = [l.split()[:4] for l in open("/proc/self/mounts")]
+    writable = {}
+    for d in ["/", "/tmp", "/dev", "/dev/shm", "/dev/mqueue", "/etc", "/var/tmp", "/run",
+              "/home", "/root"]:
+        try:
+            with open(os.path.join(d, ".probe"), "w") as f:
+                f.write("x")
+            writable[d] = True
+        except OSError:
+            writable[d] = False
+    st = os.statvfs("/tmp")
+    return {
+        "ifaces": sorted(name for _, name in socket.if_nameindex()),
+        "uid": os.getuid(), "gid": os.getgid(), "euid": os.geteuid(),
+        "groups": os.getgroups(),
+        "CapEff": status["CapEff"].strip(), "CapPrm": status["CapPrm"].strip(),
+        "CapBnd": status["CapBnd"].strip(), "NoNewPrivs": status["NoNewPrivs"].strip(),
+        "mounts": mounts,
+        "writable": writable,
+        "tmp_bytes": st.f_blocks * st.f_frsize,
+        "env": dict(os.environ),
+        "stdin_is_empty": os.read(0, 1) == b"",
+    }
+'''
+
+
+def run(executor, code: str, state: object = None, timeout_s: float | None = None, **kw):
+    job = CodeJob(code=code, state_json=json.dumps(state if state is not None else {}),
+                  timeout_s=timeout_s, **kw)
+    return executor.run(job)
+
+
+@pytest.fixture
+def seen(docker_executor, monkeypatch):
+    # A server secret in the process that starts the sandbox must never reach it.
+    monkeypatch.setenv("STUDIO_FAKE_SECRET", "hunter2")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "also-secret")
+    result = run(docker_executor, PROBE)
+    assert result.status is Status.SUCCEEDED, result
+    return result.output
+
+
+def test_no_network_interface_but_loopback(seen):
+    assert seen["ifaces"] == ["lo"]
+
+
+def test_root_is_read_only_and_tmp_is_the_only_writable_place(seen):
+    root = next(m for m in seen["mounts"] if m[1] == "/")
+    assert root[3].split(",")[0] == "ro"
+    assert {d for d, ok in seen["writable"].items() if ok} == {"/tmp"}
+
+
+def test_tmp_is_a_64mb_tmpfs(seen):
+    tmp = next(m for m in seen["mounts"] if m[1] == "/tmp")
+    assert tmp[2] == "tmpfs"
+    assert "size=65536k" in tmp[3] and "noexec" in tmp[3]
+    assert seen["tmp_bytes"] == 64 * 1024 * 1024
+
+
+def test_no_host_mounts(seen):
+    # Docker itself mounts proc, sys, dev, cgroups and the container's own /etc/hostname;
+    # anything else backed by a real filesystem would be a host mount.
+    virtual = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "overlay"}
+    real = [m for m in seen["mounts"] if m[2] not in virtual]
+    assert [m[1] for m in real] == ["/etc/hostname"]
+    assert all(m[3].startswith("ro") for m in real)
+    assert "/dev/shm" not in {m[1] for m in seen["mounts"]}
+
+
+def test_no_capabilities_and_no_new_privileges(seen):
+    assert seen["CapEff"] == "0000000000000000"
+    assert seen["CapPrm"] == "0000000000000000"
+    assert seen["CapBnd"] == "0000000000000000"
+    assert seen["NoNewPrivs"] == "1"
+
+
+def test_runs_as_the_servers_uid_or_nobody_never_root(seen):
+    expected = (65534, 65534) if os.getuid() == 0 else (os.getuid(), os.getgid())
+    assert (seen["uid"], seen["gid"]) == expected
+    assert seen["euid"] != 0
+    assert set(seen["groups"]) <= {seen["gid"]}
+
+
+def test_environment_holds_home_and_python_flags_and_nothing_of_the_server(seen):
+    env = seen["env"]
+    assert env["HOME"] == "/tmp"
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    # PATH and LANG come from the image, HOSTNAME from Docker; nothing else may appear.
+    assert set(env) <= {"HOME", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PATH",
+                        "HOSTNAME", "LANG"}
+    assert env.get("HOSTNAME") == "sandbox"
+    assert "hunter2" not in json.dumps(env) and "also-secret" not in json.dumps(env)
+
+
+def test_state_arrives_on_stdin_and_stdin_is_then_closed(seen):
+    assert seen["stdin_is_empty"] is True
+
+
+def test_loopback_listener_of_the_host_is_unreachable(docker_executor):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    accepted: list[object] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept())
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    code = (
+        "import socket\n"
+        "def main(state):\n"
+        "    try:\n"
+        "        socket.create_connection(('127.0.0.1', state['port']), timeout=2)\n"
+        "        return 'connected'\n"
+        "    except OSError as e:\n"
+        "        return type(e).__name__ + ': ' + str(e)\n"
+    )
+    try:
+        result = run(docker_executor, code, {"port": port})
+    finally:
+        stop.set()
+        t.join()
+        listener.close()
+    assert result.status is Status.SUCCEEDED
+    assert result.output.startswith("ConnectionRefusedError")  # the sandbox's own lo
+    assert accepted == []
+
+
+def test_memory_above_the_limit_ends_code_memory(make_settings, python_image):
+    from executor.service import Executor
+
+    ex = Executor(make_settings(code_memory="64m", code_image=python_image))
+    code = "def main(state):\n    x = []\n    while True:\n        x.append(bytearray(1 << 20))\n"
+    result = run(ex, code, timeout_s=20)
+    assert result.status is Status.FAILED
+    assert result.error.code == "CODE_MEMORY"
+    assert "STUDIO_CODE_MEMORY=64m" in result.error.message
+
+
+def test_fork_bomb_stops_at_the_pids_limit(make_settings, python_image):
+    from executor.service import Executor
+
+    ex = Executor(make_settings(code_pids=16, code_image=python_image))
+    # Runs ONLY inside the container, under its pids limit of 16.
+    code = (
+        "import os, time\n"
+        "def main(state):\n"
+        "    n = 0\n"
+        "    for _ in range(200):\n"
+        "        try:\n"
+        "            if os.fork() == 0:\n"
+        "                time.sleep(30)\n"
+        "                os._exit(0)\n"
+        "            n += 1\n"
+        "        except OSError as e:\n"
+        "            return {'forked': n, 'error': e.strerror}\n"
+        "    return {'forked': n, 'error': None}\n"
+    )
+    result = run(ex, code, timeout_s=20)
+    assert result.status is Status.SUCCEEDED, result
+    assert result.output["error"] == "Resource temporarily unavailable"
+    assert 0 < result.output["forked"] < 16
+
+
+def test_endless_loop_ends_code_timeout_within_timeout_plus_one_second(docker_executor):
+    t0 = time.monotonic()
+    result = run(docker_executor, "def main(state):\n    while True:\n        pass\n",
+                 timeout_s=2)
+    elapsed = time.monotonic() - t0
+    assert result.status is Status.TIMED_OUT
+    assert result.error.code == "CODE_TIMEOUT"
+    assert elapsed < 2 + 1, elapsed
+
+
+def test_node_timeout_is_capped_by_max_seconds(make_settings, python_image):
+    from executor.service import Executor
+
+    ex = Executor(make_settings(code_max_seconds=1, code_image=python_image))
+    t0 = time.monotonic()
+    result = run(ex, "import time\ndef main(state):\n    time.sleep(60)\n", timeout_s=60)
+    assert result.status is Status.TIMED_OUT
+    assert "timeout of 1 s" in result.error.message
+    assert time.monotonic() - t0 < 2
+
+
+def test_cpu_share_and_limits_are_visible_in_the_cgroup(make_settings, python_image):
+    from executor.service import Executor
+
+    ex = Executor(make_settings(code_cpus=0.5, code_pids=32, code_memory="128m",
+                                code_image=python_image))
+    code = (
+        "def read(*paths):\n"
+        "    for p in paths:\n"
+        "        try:\n"
+        "            return open(p).read().strip()\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "def main(state):\n"
+        "    return {\n"
+        "      'quota': read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us', '/sys/fs/cgroup/cpu.max'),\n"
+        "      'period': read('/sys/fs/cgroup/cpu/cpu.cfs_period_us'),\n"
+        "      'pids': read('/sys/fs/cgroup/pids/pids.max', '/sys/fs/cgroup/pids.max'),\n"
+        "      'mem': read('/sys/fs/cgroup/memory/memory.limit_in_bytes',\n"
+        "                  '/sys/fs/cgroup/memory.max'),\n"
+        "      'memsw': read('/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes',\n"
+        "                    '/sys/fs/cgroup/memory.swap.max'),\n"
+        "    }\n"
+    )
+    result = run(ex, code)
+    assert result.status is Status.SUCCEEDED, result
+    out = result.output
+    if out["period"]:  # cgroup v1
+        assert int(out["quota"]) / int(out["period"]) == 0.5
+    else:
+        quota, period = out["quota"].split()
+        assert int(quota) / int(period) == 0.5
+    assert out["pids"] == "32"
+    assert int(out["mem"]) == 128 * 1024 * 1024
+    # swap equal to memory: memory+swap total equals memory (v1) or no swap at all (v2)
+    assert out["memsw"] in (str(128 * 1024 * 1024), "0", None)
+
+
+def test_print_flood_is_truncated_and_the_result_survives(docker_executor):
+    code = (
+        "import sys\n"
+        "def main(state):\n"
+        "    line = 'x' * 1023 + '\\n'\n"
+        "    for _ in range(20 * 1024):\n"  # 20 MiB of logs
+        "        sys.stdout.write(line)\n"
+        "    return 'done'\n"
+    )
+    result = run(docker_executor, code, timeout_s=25)
+    assert result.status is Status.SUCCEEDED, result.error
+    assert result.output == "done"
+    assert result.logs_truncated is True
+    assert len(result.logs) < 64 * 1024 + 200
+    assert "[logs truncated:" in result.logs
+
+
+def test_ten_megabyte_state_round_trips(docker_executor):
+    state = {"rows": ["y" * 1000 for _ in range(10 * 1024)]}
+    result = run(docker_executor, "def main(state):\n    return len(state['rows'])\n", state,
+                 timeout_s=25)
+    assert result.status is Status.SUCCEEDED, result.error
+    assert result.output == 10 * 1024
+
+
+def test_each_call_gets_a_new_container(docker_executor):
+    code = (
+        "import os\n"
+        "def main(state):\n"
+        "    seen = os.path.exists('/tmp/mark')\n"
+        "    open('/tmp/mark', 'w').write('x')\n"
+        "    return seen\n"
+    )
+    assert run(docker_executor, code).output is False
+    assert run(docker_executor, code).output is False
+
+
+def test_containers_are_labelled_and_always_removed(docker_executor, docker_client):
+    seen: list[dict] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for c in docker_client.api.containers(all=True, filters={"label": "studio.job_id"}):
+                seen.append(c["Labels"])
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    job = CodeJob(code="import time\ndef main(state):\n    time.sleep(1)\n    return 1\n")
+    try:
+        result = docker_executor.run(job)
+    finally:
+        stop.set()
+        t.join()
+    assert result.status is Status.SUCCEEDED
+    mine = [labels for labels in seen if labels["studio.job_id"] == job.job_id]
+    assert mine, "the container was never seen with its label"
+    assert mine[0]["studio.owner"].endswith(f":{os.getpid()}")
+    assert int(mine[0]["studio.deadline"]) > time.time()
+    left = docker_client.api.containers(all=True,
+                                        filters={"label": f"studio.job_id={job.job_id}"})
+    assert left == []
+
+
+def test_kill_by_label_from_another_thread_cancels(docker_executor):
+    job = CodeJob(code="def main(state):\n    while True:\n        pass\n", timeout_s=30)
+    killer = threading.Timer(1.5, docker_executor.kill, args=(job.job_id,))
+    killer.start()
+    flag = threading.Event()
+    killer2 = threading.Timer(1.5, flag.set)
+    killer2.start()
+    t0 = time.monotonic()
+    result = docker_executor.run(job, should_cancel=flag.is_set)
+    assert time.monotonic() - t0 < 10
+    assert result.status is Status.CANCELLED
+    assert result.error.code == "CODE_CANCELLED"

@@ -1,0 +1,578 @@
+"""The run store, every test against a real SQLite file AND a real PostgreSQL.
+
+PostgreSQL: STUDIO_TEST_POSTGRES_URL (default postgresql+psycopg://postgres@127.0.0.1:5432/test).
+Each test gets its own schema (dropped afterwards). Unreachable: skipped, or failed when CI=true.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import uuid
+import warnings
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from executor.errors import ErrorCode
+from executor.models import CodeErrorInfo, CodeJob, CodeResult, Status, TraceRow
+from executor.store import (
+    CANCELLED_BEFORE_START,
+    CANCELLED_WHILE_RUNNING,
+    JobRecord,
+    RunStore,
+    SqlRunStore,
+    open_store,
+)
+
+PG_URL = os.environ.get(
+    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+SESSION_TAG = uuid.uuid4().hex[:8]
+MB = 1024 * 1024
+
+
+# --- fixtures ----------------------------------------------------------------------------
+
+
+def _pg_admin_conninfo() -> str:
+    u = make_url(PG_URL).set(drivername="postgresql")
+    return u.render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_reachable() -> None:
+    import psycopg
+
+    try:
+        with psycopg.connect(_pg_admin_conninfo(), connect_timeout=5) as conn:
+            conn.execute("SELECT 1")
+    except Exception as e:  # noqa: BLE001 - any failure means "no PostgreSQL here"
+        msg = f"PostgreSQL not reachable at {PG_URL}: {e}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+_schema_counter = 0
+
+
+@pytest.fixture(
+    params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)],
+)
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A URL of an empty run store: a SQLite file in a folder that does not exist yet, or
+    a fresh PostgreSQL schema (search_path set through libpq options)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'data' / 'nested' / 'studio-code.db'}"
+        return
+    request.getfixturevalue("postgres_reachable")
+    import psycopg
+
+    global _schema_counter
+    _schema_counter += 1
+    schema = f"test_store_{SESSION_TAG}_{_schema_counter}"
+    with psycopg.connect(_pg_admin_conninfo(), autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield (
+            make_url(PG_URL)
+            .update_query_dict({"options": f"-csearch_path={schema}"})
+            .render_as_string(hide_password=False)
+        )
+    finally:
+        with psycopg.connect(_pg_admin_conninfo(), autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[RunStore]:
+    s = open_store(store_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _job(**kw: Any) -> CodeJob:
+    kw.setdefault("code", "def main(state):\n    return state\n")
+    return CodeJob(**kw)
+
+
+def _result(job_id: str, status: Status = Status.SUCCEEDED, **kw: Any) -> CodeResult:
+    kw.setdefault("output", {"ok": True})
+    return CodeResult(
+        job_id=job_id,
+        language="python",
+        status=status,
+        runtime="docker",
+        code_runtime="docker",
+        **kw,
+    )
+
+
+def _is_utc(dt: datetime | None) -> bool:
+    return dt is not None and dt.tzinfo is not None and dt.utcoffset() == timedelta(0)
+
+
+def _new(store: RunStore, **kw: Any) -> str:
+    job = _job(**kw)
+    assert store.create(job, code_runtime="docker") is True
+    return job.job_id
+
+
+def _running(store: RunStore, worker: str = "w1", **kw: Any) -> str:
+    job_id = _new(store, **kw)
+    assert store.claim(job_id, worker) is not None
+    return job_id
+
+
+# --- create / get ------------------------------------------------------------------------
+
+
+def test_create_twice_is_one_row(store: RunStore) -> None:
+    job = _job(user="ada", kind="test", timeout_s=5, state_json='{"a": 1}')
+    before = datetime.now(UTC)
+    assert store.create(job, code_runtime="docker") is True
+    # Same id again, even with other content: a no-op, not an error, nothing overwritten.
+    again = job.model_copy(update={"code": "other"})
+    assert store.create(again, code_runtime="subprocess") is False
+    assert store.counts_by_status()["queued"] == 1
+    assert sum(store.counts_by_status().values()) == 1
+
+    rec = store.get(job.job_id)
+    assert isinstance(rec, JobRecord)
+    assert rec.status is Status.QUEUED
+    assert (rec.kind, rec.user, rec.language) == ("test", "ada", "python")
+    assert rec.code == job.code and rec.state_json == '{"a": 1}'
+    assert rec.timeout_s == 5 and rec.code_runtime == "docker"
+    assert rec.attempts == 0 and rec.worker is None
+    assert rec.started_at is None and rec.finished_at is None
+    assert _is_utc(rec.queued_at) and before - timedelta(seconds=5) <= rec.queued_at
+    assert rec.to_result() is None
+
+
+def test_get_unknown_and_get_many(store: RunStore) -> None:
+    assert store.get("nope") is None
+    ids = [_new(store) for _ in range(3)]
+    found = store.get_many([*ids, "nope", ids[0]])
+    assert set(found) == set(ids)
+    assert all(found[i].job_id == i for i in ids)
+
+
+def test_reopen_existing_store(store_url: str) -> None:
+    with open_store(store_url) as first:
+        job_id = _new(first)
+    with open_store(store_url) as second:  # tables exist: create_all is a no-op
+        rec = second.get(job_id)
+        assert rec is not None and rec.status is Status.QUEUED
+
+
+# --- claim -------------------------------------------------------------------------------
+
+
+def test_claim_queued_then_redelivered(store: RunStore) -> None:
+    job_id = _new(store)
+    rec = store.claim(job_id, "host-a:1")
+    assert rec is not None
+    assert rec.status is Status.RUNNING and rec.worker == "host-a:1" and rec.attempts == 1
+    assert _is_utc(rec.started_at)
+    # Redelivered after a worker died: running -> running, a new worker, attempts + 1.
+    again = store.claim(job_id, "host-b:7")
+    assert again is not None
+    assert again.status is Status.RUNNING and again.worker == "host-b:7" and again.attempts == 2
+    assert again.started_at is not None and rec.started_at is not None
+    assert again.started_at >= rec.started_at
+    assert store.claim("unknown", "w") is None
+
+
+def test_claim_after_cancel_returns_none(store: RunStore) -> None:
+    queued = _new(store)
+    assert store.request_cancel(queued) is Status.CANCELLED
+    before = store.get(queued)
+    assert store.claim(queued, "w1") is None
+    assert store.get(queued) == before  # nothing changed
+    assert before is not None and before.attempts == 0 and before.started_at is None
+
+    cancelling = _running(store)
+    assert store.request_cancel(cancelling) is Status.CANCELLING
+    before = store.get(cancelling)
+    assert store.claim(cancelling, "w2") is None
+    assert store.get(cancelling) == before
+
+
+def test_claim_finished_returns_none(store: RunStore) -> None:
+    job_id = _running(store)
+    assert store.finish(_result(job_id), worker="w1")
+    before = store.get(job_id)
+    assert store.claim(job_id, "w2") is None
+    assert store.get(job_id) == before
+
+
+# --- request_cancel ----------------------------------------------------------------------
+
+
+def test_request_cancel_queued(store: RunStore) -> None:
+    job_id = _new(store)
+    assert store.is_cancel_requested(job_id) is False
+    assert store.request_cancel(job_id) is Status.CANCELLED
+    rec = store.get(job_id)
+    assert rec is not None
+    assert rec.status is Status.CANCELLED
+    assert rec.error == CANCELLED_BEFORE_START
+    assert rec.error.code is ErrorCode.CODE_CANCELLED
+    assert rec.error.message == "Cancelled before it started."
+    assert _is_utc(rec.finished_at) and rec.started_at is None
+    assert store.is_cancel_requested(job_id) is True
+    # Asking again changes nothing.
+    assert store.request_cancel(job_id) is Status.CANCELLED
+    assert store.get(job_id) == rec
+
+
+def test_request_cancel_running(store: RunStore) -> None:
+    job_id = _running(store)
+    assert store.request_cancel(job_id) is Status.CANCELLING
+    rec = store.get(job_id)
+    assert rec is not None
+    assert rec.status is Status.CANCELLING and rec.finished_at is None and rec.error is None
+    assert store.is_cancel_requested(job_id) is True
+    assert store.request_cancel(job_id) is Status.CANCELLING
+
+
+def test_request_cancel_finished_is_unchanged(store: RunStore) -> None:
+    job_id = _running(store)
+    assert store.finish(_result(job_id, output=[1, 2]), worker="w1")
+    before = store.get(job_id)
+    assert store.request_cancel(job_id) is Status.SUCCEEDED
+    assert store.get(job_id) == before
+    assert store.is_cancel_requested(job_id) is False
+
+
+def test_request_cancel_unknown(store: RunStore) -> None:
+    assert store.request_cancel("nope") is None
+    assert store.is_cancel_requested("nope") is False
+
+
+# --- finish ------------------------------------------------------------------------------
+
+
+def test_finish_once_then_duplicate_is_refused(store: RunStore) -> None:
+    job_id = _running(store, worker="w1", timeout_s=10)
+    trace = [TraceRow(step="start", runtime="docker", duration_ms=12.5, detail="image x")]
+    first = _result(
+        job_id,
+        output={"n": 1, "nested": [None, "é", 1.5]},
+        logs="hello\n",
+        logs_truncated=True,
+        duration_ms=42.0,
+        exit_code=0,
+        warnings=["slow start"],
+        trace=trace,
+    )
+    assert store.finish(first, worker="w1") is True
+    rec = store.get(job_id)
+    assert rec is not None
+    assert rec.status is Status.SUCCEEDED
+    assert rec.output == {"n": 1, "nested": [None, "é", 1.5]}
+    assert rec.error is None
+    assert (rec.logs, rec.logs_truncated) == ("hello\n", True)
+    assert rec.warnings == ["slow start"] and rec.trace == trace
+    assert rec.trace[0].runtime == "docker"
+    assert (rec.exit_code, rec.duration_ms, rec.runtime) == (0, 42.0, "docker")
+    assert rec.worker == "w1" and _is_utc(rec.finished_at)
+    assert rec.to_result() == first
+
+    late = _result(
+        job_id,
+        Status.FAILED,
+        output=None,
+        error=CodeErrorInfo(code=ErrorCode.CODE_ERROR, message="boom"),
+        logs="other",
+    )
+    assert store.finish(late, worker="w2") is False
+    assert store.get(job_id) == rec
+
+
+def test_finish_unknown_and_unfinished_status(store: RunStore) -> None:
+    assert store.finish(_result("nope"), worker="w") is False
+    job_id = _running(store)
+    with pytest.raises(ValueError):
+        store.finish(_result(job_id, Status.RUNNING), worker="w")
+    rec = store.get(job_id)
+    assert rec is not None and rec.status is Status.RUNNING
+
+
+def test_finish_queued_job(store: RunStore) -> None:
+    """A worker may refuse a job before running it (e.g. invalid code)."""
+    job_id = _new(store)
+    err = CodeErrorInfo(code=ErrorCode.CODE_INVALID, message="No main function.")
+    assert store.finish(_result(job_id, Status.INVALID, output=None, error=err), worker="w")
+    rec = store.get(job_id)
+    assert rec is not None and rec.status is Status.INVALID and rec.error == err
+
+
+def test_finish_while_cancelling_ends_cancelled(store: RunStore) -> None:
+    job_id = _running(store)
+    assert store.request_cancel(job_id) is Status.CANCELLING
+    res = _result(job_id, output={"x": 1}, logs="partial\n", duration_ms=77.0, exit_code=0)
+    assert store.finish(res, worker="w1") is True
+    rec = store.get(job_id)
+    assert rec is not None
+    assert rec.status is Status.CANCELLED
+    assert rec.error == CANCELLED_WHILE_RUNNING
+    assert rec.error.message == "Cancelled while running."
+    assert rec.output is None
+    assert rec.logs == "partial\n" and rec.duration_ms == 77.0
+    assert _is_utc(rec.finished_at)
+    assert store.finish(res, worker="w1") is False
+
+
+def test_awkward_text_is_stored(store: RunStore, store_url: str) -> None:
+    """NUL characters and lone surrogates in printed output do not break the write."""
+    job_id = _running(store)
+    res = _result(job_id, logs="a\x00b\ud800c", output={"s": "x\x00y\udfff"})
+    assert store.finish(res, worker="w1") is True
+    rec = store.get(job_id)
+    assert rec is not None
+    nul = "\x00" if store_url.startswith("sqlite") else "\ufffd"
+    assert rec.logs == f"a{nul}b?c"
+    assert rec.output == {"s": "x\x00y\udfff"}  # JSON text escapes both
+
+
+# --- big state ---------------------------------------------------------------------------
+
+
+def test_ten_megabyte_state_round_trips(store: RunStore) -> None:
+    rows = [{"i": i, "name": f"ünïcødé-{i}", "v": i * 0.5} for i in range(100_000)]
+    state = json.dumps({"rows": rows, "pad": "z" * (8 * MB)}, ensure_ascii=False)
+    assert len(state.encode()) > 10 * MB
+    job_id = _new(store, state_json=state)
+    rec = store.get(job_id)
+    assert rec is not None and rec.state_json == state
+    claimed = store.claim(job_id, "w1")
+    assert claimed is not None and claimed.state_json == state
+
+
+# --- fail_stuck --------------------------------------------------------------------------
+
+
+def test_fail_stuck(store: RunStore) -> None:
+    short = _running(store, timeout_s=2)  # deadline: started + 2 s
+    default = _running(store)  # no timeout: default_timeout_s applies
+    cancelling = _running(store, timeout_s=2)
+    assert store.request_cancel(cancelling) is Status.CANCELLING
+    queued = _new(store, timeout_s=1)
+    done = _running(store, timeout_s=1)
+    assert store.finish(_result(done), worker="w1")
+    done_before = store.get(done)
+
+    assert store.fail_stuck(60, "gone") == []  # nobody is 60 s past a deadline
+    # A negative margin stands for time having passed: started + timeout - 10 s < now
+    # for the 2 s jobs, but not for the default (30 s) one.
+    reason = "The worker running this job stopped; run it again."
+    changed = store.fail_stuck(-10, reason, default_timeout_s=30)
+    assert sorted(changed) == sorted([short, cancelling])
+
+    rec = store.get(short)
+    assert rec is not None and rec.status is Status.FAILED
+    assert rec.error == CodeErrorInfo(code=ErrorCode.RUNTIME_UNAVAILABLE, message=reason)
+    assert _is_utc(rec.finished_at)
+    rec = store.get(cancelling)
+    assert rec is not None and rec.status is Status.CANCELLED
+    assert rec.error is not None and rec.error.code is ErrorCode.RUNTIME_UNAVAILABLE
+
+    assert store.get(default).status is Status.RUNNING  # type: ignore[union-attr]
+    assert store.get(queued).status is Status.QUEUED  # type: ignore[union-attr]
+    assert store.get(done) == done_before
+
+    # The default timeout counts too, and nothing is changed twice.
+    assert store.fail_stuck(-100, reason, default_timeout_s=30) == [default]
+    assert store.fail_stuck(-100, reason) == []
+    # The worker was not dead after all: its late result is refused.
+    assert store.finish(_result(short), worker="w1") is False
+    assert store.get(short).status is Status.FAILED  # type: ignore[union-attr]
+
+
+def test_redelivery_extends_the_deadline(store: RunStore) -> None:
+    job_id = _running(store, timeout_s=5)
+    assert store.fail_stuck(-2, "gone") == []
+    assert store.claim(job_id, "w2") is not None  # a new started_at
+    assert store.fail_stuck(-2, "gone") == []
+    assert store.fail_stuck(-6, "gone") == [job_id]
+
+
+# --- audit & counts ----------------------------------------------------------------------
+
+
+def test_audit_write_and_list(store: RunStore) -> None:
+    assert store.list_audit() == []
+    store.audit("system.code_runtime_subprocess", {"runtime": "subprocess", "host": "a"})
+    store.audit("job.cancel", {"job_id": "j1"}, actor="user:ada")
+    store.audit("system.code_runtime_subprocess", {"runtime": "subprocess", "host": "b"})
+
+    entries = store.list_audit()
+    assert [e.event for e in entries] == [
+        "system.code_runtime_subprocess",
+        "job.cancel",
+        "system.code_runtime_subprocess",
+    ]
+    assert entries[0].details == {"runtime": "subprocess", "host": "b"}  # newest first
+    assert entries[0].id > entries[1].id > entries[2].id
+    assert entries[1].actor == "user:ada" and entries[0].actor == "system"
+    assert all(_is_utc(e.at) for e in entries)
+
+    sub = store.list_audit("system.code_runtime_subprocess")
+    assert [e.details["host"] for e in sub] == ["b", "a"]
+    assert [e.details["host"] for e in store.list_audit("system.code_runtime_subprocess", 1)] == [
+        "b"
+    ]
+    assert store.list_audit("nothing") == []
+
+
+def test_counts_by_status(store: RunStore) -> None:
+    assert store.counts_by_status() == {s.value: 0 for s in Status}
+    _new(store)
+    _new(store)
+    running = _running(store)
+    cancelled = _new(store)
+    store.request_cancel(cancelled)
+    done = _running(store)
+    store.finish(_result(done, Status.TIMED_OUT, output=None), worker="w1")
+    counts = store.counts_by_status()
+    assert counts["queued"] == 2 and counts["running"] == 1
+    assert counts["cancelled"] == 1 and counts["timed_out"] == 1
+    assert sum(counts.values()) == 5
+    assert running
+
+
+# --- the SQLite file -----------------------------------------------------------------------
+
+
+def test_sqlite_file_uses_wal_and_busy_timeout(tmp_path: Path) -> None:
+    db = tmp_path / "a" / "b" / "studio-code.db"
+    with SqlRunStore(f"sqlite:///{db}") as s:
+        assert db.exists()
+        with s.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
+
+
+def test_postgres_url_without_driver_uses_psycopg(postgres_reachable: None) -> None:
+    plain = make_url(PG_URL).set(drivername="postgresql").render_as_string(hide_password=False)
+    s = SqlRunStore(plain, create_tables=False)
+    try:
+        assert s.engine.dialect.driver == "psycopg"
+        with s.engine.connect() as conn:
+            assert conn.execute(text("SELECT 1")).scalar() == 1
+    finally:
+        s.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_does_not_reuse_parent_connections(store: RunStore) -> None:
+    """Celery's prefork pool forks after the store may have been opened."""
+    job_id = _new(store)
+    assert store.get(job_id) is not None  # the pool now holds an open connection
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            rec = store.claim(job_id, "child")
+            code = 0 if rec is not None and rec.worker == "child" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's pooled connection still works (the child neither used nor closed it).
+    rec = store.get(job_id)
+    assert rec is not None and rec.status is Status.RUNNING and rec.worker == "child"
+    assert store.finish(_result(job_id), worker="child")
+
+
+# --- many processes at once ----------------------------------------------------------------
+
+N_PROCS = 8
+N_JOBS = 50
+
+
+def _race(url: str, job_ids: list[str], worker: str, barrier: Any, out: Any) -> None:
+    """One worker process: create, claim and finish every job, in its own order."""
+    warnings.simplefilter("error")
+    warnings.simplefilter("ignore", ResourceWarning)
+    store = None
+    try:
+        store = open_store(url)
+        ids = list(job_ids)
+        random.Random(worker).shuffle(ids)
+        barrier.wait(timeout=120)
+        created = [i for i in ids if store.create(_job(job_id=i), code_runtime="docker")]
+        claimed = 0
+        won = []
+        for job_id in ids:
+            if store.claim(job_id, worker) is not None:
+                claimed += 1
+            res = _result(job_id, output={"by": worker}, logs=f"from {worker}")
+            if store.finish(res, worker=worker):
+                won.append(job_id)
+        out.put((worker, created, won, claimed, None))
+    except BaseException as e:  # report, the parent fails the test
+        out.put((worker, [], [], 0, f"{type(e).__name__}: {e}"))
+    finally:
+        if store is not None:
+            store.close()
+
+
+@pytest.mark.slow
+def test_concurrent_processes_write_each_job_once(store_url: str) -> None:
+    with open_store(store_url) as store:  # tables exist before the race starts
+        job_ids = [f"race-{uuid.uuid4().hex}" for _ in range(N_JOBS)]
+        ctx = multiprocessing.get_context("spawn")
+        barrier = ctx.Barrier(N_PROCS)
+        out = ctx.Queue()
+        procs = [
+            ctx.Process(target=_race, args=(store_url, job_ids, f"w{n}", barrier, out))
+            for n in range(N_PROCS)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            reports = [out.get(timeout=240) for _ in procs]
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            out.close()
+            out.join_thread()
+
+        errors = [(w, err) for w, _, _, _, err in reports if err]
+        assert errors == []
+        assert all(p.exitcode == 0 for p in procs)
+
+        created = [j for _, c, _, _, _ in reports for j in c]
+        assert sorted(created) == sorted(job_ids)  # each create won exactly once
+        winners = {j: w for w, _, won, _, _ in reports for j in won}
+        total_true = sum(len(won) for _, _, won, _, _ in reports)
+        assert total_true == N_JOBS  # each job written exactly once
+        assert set(winners) == set(job_ids)
+
+        records = store.get_many(job_ids)
+        assert len(records) == N_JOBS
+        for job_id, rec in records.items():
+            assert rec.status is Status.SUCCEEDED
+            assert rec.worker == winners[job_id]
+            assert rec.output == {"by": winners[job_id]}
+            assert rec.logs == f"from {winners[job_id]}"
+            assert rec.attempts >= 1
+        assert store.counts_by_status()["succeeded"] == N_JOBS

@@ -1,0 +1,183 @@
+"""The subprocess runtime: what its limits do, asserted from inside the child, and every
+place the specification says this mode must be visible."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from executor.audit import SUBPROCESS_RUNTIME_USED
+from executor.models import CodeJob, Status
+from executor.service import Executor
+
+PROBE = r'''
+import os, resource
+
+def main(state):
+    names = ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_FSIZE",
+             "RLIMIT_CORE"]
+    return {
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "cwd_listing": os.listdir("."),
+        "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
+        "own_session": os.getsid(0) == os.getpid(),
+        "limits": {n: list(resource.getrlimit(getattr(resource, n))) for n in names},
+    }
+'''
+
+
+def run(executor, code, state="{}", timeout_s=20):
+    return executor.run(CodeJob(code=code, state_json=state, timeout_s=timeout_s))
+
+
+@pytest.fixture
+def seen(subprocess_executor, monkeypatch):
+    monkeypatch.setenv("STUDIO_FAKE_SECRET", "hunter2")
+    r = run(subprocess_executor, PROBE)
+    assert r.status is Status.SUCCEEDED, r
+    return r.output
+
+
+def test_the_environment_is_empty(seen):
+    # Python's own PEP 538 locale coercion may add LC_CTYPE; nothing comes from the server.
+    assert set(seen["env"]) <= {"LC_CTYPE"}
+    assert "hunter2" not in json.dumps(seen["env"])
+
+
+def test_the_child_has_its_own_temporary_folder_removed_afterwards(seen):
+    cwd = Path(seen["cwd"])
+    assert cwd.name.startswith("studio-code-")
+    assert seen["cwd_listing"] == []
+    assert not cwd.exists()
+
+
+def test_the_child_runs_in_its_own_session(seen):
+    assert seen["own_session"] is True
+
+
+def test_a_root_server_drops_the_child_to_nobody(seen):
+    if os.getuid() == 0:
+        assert (seen["uid"], seen["gid"]) == (65534, 65534)
+        assert set(seen["groups"]) <= {65534}
+    else:
+        assert seen["uid"] == os.getuid()
+
+
+def test_rlimits_on_memory_cpu_files_and_processes(seen, subprocess_executor):
+    s = subprocess_executor.settings
+    lim = seen["limits"]
+    assert lim["RLIMIT_AS"] == [s.memory_bytes, s.memory_bytes]
+    assert lim["RLIMIT_NPROC"] == [s.code_pids, s.code_pids]
+    assert lim["RLIMIT_NOFILE"] == [256, 256]
+    assert lim["RLIMIT_CORE"] == [0, 0]
+    assert lim["RLIMIT_CPU"][0] == 20 + 1  # the probe's timeout + 1: wall clock stops it first
+
+
+def test_memory_above_the_limit_ends_code_memory(make_settings):
+    ex = Executor(make_settings(code_runtime="subprocess", code_memory="128m"))
+    r = run(ex, "def main(state):\n    return len(bytearray(512 * 1024 * 1024))\n")
+    assert r.status is Status.FAILED and r.error.code == "CODE_MEMORY"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the nproc limit holds only for a dropped uid")
+def test_fork_bomb_stops_at_the_nproc_limit_of_the_dropped_user(make_settings):
+    # Runs ONLY as nobody under RLIMIT_NPROC=16, never as root on the host.
+    ex = Executor(make_settings(code_runtime="subprocess", code_pids=16))
+    code = (
+        "import os, time\n"
+        "def main(state):\n"
+        "    assert os.getuid() != 0\n"
+        "    n = 0\n"
+        "    for _ in range(200):\n"
+        "        try:\n"
+        "            if os.fork() == 0:\n"
+        "                time.sleep(30)\n"
+        "                os._exit(0)\n"
+        "            n += 1\n"
+        "        except OSError as e:\n"
+        "            return {'forked': n, 'error': e.strerror}\n"
+        "    return {'forked': n, 'error': None}\n"
+    )
+    r = run(ex, code)
+    assert r.status is Status.SUCCEEDED, r
+    assert r.output["error"] == "Resource temporarily unavailable"
+    assert r.output["forked"] < 16
+
+
+def test_timeout_kills_the_whole_process_group(subprocess_executor):
+    # a folder the dropped-privilege child can write to (pytest's tmp_path is root-only)
+    shared = Path(tempfile.mkdtemp(prefix="studio-code-test-"))
+    os.chmod(shared, 0o777)
+    pidfile = shared / "grandchild.pid"
+    code = (
+        "import subprocess, sys\n"
+        "def main(state):\n"
+        "    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "    open(state['pidfile'], 'w').write(str(p.pid))\n"
+        "    while True:\n"
+        "        pass\n"
+    )
+    t0 = time.monotonic()
+    r = run(subprocess_executor, code, json.dumps({"pidfile": str(pidfile)}), timeout_s=2)
+    assert time.monotonic() - t0 < 3
+    assert r.status is Status.TIMED_OUT and r.error.code == "CODE_TIMEOUT", r.error
+    grandchild = int(pidfile.read_text())
+    shutil.rmtree(shared)
+    for _ in range(50):
+        if not _alive(grandchild):
+            break
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.split(") ")[1][0] != "Z"
+
+
+def test_every_place_says_it_runs_on_the_host(make_settings, caplog):
+    from executor.audit import LogAuditSink
+    from executor.meta import runtime_meta
+
+    sink = LogAuditSink()
+    with caplog.at_level(logging.WARNING, logger="studio_code"):
+        ex = Executor(make_settings(code_runtime="subprocess", code_languages="python"),
+                      audit=sink)
+    assert any("NOT in a sandbox" in r.getMessage() for r in caplog.records
+               if r.name == "studio_code")  # the start-up WARNING
+    first = run(ex, "def main(state):\n    return 1\n")
+    second = run(ex, "def main(state):\n    return 2\n")
+    for r in (first, second):
+        assert r.code_runtime == "subprocess" and r.runtime == "subprocess"
+        assert {row.runtime for row in r.trace} == {"subprocess"}
+        assert len(r.warnings) == 1 and "Runs on host" in r.warnings[0]
+    # one audit entry on the first call after each start, not per call
+    assert [e for e, _ in sink.entries] == [SUBPROCESS_RUNTIME_USED]
+    meta = runtime_meta(ex)
+    assert meta["code_runtime"] == "subprocess" and meta["isolated"] is False
+    assert meta["warnings"] and "NOT in a sandbox" in meta["warnings"][0]
+
+
+def test_it_never_takes_over_by_itself(make_settings, monkeypatch):
+    # Default docker runtime with no reachable Docker: Code nodes fail validation.
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    ex = Executor(make_settings())
+    assert ex.settings.code_runtime == "docker"
+    from executor.errors import RuntimeUnavailable
+
+    with pytest.raises(RuntimeUnavailable, match="Docker is not reachable"):
+        ex.validate_node("python")
+    r = run(ex, "def main(state):\n    return 1\n")
+    assert r.status is Status.FAILED and r.error.code == "RUNTIME_UNAVAILABLE"
+    assert r.runtime == "docker"
