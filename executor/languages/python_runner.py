@@ -10,13 +10,11 @@ Everything the code prints (fd 1 and fd 2, child processes included) goes to std
 kept as logs; the result is ONE JSON object written to the original stdout, saved first.
 """
 
-import asyncio
-import inspect
+# Only what every call needs is imported up front: asyncio, inspect and traceback cost tens
+# of milliseconds, so they are imported when a call needs them.
 import json
-import linecache
 import os
 import sys
-import traceback
 
 FILENAME = "main.py"
 
@@ -34,6 +32,8 @@ def _write_all(fd, data):
 
 def _user_traceback(exc):
     """The traceback of ``exc`` limited to frames of the user's code (and what they call)."""
+    import traceback
+
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != FILENAME:
         tb = tb.tb_next
@@ -58,6 +58,8 @@ def _run(result_fd, output_max_bytes):
         return _fail(result_fd, "CODE_INVALID", f"The state is not valid JSON: {e}.")
     del state_raw
 
+    import linecache  # small; lets tracebacks show the user's source lines
+
     linecache.cache[FILENAME] = (len(code), None, code.splitlines(True), FILENAME)
     try:
         compiled = compile(code, FILENAME, "exec", dont_inherit=True)
@@ -80,7 +82,9 @@ def _run(result_fd, output_max_bytes):
                 "returning the node's output.",
             )
         out = main(state)
-        if inspect.isawaitable(out):
+        if hasattr(out, "__await__"):
+            import asyncio
+
             out = asyncio.run(_await(out))
     except MemoryError:
         return _fail(result_fd, "CODE_MEMORY", "The code ran out of memory (MemoryError).")

@@ -1,0 +1,42 @@
+# The few commands a person types. `make help` lists them.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: help install image demo test bench lint worker up down scale clean
+
+help: ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[http,dev]'
+	@touch $@
+
+install: $(STAMP) ## create .venv with the project, Deno and the test tools
+
+image: $(STAMP) ## build studio-code:1 and studio-code-ts:1 (registry if reachable, else offline)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" docker/build.sh all
+
+demo: install image ## run a sample Python node end to end in a fresh sandbox
+	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code run examples/hello.py --state-file examples/state.json
+	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code run examples/hello.ts --state-file examples/state.json
+
+test: install image ## the whole test suite against real Docker, Redis, Deno, SQLite, PostgreSQL
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install image ## benchmarks: executor vs raw floors, side by side in one run
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench
+
+lint: install ## ruff and mypy
+	$(VENV)/bin/ruff check executor worker api_client tests bench
+	$(VENV)/bin/mypy executor worker api_client
+
+worker: install ## a Celery worker on this machine (STUDIO_REDIS_URL, STUDIO_DATABASE_URL)
+	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code worker
+
+clean: ## remove the venv and local data
+	rm -rf $(VENV) data

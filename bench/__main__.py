@@ -1,0 +1,18 @@
+"""`make bench`: every benchmark section, one after the other, in one run."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SECTIONS = ["bench.core", "bench.typescript", "bench.queue"]
+
+if __name__ == "__main__":
+    for name in SECTIONS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        print(f"\n## {name}", flush=True)
+        sys.argv = [name]
+        module.main()

@@ -1,0 +1,12 @@
+"""A sample Code node: greets the state's name and counts its items."""
+
+from datetime import datetime, timezone
+
+
+def main(state):
+    print(f"greeting {state.get('name', 'world')}")  # kept as logs, never the output
+    return {
+        "greeting": f"Hello, {state.get('name', 'world')}!",
+        "items": len(state.get("items", [])),
+        "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,114 @@
+"""Settings: every variable of the specification with its default; a malformed value stops
+start-up with a sentence naming the variable, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor.errors import SettingsError
+from executor.settings import load_settings
+
+SPEC_DEFAULTS = {
+    "enable_code_nodes": False,
+    "code_runtime": "docker",
+    "code_image": "studio-code:1",
+    "code_memory": "256m",
+    "code_cpus": 0.5,
+    "code_pids": 64,
+    "code_max_seconds": 30,
+    "code_concurrency": 4,
+    "code_test_per_minute": 20,
+    "code_languages": "python,typescript",
+    "code_ts_image": "studio-code-ts:1",
+    "code_ts_packages": "npm:zod@3,npm:date-fns@4",
+    "deno": "deno",
+    "code_ts_deno_dir": "",
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("STUDIO_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_are_the_specifications():
+    s = load_settings()
+    for field, value in SPEC_DEFAULTS.items():
+        assert getattr(s, field) == value, field
+    assert s.memory_bytes == 256 * 1024 * 1024
+    assert s.languages == ("python", "typescript")
+    assert [str(p) for p in s.ts_packages] == ["npm:zod@3", "npm:date-fns@4"]
+
+
+def test_every_variable_is_read_from_the_environment(monkeypatch):
+    env = {
+        "STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "subprocess",
+        "STUDIO_CODE_IMAGE": "mine:2", "STUDIO_CODE_PACKAGES": "numpy, pandas",
+        "STUDIO_CODE_MEMORY": "1g", "STUDIO_CODE_CPUS": "1.5", "STUDIO_CODE_PIDS": "128",
+        "STUDIO_CODE_MAX_SECONDS": "10", "STUDIO_CODE_CONCURRENCY": "8",
+        "STUDIO_CODE_TEST_PER_MINUTE": "5", "STUDIO_CODE_LANGUAGES": "python",
+        "STUDIO_CODE_TS_IMAGE": "ts:9", "STUDIO_CODE_TS_PACKAGES": "npm:zod@3",
+        "STUDIO_DENO": "/opt/deno", "STUDIO_CODE_TS_DENO_DIR": "/var/cache/deno",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = load_settings()
+    assert s.enable_code_nodes is True and s.code_runtime == "subprocess"
+    assert s.python_packages == ("numpy", "pandas")
+    assert s.memory_bytes == 1024**3 and s.code_cpus == 1.5 and s.code_pids == 128
+    assert (s.code_max_seconds, s.code_concurrency, s.code_test_per_minute) == (10, 8, 5)
+    assert s.languages == ("python",) and s.code_ts_image == "ts:9"
+    assert [str(p) for p in s.ts_packages] == ["npm:zod@3"]
+    assert (s.deno, s.code_ts_deno_dir) == ("/opt/deno", "/var/cache/deno")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("STUDIO_CODE_MEMORY", "lots", "a size such as 256m"),
+        ("STUDIO_CODE_MEMORY", "1m", "at least 16m"),
+        ("STUDIO_CODE_CPUS", "half", "valid number"),
+        ("STUDIO_CODE_CPUS", "0", "greater than 0"),
+        ("STUDIO_CODE_PIDS", "2", "greater than or equal to 8"),
+        ("STUDIO_CODE_MAX_SECONDS", "-1", "greater than 0"),
+        ("STUDIO_CODE_CONCURRENCY", "many", "valid integer"),
+        ("STUDIO_CODE_LANGUAGES", "python,cobol", "python, typescript"),
+        ("STUDIO_ENABLE_CODE_NODES", "perhaps", "valid boolean"),
+        ("STUDIO_CODE_TS_PACKAGES", "npm:zod", "entry 'npm:zod' is not pinned"),
+    ],
+)
+def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch, name, value,
+                                                                    says):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError) as e:
+        load_settings()
+    assert f"{name}={value!r}" in e.value.message
+    assert says in e.value.message
+    assert e.value.code == "RUNTIME_UNAVAILABLE"
+
+
+def test_an_unknown_runtime_does_not_crash_it_turns_code_nodes_off(monkeypatch):
+    from executor.errors import CodeNodesDisabled
+    from executor.meta import runtime_meta
+    from executor.service import Executor
+
+    monkeypatch.setenv("STUDIO_ENABLE_CODE_NODES", "1")
+    monkeypatch.setenv("STUDIO_CODE_RUNTIME", "firecracker")
+    ex = Executor(load_settings())
+    assert ex.runtime is None
+    with pytest.raises(CodeNodesDisabled, match="'firecracker' is not a known runtime"):
+        ex.validate_node("python")
+    meta = runtime_meta(ex)
+    assert meta["enabled"] is False and "firecracker" in meta["reason"]
+    assert all(not lang["ready"] for lang in meta["languages"])
+
+
+def test_subprocess_mode_with_no_deno_dir_and_no_package_list_allows_no_package(monkeypatch):
+    monkeypatch.setenv("STUDIO_CODE_RUNTIME", "subprocess")
+    assert load_settings().ts_packages == ()
+    monkeypatch.setenv("STUDIO_CODE_TS_DENO_DIR", "/var/cache/deno")
+    assert [str(p) for p in load_settings().ts_packages] == ["npm:zod@3", "npm:date-fns@4"]
