@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import subprocess
 import time
 import uuid

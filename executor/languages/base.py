@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-
 from typing import TYPE_CHECKING
 
 from executor.languages.ts_imports import Problem

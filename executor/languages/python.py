@@ -23,8 +23,10 @@ class Python(Language):
 
     def command(self, settings: Settings, limits: Limits, *, in_container: bool) -> list[str]:
         # -I in subprocess mode: ignore PYTHON* variables, user site and the working folder.
-        # The server's own interpreter runs it there, so the same packages are importable.
-        interpreter = ["python3", *_FLAGS] if in_container else [settings.python_interpreter, "-I", *_FLAGS]
+        if in_container:
+            interpreter = ["python3", *_FLAGS]
+        else:
+            interpreter = [settings.python_interpreter, "-I", *_FLAGS]
         return [*interpreter, "-c", RUNNER_SOURCE, str(limits.output_max_bytes)]
 
     def environment(self, settings: Settings, *, in_container: bool) -> dict[str, str]:
