@@ -275,7 +275,7 @@ class Executor:
             return self._result(job, Status.SUCCEEDED, output=reply.get("output"), **common)
         err = reply.get("error") or {}
         try:
-            code = ErrorCode(err.get("code"))
+            code = ErrorCode(str(err.get("code")))
         except ValueError:
             code = ErrorCode.CODE_ERROR
         if code is ErrorCode.CODE_MEMORY:

@@ -217,7 +217,8 @@ def _parse_entry(entry: str) -> PackageSpec:
         _bad_entry(entry, "registry", registry=registry)
     rest = entry[scheme.end() :]
     # The version follows the last "@"; a scoped name's own "@" is always first.
-    name, at, version = rest.rpartition("@")
+    name, at, pinned = rest.rpartition("@")
+    version: str | None = pinned
     if not at or not name:
         name, version = rest, None
     if not _NAME_RE.fullmatch(name):
@@ -458,8 +459,10 @@ def _exports_entry_point(statement: tree_sitter.Node) -> bool:
         exported = specifier.child_by_field_name("alias") or specifier.child_by_field_name("name")
         if exported is None:
             continue
-        name = _string_value(exported) if exported.type == "string" else _text(exported)
-        if name in ("main", "default"):
+        exported_name = (
+            _string_value(exported) if exported.type == "string" else _text(exported)
+        )
+        if exported_name in ("main", "default"):
             return True
     return False
 
