@@ -256,14 +256,15 @@ class Executor:
                 job, Status.FAILED, error=ErrorCode.CODE_OUTPUT_INVALID,
                 message=f"The output is larger than {limits.output_max_bytes} bytes: return "
                 "less, or keep large data elsewhere.", **common)
-        if not raw.stdout:
+        stdout = language.result_bytes(job, raw)
+        if not stdout:
             return self._result(
                 job, Status.FAILED, error=ErrorCode.CODE_ERROR,
                 message=f"The code ended the process (exit status {raw.exit_code}) before "
                 "main returned a value: return the output from main instead of exiting or "
                 "killing the process.", **common)
         try:
-            reply = json.loads(raw.stdout)
+            reply = json.loads(stdout)
             ok = reply["ok"]
         except (ValueError, KeyError, TypeError):
             return self._result(

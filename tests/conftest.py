@@ -52,18 +52,25 @@ def _docker_client():  # type: ignore[no-untyped-def]
 def docker_client():  # type: ignore[no-untyped-def]
     client = _docker_client()
     require(client is not None, "no Docker engine reachable")
-    before = {c.id for c in client.containers.list(all=True, filters={"label": LABEL_JOB})}
+    before = {c["Id"] for c in client.api.containers(all=True, filters={"label": LABEL_JOB})}
     yield client
     # The suite must leave no sandbox behind: whatever is left is a leak of the code path
-    # that made it, so report it as an error after removing it.
-    left = [
-        c for c in client.containers.list(all=True, filters={"label": LABEL_JOB})
-        if c.id not in before
-    ]
+    # that made it, so report it as an error after removing it. A container still being
+    # removed by its runtime gets a moment to go.
+    left: list[dict] = []
+    for _ in range(20):
+        left = [c for c in client.api.containers(all=True, filters={"label": LABEL_JOB})
+                if c["Id"] not in before]
+        if not left:
+            break
+        time.sleep(0.25)
     for c in left:
-        c.remove(force=True)
+        try:
+            client.api.remove_container(c["Id"], force=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
     client.close()
-    assert not left, f"sandbox containers left behind: {[c.name for c in left]}"
+    assert not left, f"sandbox containers left behind: {[c['Names'] for c in left]}"
 
 
 def _ensure_image(client, tag: str, which: str) -> None:  # type: ignore[no-untyped-def]

@@ -48,6 +48,11 @@ class Language(ABC):
         fatal out-of-memory); None to let the executor say what the exit status means."""
         return None
 
+    def result_bytes(self, job: CodeJob, raw: RawRun) -> bytes:
+        """The runner's result JSON out of what the sandbox wrote to stdout: all of it by
+        default; a runner that frames its result (TypeScript) cuts the frame out."""
+        return raw.stdout
+
     def stdin_payload(self, job: CodeJob) -> bytes:
         """Header line with the code (as data), then the state JSON, untouched."""
         header = json.dumps({"code": job.code}, ensure_ascii=False).encode("utf-8")
