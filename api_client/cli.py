@@ -143,6 +143,150 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTENSIONS: list[Any] = []
 
 
+# --- the queue's commands: submit, status, cancel, worker ---------------------------------
+
+
+def _record_dict(rec: Any) -> dict[str, Any]:
+    """A run-store record as the queue commands print it (the ``run`` keys + the job's)."""
+    d = rec.model_dump(mode="json", exclude={"code", "state_json"})
+    d["runtime"] = d.get("runtime") or d.get("code_runtime")
+    return d
+
+
+def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
+    from api_client.client import CodeClient
+
+    try:
+        code, state = _read_code(args.file), _read_state(args)
+    except StudioCodeError as e:
+        _print(_failure(e.code, e.message, "invalid", settings.code_runtime))
+        return 1
+    with CodeClient(settings) as client:
+        try:
+            job_id = client.submit(code, _language(args), state, timeout_s=args.timeout,
+                                   user=args.user, kind=args.kind)
+        except StudioCodeError as e:
+            status = "invalid" if e.code is ErrorCode.CODE_INVALID else "failed"
+            out = _failure(e.code, e.message, status, settings.code_runtime)
+            if getattr(e, "retry_after_s", None) is not None:
+                out["retry_after_s"] = e.retry_after_s  # type: ignore[attr-defined]
+            _print(out)
+            return 1
+        if not args.wait:
+            rec = client.status(job_id)
+            _print({"job_id": job_id, "status": rec.status.value, "kind": args.kind,
+                    "queue": "code.test" if args.kind == "test" else "code.run"})
+            return 0
+        rec = client.wait(job_id, args.wait_timeout)
+        _print(_record_dict(rec))
+        return 0 if rec.status == "succeeded" else 1
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    from api_client.client import CodeClient, JobNotFound
+
+    with CodeClient(settings) as client:
+        try:
+            rec = client.status(args.job_id)
+        except JobNotFound as e:
+            _print({"job_id": args.job_id, "status": None, "error": {
+                "code": "NOT_FOUND", "message": str(e)}})
+            return 1
+    _print(_record_dict(rec))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    from api_client.client import CodeClient, JobNotFound
+
+    with CodeClient(settings) as client:
+        try:
+            status = client.cancel(args.job_id)
+        except JobNotFound as e:
+            _print({"job_id": args.job_id, "status": None, "error": {
+                "code": "NOT_FOUND", "message": str(e)}})
+            return 1
+    ok = status in ("cancelling", "cancelled")
+    out: dict[str, Any] = {"job_id": args.job_id, "status": status.value, "error": None}
+    if not ok:
+        out["error"] = {"code": "NOT_CANCELLED",
+                        "message": f"The job had already ended ({status.value}) before the "
+                        "cancel; nothing was stopped."}
+    _print(out)
+    return 0 if ok else 1
+
+
+def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    """Run a Celery worker (``celery -A worker worker`` with this process's Settings). Its
+    banner and logs go to stderr; ONE JSON object goes to stdout when it stops."""
+    import os
+
+    from worker.app import worker_app
+
+    extra = list(args.celery_args or [])
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    argv = ["worker"]
+    if not any(a in ("-Q", "--queues") or a.startswith(("-Q", "--queues=")) for a in extra):
+        argv += ["-Q", "code.test,code.run"]
+    if not any(a in ("-P", "--pool") or a.startswith(("-P", "--pool=")) for a in extra):
+        argv += ["--pool", "prefork"]
+    argv += extra
+    app = worker_app(settings)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)  # Celery prints its banner to the real stdout
+    try:
+        code = app.worker_main(argv)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        # Celery's worker sends sys.stdout/stderr to its logger; this JSON goes to stdout.
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+    _print({"command": "worker", "status": "stopped", "exit_code": exit_code})
+    return 0 if exit_code == 0 else 1
+
+
+def _queue_commands(sub: Any) -> None:
+    submit = sub.add_parser("submit", help="queue a code node file for a worker")
+    submit.add_argument("file")
+    submit.add_argument("--language", choices=["python", "typescript"])
+    state = submit.add_mutually_exclusive_group()
+    state.add_argument("--state", help="the state as JSON (default {})")
+    state.add_argument("--state-file", help="a file holding the state as JSON")
+    submit.add_argument("--timeout", type=float,
+                        help="seconds (capped by STUDIO_CODE_MAX_SECONDS)")
+    submit.add_argument("--kind", choices=["run", "test"], default="run",
+                        help="run: a workflow run (queue code.run); test: an editor test "
+                        "call (queue code.test, rate limited per user)")
+    submit.add_argument("--user", default="", help="who asks (editor test calls' limit)")
+    submit.add_argument("--wait", action="store_true", help="wait for the result; print it")
+    submit.add_argument("--wait-timeout", type=float, default=600.0,
+                        help="seconds --wait waits at most (default 600)")
+    submit.set_defaults(handler=cmd_submit)
+
+    status = sub.add_parser("status", help="a queued job's status and result")
+    status.add_argument("job_id")
+    status.set_defaults(handler=cmd_status)
+
+    cancel = sub.add_parser("cancel", help="cancel a queued or running job")
+    cancel.add_argument("job_id")
+    cancel.set_defaults(handler=cmd_cancel)
+
+    worker = sub.add_parser(
+        "worker", help="run a worker: celery worker arguments follow (-c, -n, --loglevel...)",
+        add_help=False, prefix_chars="+")  # every argument, options included, is Celery's
+    worker.add_argument("celery_args", nargs=argparse.REMAINDER)
+    worker.set_defaults(handler=cmd_worker)
+
+
+_EXTENSIONS.append(_queue_commands)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

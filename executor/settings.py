@@ -96,6 +96,22 @@ class Settings(BaseSettings):
         "", description="Run store URL (SQLAlchemy). Empty: a SQLite file in STUDIO_DATA_DIR."
     )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for the queue.")
+    queue_visibility_timeout_s: float = Field(
+        0, ge=0, le=7 * 86400,
+        description="Seconds a worker may hold a job's queue message before Redis gives it to "
+        "another worker (a dead worker's jobs come back after this). Must be longer than "
+        "STUDIO_CODE_MAX_SECONDS plus the kill grace. 0: 2 x STUDIO_CODE_MAX_SECONDS + 120.",
+    )
+    queue_test_slots: int = Field(
+        1, ge=0, le=64,
+        description="Worker processes kept for editor test calls (queue code.test) on top of "
+        "the STUDIO_CODE_CONCURRENCY slots of workflow runs, so a test never waits behind runs.",
+    )
+    queue_reap_interval_s: float = Field(
+        30, gt=0, le=3600,
+        description="Seconds between a worker's sweeps for sandboxes of dead workers and jobs "
+        "stuck running.",
+    )
 
     @field_validator("code_memory")
     @classmethod

@@ -60,7 +60,7 @@ def docker_client():  # type: ignore[no-untyped-def]
     left: list[dict] = []
     for _ in range(20):
         left = [c for c in client.api.containers(all=True, filters={"label": LABEL_JOB})
-                if c["Id"] not in before]
+                if c["Id"] not in before and _made_by_this_session(c)]
         if not left:
             break
         time.sleep(0.25)
@@ -71,6 +71,29 @@ def docker_client():  # type: ignore[no-untyped-def]
             pass
     client.close()
     assert not left, f"sandbox containers left behind: {[c['Names'] for c in left]}"
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _made_by_this_session(container: dict) -> bool:
+    """Started by this pytest process or one of its descendants (worker pools), or by a
+    process that is gone: another session's live sandboxes on a shared engine are not ours."""
+    host, _, pid_text = container["Labels"].get("studio.owner", "").rpartition(":")
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if not Path(f"/proc/{pid}").exists():
+        return True
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        pid = _parent(pid)
+    return False
 
 
 def _ensure_image(client, tag: str, which: str) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,324 @@
+"""What the studio's API calls: submit, wait, status, cancel, validate, meta, and editor test
+calls (rate limited per user, across API processes, in Redis).
+
+A job is one row in the run store (code, state, result) and one Celery message carrying
+only its id; the Celery task id IS the job id. The run store is the truth for every
+question; Redis only moves messages and makes waiting and cancelling fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from executor.errors import (
+    CodeInvalid,
+    CodeNodesDisabled,
+    ErrorCode,
+    RateLimited,
+    RuntimeUnavailable,
+)
+from executor.languages.base import Problem
+from executor.models import CodeErrorInfo, CodeJob, CodeResult, Kind, Status
+from executor.service import Executor
+from executor.settings import Settings
+from executor.store import JobRecord, RunStore, open_store
+from worker.cancel import CancelWatch
+from worker.protocol import (
+    CANCEL_SIGNAL_NAME,
+    QUEUE_RUN,
+    QUEUE_TEST,
+    TASK_NAME,
+    cancel_flag_ttl_s,
+    cancel_key,
+    done_key,
+    rate_key,
+    visibility_timeout_s,
+)
+
+log = logging.getLogger("studio_code.api_client")
+
+RATE_WINDOW_S = 60
+WAIT_SLICE_S = 1.0  # wait() re-reads the store at least this often
+
+# A sliding window of one minute, atomically: drop calls older than the window, count the
+# rest, admit and record this call only when under the limit; otherwise say when the
+# oldest call leaves the window. Redis's own clock, so every API process agrees.
+_RATE_LUA = """
+local key = KEYS[1]
+local limit = tonumber(ARGV[1])
+local window_us = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window_us)
+if redis.call('ZCARD', key) < limit then
+  redis.call('ZADD', key, now, ARGV[3])
+  redis.call('PEXPIRE', key, math.floor(window_us / 1000) + 1000)
+  return {1, 0}
+end
+local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+return {0, tonumber(oldest[2]) + window_us - now}
+"""
+
+
+class JobNotFound(LookupError):
+    """Raised when no job in the run store has the id asked about."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"No job {job_id!r} in the run store: check the id.")
+        self.job_id = job_id
+
+
+class CodeClient:
+    """The queue's client side, one per API process (thread-safe)."""
+
+    def __init__(self, settings: Settings, *, store: RunStore | None = None) -> None:
+        self.settings = settings
+        self._own_store = store is None
+        self.store: RunStore = store if store is not None else open_store(settings.sqlalchemy_url)
+        self.executor = Executor(settings, audit=self.store)
+        self.redis = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=5, socket_connect_timeout=5
+        )
+        # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
+        self._blocking = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=WAIT_SLICE_S + 5, socket_connect_timeout=5
+        )
+        self._rate = self.redis.register_script(_RATE_LUA)
+        self._app: Any = None
+
+    @property
+    def app(self) -> Any:
+        """The client-side Celery app (made on first use)."""
+        if self._app is None:
+            from worker.app import make_app
+
+            self._app = make_app(self.settings)
+        return self._app
+
+    # --- what may run ------------------------------------------------------------------
+
+    def validate(self, code: str, language: str) -> list[Problem]:
+        """The editor's save-time check: [] when the code may be saved. Raises CodeInvalid
+        for a language that is not offered."""
+        return self.executor.check_code(code, language)
+
+    def meta(self, *, fresh: bool = False) -> dict[str, Any]:
+        """What GET /api/meta/runtime returns."""
+        from executor.meta import runtime_meta
+
+        return runtime_meta(self.executor, fresh=fresh)
+
+    def _job(self, code: str, language: str, state: Any, timeout_s: float | None, user: str,
+             kind: str) -> CodeJob:
+        reason = self.executor.disabled_reason()
+        if reason:
+            raise CodeNodesDisabled(reason)
+        if kind not in ("run", "test"):
+            raise CodeInvalid(f"kind={kind!r} is not a kind of call: use 'run' (a workflow "
+                              "run) or 'test' (an editor test call).")
+        if timeout_s is not None and not timeout_s > 0:
+            raise CodeInvalid(f"timeout_s={timeout_s!r} is not a timeout: give a number of "
+                              "seconds above 0, or none for STUDIO_CODE_MAX_SECONDS.")
+        problems = self.executor.check_code(code, language)
+        if problems:
+            raise CodeInvalid("; ".join(str(p) for p in problems))
+        state_json = _state_json(state)
+        size = len(state_json.encode("utf-8"))
+        if size > self.settings.code_state_max_bytes:
+            raise CodeInvalid(
+                f"The state is {size} bytes, more than STUDIO_CODE_STATE_MAX_BYTES="
+                f"{self.settings.code_state_max_bytes}: pass less data to the node.")
+        return CodeJob(
+            language=language,  # type: ignore[arg-type]  # checked by check_code
+            code=code,
+            state_json=state_json,
+            timeout_s=self.executor.limits(timeout_s).timeout_s,  # capped now, stored so
+            kind=kind,  # type: ignore[arg-type]
+            user=user,
+        )
+
+    # --- the queue ---------------------------------------------------------------------
+
+    def submit(self, code: str, language: str = "python", state: Any = None,
+               timeout_s: float | None = None, user: str = "", kind: Kind = "run") -> str:
+        """Queue one Code-node call; returns its job id.
+
+        ``state`` is any JSON-serialisable value, or JSON text (str/bytes). Raises
+        CodeNodesDisabled, CodeInvalid (the save-time check, a bad state, a bad kind),
+        RateLimited (an editor test call over STUDIO_CODE_TEST_PER_MINUTE) or
+        RuntimeUnavailable (Redis could not take the job; the job then ends failed)."""
+        job = self._job(code, language, state, timeout_s, user, kind)
+        if kind == "test":
+            self._check_rate(user)
+        self.store.create(job, code_runtime=self.settings.code_runtime)
+        queue = QUEUE_TEST if kind == "test" else QUEUE_RUN
+        try:
+            self.app.send_task(TASK_NAME, args=(job.job_id,), task_id=job.job_id, queue=queue,
+                               ignore_result=True)
+        except Exception as e:
+            message = (f"The queue (Redis at STUDIO_REDIS_URL) did not take the job: {e}. "
+                       "Check that Redis is up, then run it again.")
+            self.store.finish(self._ended(job, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE,
+                                          message), worker="api")
+            raise RuntimeUnavailable(message) from e
+        return job.job_id
+
+    def status(self, job_id: str) -> JobRecord:
+        """The job as the run store holds it; raises JobNotFound."""
+        rec = self.store.get(job_id)
+        if rec is None:
+            raise JobNotFound(job_id)
+        return rec
+
+    def wait(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
+        """The job once it has finished, or as it is after ``timeout_s`` (check
+        ``.finished``). Default timeout: the queue's visibility timeout. Wakes on the
+        worker's done notice (BLMOVE, which leaves it for other waiters) and re-reads the
+        store at least every second."""
+        if timeout_s is None:
+            timeout_s = visibility_timeout_s(self.settings)
+        deadline = time.monotonic() + timeout_s
+        key = done_key(job_id)
+        woke = False
+        while True:
+            rec = self.status(job_id)
+            left = deadline - time.monotonic()
+            if rec.finished or left <= 0:
+                return rec
+            if woke:
+                # A notice of a run that did not finish the job (a duplicate delivery): the
+                # notice stays, so do not spin on it.
+                time.sleep(min(left, 0.05))
+            try:
+                # BLMOVE from the list to itself: wakes on the worker's notice without
+                # taking it, so every waiter of the job wakes (and the count stays).
+                woke = self._blocking.blmove(  # Redis >= 6 takes a fractional timeout
+                    key, key, max(0.01, min(left, WAIT_SLICE_S)), "LEFT", "RIGHT"  # type: ignore[arg-type]
+                ) is not None
+            except redis.RedisError:
+                woke = False
+                time.sleep(min(max(left, 0), 0.2))
+
+    def cancel(self, job_id: str) -> Status:
+        """Cancel a job: the intent goes to the run store FIRST (a queued job is cancelled
+        at once and never starts), then the Redis flag the running job polls, then the
+        revoke. Returns the job's status after the call (a finished job is unchanged);
+        raises JobNotFound."""
+        status = self.store.request_cancel(job_id)
+        if status is None:
+            raise JobNotFound(job_id)
+        if status not in (Status.CANCELLING, Status.CANCELLED):
+            return status  # it ended before the cancel
+        try:
+            self.redis.set(cancel_key(job_id), "1", ex=cancel_flag_ttl_s(self.settings))
+        except redis.RedisError as e:
+            log.warning("cancel flag of %s not set (%s): the worker reads the run store", job_id,
+                        e)
+        try:
+            self.app.control.revoke(job_id, terminate=True, signal=CANCEL_SIGNAL_NAME)
+        except Exception as e:  # noqa: BLE001 - the flag and the store still stop it
+            log.warning("revoke of %s not sent (%s): the worker polls its cancel flag", job_id,
+                        e)
+        return status
+
+    # --- editor test calls ---------------------------------------------------------------
+
+    def _check_rate(self, user: str) -> None:
+        limit = self.settings.code_test_per_minute
+        try:
+            admitted, wait_us = self._rate(
+                keys=[rate_key(user)],
+                args=[limit, RATE_WINDOW_S * 1_000_000, uuid.uuid4().hex],
+            )
+        except redis.RedisError as e:
+            raise RuntimeUnavailable(
+                f"Redis at STUDIO_REDIS_URL cannot count editor test calls ({e}): check that "
+                "it is up.") from e
+        if not admitted:
+            retry = max(1, math.ceil(int(wait_us) / 1_000_000))
+            who = f"User {user!r}" if user else "This user"
+            raise RateLimited(
+                f"{who} made {limit} editor test calls in the last minute (the limit, "
+                f"STUDIO_CODE_TEST_PER_MINUTE={limit}): try again in {retry} s.",
+                retry_after_s=retry,
+            )
+
+    def run_inline(self, code: str, language: str = "python", state: Any = None,
+                   timeout_s: float | None = None, user: str = "",
+                   kind: Kind = "test") -> CodeResult:
+        """Run a call in THIS process, no queue (an API that runs editor test calls itself).
+        Same checks and rate limit as submit; the job is in the run store, so status and
+        cancel work on it. At most STUDIO_CODE_CONCURRENCY sandboxes run at once per process
+        (the executor's semaphore); more calls wait for a slot."""
+        job = self._job(code, language, state, timeout_s, user, kind)
+        if kind == "test":
+            self._check_rate(user)
+        self.store.create(job, code_runtime=self.settings.code_runtime)
+        worker = f"inline@{socket.gethostname()}:{os.getpid()}"
+        rec = self.store.claim(job.job_id, worker)
+        if rec is not None:
+            watch = CancelWatch(job.job_id, store=self.store, client=self.redis)
+            result = self.executor.run(job, should_cancel=watch)
+            self.store.finish(result, worker=worker)
+        final = self.status(job.job_id).to_result()
+        assert final is not None
+        return final
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _ended(self, job: CodeJob, status: Status, code: ErrorCode, message: str) -> CodeResult:
+        return CodeResult(
+            job_id=job.job_id, language=job.language, status=status,
+            error=CodeErrorInfo(code=code, message=message),
+            runtime=self.settings.code_runtime, code_runtime=self.settings.code_runtime,
+        )
+
+    def close(self) -> None:
+        if self._app is not None:
+            self._app.close()
+            self._app = None
+        self.redis.close()
+        self._blocking.close()
+        if self._own_store:
+            self.store.close()
+
+    def __enter__(self) -> CodeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _state_json(state: Any) -> str:
+    """The state as JSON text: given as text (checked) or as a value (serialised)."""
+    if state is None:
+        return "{}"
+    if isinstance(state, bytes | bytearray):
+        try:
+            state = bytes(state).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CodeInvalid(f"The state is not UTF-8 text: {e}. Pass JSON.") from e
+    if isinstance(state, str):
+        try:
+            json.loads(state, parse_constant=_reject_constant)
+        except ValueError as e:
+            raise CodeInvalid(f"The state is not valid JSON: {e}. Pass a JSON object.") from e
+        return state
+    try:
+        return json.dumps(state, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CodeInvalid(f"The state cannot be sent as JSON: {e}. Pass only JSON values "
+                          "(objects, arrays, strings, numbers, true/false/null).") from e

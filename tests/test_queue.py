@@ -1,0 +1,704 @@
+"""The queue end to end: the real client, a real redis-server (the ``redis_server`` fixture),
+real prefork worker PROCESSES (``celery -A worker worker``), real Docker, SQLite and
+PostgreSQL. Never task_always_eager. Every worker started here is stopped by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+LABEL_JOB = "studio.job_id"
+LABEL_OWNER = "studio.owner"
+HOST = socket.gethostname()
+CELERY = Path(sys.executable).with_name("celery")
+STUDIO_CODE = Path(sys.executable).with_name("studio-code")
+
+TRIVIAL = "def main(state):\n    return state.get('n', 0) * 2\n"
+SPIN = "def main(state):\n    while True:\n        pass\n"
+
+
+def sleeper(seconds: float, out: str = "slept") -> str:
+    return f"import time\n\ndef main(state):\n    time.sleep({seconds})\n    return {out!r}\n"
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, read from /proc."""
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.append(p)
+        todo += children(p)
+    return seen
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class WorkerProc:
+    """One ``celery -A worker worker`` (or ``studio-code worker``) process of a test."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.name = name
+        self.node = f"{name}@{HOST}"
+        self.proc = proc
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def tree(self) -> list[int]:
+        return process_tree(self.pid)
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill_hard(self) -> list[int]:
+        """SIGKILL the main process and every child, by pid (from the process tree)."""
+        pids = self.tree()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=10)
+        return pids
+
+    def stop(self, timeout_s: float = 25.0) -> None:
+        """Warm shutdown (SIGTERM to the main process), then SIGKILL what is left."""
+        if self.proc.poll() is not None:
+            return
+        pids = self.tree()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in pids:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
+
+
+class QueueEnv:
+    """A redis-server, a run store, a client and the workers of one test."""
+
+    def __init__(self, redis_url: str, database_url: str, tmp: Path,
+                 make_settings: Callable[..., Any], **overrides: Any) -> None:
+        from api_client import CodeClient
+
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.database_url = database_url
+        self.overrides = {"code_concurrency": 2, **overrides}
+        self.settings = make_settings(redis_url=redis_url, database_url=database_url,
+                                      **self.overrides)
+        self.client = CodeClient(self.settings)
+        self.workers: list[WorkerProc] = []
+
+    def env(self, **extra: Any) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+        env.update({
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_REDIS_URL": self.redis_url,
+            "STUDIO_DATABASE_URL": self.database_url,
+            "STUDIO_DATA_DIR": str(self.tmp),
+            "STUDIO_CODE_IMAGE": self.settings.code_image,
+        })
+        for key, value in {**self.overrides, **extra}.items():
+            env[f"STUDIO_{key.upper()}"] = str(value)
+        return env
+
+    def start_worker(self, name: str, concurrency: int = 2, *, cli: bool = False,
+                     ready_timeout_s: float = 60.0, **extra_env: Any) -> WorkerProc:
+        log = self.tmp / f"{name}.log"
+        common = ["--pool", "prefork", "-c", str(concurrency), "-Q", "code.test,code.run",
+                  "--hostname", f"{name}@%h", "--loglevel", "INFO"]
+        if cli:
+            cmd = [str(STUDIO_CODE), "worker", *common]
+        else:
+            cmd = [str(CELERY), "-A", "worker", "worker", *common]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env(**extra_env), stdout=out
+                                    if not cli else subprocess.PIPE, stderr=out,
+                                    start_new_session=True)
+        worker = WorkerProc(name, proc, log)
+        self.workers.append(worker)
+        self.wait_ready(worker, ready_timeout_s)
+        return worker
+
+    def wait_ready(self, worker: WorkerProc, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if worker.proc.poll() is not None:
+                raise AssertionError(f"worker {worker.name} exited:\n{worker.tail()}")
+            replies = self.client.app.control.ping(destination=[worker.node], timeout=0.5)
+            if any(worker.node in r for r in replies or []):
+                return
+        raise AssertionError(f"worker {worker.name} did not answer ping:\n{worker.tail()}")
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.client.close()
+
+    # helpers
+
+    def done_count(self, job_id: str) -> int:
+        from worker.protocol import done_key
+
+        return int(self.client.redis.llen(done_key(job_id)))
+
+    def wait_all(self, job_ids: list[str], timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            recs = self.client.store.get_many(job_ids)
+            if all(r.finished for r in recs.values()) and len(recs) == len(job_ids):
+                return recs
+            if time.monotonic() > deadline:
+                open_ = [j for j in job_ids if j not in recs or not recs[j].finished]
+                tails = "\n".join(w.tail(30) for w in self.workers)
+                raise AssertionError(f"{len(open_)} jobs not finished: {open_[:5]}\n{tails}")
+            time.sleep(0.1)
+
+
+def containers_of(docker_client: Any, job_id: str, *, running: bool = False) -> list[dict]:
+    filters: dict[str, Any] = {"label": f"{LABEL_JOB}={job_id}"}
+    if running:
+        filters["status"] = "running"
+    return docker_client.api.containers(all=not running, filters=filters)
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str,
+             interval_s: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+# --- fixtures -------------------------------------------------------------------------------
+
+
+def _pg_schema_url(postgres_url: str) -> Iterator[str]:
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(postgres_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    schema = f"test_queue_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield (make_url(postgres_url)
+               .update_query_dict({"options": f"-csearch_path={schema}"})
+               .render_as_string(hide_password=False))
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'store' / 'studio-code.db'}"
+        return
+    yield from _pg_schema_url(request.getfixturevalue("postgres_url"))
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'store' / 'studio-code.db'}"
+
+
+@pytest.fixture
+def queue_env(redis_server: Any, sqlite_url: str, tmp_path: Path, make_settings: Any,
+              python_image: str) -> Iterator[Callable[..., QueueEnv]]:
+    """Factory: ``queue_env(**settings_overrides)`` -> QueueEnv on the test's redis-server
+    and SQLite store (closed, workers stopped, at the end)."""
+    made: list[QueueEnv] = []
+
+    def make(database_url: str = sqlite_url, **overrides: Any) -> QueueEnv:
+        env = QueueEnv(redis_server.url, database_url, tmp_path, make_settings,
+                       code_image=python_image, **overrides)
+        made.append(env)
+        return env
+
+    yield make
+    for env in made:
+        env.close()
+
+
+# --- submit -> result --------------------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_submit_result_lands_in_the_store(queue_env: Any, database_url: str) -> None:
+    q = queue_env(database_url=database_url)
+    w = q.start_worker("w1", 1)
+    ok = q.client.submit("def main(state):\n    print('hi')\n    return state['n'] * 2\n",
+                         "python", {"n": 21})
+    bad = q.client.submit("def main(state):\n    raise ValueError('nope')\n", "python", "{}")
+    test = q.client.submit(TRIVIAL, "python", {"n": 4}, kind="test", user="ann")
+    rec = q.client.wait(ok, 60)
+    assert rec.status == "succeeded", (rec, w.tail())
+    assert rec.output == 42 and "hi" in rec.logs
+    assert rec.attempts == 1 and rec.worker and rec.worker.startswith(w.node + ":")
+    assert rec.runtime == "docker" and rec.code_runtime == "docker"
+    assert rec.duration_ms and rec.duration_ms > 0
+    assert rec.started_at and rec.finished_at and rec.queued_at <= rec.started_at
+    failed = q.client.wait(bad, 60)
+    assert failed.status == "failed" and failed.error and failed.error.code == "CODE_ERROR"
+    assert "nope" in failed.error.message
+    tested = q.client.wait(test, 60)
+    assert tested.status == "succeeded" and tested.output == 8 and tested.kind == "test"
+    for job_id in (ok, bad, test):
+        assert q.done_count(job_id) == 1
+
+
+# --- test calls never wait behind runs ---------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_test_call_never_waits_behind_runs(queue_env: Any, docker_client: Any) -> None:
+    """3 long runs fill the 3 run slots and a 4th waits; a test call submitted after all of
+    them runs at once on the slot kept for code.test (one of STUDIO_CODE_CONCURRENCY=4,
+    never on top of it); the 4th run is then cancelled while queued and never gets a
+    container."""
+    q = queue_env(code_concurrency=4)
+    w = q.start_worker("w1", 4)
+    assert len(children(w.pid)) == 4, "3 run slots + 1 test slot = STUDIO_CODE_CONCURRENCY"
+    runs = [q.client.submit(sleeper(6), "python", {}) for _ in range(4)]
+    since = int(time.time()) - 1
+    wait_for(lambda: sum(bool(containers_of(docker_client, j, running=True))
+                         for j in runs) == 3, 30, "3 runs running")
+    t0 = time.monotonic()
+    test = q.client.submit(TRIVIAL, "python", {"n": 5}, kind="test", user="ann")
+    rec = q.client.wait(test, 30)
+    took = time.monotonic() - t0
+    print(f"\ntest call behind 3 long runs: {took * 1000:.0f} ms submit->result")
+    assert rec.status == "succeeded" and rec.output == 10, (rec, w.tail())
+    states = {j: q.client.status(j) for j in runs}
+    assert sum(s.status == "running" for s in states.values()) == 3
+    assert all(not s.finished for s in states.values()), "the test did not wait for a run"
+    fourth = next(j for j, s in states.items() if s.status == "queued")
+
+    assert q.client.cancel(fourth) == "cancelled"
+    recs = q.wait_all([j for j in runs if j != fourth], 60)
+    assert all(r.status == "succeeded" for r in recs.values())
+    sentinel = q.client.submit(TRIVIAL, "python", {"n": 1})  # FIFO: after the 4th message
+    assert q.client.wait(sentinel, 30).status == "succeeded"
+    events = list(docker_client.api.events(
+        since=since, until=int(time.time()) + 1, decode=True,
+        filters={"type": "container", "label": [f"{LABEL_JOB}={fourth}"]}))
+    assert events == [], "a job cancelled while queued must never get a container"
+    cancelled = q.client.status(fourth)
+    assert cancelled.status == "cancelled" and cancelled.started_at is None
+    assert cancelled.error and cancelled.error.code == "CODE_CANCELLED"
+
+
+# --- many jobs, two workers ------------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_200_jobs_over_two_workers_each_once(queue_env: Any, docker_client: Any) -> None:
+    q = queue_env(code_concurrency=2)
+    workers = [q.start_worker("w1", 2), q.start_worker("w2", 2)]
+    pid_to_worker: dict[int, str] = {}
+
+    def refresh() -> None:
+        for w in workers:
+            for pid in w.tree():
+                pid_to_worker[pid] = w.name
+
+    refresh()
+    peak: dict[str, int] = defaultdict(int)
+    samples = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal samples
+        while not stop.is_set():
+            per: Counter[str] = Counter()
+            for c in docker_client.api.containers(all=True, filters={"label": LABEL_JOB}):
+                owner = (c.get("Labels") or {}).get(LABEL_OWNER, "")
+                host, _, pid = owner.rpartition(":")
+                if host != HOST or not pid.isdigit():
+                    continue
+                if int(pid) not in pid_to_worker:
+                    refresh()
+                if int(pid) in pid_to_worker:
+                    per[pid_to_worker[int(pid)]] += 1
+            for name, n in per.items():
+                peak[name] = max(peak[name], n)
+            samples += 1
+            stop.wait(0.03)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    try:
+        jobs = {q.client.submit(TRIVIAL, "python", {"n": i}): i for i in range(200)}
+        recs = q.wait_all(list(jobs), 200)
+    finally:
+        stop.set()
+        sampler.join(5)
+    took = time.monotonic() - t0
+    by_worker = Counter((r.worker or "").split("@")[0] for r in recs.values())
+    print(f"\n200 jobs in {took:.1f} s ({200 / took:.1f}/s); by worker {dict(by_worker)}; "
+          f"peak containers per worker {dict(peak)} over {samples} samples")
+    assert all(r.status == "succeeded" for r in recs.values()), Counter(
+        r.status for r in recs.values())
+    assert all(recs[j].output == 2 * i for j, i in jobs.items())
+    assert all(r.attempts == 1 for r in recs.values())
+    assert all(q.done_count(j) == 1 for j in jobs), "each job's task body ended exactly once"
+    assert set(by_worker) == {"w1", "w2"}
+    assert samples > 20
+    assert max(peak.values()) <= 2, f"more than STUDIO_CODE_CONCURRENCY=2 at once: {peak}"
+
+
+# --- cancel ------------------------------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_cancel_running_job_from_another_process(queue_env: Any, docker_client: Any) -> None:
+    q = queue_env(code_concurrency=1)
+    w = q.start_worker("w1", 1)
+    job = q.client.submit(SPIN, "python", {})
+    box = wait_for(lambda: containers_of(docker_client, job, running=True), 30, "the sandbox")
+    owner_pid = int(box[0]["Labels"][LABEL_OWNER].rpartition(":")[2])
+    t0 = time.monotonic()
+    proc = run_cli("cancel", job, env=q.env(), timeout=60)
+    t_cli = time.monotonic()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout) == {"job_id": job, "status": "cancelling", "error": None}
+    wait_for(lambda: not containers_of(docker_client, job), 10, "the sandbox gone", 0.005)
+    gone = time.monotonic()
+    print(f"\ncancel from another process: container gone {(gone - t0) * 1000:.0f} ms after "
+          f"the CLI started, {(gone - t_cli) * 1000:.0f} ms after it exited")
+    rec = q.client.wait(job, 30)
+    assert rec.status == "cancelled", (rec, w.tail())
+    assert rec.error and rec.error.code == "CODE_CANCELLED"
+    assert rec.output is None
+    # The cancel signal did not end the pool process: it runs the next job.
+    assert alive(owner_pid)
+    nxt = q.client.submit(TRIVIAL, "python", {"n": 3})
+    assert q.client.wait(nxt, 30).output == 6
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_cancel_without_revoke_still_stops_the_job(queue_env: Any, docker_client: Any) -> None:
+    """The revoke broadcast is not stored: a worker that misses it must still stop the job.
+    No revoke is sent here at all: (a) store intent + Redis flag, (b) store intent alone."""
+    from worker.protocol import cancel_key
+
+    q = queue_env(code_concurrency=1)
+    w = q.start_worker("w1", 1)
+    for how in ("flag", "store only"):
+        job = q.client.submit(SPIN, "python", {})
+        wait_for(lambda j=job: containers_of(docker_client, j, running=True), 30, "the sandbox")
+        t0 = time.monotonic()
+        assert q.client.store.request_cancel(job) == "cancelling"
+        if how == "flag":
+            q.client.redis.set(cancel_key(job), "1", ex=60)
+        wait_for(lambda j=job: not containers_of(docker_client, j), 10, "the sandbox gone",
+                 0.005)
+        print(f"\nno revoke, {how}: sandbox gone in {(time.monotonic() - t0) * 1000:.0f} ms")
+        rec = q.client.wait(job, 30)
+        assert rec.status == "cancelled", (rec, w.tail())
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_stray_cancel_signal_does_not_kill_the_next_job(queue_env: Any,
+                                                        docker_client: Any) -> None:
+    """The terminate race: Celery signals the PID that took a job, which may be running
+    another job by then. That signal must not stop the other job."""
+    from worker.protocol import CANCEL_SIGNAL
+
+    q = queue_env(code_concurrency=1)
+    q.start_worker("w1", 1)
+    job = q.client.submit(sleeper(2, "survived"), "python", {})
+    box = wait_for(lambda: containers_of(docker_client, job, running=True), 30, "the sandbox")
+    pid = int(box[0]["Labels"][LABEL_OWNER].rpartition(":")[2])
+    os.kill(pid, CANCEL_SIGNAL)  # as a terminate meant for this process's previous job
+    rec = q.client.wait(job, 30)
+    assert rec.status == "succeeded" and rec.output == "survived"
+    assert alive(pid)
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_backstop_kills_when_the_pool_process_cannot(queue_env: Any,
+                                                     docker_client: Any) -> None:
+    """The pool process running the job is frozen (SIGSTOP): the worker's main process
+    (task_revoked) removes the sandbox by label and ends the job cancelled."""
+    q = queue_env(code_concurrency=1)
+    w = q.start_worker("w1", 1)
+    job = q.client.submit(SPIN, "python", {})
+    box = wait_for(lambda: containers_of(docker_client, job, running=True), 30, "the sandbox")
+    pid = int(box[0]["Labels"][LABEL_OWNER].rpartition(":")[2])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert q.client.cancel(job) == "cancelling"
+        wait_for(lambda: not containers_of(docker_client, job), 15, "the backstop's kill", 0.02)
+        gone = time.monotonic() - t0
+        rec = q.client.wait(job, 30)
+        print(f"\nbackstop: sandbox gone {gone:.1f} s, job {rec.status} "
+              f"{time.monotonic() - t0:.1f} s after the cancel")
+        assert rec.status == "cancelled", (rec, w.tail())
+        assert "backstop" in w.tail(200)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    nxt = q.client.submit(TRIVIAL, "python", {"n": 4})  # the thawed process goes on
+    assert q.client.wait(nxt, 30).output == 8
+    assert q.client.status(job).status == "cancelled"
+
+
+# --- crashes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(150)
+def test_worker_sigkill_mid_job(queue_env: Any, docker_client: Any) -> None:
+    """SIGKILL a worker (main process and children) while its job runs: the next worker
+    reaps the orphaned sandbox and the job ends exactly once."""
+    q = queue_env(code_concurrency=1, code_max_seconds=5, queue_visibility_timeout_s=6)
+    w1 = q.start_worker("w1", 1)
+    job = q.client.submit(sleeper(3, "ok"), "python", {})
+    box = wait_for(lambda: containers_of(docker_client, job, running=True), 30, "the sandbox")
+    orphan = box[0]["Id"]
+    killed = w1.kill_hard()
+    wait_for(lambda: not any(alive(p) for p in killed), 10, "the killed processes to end")
+    assert containers_of(docker_client, job), "the sandbox outlives its worker"
+    t0 = time.monotonic()
+    w2 = q.start_worker("w2", 1)
+    wait_for(lambda: not docker_client.api.containers(all=True, filters={"id": orphan}), 20,
+             "the reaper to remove the orphan", 0.05)
+    print(f"\norphan sandbox gone {time.monotonic() - t0:.1f} s after the new worker was "
+          "launched")
+    rec = q.client.wait(job, 60)
+    print(f"job after the crash: {rec.status}, attempts {rec.attempts}, "
+          f"error {rec.error and rec.error.message}")
+    assert rec.finished, w2.tail()
+    if rec.status == "succeeded":
+        assert rec.output == "ok" and rec.attempts == 2
+        assert rec.worker and rec.worker.startswith(w2.node)
+    else:
+        assert rec.status == "failed" and rec.error and "worker" in rec.error.message
+    time.sleep(1)
+    assert q.done_count(job) == 1, "the job's task body ended exactly once"
+    assert not containers_of(docker_client, job)
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_redis_restart_loses_no_queued_job(queue_env: Any, redis_server: Any) -> None:
+    q = queue_env(code_concurrency=2)
+    jobs = {q.client.submit(TRIVIAL, "python", {"n": i}): i for i in range(6)}
+    redis_server.stop()
+    redis_server.start()  # same port, same AOF
+    q.start_worker("w1", 2)
+    recs = q.wait_all(list(jobs), 60)
+    assert {j: r.output for j, r in recs.items()} == {j: 2 * i for j, i in jobs.items()}
+
+
+# --- editor test calls: rate limit, inline runs ---------------------------------------------
+
+
+@pytest.mark.redis
+def test_rate_limit_counts_across_clients(redis_server: Any, sqlite_url: str,
+                                          make_settings: Any) -> None:
+    from api_client import CodeClient, RateLimited
+
+    settings = make_settings(redis_url=redis_server.url, database_url=sqlite_url,
+                             code_test_per_minute=20)
+    with CodeClient(settings) as a, CodeClient(settings) as b:
+        for i in range(20):
+            (a if i % 2 else b).submit(TRIVIAL, "python", {}, kind="test", user="ann")
+        with pytest.raises(RateLimited) as caught:
+            a.submit(TRIVIAL, "python", {}, kind="test", user="ann")
+        assert 0 < caught.value.retry_after_s <= 60
+        assert caught.value.code == "RATE_LIMITED"
+        assert "try again in" in caught.value.message
+        with pytest.raises(RateLimited):
+            b.submit(TRIVIAL, "python", {}, kind="test", user="ann")
+        b.submit(TRIVIAL, "python", {}, kind="test", user="bob")  # another user
+        a.submit(TRIVIAL, "python", {}, kind="run", user="ann")  # workflow runs: no limit
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_run_inline_caps_sandboxes_per_process(redis_server: Any, sqlite_url: str,
+                                               make_settings: Any, python_image: str,
+                                               docker_client: Any) -> None:
+    from api_client import CodeClient
+
+    settings = make_settings(redis_url=redis_server.url, database_url=sqlite_url,
+                             code_concurrency=2, code_image=python_image)
+    me = f"{HOST}:{os.getpid()}"
+    peak = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            n = len(docker_client.api.containers(
+                all=True, filters={"label": [LABEL_JOB, f"{LABEL_OWNER}={me}"]}))
+            peak = max(peak, n)
+            stop.wait(0.03)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with CodeClient(settings) as client, ThreadPoolExecutor(5) as pool:
+        try:
+            results = list(pool.map(
+                lambda i: client.run_inline(sleeper(1, f"r{i}"), "python", {}, user="ann"),
+                range(5)))
+        finally:
+            stop.set()
+            sampler.join(5)
+        assert [r.status for r in results] == ["succeeded"] * 5, [r.error for r in results]
+        assert [r.output for r in results] == [f"r{i}" for i in range(5)]
+        assert client.status(results[0].job_id).status == "succeeded"
+    print(f"\ninline: peak sandboxes of this process {peak}")
+    assert 1 <= peak <= 2
+
+
+def test_submit_refuses_bad_input_before_queueing(make_settings: Any, tmp_path: Path) -> None:
+    from api_client import CodeClient, CodeInvalid, CodeNodesDisabled, RuntimeUnavailable
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    # An unreachable Redis: none of these may get as far as the queue.
+    settings = make_settings(redis_url="redis://127.0.0.1:1/0", database_url=url)
+    with CodeClient(settings) as client:
+        with pytest.raises(CodeInvalid, match="main"):
+            client.submit("x = 1\n", "python", {})
+        with pytest.raises(CodeInvalid):
+            client.submit("def main(state:\n", "python", {})
+        with pytest.raises(CodeInvalid, match="not valid JSON"):
+            client.submit(TRIVIAL, "python", "{nope")
+        with pytest.raises(CodeInvalid, match="JSON"):
+            client.submit(TRIVIAL, "python", {"s": {1, 2}})
+        with pytest.raises(CodeInvalid, match="kind"):
+            client.submit(TRIVIAL, "python", {}, kind="bulk")  # type: ignore[arg-type]
+        with pytest.raises(CodeInvalid, match="timeout"):
+            client.submit(TRIVIAL, "python", {}, timeout_s=0)
+        assert client.validate("def main(state):\n    return 1\n", "python") == []
+        assert client.validate("x = 1\n", "python")
+        assert client.store.counts_by_status()["queued"] == 0
+    # Valid, but Redis is down: the job ends failed (never stuck queued) and the caller hears.
+    with CodeClient(settings) as client:
+        with pytest.raises(RuntimeUnavailable, match="Redis"):
+            client.submit(TRIVIAL, "python", {})
+        counts = client.store.counts_by_status()
+        assert counts["failed"] == 1 and counts["queued"] == 0
+    off = make_settings(enable_code_nodes=False, redis_url="redis://127.0.0.1:1/0",
+                        database_url=url)
+    with CodeClient(off) as client, pytest.raises(CodeNodesDisabled):
+        client.submit(TRIVIAL, "python", {})
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_cli_worker_submit_status_cancel(queue_env: Any, tmp_path: Path) -> None:
+    q = queue_env(code_concurrency=1)
+    w = q.start_worker("cli1", 1, cli=True)
+    src = tmp_path / "node.py"
+    src.write_text(TRIVIAL)
+    env = q.env()
+    sub = run_cli("submit", str(src), "--wait", "--state", '{"n": 20}', env=env)
+    assert sub.returncode == 0, sub.stdout + sub.stderr + w.tail()
+    out = json.loads(sub.stdout)
+    assert out["status"] == "succeeded" and out["output"] == 40 and out["runtime"] == "docker"
+    st = run_cli("status", out["job_id"], env=env)
+    assert st.returncode == 0 and json.loads(st.stdout)["output"] == 40
+    late = run_cli("cancel", out["job_id"], env=env)
+    assert late.returncode == 1 and json.loads(late.stdout)["status"] == "succeeded"
+    queued = run_cli("submit", str(src), "--kind", "test", "--user", "ann", env=env)
+    assert queued.returncode == 0 and json.loads(queued.stdout)["queue"] == "code.test"
+    missing = run_cli("status", "no-such-job", env=env)
+    assert missing.returncode == 1 and json.loads(missing.stdout)["status"] is None
+    bad = run_cli("submit", str(src), "--state", "{nope", env=env)
+    assert bad.returncode == 1 and json.loads(bad.stdout)["status"] == "invalid"
+    w.stop()
+    assert w.proc.stdout is not None
+    lines = w.proc.stdout.read().decode().strip().splitlines()
+    assert len(lines) == 1, lines
+    assert json.loads(lines[0]) == {"command": "worker", "status": "stopped", "exit_code": 0}

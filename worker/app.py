@@ -1,0 +1,133 @@
+"""The Celery app: Redis broker, two queues, late acks, one prefork process per slot.
+
+``celery -A worker worker`` finds the app through ``worker.celery`` (built from the STUDIO_*
+environment on first use); ``studio-code worker`` builds the same app from its Settings.
+The studio's API (``api_client``) builds a client-side app with ``make_app``: same broker,
+queues and options, no worker hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from executor.runtimes.docker import KILL_GRACE_S
+from executor.settings import Settings, load_settings
+from worker.protocol import (
+    QUEUE_RUN,
+    QUEUE_TEST,
+    restore_interval_s,
+    visibility_timeout_s,
+)
+
+log = logging.getLogger("studio_code.worker")
+
+
+def make_app(settings: Settings) -> Celery:
+    """A Celery app configured for ``settings``: enough to send jobs and cancels."""
+    app = Celery("studio_code", set_as_current=False)
+    app.conf.update(
+        broker_url=settings.redis_url,
+        # Celery's result backend carries no data: the run store is the result. Every send
+        # passes ignore_result so no client subscribes to result channels.
+        result_backend=settings.redis_url,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        task_queues=(
+            Queue(QUEUE_TEST, Exchange(QUEUE_TEST, type="direct"), routing_key=QUEUE_TEST),
+            Queue(QUEUE_RUN, Exchange(QUEUE_RUN, type="direct"), routing_key=QUEUE_RUN),
+        ),
+        task_default_queue=QUEUE_RUN,
+        # A message is acknowledged when its job ENDS, so a worker that dies mid-job gives it
+        # back (after the visibility timeout), and one message per free slot is fetched.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=settings.code_concurrency,
+        worker_pool="prefork",
+        worker_consumer="worker.slots:StudioConsumer",
+        broker_transport_options={
+            # See visibility_timeout_s: longer than the longest wait inside a worker +
+            # STUDIO_CODE_MAX_SECONDS + the kill grace, or a running job is handed out twice.
+            "visibility_timeout": visibility_timeout_s(settings),
+            # A worker that consumes both queues through ONE consumer (no test slots, see
+            # worker.slots) reads code.test before code.run instead of round robin.
+            "queue_order_strategy": "priority",
+            # Messages of a dead worker come back within one sweep of the visibility timeout
+            # (kombu's default sweeps every 100 s).
+            "unacked_restore_interval": restore_interval_s(settings),
+            "unacked_restore_throttle": 1,
+        },
+        broker_connection_retry_on_startup=True,
+        # A Redis blip must not kill running sandboxes: their result goes to the run store
+        # anyway, and a redelivered message finds the job finished (claim returns None).
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        # The executor stops a job at its timeout; this is only for a process stuck in a
+        # Docker call. Celery then kills the process; the reaper removes its container and
+        # fail_stuck ends its job.
+        task_time_limit=settings.code_max_seconds + 3 * KILL_GRACE_S + 60,
+        task_publish_retry_policy={
+            "max_retries": 3, "interval_start": 0, "interval_step": 0.5, "interval_max": 2,
+        },
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+    )
+    app.studio_settings = settings  # type: ignore[attr-defined]
+    return app
+
+
+def worker_app(settings: Settings) -> Celery:
+    """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
+    process set-up, janitor: reaper, revoke backstop)."""
+    app = make_app(settings)
+    from worker import janitor, slots, tasks
+
+    vis = visibility_timeout_s(settings)
+    if vis < settings.code_max_seconds + KILL_GRACE_S:
+        log.warning(
+            "STUDIO_QUEUE_VISIBILITY_TIMEOUT_S=%g is shorter than STUDIO_CODE_MAX_SECONDS=%g "
+            "+ the %g s kill grace: a job that runs that long is handed to another worker "
+            "and runs twice. Raise it (or set 0 for the default).",
+            vis, settings.code_max_seconds, KILL_GRACE_S)
+
+    tasks.register(app)
+    app.steps["worker"].add(slots.ReserveTestSlots)
+    app.steps["consumer"].add(slots.CodeTestConsumer)
+    app.steps["worker"].add(janitor.JanitorStep)
+    tasks.connect_process_signals()
+    _connect_metrics(settings)
+    return app
+
+
+def _connect_metrics(settings: Settings) -> None:
+    try:
+        from worker import metrics
+    except ImportError as e:  # prometheus-client missing: a worker still runs jobs
+        log.warning("worker metrics are off: %s", e)
+        return
+    metrics.connect_worker_signals(lambda: settings)
+
+
+_default: Celery | None = None
+_default_lock = threading.Lock()
+
+
+def default_app() -> Celery:
+    """The worker app of this process, from the environment (``celery -A worker``)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = worker_app(load_settings())
+        return _default
+
+
+def __getattr__(name: str) -> Any:
+    if name == "celery":
+        return default_app()
+    raise AttributeError(name)

@@ -1,0 +1,77 @@
+"""How a running job learns that it was cancelled: the ``should_cancel`` the executor polls.
+
+The executor calls it about every 100 ms while the sandbox runs, so each call must be
+cheap: one Redis ``EXISTS`` of the job's cancel flag. The run store (the truth, where
+``cancel`` records the intent FIRST) is read once a second, at once when the process got
+the cancel signal, and instead of Redis while Redis is unreachable. So a cancel whose
+revoke broadcast was lost, or whose Redis flag was lost, still stops the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+
+from executor.store import RunStore
+from worker.protocol import cancel_key
+
+log = logging.getLogger("studio_code.worker")
+
+STORE_EVERY_S = 1.0
+REDIS_RETRY_S = 1.0
+
+
+class CancelWatch:
+    """``should_cancel`` for ONE job. Once it has said True it keeps saying True.
+
+    ``nudged`` (optional) returns True once after the process received the cancel signal.
+    A signal is only a hint: it may have been meant for a job this process ran before
+    (Celery signals a pid, not a job), so it makes the watch read the store for THIS job
+    and never cancels by itself."""
+
+    def __init__(
+        self,
+        job_id: str,
+        *,
+        store: RunStore,
+        client: redis.Redis | None,
+        nudged: Callable[[], bool] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.store = store
+        self.client = client
+        self.nudged = nudged
+        self.key = cancel_key(job_id)
+        self.cancelled_at: float | None = None  # time.monotonic() when it first said True
+        now = time.monotonic()
+        self._next_store = now + STORE_EVERY_S
+        self._redis_ok_after = now
+
+    def __call__(self) -> bool:
+        if self.cancelled_at is not None:
+            return True
+        now = time.monotonic()
+        read_store = now >= self._next_store
+        if self.nudged is not None and self.nudged():
+            read_store = True
+        hit = False
+        if self.client is not None and now >= self._redis_ok_after:
+            try:
+                hit = bool(self.client.exists(self.key))
+            except redis.RedisError as e:
+                log.warning("cancel flag of job %s unreadable (%s): using the run store",
+                            self.job_id, e)
+                self._redis_ok_after = now + REDIS_RETRY_S
+                read_store = True
+        if not hit and read_store:
+            self._next_store = now + STORE_EVERY_S
+            try:
+                hit = self.store.is_cancel_requested(self.job_id)
+            except Exception as e:  # noqa: BLE001 - a store hiccup must not kill the job
+                log.warning("run store unreadable while job %s runs: %s", self.job_id, e)
+        if hit:
+            self.cancelled_at = now
+        return hit

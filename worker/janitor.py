@@ -1,0 +1,229 @@
+"""The worker's main process: what it cleans up that its pool processes could not.
+
+* **Reaper**, at start and every STUDIO_QUEUE_REAP_INTERVAL_S: removes sandboxes labelled
+  with THIS host whose owner process (``studio.owner`` = host:pid) is dead - a worker or a
+  pool process killed mid-job - and any sandbox past its ``studio.deadline`` (its owner
+  should have removed it by then, wherever it runs). Then ``store.fail_stuck`` ends jobs
+  still ``running`` long after their timeout, once redelivery had its chance: no job stays
+  running forever.
+* **Revoke backstop**: on Celery's ``task_revoked`` (this process, for a job it holds) it
+  waits a moment for the pool process to stop the sandbox itself, then kills whatever is
+  still labelled with the job id, and ends the job ``cancelled`` if nobody did.
+* **Terminate guard**: Celery's terminate marks the signalled pool process as "terminated
+  by us" in billiard's bookkeeping. Our cancel signal never ends the process, so that
+  mark would stay and mislabel a later, real crash of the process (its job would be
+  treated as revoked and not redelivered). The cancel signal is therefore sent plainly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from celery import bootsteps, signals
+
+from executor.errors import ErrorCode
+from executor.models import CodeErrorInfo, CodeResult, Status
+from executor.runtimes.docker import KILL_GRACE_S, LABEL_DEADLINE, LABEL_JOB, LABEL_OWNER
+from executor.service import make_runtime
+from executor.settings import Settings
+from executor.store import RunStore, open_store
+from worker.protocol import CANCEL_SIGNAL, stuck_after_s
+
+log = logging.getLogger("studio_code.worker")
+
+#: how long the pool process gets to stop a cancelled job's sandbox before the backstop
+BACKSTOP_DELAY_S = 2.0
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` runs. A zombie is dead: a pool process whose worker was
+    killed becomes one until init reaps it, which can take a while."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: it exists
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): existence is all we know
+    return state not in (b"Z", b"X")
+
+
+class Janitor:
+    """Reaper thread + revoke backstop of one worker (its main process)."""
+
+    def __init__(self, settings: Settings, nodename: str) -> None:
+        self.settings = settings
+        self.nodename = nodename
+        self.host = socket.gethostname()
+        self.runtime = make_runtime(settings)
+        self.store: RunStore = open_store(settings.sqlalchemy_url)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- reaper ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="studio-reaper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        self.store.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - keep sweeping
+                log.exception("reaper sweep failed")
+            self._stop.wait(self.settings.queue_reap_interval_s)
+
+    def sweep(self) -> dict[str, list[str]]:
+        """One pass: orphaned/overdue sandboxes removed, stuck jobs failed."""
+        reaped = self.reap_sandboxes()
+        failed = self.store.fail_stuck(
+            stuck_after_s(self.settings),
+            reason="The worker running this job stopped before the job ended and the job "
+            "was not picked up again: run it again.",
+            default_timeout_s=self.settings.code_max_seconds,
+        )
+        if failed:
+            log.warning("reaper: jobs stuck running ended failed: %s", ", ".join(failed))
+        return {"reaped": reaped, "failed": failed}
+
+    def reap_sandboxes(self) -> list[str]:
+        """Remove sandboxes whose owner on this host is dead or whose deadline passed;
+        returns their job ids."""
+        runtime = self.runtime
+        if runtime is None or runtime.name != "docker":
+            return []
+        from docker.errors import APIError, NotFound
+
+        now = time.time()
+        reaped = []
+        for c in runtime.sandboxes():  # type: ignore[attr-defined]
+            labels = c.get("Labels") or {}
+            host, _, pid = labels.get(LABEL_OWNER, "").rpartition(":")
+            try:
+                deadline = float(labels.get(LABEL_DEADLINE) or "inf")
+            except ValueError:
+                deadline = float("inf")
+            orphan = host == self.host and pid.isdigit() and not pid_alive(int(pid))
+            if not orphan and now <= deadline:
+                continue
+            try:
+                runtime.api.remove_container(c["Id"], force=True)  # type: ignore[attr-defined]
+            except NotFound:
+                continue
+            except APIError as e:  # e.g. removal already in progress
+                log.warning("reaper: could not remove %s: %s", c["Id"][:12], e)
+                continue
+            job_id = labels.get(LABEL_JOB, "?")
+            why = "its owner process is gone" if orphan else "it is past its deadline"
+            log.warning("reaper: removed the sandbox of job %s (%s, owner %s)", job_id, why,
+                        labels.get(LABEL_OWNER))
+            reaped.append(job_id)
+        return reaped
+
+    # --- revoke backstop ---------------------------------------------------------------
+
+    def on_revoked(self, sender: Any = None, request: Any = None, **_: Any) -> None:
+        job_id = getattr(request, "id", None)
+        if not job_id:
+            return
+        timer = threading.Timer(BACKSTOP_DELAY_S, self._backstop, args=(job_id,))
+        timer.daemon = True
+        timer.start()
+
+    def _backstop(self, job_id: str) -> None:
+        try:
+            if not self.store.is_cancel_requested(job_id):
+                return  # not our cancel (a revoke by hand): the job keeps running
+            if self.runtime is not None and self.runtime.kill(job_id):
+                log.warning("backstop: removed the sandbox of cancelled job %s (its pool "
+                            "process had not)", job_id)
+            deadline = time.monotonic() + KILL_GRACE_S
+            while time.monotonic() < deadline:
+                rec = self.store.get(job_id)
+                if rec is None or rec.finished:
+                    return
+                time.sleep(0.5)
+            rec = self.store.get(job_id)
+            if rec is None or rec.finished:
+                return
+            if rec.worker and not rec.worker.startswith(f"{self.nodename}:"):
+                return  # another worker holds it; its own backstop or fail_stuck ends it
+            self.store.finish(
+                CodeResult(
+                    job_id=job_id, language=rec.language, status=Status.CANCELLED,
+                    error=CodeErrorInfo(code=ErrorCode.CODE_CANCELLED,
+                                        message="Cancelled while running."),
+                    runtime=self.settings.code_runtime,
+                    code_runtime=self.settings.code_runtime,
+                ),
+                worker=f"{self.nodename}:backstop",
+            )
+            log.warning("backstop: ended cancelled job %s (its pool process did not)", job_id)
+        except Exception:  # noqa: BLE001
+            log.exception("backstop for job %s failed", job_id)
+
+
+def guard_terminate(pool: Any) -> None:
+    """Send the cancel signal without billiard's "terminated" bookkeeping (see above)."""
+    original = pool.terminate_job
+
+    def terminate_job(pid: int, signal: Any = None) -> Any:
+        if signal is not None and int(signal) == int(CANCEL_SIGNAL):
+            try:
+                os.kill(pid, int(signal))
+            except ProcessLookupError:
+                pass
+            return None
+        return original(pid, signal)
+
+    pool.terminate_job = terminate_job
+
+
+class JanitorStep(bootsteps.StartStopStep):
+    """Worker step: starts the janitor once the pool runs, stops it at shutdown."""
+
+    label = "studio janitor"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        self.janitor: Janitor | None = None
+        super().__init__(w, **kwargs)
+
+    def create(self, w: Any) -> None:
+        return None
+
+    def start(self, w: Any) -> None:
+        settings = getattr(w.app, "studio_settings", None)
+        if settings is None:
+            return
+        if w.pool is not None and hasattr(w.pool, "terminate_job"):
+            guard_terminate(w.pool)
+        self.janitor = Janitor(settings, w.hostname)
+        signals.task_revoked.connect(self.janitor.on_revoked, weak=False)
+        self.janitor.start()
+
+    def stop(self, w: Any) -> None:
+        if self.janitor is not None:
+            signals.task_revoked.disconnect(self.janitor.on_revoked)
+            self.janitor.stop()
+            self.janitor = None
+
+    def shutdown(self, w: Any) -> None:
+        self.stop(w)

@@ -1,0 +1,86 @@
+"""The wire contract between ``api_client`` (the studio's API) and the workers.
+
+Queue names, the task name, the Redis keys both sides touch, the signal a cancel sends and
+the timing rules derived from Settings. Both sides import THIS module, so they cannot drift
+apart; it imports nothing heavy (no Docker, no SQL).
+"""
+
+from __future__ import annotations
+
+import signal
+
+from executor.runtimes.docker import KILL_GRACE_S
+from executor.settings import Settings
+
+#: workflow runs
+QUEUE_RUN = "code.run"
+#: editor test calls: a worker keeps STUDIO_QUEUE_TEST_SLOTS processes for these alone
+QUEUE_TEST = "code.test"
+QUEUES = (QUEUE_TEST, QUEUE_RUN)
+
+#: the one task; its only argument is the job id (code and state live in the run store)
+TASK_NAME = "studio.code.run_job"
+
+#: what ``revoke(terminate=True)`` sends to the pool process. Not SIGTERM: Celery may send it
+#: to a process that has already moved on to another job (it signals a pid, not a job), so
+#: the process must survive it and decide for itself; its handler only raises a flag that
+#: the running job checks against its OWN cancel flag (see worker.tasks).
+CANCEL_SIGNAL = signal.SIGUSR2
+CANCEL_SIGNAL_NAME = "SIGUSR2"
+
+#: a job started this many times (each time its worker died) is not started again
+MAX_ATTEMPTS = 3
+
+_PREFIX = "studio"
+
+
+def cancel_key(job_id: str) -> str:
+    """Set (with a TTL) by ``cancel``: the fast path a running job polls every ~100 ms."""
+    return f"{_PREFIX}:cancel:{job_id}"
+
+
+def done_key(job_id: str) -> str:
+    """A list the worker pushes to each time the task body ends for the job; ``wait``
+    blocks on it (BLMOVE) instead of polling the run store. The run store stays the truth."""
+    return f"{_PREFIX}:done:{job_id}"
+
+
+def rate_key(user: str) -> str:
+    """The sorted set of one user's editor test calls in the last minute."""
+    return f"{_PREFIX}:rate:test:{user or '-'}"
+
+
+DONE_TTL_S = 600
+
+
+def visibility_timeout_s(settings: Settings) -> float:
+    """How long Redis lets a worker hold a message (acks_late: until the job ENDS) before
+    it hands the message to another worker.
+
+    It must be longer than the longest a delivered message can wait inside a worker plus
+    the job's own run: the worker prefetches one message per free slot, so a message starts
+    at once (at most it waits for one job that is finishing a cancel: up to
+    STUDIO_CODE_MAX_SECONDS), then runs up to STUDIO_CODE_MAX_SECONDS, then the kill grace
+    and the container's removal. Too short, and a job that is still running is handed to
+    a second worker and runs twice (the run store keeps only one result, but the code ran
+    twice). Too long, and a job whose worker died waits that long to be redelivered.
+    Hence 2 x STUDIO_CODE_MAX_SECONDS + 120 s by default."""
+    if settings.queue_visibility_timeout_s > 0:
+        return float(settings.queue_visibility_timeout_s)
+    return 2 * settings.code_max_seconds + 120.0
+
+
+def restore_interval_s(settings: Settings) -> float:
+    """How often a worker looks for messages whose visibility timeout has passed."""
+    return max(1.0, min(10.0, visibility_timeout_s(settings) / 4))
+
+
+def stuck_after_s(settings: Settings) -> float:
+    """Grace past a job's started_at + timeout before the reaper fails a running job:
+    redelivery (visibility timeout + a restore sweep) gets its chance first."""
+    return visibility_timeout_s(settings) + 2 * restore_interval_s(settings) + KILL_GRACE_S
+
+
+def cancel_flag_ttl_s(settings: Settings) -> int:
+    """A cancel flag outlives every delivery of the job it names."""
+    return int(visibility_timeout_s(settings) + settings.code_max_seconds + 60)

@@ -1,0 +1,120 @@
+"""Editor test calls never wait behind workflow runs: pool processes kept for ``code.test``.
+
+Priority alone cannot promise that: when every process runs a long workflow node, a test
+call waits for one of them to end, whatever its priority. So a worker that consumes both
+queues keeps STUDIO_QUEUE_TEST_SLOTS of its STUDIO_CODE_CONCURRENCY pool processes for
+tests and has two consumers:
+
+* Celery's own task consumer reads ``code.run`` (and any other queue given with -Q) with a
+  prefetch of the run slots: ``-c`` (= STUDIO_CODE_CONCURRENCY) minus the test slots;
+* ``CodeTestConsumer`` reads ``code.test`` on a channel of its own with a prefetch of the
+  test slots.
+
+With acks_late a message counts against its channel's prefetch until its job ENDS, so at
+most ``-c`` minus ``test slots`` runs and ``test slots`` tests are held at once: the pool
+has exactly that many processes, a test message always finds an idle process, and the default
+'fair' scheduling hands it to one at once. The cost: one slot of ``-c`` never runs a
+workflow node; set STUDIO_QUEUE_TEST_SLOTS=0 on workers that serve no editor.
+
+Not applied with ``--autoscale`` (the pool size moves) nor when the worker consumes only
+one of the two queues; then the one consumer reads code.test before code.run (the broker's
+'priority' queue order).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, bootsteps
+from celery.worker.consumer import Consumer
+
+from worker.protocol import QUEUE_TEST
+
+log = logging.getLogger("studio_code.worker")
+
+
+def consumed_queues(app: Celery) -> set[str]:
+    queues = app.amqp.queues
+    return set(queues.consume_from or queues)
+
+
+def reserved_test_slots(app: Celery, autoscale: Any = None) -> int:
+    """Processes to keep for code.test on a worker of ``app`` (0: no split)."""
+    settings = getattr(app, "studio_settings", None)
+    wanted = settings.queue_test_slots if settings is not None else 0
+    names = consumed_queues(app)
+    if not wanted or QUEUE_TEST not in names or names == {QUEUE_TEST}:
+        return 0
+    if autoscale:
+        log.warning("--autoscale: no pool processes are kept for %s; it is read first, but "
+                    "a test call may wait for a slot", QUEUE_TEST)
+        return 0
+    return int(wanted)
+
+
+class ReserveTestSlots(bootsteps.Step):
+    """Worker step: grows the pool by the test slots before the pool is created."""
+
+    label = "studio test slots"
+
+    def __init__(self, w: Any, autoscale: Any = None, **kwargs: Any) -> None:
+        slots = reserved_test_slots(w.app, autoscale)
+        # The specification: STUDIO_CODE_CONCURRENCY is the containers at once per server
+        # process. So the test slots come OUT of the pool, never on top of it, and a pool
+        # too small to split keeps one consumer (code.test read first).
+        if slots and int(w.concurrency) <= slots:
+            log.warning("concurrency %s is too small to keep %s process(es) for %s; it is "
+                        "read first instead", w.concurrency, slots, QUEUE_TEST)
+            slots = 0
+        w.studio_test_slots = slots
+        super().__init__(w, **kwargs)
+
+
+class StudioConsumer(Consumer):
+    """Celery's consumer whose task channel prefetches for the run slots only."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.studio_test_slots = int(getattr(self.controller, "studio_test_slots", 0) or 0)
+        initial: int = self.initial_prefetch_count  # type: ignore[has-type]
+        if self.studio_test_slots and initial:
+            reserved = self.studio_test_slots * self.prefetch_multiplier
+            self.initial_prefetch_count = max(self.prefetch_multiplier, initial - reserved)
+
+    @property
+    def max_prefetch_count(self) -> int:
+        # Celery restores the prefetch to this after a reconnect: the run slots, not the pool.
+        slots = getattr(self, "studio_test_slots", 0)
+        return max(1, self.pool.num_processes - slots) * self.prefetch_multiplier
+
+
+class CodeTestConsumer(bootsteps.ConsumerStep):
+    """Consumer step: reads code.test on its own channel, prefetch = test slots, and feeds
+    the messages to Celery's normal task handling (same pool, same acks_late)."""
+
+    label = "studio test queue"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        self.slots = int(getattr(c.controller, "studio_test_slots", 0) or 0)
+        self.enabled = self.slots > 0
+        self._c: Any = None
+        super().__init__(c, **kwargs)
+
+    def start(self, c: Any) -> None:
+        # Celery's task consumer was made with every -Q queue and has not consumed yet
+        # (that happens when the event loop starts): code.test is ours.
+        c.task_consumer.cancel_by_queue(QUEUE_TEST)
+        self._c = c
+        super().start(c)
+
+    def get_consumers(self, channel: Any) -> list[Any]:
+        c = self._c
+        queue = c.app.amqp.queues[QUEUE_TEST]
+        consumer = c.app.amqp.TaskConsumer(
+            channel, queues=[queue], on_decode_error=c.on_decode_error
+        )
+        consumer.qos(prefetch_count=self.slots * c.prefetch_multiplier)
+        consumer.on_message = c.create_task_handler()
+        return [consumer]
