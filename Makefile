@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Compose v2 plugin when present, else Debian's docker-compose
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+COMPOSE_FILE := deploy/compose.yaml
+N ?= 4
 
 .PHONY: help install image demo test bench lint worker up down scale clean
 
@@ -37,6 +41,15 @@ lint: install ## ruff and mypy
 
 worker: install ## a Celery worker on this machine (STUDIO_REDIS_URL, STUDIO_DATABASE_URL)
 	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code worker
+
+up: image ## start API, workers, Redis, PostgreSQL, Prometheus with Compose
+	$(COMPOSE) -f $(COMPOSE_FILE) up -d --build
+
+down: ## stop the Compose deployment (workers finish or hand back their nodes)
+	$(COMPOSE) -f $(COMPOSE_FILE) down
+
+scale: ## run N workers under Compose: make scale N=4
+	$(COMPOSE) -f $(COMPOSE_FILE) up -d --no-recreate --scale worker=$(N)
 
 clean: ## remove the venv and local data
 	rm -rf $(VENV) data

@@ -10,10 +10,10 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from executor.errors import ErrorCode, StudioCodeError
-from executor.models import CodeJob
+from executor.models import CodeJob, Language
 from executor.settings import Settings, load_settings
 
 EXTENSIONS = {".py": "python", ".ts": "typescript", ".mts": "typescript", ".tsx": "typescript"}
@@ -35,10 +35,10 @@ def _failure(code: ErrorCode, message: str, status: str = "failed", runtime: str
     }
 
 
-def _language(args: argparse.Namespace) -> str:
+def _language(args: argparse.Namespace) -> Language:
     if args.language:
-        return args.language
-    return EXTENSIONS.get(Path(args.file).suffix.lower(), "python")
+        return cast(Language, args.language)
+    return cast(Language, EXTENSIONS.get(Path(args.file).suffix.lower(), "python"))
 
 
 def _read_code(path: str) -> str:
@@ -243,7 +243,8 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         # Celery's worker sends sys.stdout/stderr to its logger; this JSON goes to stdout.
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-        sys.stdout.flush()
+        if sys.stdout is not None:
+            sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
     exit_code = code if isinstance(code, int) else (0 if code is None else 1)
@@ -285,6 +286,39 @@ def _queue_commands(sub: Any) -> None:
 
 
 _EXTENSIONS.append(_queue_commands)
+
+
+# --- the HTTP API: serve --------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the studio's HTTP routes (api_client.http) with uvicorn until SIGTERM / Ctrl-C.
+    uvicorn logs to stderr; ONE JSON object goes to stdout when it stops."""
+    try:
+        from api_client.http import serve
+    except ImportError as e:
+        _print(_failure(ErrorCode.RUNTIME_UNAVAILABLE,
+                        f"The HTTP API needs the http extra ({e}): pip install "
+                        "'studio-code[http]'."))
+        return 2
+    serve(settings, args.host, args.port, args.log_level)
+    _print({"command": "serve", "status": "stopped", "host": args.host, "port": args.port})
+    return 0
+
+
+def _serve_command(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run the HTTP API (/api/meta/runtime, /api/code/*, "
+                           "/api/runs*, /healthz/*, /metrics) with uvicorn")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1; the API trusts the "
+                       "X-Studio-User header, so only the studio may reach it)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(handler=cmd_serve)
+
+
+_EXTENSIONS.append(_serve_command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """A sample Code node: greets the state's name and counts its items."""
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 
 def main(state):
@@ -8,5 +8,5 @@ def main(state):
     return {
         "greeting": f"Hello, {state.get('name', 'world')}!",
         "items": len(state.get("items", [])),
-        "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
     }

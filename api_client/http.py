@@ -1,0 +1,573 @@
+"""The studio's HTTP routes for Code nodes: a FastAPI router the studio mounts, or a whole
+app (``create_app``) that ``studio-code serve`` runs with uvicorn.
+
+    GET  /api/meta/runtime          what the editor sees (no user needed)
+    POST /api/code/validate         save-time check: 200, or 400 CODE_INVALID with the reason
+    POST /api/code/test             an editor test call: rate limited per user (429 with
+                                    Retry-After), runs on queue code.test, waits (bounded)
+    POST /api/runs                  submit a workflow run's Code node (202)
+    GET  /api/runs/{job_id}         the run, with its result once finished
+    POST /api/runs/{job_id}/cancel  cancel it (the worker kills its sandbox)
+    GET  /healthz/live, /healthz/ready, /metrics   operations (not in the OpenAPI)
+
+Who is calling: the studio's own API (or its proxy) authenticates the person and sets
+``X-Studio-User: <user id>`` and, for admins, ``X-Studio-Admin: 1``. This service trusts
+those headers as sent, so the proxy MUST strip them from every client request and this
+port must be reachable from the studio only (docs/operations.md). Without X-Studio-User,
+/api/code/* and /api/runs* answer 401.
+
+A caller reads and cancels only its own runs; an admin, any run. Another user's run
+answers 404, exactly like an unknown id, so ids cannot be probed for existence.
+
+Every error is ``{"error": {"code": "...", "message": "..."}}``: the executor's codes
+(CODE_INVALID 400, RATE_LIMITED 429, CODE_NODES_DISABLED and RUNTIME_UNAVAILABLE 503) and
+the HTTP ones (UNAUTHENTICATED 401, NOT_FOUND 404, CONFLICT 409, REQUEST_INVALID 422).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    generate_latest,
+    multiprocess,
+)
+from pydantic import BaseModel, ConfigDict, Field
+
+from executor.errors import ErrorCode, RateLimited, StudioCodeError
+from executor.models import CodeErrorInfo, Status, TraceRow
+from executor.settings import Settings
+from executor.store.base import JobRecord
+
+log = logging.getLogger("studio_code.http")
+
+USER_HEADER = "X-Studio-User"
+ADMIN_HEADER = "X-Studio-Admin"
+#: waited for a test call's result on top of its own timeout: queue wait and sandbox start
+TEST_WAIT_MARGIN_S = 30.0
+CODE_MAX_CHARS = 1_000_000
+
+RATE_LIMITED_TOTAL = Counter(
+    "studio_code_rate_limited",
+    "Editor test calls refused with 429 because the user was over STUDIO_CODE_TEST_PER_MINUTE.",
+)
+
+# --- wire models ----------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    code: str = Field(description="CODE_INVALID, RATE_LIMITED, NOT_FOUND, ...")
+    message: str = Field(description="What happened and what to do.")
+    problems: list[Problem] | None = Field(
+        None, description="CODE_INVALID from /api/code/validate: each problem found.")
+    retry_after_s: int | None = Field(None, description="RATE_LIMITED: seconds to wait.")
+
+
+class Problem(BaseModel):
+    line: int | None = None
+    message: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorInfo
+
+
+ErrorInfo.model_rebuild()
+
+LanguageName = Literal["python", "typescript"]
+
+
+class CodeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    code: str = Field(max_length=CODE_MAX_CHARS, description="The node's source.")
+    language: LanguageName = "python"
+
+
+class RunBody(CodeBody):
+    state: dict[str, Any] = Field(
+        default_factory=dict, description="The workflow state; the code gets a JSON copy.")
+    timeout_s: float | None = Field(
+        None, gt=0, le=86400,
+        description="Seconds; capped by STUDIO_CODE_MAX_SECONDS (a request can only lower it).")
+
+
+class ValidateResult(BaseModel):
+    ok: bool
+    language: LanguageName
+    problems: list[Problem] = Field(default_factory=list)
+
+
+class RunView(BaseModel):
+    """One Code-node job as the studio sees it; the result fields fill in once finished."""
+
+    job_id: str
+    status: Status
+    finished: bool
+    kind: Literal["run", "test"]
+    user: str
+    language: LanguageName
+    timeout_s: float | None = None
+    output: Any = None
+    error: CodeErrorInfo | None = None
+    logs: str = ""
+    logs_truncated: bool = False
+    runtime: str | None = None
+    code_runtime: str = ""
+    duration_ms: float | None = None
+    exit_code: int | None = None
+    warnings: list[str] = Field(default_factory=list)
+    trace: list[TraceRow] = Field(default_factory=list)
+    queued_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    worker: str | None = None
+    attempts: int = 0
+
+    @classmethod
+    def of(cls, rec: JobRecord) -> RunView:
+        return cls(
+            job_id=rec.job_id, status=rec.status, finished=rec.status.finished, kind=rec.kind,
+            user=rec.user, language=rec.language, timeout_s=rec.timeout_s, output=rec.output,
+            error=rec.error, logs=rec.logs, logs_truncated=rec.logs_truncated,
+            runtime=rec.runtime, code_runtime=rec.code_runtime, duration_ms=rec.duration_ms,
+            exit_code=rec.exit_code, warnings=list(rec.warnings), trace=list(rec.trace),
+            queued_at=rec.queued_at, started_at=rec.started_at, finished_at=rec.finished_at,
+            worker=rec.worker, attempts=rec.attempts,
+        )
+
+
+class LanguageMeta(BaseModel):
+    name: str
+    offered: bool
+    ready: bool
+    reason: str | None = None
+    image: str | None = None
+    packages: list[str] = Field(default_factory=list)
+
+
+class LimitsMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    memory: str
+    memory_bytes: int
+    cpus: float
+    pids: int
+    max_seconds: float
+    concurrency: int
+    test_per_minute: int
+
+
+class RuntimeMeta(BaseModel):
+    """GET /api/meta/runtime: what the editor and the admin's Code nodes card show."""
+
+    model_config = ConfigDict(extra="allow")
+
+    enabled: bool
+    reason: str | None = None
+    code_runtime: str
+    isolated: bool
+    languages: list[LanguageMeta]
+    limits: LimitsMeta
+    sandbox_user: dict[str, Any]
+    warnings: list[str] = Field(default_factory=list)
+
+
+class Health(BaseModel):
+    ok: bool
+    checks: dict[str, str | None]
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """Raised by a route to answer with an error body and an HTTP status."""
+
+    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.extra = status, code, message, extra
+        self.headers: dict[str, str] = {}
+
+
+_STATUS_OF = {
+    ErrorCode.CODE_INVALID: 400,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.CODE_NODES_DISABLED: 503,
+    ErrorCode.RUNTIME_UNAVAILABLE: 503,
+}
+
+
+def _error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
+                    **extra: Any) -> JSONResponse:
+    info: dict[str, Any] = {"code": code, "message": message}
+    info.update({k: v for k, v in extra.items() if v is not None})
+    return JSONResponse({"error": info}, status_code=status, headers=headers)
+
+
+def _from_studio_error(e: StudioCodeError) -> JSONResponse:
+    status = _STATUS_OF.get(e.code, 503)
+    if isinstance(e, RateLimited):
+        retry = max(1, math.ceil(e.retry_after_s))
+        RATE_LIMITED_TOTAL.inc()
+        return _error_response(status, str(e.code), e.message, {"Retry-After": str(retry)},
+                               retry_after_s=retry)
+    return _error_response(status, str(e.code), e.message)
+
+
+def _is_unreachable(e: BaseException) -> bool:
+    """Redis or the database went away: an infrastructure 503, not a bug (500)."""
+    names = {c.__name__ for c in type(e).__mro__}
+    modules = {c.__module__.split(".")[0] for c in type(e).__mro__}
+    return bool(
+        names & {"OperationalError", "ConnectionError", "TimeoutError", "InterfaceError"}
+        and modules & {"redis", "kombu", "sqlalchemy", "psycopg", "builtins", "celery"}
+    )
+
+
+class ErrorRoute(APIRoute):
+    """Turns what a route raises into the JSON error body, inside the router, so the
+    studio's own app needs no exception handler of ours when it mounts the router."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ApiError as e:
+                return _error_response(e.status, e.code, e.message, e.headers or None,
+                                       **e.extra)
+            except StudioCodeError as e:
+                return _from_studio_error(e)
+            except RequestValidationError as e:
+                return _error_response(422, "REQUEST_INVALID", _validation_message(e))
+            except Exception as e:
+                if _is_unreachable(e):
+                    log.warning("dependency unreachable on %s: %s", request.url.path, e)
+                    return _error_response(
+                        503, str(ErrorCode.RUNTIME_UNAVAILABLE),
+                        f"A service the executor needs is not reachable ({type(e).__name__}"
+                        "; the API's log has the details). Check Redis (STUDIO_REDIS_URL) "
+                        "and the run store (STUDIO_DATABASE_URL); GET /healthz/ready says "
+                        "which.")
+                raise
+
+        return route
+
+
+def _validation_message(e: RequestValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "The request is not valid: " + "; ".join(parts) + "."
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    s: {"model": ErrorBody} for s in (400, 401, 404, 409, 422, 429, 503)
+}
+
+# --- the caller -----------------------------------------------------------------------------
+
+
+class Caller(BaseModel):
+    """Who is calling, as the studio's API said in its headers."""
+
+    user: str
+    admin: bool = False
+
+    def may_see(self, rec: JobRecord) -> bool:
+        return self.admin or rec.user == self.user
+
+
+def caller(
+    x_studio_user: Annotated[
+        str | None,
+        Header(alias=USER_HEADER, description="The studio user id; set by the studio's API "
+               "or proxy only (stripped from client requests)."),
+    ] = None,
+    x_studio_admin: Annotated[
+        str | None,
+        Header(alias=ADMIN_HEADER, description="1 when the user is an admin; set by the "
+               "studio's API or proxy only."),
+    ] = None,
+) -> Caller:
+    user = (x_studio_user or "").strip()
+    if not user:
+        raise ApiError(401, "UNAUTHENTICATED",
+                       f"No {USER_HEADER} header: the studio's API must say which user calls.")
+    if len(user) > 200:
+        raise ApiError(422, "REQUEST_INVALID", f"{USER_HEADER} is longer than 200 characters.")
+    admin = (x_studio_admin or "").strip().lower() in ("1", "true", "yes")
+    return Caller(user=user, admin=admin)
+
+
+CallerDep = Annotated[Caller, Depends(caller)]
+JobIdPath = Annotated[str, Path(min_length=1, max_length=200, description="The job id.")]
+
+# --- the service behind the routes ----------------------------------------------------------
+
+
+class Services:
+    """What the routes need: the queue client (submit, wait, cancel, validate, meta) and
+    the settings. One per app; built lazily so creating the app touches no service."""
+
+    def __init__(self, settings: Settings, client: Any = None) -> None:
+        self.settings = settings
+        self._client = client
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                from api_client.client import CodeClient
+
+                self._client = CodeClient(self.settings)
+            return self._client
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        close = getattr(client, "close", None)
+        if callable(close):
+            close()
+
+    def record(self, job_id: str) -> JobRecord | None:
+        from api_client.client import JobNotFound
+
+        try:
+            return self.client.status(job_id)  # type: ignore[no-any-return]
+        except JobNotFound:
+            return None
+
+    def health(self) -> dict[str, str | None]:
+        from worker.metrics import dependency_problems
+
+        try:
+            store = getattr(self.client, "store", None)
+        except Exception:  # noqa: BLE001 - the store could not open: the check says why
+            store = None
+        return dependency_problems(self.settings, store=store)
+
+
+def _services(request: Request) -> Services:
+    return request.app.state.studio_code  # type: ignore[no-any-return]
+
+
+ServicesDep = Annotated[Services, Depends(_services)]
+
+
+def _own_record(services: Services, job_id: str, who: Caller) -> JobRecord:
+    rec = services.record(job_id)
+    if rec is None or not who.may_see(rec):
+        raise ApiError(404, "NOT_FOUND", f"No run {job_id!r} that you can see.")
+    return rec
+
+
+def _problems(raw: Any) -> list[Problem]:
+    out = []
+    for p in raw or []:
+        line = getattr(p, "line", None) or None  # the executor's 0 means "no line"
+        out.append(Problem(line=line, message=getattr(p, "message", str(p))))
+    return out
+
+
+# --- routes ---------------------------------------------------------------------------------
+
+router = APIRouter(route_class=ErrorRoute)
+
+
+@router.get("/api/meta/runtime", response_model=RuntimeMeta, tags=["meta"],
+            responses={503: {"model": ErrorBody}})
+def get_runtime_meta(services: ServicesDep) -> dict[str, Any]:
+    """Enabled, runtime, each language's readiness (its test program ran) and packages,
+    and the limits in force."""
+    return services.client.meta()  # type: ignore[no-any-return]
+
+
+@router.post("/api/code/validate", response_model=ValidateResult, tags=["code"],
+             responses=ERRORS)
+def validate_code(body: CodeBody, who: CallerDep, services: ServicesDep) -> ValidateResult:
+    """The save-time check: 200 when the code may be saved, else 400 CODE_INVALID whose
+    message (and ``problems``) give the reason."""
+    problems = _problems(services.client.validate(body.code, body.language))
+    if problems:
+        raise ApiError(400, str(ErrorCode.CODE_INVALID),
+                       "; ".join(p.message if p.line is None else f"line {p.line}: {p.message}"
+                                 for p in problems),
+                       problems=[p.model_dump() for p in problems])
+    return ValidateResult(ok=True, language=body.language)
+
+
+@router.post("/api/code/test", response_model=RunView, tags=["code"],
+             responses={**ERRORS, 202: {"model": RunView,
+                                        "description": "Not finished within the wait: poll "
+                                        "GET /api/runs/{job_id}."}})
+def test_code(body: RunBody, who: CallerDep, services: ServicesDep,
+              response: Response) -> RunView:
+    """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute (then
+    429 with Retry-After), run on the code.test queue, answered with the result (200) or,
+    when it takes longer than its timeout plus a margin, with the run so far (202)."""
+    client, s = services.client, services.settings
+    job_id = client.submit(body.code, body.language, body.state, body.timeout_s, who.user,
+                           kind="test")
+    cap = s.code_max_seconds if body.timeout_s is None else min(body.timeout_s,
+                                                                s.code_max_seconds)
+    rec: JobRecord = client.wait(job_id, cap + TEST_WAIT_MARGIN_S)
+    if not rec.status.finished:
+        response.status_code = 202
+    return RunView.of(rec)
+
+
+@router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"],
+             responses=ERRORS)
+def submit_run(body: RunBody, who: CallerDep, services: ServicesDep) -> RunView:
+    """Queue a workflow run's Code node (queue code.run); poll GET /api/runs/{job_id}."""
+    job_id = services.client.submit(body.code, body.language, body.state, body.timeout_s,
+                                    who.user, kind="run")
+    rec = services.record(job_id)
+    if rec is None:  # pragma: no cover
+        raise ApiError(503, str(ErrorCode.RUNTIME_UNAVAILABLE), "The run was lost.")
+    return RunView.of(rec)
+
+
+@router.get("/api/runs/{job_id}", response_model=RunView, tags=["runs"], responses=ERRORS)
+def get_run(job_id: JobIdPath, who: CallerDep,
+            services: ServicesDep) -> RunView:
+    """The run and, once finished, its result. 404 for an unknown id or another user's
+    run (unless the caller is an admin)."""
+    return RunView.of(_own_record(services, job_id, who))
+
+
+@router.post("/api/runs/{job_id}/cancel", response_model=RunView, status_code=202,
+             tags=["runs"], responses=ERRORS)
+def cancel_run(job_id: JobIdPath, who: CallerDep,
+               services: ServicesDep) -> RunView:
+    """Cancel a run: a queued one never starts, a running one has its sandbox killed and
+    ends ``cancelled``. Cancelling a cancelled run again is fine (202); one that finished
+    otherwise answers 409."""
+    rec = _own_record(services, job_id, who)
+    if rec.status.finished and rec.status is not Status.CANCELLED:
+        raise ApiError(409, "CONFLICT",
+                       f"Run {job_id} already finished ({rec.status.value}); nothing to cancel.")
+    from api_client.client import JobNotFound
+
+    try:
+        services.client.cancel(job_id)
+    except JobNotFound as e:  # removed between the read and the cancel
+        raise ApiError(404, "NOT_FOUND", f"No run {job_id!r} that you can see.") from e
+    return RunView.of(services.record(job_id) or rec)
+
+
+# --- the app --------------------------------------------------------------------------------
+
+
+def _metrics_registry() -> CollectorRegistry:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return registry
+    return REGISTRY
+
+
+def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
+    """The routes as a whole app (what ``studio-code serve`` runs), with /healthz/* and
+    /metrics. The studio can instead mount ``router`` and set ``app.state.studio_code =
+    Services(settings)``."""
+    services = Services(settings, client)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        services.close()
+
+    app = FastAPI(
+        lifespan=lifespan,
+        title="studio-code",
+        version="0.1.0",
+        description="Code nodes of the workflow studio: validate, test, run, cancel. "
+        f"Callers are named by the {USER_HEADER} header (and {ADMIN_HEADER}: 1 for admins), "
+        "which only the studio's API or proxy may set.",
+    )
+    app.state.studio_code = services
+    app.include_router(router)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error_response(422, "REQUEST_INVALID", _validation_message(e))
+
+    @app.get("/healthz/live", include_in_schema=False)
+    def live() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.get("/healthz/ready", include_in_schema=False, response_model=Health)
+    def ready() -> JSONResponse:
+        """503 while Docker (docker runtime), Redis or the run store is unreachable."""
+        checks = services.health()
+        ok = all(v is None for v in checks.values())
+        return JSONResponse({"ok": ok, "checks": checks}, status_code=200 if ok else 503)
+
+    registry = _metrics_registry()
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080,
+          log_level: str = "info") -> None:
+    """Run the app with uvicorn until SIGTERM / Ctrl-C, then return (after uvicorn's
+    graceful shutdown). Every log line, access log included, goes to stderr: stdout is
+    the CLI's one JSON object."""
+    import copy
+    import signal
+
+    import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
+
+    log_config = copy.deepcopy(LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal that stopped it once it has shut down; with this
+        # handler that ends in a normal return instead of the process dying on SIGTERM.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level,
+                log_config=log_config, proxy_headers=False, server_header=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m api_client.http [--host H] [--port P]``: what ``studio-code serve`` does."""
+    import argparse
+
+    from executor.settings import load_settings
+
+    p = argparse.ArgumentParser(prog="python -m api_client.http")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    serve(load_settings(), args.host, args.port, args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,507 @@
+"""The studio's HTTP routes, end to end: a real uvicorn (``studio-code serve``) on a loopback
+port, a real Celery worker process (prefork), a real redis-server, real Docker sandboxes,
+a SQLite run store; requests with httpx, and schemathesis against the served OpenAPI.
+
+The process helpers here (``StudioProc``, ``start_worker``, ``start_api``) are shared by
+test_metrics.py and test_compose.py."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import LABEL_JOB, ROOT, RedisServer, free_port, require
+
+pytestmark = [pytest.mark.docker, pytest.mark.redis]
+
+BIN = Path(sys.executable).parent
+USER = "X-Studio-User"
+ADMIN = "X-Studio-Admin"
+
+OK_CODE = "def main(state):\n    return {'double': state.get('n', 0) * 2}\n"
+SLEEP_CODE = "import time\n\ndef main(state):\n    time.sleep(state.get('s', 60))\n    return 1\n"
+RAISE_CODE = "def main(state):\n    raise ValueError('boom from the node')\n"
+
+
+# --- processes ---------------------------------------------------------------------------
+
+
+class StudioProc:
+    """A process this test started (own session, output to a log file); stopped by pid."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv, env=env, cwd=ROOT, stdout=self._fh, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (a worker's warm shutdown), then SIGKILL of its own process group."""
+        code = None
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            code = self.wait(timeout)
+            if code is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                code = self.wait(10)
+        else:
+            code = self.proc.returncode
+        if not self._fh.closed:
+            self._fh.close()
+        return code
+
+
+def studio_env(redis_url: str, database_url: str, image: str, **extra: Any) -> dict[str, str]:
+    """The STUDIO_* environment an operator would give the API and the workers."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("STUDIO_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update({
+        "STUDIO_ENABLE_CODE_NODES": "1",
+        "STUDIO_CODE_RUNTIME": "docker",
+        "STUDIO_CODE_IMAGE": image,
+        "STUDIO_CODE_LANGUAGES": "python",
+        "STUDIO_REDIS_URL": redis_url,
+        "STUDIO_DATABASE_URL": database_url,
+        "STUDIO_CODE_MAX_SECONDS": "15",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    })
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def start_worker(env: dict[str, str], log: Path, *, name: str | None = None,
+                 concurrency: int = 2, ready_timeout: float = 60.0) -> StudioProc:
+    """``celery -A worker worker --pool prefork -c N -Q code.test,code.run``, ready."""
+    name = name or f"w{uuid.uuid4().hex[:6]}"
+    w = StudioProc(
+        [str(BIN / "celery"), "-A", "worker", "worker", "--pool", "prefork",
+         "-c", str(concurrency), "-Q", "code.test,code.run", "-n", f"{name}@%h",
+         "--loglevel", "INFO"],
+        env, log)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if " ready." in w.output():
+            return w
+        if not w.alive():
+            break
+        time.sleep(0.2)
+    out = w.output()
+    w.stop(10)
+    pytest.fail(f"the worker did not become ready:\n{out[-4000:]}")
+
+
+def wait_http(url: str, timeout: float = 30.0, proc: StudioProc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and not proc.alive():
+            break
+        time.sleep(0.1)
+    out = proc.output()[-4000:] if proc else ""
+    pytest.fail(f"{url} did not answer:\n{out}")
+
+
+def start_api(env: dict[str, str], log: Path) -> tuple[StudioProc, str]:
+    """``studio-code serve`` on a free loopback port; returns it and its base URL."""
+    port = free_port()
+    api = StudioProc([str(BIN / "studio-code"), "serve", "--host", "127.0.0.1",
+                      "--port", str(port)], env, log)
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/healthz/live", proc=api)
+    return api, base
+
+
+def containers_of(docker_client: Any, job_id: str) -> list[Any]:
+    return docker_client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={job_id}"})
+
+
+# --- the stack ---------------------------------------------------------------------------
+
+
+class Stack:
+    def __init__(self, base: str, api: StudioProc, worker: StudioProc, redis: RedisServer):
+        self.base, self.api, self.worker, self.redis = base, api, worker, redis
+        self.http = httpx.Client(base_url=base, timeout=90)
+
+    def as_user(self, user: str, admin: bool = False) -> dict[str, str]:
+        h = {USER: user}
+        if admin:
+            h[ADMIN] = "1"
+        return h
+
+    def poll(self, job_id: str, user: str, *, until: set[str] | None = None,
+             timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        body: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            r = self.http.get(f"/api/runs/{job_id}", headers=self.as_user(user))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            if (until is None and body["finished"]) or (until and body["status"] in until):
+                return body
+            time.sleep(0.1)
+        pytest.fail(f"run {job_id} stayed {body.get('status')}: {body}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, docker_client: Any,
+          python_image: str) -> Iterator[Stack]:
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    tmp = tmp_path_factory.mktemp("http")
+    redis = RedisServer(tmp)
+    redis.start()
+    env = studio_env(redis.url, f"sqlite:///{tmp / 'runs.db'}", python_image)
+    worker = start_worker(env, tmp / "worker.log")
+    api = None
+    try:
+        api, base = start_api(env, tmp / "api.log")
+        s = Stack(base, api, worker, redis)
+        yield s
+        s.http.close()
+    finally:
+        if api is not None:
+            api.stop(20)
+        worker.stop(60)
+        redis.stop()
+
+
+def _user() -> str:
+    return f"u-{uuid.uuid4().hex[:8]}"
+
+
+# --- who is calling ----------------------------------------------------------------------
+
+
+def test_a_call_without_the_user_header_is_401(stack: Stack) -> None:
+    for method, path, body in [
+        ("POST", "/api/code/validate", {"code": OK_CODE}),
+        ("POST", "/api/code/test", {"code": OK_CODE}),
+        ("POST", "/api/runs", {"code": OK_CODE}),
+        ("GET", "/api/runs/abc", None),
+        ("POST", "/api/runs/abc/cancel", None),
+    ]:
+        r = stack.http.request(method, path, json=body)
+        assert r.status_code == 401, (path, r.text)
+        assert r.json()["error"]["code"] == "UNAUTHENTICATED"
+        assert USER in r.json()["error"]["message"]
+    # an empty header is no user either
+    r = stack.http.post("/api/runs", json={"code": OK_CODE}, headers={USER: ""})
+    assert r.status_code == 401
+
+
+def test_meta_reports_python_ready(stack: Stack) -> None:
+    r = stack.http.get("/api/meta/runtime")
+    assert r.status_code == 200, r.text
+    meta = r.json()
+    assert meta["enabled"] is True and meta["code_runtime"] == "docker"
+    python = next(x for x in meta["languages"] if x["name"] == "python")
+    assert python["ready"] is True, python
+    assert meta["limits"]["test_per_minute"] == 20
+
+
+# --- validate ----------------------------------------------------------------------------
+
+
+def test_validate_returns_code_invalid_with_the_reason(stack: Stack) -> None:
+    h = stack.as_user(_user())
+    r = stack.http.post("/api/code/validate", json={"code": "def main(state:\n  return 1\n"},
+                        headers=h)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "CODE_INVALID"
+    assert "SyntaxError" in err["message"] and "line 1" in err["message"]
+    assert err["problems"][0]["line"] == 1
+
+    r = stack.http.post("/api/code/validate", json={"code": "x = 1\n"}, headers=h)
+    assert r.status_code == 400
+    assert "main" in r.json()["error"]["message"]
+
+    r = stack.http.post("/api/code/validate", json={"code": OK_CODE, "language": "python"},
+                        headers=h)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"ok": True, "language": "python", "problems": []}
+
+
+def test_a_malformed_body_is_a_json_error_not_a_500(stack: Stack) -> None:
+    h = stack.as_user(_user())
+    r = stack.http.post("/api/runs", json={"code": OK_CODE, "language": "cobol"}, headers=h)
+    assert r.status_code == 422
+    assert r.json()["error"]["code"] == "REQUEST_INVALID"
+    r = stack.http.post("/api/runs", content=b"{not json", headers={
+        **h, "content-type": "application/json"})
+    assert r.status_code == 422
+    r = stack.http.post("/api/runs", json={"code": OK_CODE, "timeout_s": -1}, headers=h)
+    assert r.status_code == 422
+
+
+# --- runs ----------------------------------------------------------------------------------
+
+
+def test_submit_then_poll_gives_the_result(stack: Stack) -> None:
+    user = _user()
+    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": {"n": 21}},
+                        headers=stack.as_user(user))
+    assert r.status_code == 202, r.text
+    run = r.json()
+    assert run["status"] in ("queued", "running", "succeeded")
+    assert run["kind"] == "run" and run["user"] == user
+    done = stack.poll(run["job_id"], user)
+    assert done["status"] == "succeeded", done
+    assert done["output"] == {"double": 42}
+    assert done["runtime"] == "docker" and done["worker"]
+    assert [t["step"] for t in done["trace"]] == ["sandbox.start", "code.run"]
+
+
+def test_an_invalid_run_is_refused_at_submit(stack: Stack) -> None:
+    r = stack.http.post("/api/runs", json={"code": "def nope(:"}, headers=stack.as_user(_user()))
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "CODE_INVALID"
+
+
+def test_cancel_kills_the_running_sandbox(stack: Stack, docker_client: Any) -> None:
+    user = _user()
+    h = stack.as_user(user)
+    r = stack.http.post("/api/runs", json={"code": SLEEP_CODE, "state": {"s": 60}}, headers=h)
+    assert r.status_code == 202
+    job_id = r.json()["job_id"]
+    stack.poll(job_id, user, until={"running"})
+    deadline = time.monotonic() + 20
+    while not containers_of(docker_client, job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert containers_of(docker_client, job_id), "the sandbox never started"
+
+    t0 = time.monotonic()
+    r = stack.http.post(f"/api/runs/{job_id}/cancel", headers=h)
+    assert r.status_code == 202, r.text
+    assert r.json()["status"] in ("cancelling", "cancelled")
+    done = stack.poll(job_id, user, timeout=30)
+    assert done["status"] == "cancelled"
+    assert done["error"]["code"] == "CODE_CANCELLED"
+    assert time.monotonic() - t0 < 15, "the cancel took longer than the kill grace"
+    deadline = time.monotonic() + 15
+    while containers_of(docker_client, job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not containers_of(docker_client, job_id), "the sandbox outlived its cancel"
+
+    # a second cancel of a cancelled run is fine; of a succeeded one, a conflict
+    assert stack.http.post(f"/api/runs/{job_id}/cancel", headers=h).status_code == 202
+    r = stack.http.post("/api/runs", json={"code": OK_CODE}, headers=h)
+    ok_id = r.json()["job_id"]
+    stack.poll(ok_id, user)
+    r = stack.http.post(f"/api/runs/{ok_id}/cancel", headers=h)
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "CONFLICT"
+
+
+def test_another_users_run_is_hidden_but_an_admin_sees_it(stack: Stack) -> None:
+    owner, other = _user(), _user()
+    r = stack.http.post("/api/runs", json={"code": OK_CODE}, headers=stack.as_user(owner))
+    job_id = r.json()["job_id"]
+    stack.poll(job_id, owner)
+
+    for method, path in [("GET", f"/api/runs/{job_id}"), ("POST", f"/api/runs/{job_id}/cancel")]:
+        r = stack.http.request(method, path, headers=stack.as_user(other))
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "NOT_FOUND"
+    # exactly what an unknown id answers: existence is not revealed
+    unknown = stack.http.get("/api/runs/" + uuid.uuid4().hex, headers=stack.as_user(other))
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["message"].split("'")[0] == \
+        r.json()["error"]["message"].split("'")[0]
+
+    r = stack.http.get(f"/api/runs/{job_id}", headers=stack.as_user(other, admin=True))
+    assert r.status_code == 200 and r.json()["user"] == owner
+    # a client cannot make itself admin with another value than the studio's "1"
+    r = stack.http.get(f"/api/runs/{job_id}", headers={USER: other, ADMIN: "0"})
+    assert r.status_code == 404
+
+
+# --- editor test calls ----------------------------------------------------------------------
+
+
+def test_a_test_call_answers_with_the_result(stack: Stack) -> None:
+    h = stack.as_user(_user())
+    r = stack.http.post("/api/code/test", json={"code": OK_CODE, "state": {"n": 2}}, headers=h)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "succeeded" and body["output"] == {"double": 4}
+    assert body["kind"] == "test"
+
+    r = stack.http.post("/api/code/test", json={"code": RAISE_CODE}, headers=h)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "failed"
+    assert body["error"]["code"] == "CODE_ERROR"
+    assert "boom from the node" in body["error"]["message"] + body["logs"]
+
+
+def test_the_21st_test_call_in_a_minute_is_429_with_retry_after(stack: Stack) -> None:
+    user = _user()
+    h = stack.as_user(user)
+
+    def call(_: int) -> httpx.Response:
+        return stack.http.post("/api/code/test", json={"code": OK_CODE, "state": {"n": 1}},
+                               headers=h)
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        first = list(pool.map(call, range(20)))
+    # the window is one minute: the 21st call must come within it to prove anything
+    assert time.monotonic() - t0 < 50, "20 test calls took most of a minute"
+    assert [r.status_code for r in first] == [200] * 20, [r.text for r in first if
+                                                          r.status_code != 200][:1]
+    assert all(r.json()["status"] == "succeeded" for r in first)
+
+    r = call(21)
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    assert err["code"] == "RATE_LIMITED"
+    retry = int(r.headers["Retry-After"])
+    assert 1 <= retry <= 60 and err["retry_after_s"] == retry
+    # per user: someone else still gets through
+    r = stack.http.post("/api/code/test", json={"code": OK_CODE}, headers=stack.as_user(_user()))
+    assert r.status_code == 200, r.text
+    # and the API counted the refusal
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = stack.http.get("/metrics").text
+    fam = {f.name: f for f in text_string_to_metric_families(text)}
+    refused = [s.value for s in fam["studio_code_rate_limited"].samples
+               if s.name == "studio_code_rate_limited_total"]
+    assert refused and refused[0] >= 1
+
+
+# --- health ---------------------------------------------------------------------------------
+
+
+def test_ready_is_200_with_every_dependency_up(stack: Stack) -> None:
+    r = stack.http.get("/healthz/ready")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"ok": True,
+                        "checks": {"redis": None, "run_store": None, "docker": None}}
+
+
+@pytest.mark.parametrize("down", ["redis", "run_store", "docker"])
+def test_ready_is_503_while_a_dependency_is_unreachable(tmp_path: Path, python_image: str,
+                                                        redis_server: Any, down: str) -> None:
+    redis_url = redis_server.url
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    extra: dict[str, str] = {}
+    if down == "redis":
+        redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    elif down == "run_store":
+        db = f"postgresql+psycopg://studio@127.0.0.1:{free_port()}/studio?connect_timeout=3"
+    else:
+        extra["DOCKER_HOST"] = f"unix://{tmp_path / 'no-docker.sock'}"
+    env = studio_env(redis_url, db, python_image, **extra)
+    api, base = start_api(env, tmp_path / "api.log")
+    try:
+        r = httpx.get(f"{base}/healthz/ready", timeout=30)
+        assert r.status_code == 503, r.text
+        checks = r.json()["checks"]
+        assert checks[down], checks
+        assert all(v is None for k, v in checks.items() if k != down), checks
+        assert {"redis": "STUDIO_REDIS_URL", "run_store": "STUDIO_DATABASE_URL",
+                "docker": "docker.sock"}[down] in checks[down]
+        assert httpx.get(f"{base}/healthz/live").status_code == 200
+        if down != "docker":
+            # a submit says so in the error body (503), not a 500
+            r = httpx.post(f"{base}/api/code/test", json={"code": OK_CODE},
+                           headers={USER: "u"}, timeout=30)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "RUNTIME_UNAVAILABLE"
+    finally:
+        code = api.stop(20)
+    # `studio-code serve` stops on SIGTERM and says so in one JSON object
+    assert code == 0, api.output()[-2000:]
+    stopped = [json.loads(line) for line in api.output().splitlines() if line.startswith("{")]
+    assert stopped and stopped[-1]["command"] == "serve" and stopped[-1]["status"] == "stopped"
+
+
+# --- the OpenAPI contract ------------------------------------------------------------------
+
+
+def test_openapi_has_the_routes_and_models(stack: Stack) -> None:
+    spec = stack.http.get("/openapi.json").json()
+    assert set(spec["paths"]) == {
+        "/api/meta/runtime", "/api/code/validate", "/api/code/test", "/api/runs",
+        "/api/runs/{job_id}", "/api/runs/{job_id}/cancel"}
+    schemas = spec["components"]["schemas"]
+    for name in ("RunBody", "CodeBody", "RunView", "ErrorBody", "RuntimeMeta"):
+        assert name in schemas
+    params = {p["name"] for p in spec["paths"]["/api/runs"]["post"]["parameters"]}
+    assert {USER, ADMIN} <= params
+
+
+def test_schemathesis_finds_no_server_error(stack: Stack) -> None:
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.generation import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{stack.base}/openapi.json")
+    headers = {USER: f"fuzz-{uuid.uuid4().hex[:6]}"}
+    ran: dict[str, int] = {}
+
+    def fuzz(operation: Any) -> None:
+        strategy = (operation.as_strategy(GenerationMode.POSITIVE)
+                    | operation.as_strategy(GenerationMode.NEGATIVE))
+
+        @given(case=strategy)
+        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                  phases=[Phase.explicit, Phase.generate],
+                  suppress_health_check=list(HealthCheck))
+        def check(case: Any) -> None:
+            response = case.call(base_url=stack.base, headers=headers, timeout=60)
+            ran[operation.label] = ran.get(operation.label, 0) + 1
+            case.validate_response(response, checks=[not_a_server_error])
+
+        check()
+
+    for result in schema.get_all_operations():
+        fuzz(result.ok())
+    assert len(ran) == 6, ran
+    # GET /api/meta/runtime takes no input: one example is all there is
+    assert all(n >= 5 for op, n in ran.items() if op != "GET /api/meta/runtime"), ran

@@ -1,0 +1,245 @@
+"""Worker metrics for real: jobs with mixed outcomes through a real prefork worker in
+Prometheus multiprocess mode, scraped over HTTP from its metrics server and parsed with
+prometheus-client's own parser. Plus the naming rules, checked on the catalogue."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import free_port
+from tests.test_http import OK_CODE, RAISE_CODE, SLEEP_CODE, containers_of, start_worker, studio_env
+
+OOM_CODE = (
+    "def main(state):\n"
+    "    chunks = []\n"
+    "    for _ in range(400):\n"
+    "        chunks.append(bytearray(1024 * 1024))\n"
+    "    return len(chunks)\n"
+)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics as {(name, sorted labels): value}."""
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 200, r.text
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: dict[Any, float], name: str, **labels: str) -> float:
+    """Sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all(dict(ls).get(k) == val for k, val in labels.items()))
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_scraped_counts_equal_the_jobs_run(tmp_path: Path, redis_server: Any,
+                                           python_image: str, docker_client: Any) -> None:
+    from api_client.client import CodeClient
+    from executor.settings import load_settings
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    stale = prom / "counter_424242.db"
+    stale.write_bytes(b"left by a previous run")  # the worker must empty the dir at start
+    port = free_port()
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    env = studio_env(redis_server.url, db, python_image, PROMETHEUS_MULTIPROC_DIR=prom,
+                     STUDIO_METRICS_PORT=port, STUDIO_CODE_MEMORY="64m")
+    worker = start_worker(env, tmp_path / "worker.log")
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    settings = load_settings(
+        enable_code_nodes=True, redis_url=redis_server.url, database_url=db,
+        code_image=python_image, code_languages="python", code_max_seconds=15,
+        code_memory="64m")
+    client = CodeClient(settings)
+    try:
+        assert not stale.exists(), "the worker did not empty PROMETHEUS_MULTIPROC_DIR"
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30)
+        assert health.status_code == 200, health.text
+
+        plan = (
+            [("succeeded", OK_CODE, None)] * 3
+            + [("failed", RAISE_CODE, None)] * 2
+            + [("timed_out", SLEEP_CODE, 1.0)] * 2
+            + [("failed", OOM_CODE, None)]
+        )
+        ids = {client.submit(code, "python", {"s": 30}, timeout_s=t, user="m"): want
+               for want, code, t in plan}
+
+        # one more, cancelled while its sandbox runs
+        cancel_id = client.submit(SLEEP_CODE, "python", {"s": 60}, user="m")
+        deadline = time.monotonic() + 30
+        while not containers_of(docker_client, cancel_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert containers_of(docker_client, cancel_id), "the sandbox to cancel never started"
+        client.cancel(cancel_id)
+        ids[cancel_id] = "cancelled"
+
+        got = {job_id: client.wait(job_id, 60).status.value for job_id in ids}
+        assert got == ids
+
+        # the pool process counts right after it stores the result: allow it a moment
+        want = {"succeeded": 3, "failed": 3, "timed_out": 2, "cancelled": 1}
+        deadline = time.monotonic() + 20
+        while True:
+            samples = scrape(metrics_url)
+            seen = {s: total(samples, "studio_code_jobs_total", status=s) for s in want}
+            if seen == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert seen == want
+        jobs = len(ids)
+        assert total(samples, "studio_code_jobs_total") == jobs
+        assert total(samples, "studio_code_jobs_total", language="python",
+                     runtime="docker") == jobs
+        errors = {c: total(samples, "studio_code_job_errors_total", code=c)
+                  for c in ("CODE_ERROR", "CODE_TIMEOUT", "CODE_MEMORY", "CODE_CANCELLED")}
+        assert errors == {"CODE_ERROR": 2, "CODE_TIMEOUT": 2, "CODE_MEMORY": 1,
+                          "CODE_CANCELLED": 1}
+        assert total(samples, "studio_code_oom_total") == 1
+        assert total(samples, "studio_code_timeouts_total") == 2
+        assert total(samples, "studio_code_cancellations_total", stage="running") == 1
+        assert total(samples, "studio_code_cancel_latency_seconds_count") == 1
+        assert 0 < total(samples, "studio_code_cancel_latency_seconds_sum") < 15
+        # every job had a sandbox: start and run observed once each, queue wait too
+        assert total(samples, "studio_code_sandbox_start_seconds_count") == jobs
+        assert total(samples, "studio_code_run_seconds_count") == jobs
+        assert total(samples, "studio_code_queue_wait_seconds_count", queue="code.run") == jobs
+        assert total(samples, "studio_code_sandboxes_running") == 0
+        # multiprocess mode is what served these: value files of the pool processes
+        assert list(prom.glob("counter_*.db"))
+
+        # readiness of each language, from the main process's probe
+        deadline = time.monotonic() + 30
+        while total(samples, "studio_code_language_ready", language="python") != 1:
+            assert time.monotonic() < deadline, "python never reported ready"
+            time.sleep(0.5)
+            samples = scrape(metrics_url)
+        assert total(samples, "studio_code_language_ready", language="typescript") == 0
+
+        assert not any(n.startswith("celery_") for n, _ in samples)
+    finally:
+        client.close()
+        code = worker.stop(60)
+        assert code == 0, worker.output()[-3000:]
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_a_running_sandbox_shows_in_the_gauge(tmp_path: Path, redis_server: Any,
+                                              python_image: str, docker_client: Any) -> None:
+    from api_client.client import CodeClient
+    from executor.settings import load_settings
+
+    port = free_port()
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    env = studio_env(redis_server.url, db, python_image,
+                     PROMETHEUS_MULTIPROC_DIR=tmp_path / "prom", STUDIO_METRICS_PORT=port,
+                     STUDIO_METRICS_READY_INTERVAL_S=0)
+    # 3 processes: 2 for workflow runs + the one kept for editor test calls
+    worker = start_worker(env, tmp_path / "worker.log", concurrency=3)
+    settings = load_settings(enable_code_nodes=True, redis_url=redis_server.url,
+                             database_url=db, code_image=python_image, code_languages="python")
+    client = CodeClient(settings)
+    try:
+        ids = [client.submit(SLEEP_CODE, "python", {"s": 60}, user="g") for _ in range(2)]
+        deadline = time.monotonic() + 30
+        url = f"http://127.0.0.1:{port}/metrics"
+        while total(scrape(url), "studio_code_sandboxes_running", language="python") != 2:
+            assert time.monotonic() < deadline, "the gauge never showed both sandboxes"
+            time.sleep(0.1)
+        for job_id in ids:
+            client.cancel(job_id)
+        for job_id in ids:
+            assert client.wait(job_id, 30).status.value == "cancelled"
+        deadline = time.monotonic() + 10
+        while total(scrape(url), "studio_code_sandboxes_running") != 0:
+            assert time.monotonic() < deadline, "the gauge did not come back to 0"
+            time.sleep(0.1)
+    finally:
+        client.close()
+        worker.stop(60)
+
+
+# --- naming --------------------------------------------------------------------------------
+
+
+def _families(registry: CollectorRegistry) -> list[Any]:
+    return list(text_string_to_metric_families(generate_latest(registry).decode()))
+
+
+def test_metric_names_follow_the_conventions() -> None:
+    from worker.metrics import build_metrics, record_cancel  # noqa: F401 - importable hooks
+
+    registry = CollectorRegistry()
+    m = build_metrics(registry)
+    # give every labelled metric one child so its samples are exposed
+    m.jobs.labels("python", "docker", "succeeded").inc()
+    m.errors.labels("python", "docker", "CODE_ERROR").inc()
+    m.queue_wait.labels("code.run").observe(0.1)
+    m.sandbox_start.labels("python", "docker").observe(0.1)
+    m.run.labels("python", "docker").observe(0.1)
+    m.sandboxes_running.labels("python").set(0)
+    m.cancellations.labels("running").inc()
+    m.cancel_latency.observe(0.1)
+    m.oom.labels("python", "docker").inc()
+    m.timeouts.labels("python", "docker").inc()
+
+    from api_client.http import RATE_LIMITED_TOTAL
+
+    api_registry = CollectorRegistry()
+    api_registry.register(RATE_LIMITED_TOTAL)
+
+    families = _families(registry) + _families(api_registry)
+    names = {f.name for f in families}
+    for wanted in ("studio_code_jobs", "studio_code_queue_wait_seconds",
+                   "studio_code_sandbox_start_seconds", "studio_code_run_seconds",
+                   "studio_code_sandboxes_running", "studio_code_cancellations",
+                   "studio_code_cancel_latency_seconds", "studio_code_oom",
+                   "studio_code_timeouts", "studio_code_rate_limited"):
+        assert wanted in names, (wanted, names)
+    for f in families:
+        assert f.name.startswith("studio_code_"), f.name
+        assert not f.name.startswith("celery_")
+        for s in f.samples:
+            assert not s.name.startswith("celery_"), s.name
+            if f.type == "counter":
+                assert s.name.endswith(("_total", "_created")), s.name
+            if f.type == "histogram":
+                assert f.name.endswith("_seconds"), f.name
+    assert {s.labels.get("status") for f in families if f.name == "studio_code_jobs"
+            for s in f.samples} >= {"succeeded"}
+
+
+def test_the_dashboard_queries_only_metrics_that_exist() -> None:
+    import json
+    import re
+
+    from tests.conftest import ROOT
+
+    dash = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs
+    used = {m for e in exprs for m in re.findall(r"\bstudio_code_[a-z_]+", e)}
+    exposed = {
+        "studio_code_jobs_total", "studio_code_job_errors_total",
+        "studio_code_queue_wait_seconds_bucket", "studio_code_sandbox_start_seconds_bucket",
+        "studio_code_run_seconds_bucket", "studio_code_sandboxes_running",
+        "studio_code_cancellations_total", "studio_code_cancel_latency_seconds_bucket",
+        "studio_code_oom_total", "studio_code_timeouts_total",
+        "studio_code_rate_limited_total", "studio_code_language_ready",
+    }
+    assert used <= exposed, used - exposed
+    assert exposed <= used, exposed - used
