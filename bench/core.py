@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
-import time
-import uuid
 from collections.abc import Callable
 
+from bench.common import interleave, pct, raw_container
 from executor.languages import get_language
 from executor.models import CodeJob
 from executor.runtimes.docker import sandbox_policy
@@ -23,32 +21,10 @@ from executor.settings import load_settings
 TRIVIAL = "def main(state):\n    return 1\n"
 
 
-def pct(samples: list[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
-
-
 def row(name: str, a: list[float], b: list[float], goal: str) -> str:
     a50, a95, b50, b95 = pct(a, 50), pct(a, 95), pct(b, 50), pct(b, 95)
     return (f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
             f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms | {goal} |")
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1000
-
-
-def interleave(n: int, *fns: Callable[[], object], warmup: int = 2) -> list[list[float]]:
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    out: list[list[float]] = [[] for _ in fns]
-    for _ in range(n):
-        for i, fn in enumerate(fns):
-            out[i].append(timed(fn))
-    return out
 
 
 def raw_docker_floor(ex: Executor, state_json: str) -> Callable[[], object]:
@@ -61,19 +37,7 @@ def raw_docker_floor(ex: Executor, state_json: str) -> Callable[[], object]:
     def run() -> None:
         job = CodeJob(code=TRIVIAL, state_json=state_json)
         policy = sandbox_policy(ex.settings, lang, job, limits, "bench")
-        policy["host_config"] = api.create_host_config(**policy["host_config"])
-        cid = api.create_container(name=f"studio-code-bench-{uuid.uuid4().hex}", **policy)["Id"]
-        sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1,
-                                              "stream": 1})
-        raw = sock._sock
-        api.start(cid)
-        raw.sendall(lang.stdin_payload(job))
-        raw.shutdown(socket.SHUT_WR)
-        while raw.recv(1 << 16):
-            pass
-        api.wait(cid)
-        sock.close()
-        api.remove_container(cid, force=True)
+        assert raw_container(api, policy, lang.stdin_payload(job)) == 0
 
     return run
 
@@ -107,14 +71,14 @@ def main() -> None:
     print(f"# bench.core: n={n} per side, interleaved; p50 / p95 in ms")
     print("| what | executor p50 / p95 | floor p50 / p95 | ratio, delta | goal |")
     print("|---|---|---|---|---|")
-    e2e, floor = interleave(n, via(docker_ex, "{}"), raw_docker_floor(docker_ex, "{}"))
+    e2e, floor = interleave(n, [via(docker_ex, "{}"), raw_docker_floor(docker_ex, "{}")])
     print(row("docker: trivial node e2e vs raw SDK create→attach→start→wait→remove",
               e2e, floor, "≤ 1.25x"))
-    sub, runner, bare = interleave(n, via(sub_ex, "{}"), bare_runner, bare_python)
+    sub, runner, bare = interleave(n, [via(sub_ex, "{}"), bare_runner, bare_python])
     print(row("subprocess: trivial node vs the same runner spawned bare", sub, runner,
               "≤ +15 ms"))
     print(row("subprocess: trivial node vs bare `python3 -c pass`", sub, bare, "≤ +15 ms"))
-    big_t, small_t = interleave(max(5, n // 3), via(docker_ex, big), via(docker_ex, small))
+    big_t, small_t = interleave(max(5, n // 3), [via(docker_ex, big), via(docker_ex, small)])
     print(row("docker: 10 MB state vs 1 KB state", big_t, small_t, "(cost of size)"))
 
 

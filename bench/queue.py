@@ -28,15 +28,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench.common import pct, raw_container
+
 ROOT = Path(__file__).resolve().parent.parent
 TRIVIAL = "def main(state):\n    return 1\n"
 SPIN = "def main(state):\n    while True:\n        pass\n"
 LABEL_JOB = "studio.job_id"
-
-
-def pct(samples: list[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))] if s else float("nan")
 
 
 def free_port() -> int:
@@ -53,11 +50,28 @@ class Redis:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
-             "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "", "--appendonly",
-             "yes", "--appendfsync", "everysec", "--daemonize", "no", "--logfile",
-             str(workdir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(workdir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(workdir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -91,10 +105,28 @@ class Worker:
         self.node = f"bench-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                [str(Path(sys.executable).with_name("celery")), "-A", "worker", "worker",
-                 "--pool", "prefork", "-c", str(slots), "-Q", "code.test,code.run",
-                 "--hostname", self.node, "--loglevel", "WARNING"],
-                cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True)
+                [
+                    str(Path(sys.executable).with_name("celery")),
+                    "-A",
+                    "worker",
+                    "worker",
+                    "--pool",
+                    "prefork",
+                    "-c",
+                    str(slots),
+                    "-Q",
+                    "code.test,code.run",
+                    "--hostname",
+                    self.node,
+                    "--loglevel",
+                    "WARNING",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -129,8 +161,13 @@ DISTURBED: Counter[str] = Counter()
 
 
 def overhead(client: Any, n: int) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"overhead": [], "stored": [], "submit": [], "pickup": [],
-                                   "run": []}
+    out: dict[str, list[float]] = {
+        "overhead": [],
+        "stored": [],
+        "submit": [],
+        "pickup": [],
+        "run": [],
+    }
     while len(out["overhead"]) < n:
         t0 = time.time()
         p0 = time.perf_counter()
@@ -202,21 +239,9 @@ def raw_throughput(settings: Any, api: Any, threads: int, jobs: int) -> float:
 
     def one() -> None:
         job = CodeJob(code=TRIVIAL)
-        policy = sandbox_policy(settings, lang, job, limits, owner_id())
-        policy["host_config"] = api.create_host_config(**policy["host_config"])
-        cid = api.create_container(name=f"studio-code-bench-{uuid.uuid4().hex}",
-                                   **policy)["Id"]
-        sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1,
-                                              "stream": 1})
-        raw = sock._sock
-        api.start(cid)
-        raw.sendall(lang.stdin_payload(job))
-        raw.shutdown(socket.SHUT_WR)
-        while raw.recv(1 << 16):
-            pass
-        api.wait(cid)
-        sock.close()
-        api.remove_container(cid, force=True)
+        raw_container(
+            api, sandbox_policy(settings, lang, job, limits, owner_id()), lang.stdin_payload(job)
+        )
 
     def loop() -> None:
         while True:
@@ -271,8 +296,11 @@ def main() -> None:
     p.add_argument("--cancels", type=int, default=20)
     p.add_argument("--jobs", type=int, default=80, help="jobs per throughput round")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--database-url", default="",
-                   help="run store URL (default: a new SQLite file in a temporary folder)")
+    p.add_argument(
+        "--database-url",
+        default="",
+        help="run store URL (default: a new SQLite file in a temporary folder)",
+    )
     args = p.parse_args()
 
     import docker
@@ -286,12 +314,22 @@ def main() -> None:
     client = None
     try:
         db = args.database_url or f"sqlite:///{tmp / 'studio-code.db'}"
-        settings = load_settings(enable_code_nodes=True, redis_url=redis.url,
-                                 database_url=db, code_concurrency=args.slots)
+        settings = load_settings(
+            enable_code_nodes=True,
+            redis_url=redis.url,
+            database_url=db,
+            code_concurrency=args.slots,
+        )
         env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-        env.update(STUDIO_ENABLE_CODE_NODES="1", STUDIO_REDIS_URL=redis.url,
-                   STUDIO_DATABASE_URL=db, STUDIO_CODE_CONCURRENCY=str(args.slots),
-                   STUDIO_CODE_IMAGE=settings.code_image)
+        env.update(
+            STUDIO_ENABLE_CODE_NODES="1",
+            STUDIO_REDIS_URL=redis.url,
+            STUDIO_DATABASE_URL=db,
+            STUDIO_CODE_CONCURRENCY=str(args.slots),
+            STUDIO_CODE_IMAGE=settings.code_image,
+            # every slot reads code.run, so N slots are compared with N raw floors
+            STUDIO_QUEUE_TEST_SLOTS="0",
+        )
         client = CodeClient(settings)
         worker = Worker(env, args.slots, tmp / "worker.log", client)
         api = docker.from_env(timeout=60).api
@@ -311,40 +349,63 @@ def main() -> None:
             return f"{pct(xs, q):.1f} ms"
 
         cpus = os.cpu_count()
-        print(f"# bench.queue: 1 worker, {args.slots} run slots (+1 test slot), prefork; "
-              f"{'SQLite' if db.startswith('sqlite') else 'PostgreSQL'} store; redis-server "
-              f"(AOF everysec); {cpus} CPUs")
+        print(
+            f"# bench.queue: 1 worker, {args.slots} slots all on code.run "
+            "(STUDIO_QUEUE_TEST_SLOTS=0), prefork; "
+            f"{'SQLite' if db.startswith('sqlite') else 'PostgreSQL'} store; redis-server "
+            f"(AOF everysec); {cpus} CPUs"
+        )
         print("| what | p50 | p95 / p99 | goal |")
         print("|---|---|---|---|")
-        print(f"| queue overhead: submit→result in the caller − executor duration_ms "
-              f"(n={args.n}, one at a time) | {ms(ov['overhead'], 50)} | "
-              f"p95 {ms(ov['overhead'], 95)} | ≤ 5 ms |")
-        print(f"| queue overhead to the STORED result: submit→finished_at − duration_ms | "
-              f"{ms(ov['stored'], 50)} | p95 {ms(ov['stored'], 95)} | ≤ 5 ms |")
-        print(f"| … of which submit() (store row + send) | {ms(ov['submit'], 50)} | "
-              f"p95 {ms(ov['submit'], 95)} | |")
-        print(f"| … of which submit() returned → claimed (started_at) | {ms(ov['pickup'], 50)} "
-              f"| p95 {ms(ov['pickup'], 95)} | |")
-        print(f"| executor duration_ms of the same jobs (not overhead) | {ms(ov['run'], 50)} | "
-              f"p95 {ms(ov['run'], 95)} | |")
-        print(f"| cancel latency: cancel() → container gone (n={args.cancels}) | "
-              f"{pct(gone, 50) * 1000:.0f} ms | p99 {pct(gone, 99) * 1000:.0f} ms | ≤ 500 ms |")
-        print(f"| cancel() → job `cancelled` seen by wait() | {pct(ended, 50) * 1000:.0f} ms | "
-              f"p99 {pct(ended, 99) * 1000:.0f} ms | |")
+        print(
+            f"| queue overhead: submit→result in the caller − executor duration_ms "
+            f"(n={args.n}, one at a time) | {ms(ov['overhead'], 50)} | "
+            f"p95 {ms(ov['overhead'], 95)} | ≤ 5 ms |"
+        )
+        print(
+            f"| queue overhead to the STORED result: submit→finished_at − duration_ms | "
+            f"{ms(ov['stored'], 50)} | p95 {ms(ov['stored'], 95)} | ≤ 5 ms |"
+        )
+        print(
+            f"| … of which submit() (store row + send) | {ms(ov['submit'], 50)} | "
+            f"p95 {ms(ov['submit'], 95)} | |"
+        )
+        print(
+            f"| … of which submit() returned → claimed (started_at) | {ms(ov['pickup'], 50)} "
+            f"| p95 {ms(ov['pickup'], 95)} | |"
+        )
+        print(
+            f"| executor duration_ms of the same jobs (not overhead) | {ms(ov['run'], 50)} | "
+            f"p95 {ms(ov['run'], 95)} | |"
+        )
+        print(
+            f"| cancel latency: cancel() → container gone (n={args.cancels}) | "
+            f"{pct(gone, 50) * 1000:.0f} ms | p99 {pct(gone, 99) * 1000:.0f} ms | ≤ 500 ms |"
+        )
+        print(
+            f"| cancel() → job `cancelled` seen by wait() | {pct(ended, 50) * 1000:.0f} ms | "
+            f"p99 {pct(ended, 99) * 1000:.0f} ms | |"
+        )
         print()
-        print(f"| throughput, trivial nodes, {args.jobs} per round | queue, {args.slots} slots "
-              f"(jobs/s) | raw SDK floor, {args.slots} threads | queue / raw | executor, "
-              f"{args.slots} threads, no queue | queue / executor |")
+        print(
+            f"| throughput, trivial nodes, {args.jobs} per round | queue, {args.slots} slots "
+            f"(jobs/s) | raw SDK floor, {args.slots} threads | queue / raw | executor, "
+            f"{args.slots} threads, no queue | queue / executor |"
+        )
         print("|---|---|---|---|---|---|")
         for i, (q, r, e) in enumerate(zip(queue_rates, raw_rates, ex_rates, strict=True), 1):
             print(f"| round {i} | {q:.2f} | {r:.2f} | {q / r:.2f}x | {e:.2f} | {q / e:.2f}x |")
         n = len(queue_rates)
         q_all, r_all, e_all = sum(queue_rates) / n, sum(raw_rates) / n, sum(ex_rates) / n
-        print(f"| mean | {q_all:.2f} | {r_all:.2f} | {q_all / r_all:.2f}x (goal ≥ 0.85x) | "
-              f"{e_all:.2f} | {q_all / e_all:.2f}x |")
+        print(
+            f"| mean | {q_all:.2f} | {r_all:.2f} | {q_all / r_all:.2f}x (goal ≥ 0.85x) | "
+            f"{e_all:.2f} | {q_all / e_all:.2f}x |"
+        )
         if sum(DISTURBED.values()):
-            print(f"\nsamples disturbed by another process removing our sandboxes (dropped "
-                  f"and measured again; throughput jobs that failed so): {dict(DISTURBED)}")
+            print(
+                f"\nsamples disturbed by another process removing our sandboxes (dropped "
+                f"and measured again; throughput jobs that failed so): {dict(DISTURBED)}"
+            )
     finally:
         if client is not None:
             client.close()

@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import math
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
-import uuid
 from collections.abc import Callable
 
+from bench.common import interleave, pct, raw_container
 from executor.languages import get_language
 from executor.languages.typescript import RUNNER_URL
 from executor.models import CodeJob
@@ -45,29 +42,6 @@ BARE_TAIL = (
 BARE_URL = "data:application/typescript;base64," + base64.b64encode(
     (TRIVIAL + BARE_TAIL).encode()
 ).decode()
-
-
-def pct(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    s = sorted(samples)
-    return s[min(len(s) - 1, max(0, math.ceil(len(s) * q / 100) - 1))]
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1000
-
-
-def interleave(n: int, fns: list[Callable[[], object]], warmup: int = 2) -> list[list[float]]:
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    out: list[list[float]] = [[] for _ in fns]
-    for _ in range(n):
-        for i, fn in enumerate(fns):
-            out[i].append(timed(fn))
-    return out
 
 
 def bare_argv(argv: list[str]) -> list[str]:
@@ -99,22 +73,8 @@ def docker_sdk(ex: Executor, *, bare: bool) -> Callable[[], object]:
         policy = sandbox_policy(ex.settings, lang, job, limits, "bench")
         if bare:
             policy["command"] = bare_argv(policy["command"])
-        policy["host_config"] = api.create_host_config(**policy["host_config"])
-        name = f"studio-code-bench-{uuid.uuid4().hex}"
-        cid = api.create_container(name=name, **policy)["Id"]
-        try:
-            sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1,
-                                                  "stream": 1})
-            raw = sock._sock
-            api.start(cid)
-            raw.sendall(STATE.encode() if bare else lang.stdin_payload(job))
-            raw.shutdown(socket.SHUT_WR)
-            while raw.recv(1 << 16):
-                pass
-            assert api.wait(cid)["StatusCode"] == 0
-            sock.close()
-        finally:
-            api.remove_container(cid, force=True)
+        stdin = STATE.encode() if bare else lang.stdin_payload(job)
+        assert raw_container(api, policy, stdin) == 0
 
     return run
 
