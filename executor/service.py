@@ -30,6 +30,12 @@ from executor.settings import KNOWN_RUNTIMES, Settings
 log = logging.getLogger("studio_code")
 
 READINESS_TTL_S = 15.0
+#: the only error codes a runner may report on the result channel
+RUNNER_CODES = {
+    str(c): c
+    for c in (ErrorCode.CODE_ERROR, ErrorCode.CODE_INVALID, ErrorCode.CODE_OUTPUT_INVALID,
+              ErrorCode.CODE_MEMORY)
+}
 READINESS_TIMEOUT_S = 20.0
 
 
@@ -183,6 +189,12 @@ class Executor:
         except StudioCodeError as e:
             status = Status.INVALID if e.code is ErrorCode.CODE_INVALID else Status.FAILED
             return self._result(job, status, error=e.code, message=e.message, t0=started)
+        except Exception as e:  # a bug or a broken engine must still give the job an end
+            log.exception("job %s: the executor failed", job.job_id)
+            return self._result(
+                job, Status.FAILED, error=ErrorCode.RUNTIME_UNAVAILABLE,
+                message=f"The executor failed to run the job ({type(e).__name__}: {e}); run "
+                "it again, and tell the operator if it keeps failing.", t0=started)
 
     def _run(
         self,
@@ -215,11 +227,15 @@ class Executor:
         with self._audit_lock:
             if self._audited:
                 return
+            try:
+                self.audit_sink.audit(
+                    SUBPROCESS_RUNTIME_USED,
+                    {"owner": owner_id(), "job_id": job.job_id, "language": job.language},
+                )
+            except Exception:  # the next call tries again; the run itself goes on
+                log.exception("could not write the %s audit entry", SUBPROCESS_RUNTIME_USED)
+                return
             self._audited = True
-        self.audit_sink.audit(
-            SUBPROCESS_RUNTIME_USED,
-            {"owner": owner_id(), "job_id": job.job_id, "language": job.language},
-        )
 
     # --- reading what the sandbox did -------------------------------------------------
 
@@ -274,11 +290,13 @@ class Executor:
                 **common)
         if ok:
             return self._result(job, Status.SUCCEEDED, output=reply.get("output"), **common)
-        err = reply.get("error") or {}
-        try:
-            code = ErrorCode(str(err.get("code")))
-        except ValueError:
-            code = ErrorCode.CODE_ERROR
+        err = reply.get("error")
+        if not isinstance(err, dict):
+            err = {"message": f"The runner reported a failure it could not describe: {err!r}"}
+        # Whatever reaches the result channel is only trusted so far: a runner reports these
+        # codes and no other (user code that writes to the channel cannot claim, say,
+        # RATE_LIMITED).
+        code = RUNNER_CODES.get(str(err.get("code")), ErrorCode.CODE_ERROR)
         if code is ErrorCode.CODE_MEMORY:
             return self._memory_result(job, **common)
         status = Status.INVALID if code is ErrorCode.CODE_INVALID else Status.FAILED

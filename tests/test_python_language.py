@@ -115,3 +115,28 @@ def test_output_larger_than_the_limit_is_refused(make_settings, request):
     r = run(ex, "def main(state):\n    return 'x' * 10000\n")
     assert r.error.code == "CODE_OUTPUT_INVALID"
     assert "limit of 4096" in r.error.message
+
+
+@pytest.mark.parametrize(
+    "forged",
+    ['{"ok": false, "error": "x"}', '{"ok": false, "error": {"code": "RATE_LIMITED"}}',
+     '[1, 2]', '{"ok": true'],
+    ids=["error-not-a-dict", "foreign-code", "not-an-object", "truncated"],
+)
+def test_code_writing_to_the_result_channel_cannot_break_the_executor(executor, forged):
+    # The runner's result fd is reachable from user code; whatever it writes there must
+    # end as a result with a runner's error code, never an exception or a foreign code.
+    code = (
+        "import os\n"
+        "def main(state):\n"
+        "    for fd in range(3, 10):\n"
+        "        try:\n"
+        f"            os.write(fd, {forged!r}.encode())\n"
+        "            os.close(fd)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    os._exit(0)\n"
+    )
+    r = run(executor, code)
+    assert r.status is Status.FAILED
+    assert r.error.code in ("CODE_ERROR", "CODE_OUTPUT_INVALID")

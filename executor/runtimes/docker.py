@@ -5,6 +5,7 @@ The whole isolation policy is ``sandbox_policy`` below, on one screen.
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import struct
@@ -13,6 +14,7 @@ import time
 from typing import Any
 
 import docker
+import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig, Ulimit
 
@@ -21,6 +23,8 @@ from executor.languages.base import Language
 from executor.models import CodeJob, Limits
 from executor.runtimes.base import POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime, owner_id
 from executor.settings import Settings, sandbox_ids
+
+log = logging.getLogger("studio_code")
 
 LABEL_JOB = "studio.job_id"
 LABEL_OWNER = "studio.owner"
@@ -154,10 +158,14 @@ class DockerRuntime(Runtime):
             writer.start()
             out = BoundedBuffer(limits.output_max_bytes + 4096)
             logs = BoundedBuffer(limits.log_max_bytes)
-            ending = _pump(raw, out, logs, started + limits.timeout_s, should_cancel)
-            if ending != "eof":
-                self._kill_quietly(api, cid)
-            exit_code, oom = self._exit_state(api, cid)
+            deadline = started + limits.timeout_s
+            ending = _pump(raw, out, logs, deadline, should_cancel)
+            exit_code, oom = None, False
+            if ending == "eof":
+                # The streams closed, but code can close its fds and go on: the wait for the
+                # exit is bounded by the same deadline. On "deadline"/"cancel" nothing is
+                # waited for: the remove(force=True) below kills it.
+                exit_code, oom, ending = self._exit_state(api, cid, deadline)
             if ending == "eof" and exit_code in (None, 137) and not oom and should_cancel:
                 # Killed from outside (cancel by label from another process) before we polled.
                 ending = "cancel" if should_cancel() else ending
@@ -180,8 +188,9 @@ class DockerRuntime(Runtime):
             ) from e
         finally:
             if sock is not None:
+                getattr(sock, "_sock", sock).close()  # SocketIO.close leaves the socket open
                 sock.close()
-            self._remove(api, cid)
+            self._remove_surely(api, cid)
 
     def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> str:
         name = container_name(job_id)
@@ -199,20 +208,35 @@ class DockerRuntime(Runtime):
         self.kill(job_id)
         return api.create_container(name=name, **policy)["Id"]
 
-    def _exit_state(self, api: docker.APIClient, cid: str) -> tuple[int | None, bool]:
+    def _exit_state(
+        self, api: docker.APIClient, cid: str, deadline: float
+    ) -> tuple[int | None, bool, str]:
+        """Exit status, OOM-killed (from the container state, never guessed) and the ending."""
         try:
-            code = api.wait(cid, timeout=KILL_GRACE_S)["StatusCode"]
-            state = api.inspect_container(cid)["State"]
+            code = api.wait(cid, timeout=max(0.5, deadline - time.monotonic()))["StatusCode"]
         except NotFound:
-            return None, False  # removed from outside (a cancel by label)
-        return code, bool(state.get("OOMKilled"))
+            return None, False, "eof"  # removed from outside (a cancel by label)
+        except requests.exceptions.RequestException:
+            return None, False, "deadline"  # still running with its streams closed
+        oom = False
+        if code == 137:  # only a SIGKILL can be the OOM killer's
+            try:
+                oom = bool(api.inspect_container(cid)["State"].get("OOMKilled"))
+            except NotFound:
+                pass
+        return code, oom, "eof"
 
-    @staticmethod
-    def _kill_quietly(api: docker.APIClient, cid: str) -> None:
-        try:
-            api.kill(cid)
-        except (NotFound, APIError):
-            pass  # already gone or already stopped
+    def _remove_surely(self, api: docker.APIClient, cid: str) -> None:
+        """Remove in a ``finally``: retried, never raising. What still fails is left to the
+        reapers (its studio.deadline label says when anyone may remove it)."""
+        for attempt in range(3):
+            try:
+                self._remove(api, cid)
+                return
+            except (APIError, requests.exceptions.RequestException) as e:
+                log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12],
+                            attempt + 1, e)
+                time.sleep(0.2 * (attempt + 1))
 
     @staticmethod
     def _remove(api: docker.APIClient, cid: str) -> bool:
