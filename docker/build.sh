@@ -39,6 +39,12 @@ TS_IMAGE=${STUDIO_CODE_TS_IMAGE:-studio-code-ts:1}
 PY_BASE=${STUDIO_PY_BASE:-python:3.12-slim}
 TS_BASE=${STUDIO_TS_BASE:-debian:trixie-slim}
 PULL_TIMEOUT=${STUDIO_PULL_TIMEOUT:-20}
+# An engine started with --bridge=none gives `docker build` RUN steps no network at all;
+# the host's network is the one that reaches the package registries then.
+if [[ -z ${STUDIO_BUILD_NETWORK:-} ]] && command -v docker >/dev/null 2>&1 \
+  && ! docker network inspect bridge >/dev/null 2>&1; then
+  STUDIO_BUILD_NETWORK=host
+fi
 SUITE=${STUDIO_DEBIAN_SUITE:-trixie}
 CACHE_DIR=${XDG_CACHE_HOME:-$HOME/.cache}/studio-code
 DEPS_TS=$HERE/studio-code-ts/deps.ts
@@ -50,9 +56,11 @@ RECIPE=1
 
 # The sandbox policy the executor uses; the smoke tests run under it.
 # shellcheck disable=SC2054 # the commas are inside --tmpfs options
-SANDBOX_FLAGS=(--rm -i --network none --read-only --tmpfs /tmp:rw,size=64m,mode=1777
+SANDBOX_FLAGS=(--rm -i --network none --read-only
+  --tmpfs /tmp:rw,nosuid,nodev,noexec,size=64m,mode=1777
   --cap-drop ALL --security-opt no-new-privileges --user 65534:65534
-  --memory 256m --memory-swap 256m --pids-limit 64 --log-driver none --ipc none
+  --memory 256m --memory-swap 256m --cpus 0.5 --pids-limit 64 --log-driver none --ipc none
+  --ulimit core=0 --ulimit msgqueue=0 --hostname sandbox
   -e HOME=/tmp)
 
 log() { printf '[build.sh] %s\n' "$*" >&2; }
@@ -332,7 +340,12 @@ build_one() { # $1 = python|typescript
       "build_${lang}_offline" ;;
     auto)
       if base_available "$base"; then
-        "build_${lang}_registry"
+        # A base that pulls is no promise that the build's own downloads work (pip, npm):
+        # when the registry build fails, the offline path still can.
+        if ! ( "build_${lang}_registry" ); then
+          log "$lang: the registry build failed; falling back to the offline path"
+          "build_${lang}_offline"
+        fi
       else
         log "$lang: no container registry; falling back to the offline path"
         "build_${lang}_offline"
