@@ -159,7 +159,8 @@ def subprocess_executor(make_settings):  # type: ignore[no-untyped-def]
 
 class RedisServer:
     """A redis-server of the test's own on a free loopback port; it can be stopped and
-    started again (with AOF, so what it acknowledged survives a restart)."""
+    started again, with AOF as deploy/compose.yaml runs it (appendfsync everysec: what it
+    acknowledged more than a second ago survives even a SIGKILL)."""
 
     def __init__(self, workdir: Path) -> None:
         self.port = free_port()
@@ -174,7 +175,7 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
              "--bind", "127.0.0.1", "--dir", str(self.workdir), "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy",
+             "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy",
              "noeviction", "--daemonize", "no", "--logfile", str(self.workdir / "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
@@ -189,9 +190,10 @@ class RedisServer:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
-    def stop(self) -> None:
+    def stop(self, *, kill: bool = False) -> None:
+        """SIGTERM (Redis flushes and exits) or, with kill, SIGKILL (a crash)."""
         if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.kill() if kill else self.proc.terminate()
             self.proc.wait(timeout=10)
         self.proc = None
 

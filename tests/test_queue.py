@@ -567,7 +567,10 @@ def test_worker_sigkill_mid_job(queue_env: Any, docker_client: Any) -> None:
 def test_redis_restart_loses_no_queued_job(queue_env: Any, redis_server: Any) -> None:
     q = queue_env(code_concurrency=2)
     jobs = {q.client.submit(TRIVIAL, "python", {"n": i}): i for i in range(6)}
-    redis_server.stop()
+    # A crash, not a clean stop (SIGTERM would flush the AOF anyway), after the one second
+    # that appendfsync everysec may lose.
+    time.sleep(1.5)
+    redis_server.stop(kill=True)
     redis_server.start()  # same port, same AOF
     q.start_worker("w1", 2)
     recs = q.wait_all(list(jobs), 60)

@@ -424,6 +424,20 @@ def test_a_heap_bomb_is_code_memory(executor):
     assert "STUDIO_CODE_MEMORY=256m" in r.error.message
 
 
+def test_memory_outside_the_v8_heap_is_code_memory_too(executor):
+    # ArrayBuffers live outside the heap the V8 flag caps: docker's cgroup or the
+    # subprocess runtime's resident-memory watch must stop them (1 GiB, touched).
+    code = (
+        "export function main() {\n"
+        "  const chunks: Uint8Array[] = [];\n"
+        "  for (let i = 0; i < 16; i++) chunks.push(new Uint8Array(64 * 1024 * 1024).fill(1));\n"
+        "  return chunks.length;\n"
+        "}\n"
+    )
+    r = run(executor, code, timeout_s=30)
+    assert r.status is Status.FAILED and r.error.code == "CODE_MEMORY", (r.error, r.logs[-500:])
+
+
 def test_an_endless_loop_times_out_within_a_second_of_its_timeout(executor):
     t0 = time.monotonic()
     r = run(executor, "export function main() {\n  for (;;) {}\n}\n", timeout_s=2)

@@ -30,6 +30,8 @@ from executor.settings import Settings, sandbox_ids
 
 NOFILE = 256
 FSIZE_BYTES = 64 * 1024 * 1024  # as much as the container's /tmp holds
+RSS_POLL_S = 0.02
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 WARNING = (
     "STUDIO_CODE_RUNTIME=subprocess: Code nodes run on the host as child processes, NOT in "
@@ -52,7 +54,7 @@ def rlimits(limits: Limits, *, address_space: bool = True) -> dict[int, tuple[in
         resource.RLIMIT_CORE: (0, 0),
         resource.RLIMIT_NPROC: (limits.pids, limits.pids),
     }
-    if address_space:  # V8 reserves far more address space than it uses: Deno caps its heap
+    if address_space:  # V8 reserves far more address space than it uses: see _wait's watch
         policy[resource.RLIMIT_AS] = (limits.memory_bytes, limits.memory_bytes)
     return policy
 
@@ -88,7 +90,8 @@ class SubprocessRuntime(Runtime):
         workdir = tempfile.mkdtemp(prefix="studio-code-")
         if as_root:
             os.chown(workdir, uid, gid)
-        policy = rlimits(limits, address_space=language.name != "typescript")
+        address_space = language.name != "typescript"
+        policy = rlimits(limits, address_space=address_space)
         argv = language.command(self.settings, limits, in_container=False)
         t0 = time.monotonic()
         try:
@@ -125,7 +128,8 @@ class SubprocessRuntime(Runtime):
             t.start()
         ending = "eof"
         try:
-            ending = _wait(child, started + limits.timeout_s, should_cancel)
+            rss_cap = None if address_space else limits.memory_bytes
+            ending = _wait(child, started + limits.timeout_s, should_cancel, rss_cap)
         finally:
             # Always: whatever the code started in its session dies with it.
             _kill_group(child.pid)
@@ -146,6 +150,7 @@ class SubprocessRuntime(Runtime):
             logs=logs.getvalue(),
             logs_total=logs.total,
             timed_out=ending == "deadline" or cpu_limit,
+            oom_killed=ending == "memory",
             cancelled=ending == "cancel",
             start_ms=(started - t0) * 1000,
             run_ms=(time.monotonic() - started) * 1000,
@@ -174,16 +179,25 @@ def _apply(policy: dict[int, tuple[int, int]]):  # type: ignore[no-untyped-def]
 
 
 def _wait(
-    child: subprocess.Popen[bytes], deadline: float, should_cancel: CancelCheck | None
+    child: subprocess.Popen[bytes],
+    deadline: float,
+    should_cancel: CancelCheck | None,
+    rss_cap: int | None = None,
 ) -> str:
-    """Wait for the child's exit, the deadline or a cancel: "eof", "deadline" or "cancel".
+    """Wait for the child's exit, the deadline, a cancel or (with ``rss_cap``) too much
+    resident memory: "eof", "deadline", "cancel" or "memory".
 
     A pidfd wakes us the moment the child exits; Popen.wait(timeout) would poll with a
-    back-off of up to 50 ms, which is most of a trivial node's cost."""
+    back-off of up to 50 ms, which is most of a trivial node's cost. ``rss_cap`` is for Deno,
+    which cannot run under RLIMIT_AS or RLIMIT_DATA (V8 reserves gigabytes of address space
+    up front): V8's heap flag caps JavaScript objects, and this watch, every 20 ms, caps
+    what the heap flag does not see (ArrayBuffers); it may overshoot by what can be touched
+    in 20 ms."""
     try:
         pidfd = os.pidfd_open(child.pid)
     except (AttributeError, OSError):
         pidfd = None  # not Linux >= 5.3: poll
+    step_max = RSS_POLL_S if rss_cap else POLL_S * 2
     try:
         while child.poll() is None:
             now = time.monotonic()
@@ -191,7 +205,9 @@ def _wait(
                 return "deadline"
             if should_cancel is not None and should_cancel():
                 return "cancel"
-            step = min(POLL_S * 2, deadline - now)
+            if rss_cap is not None and _rss_bytes(child.pid) > rss_cap:
+                return "memory"
+            step = min(step_max, deadline - now)
             if pidfd is not None:
                 select.select([pidfd], [], [], step)
             else:
@@ -203,6 +219,14 @@ def _wait(
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return 0  # gone, or not Linux
 
 
 def _kill_group(pgid: int) -> None:
