@@ -111,6 +111,12 @@ class CodeClient:
         for a language that is not offered."""
         return self.executor.check_code(code, language)
 
+    def validate_node(self, language: str) -> None:
+        """Workflow validation of a Code node: returns when it can run here, else raises
+        CodeNodesDisabled, CodeInvalid (language not offered) or RuntimeUnavailable, each
+        with a sentence saying how to fix it."""
+        self.executor.validate_node(language)
+
     def meta(self, *, fresh: bool = False) -> dict[str, Any]:
         """What GET /api/meta/runtime returns."""
         from executor.meta import runtime_meta

@@ -415,6 +415,27 @@ def validate_code(body: CodeBody, who: CallerDep, services: ServicesDep) -> Vali
     return ValidateResult(ok=True, language=body.language)
 
 
+class LanguageBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    language: LanguageName = "python"
+
+
+class NodeCheck(BaseModel):
+    ok: bool
+    language: LanguageName
+
+
+@router.post("/api/code/nodes/check", response_model=NodeCheck, tags=["code"],
+             responses=ERRORS)
+def check_node(body: LanguageBody, who: CallerDep, services: ServicesDep) -> NodeCheck:
+    """Workflow validation of a Code node: 200 when a node of this language can run now;
+    503 CODE_NODES_DISABLED or RUNTIME_UNAVAILABLE, or 400 CODE_INVALID for a language that
+    is not offered, each with the reason and how to fix it."""
+    services.client.validate_node(body.language)
+    return NodeCheck(ok=True, language=body.language)
+
+
 @router.post("/api/code/test", response_model=RunView, tags=["code"],
              responses={**ERRORS, 202: {"model": RunView,
                                         "description": "Not finished within the wait: poll "

@@ -231,6 +231,19 @@ def test_a_call_without_the_user_header_is_401(stack: Stack) -> None:
     assert r.status_code == 401
 
 
+def test_workflow_validation_of_a_code_node(stack: Stack) -> None:
+    r = stack.http.post("/api/code/nodes/check", json={"language": "python"},
+                        headers={USER: _user()})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"ok": True, "language": "python"}
+    # this stack offers python only (STUDIO_CODE_LANGUAGES=python)
+    r = stack.http.post("/api/code/nodes/check", json={"language": "typescript"},
+                        headers={USER: _user()})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "CODE_INVALID"
+    assert "not offered here" in r.json()["error"]["message"]
+
+
 def test_meta_reports_python_ready(stack: Stack) -> None:
     r = stack.http.get("/api/meta/runtime")
     assert r.status_code == 200, r.text
@@ -446,7 +459,14 @@ def test_ready_is_503_while_a_dependency_is_unreachable(tmp_path: Path, python_i
         assert {"redis": "STUDIO_REDIS_URL", "run_store": "STUDIO_DATABASE_URL",
                 "docker": "docker.sock"}[down] in checks[down]
         assert httpx.get(f"{base}/healthz/live").status_code == 200
-        if down != "docker":
+        if down == "docker":
+            # workflow validation of a Code node says why it cannot run, and how to fix it
+            r = httpx.post(f"{base}/api/code/nodes/check", json={"language": "python"},
+                           headers={USER: "u"}, timeout=30)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "RUNTIME_UNAVAILABLE"
+            assert "Docker is not reachable" in r.json()["error"]["message"]
+        else:
             # a submit says so in the error body (503), not a 500
             r = httpx.post(f"{base}/api/code/test", json={"code": OK_CODE},
                            headers={USER: "u"}, timeout=30)
@@ -466,7 +486,8 @@ def test_ready_is_503_while_a_dependency_is_unreachable(tmp_path: Path, python_i
 def test_openapi_has_the_routes_and_models(stack: Stack) -> None:
     spec = stack.http.get("/openapi.json").json()
     assert set(spec["paths"]) == {
-        "/api/meta/runtime", "/api/code/validate", "/api/code/test", "/api/runs",
+        "/api/meta/runtime", "/api/code/validate", "/api/code/nodes/check", "/api/code/test",
+        "/api/runs",
         "/api/runs/{job_id}", "/api/runs/{job_id}/cancel"}
     schemas = spec["components"]["schemas"]
     for name in ("RunBody", "CodeBody", "RunView", "ErrorBody", "RuntimeMeta"):
@@ -502,6 +523,6 @@ def test_schemathesis_finds_no_server_error(stack: Stack) -> None:
 
     for result in schema.get_all_operations():
         fuzz(result.ok())
-    assert len(ran) == 6, ran
+    assert len(ran) == 7, ran
     # GET /api/meta/runtime takes no input: one example is all there is
     assert all(n >= 5 for op, n in ran.items() if op != "GET /api/meta/runtime"), ran
