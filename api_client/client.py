@@ -27,7 +27,7 @@ from executor.errors import (
     RuntimeUnavailable,
 )
 from executor.languages.base import Problem
-from executor.models import CodeErrorInfo, CodeJob, CodeResult, Kind, Status
+from executor.models import CodeJob, CodeResult, Kind, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import JobRecord, RunStore, open_store
@@ -282,11 +282,8 @@ class CodeClient:
     # --- helpers -------------------------------------------------------------------------
 
     def _ended(self, job: CodeJob, status: Status, code: ErrorCode, message: str) -> CodeResult:
-        return CodeResult(
-            job_id=job.job_id, language=job.language, status=status,
-            error=CodeErrorInfo(code=code, message=message),
-            runtime=self.settings.code_runtime, code_runtime=self.settings.code_runtime,
-        )
+        return CodeResult.ended(job.job_id, job.language, status, code, message,
+                                runtime=self.settings.code_runtime)
 
     def close(self) -> None:
         if self._app is not None:

@@ -104,6 +104,18 @@ class CodeResult(BaseModel):
     warnings: list[str] = Field(default_factory=list)
     trace: list[TraceRow] = Field(default_factory=list)
 
+    @classmethod
+    def ended(
+        cls, job_id: str, language: Language, status: Status, code: ErrorCode, message: str,
+        *, runtime: str,
+    ) -> CodeResult:
+        """A job that ended without running to a result (cancelled, worker lost, refused)."""
+        return cls(
+            job_id=job_id, language=language, status=status,
+            error=CodeErrorInfo(code=code, message=message),
+            runtime=runtime, code_runtime=runtime,
+        )
+
     def cli_dict(self) -> dict[str, Any]:
         """The stable JSON object printed by ``studio-code run``."""
         return self.model_dump(mode="json")

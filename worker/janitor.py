@@ -27,7 +27,7 @@ from typing import Any
 from celery import bootsteps, signals
 
 from executor.errors import ErrorCode
-from executor.models import CodeErrorInfo, CodeResult, Status
+from executor.models import CodeResult, Status
 from executor.runtimes.docker import KILL_GRACE_S, LABEL_DEADLINE, LABEL_JOB, LABEL_OWNER
 from executor.service import make_runtime
 from executor.settings import Settings
@@ -166,13 +166,9 @@ class Janitor:
             if rec.worker and not rec.worker.startswith(f"{self.nodename}:"):
                 return  # another worker holds it; its own backstop or fail_stuck ends it
             self.store.finish(
-                CodeResult(
-                    job_id=job_id, language=rec.language, status=Status.CANCELLED,
-                    error=CodeErrorInfo(code=ErrorCode.CODE_CANCELLED,
-                                        message="Cancelled while running."),
-                    runtime=self.settings.code_runtime,
-                    code_runtime=self.settings.code_runtime,
-                ),
+                CodeResult.ended(job_id, rec.language, Status.CANCELLED,
+                                 ErrorCode.CODE_CANCELLED, "Cancelled while running.",
+                                 runtime=self.settings.code_runtime),
                 worker=f"{self.nodename}:backstop",
             )
             log.warning("backstop: ended cancelled job %s (its pool process did not)", job_id)

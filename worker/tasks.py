@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -26,10 +27,11 @@ import redis
 from celery import Celery, Task, current_app, signals
 
 from executor.errors import ErrorCode
-from executor.models import CodeErrorInfo, CodeJob, CodeResult, Status
+from executor.models import CodeJob, CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import JobRecord, RunStore, open_store
+from worker import metrics
 from worker.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL,
@@ -174,7 +176,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str) -> str:
     if rec is None:
         # Unknown, cancelled while queued, or already finished (a redelivery): nothing to do.
         if _cancelled_before_start(state, job_id):
-            _metrics("record_cancel", stage="queued")
+            _metrics(metrics.record_cancel, stage="queued")
         return "skipped"
     if rec.attempts > MAX_ATTEMPTS:
         result = _result(
@@ -195,7 +197,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str) -> str:
             result = _result(rec, state.settings, Status.CANCELLED, ErrorCode.CODE_CANCELLED,
                              "Cancelled before its sandbox started.")
         else:
-            with _metrics_context("sandbox_running", job.language):
+            with _metrics_context(metrics.sandbox_running, job.language):
                 result = state.executor.run(job, should_cancel=watch)
     except Exception as e:  # noqa: BLE001 - the executor never raises for the job itself
         log.exception("job %s: the worker failed around the executor", job_id)
@@ -204,7 +206,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str) -> str:
     finally:
         state.current_job = None
     if watch.cancelled_at is not None:
-        _metrics("record_cancel", time.monotonic() - watch.cancelled_at, stage="running")
+        _metrics(metrics.record_cancel, time.monotonic() - watch.cancelled_at, stage="running")
     return _finish(state, result, rec, worker, queue)
 
 
@@ -224,7 +226,7 @@ def _finish(state: ProcessState, result: CodeResult, rec: JobRecord, worker: str
     wait_s = None
     if rec.started_at is not None:
         wait_s = (rec.started_at - rec.queued_at).total_seconds()
-    _metrics("record_result", result, wait_s, queue=queue)
+    _metrics(metrics.record_result, result, wait_s, queue=queue)
     return "finished"
 
 
@@ -238,30 +240,24 @@ def _cancelled_before_start(state: ProcessState, job_id: str) -> bool:
 
 def _result(rec: JobRecord, settings: Settings, status: Status, code: ErrorCode,
             message: str) -> CodeResult:
-    return CodeResult(
-        job_id=rec.job_id, language=rec.language, status=status,
-        error=CodeErrorInfo(code=code, message=message),
-        runtime=settings.code_runtime, code_runtime=settings.code_runtime,
-    )
+    return CodeResult.ended(rec.job_id, rec.language, status, code, message,
+                            runtime=settings.code_runtime)
 
 
-# --- metrics (worker/metrics.py), never allowed to break a job ----------------------------
+# --- metrics, never allowed to break a job --------------------------------------------------
 
 
-def _metrics(hook: str, *args: Any, **kwargs: Any) -> None:
+def _metrics(hook: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     try:
-        from worker import metrics
-
-        getattr(metrics, hook)(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001
-        log.debug("metrics hook %s failed: %s", hook, e)
+        hook(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a metric is never worth a job
+        log.warning("metrics hook %s failed: %s", hook.__name__, e)
 
 
-def _metrics_context(hook: str, *args: Any) -> AbstractContextManager[Any]:
+def _metrics_context(hook: Callable[..., AbstractContextManager[Any]],
+                     *args: Any) -> AbstractContextManager[Any]:
     try:
-        from worker import metrics
-
-        return getattr(metrics, hook)(*args)  # type: ignore[no-any-return]
+        return hook(*args)
     except Exception as e:  # noqa: BLE001
-        log.debug("metrics hook %s failed: %s", hook, e)
+        log.warning("metrics hook %s failed: %s", hook.__name__, e)
         return nullcontext()
