@@ -19,6 +19,26 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 LABEL_JOB = "studio.job_id"
 
 
+#: forks until the process limit says no; it refuses to start as root, so it can only ever
+#: run under a container's pids limit or the subprocess runtime's dropped-privilege nproc
+FORK_BOMB = (
+    "import os, time\n"
+    "def main(state):\n"
+    "    if os.getuid() == 0:\n"
+    "        return {'forked': 0, 'error': 'refused to fork as root'}\n"
+    "    n = 0\n"
+    "    for _ in range(200):\n"
+    "        try:\n"
+    "            if os.fork() == 0:\n"
+    "                time.sleep(30)\n"
+    "                os._exit(0)\n"
+    "            n += 1\n"
+    "        except OSError as e:\n"
+    "            return {'forked': n, 'error': e.strerror}\n"
+    "    return {'forked': n, 'error': None}\n"
+)
+
+
 def require(ok: bool, what: str) -> None:
     """Skip (laptop) or fail (CI=true) when a service the test needs is missing."""
     if ok:
@@ -223,6 +243,29 @@ def postgres_url() -> str:
     except Exception as e:  # noqa: BLE001
         require(False, f"PostgreSQL not reachable at {POSTGRES_URL}: {e}")
     return POSTGRES_URL
+
+
+@pytest.fixture
+def pg_schema_url(postgres_url: str) -> Iterator[str]:
+    """postgres_url with a fresh schema of its own (dropped afterwards): the run store's
+    tables of this test only, so tests and sessions never see each other's jobs."""
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(postgres_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    schema = f"test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield (make_url(postgres_url)
+               .update_query_dict({"options": f"-csearch_path={schema}"})
+               .render_as_string(hide_password=False))
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):

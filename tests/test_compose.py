@@ -174,27 +174,6 @@ def test_the_app_dockerfile_installs_the_project() -> None:
 # --- scaling: two workers, one Redis, one PostgreSQL ---------------------------------------
 
 
-@pytest.fixture
-def pg_schema_url(postgres_url: str) -> Any:
-    """postgres_url with a fresh schema of its own (dropped afterwards): the run store's
-    tables of this test only."""
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    dsn = make_url(postgres_url).set(drivername="postgresql").render_as_string(
-        hide_password=False)
-    schema = f"test_compose_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield (make_url(postgres_url)
-               .update_query_dict({"options": f"-csearch_path={schema}"})
-               .render_as_string(hide_password=False))
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-
 WORK_CODE = "import time\n\ndef main(state):\n    time.sleep(0.4)\n    return state['i']\n"
 
 

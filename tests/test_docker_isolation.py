@@ -12,6 +12,7 @@ import time
 import pytest
 
 from executor.models import CodeJob, Status
+from tests.conftest import FORK_BOMB
 
 pytestmark = pytest.mark.docker
 
@@ -173,21 +174,7 @@ def test_fork_bomb_stops_at_the_pids_limit(make_settings, python_image):
 
     ex = Executor(make_settings(code_pids=16, code_image=python_image))
     # Runs ONLY inside the container, under its pids limit of 16.
-    code = (
-        "import os, time\n"
-        "def main(state):\n"
-        "    n = 0\n"
-        "    for _ in range(200):\n"
-        "        try:\n"
-        "            if os.fork() == 0:\n"
-        "                time.sleep(30)\n"
-        "                os._exit(0)\n"
-        "            n += 1\n"
-        "        except OSError as e:\n"
-        "            return {'forked': n, 'error': e.strerror}\n"
-        "    return {'forked': n, 'error': None}\n"
-    )
-    result = run(ex, code, timeout_s=20)
+    result = run(ex, FORK_BOMB, timeout_s=20)
     assert result.status is Status.SUCCEEDED, result
     assert result.output["error"] == "Resource temporarily unavailable"
     assert 0 < result.output["forked"] < 16

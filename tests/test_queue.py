@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -235,30 +234,12 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str,
 # --- fixtures -------------------------------------------------------------------------------
 
 
-def _pg_schema_url(postgres_url: str) -> Iterator[str]:
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    admin = make_url(postgres_url).set(drivername="postgresql").render_as_string(
-        hide_password=False)
-    schema = f"test_queue_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield (make_url(postgres_url)
-               .update_query_dict({"options": f"-csearch_path={schema}"})
-               .render_as_string(hide_password=False))
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'store' / 'studio-code.db'}"
         return
-    yield from _pg_schema_url(request.getfixturevalue("postgres_url"))
+    yield request.getfixturevalue("pg_schema_url")
 
 
 @pytest.fixture

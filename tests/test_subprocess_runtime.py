@@ -16,6 +16,7 @@ import pytest
 from executor.audit import SUBPROCESS_RUNTIME_USED
 from executor.models import CodeJob, Status
 from executor.service import Executor
+from tests.conftest import FORK_BOMB
 
 PROBE = r'''
 import os, resource
@@ -91,22 +92,7 @@ def test_memory_above_the_limit_ends_code_memory(make_settings):
 def test_fork_bomb_stops_at_the_nproc_limit_of_the_dropped_user(make_settings):
     # Runs ONLY as nobody under RLIMIT_NPROC=16, never as root on the host.
     ex = Executor(make_settings(code_runtime="subprocess", code_pids=16))
-    code = (
-        "import os, time\n"
-        "def main(state):\n"
-        "    assert os.getuid() != 0\n"
-        "    n = 0\n"
-        "    for _ in range(200):\n"
-        "        try:\n"
-        "            if os.fork() == 0:\n"
-        "                time.sleep(30)\n"
-        "                os._exit(0)\n"
-        "            n += 1\n"
-        "        except OSError as e:\n"
-        "            return {'forked': n, 'error': e.strerror}\n"
-        "    return {'forked': n, 'error': None}\n"
-    )
-    r = run(ex, code)
+    r = run(ex, FORK_BOMB)
     assert r.status is Status.SUCCEEDED, r
     assert r.output["error"] == "Resource temporarily unavailable"
     assert r.output["forked"] < 16
