@@ -182,6 +182,11 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         return 0 if rec.status == "succeeded" else 1
 
 
+def _not_found(job_id: str, e: Exception) -> int:
+    _print({"job_id": job_id, "status": None, "error": {"code": "NOT_FOUND", "message": str(e)}})
+    return 1
+
+
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     from api_client.client import CodeClient, JobNotFound
 
@@ -189,9 +194,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         try:
             rec = client.status(args.job_id)
         except JobNotFound as e:
-            _print({"job_id": args.job_id, "status": None, "error": {
-                "code": "NOT_FOUND", "message": str(e)}})
-            return 1
+            return _not_found(args.job_id, e)
     _print(_record_dict(rec))
     return 0
 
@@ -203,9 +206,7 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
         try:
             status = client.cancel(args.job_id)
         except JobNotFound as e:
-            _print({"job_id": args.job_id, "status": None, "error": {
-                "code": "NOT_FOUND", "message": str(e)}})
-            return 1
+            return _not_found(args.job_id, e)
     ok = status in ("cancelling", "cancelled")
     out: dict[str, Any] = {"job_id": args.job_id, "status": status.value, "error": None}
     if not ok:

@@ -21,7 +21,6 @@ import redis
 
 from executor.errors import (
     CodeInvalid,
-    CodeNodesDisabled,
     ErrorCode,
     RateLimited,
     RuntimeUnavailable,
@@ -125,32 +124,24 @@ class CodeClient:
 
     def _job(self, code: str, language: str, state: Any, timeout_s: float | None, user: str,
              kind: str) -> CodeJob:
-        reason = self.executor.disabled_reason()
-        if reason:
-            raise CodeNodesDisabled(reason)
         if kind not in ("run", "test"):
             raise CodeInvalid(f"kind={kind!r} is not a kind of call: use 'run' (a workflow "
                               "run) or 'test' (an editor test call).")
         if timeout_s is not None and not timeout_s > 0:
             raise CodeInvalid(f"timeout_s={timeout_s!r} is not a timeout: give a number of "
                               "seconds above 0, or none for STUDIO_CODE_MAX_SECONDS.")
-        problems = self.executor.check_code(code, language)
-        if problems:
-            raise CodeInvalid("; ".join(str(p) for p in problems))
+        self.executor.language(language)  # not offered: CodeInvalid before anything else
         state_json = _state_json(state)
-        size = len(state_json.encode("utf-8"))
-        if size > self.settings.code_state_max_bytes:
-            raise CodeInvalid(
-                f"The state is {size} bytes, more than STUDIO_CODE_STATE_MAX_BYTES="
-                f"{self.settings.code_state_max_bytes}: pass less data to the node.")
-        return CodeJob(
-            language=language,  # type: ignore[arg-type]  # checked by check_code
+        job = CodeJob(
+            language=language,  # type: ignore[arg-type]  # offered, checked above
             code=code,
             state_json=state_json,
             timeout_s=self.executor.limits(timeout_s).timeout_s,  # capped now, stored so
             kind=kind,  # type: ignore[arg-type]
             user=user,
         )
+        self.executor.check_job(job)
+        return job
 
     # --- the queue ---------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -224,24 +225,10 @@ def queue_throughput(client: Any, jobs: int) -> float:
     return jobs / took
 
 
-def raw_throughput(settings: Any, api: Any, threads: int, jobs: int) -> float:
-    """``threads`` threads of the raw SDK floor, ``jobs`` containers in all."""
-    from executor.languages import get_language
-    from executor.models import CodeJob
-    from executor.runtimes.base import owner_id
-    from executor.runtimes.docker import sandbox_policy
-    from executor.service import Executor
-
-    lang = get_language("python")
-    limits = Executor(settings).limits(10)
+def in_threads(threads: int, jobs: int, one: Callable[[], object]) -> float:
+    """Run ``one`` ``jobs`` times over ``threads`` threads; returns jobs per second."""
     left = [jobs]
     lock = threading.Lock()
-
-    def one() -> None:
-        job = CodeJob(code=TRIVIAL)
-        raw_container(
-            api, sandbox_policy(settings, lang, job, limits, owner_id()), lang.stdin_payload(job)
-        )
 
     def loop() -> None:
         while True:
@@ -260,6 +247,26 @@ def raw_throughput(settings: Any, api: Any, threads: int, jobs: int) -> float:
     return jobs / (time.perf_counter() - t0)
 
 
+def raw_throughput(settings: Any, api: Any, threads: int, jobs: int) -> float:
+    """``threads`` threads of the raw SDK floor, ``jobs`` containers in all."""
+    from executor.languages import get_language
+    from executor.models import CodeJob
+    from executor.runtimes.base import owner_id
+    from executor.runtimes.docker import sandbox_policy
+    from executor.service import Executor
+
+    lang = get_language("python")
+    limits = Executor(settings).limits(10)
+
+    def one() -> None:
+        job = CodeJob(code=TRIVIAL)
+        raw_container(
+            api, sandbox_policy(settings, lang, job, limits, owner_id()), lang.stdin_payload(job)
+        )
+
+    return in_threads(threads, jobs, one)
+
+
 def executor_throughput(settings: Any, threads: int, jobs: int) -> float:
     """``threads`` threads calling Executor.run in this process: the same executor the
     worker runs, without the queue (tells the queue's share from the executor's)."""
@@ -267,26 +274,13 @@ def executor_throughput(settings: Any, threads: int, jobs: int) -> float:
     from executor.service import Executor
 
     ex = Executor(settings)
-    left = [jobs]
-    lock = threading.Lock()
 
-    def loop() -> None:
-        while True:
-            with lock:
-                if left[0] <= 0:
-                    return
-                left[0] -= 1
-            r = ex.run(CodeJob(code=TRIVIAL, timeout_s=20))
-            if r.status != "succeeded":
-                DISTURBED["throughput"] += 1
+    def one() -> None:
+        r = ex.run(CodeJob(code=TRIVIAL, timeout_s=20))
+        if r.status != "succeeded":
+            DISTURBED["throughput"] += 1
 
-    t0 = time.perf_counter()
-    pool = [threading.Thread(target=loop) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    return jobs / (time.perf_counter() - t0)
+    return in_threads(threads, jobs, one)
 
 
 def main() -> None:

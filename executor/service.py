@@ -121,6 +121,26 @@ class Executor:
         that is not offered."""
         return self.language(language).check(code, self.settings)
 
+    def check_job(self, job: CodeJob) -> Language:
+        """Everything that refuses a job before a sandbox starts, in one place (the API's
+        submit and the worker's run both call it): Code nodes off, a language not offered,
+        save-time problems, a state over STUDIO_CODE_STATE_MAX_BYTES. Returns its language."""
+        reason = self.disabled_reason()
+        if reason:
+            raise CodeNodesDisabled(reason)
+        language = self.language(job.language)
+        problems = language.check(job.code, self.settings)
+        if problems:
+            raise CodeInvalid("; ".join(str(p) for p in problems))
+        size = len(job.state_json.encode("utf-8"))
+        limit = self.settings.code_state_max_bytes
+        if size > limit:
+            raise CodeInvalid(
+                f"The state is {size} bytes, more than STUDIO_CODE_STATE_MAX_BYTES={limit}: "
+                "pass less data to the node."
+            )
+        return language
+
     def validate_node(self, language: str) -> None:
         """Workflow validation of a Code node: raises CodeNodesDisabled, CodeInvalid (language
         not offered) or RuntimeUnavailable (with how to fix it); returns when it can run."""
@@ -177,14 +197,7 @@ class Executor:
         that is off or down: those are results with an error code too."""
         started = time.monotonic()
         try:
-            reason = self.disabled_reason()
-            if reason:
-                raise CodeNodesDisabled(reason)
-            language = self.language(job.language)
-            problems = language.check(job.code, self.settings)
-            if problems:
-                raise CodeInvalid("; ".join(str(p) for p in problems))
-            _check_state(job, self.settings.code_state_max_bytes)
+            language = self.check_job(job)
             return self._run(job, language, self.limits(job.timeout_s), should_cancel)
         except StudioCodeError as e:
             status = Status.INVALID if e.code is ErrorCode.CODE_INVALID else Status.FAILED
@@ -356,11 +369,3 @@ class Executor:
         """Kill the sandbox of ``job_id`` (docker: on this engine, whoever started it)."""
         return self.runtime.kill(job_id) if self.runtime is not None else False
 
-
-def _check_state(job: CodeJob, max_bytes: int) -> None:
-    size = len(job.state_json.encode("utf-8"))
-    if size > max_bytes:
-        raise CodeInvalid(
-            f"The state is {size} bytes, more than STUDIO_CODE_STATE_MAX_BYTES={max_bytes}: "
-            "pass less data to the node."
-        )
