@@ -655,3 +655,84 @@ def test_without_a_cgroup_the_run_still_ends_whole_and_meta_says_so(make_setting
     assert any("/dev/shm" in s for s in iso["does_not_hold"])
     r = run(ex, CASES[5].code)
     _setsid_gone(r, {})  # the run's uid is killed whole even without a cgroup
+
+
+# --- a server that is not root: what meta claims is what a run can do ---------------------
+
+NON_ROOT_SERVER = r'''
+import json, os, sys
+from executor.meta import runtime_meta
+from executor.models import CodeJob
+from executor.service import Executor
+from executor.settings import load_settings
+
+code = """
+import errno, os, signal, subprocess, sys, time
+def attempt(fn):
+    try:
+        return fn()
+    except OSError as e:
+        return errno.errorcode[e.errno]
+def main(state):
+    ppid = os.getppid()
+    def environ():
+        return "marker" if b"STUDIO_ISO_MARKER=" + state["marker"].encode() in open(
+            f"/proc/{ppid}/environ", "rb").read() else "no marker"
+    def mem():
+        os.close(os.open(f"/proc/{ppid}/mem", os.O_RDONLY))
+        return "ok"
+    def signal0():
+        os.kill(ppid, 0)
+        return "ok"
+    # a grandchild in a session of its own: without a cgroup or a uid of the run's own,
+    # nothing finds it at the end of the run
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)
+    return {"ppid": ppid, "environ": attempt(environ), "mem": attempt(mem),
+            "signal0": attempt(signal0), "grandchild": child.pid}
+"""
+ex = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
+                            code_languages="python", data_dir=sys.argv[1]))
+r = ex.run(CodeJob(code=code, state_json=json.dumps({"marker": sys.argv[2]}), timeout_s=20))
+print(json.dumps({"server_pid": os.getpid(), "status": str(r.status), "output": r.output,
+                  "error": r.error and r.error.message,
+                  "isolation": runtime_meta(ex)["subprocess_isolation"]}))
+'''
+
+
+def test_a_non_root_server_claims_what_a_run_can_really_do(shared: Path) -> None:
+    """Run a server as an unprivileged uid (no account, outside the run range) and check
+    each claim of meta's does_not_hold from inside its run."""
+    root = Path(__file__).resolve().parent.parent
+    site = next((root / ".venv" / "lib").glob("python3*/site-packages"))
+    python = "/usr/bin/python3"
+    if not os.path.exists(python):
+        pytest.skip("no /usr/bin/python3 for the unprivileged server")
+    marker = uuid.uuid4().hex
+    server = subprocess.run(
+        [python, "-c", NON_ROOT_SERVER, str(shared), marker],
+        user=300123, group=300123, extra_groups=[], cwd=shared, capture_output=True,
+        text=True, timeout=120,
+        env={"PYTHONPATH": f"{root}:{site}", "STUDIO_ISO_MARKER": marker, "PATH": "/usr/bin:/bin"},
+    )
+    assert server.returncode == 0, server.stderr[-3000:]
+    seen = json.loads(server.stdout.strip().splitlines()[-1])
+    out, iso = seen["output"], seen["isolation"]
+    assert seen["status"] == "succeeded", seen
+    try:
+        assert out["ppid"] == seen["server_pid"]
+        lacks = " ".join(iso["does_not_hold"])
+        assert iso["separate_uids"] is False and iso["cgroup"] is None
+        # "can read the server's own environment (/proc/<ppid>/environ)": it did
+        assert "/proc/<ppid>/environ" in lacks and out["environ"] == "marker"
+        # memory: claimed readable exactly when it was
+        assert ("/proc/<ppid>/mem" in lacks) == (out["mem"] == "ok"), (lacks, out)
+        # "signal the server": signal 0 went through
+        assert "signal the server" in lacks and out["signal0"] == "ok"
+        # "a grandchild that called setsid() survives the end of the run": it did
+        assert "survives the end of the run" in lacks
+        assert uid_of(out["grandchild"]) == 300123
+        assert "are not removed" in lacks
+    finally:
+        if uid_of(out["grandchild"]) == 300123:
+            os.kill(out["grandchild"], 9)  # ours: started by this test's run
