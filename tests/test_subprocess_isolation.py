@@ -217,6 +217,15 @@ def _pids_of_group(r: CodeResult, ctx: dict[str, Any]) -> None:
     assert out["pids_max"] == "24"  # STUDIO_CODE_PIDS of this row, the cgroup's pids.max
 
 
+def _ipc_gone(r: CodeResult) -> None:
+    ids = _ok(r)
+    assert all(i >= 0 for i in ids.values()), ids  # made inside the run
+    for kind, column in (("shm", "shmid"), ("sem", "semid"), ("msg", "msqid")):
+        header, *rows = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
+        at = header.split().index(column)
+        assert ids[kind] not in {int(row.split()[at]) for row in rows}, kind
+
+
 CASES = [
     Case("own uid, no groups, no_new_privs", PRELUDE + r'''
 def main(state):
@@ -365,6 +374,14 @@ def main(state):
     return {"pids_max": open(f"{mount}{path}/pids.max").read().strip()}
 ''', _pids_of_group, settings={"code_pids": 24}),
 ]
+CASES.append(Case("System V IPC objects gone", PRELUDE + r'''
+def main(state):
+    libc = ctypes.CDLL(None, use_errno=True)
+    ids = {"shm": libc.shmget(0, 1 << 20, 0o1000 | 0o666),   # IPC_PRIVATE, IPC_CREAT
+           "sem": libc.semget(0, 1, 0o1000 | 0o666),
+           "msg": libc.msgget(0, 0o1000 | 0o666)}
+    return ids
+''', lambda r, ctx: _ipc_gone(r)))
 CASES[6].code = CASES[5].code  # the same program, left spinning until its timeout
 
 
@@ -644,7 +661,8 @@ def test_meta_says_what_holds(iso: Executor) -> None:
     iso_meta = meta["subprocess_isolation"]
     assert iso_meta["separate_uids"] is True and iso_meta["cgroup"]
     assert any("own uid" in w for w in meta["warnings"][1:])
-    assert any("System V IPC" in s for s in iso_meta["does_not_hold"])
+    assert any("System V IPC" in s for s in iso_meta["holds"])
+    assert any("use the network" in s for s in iso_meta["does_not_hold"])
 
 
 def test_without_a_cgroup_the_run_still_ends_whole_and_meta_says_so(make_settings) -> None:  # type: ignore[no-untyped-def]

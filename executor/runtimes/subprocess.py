@@ -48,6 +48,7 @@ from executor.runtimes.uids import (
     UidPool,
     kill_uid,
     remove_owned_files,
+    remove_owned_ipc,
 )
 from executor.settings import Settings
 
@@ -141,6 +142,7 @@ class SubprocessRuntime(Runtime):
             # the last holder of this uid died mid-run: what it left goes first
             kill_uid(lease.uid, lease.gid)
             remove_owned_files(lease.uid)
+            remove_owned_ipc(lease.uid)
         group = self._make_cgroup(lease, limits, notes)
         ids = (lease.uid, lease.gid) if lease is not None else None
         workdir = tempfile.mkdtemp(prefix="studio-code-")
@@ -245,6 +247,7 @@ class SubprocessRuntime(Runtime):
         in /dev/shm stay charged to the group until the files are gone)."""
         if lease is not None:
             remove_owned_files(lease.uid)
+            remove_owned_ipc(lease.uid)
         if group is not None and not group.remove():
             log.warning("could not remove the run cgroup %s (the next run of the same uid "
                         "removes it)", group.dirs)
@@ -276,12 +279,15 @@ def isolation_report(
             "cannot read the memory or environment (/proc/<pid>/mem, environ) of another run "
             "or of the server, cannot signal them or a Docker sandbox, and its process limit "
             "(RLIMIT_NPROC) is its own.")
-        holds.append(f"Every file a run's uid leaves in {swept} is removed after the run.")
+        holds.append(f"Every file a run's uid leaves in {swept}, and every System V IPC "
+                     "object (shared memory, semaphores, message queues) it owns, is removed "
+                     "after the run.")
         holds.append("The end of a run kills every process of its uid, including a "
                      "grandchild that called setsid().")
         lacks.append("A run can read every file readable by all users (check that the "
-                     "database and secret.key are not), use the network, and leave System "
-                     "V IPC objects (shared memory, semaphores, message queues) behind.")
+                     "database and secret.key are not) and use the network; what it leaves "
+                     "outside those folders (a file in another world-writable folder, an "
+                     "abstract Unix socket while it runs) is not looked for.")
     else:
         server = f"uid {os.getuid()}" if hasattr(os, "getuid") else "the server's user"
         mem = ("and memory (/proc/<ppid>/mem: ptrace is not restricted by Yama here)"

@@ -16,11 +16,13 @@ supplementary group) that no other run on this host holds while it runs:
 ``kill(-1, SIGKILL)``, which the kernel delivers to every process the sender may signal
 (its own uid) in one pass under the task list lock, so a process forking meanwhile
 cannot slip through. ``remove_owned_files`` then takes away every file the uid left in
-the world-writable temporary folders.
+the world-writable temporary folders, and ``remove_owned_ipc`` its System V shared memory,
+semaphores and message queues (which outlive processes too).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -285,4 +287,42 @@ def _sweep_dir(
             removed += 1
         except OSError:
             pass  # holds an entry of another uid: that one is not ours to remove
+    return removed
+
+
+IPC_RMID = 0
+#: /proc/sysvipc file -> the column of the object's id
+SYSV_IPC = {"shm": "shmid", "sem": "semid", "msg": "msqid"}
+
+
+def remove_owned_ipc(uid: int) -> int:
+    """Remove every System V IPC object (shared memory, semaphore set, message queue) that
+    ``uid`` owns or created; returns how many. Pages of a segment stay charged to memory
+    until it is removed, and the next run of another uid could attach a 0666 one."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    remove = {
+        "shm": lambda i: libc.shmctl(i, IPC_RMID, None),
+        "sem": lambda i: libc.semctl(i, 0, IPC_RMID),
+        "msg": lambda i: libc.msgctl(i, IPC_RMID, None),
+    }
+    removed = 0
+    for kind, id_column in SYSV_IPC.items():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = f.read().splitlines()
+        except OSError:
+            continue
+        names = header.split()
+        for row in rows:
+            values = dict(zip(names, row.split(), strict=False))
+            try:
+                owners = {int(values["uid"]), int(values["cuid"])}
+                ipc_id = int(values[id_column])
+            except (KeyError, ValueError):
+                continue
+            if uid in owners and remove[kind](ipc_id) == 0:
+                removed += 1
     return removed
