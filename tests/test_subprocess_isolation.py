@@ -754,3 +754,32 @@ def test_a_non_root_server_claims_what_a_run_can_really_do(shared: Path) -> None
     finally:
         if uid_of(out["grandchild"]) == 300123:
             os.kill(out["grandchild"], 9)  # ours: started by this test's run
+
+
+def test_a_dead_workers_uid_is_scrubbed_before_its_next_run(make_settings) -> None:  # type: ignore[no-untyped-def]
+    """A worker killed mid-run leaves its uid's lock free but marked busy, a process of
+    that uid in a session of its own and a file in /tmp: the next holder of the uid kills
+    and removes them before its own run starts."""
+    from executor.runtimes.uids import LOCK_DIR, MARK_BUSY
+
+    uid = 300500
+    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python",
+                                code_subprocess_uids=f"{uid}-{uid}"))
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    (LOCK_DIR / f"{uid}.lock").write_bytes(MARK_BUSY)
+    stale = Path(f"/tmp/iso-stale-{uuid.uuid4().hex[:10]}")
+    stale.write_text("left by a dead run")
+    os.chown(stale, uid, uid)
+    left = subprocess.Popen(["/bin/sleep", "120"], user=uid, group=uid, extra_groups=[],
+                            start_new_session=True)
+    try:
+        r = run(ex, "import os\ndef main(state):\n    return os.getuid()\n")
+        assert r.status is Status.SUCCEEDED and r.output == uid
+        assert left.wait(timeout=5) == -9  # killed before the run, not by this test
+        assert not stale.exists()
+        assert (LOCK_DIR / f"{uid}.lock").read_bytes() != MARK_BUSY
+    finally:
+        if left.poll() is None:
+            left.kill()
+            left.wait()
+        stale.unlink(missing_ok=True)

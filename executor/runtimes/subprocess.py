@@ -191,9 +191,11 @@ class SubprocessRuntime(Runtime):
             # Always: whatever the code started dies with it, in its session, its cgroup
             # (a setsid() grandchild too) and under its uid.
             _kill_group(child.pid)
-            if group is not None:
-                group.kill_all()
-            if lease is not None:
+            emptied = group.kill_all() if group is not None else False
+            if lease is not None and not emptied:
+                # With an emptied cgroup this is not needed: the leased uid had no process
+                # before the child, which joined the group before exec, and no process can
+                # leave a group whose files only root may write.
                 kill_uid(lease.uid, lease.gid)
             exit_code = child.wait()
             for t in threads:

@@ -27,9 +27,9 @@ import errno
 import fcntl
 import os
 import random
-import shutil
 import stat
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -45,6 +45,8 @@ SWEPT_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")
 #: hostile tree of any depth costs a bounded number of open descriptors and stack frames
 SWEEP_MAX_DEPTH = 32
 SWEEP_PARKING = ".studio-code-sweep-"
+#: the lock file's whole content, the same length so no truncate is needed
+MARK_BUSY, MARK_CLEAN = b"busy \n", b"clean\n"
 
 
 def parse_uid_range(text: str) -> range:
@@ -95,8 +97,7 @@ class UidLease:
         """Mark the uid clean and drop the lock. Call only once the uid has no process
         and no file left."""
         try:
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, b"clean\n", 0)
+            os.pwrite(self.fd, MARK_CLEAN, 0)
         finally:
             os.close(self.fd)  # drops the flock
 
@@ -143,10 +144,10 @@ class UidPool:
                 return None
             raise
         try:
-            dirty = os.pread(fd, 16, 0).strip() == b"busy"
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, b"busy\n", 0)
-            os.fsync(fd)
+            dirty = os.pread(fd, len(MARK_BUSY), 0) == MARK_BUSY
+            # no fsync: the mark must outlive its process, not the machine (a reboot
+            # leaves no process of the uid behind)
+            os.pwrite(fd, MARK_BUSY, 0)
         except BaseException:
             os.close(fd)
             raise
@@ -155,17 +156,21 @@ class UidPool:
 
 def kill_uid(uid: int, gid: int) -> None:
     """SIGKILL every process whose uid is ``uid``, in one kernel pass (see the module
-    docstring), then wait until none is left (a few ms; at most 2 s)."""
-    kill = shutil.which("kill") or "/bin/kill"
+    docstring). Only when that helper cannot run, a slower scan of /proc kills them one by
+    one until none is left (at most 2 s)."""
     try:
-        subprocess.run(
-            [kill, "-s", "KILL", "--", "-1"],
-            user=uid, group=gid, extra_groups=[], env={}, close_fds=True,
+        # The helper never execs: Popen forks, drops to the uid (user=, group=), and the
+        # preexec hook, which runs after the drop, sends the signal and exits. No kill(1)
+        # binary and its dialect of options; no Python fork() in a threaded process.
+        helper = subprocess.Popen(
+            [sys.executable], user=uid, group=gid, extra_groups=[], env={}, close_fds=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            timeout=10, check=False,
+            preexec_fn=_kill_all_of_my_uid,
         )
+        if helper.wait(timeout=10) == 0:
+            return
     except (OSError, subprocess.SubprocessError):
-        pass  # the /proc sweep below still kills them, one by one
+        pass
     deadline = time.monotonic() + 2
     while True:
         left = pids_of_uid(uid)
@@ -177,6 +182,17 @@ def kill_uid(uid: int, gid: int) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.005)
+
+
+def _kill_all_of_my_uid() -> None:
+    code = 0
+    try:
+        os.kill(-1, 9)  # every process this uid may signal, except this one
+    except ProcessLookupError:
+        pass  # none was left
+    except OSError:
+        code = 1
+    os._exit(code)
 
 
 def pids_of_uid(uid: int) -> list[int]:
