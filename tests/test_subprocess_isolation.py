@@ -706,8 +706,10 @@ def main(state):
     # nothing finds it at the end of the run
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                              start_new_session=True)
+    nnp = [l for l in open("/proc/self/status") if l.startswith("NoNewPrivs:")][0]
     return {"ppid": ppid, "environ": attempt(environ), "mem": attempt(mem),
-            "signal0": attempt(signal0), "grandchild": child.pid}
+            "signal0": attempt(signal0), "grandchild": child.pid, "env": sorted(os.environ),
+            "no_new_privs": nnp.split()[1]}
 """
 ex = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
                             code_languages="python", data_dir=sys.argv[1]))
@@ -751,6 +753,10 @@ def test_a_non_root_server_claims_what_a_run_can_really_do(shared: Path) -> None
         assert "survives the end of the run" in lacks
         assert uid_of(out["grandchild"]) == 300123
         assert "are not removed" in lacks
+        # and what it says still holds: an empty environment, no_new_privs
+        held = " ".join(iso["holds"])
+        assert "empty environment" in held and set(out["env"]) <= {"LC_CTYPE"}
+        assert "no_new_privs" in held and out["no_new_privs"] == "1"
     finally:
         if uid_of(out["grandchild"]) == 300123:
             os.kill(out["grandchild"], 9)  # ours: started by this test's run

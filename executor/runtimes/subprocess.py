@@ -271,13 +271,17 @@ def isolation_report(
 ) -> dict[str, Any]:
     """What keeps subprocess runs apart on this host, and what does not: meta's
     ``subprocess_isolation`` and the start-up warning."""
-    holds: list[str] = []
+    holds: list[str] = [
+        "Each run starts with an empty environment, in a temporary folder of its own "
+        "(removed afterwards), in a session of its own that the end of the run kills, with "
+        "no_new_privs and rlimits on memory, CPU time, open files, file size and processes."
+    ]
     lacks: list[str] = []
     swept = ", ".join(d for d in SWEPT_DIRS if os.path.isdir(d))
     if uids is not None:
         holds.append(
             f"Each run has its own uid and gid from STUDIO_CODE_SUBPROCESS_UIDS="
-            f"{settings.code_subprocess_uids}, no supplementary group and no_new_privs: it "
+            f"{settings.code_subprocess_uids} and no supplementary group: it "
             "cannot read the memory or environment (/proc/<pid>/mem, environ) of another run "
             "or of the server, cannot signal them or a Docker sandbox, and its process limit "
             "(RLIMIT_NPROC) is its own.")
