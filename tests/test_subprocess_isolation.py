@@ -358,7 +358,7 @@ def main(state):
         pid = os.fork()
         if pid == 0:
             block = b"x" * (100 << 20)
-            time.sleep(3)
+            time.sleep(1)
             os._exit(len(block) > 0 and 0)
         kids.append(pid)
     return [os.waitpid(k, 0)[1] for k in kids]
