@@ -224,7 +224,8 @@ def remove_owned_files(uid: int, roots: Iterable[str] = SWEPT_DIRS) -> int:
     Only what ``uid`` owns goes: a directory of the uid that holds another uid's entry
     stays (with that entry). Symbolic links are removed, never followed; other file
     systems mounted below a root are not entered. A directory is entered only when the uid
-    could have written in it: it owns it, or it is world-writable (ACLs are not read).
+    could have written in it: it owns it, or it is world-writable (ACLs are not read);
+    another uid's world-writable directory is entered down to SWEEP_MAX_DEPTH levels only.
     Meant for a uid with no process left: nothing of the uid changes under the walk."""
     removed = 0
     for root in roots:
@@ -261,12 +262,15 @@ def _sweep(root_fd: int, dir_fd: int, uid: int, dev: int, depth: int) -> int:
         if stat.S_ISDIR(st.st_mode):
             if st.st_dev != dev or not (st.st_uid == uid or st.st_mode & 0o002):
                 continue
-            if depth >= SWEEP_MAX_DEPTH and st.st_uid == uid and dir_fd != root_fd:
-                parked = f"{SWEEP_PARKING}{uid}-{os.getpid()}-{st.st_ino}"
-                try:
-                    os.rename(name, parked, src_dir_fd=dir_fd, dst_dir_fd=root_fd)
-                except OSError:
-                    pass
+            if depth >= SWEEP_MAX_DEPTH:
+                if st.st_uid == uid:  # ours: moved up, swept from the top
+                    parked = f"{SWEEP_PARKING}{uid}-{os.getpid()}-{st.st_ino}"
+                    try:
+                        os.rename(name, parked, src_dir_fd=dir_fd, dst_dir_fd=root_fd)
+                    except OSError:
+                        pass
+                # another uid's world-writable chain this deep is not entered (it could be
+                # endless): what this uid left down there stays, a stated limit
                 continue
             removed += _sweep_dir(root_fd, dir_fd, name, uid, dev, depth + 1, st)
         elif st.st_uid == uid:
