@@ -50,7 +50,7 @@ from executor.runtimes.uids import (
     remove_owned_files,
     remove_owned_ipc,
 )
-from executor.settings import Settings
+from executor.settings import Settings, sandbox_ids
 
 log = logging.getLogger("studio_code")
 
@@ -145,9 +145,12 @@ class SubprocessRuntime(Runtime):
             remove_owned_ipc(lease.uid)
         group = self._make_cgroup(lease, limits, notes)
         ids = (lease.uid, lease.gid) if lease is not None else None
+        linux = sys.platform.startswith("linux")
+        shared_ids = sandbox_ids() if not linux and os.getuid() == 0 else None
         workdir = tempfile.mkdtemp(prefix="studio-code-")
-        if ids is not None:
-            os.chown(workdir, *ids)
+        owner = ids or shared_ids
+        if owner is not None:
+            os.chown(workdir, *owner)
         address_space = language.name != "typescript"
         policy = rlimits(limits, address_space=address_space)
         argv = language.command(self.settings, limits, in_container=False)
@@ -162,8 +165,11 @@ class SubprocessRuntime(Runtime):
                 env=language.environment(self.settings, in_container=False),
                 start_new_session=True,
                 close_fds=True,
-                preexec_fn=_child_setup(policy, group, ids)
-                if sys.platform.startswith("linux") else None,
+                preexec_fn=_child_setup(policy, group, ids) if linux else None,
+                # not Linux: no uid of its own, but never root (nobody, as before)
+                user=shared_ids[0] if shared_ids else None,
+                group=shared_ids[1] if shared_ids else None,
+                extra_groups=[] if shared_ids else None,
             )
         except (OSError, subprocess.SubprocessError) as e:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -294,8 +300,12 @@ def isolation_report(
                      "database and secret.key are not) and use the network; what it leaves "
                      "outside those folders (a file in another world-writable folder, an "
                      "abstract Unix socket while it runs) is not looked for.")
+    elif os.getuid() == 0:
+        lacks.append("Not Linux: every run runs as nobody, shared with every other run and "
+                     "the Docker sandboxes (they can read and signal each other), and its "
+                     "files are not removed.")
     else:
-        server = f"uid {os.getuid()}" if hasattr(os, "getuid") else "the server's user"
+        server = f"uid {os.getuid()}"
         mem = ("and memory (/proc/<ppid>/mem: ptrace is not restricted by Yama here)"
                if _ptrace_scope() == 0 else
                "(its memory is kept from it by Yama's ptrace_scope, its environment is not)")
