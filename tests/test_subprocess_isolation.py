@@ -217,6 +217,11 @@ def _pids_of_group(r: CodeResult, ctx: dict[str, Any]) -> None:
     assert out["pids_max"] == "24"  # STUDIO_CODE_PIDS of this row, the cgroup's pids.max
 
 
+def _all_denied(r: CodeResult, keys: set[str]) -> None:
+    out = _ok(r)
+    assert set(out) == keys and set(out.values()) <= DENIED, out
+
+
 def _ipc_gone(r: CodeResult) -> None:
     ids = _ok(r)
     assert all(i >= 0 for i in ids.values()), ids  # made inside the run
@@ -382,6 +387,32 @@ def main(state):
            "msg": libc.msgget(0, 0o1000 | 0o666)}
     return ids
 ''', lambda r, ctx: _ipc_gone(r)))
+CASES.append(Case("cannot raise its own limits", PRELUDE + r'''
+import resource
+def main(state):
+    line = [l for l in open("/proc/self/cgroup").read().splitlines() if ":memory:" in l
+            or l.startswith("0::")][0]
+    path = line.split(":", 2)[2]
+    mount = "/sys/fs/cgroup/memory" if ":memory:" in line else "/sys/fs/cgroup"
+    name = "memory.limit_in_bytes" if ":memory:" in line else "memory.max"
+    def raise_memory():
+        with open(f"{mount}{path}/{name}", "w") as f:
+            f.write(str(8 << 30))
+    def raise_nproc():
+        hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+        try:
+            resource.setrlimit(resource.RLIMIT_NPROC, (hard + 1, hard + 1))
+        except ValueError:  # Python's word for the kernel's EPERM here
+            raise PermissionError(errno.EPERM, "not allowed to raise maximum limit")
+    return {"cgroup_memory": attempt(raise_memory), "nproc": attempt(raise_nproc)}
+''', lambda r, ctx: _all_denied(r, {"cgroup_memory", "nproc"})))
+CASES.append(Case("cannot touch the uid leases", PRELUDE + r'''
+def main(state):
+    lock = f"/run/studio-code/uids/{os.getuid()}.lock"
+    return {"list": attempt(lambda: os.listdir("/run/studio-code/uids")),
+            "open": attempt(lambda: open_only(lock)),
+            "create": attempt(lambda: open("/run/studio-code/uids/999999.lock", "w"))}
+''', lambda r, ctx: _all_denied(r, {"list", "open", "create"})))
 CASES[6].code = CASES[5].code  # the same program, left spinning until its timeout
 
 
