@@ -34,10 +34,14 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         languages.append(entry)
     uid, gid = sandbox_ids()
     warnings = []
+    isolation = None
     if s.code_runtime == "subprocess":
-        from executor.runtimes.subprocess import WARNING
+        from executor.runtimes.subprocess import WARNING, isolation_warning
 
         warnings.append(WARNING)
+        isolation = getattr(executor.runtime, "isolation", None)
+        if isolation is not None:
+            warnings.append(isolation_warning(isolation))
     return {
         "enabled": reason is None,
         "reason": reason,
@@ -60,10 +64,14 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             "uid": uid,
             "gid": gid,
             "note": (
-                f"The server runs as root, so sandboxes run as nobody ({NOBODY}:{NOBODY})."
+                (f"The server runs as root, so each subprocess run gets its own uid and gid "
+                 f"from STUDIO_CODE_SUBPROCESS_UIDS={s.code_subprocess_uids}."
+                 if s.code_runtime == "subprocess" else
+                 f"The server runs as root, so sandboxes run as nobody ({NOBODY}:{NOBODY}).")
                 if os.getuid() == 0
                 else "Sandboxes run as the server's own uid and gid."
             ),
         },
         "warnings": warnings,
+        "subprocess_isolation": isolation,
     }

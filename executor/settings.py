@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from executor.errors import SettingsError
@@ -112,6 +112,19 @@ class Settings(BaseSettings):
         description="Seconds between a worker's sweeps for sandboxes of dead workers and jobs "
         "stuck running.",
     )
+    code_subprocess_uids: str = Field(
+        "200000-200999",
+        description="Subprocess mode under a root server: the uids (FIRST-LAST) runs are "
+        "given, one per concurrent run on the host (gid = the same number), so runs cannot "
+        "read, signal or share process limits and files with each other. No account, group, "
+        "nobody or the Docker sandboxes' uid may be in it.",
+    )
+    code_subprocess_cgroup: str = Field(
+        "auto",
+        description="Subprocess mode: where each run gets a cgroup (memory including /dev/shm "
+        "and tmpfs pages, pids, one kill for all at the end). auto: under the server's own "
+        "cgroup; a path such as /studio-code: a cgroup made for the server; off: none.",
+    )
 
     @field_validator("code_memory")
     @classmethod
@@ -138,6 +151,25 @@ class Settings(BaseSettings):
     def _ts_packages(cls, v: str) -> str:
         parse_packages(v)  # its ValueError already names the entry and the form to use
         return v
+
+    @field_validator("code_subprocess_uids")
+    @classmethod
+    def _subprocess_uids(cls, v: str, info: ValidationInfo) -> str:
+        from executor.runtimes.uids import parse_uid_range, uid_range_problem
+
+        ids = parse_uid_range(v)  # its ValueError says what is allowed
+        if info.data.get("code_runtime") == "subprocess" and os.getuid() == 0:
+            problem = uid_range_problem(ids, {0, NOBODY, *sandbox_ids()})
+            if problem:
+                raise ValueError(problem)
+        return v
+
+    @field_validator("code_subprocess_cgroup")
+    @classmethod
+    def _subprocess_cgroup(cls, v: str) -> str:
+        if v in ("auto", "off") or (v.startswith("/") and ".." not in v.split("/")):
+            return v
+        raise ValueError("auto, off, or an absolute cgroup path such as /studio-code")
 
     # --- derived values -------------------------------------------------------------
 
@@ -177,6 +209,12 @@ class Settings(BaseSettings):
         if os.getuid() == 0 and os.path.exists("/usr/bin/python3"):
             return "/usr/bin/python3"
         return sys.executable
+
+    @property
+    def subprocess_uids(self) -> range:
+        from executor.runtimes.uids import parse_uid_range
+
+        return parse_uid_range(self.code_subprocess_uids)
 
     @property
     def sqlalchemy_url(self) -> str:

@@ -2,13 +2,28 @@
 
 The child gets an empty environment, its own temporary folder (removed afterwards), its own
 session, and on Linux rlimits on memory, CPU time, open files, file size and processes.
-The time limit kills the whole process group. When the server runs as root, the child
-runs as nobody so that the process limit (counted per uid) holds and it cannot read what
-only root can. It can still use the network and read any file its uid can read.
+The time limit kills the whole process group.
+
+Under a root server the runs are also kept from each other (``isolation`` says what holds
+on this host, and meta and the start-up warning repeat it):
+
+- each concurrent run gets its own uid and gid from STUDIO_CODE_SUBPROCESS_UIDS
+  (``uids.UidPool``), never nobody and never the Docker sandboxes' uid, with no
+  supplementary group and ``no_new_privs``: RLIMIT_NPROC, ``/proc/<pid>/mem`` and
+  ``environ``, signals and files are per run;
+- a cgroup per run (``cgroups``) caps memory, ``/dev/shm`` and tmpfs pages included, and
+  processes; the child joins it before exec;
+- the end of the run kills everything in that cgroup and every process of its uid (a
+  grandchild that called ``setsid()`` too), then removes what the uid left in ``/tmp``,
+  ``/var/tmp``, ``/dev/shm`` (``uids.remove_owned_files``), then the cgroup.
+
+It can still use the network and read any file its uid can read.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import os
 import resource
@@ -20,13 +35,24 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO
+from typing import IO, Any
 
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
 from executor.runtimes.base import POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime
+from executor.runtimes.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
+from executor.runtimes.uids import (
+    SWEPT_DIRS,
+    UidLease,
+    UidPool,
+    kill_uid,
+    remove_owned_files,
+    remove_owned_ipc,
+)
 from executor.settings import Settings, sandbox_ids
+
+log = logging.getLogger("studio_code")
 
 NOFILE = 256
 FSIZE_BYTES = 64 * 1024 * 1024  # as much as the container's /tmp holds
@@ -60,7 +86,8 @@ def rlimits(limits: Limits, *, address_space: bool = True) -> dict[int, tuple[in
 
 
 class SubprocessRuntime(Runtime):
-    """Runs each call as an rlimited child process in its own session."""
+    """Runs each call as an rlimited child process in its own session; under a root server
+    with its own uid and, where one can be made, its own cgroup."""
 
     name = "subprocess"
 
@@ -68,6 +95,16 @@ class SubprocessRuntime(Runtime):
         super().__init__(settings)
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
+        linux = sys.platform.startswith("linux")
+        self._uids = UidPool(settings.subprocess_uids) if linux and os.getuid() == 0 else None
+        self._cgroups: CgroupParent | None = None
+        self._cgroup_note = "not Linux"
+        if linux:
+            self._cgroups, self._cgroup_note = find_parent(settings.code_subprocess_cgroup)
+        self._seq = 0
+        self.isolation = isolation_report(settings, self._uids, self._cgroups,
+                                          self._cgroup_note)
+        log.warning(isolation_warning(self.isolation))
 
     def unavailable_reason(self, language: Language) -> str | None:
         binary = language.command(self.settings, _PROBE_LIMITS, in_container=False)[0]
@@ -85,11 +122,35 @@ class SubprocessRuntime(Runtime):
         *,
         should_cancel: CancelCheck | None = None,
     ) -> RawRun:
-        uid, gid = sandbox_ids()
-        as_root = os.getuid() == 0
+        lease = self._uids.acquire() if self._uids is not None else None
+        try:
+            return self._run(job, language, limits, should_cancel, lease)
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def _run(
+        self,
+        job: CodeJob,
+        language: Language,
+        limits: Limits,
+        should_cancel: CancelCheck | None,
+        lease: UidLease | None,
+    ) -> RawRun:
+        notes: list[str] = []
+        if lease is not None and lease.was_dirty:
+            # the last holder of this uid died mid-run: what it left goes first
+            kill_uid(lease.uid, lease.gid)
+            remove_owned_files(lease.uid)
+            remove_owned_ipc(lease.uid)
+        group = self._make_cgroup(lease, limits, notes)
+        ids = (lease.uid, lease.gid) if lease is not None else None
+        linux = sys.platform.startswith("linux")
+        shared_ids = sandbox_ids() if not linux and os.getuid() == 0 else None
         workdir = tempfile.mkdtemp(prefix="studio-code-")
-        if as_root:
-            os.chown(workdir, uid, gid)
+        owner = ids or shared_ids
+        if owner is not None:
+            os.chown(workdir, *owner)
         address_space = language.name != "typescript"
         policy = rlimits(limits, address_space=address_space)
         argv = language.command(self.settings, limits, in_container=False)
@@ -104,13 +165,15 @@ class SubprocessRuntime(Runtime):
                 env=language.environment(self.settings, in_container=False),
                 start_new_session=True,
                 close_fds=True,
-                user=uid if as_root else None,
-                group=gid if as_root else None,
-                extra_groups=[] if as_root else None,
-                preexec_fn=_apply(policy) if sys.platform.startswith("linux") else None,
+                preexec_fn=_child_setup(policy, group, ids) if linux else None,
+                # not Linux: no uid of its own, but never root (nobody, as before)
+                user=shared_ids[0] if shared_ids else None,
+                group=shared_ids[1] if shared_ids else None,
+                extra_groups=[] if shared_ids else None,
             )
-        except OSError as e:
+        except (OSError, subprocess.SubprocessError) as e:
             shutil.rmtree(workdir, ignore_errors=True)
+            self._end(group, lease)
             raise RuntimeUnavailable(f"Could not start {argv[0]}: {e}.") from e
         with self._lock:
             self._children[job.job_id] = child
@@ -131,14 +194,25 @@ class SubprocessRuntime(Runtime):
             rss_cap = None if address_space else limits.memory_bytes
             ending = _wait(child, started + limits.timeout_s, should_cancel, rss_cap)
         finally:
-            # Always: whatever the code started in its session dies with it.
+            # Always: whatever the code started dies with it, in its session, its cgroup
+            # (a setsid() grandchild too) and under its uid.
             _kill_group(child.pid)
+            emptied = group.kill_all() if group is not None else False
+            if lease is not None and not emptied:
+                # With an emptied cgroup this is not needed: the leased uid had no process
+                # before the child, which joined the group before exec, and no process can
+                # leave a group whose files only root may write.
+                kill_uid(lease.uid, lease.gid)
             exit_code = child.wait()
             for t in threads:
                 t.join(timeout=2)
             with self._lock:
                 self._children.pop(job.job_id, None)
             shutil.rmtree(workdir, ignore_errors=True)
+            oom_kills = group.oom_kills() if group is not None else 0
+            self._end(group, lease)
+        if oom_kills and ending == "eof":
+            ending = "memory"  # the cgroup's limit (e.g. pages written to /dev/shm)
         if ending == "eof" and exit_code == -signal.SIGKILL and should_cancel is not None:
             ending = "cancel" if should_cancel() else ending  # killed by kill() elsewhere
         # RLIMIT_CPU's SIGXCPU is the backstop of the wall-clock deadline: also a timeout.
@@ -154,7 +228,37 @@ class SubprocessRuntime(Runtime):
             cancelled=ending == "cancel",
             start_ms=(started - t0) * 1000,
             run_ms=(time.monotonic() - started) * 1000,
+            notes=notes,
         )
+
+    def _make_cgroup(
+        self, lease: UidLease | None, limits: Limits, notes: list[str]
+    ) -> RunCgroup | None:
+        if self._cgroups is None:
+            return None
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        # a leased uid is this run's alone on the host, so it names the group (and a dead
+        # run's group of the same uid is found and emptied by the next holder)
+        name = f"uid-{lease.uid}" if lease is not None else f"run-{os.getpid()}-{seq}"
+        try:
+            return self._cgroups.create(name, limits.memory_bytes, limits.pids)
+        except CgroupError as e:
+            log.warning("subprocess run without a cgroup: %s", e)
+            notes.append(f"This run had no cgroup ({e}): memory in /dev/shm and tmpfs was "
+                         "not counted, and only its session and uid were killed at the end.")
+            return None
+
+    def _end(self, group: RunCgroup | None, lease: UidLease | None) -> None:
+        """After the run: no process of it is left; its files go, then its cgroup (pages
+        in /dev/shm stay charged to the group until the files are gone)."""
+        if lease is not None:
+            remove_owned_files(lease.uid)
+            remove_owned_ipc(lease.uid)
+        if group is not None and not group.remove():
+            log.warning("could not remove the run cgroup %s (the next run of the same uid "
+                        "removes it)", group.dirs)
 
     def kill(self, job_id: str) -> bool:
         with self._lock:
@@ -165,17 +269,133 @@ class SubprocessRuntime(Runtime):
         return True
 
 
+def isolation_report(
+    settings: Settings,
+    uids: UidPool | None,
+    cgroups: CgroupParent | None,
+    cgroup_note: str,
+) -> dict[str, Any]:
+    """What keeps subprocess runs apart on this host, and what does not: meta's
+    ``subprocess_isolation`` and the start-up warning."""
+    holds: list[str] = [
+        "Each run starts with an empty environment, in a temporary folder of its own "
+        "(removed afterwards), in a session of its own that the end of the run kills, with "
+        "no_new_privs and rlimits on memory, CPU time, open files, file size and processes."
+    ]
+    lacks: list[str] = []
+    swept = ", ".join(d for d in SWEPT_DIRS if os.path.isdir(d))
+    if uids is not None:
+        holds.append(
+            f"Each run has its own uid and gid from STUDIO_CODE_SUBPROCESS_UIDS="
+            f"{settings.code_subprocess_uids} and no supplementary group: it "
+            "cannot read the memory or environment (/proc/<pid>/mem, environ) of another run "
+            "or of the server, cannot signal them or a Docker sandbox, and its process limit "
+            "(RLIMIT_NPROC) is its own.")
+        holds.append(f"Every file a run's uid leaves in {swept}, and every System V IPC "
+                     "object (shared memory, semaphores, message queues) it owns, is removed "
+                     "after the run.")
+        holds.append("The end of a run kills every process of its uid, including a "
+                     "grandchild that called setsid().")
+        lacks.append("A run can read every file readable by all users (check that the "
+                     "database and secret.key are not) and use the network; what it leaves "
+                     "outside those folders (a file in another world-writable folder, an "
+                     "abstract Unix socket while it runs) is not looked for.")
+    elif os.getuid() == 0:
+        lacks.append("Not Linux: every run runs as nobody, shared with every other run and "
+                     "the Docker sandboxes (they can read and signal each other), and its "
+                     "files are not removed.")
+    else:
+        server = f"uid {os.getuid()}"
+        mem = ("and memory (/proc/<ppid>/mem: ptrace is not restricted by Yama here)"
+               if _ptrace_scope() == 0 else
+               "(its memory is kept from it by Yama's ptrace_scope, its environment is not)")
+        lacks.append(
+            f"The server is not root, so every run runs as the server's own {server}: a run "
+            f"can read the server's own environment (/proc/<ppid>/environ) {mem}, and those "
+            "of concurrent runs; signal the server, its other children and concurrent "
+            "runs; read and write every file the server can; and share the RLIMIT_NPROC "
+            "count of every process of that user.")
+        lacks.append(f"Files a run leaves in {swept} are not removed (they cannot be told "
+                     "from the server user's own).")
+    if cgroups is not None:
+        holds.append(
+            f"Each run has its own {cgroups.describe()}: memory, /dev/shm and tmpfs pages "
+            "included, and processes are capped for the whole run, and its end kills "
+            "everything in the cgroup (a grandchild that called setsid() too).")
+    else:
+        lacks.append(
+            f"No cgroup per run ({cgroup_note}): memory is capped per process only, so "
+            "pages written to /dev/shm or a tmpfs are not counted against "
+            "STUDIO_CODE_MEMORY" + (
+                "." if uids is not None else
+                ", and a grandchild that called setsid() survives the end of the run."))
+    return {
+        "separate_uids": uids is not None,
+        "uids": settings.code_subprocess_uids if uids is not None else None,
+        "cgroup": cgroups.describe() if cgroups is not None else None,
+        "cgroup_reason": None if cgroups is not None else cgroup_note,
+        "holds": holds,
+        "does_not_hold": lacks,
+    }
+
+
+def isolation_warning(report: dict[str, Any]) -> str:
+    """One sentence block for the log and meta's warnings."""
+    held = " ".join(report["holds"]) or "Nothing keeps runs from each other."
+    return f"Subprocess runs, what holds: {held} What does not: {' '.join(report['does_not_hold'])}"
+
+
+def _ptrace_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0  # no Yama: same-uid ptrace and /proc/<pid>/mem are allowed
+
+
 _PROBE_LIMITS = Limits(
     memory_bytes=1, cpus=1, pids=1, timeout_s=1, log_max_bytes=1, output_max_bytes=1
 )
 
 
-def _apply(policy: dict[int, tuple[int, int]]):  # type: ignore[no-untyped-def]
-    def set_limits() -> None:
+PR_SET_NO_NEW_PRIVS = 38
+try:
+    _prctl: Any = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def _child_setup(
+    policy: dict[int, tuple[int, int]],
+    group: RunCgroup | None,
+    ids: tuple[int, int] | None,
+):  # type: ignore[no-untyped-def]
+    """What the child does between fork and exec, still as the server's user: join the
+    run's cgroup (so nothing it starts is ever outside it), set its rlimits, then drop to
+    the run's uid and gid with no supplementary group and no_new_privs (no setuid binary
+    gives a uid back). Popen's own user= would drop the uid BEFORE this runs, and a
+    dropped uid may not write to the cgroup's files."""
+    procs_files = group.procs_files if group is not None else []
+
+    def setup() -> None:
+        pid = str(os.getpid()).encode()
+        for path in procs_files:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, pid)
+            finally:
+                os.close(fd)
         for which, value in policy.items():
             resource.setrlimit(which, value)
+        if ids is not None:
+            uid, gid = ids
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+        if _prctl is not None:
+            _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 
-    return set_limits
+    return setup
 
 
 def _wait(

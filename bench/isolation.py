@@ -1,0 +1,64 @@
+"""What keeping subprocess runs apart costs (issue 9): a trivial Python node with a uid and
+a cgroup of its own, with a uid but no cgroup, against the same runner spawned bare.
+Interleaved in one run, so each side sees the same machine noise.
+
+    python -m bench.isolation [--n 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+from collections.abc import Callable
+
+from bench.common import interleave, pct
+from executor.languages import get_language
+from executor.models import CodeJob
+from executor.service import Executor
+from executor.settings import load_settings
+
+TRIVIAL = "def main(state):\n    return 1\n"
+
+
+def row(name: str, a: list[float], b: list[float]) -> str:
+    a50, a95, b50, b95 = pct(a, 50), pct(a, 95), pct(b, 50), pct(b, 95)
+    return (f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
+            f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.isolation")
+    p.add_argument("--n", type=int, default=30)
+    n = p.parse_args().n
+    full = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
+                                  code_languages="python"))
+    no_cgroup = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
+                                       code_languages="python", code_subprocess_cgroup="off"))
+    iso = full.runtime.isolation  # type: ignore[union-attr]
+    print(f"# bench.isolation: n={n} per side, interleaved; p50 / p95 in ms; server uid "
+          f"{os.getuid()}, separate uids {iso['separate_uids']}, cgroup {iso['cgroup']}")
+
+    def via(ex: Executor) -> Callable[[], object]:
+        def run() -> None:
+            r = ex.run(CodeJob(code=TRIVIAL, timeout_s=20))
+            assert r.status == "succeeded", r.error
+        return run
+
+    lang = get_language("python")
+    argv = lang.command(full.settings, full.limits(10), in_container=False)
+    payload = lang.stdin_payload(CodeJob(code=TRIVIAL))
+
+    def bare_runner() -> None:
+        subprocess.run(argv, input=payload, capture_output=True, env={}, check=True)
+
+    a, b, c = interleave(n, [via(full), via(no_cgroup), bare_runner])
+    print("| what | p50 / p95 | floor p50 / p95 | ratio, delta |")
+    print("|---|---|---|---|")
+    print(row("own uid + cgroup vs the runner spawned bare", a, c))
+    print(row("own uid, no cgroup vs the runner spawned bare", b, c))
+    print(row("own uid + cgroup vs own uid, no cgroup", a, b))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,822 @@
+"""Subprocess runs under a root server cannot see each other, the server or a Docker sandbox
+(issue 9, item 5). Every program reports from inside what it tried and the errno it got;
+the test then checks the host from outside (a pid gone, a file gone).
+
+Hostile programs signal only pids their own test started and told them about: the other
+test run, a Docker sandbox of this test, or (signal 0 only) the server, which is this
+pytest process. Fork bombs run only under the dropped uid's RLIMIT_NPROC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from executor.models import CodeJob, CodeResult, Status
+from executor.service import Executor
+from tests.conftest import FORK_BOMB
+
+pytestmark = pytest.mark.skipif(
+    os.getuid() != 0 or not sys.platform.startswith("linux"),
+    reason="runs get uids of their own only under a root server on Linux",
+)
+
+DENIED = {"EACCES", "EPERM"}
+
+#: shared by the programs: try one thing, report "ok" or the errno's name
+PRELUDE = r'''
+import ctypes, errno, os, signal, sys, time, json
+
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+
+def read(path):
+    with open(path, "rb") as f:
+        f.read()
+
+def open_only(path):
+    os.close(os.open(path, os.O_RDONLY))
+
+def seize(pid):
+    # PTRACE_SEIZE does not stop the tracee; detach at once if the kernel allowed it
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    if libc.ptrace(0x4206, pid, None, None) == 0:
+        libc.ptrace(17, pid, None, None)
+        return
+    e = ctypes.get_errno()
+    raise OSError(e, os.strerror(e))
+
+def probe(pid, kill):
+    r = {
+        "environ": attempt(lambda: read(f"/proc/{pid}/environ")),
+        "mem": attempt(lambda: open_only(f"/proc/{pid}/mem")),
+        "cwd": attempt(lambda: os.listdir(f"/proc/{pid}/cwd")),
+        "ptrace": attempt(lambda: seize(pid)),
+        "signal0": attempt(lambda: os.kill(pid, 0)),
+    }
+    if kill:
+        r["sigkill"] = attempt(lambda: os.kill(pid, signal.SIGKILL))
+    return r
+'''
+
+
+def run(executor: Executor, code: str, state: Any = None, timeout_s: float = 20) -> CodeResult:
+    return executor.run(CodeJob(code=code, state_json=json.dumps(state or {}),
+                                timeout_s=timeout_s))
+
+
+def uid_of(pid: int) -> int | None:
+    """The real uid of a live (not zombie) process, None when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if fields["State"].strip().startswith("Z"):
+        return None
+    return int(fields["Uid"].split()[0])
+
+
+def gone(pid: int, uid: int) -> bool:
+    """The run's process ``pid`` no longer exists (a reused pid of another uid is not it)."""
+    return uid_of(pid) != uid
+
+
+@pytest.fixture
+def shared() -> Any:
+    """A folder the runs and the test both use (pytest's tmp_path is root-only)."""
+    d = Path(tempfile.mkdtemp(prefix="studio-iso-"))
+    os.chmod(d, 0o777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def iso(make_settings) -> Executor:  # type: ignore[no-untyped-def]
+    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python"))
+    iso = getattr(ex.runtime, "isolation", {})
+    # the host these tests prove things on must give runs uids and cgroups of their own
+    assert iso.get("separate_uids") and iso.get("cgroup"), iso
+    return ex
+
+
+# --- the table: one hostile program per row ---------------------------------------------
+
+
+@dataclass
+class Case:
+    name: str
+    code: str
+    check: Callable[[CodeResult, dict[str, Any]], None]
+    state: Callable[[dict[str, Any]], dict[str, Any]] = lambda ctx: {}
+    settings: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 20
+
+
+def _ok(r: CodeResult) -> Any:
+    assert r.status is Status.SUCCEEDED, (r.status, r.error, r.logs)
+    return r.output
+
+
+def _own_uid(r: CodeResult, ctx: dict[str, Any]) -> None:
+    out = _ok(r)
+    assert out["uid"] in ctx["uids"] and out["uid"] != 65534
+    assert out["gid"] == out["uid"] and out["groups"] in ([], [out["gid"]])
+    assert out["no_new_privs"] == "1"
+    assert out["setuid0"] in DENIED
+
+
+def _server(field_name: str) -> Callable[[CodeResult, dict[str, Any]], None]:
+    def check(r: CodeResult, ctx: dict[str, Any]) -> None:
+        out = _ok(r)
+        assert out["ppid"] == os.getpid()  # it really probed this server
+        assert out["result"] in DENIED, out
+
+    check.__name__ = f"server_{field_name}"
+    return check
+
+
+def _setsid_gone(r: CodeResult, ctx: dict[str, Any]) -> None:
+    line = next(x for x in r.logs.splitlines() if x.startswith("grandchild "))
+    _, pid, _, uid, _, escaped = line.split()
+    assert escaped == "True"  # it left the run's session and process group
+    assert gone(int(pid), int(uid)), f"grandchild {pid} of uid {uid} survived the run"
+
+
+def _setsid_gone_after_timeout(r: CodeResult, ctx: dict[str, Any]) -> None:
+    assert r.status is Status.TIMED_OUT, (r.status, r.error)
+    _setsid_gone(r, ctx)
+
+
+def _escape_cgroup(r: CodeResult, ctx: dict[str, Any]) -> None:
+    out = _ok(r)
+    assert "/studio-code/uid-" in out["cgroup"], out["cgroup"]
+    assert out["tries"] and set(out["tries"].values()) <= DENIED, out["tries"]
+
+
+def _files_gone(r: CodeResult, ctx: dict[str, Any]) -> None:
+    out = _ok(r)
+    assert len(out["made"]) >= 8
+    left = [p for p in out["made"] if os.path.lexists(p)]
+    assert not left, f"left behind: {left}"
+    # never anything else: the link's target, the test's own files in /tmp and in the
+    # world-writable folder the run wrote into
+    assert ctx["victim"].read_text() == "the test's own"
+    assert ctx["keep"].read_text() == "the test's own"
+    assert ctx["root_tmp"].read_text() == "the test's own"
+
+
+def _deep_tree_gone(r: CodeResult, ctx: dict[str, Any]) -> None:
+    out = _ok(r)
+    assert out["depth"] == 200
+    assert not os.path.lexists(out["base"])
+    assert not [n for n in os.listdir("/tmp") if n.startswith(".studio-code-sweep-")]
+
+
+def _shm_charged(r: CodeResult, ctx: dict[str, Any]) -> None:
+    # 5 x 60 MB in /dev/shm under 256 MB: the cgroup counts tmpfs pages, so either the
+    # kernel ended the run (CODE_MEMORY) or a write failed inside
+    if r.status is Status.SUCCEEDED:
+        assert r.output["error"] in ("ENOSPC", "ENOMEM"), r.output
+        assert r.output["written_mb"] < 300
+    else:
+        assert r.error and r.error.code == "CODE_MEMORY", (r.status, r.error, r.logs)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"iso-{ctx['token']}")]
+
+
+def _processes_share_memory_limit(r: CodeResult, ctx: dict[str, Any]) -> None:
+    # 4 processes x 100 MB: each under RLIMIT_AS, together over the cgroup's 256 MB
+    assert r.error and r.error.code == "CODE_MEMORY", (r.status, r.error, r.output, r.logs)
+
+
+def _fork_bomb(r: CodeResult, ctx: dict[str, Any]) -> None:
+    out = _ok(r)
+    assert out["error"] == "Resource temporarily unavailable" and out["forked"] < 16
+
+
+def _pids_of_group(r: CodeResult, ctx: dict[str, Any]) -> None:
+    out = _ok(r)
+    assert out["pids_max"] == "24"  # STUDIO_CODE_PIDS of this row, the cgroup's pids.max
+
+
+def _all_denied(r: CodeResult, keys: set[str]) -> None:
+    out = _ok(r)
+    assert set(out) == keys and set(out.values()) <= DENIED, out
+
+
+def _ipc_gone(r: CodeResult) -> None:
+    ids = _ok(r)
+    assert all(i >= 0 for i in ids.values()), ids  # made inside the run
+    for kind, column in (("shm", "shmid"), ("sem", "semid"), ("msg", "msqid")):
+        header, *rows = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
+        at = header.split().index(column)
+        assert ids[kind] not in {int(row.split()[at]) for row in rows}, kind
+
+
+CASES = [
+    Case("own uid, no groups, no_new_privs", PRELUDE + r'''
+def main(state):
+    st = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
+    return {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
+            "no_new_privs": st["NoNewPrivs"].strip(),
+            "setuid0": attempt(lambda: os.setuid(0))}
+''', _own_uid),
+    Case("server environ unreadable", PRELUDE + r'''
+def main(state):
+    return {"ppid": os.getppid(), "result": attempt(lambda: read(f"/proc/{os.getppid()}/environ"))}
+''', _server("environ")),
+    Case("server memory unreadable", PRELUDE + r'''
+def main(state):
+    return {"ppid": os.getppid(), "result": attempt(lambda: open_only(f"/proc/{os.getppid()}/mem"))}
+''', _server("mem")),
+    Case("server not traceable", PRELUDE + r'''
+def main(state):
+    return {"ppid": os.getppid(), "result": attempt(lambda: seize(os.getppid()))}
+''', _server("ptrace")),
+    Case("server not signalable (signal 0)", PRELUDE + r'''
+def main(state):
+    return {"ppid": os.getppid(), "result": attempt(lambda: os.kill(os.getppid(), 0))}
+''', _server("signal0")),
+    Case("setsid() grandchild gone at the end", PRELUDE + r'''
+def main(state):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            time.sleep(600)
+            os._exit(0)
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    os.close(w)
+    pid = int(os.read(r, 32))
+    os.wait()
+    escaped = os.getsid(pid) != os.getsid(0) and os.getpgid(pid) != os.getpgid(0)
+    print("grandchild", pid, "uid", os.getuid(), "escaped", escaped, flush=True)
+    if state.get("spin"):
+        while True:
+            pass
+    return pid
+''', _setsid_gone),
+    Case("setsid() grandchild gone after a timeout", "", _setsid_gone_after_timeout,
+         state=lambda ctx: {"spin": True}, timeout_s=2),
+    Case("cannot leave its cgroup", PRELUDE + r'''
+def main(state):
+    text = open("/proc/self/cgroup").read()
+    tries = {}
+    for line in text.splitlines():
+        _, ctrls, path = line.split(":", 2)
+        if ctrls in ("memory", "pids"):
+            mount = f"/sys/fs/cgroup/{ctrls}"
+        elif ctrls == "" and "/studio-code/" in path:
+            mount = "/sys/fs/cgroup"
+        else:
+            continue
+        up = path.rsplit("/studio-code/", 1)[0]
+        for target in {mount + up, mount}:
+            def move(target=target):
+                with open(f"{target}/cgroup.procs", "w") as f:
+                    f.write(str(os.getpid()))
+            tries[target] = attempt(move)
+    return {"cgroup": text, "tries": tries}
+''', _escape_cgroup),
+    Case("files in /tmp, /dev/shm, /var/tmp gone", PRELUDE + r'''
+import socket
+def main(state):
+    t = state["token"]
+    made = []
+    for d in ("/tmp", "/dev/shm", "/var/tmp"):
+        p = f"{d}/iso-{t}"
+        with open(p, "w") as f:
+            f.write("left for the next run")
+        os.chmod(p, 0o666)
+        made.append(p)
+    tree = f"/tmp/iso-tree-{t}"
+    os.makedirs(f"{tree}/a/b/c")
+    open(f"{tree}/a/b/c/f", "w").write("x")
+    made += [tree, f"{tree}/a/b/c/f"]
+    os.symlink(state["victim"], f"/tmp/iso-link-{t}")
+    made.append(f"/tmp/iso-link-{t}")
+    os.mkfifo(f"/dev/shm/iso-fifo-{t}")
+    made.append(f"/dev/shm/iso-fifo-{t}")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(f"/tmp/iso-sock-{t}")
+    made.append(f"/tmp/iso-sock-{t}")
+    p = f"{state['shared']}/iso-in-shared-{t}"
+    open(p, "w").write("x")
+    made.append(p)
+    return {"made": made}
+''', _files_gone, state=lambda ctx: {"token": ctx["token"], "victim": str(ctx["victim"]),
+                                     "shared": str(ctx["shared"])}),
+    Case("a 200-deep tree in /tmp gone", PRELUDE + r'''
+def main(state):
+    base = f"/tmp/iso-deep-{state['token']}"
+    os.mkdir(base)
+    os.chdir(base)
+    depth = 0
+    for _ in range(200):
+        os.mkdir("d")
+        os.chdir("d")
+        depth += 1
+    open("leaf", "w").write("x")
+    os.chdir("/")
+    return {"base": base, "depth": depth}
+''', _deep_tree_gone, state=lambda ctx: {"token": ctx["token"]}),
+    Case("5 x 60 MB in /dev/shm under 256 MB", PRELUDE + r'''
+def main(state):
+    chunk = b"x" * (1 << 20)
+    written = 0
+    try:
+        for i in range(5):
+            with open(f"/dev/shm/iso-{state['token']}-{i}", "wb") as f:
+                for _ in range(60):
+                    f.write(chunk)
+                    written += 1
+    except OSError as e:
+        return {"written_mb": written, "error": errno.errorcode.get(e.errno)}
+    return {"written_mb": written, "error": None}
+''', _shm_charged, state=lambda ctx: {"token": ctx["token"]}, settings={"code_memory": "256m"}),
+    Case("4 processes x 100 MB under 256 MB", PRELUDE + r'''
+def main(state):
+    kids = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:
+            block = b"x" * (100 << 20)
+            time.sleep(1)
+            os._exit(len(block) > 0 and 0)
+        kids.append(pid)
+    return [os.waitpid(k, 0)[1] for k in kids]
+''', _processes_share_memory_limit, settings={"code_memory": "256m"}),
+    Case("fork bomb stops at its own uid's nproc", FORK_BOMB, _fork_bomb,
+         settings={"code_pids": 16}),
+    Case("the cgroup's pids.max is STUDIO_CODE_PIDS", PRELUDE + r'''
+def main(state):
+    line = [l for l in open("/proc/self/cgroup").read().splitlines() if ":pids:" in l
+            or l.startswith("0::")][0]
+    path = line.split(":", 2)[2]
+    mount = "/sys/fs/cgroup/pids" if ":pids:" in line else "/sys/fs/cgroup"
+    return {"pids_max": open(f"{mount}{path}/pids.max").read().strip()}
+''', _pids_of_group, settings={"code_pids": 24}),
+]
+CASES.append(Case("System V IPC objects gone", PRELUDE + r'''
+def main(state):
+    libc = ctypes.CDLL(None, use_errno=True)
+    ids = {"shm": libc.shmget(0, 1 << 20, 0o1000 | 0o666),   # IPC_PRIVATE, IPC_CREAT
+           "sem": libc.semget(0, 1, 0o1000 | 0o666),
+           "msg": libc.msgget(0, 0o1000 | 0o666)}
+    return ids
+''', lambda r, ctx: _ipc_gone(r)))
+CASES.append(Case("cannot raise its own limits", PRELUDE + r'''
+import resource
+def main(state):
+    line = [l for l in open("/proc/self/cgroup").read().splitlines() if ":memory:" in l
+            or l.startswith("0::")][0]
+    path = line.split(":", 2)[2]
+    mount = "/sys/fs/cgroup/memory" if ":memory:" in line else "/sys/fs/cgroup"
+    name = "memory.limit_in_bytes" if ":memory:" in line else "memory.max"
+    def raise_memory():
+        with open(f"{mount}{path}/{name}", "w") as f:
+            f.write(str(8 << 30))
+    def raise_nproc():
+        hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+        try:
+            resource.setrlimit(resource.RLIMIT_NPROC, (hard + 1, hard + 1))
+        except ValueError:  # Python's word for the kernel's EPERM here
+            raise PermissionError(errno.EPERM, "not allowed to raise maximum limit")
+    return {"cgroup_memory": attempt(raise_memory), "nproc": attempt(raise_nproc)}
+''', lambda r, ctx: _all_denied(r, {"cgroup_memory", "nproc"})))
+CASES.append(Case("cannot touch the uid leases", PRELUDE + r'''
+def main(state):
+    lock = f"/run/studio-code/uids/{os.getuid()}.lock"
+    return {"list": attempt(lambda: os.listdir("/run/studio-code/uids")),
+            "open": attempt(lambda: open_only(lock)),
+            "create": attempt(lambda: open("/run/studio-code/uids/999999.lock", "w"))}
+''', lambda r, ctx: _all_denied(r, {"list", "open", "create"})))
+CASES[6].code = CASES[5].code  # the same program, left spinning until its timeout
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_hostile_program(case: Case, make_settings, shared: Path) -> None:  # type: ignore[no-untyped-def]
+    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python",
+                                **case.settings))
+    assert getattr(ex.runtime, "isolation", {}).get("cgroup"), "no cgroup on this host"
+    token = uuid.uuid4().hex[:10]
+    victim = shared / "victim"
+    victim.write_text("the test's own")
+    keep = shared / "keep"
+    keep.write_text("the test's own")
+    root_tmp = Path(f"/tmp/iso-root-{token}")
+    root_tmp.write_text("the test's own")
+    ctx = {"token": token, "victim": victim, "keep": keep, "shared": shared,
+           "root_tmp": root_tmp, "uids": ex.settings.subprocess_uids}
+    try:
+        r = run(ex, case.code, case.state(ctx), timeout_s=case.timeout_s)
+        case.check(r, ctx)
+    finally:
+        root_tmp.unlink()
+
+
+# --- two concurrent runs and a Docker sandbox ---------------------------------------------
+
+PAIR = PRELUDE + r'''
+def main(state):
+    d, me = state["dir"], state["name"]
+    with open(f"{d}/{me}.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(f"{d}/{me}.tmp", f"{d}/{me}.pid")
+    go = f"{d}/{me}.go"
+    for _ in range(2000):
+        if os.path.exists(go):
+            break
+        time.sleep(0.01)
+    # only the pids the test wrote here: the other test run and this test's Docker sandbox
+    targets = json.load(open(go))
+    report = {label: probe(pid, kill=True) for label, pid in targets.items()}
+    open(f"{d}/{me}.done", "w").close()
+    for _ in range(1000):  # stay alive (a target) until the other run is done too
+        if os.path.exists(f"{d}/{state['other']}.done"):
+            break
+        time.sleep(0.01)
+    return {"pid": os.getpid(), "uid": os.getuid(), "targets": targets, "report": report}
+'''
+
+SLEEPER = "import time\ndef main(state):\n    time.sleep(6)\n    return 'alive'\n"
+
+
+def _wait_for(what: Callable[[], Any], timeout_s: float, message: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(message)
+
+
+def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
+    iso: Executor, docker_executor: Executor, docker_client, shared: Path  # type: ignore[no-untyped-def]
+) -> None:
+    results: dict[str, CodeResult] = {}
+
+    def start(name: str, ex: Executor, job: CodeJob) -> threading.Thread:
+        t = threading.Thread(target=lambda: results.__setitem__(name, ex.run(job)))
+        t.start()
+        return t
+
+    sleeper = CodeJob(code=SLEEPER, timeout_s=30)
+    threads = [start("docker", docker_executor, sleeper)]
+    for me, other in (("a", "b"), ("b", "a")):
+        state = {"dir": str(shared), "name": me, "other": other}
+        threads.append(start(me, iso, CodeJob(code=PAIR, state_json=json.dumps(state),
+                                                timeout_s=30)))
+
+    def container_pid() -> int:
+        for c in docker_client.api.containers(
+                filters={"label": f"studio.job_id={sleeper.job_id}", "status": "running"}):
+            pid = docker_client.api.inspect_container(c["Id"])["State"]["Pid"]
+            if pid:
+                return int(pid)
+        return 0
+
+    docker_pid = _wait_for(container_pid, 60, "the Docker sandbox did not start")
+    pids = {}
+    for me in ("a", "b"):
+        pids[me] = _wait_for(lambda me=me: (shared / f"{me}.pid").exists() and
+                             int((shared / f"{me}.pid").read_text()), 30, f"run {me} did not start")
+    # what each run is told is a process this test started: a run (our child, under a run
+    # uid) and the sandbox (under the Docker sandboxes' uid)
+    uids = iso.settings.subprocess_uids
+    for me in ("a", "b"):
+        assert uid_of(pids[me]) in uids
+        assert int(Path(f"/proc/{pids[me]}/stat").read_text().rsplit(") ", 1)[1].split()[1]) \
+            == os.getpid()
+    assert uid_of(pids["a"]) != uid_of(pids["b"])
+    docker_uid = uid_of(docker_pid)
+    assert docker_uid is not None and docker_uid not in uids
+    for me, other in (("a", "b"), ("b", "a")):
+        go = shared / f"{me}.go"
+        go.with_suffix(".tmp").write_text(json.dumps({"peer": pids[other], "docker": docker_pid}))
+        go.with_suffix(".tmp").rename(go)
+    for t in threads:
+        t.join(timeout=60)
+
+    for me in ("a", "b"):
+        r = results[me]
+        assert r.status is Status.SUCCEEDED, (me, r.status, r.error, r.logs)
+        report = r.output["report"]
+        for target in ("peer", "docker"):
+            got = report[target]
+            assert set(got) == {"environ", "mem", "cwd", "ptrace", "signal0", "sigkill"}
+            assert set(got.values()) <= DENIED, (me, target, got)
+    for me, other in (("a", "b"), ("b", "a")):  # each probed only what it was told
+        assert results[me].output["targets"] == {"peer": results[other].output["pid"],
+                                                 "docker": docker_pid}
+    # both runs and the sandbox lived through the attacks and ended on their own
+    assert results["a"].output["uid"] != results["b"].output["uid"]
+    assert results["docker"].status is Status.SUCCEEDED and results["docker"].output == "alive"
+
+
+HOLDER = r'''
+import os, time
+def main(state):
+    kids = []
+    for _ in range(state["n"]):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        kids.append(pid)
+    open(state["holding"], "w").close()
+    for _ in range(1500):
+        if os.path.exists(state["release"]):
+            break
+        time.sleep(0.01)
+    return {"held": len(kids), "kids": kids, "uid": os.getuid()}
+'''
+
+FORKER = r'''
+import os
+def main(state):
+    n = 0
+    try:
+        for _ in range(state["n"]):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            n += 1
+    except OSError as e:
+        return {"forked": n, "error": e.strerror}
+    for _ in range(n):
+        os.wait()
+    return {"forked": n, "error": None}
+'''
+
+
+def test_one_run_holding_many_processes_does_not_stop_a_concurrent_run(
+    make_settings, shared: Path  # type: ignore[no-untyped-def]
+) -> None:
+    # 60 sleeping processes of one run under STUDIO_CODE_PIDS=64; the same uid for both
+    # would leave the second run 3 forks; its own uid leaves it all 64
+    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python",
+                                code_pids=64))
+    holding, release = shared / "holding", shared / "release"
+    results: dict[str, CodeResult] = {}
+    t = threading.Thread(target=lambda: results.__setitem__("holder", run(
+        ex, HOLDER, {"n": 60, "holding": str(holding), "release": str(release)}, 30)))
+    t.start()
+    try:
+        _wait_for(holding.exists, 30, "the holder did not start its processes")
+        second = run(ex, FORKER, {"n": 30})
+    finally:
+        release.touch()
+        t.join(timeout=60)
+    assert second.status is Status.SUCCEEDED, (second.status, second.error)
+    assert second.output == {"forked": 30, "error": None}
+    held = results["holder"]
+    assert held.status is Status.SUCCEEDED and held.output["held"] == 60
+    uid = held.output["uid"]
+    assert all(gone(pid, uid) for pid in held.output["kids"])  # ended with their run
+
+
+def test_the_next_run_does_not_find_what_a_run_left(iso: Executor) -> None:
+    token = uuid.uuid4().hex[:10]
+    writer = r'''
+import os
+def main(state):
+    for d in ("/tmp", "/dev/shm", "/var/tmp"):
+        with open(f"{d}/iso-next-{state['t']}", "w") as f:
+            f.write("secret")
+        os.chmod(f"{d}/iso-next-{state['t']}", 0o644)
+    return "written"
+'''
+    reader = r'''
+import errno
+def main(state):
+    seen = {}
+    for d in ("/tmp", "/dev/shm", "/var/tmp"):
+        try:
+            seen[d] = open(f"{d}/iso-next-{state['t']}").read()
+        except OSError as e:
+            seen[d] = errno.errorcode[e.errno]
+    return seen
+'''
+    assert run(iso, writer, {"t": token}).output == "written"
+    seen = run(iso, reader, {"t": token})
+    assert seen.output == {"/tmp": "ENOENT", "/dev/shm": "ENOENT", "/var/tmp": "ENOENT"}
+
+
+# --- leases across processes, settings, meta ----------------------------------------------
+
+
+def test_uid_leases_never_collide_across_processes(tmp_path: Path) -> None:
+    from executor.errors import RuntimeUnavailable
+    from executor.runtimes.uids import UidPool
+
+    ids = range(300000, 300002)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from pathlib import Path\n"
+         "from executor.runtimes.uids import UidPool\n"
+         f"lease = UidPool(range(300000, 300002), Path({str(tmp_path)!r})).acquire()\n"
+         "print(lease.uid, flush=True)\n"
+         "time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        assert holder.stdout is not None
+        held = int(holder.stdout.readline())
+        pool = UidPool(ids, tmp_path)
+        mine = pool.acquire()
+        assert mine.uid != held and mine.uid in ids
+        with pytest.raises(RuntimeUnavailable, match="STUDIO_CODE_SUBPROCESS_UIDS"):
+            pool.acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    # the dead holder's uid is free again, and marked for a scrub of its leftovers
+    again = pool.acquire()
+    assert again.uid == held and again.was_dirty
+    mine.release()
+    again.release()
+    assert not pool.acquire().was_dirty
+
+
+@pytest.mark.parametrize("value, sentence", [
+    ("1000-1001", "uid 1000 is the account"),
+    ("65000-66000", "a range without uid 65534"),
+    ("200000", "a uid range FIRST-LAST"),
+    ("5-10", "1000 <= FIRST"),
+])
+def test_a_bad_uid_range_stops_start_up_with_a_sentence(value: str, sentence: str) -> None:
+    from executor.errors import SettingsError
+    from executor.settings import load_settings
+
+    if "account" in sentence:
+        import pwd
+
+        try:
+            pwd.getpwuid(1000)
+        except KeyError:
+            pytest.skip("no account with uid 1000 on this host")
+    with pytest.raises(SettingsError, match="STUDIO_CODE_SUBPROCESS_UIDS") as e:
+        load_settings(code_runtime="subprocess", code_subprocess_uids=value)
+    assert sentence in str(e.value)
+
+
+def test_meta_says_what_holds(iso: Executor) -> None:
+    from executor.meta import runtime_meta
+
+    meta = runtime_meta(iso)
+    iso_meta = meta["subprocess_isolation"]
+    assert iso_meta["separate_uids"] is True and iso_meta["cgroup"]
+    assert any("own uid" in w for w in meta["warnings"][1:])
+    assert any("System V IPC" in s for s in iso_meta["holds"])
+    assert any("use the network" in s for s in iso_meta["does_not_hold"])
+
+
+def test_without_a_cgroup_the_run_still_ends_whole_and_meta_says_so(make_settings) -> None:  # type: ignore[no-untyped-def]
+    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python",
+                                code_subprocess_cgroup="off"))
+    iso = ex.runtime.isolation  # type: ignore[union-attr]
+    assert iso["cgroup"] is None and iso["cgroup_reason"] == "STUDIO_CODE_SUBPROCESS_CGROUP=off"
+    assert any("/dev/shm" in s for s in iso["does_not_hold"])
+    r = run(ex, CASES[5].code)
+    _setsid_gone(r, {})  # the run's uid is killed whole even without a cgroup
+
+
+# --- a server that is not root: what meta claims is what a run can do ---------------------
+
+NON_ROOT_SERVER = r'''
+import json, os, sys
+from executor.meta import runtime_meta
+from executor.models import CodeJob
+from executor.service import Executor
+from executor.settings import load_settings
+
+code = """
+import errno, os, signal, subprocess, sys, time
+def attempt(fn):
+    try:
+        return fn()
+    except OSError as e:
+        return errno.errorcode[e.errno]
+def main(state):
+    ppid = os.getppid()
+    def environ():
+        return "marker" if b"STUDIO_ISO_MARKER=" + state["marker"].encode() in open(
+            f"/proc/{ppid}/environ", "rb").read() else "no marker"
+    def mem():
+        os.close(os.open(f"/proc/{ppid}/mem", os.O_RDONLY))
+        return "ok"
+    def signal0():
+        os.kill(ppid, 0)
+        return "ok"
+    # a grandchild in a session of its own: without a cgroup or a uid of the run's own,
+    # nothing finds it at the end of the run
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)
+    nnp = [l for l in open("/proc/self/status") if l.startswith("NoNewPrivs:")][0]
+    return {"ppid": ppid, "environ": attempt(environ), "mem": attempt(mem),
+            "signal0": attempt(signal0), "grandchild": child.pid, "env": sorted(os.environ),
+            "no_new_privs": nnp.split()[1]}
+"""
+ex = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
+                            code_languages="python", data_dir=sys.argv[1]))
+r = ex.run(CodeJob(code=code, state_json=json.dumps({"marker": sys.argv[2]}), timeout_s=20))
+print(json.dumps({"server_pid": os.getpid(), "status": str(r.status), "output": r.output,
+                  "error": r.error and r.error.message,
+                  "isolation": runtime_meta(ex)["subprocess_isolation"]}))
+'''
+
+
+def test_a_non_root_server_claims_what_a_run_can_really_do(shared: Path) -> None:
+    """Run a server as an unprivileged uid (no account, outside the run range) and check
+    each claim of meta's does_not_hold from inside its run."""
+    root = Path(__file__).resolve().parent.parent
+    site = next((root / ".venv" / "lib").glob("python3*/site-packages"))
+    python = "/usr/bin/python3"
+    if not os.path.exists(python):
+        pytest.skip("no /usr/bin/python3 for the unprivileged server")
+    marker = uuid.uuid4().hex
+    server = subprocess.run(
+        [python, "-c", NON_ROOT_SERVER, str(shared), marker],
+        user=300123, group=300123, extra_groups=[], cwd=shared, capture_output=True,
+        text=True, timeout=120,
+        env={"PYTHONPATH": f"{root}:{site}", "STUDIO_ISO_MARKER": marker, "PATH": "/usr/bin:/bin"},
+    )
+    assert server.returncode == 0, server.stderr[-3000:]
+    seen = json.loads(server.stdout.strip().splitlines()[-1])
+    out, iso = seen["output"], seen["isolation"]
+    assert seen["status"] == "succeeded", seen
+    try:
+        assert out["ppid"] == seen["server_pid"]
+        lacks = " ".join(iso["does_not_hold"])
+        assert iso["separate_uids"] is False and iso["cgroup"] is None
+        # "can read the server's own environment (/proc/<ppid>/environ)": it did
+        assert "/proc/<ppid>/environ" in lacks and out["environ"] == "marker"
+        # memory: claimed readable exactly when it was
+        assert ("/proc/<ppid>/mem" in lacks) == (out["mem"] == "ok"), (lacks, out)
+        # "signal the server": signal 0 went through
+        assert "signal the server" in lacks and out["signal0"] == "ok"
+        # "a grandchild that called setsid() survives the end of the run": it did
+        assert "survives the end of the run" in lacks
+        assert uid_of(out["grandchild"]) == 300123
+        assert "are not removed" in lacks
+        # and what it says still holds: an empty environment, no_new_privs
+        held = " ".join(iso["holds"])
+        assert "empty environment" in held and set(out["env"]) <= {"LC_CTYPE"}
+        assert "no_new_privs" in held and out["no_new_privs"] == "1"
+    finally:
+        if uid_of(out["grandchild"]) == 300123:
+            os.kill(out["grandchild"], 9)  # ours: started by this test's run
+
+
+def test_a_dead_workers_uid_is_scrubbed_before_its_next_run(make_settings) -> None:  # type: ignore[no-untyped-def]
+    """A worker killed mid-run leaves its uid's lock free but marked busy, a process of
+    that uid in a session of its own and a file in /tmp: the next holder of the uid kills
+    and removes them before its own run starts."""
+    from executor.runtimes.uids import LOCK_DIR, MARK_BUSY
+
+    uid = 300500
+    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python",
+                                code_subprocess_uids=f"{uid}-{uid}"))
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    (LOCK_DIR / f"{uid}.lock").write_bytes(MARK_BUSY)
+    stale = Path(f"/tmp/iso-stale-{uuid.uuid4().hex[:10]}")
+    stale.write_text("left by a dead run")
+    os.chown(stale, uid, uid)
+    left = subprocess.Popen(["/bin/sleep", "120"], user=uid, group=uid, extra_groups=[],
+                            start_new_session=True)
+    try:
+        r = run(ex, "import os\ndef main(state):\n    return os.getuid()\n")
+        assert r.status is Status.SUCCEEDED and r.output == uid
+        assert left.wait(timeout=5) == -9  # killed before the run, not by this test
+        assert not stale.exists()
+        assert (LOCK_DIR / f"{uid}.lock").read_bytes() != MARK_BUSY
+    finally:
+        if left.poll() is None:
+            left.kill()
+            left.wait()
+        stale.unlink(missing_ok=True)
