@@ -406,6 +406,10 @@ class Relay:
 
     def cut(self) -> None:
         if self._server is not None:
+            try:  # wakes the accept() blocked in the relay's thread (close alone does not)
+                self._server.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._server.close()
             self._server = None
         for s in self._socks:
