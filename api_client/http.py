@@ -526,6 +526,9 @@ def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        from executor.store.sql import describe_url
+
+        log.info("run store: %s", describe_url(settings.sqlalchemy_url))
         yield
         services.close()
 

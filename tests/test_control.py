@@ -148,6 +148,7 @@ def test_heartbeat_comes_and_goes_with_worker_processes(redis_server: Any, tmp_p
         assert run.store_id == client.store.store_id and run.store_id
         job = client.submit(TRIVIAL, "python", {"n": 21})
         assert client.wait(job, 30).output == 42
+        assert f"run store: {db} (store id {client.store.store_id})" in w1.output()
 
         # a warm stop withdraws the announcement at once
         assert w1.stop(30) == 0
@@ -309,6 +310,7 @@ def test_an_unreadable_row_fails_cleanly_and_get_answers_200(
     procs.append(api)
     h = {USER: "ann"}
     with client_for(make_settings, redis_server.url, db) as client:
+        assert f"run store: {db}" in api.output()
         # readiness and meta show who serves
         ready = httpx.get(f"{base}/healthz/ready", timeout=30).json()
         assert ready["ok"] and ready["workers"]["code.run"]["serving"] == 1, ready
