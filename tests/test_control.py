@@ -467,3 +467,62 @@ def test_an_unreachable_store_is_runtime_unavailable_naming_it(
         assert "s3cret" not in r.text
     finally:
         relay.cut()
+
+
+# --- the store's part, on both databases -------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return sqlite(tmp_path, "db")
+    return str(request.getfixturevalue("pg_schema_url"))
+
+
+def test_store_id_queued_rows_and_tolerant_reads(store_url: str, tmp_path: Path) -> None:
+    from sqlalchemy import text
+
+    from executor.models import CodeJob
+    from executor.store import open_store
+
+    with open_store(store_url) as a:
+        first = a.store_id
+        assert len(first) == 32
+        jobs = [CodeJob(code=TRIVIAL, kind=k) for k in ("run", "test", "run")]
+        for job in jobs:
+            a.create(job, code_runtime="subprocess")
+        assert a.claim(jobs[2].job_id, "w@h:1") is not None
+    with open_store(store_url) as b, open_store(sqlite(tmp_path, "other")) as other:
+        assert b.store_id == first, "the id is written once, at creation"
+        assert other.store_id and other.store_id != first
+        assert b.list_queued(60) == []
+        time.sleep(0.05)
+        queued = b.list_queued(0.01)
+        assert [q.job_id for q in queued] == [jobs[0].job_id, jobs[1].job_id]
+        assert [q.job_id for q in b.list_queued(0.01, kind="test")] == [jobs[1].job_id]
+        # only rows still queued change: the running one is left alone
+        changed = b.fail_queued([j.job_id for j in jobs], "No worker took it.")
+        assert changed == sorted([jobs[0].job_id, jobs[1].job_id])
+        assert b.fail_queued([jobs[0].job_id], "again") == []
+        rec = b.get(jobs[0].job_id)
+        assert rec and rec.status == "failed" and rec.error
+        assert rec.error.message == "No worker took it." and rec.finished_at
+        assert b.get(jobs[2].job_id).status == "running"  # type: ignore[union-attr]
+
+        # one bad column is a named problem, never an exception
+        with b.engine.begin() as conn:  # type: ignore[attr-defined]
+            conn.execute(text("UPDATE code_jobs SET language = 'ruby', output = '{no', "
+                              "error = NULL WHERE job_id = :j"), {"j": jobs[1].job_id})
+        bad = b.get(jobs[1].job_id)
+        assert bad is not None and bad.status == "failed"
+        assert bad.problems == ["language='ruby' is not a language this worker knows "
+                                "(python, typescript)", "output='{no' is not JSON"]
+        assert bad.error and "cannot be read" in bad.error.message
+        assert b.get_many([jobs[1].job_id])[jobs[1].job_id].problems == bad.problems
+    # read-only opening creates nothing
+    missing = tmp_path / "none" / "studio-code.db"
+    from executor.errors import StoreUnavailable
+
+    with pytest.raises(StoreUnavailable, match="no such file"):
+        open_store(f"sqlite:///{missing}", create=False)
+    assert not missing.parent.exists()
