@@ -225,8 +225,13 @@ def default_data_dir() -> Path:
     if os.getuid() == 0:
         return Path("/var/lib/studio-code")
     xdg = os.environ.get("XDG_DATA_HOME", "").strip()
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "share"
-    return base / "studio-code"
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "studio-code"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError):  # no HOME and no passwd entry (a bare container uid)
+        return Path(f"/var/tmp/studio-code-{os.getuid()}")
+    return home / ".local" / "share" / "studio-code"
 
 
 def sandbox_ids() -> tuple[int, int]:
