@@ -309,7 +309,9 @@ class HeartbeatStep(bootsteps.StartStopStep):
             settings.redis_url, c.hostname, queue_slots(c.app, c.controller),
             interval_s=settings.queue_heartbeat_interval_s, ttl_s=heartbeat_ttl_s(settings),
             not_serving_reason=reason, store=describe_url(settings.sqlalchemy_url),
-            store_id=_store_id_of(settings),
+            # read by the janitor when it opened the store (no second connection here, and
+            # nothing that could hang the beat while the store is down)
+            store_id=lambda: str(getattr(c.controller, "studio_store_id", "") or ""),
         )
         self.heartbeat.start()
 
@@ -320,19 +322,3 @@ class HeartbeatStep(bootsteps.StartStopStep):
 
     def shutdown(self, c: Any) -> None:
         self.stop(c)
-
-
-def _store_id_of(settings: Settings) -> Callable[[], str]:
-    """The worker's store id, read once it can be (a store that is down gives '' until)."""
-    known: list[str] = []
-
-    def get() -> str:
-        if not known:
-            from executor.store import open_store
-
-            with open_store(settings.sqlalchemy_url) as store:
-                known.append(store.store_id)
-                log.info("run store: %s (store id %s)", store.describe(), store.store_id)
-        return known[0]
-
-    return get

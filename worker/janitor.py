@@ -220,6 +220,7 @@ class JanitorStep(bootsteps.StartStopStep):
         if w.pool is not None and hasattr(w.pool, "terminate_job"):
             guard_terminate(w.pool)
         self.janitor = Janitor(settings, w.hostname, w.app)
+        w.studio_store_id = self.janitor.store.store_id  # announced by the heartbeat
         signals.task_revoked.connect(self.janitor.on_revoked, weak=False)
         self.janitor.start()
 
