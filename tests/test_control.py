@@ -455,16 +455,27 @@ def test_an_unreachable_store_is_runtime_unavailable_naming_it(
             relay.restore()
             assert client.status(job).status == "queued", "back once the store is"
 
-        # the HTTP API: 503 naming the store, for a store down from the start
-        relay.cut()
+        # the HTTP API: 503 naming the store when it goes down under a running API, and
+        # when it is down from the start
         env = env_for(redis_server.url, url)
         api, base = start_api(env, tmp_path / "api.log")
         procs.append(api)
-        r = httpx.get(f"{base}/api/runs/{uuid.uuid4().hex}", headers={USER: "ann"}, timeout=30)
+        h = {USER: "ann"}
+        assert httpx.get(f"{base}/api/meta/runtime", timeout=30).json()["store"]["url"] == shown
+        relay.cut()
+        for route in (f"/api/runs/{job}", f"/api/runs/{uuid.uuid4().hex}"):
+            r = httpx.get(f"{base}{route}", headers=h, timeout=30)
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "RUNTIME_UNAVAILABLE" and shown in err["message"], err
+            assert "s3cret" not in r.text
+        api.stop(20)
+        api, base = start_api(env, tmp_path / "api2.log")
+        procs.append(api)
+        r = httpx.post(f"{base}/api/runs", json={"code": TRIVIAL}, headers=h, timeout=30)
         assert r.status_code == 503, r.text
-        err = r.json()["error"]
-        assert err["code"] == "RUNTIME_UNAVAILABLE" and shown in err["message"], err
-        assert "s3cret" not in r.text
+        assert r.json()["error"]["code"] == "RUNTIME_UNAVAILABLE"
+        assert shown in r.json()["error"]["message"] and "s3cret" not in r.text
     finally:
         relay.cut()
 
