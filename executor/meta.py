@@ -38,7 +38,11 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         from executor.runtimes.subprocess import WARNING
 
         warnings.append(WARNING)
+    from executor.store.sql import describe_url  # SQLAlchemy's URL parser; no driver
+
     return {
+        # the run store this process uses (no password); the API adds its id
+        "store": {"url": describe_url(s.sqlalchemy_url), "id": None},
         "enabled": reason is None,
         "reason": reason,
         "code_runtime": s.code_runtime,
