@@ -175,10 +175,11 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         if not args.wait:
             rec = client.status(job_id)
             _print({"job_id": job_id, "status": rec.status.value, "kind": args.kind,
-                    "queue": "code.test" if args.kind == "test" else "code.run"})
+                    "queue": "code.test" if args.kind == "test" else "code.run",
+                    "store": client.store.describe()})
             return 0
         rec = client.wait(job_id, args.wait_timeout)
-        _print(_record_dict(rec))
+        _print({**_record_dict(rec), "store": client.store.describe()})
         return 0 if rec.status == "succeeded" else 1
 
 
@@ -195,7 +196,8 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
             rec = client.status(args.job_id)
         except JobNotFound as e:
             return _not_found(args.job_id, e)
-    _print(_record_dict(rec))
+        store = client.store.describe()
+    _print({**_record_dict(rec), "store": store})
     return 0
 
 

@@ -270,6 +270,20 @@ def test_status_of_a_missing_store_creates_nothing(tmp_path: Path, redis_server:
     assert str(data / "studio-code.db") in out["error"]["message"]
     assert not data.exists(), "status must not create the store's folder"
 
+    from executor.models import CodeJob
+    from executor.store import open_store
+
+    url = f"sqlite:///{tmp_path / 'there' / 'studio-code.db'}"
+    job = CodeJob(code=TRIVIAL)
+    with open_store(url) as store:
+        store.create(job, code_runtime="subprocess")
+    env = {"STUDIO_DATABASE_URL": url, "STUDIO_REDIS_URL": redis_server.url}
+    found = json.loads(run_cli("status", job.job_id, env=env).stdout)
+    assert found["status"] == "queued" and found["store"] == url
+    unknown = run_cli("status", "no-such-job", env=env)
+    assert unknown.returncode == 1
+    assert url in json.loads(unknown.stdout)["error"]["message"], unknown.stdout
+
 
 def test_default_store_does_not_depend_on_the_current_folder(tmp_path: Path,
                                                              monkeypatch: Any) -> None:
