@@ -551,3 +551,45 @@ def test_store_id_queued_rows_and_tolerant_reads(store_url: str, tmp_path: Path)
     with pytest.raises(StoreUnavailable, match="no such file"):
         open_store(f"sqlite:///{missing}", create=False)
     assert not missing.parent.exists()
+
+
+@pytest.mark.postgres
+def test_jobs_consumed_while_the_store_was_down_are_sent_again(
+        redis_server: Any, tmp_path: Path, make_settings: Any, pg_schema_url: str,
+        procs: list[StudioProc]) -> None:
+    """The worker's store goes away (the API's does not): the worker takes the messages,
+    cannot claim them, and they are gone from Redis. Once the store is back, the queued
+    sweep finds rows with no message and sends them again; each job runs exactly once."""
+    from sqlalchemy.engine import make_url
+
+    from worker.queued import broker_job_ids
+
+    real = make_url(pg_schema_url)
+    relay = Relay(real.port or 5432)
+    worker_url = real.set(port=relay.port).update_query_dict(
+        {"connect_timeout": "2"}).render_as_string(hide_password=False)
+    try:
+        env = env_for(redis_server.url, worker_url, STUDIO_QUEUE_LOST_AFTER_S="2")
+        w = start_worker(env, tmp_path / "w.log", name="outage", concurrency=2)
+        procs.append(w)
+        with client_for(make_settings, redis_server.url, pg_schema_url) as client:
+            assert client.wait(client.submit(TRIVIAL, "python", {"n": 1}), 30).output == 2
+            relay.cut()
+            jobs = {client.submit(TRIVIAL, "python", {"n": i}): i for i in range(8)}
+            time.sleep(3)
+            assert all(client.status(j).status == "queued" for j in jobs)
+            # A worker that pauses while its store is down leaves the messages in Redis;
+            # one that took them and failed to claim lost them: the sweep must re-send.
+            lost = set(jobs) - (broker_job_ids(client.redis) or set())
+            relay.restore()
+            t0 = time.monotonic()
+            recs = {j: client.wait(j, 60) for j in jobs}
+            print(f"\n8 jobs consumed during the outage ended {time.monotonic() - t0:.1f} s "
+                  "after the store came back")
+            assert {j: (r.status, r.output, r.attempts) for j, r in recs.items()} == {
+                j: ("succeeded", 2 * i, 1) for j, i in jobs.items()}, w.output()[-3000:]
+            print(f"messages lost during the outage: {len(lost)}")
+            if lost:
+                assert "sent again" in w.output()
+    finally:
+        relay.cut()
