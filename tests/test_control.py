@@ -4,8 +4,8 @@ real Celery worker processes, a real uvicorn API, SQLite files and the shared Po
 
 * no live worker serves a queue: a submit is refused at once, nothing is left queued;
 * workers announce themselves per queue (heartbeat), and stop counting when they stop;
-* the queued sweep re-sends a job whose message was lost, and the queue-wait bound ends a
-  job no worker took;
+* the queued sweep re-sends a job whose message was lost (never sent, or consumed while the
+  worker's store was down), and the queue-wait bound ends a job no worker took;
 * API and worker on different run stores: a clear error naming both, never a silent wait;
 * an unreadable row ends failed cleanly and GET /api/runs/{id} still answers 200;
 * an unreachable run store is RUNTIME_UNAVAILABLE (503) naming the store, no raw error.
