@@ -10,6 +10,7 @@ from executor.errors import (
     ErrorCode,
     RateLimited,
     RuntimeUnavailable,
+    StoreUnavailable,
     StudioCodeError,
 )
 from executor.models import CodeResult, Status
@@ -26,5 +27,6 @@ __all__ = [
     "RateLimited",
     "RuntimeUnavailable",
     "Status",
+    "StoreUnavailable",
     "StudioCodeError",
 ]

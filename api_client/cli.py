@@ -175,10 +175,11 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         if not args.wait:
             rec = client.status(job_id)
             _print({"job_id": job_id, "status": rec.status.value, "kind": args.kind,
-                    "queue": "code.test" if args.kind == "test" else "code.run"})
+                    "queue": "code.test" if args.kind == "test" else "code.run",
+                    "store": client.store.describe()})
             return 0
         rec = client.wait(job_id, args.wait_timeout)
-        _print(_record_dict(rec))
+        _print({**_record_dict(rec), "store": client.store.describe()})
         return 0 if rec.status == "succeeded" else 1
 
 
@@ -190,19 +191,20 @@ def _not_found(job_id: str, e: Exception) -> int:
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     from api_client.client import CodeClient, JobNotFound
 
-    with CodeClient(settings) as client:
+    with CodeClient(settings, create_store=False) as client:  # reading creates nothing
         try:
             rec = client.status(args.job_id)
         except JobNotFound as e:
             return _not_found(args.job_id, e)
-    _print(_record_dict(rec))
+        store = client.store.describe()
+    _print({**_record_dict(rec), "store": store})
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     from api_client.client import CodeClient, JobNotFound
 
-    with CodeClient(settings) as client:
+    with CodeClient(settings, create_store=False) as client:
         try:
             status = client.cancel(args.job_id)
         except JobNotFound as e:
@@ -332,7 +334,17 @@ def main(argv: list[str] | None = None) -> int:
         _print(_failure(e.code, e.message))
         return 2
     handler = COMMANDS.get(args.command) or args.handler
-    return int(handler(args, settings))
+    if args.command in ("serve", "worker"):
+        # Services log what they use at start (the run store, the queues they serve).
+        logging.getLogger("studio_code").setLevel(logging.INFO)
+    try:
+        return int(handler(args, settings))
+    except StudioCodeError as e:  # e.g. the run store unreachable: said, not a traceback
+        out = _failure(e.code, e.message, runtime=settings.code_runtime)
+        if getattr(args, "job_id", None):
+            out["job_id"] = args.job_id
+        _print(out)
+        return 1
 
 
 if __name__ == "__main__":

@@ -24,21 +24,28 @@ from executor.errors import (
     ErrorCode,
     RateLimited,
     RuntimeUnavailable,
+    StoreUnavailable,
 )
 from executor.languages.base import Problem
 from executor.models import CodeJob, CodeResult, Kind, Status
 from executor.service import Executor
 from executor.settings import Settings
-from executor.store import JobRecord, RunStore, open_store
+from executor.store import JobRecord, RunStore
+from executor.store.guard import guard, open_guarded
 from worker.cancel import CancelWatch
+from worker.heartbeat import WorkerInfo, WorkerRegistry, summary
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
-    QUEUE_RUN,
-    QUEUE_TEST,
+    QUEUES,
     TASK_NAME,
     cancel_flag_ttl_s,
     cancel_key,
     done_key,
+    job_headers,
+    max_wait_s,
+    never_taken_message,
+    notice_key,
+    queue_of,
     rate_key,
     visibility_timeout_s,
 )
@@ -47,6 +54,7 @@ log = logging.getLogger("studio_code.api_client")
 
 RATE_WINDOW_S = 60
 WAIT_SLICE_S = 1.0  # wait() re-reads the store at least this often
+SERVED_CACHE_S = 1.0  # "a live worker serves this queue" is believed this long per process
 
 # A sliding window of one minute, atomically: drop calls older than the window, count the
 # rest, admit and record this call only when under the limit; otherwise say when the
@@ -71,22 +79,35 @@ return {0, tonumber(oldest[2]) + window_us - now}
 class JobNotFound(LookupError):
     """Raised when no job in the run store has the id asked about."""
 
-    def __init__(self, job_id: str) -> None:
-        super().__init__(f"No job {job_id!r} in the run store: check the id.")
+    def __init__(self, job_id: str, store: str = "") -> None:
+        where = f"the run store at {store}" if store else "the run store"
+        hint = (" and that STUDIO_DATABASE_URL (or STUDIO_DATA_DIR) points at the store it "
+                "was submitted to") if store else ""
+        super().__init__(f"No job {job_id!r} in {where}: check the id{hint}.")
         self.job_id = job_id
 
 
 class CodeClient:
     """The queue's client side, one per API process (thread-safe)."""
 
-    def __init__(self, settings: Settings, *, store: RunStore | None = None) -> None:
+    def __init__(self, settings: Settings, *, store: RunStore | None = None,
+                 create_store: bool = True) -> None:
+        """``create_store=False`` opens the run store for reading only: nothing is created
+        (no folder, file or table), a missing SQLite file raises StoreUnavailable. An
+        unreachable store raises StoreUnavailable naming it, here and in every call."""
         self.settings = settings
         self._own_store = store is None
-        self.store: RunStore = store if store is not None else open_store(settings.sqlalchemy_url)
+        self.store: RunStore = (
+            guard(store) if store is not None
+            else open_guarded(settings.sqlalchemy_url, create=create_store)
+        )
+        log.info("run store: %s", self.store.describe())
         self.executor = Executor(settings, audit=self.store)
         self.redis = redis.Redis.from_url(
             settings.redis_url, socket_timeout=5, socket_connect_timeout=5
         )
+        self.workers = WorkerRegistry(self.redis)
+        self._served_until: dict[str, float] = {}
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
         self._blocking = redis.Redis.from_url(
             settings.redis_url, socket_timeout=WAIT_SLICE_S + 5, socket_connect_timeout=5
@@ -120,7 +141,59 @@ class CodeClient:
         """What GET /api/meta/runtime returns."""
         from executor.meta import runtime_meta
 
-        return runtime_meta(self.executor, fresh=fresh)
+        meta = runtime_meta(self.executor, fresh=fresh)
+        meta["store"] = self.store_info()
+        try:
+            meta["workers"] = summary(self.live_workers())
+        except redis.RedisError as e:
+            meta["workers"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
+        return meta
+
+    def store_info(self) -> dict[str, str | None]:
+        """The run store this client uses: its URL (no password) and its id (None while it
+        cannot be read)."""
+        try:
+            store_id: str | None = self.store.store_id
+        except StoreUnavailable:
+            store_id = None
+        return {"url": self.store.describe(), "id": store_id}
+
+    def live_workers(self) -> dict[str, list[WorkerInfo]]:
+        """The workers announced on each queue now (one Redis round trip; paused ones
+        included). Raises redis.RedisError."""
+        return self.workers.live(QUEUES)
+
+    def _check_served(self, queue: str) -> None:
+        """Refuse at once a job no live worker would take (STUDIO_QUEUE_REQUIRE_WORKER). A
+        yes is believed for SERVED_CACHE_S; a no is asked again each time."""
+        if not self.settings.queue_require_worker:
+            return
+        if self._served_until.get(queue, 0.0) > time.monotonic():
+            return
+        try:
+            infos = self.workers.live([queue])[queue]
+        except redis.RedisError as e:
+            raise RuntimeUnavailable(
+                f"The queue (Redis at STUDIO_REDIS_URL) cannot be read ({e}): check that "
+                "Redis is up, then run it again.") from e
+        mine = self.store.store_id
+        serving = [i for i in infos if i.serving]
+        elsewhere = [i for i in serving if i.store_id and mine and i.store_id != mine]
+        if len(serving) > len(elsewhere):
+            self._served_until[queue] = time.monotonic() + SERVED_CACHE_S
+            return
+        message = f"No worker is serving {queue}: start one with `studio-code worker`"
+        paused = [i for i in infos if not i.serving]
+        if elsewhere:
+            w = elsewhere[0]
+            message += (
+                f". The worker(s) {', '.join(i.nodename for i in elsewhere)} serve it from "
+                f"ANOTHER run store ({w.store or '?'}, store id {w.store_id}) than this "
+                f"API's ({self.store.describe()}, store id {mine}): give the API and the "
+                "workers the same STUDIO_DATABASE_URL (or STUDIO_DATA_DIR)")
+        if paused:
+            message += ". Paused: " + "; ".join(f"{i.nodename} ({i.reason})" for i in paused)
+        raise RuntimeUnavailable(message + ".")
 
     def _job(self, code: str, language: str, state: Any, timeout_s: float | None, user: str,
              kind: str) -> CodeJob:
@@ -152,15 +225,19 @@ class CodeClient:
         ``state`` is any JSON-serialisable value, or JSON text (str/bytes). Raises
         CodeNodesDisabled, CodeInvalid (the save-time check, a bad state, a bad kind),
         RateLimited (an editor test call over STUDIO_CODE_TEST_PER_MINUTE) or
-        RuntimeUnavailable (Redis could not take the job; the job then ends failed)."""
+        RuntimeUnavailable (no live worker serves the job's queue: nothing is stored; the
+        run store is unreachable: StoreUnavailable naming it; Redis could not take the job:
+        the job then ends failed)."""
         job = self._job(code, language, state, timeout_s, user, kind)
+        queue = queue_of(kind)
+        self._check_served(queue)  # before the row: a refused job leaves nothing queued
         if kind == "test":
             self._check_rate(user)
         self.store.create(job, code_runtime=self.settings.code_runtime)
-        queue = QUEUE_TEST if kind == "test" else QUEUE_RUN
+        headers = job_headers(self.store.store_id, self.store.describe())
         try:
             self.app.send_task(TASK_NAME, args=(job.job_id,), task_id=job.job_id, queue=queue,
-                               ignore_result=True)
+                               ignore_result=True, headers=headers)
         except Exception as e:
             message = (f"The queue (Redis at STUDIO_REDIS_URL) did not take the job: {e}. "
                        "Check that Redis is up, then run it again.")
@@ -170,11 +247,38 @@ class CodeClient:
         return job.job_id
 
     def status(self, job_id: str) -> JobRecord:
-        """The job as the run store holds it; raises JobNotFound."""
+        """The job as the run store holds it; raises JobNotFound. A job still queued past
+        its queue's bound (STUDIO_QUEUE_*_MAX_WAIT_S), or one a worker on another run store
+        received (its notice in Redis), is ended failed here, so it never waits forever
+        even when no worker is left to sweep."""
         rec = self.store.get(job_id)
         if rec is None:
-            raise JobNotFound(job_id)
+            raise JobNotFound(job_id, self.store.describe())
+        if rec.status is Status.QUEUED:
+            rec = self._settle(rec)
         return rec
+
+    def _settle(self, rec: JobRecord) -> JobRecord:
+        queue = queue_of(rec.kind)
+        bound = max_wait_s(self.settings, queue)
+        message = None
+        if bound > 0 and time.time() - rec.queued_at.timestamp() > bound:
+            message = never_taken_message(self.settings, queue)
+        else:
+            try:
+                raw = self.redis.get(notice_key(rec.job_id))
+            except redis.RedisError:
+                raw = None
+            if raw:
+                try:
+                    message = str(json.loads(raw)["message"])
+                except (ValueError, KeyError, TypeError):
+                    message = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        if message is None:
+            return rec
+        if self.store.fail_queued([rec.job_id], message):
+            log.warning("job %s ended failed while queued: %s", rec.job_id, message)
+        return self.store.get(rec.job_id) or rec
 
     def wait(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
         """The job once it has finished, or as it is after ``timeout_s`` (check
@@ -212,7 +316,7 @@ class CodeClient:
         raises JobNotFound."""
         status = self.store.request_cancel(job_id)
         if status is None:
-            raise JobNotFound(job_id)
+            raise JobNotFound(job_id, self.store.describe())
         if status not in (Status.CANCELLING, Status.CANCELLED):
             return status  # it ended before the cancel
         try:

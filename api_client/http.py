@@ -191,6 +191,7 @@ class RuntimeMeta(BaseModel):
 class Health(BaseModel):
     ok: bool
     checks: dict[str, str | None]
+    workers: dict[str, Any] | None = None
 
 
 # --- errors ---------------------------------------------------------------------------------
@@ -365,6 +366,16 @@ class Services:
             store = None
         return dependency_problems(self.settings, store=store)
 
+    def workers(self) -> dict[str, Any] | None:
+        """Live workers per queue (serving, slots, paused with reasons); None when Redis or
+        the client cannot be reached (the checks say why)."""
+        try:
+            from worker.heartbeat import summary
+
+            return summary(self.client.live_workers())
+        except Exception:  # noqa: BLE001 - readiness reports, never raises
+            return None
+
 
 def _services(request: Request) -> Services:
     return request.app.state.studio_code  # type: ignore[no-any-return]
@@ -515,6 +526,9 @@ def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        from executor.store.sql import describe_url
+
+        log.info("run store: %s", describe_url(settings.sqlalchemy_url))
         yield
         services.close()
 
@@ -539,10 +553,12 @@ def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
 
     @app.get("/healthz/ready", include_in_schema=False, response_model=Health)
     def ready() -> JSONResponse:
-        """503 while Docker (docker runtime), Redis or the run store is unreachable."""
+        """503 while Docker (docker runtime), Redis or the run store is unreachable; also
+        shows the live workers per queue (no worker is not a 503: the API still serves)."""
         checks = services.health()
         ok = all(v is None for v in checks.values())
-        return JSONResponse({"ok": ok, "checks": checks}, status_code=200 if ok else 503)
+        return JSONResponse({"ok": ok, "checks": checks, "workers": services.workers()},
+                            status_code=200 if ok else 503)
 
     registry = _metrics_registry()
 

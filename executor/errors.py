@@ -74,3 +74,10 @@ class RateLimited(StudioCodeError):
 
     def to_dict(self) -> dict[str, str]:
         return {**super().to_dict(), "retry_after_s": str(self.retry_after_s)}
+
+
+class StoreUnavailable(RuntimeUnavailable):
+    """Raised when the run store cannot be reached, opened or read; the message names it
+    (its URL without the password) and says what to check."""
+
+    code = ErrorCode.RUNTIME_UNAVAILABLE

@@ -42,7 +42,11 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         isolation = getattr(executor.runtime, "isolation", None)
         if isolation is not None:
             warnings.append(isolation_warning(isolation))
+    from executor.store.sql import describe_url  # SQLAlchemy's URL parser; no driver
+
     return {
+        # the run store this process uses (no password); the API adds its id
+        "store": {"url": describe_url(s.sqlalchemy_url), "id": None},
         "enabled": reason is None,
         "reason": reason,
         "code_runtime": s.code_runtime,

@@ -91,7 +91,12 @@ class Settings(BaseSettings):
     code_state_max_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="Largest state JSON a call may be given."
     )
-    data_dir: Path = Field(Path("data"), description="Where the embedded SQLite run store lives.")
+    data_dir: Path = Field(
+        default_factory=lambda: default_data_dir(),
+        description="Where the embedded SQLite run store lives. Default: /var/lib/studio-code "
+        "for root, else $XDG_DATA_HOME/studio-code (~/.local/share/studio-code): never the "
+        "current folder, so every process of one user finds the same store.",
+    )
     database_url: str = Field(
         "", description="Run store URL (SQLAlchemy). Empty: a SQLite file in STUDIO_DATA_DIR."
     )
@@ -124,6 +129,34 @@ class Settings(BaseSettings):
         description="Subprocess mode: where each run gets a cgroup (memory including /dev/shm "
         "and tmpfs pages, pids, one kill for all at the end). auto: under the server's own "
         "cgroup; a path such as /studio-code: a cgroup made for the server; off: none.",
+    )
+
+    queue_require_worker: bool = Field(
+        True,
+        description="Refuse a submit at once (RUNTIME_UNAVAILABLE) when no live worker "
+        "serves its queue. Off (0): the job is queued anyway and waits, bounded by "
+        "STUDIO_QUEUE_RUN_MAX_WAIT_S / STUDIO_QUEUE_TEST_MAX_WAIT_S.",
+    )
+    queue_heartbeat_interval_s: float = Field(
+        2.0, ge=0.2, le=60,
+        description="Seconds between a worker's announcements of the queues it serves; an "
+        "announcement lives 3 intervals + 1 s, so a dead worker stops counting after that.",
+    )
+    queue_run_max_wait_s: float = Field(
+        1800, ge=0, le=7 * 86400,
+        description="Longest a workflow run may wait in code.run before a worker takes it; "
+        "then it ends failed (RUNTIME_UNAVAILABLE: no worker took it). 0: no bound.",
+    )
+    queue_test_max_wait_s: float = Field(
+        60, ge=0, le=7 * 86400,
+        description="Longest an editor test call may wait in code.test before a worker takes "
+        "it; then it ends failed (RUNTIME_UNAVAILABLE: no worker took it). 0: no bound.",
+    )
+    queue_lost_after_s: float = Field(
+        60, gt=0, le=86400,
+        description="A job queued longer than this whose message is in no queue and held by "
+        "no worker (lost: an API that died between the row and the message, a Redis crash) "
+        "is sent again by a worker's sweep (claim keeps it exactly-once).",
     )
 
     @field_validator("code_memory")
@@ -221,6 +254,22 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'studio-code.db').resolve()}"
+
+
+def default_data_dir() -> Path:
+    """Where the SQLite run store lives when STUDIO_DATA_DIR is unset: /var/lib/studio-code
+    for root, else $XDG_DATA_HOME/studio-code (default ~/.local/share/studio-code). It
+    does not depend on the current folder."""
+    if os.getuid() == 0:
+        return Path("/var/lib/studio-code")
+    xdg = os.environ.get("XDG_DATA_HOME", "").strip()
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "studio-code"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError):  # no HOME and no passwd entry (a bare container uid)
+        return Path(f"/var/tmp/studio-code-{os.getuid()}")
+    return home / ".local" / "share" / "studio-code"
 
 
 def sandbox_ids() -> tuple[int, int]:

@@ -432,8 +432,12 @@ def test_the_21st_test_call_in_a_minute_is_429_with_retry_after(stack: Stack) ->
 def test_ready_is_200_with_every_dependency_up(stack: Stack) -> None:
     r = stack.http.get("/healthz/ready")
     assert r.status_code == 200, r.text
-    assert r.json() == {"ok": True,
-                        "checks": {"redis": None, "run_store": None, "docker": None}}
+    body = r.json()
+    assert {k: body[k] for k in ("ok", "checks")} == {
+        "ok": True, "checks": {"redis": None, "run_store": None, "docker": None}}
+    # the live workers per queue: the stack's one worker, -c 2 (one slot kept for tests)
+    assert body["workers"] == {"code.test": {"serving": 1, "slots": 1, "paused": []},
+                               "code.run": {"serving": 1, "slots": 1, "paused": []}}
 
 
 @pytest.mark.parametrize("down", ["redis", "run_store", "docker"])

@@ -546,7 +546,8 @@ def test_worker_sigkill_mid_job(queue_env: Any, docker_client: Any) -> None:
 @pytest.mark.redis
 @pytest.mark.timeout(120)
 def test_redis_restart_loses_no_queued_job(queue_env: Any, redis_server: Any) -> None:
-    q = queue_env(code_concurrency=2)
+    # Jobs queued before any worker starts: the fail-fast check is off on purpose.
+    q = queue_env(code_concurrency=2, queue_require_worker=False)
     jobs = {q.client.submit(TRIVIAL, "python", {"n": i}): i for i in range(6)}
     # A crash, not a clean stop (SIGTERM would flush the AOF anyway), after the one second
     # that appendfsync everysec may lose.
@@ -567,7 +568,7 @@ def test_rate_limit_counts_across_clients(redis_server: Any, sqlite_url: str,
     from api_client import CodeClient, RateLimited
 
     settings = make_settings(redis_url=redis_server.url, database_url=sqlite_url,
-                             code_test_per_minute=20)
+                             code_test_per_minute=20, queue_require_worker=False)
     with CodeClient(settings) as a, CodeClient(settings) as b:
         for i in range(20):
             (a if i % 2 else b).submit(TRIVIAL, "python", {}, kind="test", user="ann")
@@ -643,8 +644,15 @@ def test_submit_refuses_bad_input_before_queueing(make_settings: Any, tmp_path: 
         assert client.validate("def main(state):\n    return 1\n", "python") == []
         assert client.validate("x = 1\n", "python")
         assert client.store.counts_by_status()["queued"] == 0
-    # Valid, but Redis is down: the job ends failed (never stuck queued) and the caller hears.
+    # Valid, but Redis is down: refused before the row (no worker can be seen), and with
+    # that check off the job ends failed (never stuck queued); the caller hears either way.
     with CodeClient(settings) as client:
+        with pytest.raises(RuntimeUnavailable, match="Redis"):
+            client.submit(TRIVIAL, "python", {})
+        assert sum(client.store.counts_by_status().values()) == 0
+    unchecked = make_settings(redis_url="redis://127.0.0.1:1/0", database_url=url,
+                              queue_require_worker=False)
+    with CodeClient(unchecked) as client:
         with pytest.raises(RuntimeUnavailable, match="Redis"):
             client.submit(TRIVIAL, "python", {})
         counts = client.store.counts_by_status()

@@ -86,7 +86,7 @@ def worker_app(settings: Settings) -> Celery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker import janitor, slots, tasks
+    from worker import heartbeat, janitor, slots, tasks
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -100,6 +100,9 @@ def worker_app(settings: Settings) -> Celery:
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
     app.steps["worker"].add(janitor.JanitorStep)
+    # Announces the worker per queue; set app.studio_not_serving_reason (a callable giving
+    # a sentence, or None) to have it announced paused instead (see worker.heartbeat).
+    app.steps["consumer"].add(heartbeat.HeartbeatStep)
     tasks.connect_process_signals()
     _connect_metrics(settings)
     return app

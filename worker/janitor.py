@@ -33,6 +33,7 @@ from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
+from worker.queued import QueuedSweep
 
 log = logging.getLogger("studio_code.worker")
 
@@ -60,12 +61,14 @@ def pid_alive(pid: int) -> bool:
 class Janitor:
     """Reaper thread + revoke backstop of one worker (its main process)."""
 
-    def __init__(self, settings: Settings, nodename: str) -> None:
+    def __init__(self, settings: Settings, nodename: str, app: Any = None) -> None:
         self.settings = settings
         self.nodename = nodename
         self.host = socket.gethostname()
         self.runtime = make_runtime(settings)
         self.store: RunStore = open_store(settings.sqlalchemy_url)
+        log.info("run store: %s (store id %s)", self.store.describe(), self.store.store_id)
+        self.queued = QueuedSweep(settings, self.store, app, nodename) if app is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -80,6 +83,8 @@ class Janitor:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self.queued is not None:
+            self.queued.close()
         self.store.close()
 
     def _loop(self) -> None:
@@ -101,7 +106,10 @@ class Janitor:
         )
         if failed:
             log.warning("reaper: jobs stuck running ended failed: %s", ", ".join(failed))
-        return {"reaped": reaped, "failed": failed}
+        out = {"reaped": reaped, "failed": failed}
+        if self.queued is not None:
+            out.update(self.queued.run())
+        return out
 
     def reap_sandboxes(self) -> list[str]:
         """Remove sandboxes whose owner on this host is dead or whose deadline passed;
@@ -211,7 +219,8 @@ class JanitorStep(bootsteps.StartStopStep):
             return
         if w.pool is not None and hasattr(w.pool, "terminate_job"):
             guard_terminate(w.pool)
-        self.janitor = Janitor(settings, w.hostname)
+        self.janitor = Janitor(settings, w.hostname, w.app)
+        w.studio_store_id = self.janitor.store.store_id  # announced by the heartbeat
         signals.task_revoked.connect(self.janitor.on_revoked, weak=False)
         self.janitor.start()
 

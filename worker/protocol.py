@@ -84,3 +84,62 @@ def stuck_after_s(settings: Settings) -> float:
 def cancel_flag_ttl_s(settings: Settings) -> int:
     """A cancel flag outlives every delivery of the job it names."""
     return int(visibility_timeout_s(settings) + settings.code_max_seconds + 60)
+
+
+# --- who serves which queue, and notices a worker leaves for the API --------------------------
+
+#: Celery message headers an API adds to each job (old workers ignore them): the identity of
+#: the run store that holds the job, so a worker on ANOTHER store can say so (see
+#: ``notice_key``) instead of skipping the job silently.
+HEADER_STORE_ID = "studio_store_id"
+HEADER_STORE_URL = "studio_store"
+
+
+def job_headers(store_id: str, store_url: str) -> dict[str, str]:
+    """The headers sent with a job (``store_url`` without its password)."""
+    return {HEADER_STORE_ID: store_id, HEADER_STORE_URL: store_url}
+
+
+def workers_key(queue: str) -> str:
+    """A hash per queue: field = a worker's nodename, value = JSON ``{"nodename", "queue",
+    "slots", "state" ("serving" | "paused"), "reason", "host", "pid", "store_id",
+    "seen_at", "expires_at"}`` (times in Redis's clock, Unix seconds). A field whose
+    ``expires_at`` has passed is a dead worker's (readers ignore and remove it); the whole
+    key expires when every worker of the queue is gone. See worker.heartbeat."""
+    return f"{_PREFIX}:workers:{queue}"
+
+
+def heartbeat_ttl_s(settings: Settings) -> float:
+    """How long one announcement counts: three missed beats and a second of slack."""
+    return 3 * settings.queue_heartbeat_interval_s + 1.0
+
+
+def notice_key(job_id: str) -> str:
+    """JSON ``{"code", "message"}`` a worker leaves when it cannot run a job it received
+    (its run store has no such job: API and worker on different stores). The API's
+    ``status``/``wait`` read it and end the job with that error in ITS store."""
+    return f"{_PREFIX}:notice:{job_id}"
+
+
+#: a lock one worker holds while it sweeps the queued jobs (one sweep per interval for all)
+SWEEP_LOCK_KEY = f"{_PREFIX}:sweep:queued"
+
+
+def max_wait_s(settings: Settings, queue: str) -> float:
+    """How long a job may wait in ``queue`` before it ends failed (0: no bound)."""
+    if queue == QUEUE_TEST:
+        return float(settings.queue_test_max_wait_s)
+    return float(settings.queue_run_max_wait_s)
+
+
+def queue_of(kind: str) -> str:
+    """The queue a job of ``kind`` ('run' | 'test') goes to."""
+    return QUEUE_TEST if kind == "test" else QUEUE_RUN
+
+
+def never_taken_message(settings: Settings, queue: str) -> str:
+    """Why a job that waited past its queue's bound ended failed."""
+    name = "STUDIO_QUEUE_TEST_MAX_WAIT_S" if queue == QUEUE_TEST else "STUDIO_QUEUE_RUN_MAX_WAIT_S"
+    return (f"No worker took this job within {max_wait_s(settings, queue):g} s ({name}) on "
+            f"queue {queue}: start a worker (`studio-code worker`) or check the running ones "
+            "(their logs, GET /healthz/ready), then run it again.")

@@ -31,7 +31,7 @@ from executor.models import CodeJob, CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import JobRecord, RunStore, open_store
-from worker import metrics
+from worker import metrics, unrunnable
 from worker.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL,
@@ -166,18 +166,26 @@ def run_job(task: Task, job_id: str) -> str:
     worker = f"{request.hostname}:{os.getpid()}"
     queue = (request.delivery_info or {}).get("routing_key") or QUEUE_RUN
     try:
-        return _run(state, job_id, worker, queue)
+        return _run(state, job_id, worker, queue, request)
     finally:
         state.notify_done(job_id)
 
 
-def _run(state: ProcessState, job_id: str, worker: str, queue: str) -> str:
+def _run(state: ProcessState, job_id: str, worker: str, queue: str,
+         request: Any = None) -> str:
     rec = state.store.claim(job_id, worker)
     if rec is None:
         # Unknown, cancelled while queued, or already finished (a redelivery): nothing to do.
         if _cancelled_before_start(state, job_id):
             _metrics(metrics.record_cancel, stage="queued")
+        elif unrunnable.unknown_job(state.store, state.redis, job_id, request, worker):
+            return "unknown"
         return "skipped"
+    if rec.problems:
+        log.error("job %s: its row cannot be read: %s", job_id, "; ".join(rec.problems))
+        result = _result(rec, state.settings, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE,
+                         unrunnable.unreadable_message(rec))
+        return _finish(state, result, rec, worker, queue)
     if rec.attempts > MAX_ATTEMPTS:
         result = _result(
             rec, state.settings, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE,

@@ -14,14 +14,17 @@ from executor.store.base import (
     WORKER_STOPPED,
     AuditEntry,
     JobRecord,
+    QueuedJob,
     RunStore,
 )
-from executor.store.sql import SqlRunStore
+from executor.store.sql import SqlRunStore, describe_url
 
 
-def open_store(url: str) -> RunStore:
-    """The run store at ``url`` (a SQLAlchemy URL), its tables created when missing."""
-    return SqlRunStore(url)
+def open_store(url: str, *, create: bool = True) -> RunStore:
+    """The run store at ``url`` (a SQLAlchemy URL), its tables created when missing. With
+    ``create=False`` nothing is created (no folder, no file, no table): a SQLite file that
+    does not exist raises StoreUnavailable naming it."""
+    return SqlRunStore(url, create_tables=create)
 
 
 __all__ = [
@@ -31,7 +34,9 @@ __all__ = [
     "WORKER_STOPPED",
     "AuditEntry",
     "JobRecord",
+    "QueuedJob",
     "RunStore",
     "SqlRunStore",
+    "describe_url",
     "open_store",
 ]

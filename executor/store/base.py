@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,6 +74,9 @@ class JobRecord(BaseModel):
     finished_at: datetime | None = None
     worker: str | None = None
     attempts: int = 0
+    #: columns of the stored row that could not be read (each shown with its default and
+    #: named here): a worker does not run such a job, it ends it failed
+    problems: list[str] = Field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -98,6 +101,14 @@ class JobRecord(BaseModel):
             warnings=list(self.warnings),
             trace=list(self.trace),
         )
+
+
+class QueuedJob(NamedTuple):
+    """A job still waiting in a queue, as the sweeps of queued jobs see it."""
+
+    job_id: str
+    kind: str
+    queued_at: datetime
 
 
 class AuditEntry(BaseModel):
@@ -174,6 +185,31 @@ class RunStore(ABC):
     @abstractmethod
     def counts_by_status(self) -> dict[str, int]:
         """Number of jobs per status; every Status value is present (0 when none)."""
+
+    # --- the store's identity and the sweeps of queued jobs ------------------------------
+    # Not abstract, so a store written before them still loads; the SQL store has them.
+
+    @property
+    def store_id(self) -> str:
+        """An id written once when the store was created: two processes that show the same
+        id use the same store."""
+        return ""
+
+    def describe(self) -> str:
+        """Where the store is, for logs and errors (a URL without its password)."""
+        return repr(self)
+
+    def list_queued(self, older_than_s: float, *, kind: str | None = None,
+                    limit: int = 1000) -> list[QueuedJob]:
+        """Jobs ``queued`` for more than ``older_than_s`` seconds (of ``kind`` if given),
+        oldest first."""
+        raise NotImplementedError
+
+    def fail_queued(self, job_ids: Iterable[str], message: str) -> list[str]:
+        """queued -> failed (RUNTIME_UNAVAILABLE, ``message``) for each job of ``job_ids``
+        that is STILL queued (one conditional UPDATE: a job a worker claimed meanwhile is
+        left alone). The ids changed."""
+        raise NotImplementedError
 
     @abstractmethod
     def close(self) -> None:

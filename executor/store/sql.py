@@ -18,6 +18,7 @@ import json
 import os
 import sqlite3
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -57,7 +58,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.types import TypeDecorator
 
-from executor.errors import ErrorCode
+from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import CodeErrorInfo, CodeJob, CodeResult, Status, TraceRow
 from executor.store.base import (
     CANCELLED_BEFORE_START,
@@ -66,6 +67,7 @@ from executor.store.base import (
     WORKER_STOPPED,
     AuditEntry,
     JobRecord,
+    QueuedJob,
     RunStore,
 )
 
@@ -167,6 +169,17 @@ audit_log = Table(
 )
 
 
+#: one row per fact about the store itself; ``store_id`` is written once, at creation
+store_meta = Table(
+    "code_store",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)
+
+_STORE_ID = "store_id"
+
+
 # --- helpers -----------------------------------------------------------------------------
 
 
@@ -207,7 +220,22 @@ def _sqlite_file(u: URL) -> Path | None:
     return Path(db).expanduser()
 
 
+def describe_url(url: str | URL) -> str:
+    """``url`` as logs and errors show it: the password hidden."""
+    try:
+        return normalize_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL at all: show nothing secret
+        return "<a run store URL that cannot be parsed>"
+
+
 def _record(row: Row[Any]) -> JobRecord:
+    try:
+        return _record_strict(row)
+    except Exception:  # noqa: BLE001 - one bad column must not make the row unreadable
+        return _record_tolerant(row)
+
+
+def _record_strict(row: Row[Any]) -> JobRecord:
     m = row._mapping
     return JobRecord(
         job_id=m["job_id"],
@@ -236,6 +264,84 @@ def _record(row: Row[Any]) -> JobRecord:
     )
 
 
+def _raw(row: Row[Any], name: str) -> Any:
+    """A column's value, or an exception when the driver cannot even convert it (e.g. a
+    malformed date in SQLite)."""
+    try:
+        return row._mapping[name]
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _record_tolerant(row: Row[Any]) -> JobRecord:
+    """The row field by field: a column that cannot be read gets its default and a sentence
+    in ``problems``, so the job can still be shown and ended."""
+    problems: list[str] = []
+    fields: dict[str, Any] = {}
+
+    def take(name: str, parse: Any, default: Any, allowed: str) -> None:
+        value = _raw(row, name)
+        try:
+            if isinstance(value, Exception):
+                raise value
+            parsed = parse(value)
+            JobRecord.model_validate({"job_id": "x", "status": "failed",
+                                      "queued_at": datetime.now(UTC), name: parsed})
+            fields[name] = parsed
+        except Exception:  # noqa: BLE001
+            shown = "unreadable" if isinstance(value, Exception) else _short(value)
+            problems.append(f"{name}={shown} is not {allowed}")
+            fields[name] = default
+
+    def same(v: Any) -> Any:
+        return v
+
+    def json_or_none(v: Any) -> Any:
+        return None if v is None else json.loads(v)
+
+    def error_of(v: Any) -> Any:
+        return None if v is None else CodeErrorInfo.model_validate_json(v)
+
+    def trace_of(v: Any) -> Any:
+        return [TraceRow.model_validate(t) for t in json.loads(v)]
+
+    job_id = _raw(row, "job_id")
+    fields["job_id"] = str(job_id) if not isinstance(job_id, Exception) else "?"
+    take("status", Status, Status.FAILED, "a status (" + ", ".join(s.value for s in Status) + ")")
+    take("kind", same, "run", "'run' or 'test'")
+    take("user", same, "", "text")
+    take("language", same, "python", "a language this worker knows (python, typescript)")
+    take("code", same, "", "text")
+    take("state_json", same, "{}", "text")
+    take("timeout_s", same, None, "a number of seconds")
+    take("code_runtime", same, "", "text")
+    take("runtime", same, None, "text")
+    take("output", json_or_none, None, "JSON")
+    take("error", error_of, None, "an error object ({code, message})")
+    take("logs", same, "", "text")
+    take("logs_truncated", bool, False, "true or false")
+    take("warnings", json.loads, [], "a JSON list of text")
+    take("trace", trace_of, [], "a JSON list of trace rows")
+    take("exit_code", same, None, "an integer")
+    take("duration_ms", same, None, "a number")
+    take("queued_at", same, datetime.fromtimestamp(0, UTC), "a time")
+    take("started_at", same, None, "a time")
+    take("finished_at", same, None, "a time")
+    take("worker", same, None, "text")
+    take("attempts", same, 0, "an integer")
+    if problems and fields.get("error") is None:
+        fields["error"] = CodeErrorInfo(
+            code=ErrorCode.RUNTIME_UNAVAILABLE,
+            message="The run store's row of this job cannot be read: "
+            + "; ".join(problems) + ".")
+    return JobRecord(**fields, problems=problems)
+
+
 # --- the store ---------------------------------------------------------------------------
 
 
@@ -248,8 +354,17 @@ class SqlRunStore(RunStore):
 
     def __init__(self, url: str | URL, *, create_tables: bool = True) -> None:
         self.url = normalize_url(url)
-        self._engine = self._make_engine(self.url)
+        if not create_tables:
+            path = _sqlite_file(self.url) if self.url.get_backend_name() == "sqlite" else None
+            if path is not None and not path.exists():
+                # Opening it would create it (and reading needs no new folder or file).
+                raise StoreUnavailable(
+                    f"There is no run store at {self.describe()} (no such file): nothing "
+                    "was ever submitted to it. Point STUDIO_DATABASE_URL (or "
+                    "STUDIO_DATA_DIR) at the store the API and the workers use.")
+        self._engine = self._make_engine(self.url, create=create_tables)
         self._closed = False
+        self._store_id: str | None = None
         try:
             if create_tables:
                 self._create_tables()
@@ -268,11 +383,12 @@ class SqlRunStore(RunStore):
         return self._engine.dialect.name
 
     @staticmethod
-    def _make_engine(u: URL) -> Engine:
+    def _make_engine(u: URL, *, create: bool = True) -> Engine:
         if u.get_backend_name() == "sqlite":
             path = _sqlite_file(u)
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                if create:
+                    path.parent.mkdir(parents=True, exist_ok=True)
                 engine = create_engine(u)
             else:  # in memory: one shared connection, or every checkout sees an empty db
                 engine = create_engine(
@@ -302,6 +418,33 @@ class SqlRunStore(RunStore):
                 # Many workers may start at once; CREATE TABLE races fail on PostgreSQL.
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_CREATE_LOCK})
             metadata.create_all(conn, checkfirst=True)
+            self._store_id = self._read_store_id(conn)
+            if self._store_id is None:
+                self._store_id = uuid.uuid4().hex
+                conn.execute(insert(store_meta).values(key=_STORE_ID, value=self._store_id))
+
+    @staticmethod
+    def _read_store_id(conn: Connection) -> str | None:
+        return conn.execute(
+            select(store_meta.c.value).where(store_meta.c.key == _STORE_ID)
+        ).scalar_one_or_none()
+
+    @property
+    def store_id(self) -> str:
+        if self._store_id is None:
+            try:
+                with self._read() as conn:
+                    self._store_id = self._read_store_id(conn) or ""
+            except exc.ProgrammingError:  # a store made before ids existed, opened read-only
+                self._store_id = ""
+            except exc.OperationalError as e:
+                if "no such table" not in str(e):
+                    raise
+                self._store_id = ""
+        return self._store_id
+
+    def describe(self) -> str:
+        return describe_url(self.url)
 
     # RunStore ---------------------------------------------------------------------------
 
@@ -498,6 +641,41 @@ class SqlRunStore(RunStore):
                 one = update(jobs).where(jobs.c.job_id == job_id, stuck).values(values)
                 if conn.execute(one).rowcount == 1:
                     changed.append(job_id)
+        return sorted(changed)
+
+    def list_queued(self, older_than_s: float, *, kind: str | None = None,
+                    limit: int = 1000) -> list[QueuedJob]:
+        cutoff = datetime.fromtimestamp(_utcnow().timestamp() - older_than_s, UTC)
+        stmt = (
+            select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at)
+            .where(jobs.c.status == Status.QUEUED.value, jobs.c.queued_at < cutoff)
+            .order_by(jobs.c.queued_at)
+            .limit(max(0, int(limit)))
+        )
+        if kind is not None:
+            stmt = stmt.where(jobs.c.kind == kind)
+        with self._read() as conn:
+            return [QueuedJob(r.job_id, r.kind, r.queued_at) for r in conn.execute(stmt)]
+
+    def fail_queued(self, job_ids: Iterable[str], message: str) -> list[str]:
+        ids = list(dict.fromkeys(job_ids))
+        error = CodeErrorInfo(code=ErrorCode.RUNTIME_UNAVAILABLE, message=message)
+        values = {"status": Status.FAILED.value, "error": _error_json(error), "output": None,
+                  "finished_at": _utcnow()}
+        changed: list[str] = []
+        for i in range(0, len(ids), _CHUNK):
+            chunk = ids[i : i + _CHUNK]
+            still_queued = and_(jobs.c.job_id.in_(chunk), jobs.c.status == Status.QUEUED.value)
+            with self._write() as conn:
+                if self._engine.dialect.update_returning:
+                    stmt = update(jobs).where(still_queued).values(values)
+                    changed += conn.execute(stmt.returning(jobs.c.job_id)).scalars().all()
+                    continue
+                for job_id in conn.execute(select(jobs.c.job_id).where(still_queued)).scalars():
+                    one = update(jobs).where(jobs.c.job_id == job_id,
+                                             jobs.c.status == Status.QUEUED.value)
+                    if conn.execute(one.values(values)).rowcount == 1:
+                        changed.append(job_id)
         return sorted(changed)
 
     def audit(self, event: str, details: dict[str, Any], *, actor: str = "system") -> None:

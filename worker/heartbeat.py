@@ -1,0 +1,324 @@
+"""Workers say who they are: one announcement per worker and queue, renewed every
+STUDIO_QUEUE_HEARTBEAT_INTERVAL_S by the worker's MAIN process, so the API can refuse at
+once a job that no live worker would take, and an autoscaler can read live slots.
+
+The announcements live in one Redis hash per queue (``protocol.workers_key``): field = the
+worker's nodename, value = JSON with the queue, the slots it gives that queue, its state
+(``serving``, or ``paused`` with the reason ``not_serving_reason`` gave), its host, pid and
+run store, and ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks
+disagree still agree on who is alive). A worker that stops cleanly removes its fields at
+once; a killed one stops counting ``heartbeat_ttl_s`` after its last beat (its field is
+removed by the next beat of any worker of that queue).
+
+Cost: one script call per beat (all queues of the worker), one per read (all queues asked).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import bootsteps
+
+from executor.settings import Settings
+from worker.protocol import QUEUE_RUN, QUEUE_TEST, heartbeat_ttl_s, workers_key
+
+log = logging.getLogger("studio_code.worker")
+
+SERVING = "serving"
+PAUSED = "paused"
+
+# KEYS: the workers hash of each queue; ARGV: nodename, ttl_s, then one JSON entry per key.
+# Stamps the entries with Redis's clock, drops fields that expired, keeps the hash alive as
+# long as its longest-lived worker.
+_BEAT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local ttl = tonumber(ARGV[2])
+for i, key in ipairs(KEYS) do
+  local entry = cjson.decode(ARGV[2 + i])
+  entry['seen_at'] = now
+  entry['expires_at'] = now + ttl
+  redis.call('HSET', key, ARGV[1], cjson.encode(entry))
+  local all = redis.call('HGETALL', key)
+  for j = 1, #all, 2 do
+    local ok, e = pcall(cjson.decode, all[j + 1])
+    if not ok or type(e) ~= 'table' or (tonumber(e['expires_at']) or 0) <= now then
+      redis.call('HDEL', key, all[j])
+    end
+  end
+  if redis.call('TTL', key) < ttl + 1 then
+    redis.call('EXPIRE', key, math.ceil(ttl) + 1)
+  end
+end
+return 1
+"""
+
+# KEYS: the workers hash of each queue. Returns {now, entries of key 1, entries of key 2, ...}
+# with only the entries that have not expired. Read-only.
+_READ_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local out = {tostring(now)}
+for i, key in ipairs(KEYS) do
+  local all = redis.call('HGETALL', key)
+  local live = {}
+  for j = 1, #all, 2 do
+    local ok, e = pcall(cjson.decode, all[j + 1])
+    if ok and type(e) == 'table' and (tonumber(e['expires_at']) or 0) > now then
+      table.insert(live, all[j + 1])
+    end
+  end
+  out[i + 1] = live
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One live worker's announcement for one queue."""
+
+    nodename: str
+    queue: str
+    slots: int
+    state: str = SERVING
+    reason: str | None = None
+    host: str = ""
+    pid: int = 0
+    store: str = ""
+    store_id: str = ""
+    seen_at: float = 0.0
+    expires_at: float = 0.0
+
+    @property
+    def serving(self) -> bool:
+        return self.state == SERVING
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "nodename": self.nodename, "slots": self.slots, "state": self.state,
+            "reason": self.reason, "host": self.host, "pid": self.pid, "store": self.store,
+            "store_id": self.store_id,
+        }
+
+    @classmethod
+    def parse(cls, raw: str | bytes, queue: str) -> WorkerInfo | None:
+        try:
+            d = json.loads(raw)
+            return cls(
+                nodename=str(d["nodename"]), queue=queue, slots=int(d.get("slots") or 0),
+                state=str(d.get("state") or SERVING), reason=d.get("reason") or None,
+                host=str(d.get("host") or ""), pid=int(d.get("pid") or 0),
+                store=str(d.get("store") or ""), store_id=str(d.get("store_id") or ""),
+                seen_at=float(d.get("seen_at") or 0), expires_at=float(d.get("expires_at") or 0),
+            )
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+class WorkerRegistry:
+    """Reads the announcements (what the API and an autoscaler call)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._read = client.register_script(_READ_LUA)
+
+    def live(self, queues: Iterable[str] = (QUEUE_TEST, QUEUE_RUN)) -> dict[str, list[WorkerInfo]]:
+        """The live workers of each queue (paused ones included; check ``serving``), in
+        ONE round trip. Raises redis.RedisError when Redis cannot be read."""
+        names = list(queues)
+        reply = self._read(keys=[workers_key(q) for q in names])
+        out: dict[str, list[WorkerInfo]] = {}
+        for queue, entries in zip(names, reply[1:], strict=False):
+            infos = [WorkerInfo.parse(raw, queue) for raw in entries or []]
+            out[queue] = sorted((i for i in infos if i is not None), key=lambda i: i.nodename)
+        for queue in names:
+            out.setdefault(queue, [])
+        return out
+
+
+def summary(live: dict[str, list[WorkerInfo]]) -> dict[str, dict[str, Any]]:
+    """What readiness and meta show per queue: workers serving, their slots, the paused
+    ones with their reasons."""
+    out = {}
+    for queue, infos in live.items():
+        serving = [i for i in infos if i.serving]
+        out[queue] = {
+            "serving": len(serving),
+            "slots": sum(i.slots for i in serving),
+            "paused": [{"nodename": i.nodename, "reason": i.reason} for i in infos
+                       if not i.serving],
+        }
+    return out
+
+
+def _never() -> str | None:
+    return None
+
+
+class Heartbeat:
+    """Announces one worker on its queues every ``interval_s`` from a thread of the calling
+    process, until ``stop`` (which removes the announcements at once).
+
+    ``not_serving_reason`` is asked at every beat: while it returns a sentence, the worker
+    is announced ``paused`` with it (the API does not count it as serving); an exception
+    it raises counts as a reason too (a worker that cannot tell is not counted)."""
+
+    def __init__(
+        self, redis_url: str, nodename: str, slots: dict[str, int], *, interval_s: float,
+        ttl_s: float, not_serving_reason: Callable[[], str | None] = _never,
+        store: str = "", store_id: Callable[[], str] | str = "",
+    ) -> None:
+        self.nodename = nodename
+        self.slots = dict(slots)
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self.not_serving_reason = not_serving_reason
+        self.store = store
+        self._store_id = store_id
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
+        self._beat = self.redis.register_script(_BEAT_LUA)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.state: str | None = None
+        self._failing = False
+
+    def _reason(self) -> str | None:
+        try:
+            return self.not_serving_reason()
+        except Exception as e:  # noqa: BLE001 - a worker that cannot tell is not counted
+            return f"the worker's serving check failed: {e}"
+
+    def _identity(self) -> str:
+        if callable(self._store_id):
+            try:
+                return self._store_id()
+            except Exception:  # noqa: BLE001 - the store is down: announce without its id
+                return ""
+        return self._store_id
+
+    def beat(self) -> str:
+        """Announce once on every queue; returns the state announced."""
+        reason = self._reason()
+        state = SERVING if reason is None else PAUSED
+        base = {"nodename": self.nodename, "state": state, "reason": reason,
+                "host": socket.gethostname(), "pid": os.getpid(), "store": self.store,
+                "store_id": self._identity()}
+        queues = sorted(self.slots)
+        entries = [json.dumps({**base, "queue": q, "slots": self.slots[q]}) for q in queues]
+        self._beat(keys=[workers_key(q) for q in queues],
+                   args=[self.nodename, self.ttl_s, *entries])
+        if state != self.state:
+            if state == SERVING:
+                log.info("heartbeat: %s serves %s", self.nodename,
+                         ", ".join(f"{q} ({self.slots[q]} slots)" for q in queues))
+            else:
+                log.error("heartbeat: %s is not serving (the API refuses jobs it alone would "
+                          "take): %s", self.nodename, reason)
+            self.state = state
+        return state
+
+    def start(self) -> None:
+        """Beat once now (so the worker counts as soon as it starts), then in a thread."""
+        try:
+            self.beat()
+        except redis.RedisError as e:
+            log.warning("heartbeat: could not announce %s yet: %s", self.nodename, e)
+        self._thread = threading.Thread(target=self._loop, name="studio-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+                if self._failing:
+                    log.warning("heartbeat: announcing %s again", self.nodename)
+                self._failing = False
+            except Exception as e:  # noqa: BLE001 - keep beating
+                if not self._failing:
+                    log.warning("heartbeat: could not announce %s: %s", self.nodename, e)
+                self._failing = True
+
+    def stop(self) -> None:
+        """Stop beating and remove the announcements (the worker no longer counts)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        try:
+            pipe = self.redis.pipeline()
+            for queue in self.slots:
+                pipe.hdel(workers_key(queue), self.nodename)
+            pipe.execute()
+        except redis.RedisError as e:
+            log.warning("heartbeat: could not withdraw %s (it expires by itself): %s",
+                        self.nodename, e)
+        self.redis.close()
+
+
+def queue_slots(app: Any, worker: Any) -> dict[str, int]:
+    """The slots this worker gives each queue it consumes: with test slots kept
+    (worker.slots), code.test gets those and code.run the rest of the pool; otherwise one
+    consumer shares the whole pool between the queues."""
+    from worker.slots import consumed_queues
+
+    queues = consumed_queues(app)
+    concurrency = int(getattr(worker, "concurrency", 0) or 0) or 1
+    test_slots = int(getattr(worker, "studio_test_slots", 0) or 0)
+    out = {}
+    for queue in sorted(queues):
+        if test_slots and queue == QUEUE_TEST:
+            out[queue] = test_slots
+        elif test_slots:
+            out[queue] = max(1, concurrency - test_slots)
+        else:
+            out[queue] = concurrency
+    return out
+
+
+class HeartbeatStep(bootsteps.StartStopStep):
+    """Consumer step: announces the worker once its task consumer exists (and again after a
+    broker reconnect), withdraws it when the consumer stops (warm shutdown included).
+
+    ``app.studio_not_serving_reason`` (a ``Callable[[], str | None]``), when set, says why
+    the worker should not count as serving (e.g. its runtime is unavailable)."""
+
+    label = "studio heartbeat"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        self.heartbeat: Heartbeat | None = None
+        super().__init__(c, **kwargs)
+
+    def start(self, c: Any) -> None:
+        settings: Settings | None = getattr(c.app, "studio_settings", None)
+        if settings is None or self.heartbeat is not None:
+            return
+        from executor.store.sql import describe_url
+
+        reason = getattr(c.app, "studio_not_serving_reason", None) or _never
+        self.heartbeat = Heartbeat(
+            settings.redis_url, c.hostname, queue_slots(c.app, c.controller),
+            interval_s=settings.queue_heartbeat_interval_s, ttl_s=heartbeat_ttl_s(settings),
+            not_serving_reason=reason, store=describe_url(settings.sqlalchemy_url),
+            # read by the janitor when it opened the store (no second connection here, and
+            # nothing that could hang the beat while the store is down)
+            store_id=lambda: str(getattr(c.controller, "studio_store_id", "") or ""),
+        )
+        self.heartbeat.start()
+
+    def stop(self, c: Any) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+
+    def shutdown(self, c: Any) -> None:
+        self.stop(c)
