@@ -48,21 +48,20 @@ def _write_all(fd, data):
 
 
 def _depth_exceeds(value, limit):
-    """True when ``value`` nests more than ``limit`` containers (iterative: cycles and
-    any depth end at the limit)."""
-    stack = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if _isinstance(item, _dict):
-            children = item.values()
-        elif _isinstance(item, (_list, _tuple)):
-            children = item
-        else:
-            continue
-        if depth + 1 > limit:
+    """True when ``value`` nests more than ``limit`` containers. One level at a time: no
+    depth makes it recurse, and a cycle ends at the limit."""
+    level = [value]
+    depth = 0
+    while True:
+        containers = [x for x in level if _isinstance(x, (_dict, _list, _tuple))]
+        if not containers:
+            return False
+        depth += 1
+        if depth > limit:
             return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
+        level = []
+        for c in containers:
+            level.extend(c.values() if _isinstance(c, _dict) else c)
 
 
 def _user_traceback(exc):
