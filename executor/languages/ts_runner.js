@@ -404,6 +404,9 @@ async function run() {
   if (newline < 0) newline = TypedArrayLength(input);
   const header = JSONParse(decode(TypedArraySubarray(input, 0, newline)));
   marker = header.marker;
+  // Deno and the runner are up (RUNNER_STARTED in typescript.py): a later "unable to create
+  // worker threads" in the logs is the node's, not the operator's.
+  writeAll(writeStdout, encode("\x1estudio-runner-started\x1e"));
   const code = header.code;
   const stateText = decode(TypedArraySubarray(input, newline + 1));
   let state;
