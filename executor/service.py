@@ -316,7 +316,7 @@ class Executor:
             return self._memory_result(job, **common)
         status = Status.INVALID if code is ErrorCode.CODE_INVALID else Status.FAILED
         message = err.get("message")
-        if not isinstance(message, str):
+        if not isinstance(message, str) or not message.strip():
             message = "The code failed with an error that has no message."
         return self._result(job, status, error=code, message=message, **common)
 
