@@ -592,3 +592,24 @@ def test_the_host_keeps_what_is_fine() -> None:
     reply = parse_reply(b'{"ok": false, "error": {"code": "CODE_ERROR", "message": "\\ud800"}}',
                         max_bytes=1000)
     assert reply["error"]["message"] == "\ud800"
+
+
+def test_meta_shows_the_seccomp_profile_and_both_languages_are_ready_under_it(
+        make_settings, python_image: str, ts_image: str) -> None:
+    import hashlib
+
+    from executor.meta import runtime_meta
+    from executor.runtimes.seccomp import PROFILE_PATH
+
+    ex = Executor(make_settings(code_runtime="docker", code_image=python_image,
+                                code_ts_image=ts_image))
+    meta = runtime_meta(ex, fresh=True)
+    assert meta["seccomp"]["sha256"] == hashlib.sha256(PROFILE_PATH.read_bytes()).hexdigest()
+    # the readiness probes ran the test programs under the profile
+    assert [(lang["name"], lang["ready"]) for lang in meta["languages"]] == [
+        ("python", True), ("typescript", True)], meta["languages"]
+    profile = json.loads(PROFILE_PATH.read_text(encoding="utf-8"))
+    allowed = {n for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ALLOW"
+               for n in rule["names"]}
+    assert not allowed & {"io_uring_setup", "userfaultfd", "keyctl", "bpf", "ptrace",
+                          "unshare", "setns", "mount", "perf_event_open", "socketcall"}
