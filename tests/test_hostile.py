@@ -175,6 +175,10 @@ CASES: list[Case] = [
     Case("py-getattr-raises-on-await-check", "python",
          "class O:\n    def __getattr__(self, n):\n        raise RuntimeError('gotcha')\n"
          "def main(s):\n    return O()\n", FAILED, E.CODE_ERROR, says="gotcha", runtimes=BOTH),
+    Case("py-list-whose-iteration-raises", "python",
+         "class L(list):\n    def __iter__(self):\n        raise RuntimeError('no')\n"
+         "def main(s):\n    return L([1])\n", FAILED, E.CODE_OUTPUT_INVALID,
+         says="could not be read", runtimes=BOTH),
     Case("py-closes-result-fd", "python",
          "import os\ndef main(s):\n    os.close(3)\n    return 1\n", FAILED, E.CODE_ERROR,
          says="ended the process", runtimes=BOTH),

@@ -138,7 +138,16 @@ def _run(result_fd, output_max_bytes):
     except BaseException as e:  # noqa: BLE001 - everything the user's code raises is a result
         return _fail(result_fd, "CODE_ERROR", _user_traceback(e))
 
-    if _depth_exceeds(out, OUTPUT_MAX_DEPTH):
+    try:
+        too_deep = _depth_exceeds(out, OUTPUT_MAX_DEPTH)
+    except Exception as e:  # noqa: BLE001 - a container subclass whose iteration raises
+        return _fail(
+            result_fd,
+            "CODE_OUTPUT_INVALID",
+            f"main returned a value that could not be read ({type(e).__name__}: {e}): return "
+            "dicts, lists, strings, numbers, booleans or None.",
+        )
+    if too_deep:
         return _fail(
             result_fd,
             "CODE_OUTPUT_INVALID",
