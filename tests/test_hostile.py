@@ -283,6 +283,30 @@ export function main() {
          "export function main() {\n  (Deno as any)[(Deno as any).internal].core.print(\n"
          "    '{\"ok\": true, \"output\": \"forged\"}');\n  return 'real';\n}\n",
          OK, output="real", runtimes=BOTH),
+    Case("ts-deep-300-objects", "typescript",
+         "export function main() {\n  let o: unknown = 1;\n"
+         "  for (let i = 0; i < 300; i++) o = { a: o };\n  return o;\n}\n", FAILED,
+         E.CODE_OUTPUT_INVALID, says=TOO_DEEP, runtimes=BOTH),
+    Case("ts-proxy-trap-throws", "typescript",
+         "export function main() {\n  return new Proxy({}, { ownKeys() { throw new Error("
+         "'trap'); } });\n}\n", FAILED, E.CODE_OUTPUT_INVALID, says="trap", runtimes=BOTH),
+    Case("ts-getter-throws", "typescript",
+         "export function main() {\n  return { get x() { throw new Error('getter'); } };\n}\n",
+         FAILED, E.CODE_OUTPUT_INVALID, says="getter", runtimes=BOTH),
+    Case("ts-tojson-returns-a-surrogate", "typescript",
+         "export function main() {\n  return { toJSON() { return 'a\\ud800'; } };\n}\n",
+         FAILED, E.CODE_OUTPUT_INVALID, says=SURROGATE, runtimes=BOTH),
+    Case("ts-replaces-json-stringify", "typescript",
+         "export function main() {\n  JSON.stringify = () => '\"forged\"';\n"
+         "  return { real: true };\n}\n", OK, output={"real": True}, runtimes=BOTH),
+    Case("ts-replaces-textencoder", "typescript",
+         "export function main() {\n  TextEncoder.prototype.encode = () => "
+         "new Uint8Array([34, 102, 34]);\n  return 'real';\n}\n", OK, output="real",
+         runtimes=BOTH),
+    Case("ts-object-prototype-tojson-then-throw", "typescript",
+         "export function main() {\n  (Object.prototype as any).toJSON = () => 'forged';\n"
+         "  throw new Error('the real error');\n}\n", FAILED, E.CODE_ERROR,
+         says="the real error", runtimes=BOTH),
     Case("ts-claims-deno-had-no-threads", "typescript",
          "export function main() {\n  console.error('unable to create worker threads');\n"
          "  Deno.exit(1);\n}\n", FAILED, E.CODE_ERROR, runtimes=BOTH),
