@@ -452,11 +452,14 @@ def _assert_case(case: Case, r: CodeResult) -> None:
     json.dumps(r.cli_dict(), ensure_ascii=False).encode("utf-8")
 
 
+@pytest.mark.docker
+@pytest.mark.deno
 @pytest.mark.parametrize("case", _cases("docker"), ids=lambda c: c.name)
 def test_hostile_in_docker(case: Case, docker_results) -> None:
     _assert_case(case, docker_results[case.name][1])
 
 
+@pytest.mark.deno
 @pytest.mark.parametrize("case", _cases("subprocess"), ids=lambda c: c.name)
 def test_hostile_in_subprocess(case: Case, subprocess_results) -> None:
     _assert_case(case, subprocess_results[case.name][1])
@@ -551,17 +554,21 @@ def _all_results(docker_results, subprocess_results) -> list[tuple[CodeJob, Code
     return out
 
 
+@pytest.mark.docker
 def test_every_hostile_result_is_stored_and_read_back_sqlite(
         tmp_path, docker_results, subprocess_results) -> None:
     _store_and_read(f"sqlite:///{tmp_path / 'runs.db'}",
                     _all_results(docker_results, subprocess_results))
 
 
+@pytest.mark.docker
+@pytest.mark.postgres
 def test_every_hostile_result_is_stored_and_read_back_postgresql(
         pg_schema_url, docker_results, subprocess_results) -> None:
     _store_and_read(pg_schema_url, _all_results(docker_results, subprocess_results))
 
 
+@pytest.mark.docker
 @pytest.mark.parametrize("name,suffix,code,error", [
     ("py-deep-300", ".py", nested_py(300), "CODE_OUTPUT_INVALID"),
     ("ts-surrogate", ".ts", "export function main() { return 'a\\ud800b'; }\n",
@@ -622,6 +629,7 @@ def test_the_host_keeps_what_is_fine() -> None:
     assert reply["error"]["message"] == "\ud800"
 
 
+@pytest.mark.docker
 def test_meta_shows_the_seccomp_profile_and_both_languages_are_ready_under_it(
         make_settings, python_image: str, ts_image: str) -> None:
     import hashlib
