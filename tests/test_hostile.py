@@ -649,3 +649,18 @@ def test_meta_shows_the_seccomp_profile_and_both_languages_are_ready_under_it(
                for n in rule["names"]}
     assert not allowed & {"io_uring_setup", "userfaultfd", "keyctl", "bpf", "ptrace",
                           "unshare", "setns", "mount", "perf_event_open", "socketcall"}
+
+
+def test_the_shipped_profile_is_what_derive_makes_of_mobys_default() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from executor.runtimes.seccomp import PROFILE_PATH
+
+    root = Path(__file__).resolve().parent.parent
+    made = subprocess.run(
+        [sys.executable, str(root / "docker/seccomp/derive.py"),
+         str(root / "docker/seccomp/moby-default.json")],
+        capture_output=True, check=True).stdout
+    assert made == PROFILE_PATH.read_bytes(), "regenerate executor/runtimes/seccomp.json"
