@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from executor.runtimes.docker import TMPFS_SIZE
+from executor.runtimes.seccomp import profile_sha256
 from executor.service import Executor
 from executor.settings import KNOWN_LANGUAGES, NOBODY, sandbox_ids
 
@@ -76,6 +77,10 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
                 else "Sandboxes run as the server's own uid and gid."
             ),
         },
+        "seccomp": (
+            {"profile": "executor/runtimes/seccomp.json", "sha256": profile_sha256()}
+            if s.code_runtime == "docker" else None
+        ),
         "warnings": warnings,
         "subprocess_isolation": isolation,
     }

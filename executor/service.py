@@ -5,7 +5,6 @@ No queue here: the CLI's ``run`` uses this directly; the Celery worker calls it 
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -24,6 +23,7 @@ from executor.errors import (
 from executor.languages import get_language
 from executor.languages.base import Language, Problem
 from executor.models import CodeErrorInfo, CodeJob, CodeResult, Limits, Status, TraceRow
+from executor.outputs import MESSAGE_MAX_CHARS, OutputInvalid, parse_reply, safe_text
 from executor.runtimes.base import CancelCheck, RawRun, Runtime, owner_id
 from executor.settings import KNOWN_RUNTIMES, Settings
 
@@ -132,7 +132,13 @@ class Executor:
         problems = language.check(job.code, self.settings)
         if problems:
             raise CodeInvalid("; ".join(str(p) for p in problems))
-        size = len(job.state_json.encode("utf-8"))
+        try:
+            size = len(job.state_json.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise CodeInvalid(
+                "The state holds a lone surrogate, which is not valid Unicode: send the "
+                "state as well-formed UTF-8 JSON."
+            ) from None
         limit = self.settings.code_state_max_bytes
         if size > limit:
             raise CodeInvalid(
@@ -293,27 +299,26 @@ class Executor:
                 "main returned a value: return the output from main instead of exiting or "
                 "killing the process.", **common)
         try:
-            reply = json.loads(stdout)
-            ok = reply["ok"]
-        except (ValueError, KeyError, TypeError):
-            return self._result(
-                job, Status.FAILED, error=ErrorCode.CODE_OUTPUT_INVALID,
-                message="The sandbox's result channel held something that is not the "
-                "runner's JSON (did the code write to the runner's file descriptors?).",
-                **common)
-        if ok:
+            reply = parse_reply(stdout, max_bytes=limits.output_max_bytes + 4096)
+        except OutputInvalid as e:
+            return self._result(job, Status.FAILED, error=ErrorCode.CODE_OUTPUT_INVALID,
+                                message=str(e), **common)
+        if reply["ok"]:
             return self._result(job, Status.SUCCEEDED, output=reply.get("output"), **common)
         err = reply.get("error")
         if not isinstance(err, dict):
-            err = {"message": f"The runner reported a failure it could not describe: {err!r}"}
+            err = {"message": "The runner reported a failure it could not describe."}
         # Whatever reaches the result channel is only trusted so far: a runner reports these
         # codes and no other (user code that writes to the channel cannot claim, say,
-        # RATE_LIMITED).
+        # RATE_LIMITED or RUNTIME_UNAVAILABLE).
         code = RUNNER_CODES.get(str(err.get("code")), ErrorCode.CODE_ERROR)
         if code is ErrorCode.CODE_MEMORY:
             return self._memory_result(job, **common)
         status = Status.INVALID if code is ErrorCode.CODE_INVALID else Status.FAILED
-        return self._result(job, status, error=code, message=str(err.get("message")), **common)
+        message = err.get("message")
+        if not isinstance(message, str) or not message.strip():
+            message = "The code failed with an error that has no message."
+        return self._result(job, status, error=code, message=message, **common)
 
     def _memory_result(self, job: CodeJob, **common: Any) -> CodeResult:
         return self._result(
@@ -352,8 +357,10 @@ class Executor:
             language=job.language,
             status=status,
             output=output,
-            error=CodeErrorInfo(code=error, message=message) if error else None,
-            logs=logs,
+            # the user's own words (an exception's text, what it printed) made storable
+            error=(CodeErrorInfo(code=error, message=safe_text(message, MESSAGE_MAX_CHARS))
+                   if error else None),
+            logs=safe_text(logs),
             logs_truncated=bool(raw and raw.logs_truncated),
             runtime=runtime,
             code_runtime=runtime,

@@ -340,13 +340,24 @@ def test_finish_while_cancelling_ends_cancelled(store: RunStore) -> None:
 def test_awkward_text_is_stored(store: RunStore, store_url: str) -> None:
     """NUL characters and lone surrogates in printed output do not break the write."""
     job_id = _running(store)
-    res = _result(job_id, logs="a\x00b\ud800c", output={"s": "x\x00y\udfff"})
+    res = _result(job_id, logs="a\x00b\ud800c", output={"s": "x\x00y"})
     assert store.finish(res, worker="w1") is True
     rec = store.get(job_id)
     assert rec is not None
     nul = "\x00" if store_url.startswith("sqlite") else "\ufffd"
     assert rec.logs == f"a{nul}b?c"
-    assert rec.output == {"s": "x\x00y\udfff"}  # JSON text escapes both
+    assert rec.output == {"s": "x\x00y"}  # JSON text escapes the NUL
+
+
+def test_an_output_no_route_could_render_is_stored_as_output_invalid(store: RunStore) -> None:
+    """A lone surrogate in an output (a CodeResult made outside the executor, which refuses
+    it first) is never stored as output: GET would answer 500 for good."""
+    job_id = _running(store)
+    assert store.finish(_result(job_id, output={"s": "x\udfff"}), worker="w1") is True
+    rec = store.get(job_id)
+    assert rec is not None and rec.status is Status.FAILED and rec.output is None
+    assert rec.error is not None and rec.error.code is ErrorCode.CODE_OUTPUT_INVALID
+    assert "lone surrogate" in rec.error.message
 
 
 # --- big state ---------------------------------------------------------------------------

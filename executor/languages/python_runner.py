@@ -17,17 +17,51 @@ import os
 import sys
 
 FILENAME = "main.py"
+#: the same numbers as executor/outputs.py (this file runs alone, it cannot import them)
+OUTPUT_MAX_DEPTH = 100
+MESSAGE_MAX_CHARS = 64 * 1024
+
+# Captured before the code runs: a node that replaces json.dumps or os.write cannot change
+# how the runner writes. (The code can still write to the result fd itself: the host checks
+# every byte it reads, so this runner is not a trust boundary, only a polite one.)
+_dumps = json.dumps
+_loads = json.loads
+_os_write = os.write
+_isinstance = isinstance
+_len = len
+_str = str
+_dict = dict
+_list = list
+_tuple = tuple
 
 
 def _emit(fd, payload):
-    _write_all(fd, json.dumps(payload, ensure_ascii=False).encode("utf-8"))
+    # ASCII (lone surrogates escaped): writing a reply can never fail on the text it holds.
+    _write_all(fd, _dumps(payload).encode("ascii"))
 
 
 def _write_all(fd, data):
     view = memoryview(data)
     while view:
-        n = os.write(fd, view)
+        n = _os_write(fd, view)
         view = view[n:]
+
+
+def _depth_exceeds(value, limit):
+    """True when ``value`` nests more than ``limit`` containers. One level at a time: no
+    depth makes it recurse, and a cycle ends at the limit."""
+    level = [value]
+    depth = 0
+    while True:
+        containers = [x for x in level if _isinstance(x, (_dict, _list, _tuple))]
+        if not containers:
+            return False
+        depth += 1
+        if depth > limit:
+            return True
+        level = []
+        for c in containers:
+            level.extend(c.values() if _isinstance(c, _dict) else c)
 
 
 def _user_traceback(exc):
@@ -42,6 +76,9 @@ def _user_traceback(exc):
 
 
 def _fail(fd, code, message):
+    if _len(message) > MESSAGE_MAX_CHARS:
+        message = (message[:MESSAGE_MAX_CHARS]
+                   + f"\n[cut: {_len(message) - MESSAGE_MAX_CHARS} more characters]")
     _emit(fd, {"ok": False, "error": {"code": code, "message": message}})
     return 0
 
@@ -53,9 +90,12 @@ def _run(result_fd, output_max_bytes):
     header = json.loads(header_raw)
     code = header["code"]
     try:
-        state = json.loads(state_raw) if state_raw.strip() else {}
+        state = _loads(state_raw) if state_raw.strip() else {}
     except ValueError as e:
         return _fail(result_fd, "CODE_INVALID", f"The state is not valid JSON: {e}.")
+    except RecursionError:
+        return _fail(result_fd, "CODE_INVALID", "The state is nested too deep for Python to "
+                     "read: send a flatter state.")
     del state_raw
 
     import linecache  # small; lets tracebacks show the user's source lines
@@ -99,22 +139,54 @@ def _run(result_fd, output_max_bytes):
         return _fail(result_fd, "CODE_ERROR", _user_traceback(e))
 
     try:
-        data = json.dumps(out, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
+        too_deep = _depth_exceeds(out, OUTPUT_MAX_DEPTH)
+    except Exception as e:  # noqa: BLE001 - a container subclass whose iteration raises
+        return _fail(
+            result_fd,
+            "CODE_OUTPUT_INVALID",
+            f"main returned a value that could not be read ({type(e).__name__}: {e}): return "
+            "dicts, lists, strings, numbers, booleans or None.",
+        )
+    if too_deep:
+        return _fail(
+            result_fd,
+            "CODE_OUTPUT_INVALID",
+            f"main returned a value nested deeper than {OUTPUT_MAX_DEPTH} levels of objects "
+            "and arrays: flatten it.",
+        )
+    try:
+        data = _dumps(out, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        if "integer string conversion" in _str(e):
+            return _fail(
+                result_fd,
+                "CODE_OUTPUT_INVALID",
+                "main returned an integer with more than "
+                f"{sys.get_int_max_str_digits() or 4300} digits: return it as a string.",
+            )
         return _fail(
             result_fd,
             "CODE_OUTPUT_INVALID",
             f"main returned a value that is not JSON ({type(out).__name__}: {e}): return "
             "dicts, lists, strings, numbers, booleans or None.",
         )
-    if len(data) > output_max_bytes:
+    try:
+        encoded = data.encode("utf-8")
+    except UnicodeEncodeError as e:
         return _fail(
             result_fd,
             "CODE_OUTPUT_INVALID",
-            f"main returned {len(data)} bytes of JSON, more than the limit of "
+            f"main returned a string with a lone surrogate (\\u{ord(data[e.start]):04x}), which "
+            "is not valid Unicode and cannot be stored: return well-formed text.",
+        )
+    if _len(encoded) > output_max_bytes:
+        return _fail(
+            result_fd,
+            "CODE_OUTPUT_INVALID",
+            f"main returned {_len(encoded)} bytes of JSON, more than the limit of "
             f"{output_max_bytes}: return less, or keep large data elsewhere.",
         )
-    _write_all(result_fd, b'{"ok": true, "output": ' + data.encode("utf-8") + b"}")
+    _write_all(result_fd, b'{"ok": true, "output": ' + encoded + b"}")
     return 0
 
 

@@ -42,6 +42,15 @@ const StringStartsWith = uncurry(String.prototype.startsWith);
 const TypedArrayPrototype = Object.getPrototypeOf(Uint8Array.prototype);
 const TypedArrayLength = uncurry(ObjectGetOwnPropertyDescriptor(TypedArrayPrototype, "length").get);
 const TypedArraySubarray = uncurry(TypedArrayPrototype.subarray);
+// Views for writing are made with the captured constructor, never with subarray(): subarray
+// asks the array's constructor[Symbol.species] for the new view, and user code can set that
+// (Uint8Array.prototype.constructor) to a function that is handed the buffer: it would read
+// the marker and could rewrite the frame.
+const Uint8ArrayCtor = Uint8Array;
+const TypedArrayBuffer = uncurry(ObjectGetOwnPropertyDescriptor(TypedArrayPrototype, "buffer").get);
+const TypedArrayByteOffset = uncurry(
+  ObjectGetOwnPropertyDescriptor(TypedArrayPrototype, "byteOffset").get,
+);
 const TypedArrayIndexOf = uncurry(TypedArrayPrototype.indexOf);
 const Uint8ArrayToBase64 = uncurry(Uint8Array.prototype.toBase64);
 const RegExpExec = uncurry(RegExp.prototype.exec);
@@ -74,6 +83,9 @@ const config = { __proto__: null, ...JSONParse(Deno.args[0] ?? "{}") };
 const outputMaxBytes = config.outputMaxBytes ?? 16 * 1024 * 1024;
 const packages = [...(config.packages ?? [])];
 const text = { __proto__: null, ...config.messages };
+// the same numbers as executor/outputs.py
+const OUTPUT_MAX_DEPTH = 100;
+const MESSAGE_MAX_CHARS = 64 * 1024;
 
 let marker = "";
 let finished = false;
@@ -82,8 +94,10 @@ let waitingForMain = false;
 function writeAll(write, bytes) {
   let offset = 0;
   const total = TypedArrayLength(bytes);
+  const buffer = TypedArrayBuffer(bytes);
+  const start = TypedArrayByteOffset(bytes);
   while (offset < total) {
-    offset += write(TypedArraySubarray(bytes, offset));
+    offset += write(new Uint8ArrayCtor(buffer, start + offset, total - offset));
   }
 }
 
@@ -125,6 +139,13 @@ function fill(template, values) {
 }
 
 function fail(code, message) {
+  if (typeof message !== "string") message = "";
+  if (message.length > MESSAGE_MAX_CHARS) {
+    message = StringSlice(message, 0, MESSAGE_MAX_CHARS) + "\n[cut: " +
+      (message.length - MESSAGE_MAX_CHARS) + " more characters]";
+  }
+  // A lone surrogate in the message is escaped by JSON.stringify (\ud800): the frame stays
+  // valid UTF-8 and the executor makes the text storable (U+FFFD).
   const error = { __proto__: null, code, message };
   finish(JSONStringify({ __proto__: null, ok: false, error }));
 }
@@ -254,6 +275,12 @@ function succeed(out) {
   try {
     json = JSONStringify(out, replacer);
   } catch (err) {
+    if (field(err, "name") === "RangeError" &&
+        StringIndexOf(field(err, "message"), "call stack") >= 0) {
+      return fail("CODE_OUTPUT_INVALID", "main returned a value nested deeper than " +
+        OUTPUT_MAX_DEPTH + " levels of objects and arrays (or a toJSON that recurses): " +
+        "flatten it.");
+    }
     const detail = describeBrief(err);
     return fail("CODE_OUTPUT_INVALID", fill(text.notJson, { __proto__: null, detail }));
   }
@@ -265,6 +292,8 @@ function succeed(out) {
     const detail = "NaN or Infinity";
     return fail("CODE_OUTPUT_INVALID", fill(text.notJson, { __proto__: null, detail }));
   }
+  const problem = jsonProblem(json);
+  if (problem !== null) return fail("CODE_OUTPUT_INVALID", problem);
   const bytes = TypedArrayLength(encode(json));
   if (bytes > outputMaxBytes) {
     return fail(
@@ -273,6 +302,44 @@ function succeed(out) {
     );
   }
   finish('{"ok": true, "output": ' + json + "}");
+}
+
+// What in JSON text (as JSON.stringify writes it) the executor would refuse: nesting deeper
+// than OUTPUT_MAX_DEPTH, or a lone surrogate (JSON.stringify escapes one as \udxxx; a pair is
+// written as itself). One pass over the text: no depth can make it recurse.
+function jsonProblem(json) {
+  let depth = 0;
+  let inString = false;
+  const n = json.length;
+  for (let i = 0; i < n; i++) {
+    const c = StringCharCodeAt(json, i);
+    if (inString) {
+      if (c === 92) { // backslash
+        if (StringCharCodeAt(json, i + 1) === 117 && // u
+            (StringCharCodeAt(json, i + 2) | 32) === 100) { // d
+          const d = StringCharCodeAt(json, i + 3) | 32;
+          if ((d >= 56 && d <= 57) || (d >= 97 && d <= 102)) { // 8 9 a-f
+            return "main returned a string with a lone surrogate (" +
+              StringSlice(json, i, i + 6) + "), which is not valid Unicode and cannot be " +
+              "stored: return well-formed text (String.prototype.toWellFormed() fixes it).";
+          }
+        }
+        i++;
+      } else if (c === 34) {
+        inString = false;
+      }
+    } else if (c === 34) {
+      inString = true;
+    } else if (c === 91 || c === 123) { // [ {
+      if (++depth > OUTPUT_MAX_DEPTH) {
+        return "main returned a value nested deeper than " + OUTPUT_MAX_DEPTH +
+          " levels of objects and arrays: flatten it.";
+      }
+    } else if (c === 93 || c === 125) {
+      depth--;
+    }
+  }
+  return null;
 }
 
 function describeBrief(err) {
@@ -337,6 +404,9 @@ async function run() {
   if (newline < 0) newline = TypedArrayLength(input);
   const header = JSONParse(decode(TypedArraySubarray(input, 0, newline)));
   marker = header.marker;
+  // Deno and the runner are up (RUNNER_STARTED in typescript.py): a later "unable to create
+  // worker threads" in the logs is the node's, not the operator's.
+  writeAll(writeStdout, encode("\x1estudio-runner-started\x1e"));
   const code = header.code;
   const stateText = decode(TypedArraySubarray(input, newline + 1));
   let state;

@@ -116,6 +116,9 @@ _OOM_MARKERS = (
 )
 _SIGTRAP_EXITS = (-signal.SIGTRAP, 128 + signal.SIGTRAP)  # subprocess, docker
 _NO_THREADS = b"unable to create worker threads"
+#: what the runner writes to stdout once Deno runs it, before the node's code is imported (the
+#: code can add bytes to stdout, never take these away)
+RUNNER_STARTED = b"\x1estudio-runner-started\x1e"
 _NEVER_RESOLVED = b"Top-level await promise never resolved"
 _PERMISSION_MARKERS = (b"NotCapable", b"PermissionDenied")
 _MISSING_MARKERS = (b"not found in cache", b"Could not find npm package")
@@ -212,8 +215,12 @@ class TypeScript(Language):
             return CodeErrorInfo(code=ErrorCode.CODE_MEMORY,
                                  message="V8 reached its heap limit (--max-old-space-size).")
         if _NO_THREADS in logs:
+            # Deno's own failure before the runner ran is the operator's to fix; the same
+            # words after the runner started came from the node (console.error) or its own
+            # Worker, and a node must never be able to claim an infrastructure failure.
+            started = RUNNER_STARTED in raw.stdout
             return CodeErrorInfo(
-                code=ErrorCode.RUNTIME_UNAVAILABLE,
+                code=ErrorCode.CODE_ERROR if started else ErrorCode.RUNTIME_UNAVAILABLE,
                 message="Deno could not start its threads under the process limit: raise "
                 "STUDIO_CODE_PIDS (in subprocess mode it counts the threads of every concurrent "
                 "run of the sandbox user) or lower STUDIO_CODE_CONCURRENCY.",

@@ -22,6 +22,7 @@ from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
 from executor.runtimes.base import POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime, owner_id
+from executor.runtimes.seccomp import profile_json
 from executor.settings import Settings, sandbox_ids
 
 log = logging.getLogger("studio_code")
@@ -42,10 +43,10 @@ def sandbox_policy(
     Specification's Isolation table: no network; read-only root with a 64 MB tmpfs /tmp and
     no host mounts; all capabilities dropped, no-new-privileges, the server's own uid:gid
     (nobody when the server is root); only HOME=/tmp and the language's flags in the
-    environment; the state on stdin. Limits table: memory with swap equal to memory, CPU
-    share, pids. Also: no log driver (output comes through the attach stream, so a print
-    flood cannot fill the host's disk) and no /dev/shm (ipc none), so /tmp is the only
-    writable place.
+    environment; the state on stdin; our own seccomp profile. Limits table: memory with swap
+    equal to memory, CPU share, pids. Also: no log driver (output comes through the attach
+    stream, so a print flood cannot fill the host's disk) and no /dev/shm (ipc none), so
+    /tmp is the only writable place.
     """
     uid, gid = sandbox_ids()
     host_config = {
@@ -54,7 +55,10 @@ def sandbox_policy(
         "tmpfs": {"/tmp": f"rw,nosuid,nodev,noexec,size={TMPFS_SIZE},mode=1777"},
         "binds": [],
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges"],
+        # our own seccomp profile (executor/runtimes/seccomp.json): Docker's default minus
+        # io_uring, userfaultfd, keyrings, bpf, perf, ptrace, namespaces, mounts and every
+        # socket family but AF_UNIX
+        "security_opt": ["no-new-privileges", f"seccomp={profile_json()}"],
         "privileged": False,
         "ipc_mode": "none",
         "mem_limit": limits.memory_bytes,

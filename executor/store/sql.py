@@ -60,6 +60,13 @@ from sqlalchemy.types import TypeDecorator
 
 from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import CodeErrorInfo, CodeJob, CodeResult, Status, TraceRow
+from executor.outputs import (
+    OutputInvalid,
+    check_value,
+    may_hold_lone_surrogate,
+    safe_text,
+    safe_value,
+)
 from executor.store.base import (
     CANCELLED_BEFORE_START,
     CANCELLED_WHILE_RUNNING,
@@ -202,7 +209,51 @@ def _storable(value: str) -> str:
 
 
 def _error_json(error: CodeErrorInfo | None) -> str | None:
-    return None if error is None else error.model_dump_json()
+    # not model_dump_json: pydantic refuses to encode a lone surrogate, and a node's own
+    # error message can hold one (it becomes U+FFFD here; _dumps escapes NUL)
+    if error is None:
+        return None
+    return _dumps({"code": str(error.code), "message": safe_text(error.message)})
+
+
+def _output_json(result: CodeResult) -> tuple[str | None, CodeErrorInfo | None]:
+    """The output as JSON text, or (None, why) for a value no route could render: nested
+    deeper than OUTPUT_MAX_DEPTH, a lone surrogate, NaN, an unserialisable object. The
+    executor refuses these before they get here; a CodeResult made elsewhere must still
+    never make the write fail (a failed write would leave the run ``running``)."""
+    if result.output is None:
+        return None, None
+    try:
+        text = _dumps_strict(result.output)
+        check_value(result.output, strings=may_hold_lone_surrogate(text))
+    except OutputInvalid as e:
+        return None, CodeErrorInfo(code=ErrorCode.CODE_OUTPUT_INVALID, message=str(e))
+    except (ValueError, TypeError, RecursionError) as e:
+        return None, CodeErrorInfo(
+            code=ErrorCode.CODE_OUTPUT_INVALID,
+            message=f"The output could not be stored as JSON ({type(e).__name__}: "
+            f"{safe_text(str(e), 500)}): return dicts, lists, strings, finite numbers, "
+            "booleans or None.",
+        )
+    return text, None
+
+
+def _dumps_strict(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _load_output(text: str) -> Any:
+    """A stored output, renderable whatever an older version stored (lone surrogates become
+    U+FFFD; a text too deep to read is reported, not raised)."""
+    try:
+        return safe_value(json.loads(text))
+    except (RecursionError, ValueError):
+        return {"unreadable_output": "The stored output is nested too deep or is not JSON."}
+
+
+def _load_error(text: str) -> CodeErrorInfo:
+    data = json.loads(text)
+    return CodeErrorInfo(code=data["code"], message=safe_text(str(data.get("message", ""))))
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -248,8 +299,8 @@ def _record_strict(row: Row[Any]) -> JobRecord:
         timeout_s=m["timeout_s"],
         code_runtime=m["code_runtime"],
         runtime=m["runtime"],
-        output=None if m["output"] is None else json.loads(m["output"]),
-        error=None if m["error"] is None else CodeErrorInfo.model_validate_json(m["error"]),
+        output=None if m["output"] is None else _load_output(m["output"]),
+        error=None if m["error"] is None else _load_error(m["error"]),
         logs=m["logs"],
         logs_truncated=bool(m["logs_truncated"]),
         warnings=json.loads(m["warnings"]),
@@ -561,9 +612,12 @@ class SqlRunStore(RunStore):
     def finish(self, result: CodeResult, *, worker: str) -> bool:
         if not result.status.finished:
             raise ValueError(f"finish() needs a finished status, not {result.status.value!r}")
-        data = result.model_dump(mode="json", include={"output", "warnings", "trace"})
+        data = result.model_dump(mode="json", include={"warnings", "trace"})
         cancelling = jobs.c.status == Status.CANCELLING.value
-        output_json = None if data["output"] is None else _dumps(data["output"])
+        output_json, refused = _output_json(result)
+        status, error = result.status, result.error
+        if refused is not None:
+            status, error = Status.FAILED, refused
         stmt = (
             update(jobs)
             .where(
@@ -575,11 +629,11 @@ class SqlRunStore(RunStore):
                 # duration and trace are kept, its output is not.
                 status=case(
                     (cancelling, literal(Status.CANCELLED.value, String)),
-                    else_=literal(result.status.value, String),
+                    else_=literal(status.value, String),
                 ),
                 error=case(
                     (cancelling, literal(_error_json(CANCELLED_WHILE_RUNNING), SafeText)),
-                    else_=literal(_error_json(result.error), SafeText),
+                    else_=literal(_error_json(error), SafeText),
                 ),
                 output=case(
                     (cancelling, literal(None, SafeText)),
@@ -587,7 +641,7 @@ class SqlRunStore(RunStore):
                 ),
                 logs=_storable(result.logs),
                 logs_truncated=result.logs_truncated,
-                warnings=_dumps(data["warnings"]),
+                warnings=_dumps(data["warnings"]),  # the executor's own sentences
                 trace=_dumps(data["trace"]),
                 exit_code=result.exit_code,
                 duration_ms=result.duration_ms,
