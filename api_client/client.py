@@ -8,6 +8,7 @@ question; Redis only moves messages and makes waiting and cancelling fast.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -47,6 +49,8 @@ log = logging.getLogger("studio_code.api_client")
 
 RATE_WINDOW_S = 60
 WAIT_SLICE_S = 1.0  # wait() re-reads the store at least this often
+#: threads of wait_async's store reads (a read takes milliseconds; a wait holds none)
+WAIT_READ_THREADS = 4
 
 # A sliding window of one minute, atomically: drop calls older than the window, count the
 # rest, admit and record this call only when under the limit; otherwise say when the
@@ -93,6 +97,9 @@ class CodeClient:
         )
         self._rate = self.redis.register_script(_RATE_LUA)
         self._app: Any = None
+        self._aredis: Any = None
+        self._aredis_loop: asyncio.AbstractEventLoop | None = None
+        self._readers: ThreadPoolExecutor | None = None
 
     @property
     def app(self) -> Any:
@@ -205,6 +212,55 @@ class CodeClient:
                 woke = False
                 time.sleep(min(max(left, 0), 0.2))
 
+    @property
+    def async_redis(self) -> Any:
+        """A redis.asyncio client for the running event loop (made on first use in it)."""
+        loop = asyncio.get_running_loop()
+        if self._aredis is None or self._aredis_loop is not loop:
+            import redis.asyncio
+
+            # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
+            self._aredis = redis.asyncio.Redis.from_url(
+                self.settings.redis_url, socket_timeout=WAIT_SLICE_S + 5,
+                socket_connect_timeout=5)
+            self._aredis_loop = loop
+        return self._aredis
+
+    async def wait_async(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
+        """``wait`` for an event loop: holds no thread while it waits. BLMOVE on the done
+        notice through redis.asyncio; the store is re-read at least every second, each read
+        a few milliseconds on one of WAIT_READ_THREADS threads of its own (the run store is
+        sync SQLAlchemy), so waits never take the threads that sync routes run on."""
+        if timeout_s is None:
+            timeout_s = visibility_timeout_s(self.settings)
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(WAIT_READ_THREADS, "studio-wait-read")
+        loop = asyncio.get_running_loop()
+        aredis = self.async_redis
+        deadline = time.monotonic() + timeout_s
+        key = done_key(job_id)
+        woke = False
+        while True:
+            rec = await loop.run_in_executor(self._readers, self.status, job_id)
+            left = deadline - time.monotonic()
+            if rec.finished or left <= 0:
+                return rec
+            if woke:  # a notice of a run that did not finish the job: do not spin on it
+                await asyncio.sleep(min(left, 0.05))
+            try:
+                woke = await aredis.blmove(
+                    key, key, max(0.01, min(left, WAIT_SLICE_S)), "LEFT", "RIGHT"
+                ) is not None
+            except redis.RedisError:
+                woke = False
+                await asyncio.sleep(min(max(left, 0), 0.2))
+
+    async def aclose(self) -> None:
+        """Close what the event loop side opened (the sync side: ``close``)."""
+        aredis, self._aredis = self._aredis, None
+        if aredis is not None:
+            await aredis.aclose()
+
     def cancel(self, job_id: str) -> Status:
         """Cancel a job: the intent goes to the run store FIRST (a queued job is cancelled
         at once and never starts), then the Redis flag the running job polls, then the
@@ -282,6 +338,8 @@ class CodeClient:
             self._app = None
         self.redis.close()
         self._blocking.close()
+        if self._readers is not None:
+            self._readers.shutdown(wait=False)
         if self._own_store:
             self.store.close()
 
