@@ -51,6 +51,8 @@ RATE_WINDOW_S = 60
 WAIT_SLICE_S = 1.0  # wait() re-reads the store at least this often
 #: threads of wait_async's store reads (a read takes milliseconds; a wait holds none)
 WAIT_READ_THREADS = 4
+#: redis.asyncio connections per API process (waiting test calls hold one each, briefly)
+ASYNC_REDIS_CONNECTIONS = 1000
 
 # A sliding window of one minute, atomically: drop calls older than the window, count the
 # rest, admit and record this call only when under the limit; otherwise say when the
@@ -219,10 +221,13 @@ class CodeClient:
         if self._aredis is None or self._aredis_loop is not loop:
             import redis.asyncio
 
-            # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
-            self._aredis = redis.asyncio.Redis.from_url(
-                self.settings.redis_url, socket_timeout=WAIT_SLICE_S + 5,
-                socket_connect_timeout=5)
+            # Each waiting call holds a connection for its BLMOVE (at most WAIT_SLICE_S, so
+            # its socket must wait longer than that). Past ASYNC_REDIS_CONNECTIONS waiters,
+            # a wait waits for a free connection (at most a slice) instead of failing.
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                self.settings.redis_url, max_connections=ASYNC_REDIS_CONNECTIONS,
+                timeout=20, socket_timeout=WAIT_SLICE_S + 5, socket_connect_timeout=5)
+            self._aredis = redis.asyncio.Redis.from_pool(pool)
             self._aredis_loop = loop
         return self._aredis
 
