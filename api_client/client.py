@@ -102,6 +102,7 @@ class CodeClient:
         self._aredis: Any = None
         self._aredis_loop: asyncio.AbstractEventLoop | None = None
         self._readers: ThreadPoolExecutor | None = None
+        self._status_reads: _StatusReads | None = None
 
     @property
     def app(self) -> Any:
@@ -233,23 +234,28 @@ class CodeClient:
 
     async def wait_async(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
         """``wait`` for an event loop: holds no thread while it waits. BLMOVE on the done
-        notice through redis.asyncio; the store is re-read at least every second, each read
-        a few milliseconds on one of WAIT_READ_THREADS threads of its own (the run store is
-        sync SQLAlchemy), so waits never take the threads that sync routes run on."""
+        notice through redis.asyncio; the job's status is re-read at least every second,
+        the re-reads of every waiting call of this process coalesced into one small query
+        (status only: no code, state or output) on one of WAIT_READ_THREADS threads of
+        their own, so waits never take the threads sync routes run on. The whole record
+        is read once, at the end."""
         if timeout_s is None:
             timeout_s = visibility_timeout_s(self.settings)
+        loop = asyncio.get_running_loop()
         if self._readers is None:
             self._readers = ThreadPoolExecutor(WAIT_READ_THREADS, "studio-wait-read")
-        loop = asyncio.get_running_loop()
+        reads = self._status_reads
+        if reads is None or reads.loop is not loop:
+            reads = self._status_reads = _StatusReads(self.store, self._readers, loop)
         aredis = self.async_redis
         deadline = time.monotonic() + timeout_s
         key = done_key(job_id)
         woke = False
         while True:
-            rec = await loop.run_in_executor(self._readers, self.status, job_id)
+            status = await reads.get(job_id)
             left = deadline - time.monotonic()
-            if rec.finished or left <= 0:
-                return rec
+            if status is None or status.finished or left <= 0:
+                return await loop.run_in_executor(self._readers, self.status, job_id)
             if woke:  # a notice of a run that did not finish the job: do not spin on it
                 await asyncio.sleep(min(left, 0.05))
             try:
@@ -353,6 +359,44 @@ class CodeClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _StatusReads:
+    """Coalesces the status re-reads of every waiting call into one query per window: 200
+    waiting calls cost a few small queries a second, not 200 record loads."""
+
+    WINDOW_S = 0.02
+
+    def __init__(self, store: RunStore, threads: ThreadPoolExecutor,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.store, self.threads, self.loop = store, threads, loop
+        self._pending: dict[str, list[asyncio.Future[Status | None]]] = {}
+        self._flush: asyncio.Task[None] | None = None
+
+    async def get(self, job_id: str) -> Status | None:
+        """The job's status (None when the store does not know it)."""
+        future: asyncio.Future[Status | None] = self.loop.create_future()
+        self._pending.setdefault(job_id, []).append(future)
+        if self._flush is None:
+            self._flush = self.loop.create_task(self._read())
+        return await future
+
+    async def _read(self) -> None:
+        await asyncio.sleep(self.WINDOW_S)
+        batch, self._pending, self._flush = self._pending, {}, None
+        try:
+            found = await self.loop.run_in_executor(self.threads, self.store.statuses,
+                                                    list(batch))
+        except Exception as e:  # noqa: BLE001 - each waiter gets it, as its own read would
+            for futures in batch.values():
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(e)
+            return
+        for job_id, futures in batch.items():
+            for f in futures:
+                if not f.done():
+                    f.set_result(found.get(job_id))
 
 
 def _reject_constant(name: str) -> Any:
