@@ -208,18 +208,18 @@ def test_the_token_is_required_on_every_route_but_liveness(stack: Stack) -> None
               ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")]
     wrong = [None, "Bearer " + "x" * 48, f"Basic {stack.token}", f"Bearer {stack.token}x",
              stack.token, f"Bearer {stack.token[:-1]}"]
-    for method, path in routes:
-        for auth in wrong:
-            headers = {USER: _user(), **({"Authorization": auth} if auth else {})}
-            r = httpx.request(method, stack.base + path, headers=headers,
-                              json={"code": OK_CODE} if method == "POST" else None)
-            message = _error(r, 401, "UNAUTHENTICATED")
-            assert "Bearer" in message and r.headers["WWW-Authenticate"] == "Bearer"
-    # liveness needs no token; the scheme is case-insensitive; with the token all is well
-    assert httpx.get(stack.base + "/healthz/live").json() == {"ok": True}
-    r = httpx.get(stack.base + "/api/meta/runtime",
-                  headers={"Authorization": f"bearer {stack.token}"})
-    assert r.status_code == 200, r.text
+    with httpx.Client(base_url=stack.base, timeout=30) as bare:
+        for method, path in routes:
+            for auth in wrong:
+                headers = {USER: _user(), **({"Authorization": auth} if auth else {})}
+                r = bare.request(method, path, headers=headers,
+                                 json={"code": OK_CODE} if method == "POST" else None)
+                message = _error(r, 401, "UNAUTHENTICATED")
+                assert "Bearer" in message and r.headers["WWW-Authenticate"] == "Bearer"
+        # liveness needs no token; the scheme is case-insensitive; with the token all is well
+        assert bare.get("/healthz/live").json() == {"ok": True}
+        r = bare.get("/api/meta/runtime", headers={"Authorization": f"bearer {stack.token}"})
+        assert r.status_code == 200, r.text
     assert stack.http.get("/healthz/ready").status_code == 200
 
 
