@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from api_client.limits import bind_refusal, is_loopback, json_depth_over
-from tests.conftest import RedisServer, require, run_cli
+from tests.conftest import RedisServer, free_port, require, run_cli
 from tests.test_http import (
     OK_CODE,
     SLEEP_CODE,
@@ -493,3 +493,63 @@ def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
     assert {r.status_code for r in answers} == {200}, [r.text for r in answers
                                                        if r.status_code != 200][:2]
     assert {r.json()["status"] for r in answers} == {"cancelled"}
+
+
+# --- the router mounted in a studio's own app -------------------------------------------------
+
+
+def test_the_router_mounted_in_another_app_keeps_its_limits_and_leaves_the_rest(
+        make_settings: Any) -> None:
+    """A studio app of its own with the router and RequestLimits(router_only=True): the
+    router's paths are bounded (Host, depth, size, repeated headers) and answer in the error
+    shape; the studio's own route is untouched (any Host, any body)."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    from api_client.http import Services, router
+    from api_client.limits import RequestLimits
+
+    settings = make_settings(redis_url="redis://127.0.0.1:1/0", api_body_max_bytes=4096)
+    studio = FastAPI()
+    studio.include_router(router)
+    studio.state.studio_code = services = Services(settings)
+    studio.add_middleware(RequestLimits, settings=settings, router_only=True)
+
+    async def own(request: Request) -> JSONResponse:
+        return JSONResponse({"bytes": len(await request.body())})
+
+    studio.router.add_route("/studio/own", own, methods=["POST"])  # the studio's own route
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(studio, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with httpx.Client(base_url=f"http://localhost:{port}", timeout=30) as c:
+            h = {USER: "u1"}
+            r = c.post("/api/code/validate", json={"code": OK_CODE}, headers=h)
+            assert r.status_code == 200, r.text
+            _error(c.post("/api/code/validate", json={"code": "def main(:"}, headers=h),
+                   400, "CODE_INVALID")
+            _error(c.post("/api/code/validate", json={"code": 1}, headers=h),
+                   422, "REQUEST_INVALID")
+            _error(c.post("/api/code/validate", content=b"[" * 100 + b"]" * 100, headers=h),
+                   400, "REQUEST_TOO_DEEP")
+            _error(c.post("/api/runs", json={"code": "x" * 5000}, headers=h),
+                   413, "REQUEST_TOO_LARGE")
+            _error(c.post("/api/runs", json={"code": OK_CODE},
+                          headers=[(USER, "a"), (USER, "b")]), 400, "HEADER_REPEATED")
+            _error(c.get("/api/runs/x", headers={**h, "Host": "evil.example"}),
+                   400, "HOST_NOT_ALLOWED")
+            # the studio's own route: not the router's business
+            r = c.post("/studio/own", content=b"[" * 10_000, headers={"Host": "evil.example"})
+            assert r.json() == {"bytes": 10_000}
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        services.close()
