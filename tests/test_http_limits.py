@@ -119,6 +119,27 @@ def test_serve_refuses_a_non_loopback_address_without_a_token() -> None:
     assert "Uvicorn running" not in r.stderr  # refused before binding anything
 
 
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres",
+                                                            marks=pytest.mark.postgres)])
+def test_statuses_reads_what_a_waiter_needs_in_one_query(backend: str, tmp_path: Path,
+                                                         request: pytest.FixtureRequest) -> None:
+    """What async waits re-read every second: the status of many jobs, unknown ids left out."""
+    from executor.models import CodeJob, Status
+    from executor.store import open_store
+
+    url = (f"sqlite:///{tmp_path / 'runs.db'}" if backend == "sqlite"
+           else request.getfixturevalue("pg_schema_url"))
+    with open_store(url) as store:
+        jobs = [CodeJob(code=OK_CODE, state_json=json.dumps({"big": "x" * 1000}))
+                for _ in range(3)]
+        for job in jobs:
+            store.create(job, code_runtime="docker")
+        store.request_cancel(jobs[1].job_id)
+        got = store.statuses([j.job_id for j in jobs] + ["unknown"])
+        assert got == {jobs[0].job_id: Status.QUEUED, jobs[1].job_id: Status.CANCELLED,
+                       jobs[2].job_id: Status.QUEUED}
+
+
 # --- the stack -------------------------------------------------------------------------------
 
 
