@@ -35,6 +35,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from itertools import accumulate
 from typing import Any
 
+from prometheus_client import Counter
+
 from executor.settings import Settings
 
 Scope = MutableMapping[str, Any]
@@ -42,6 +44,13 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+REFUSED_TOTAL = Counter(
+    "studio_code_http_refused",
+    "Requests the API refused before reading them, by error code (HOST_NOT_ALLOWED, "
+    "HEADER_REPEATED, UNAUTHENTICATED, REQUEST_TOO_LARGE, REQUEST_TOO_DEEP, REQUEST_INVALID).",
+    ["code"],
+)
 
 LIVENESS_PATH = "/healthz/live"
 #: the routes this service serves under /api (a studio mounting the router checks these only)
@@ -280,6 +289,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def _respond(send: Send, status: int, code: str, message: str) -> None:
+    REFUSED_TOTAL.labels(code).inc()
     body = error_body(code, message)
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]

@@ -242,6 +242,13 @@ def test_the_token_is_required_on_every_route_but_liveness(stack: Stack) -> None
         r = bare.get("/api/meta/runtime", headers={"Authorization": f"bearer {stack.token}"})
         assert r.status_code == 200, r.text
     assert stack.http.get("/healthz/ready").status_code == 200
+    # and the API counts what it refused, by code
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fam = {f.name: f for f in text_string_to_metric_families(stack.http.get("/metrics").text)}
+    refused = {s.labels["code"]: s.value for s in fam["studio_code_http_refused"].samples
+               if s.name == "studio_code_http_refused_total"}
+    assert refused["UNAUTHENTICATED"] >= len(routes) * len(wrong), refused
 
 
 # --- Host and repeated headers -------------------------------------------------------------
