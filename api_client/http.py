@@ -524,15 +524,24 @@ async def _unless_disconnected(request: Request,
     import anyio
 
     result: JobRecord | None = None
+    error: Exception | None = None
     async with anyio.create_task_group() as tg:
         async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
+            try:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+            except Exception:  # noqa: BLE001 - cannot tell: keep waiting for the result
+                return
             tg.cancel_scope.cancel()
 
         tg.start_soon(watch)
-        result = await wait
+        try:
+            result = await wait
+        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
+            error = e
         tg.cancel_scope.cancel()
+    if error is not None:  # as itself (a 503, a 404), not wrapped in an ExceptionGroup
+        raise error
     return result
 
 

@@ -140,6 +140,38 @@ def test_statuses_reads_what_a_waiter_needs_in_one_query(backend: str, tmp_path:
                        jobs[2].job_id: Status.QUEUED}
 
 
+def test_a_failed_wait_raises_its_own_error_and_a_disconnect_ends_it() -> None:
+    """What a test call's wait raises reaches the route's error handling as itself (a
+    store outage is a 503, not a 500 from an ExceptionGroup); a disconnect ends the wait."""
+    from starlette.requests import Request
+
+    from api_client.client import JobNotFound
+    from api_client.http import _unless_disconnected
+
+    async def silent() -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        return {}
+
+    async def gone() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def fails() -> Any:
+        await asyncio.sleep(0.01)
+        raise JobNotFound("abc")
+
+    async def forever() -> Any:
+        await asyncio.sleep(3600)
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+    with pytest.raises(JobNotFound):
+        asyncio.run(_unless_disconnected(Request(scope, silent), fails()))
+
+    async def disconnected() -> Any:
+        return await asyncio.wait_for(_unless_disconnected(Request(scope, gone), forever()), 5)
+
+    assert asyncio.run(disconnected()) is None
+
+
 # --- the stack -------------------------------------------------------------------------------
 
 
