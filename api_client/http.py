@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -689,7 +690,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    serve(load_settings(), args.host, args.port, args.log_level)
+    try:
+        serve(load_settings(), args.host, args.port, args.log_level)
+    except SettingsError as e:
+        print(e.message, file=sys.stderr)
+        return 2
     return 0
 
 
