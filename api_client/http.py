@@ -499,7 +499,9 @@ async def test_code(body: RunBody, who: CallerDep, services: ServicesDep, reques
     STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
     code.test queue, answered with the result (200) or, when it takes longer than its
     timeout plus a margin, with the run so far (202)."""
-    client, s = services.client, services.settings
+    s = services.settings
+    # the first call of a process opens the run store: never on the event loop
+    client = await run_in_threadpool(lambda: services.client)
     cap = s.code_max_seconds if body.timeout_s is None else min(body.timeout_s,
                                                                 s.code_max_seconds)
     wait_s = cap + TEST_WAIT_MARGIN_S
