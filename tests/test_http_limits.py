@@ -33,6 +33,7 @@ from tests.test_http import (
     OK_CODE,
     SLEEP_CODE,
     StudioProc,
+    fuzz_for_server_errors,
     start_api,
     start_worker,
     studio_env,
@@ -416,6 +417,12 @@ def test_every_framework_error_has_the_shape(stack: Stack) -> None:
                         headers={**h, "Content-Type": "application/json"})
     assert r.status_code in (400, 422), r.text
     assert r.json()["error"]["code"] == "REQUEST_INVALID"
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_schemathesis_finds_no_server_error_behind_the_token_and_limits(stack: Stack) -> None:
+    fuzz_for_server_errors(stack.base, {**stack.auth, USER: f"fuzz-{uuid.uuid4().hex[:6]}"})
 
 
 # --- waiting: the in-flight cap and 200 waiting calls ---------------------------------------
