@@ -304,6 +304,12 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
                         f"The HTTP API needs the http extra ({e}): pip install "
                         "'studio-code[http]'."))
         return 2
+    from api_client.limits import bind_refusal
+
+    refusal = bind_refusal(settings, args.host)
+    if refusal:  # before binding: a non-loopback port with no shared secret is anyone's
+        _print(_failure(ErrorCode.RUNTIME_UNAVAILABLE, refusal))
+        return 2
     serve(settings, args.host, args.port, args.log_level)
     _print({"command": "serve", "status": "stopped", "host": args.host, "port": args.port})
     return 0
@@ -314,7 +320,8 @@ def _serve_command(sub: Any) -> None:
                            "/api/runs*, /healthz/*, /metrics) with uvicorn")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1; the API trusts the "
-                       "X-Studio-User header, so only the studio may reach it)")
+                       "X-Studio-User header, so only the studio may reach it: any other "
+                       "than a loopback address needs STUDIO_API_TOKEN)")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])

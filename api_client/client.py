@@ -8,6 +8,7 @@ question; Redis only moves messages and makes waiting and cancelling fast.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -55,6 +57,12 @@ log = logging.getLogger("studio_code.api_client")
 RATE_WINDOW_S = 60
 WAIT_SLICE_S = 1.0  # wait() re-reads the store at least this often
 SERVED_CACHE_S = 1.0  # "a live worker serves this queue" is believed this long per process
+#: threads of wait_async's store reads (a read takes milliseconds; a wait holds none)
+WAIT_READ_THREADS = 4
+#: how often wait_async gives a still-queued job the full read that settles it
+SETTLE_EVERY_S = 5.0
+#: redis.asyncio connections per API process (waiting test calls hold one each, briefly)
+ASYNC_REDIS_CONNECTIONS = 1000
 
 # A sliding window of one minute, atomically: drop calls older than the window, count the
 # rest, admit and record this call only when under the limit; otherwise say when the
@@ -114,6 +122,10 @@ class CodeClient:
         )
         self._rate = self.redis.register_script(_RATE_LUA)
         self._app: Any = None
+        self._aredis: Any = None
+        self._aredis_loop: asyncio.AbstractEventLoop | None = None
+        self._readers: ThreadPoolExecutor | None = None
+        self._status_reads: _StatusReads | None = None
 
     @property
     def app(self) -> Any:
@@ -309,6 +321,71 @@ class CodeClient:
                 woke = False
                 time.sleep(min(max(left, 0), 0.2))
 
+    @property
+    def async_redis(self) -> Any:
+        """A redis.asyncio client for the running event loop (made on first use in it)."""
+        loop = asyncio.get_running_loop()
+        if self._aredis is None or self._aredis_loop is not loop:
+            import redis.asyncio
+
+            # Each waiting call holds a connection for its BLMOVE (at most WAIT_SLICE_S, so
+            # its socket must wait longer than that). Past ASYNC_REDIS_CONNECTIONS waiters,
+            # a wait waits for a free connection (at most a slice) instead of failing.
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                self.settings.redis_url, max_connections=ASYNC_REDIS_CONNECTIONS,
+                timeout=20, socket_timeout=WAIT_SLICE_S + 5, socket_connect_timeout=5)
+            self._aredis = redis.asyncio.Redis.from_pool(pool)
+            self._aredis_loop = loop
+        return self._aredis
+
+    async def wait_async(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
+        """``wait`` for an event loop: holds no thread while it waits. BLMOVE on the done
+        notice through redis.asyncio; the job's status is re-read at least every second,
+        the re-reads of every waiting call of this process coalesced into one small query
+        (status only: no code, state or output) on one of WAIT_READ_THREADS threads of
+        their own, so waits never take the threads sync routes run on. The whole record
+        is read once, at the end."""
+        if timeout_s is None:
+            timeout_s = visibility_timeout_s(self.settings)
+        loop = asyncio.get_running_loop()
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(WAIT_READ_THREADS, "studio-wait-read")
+        reads = self._status_reads
+        if reads is None or reads.loop is not loop:
+            reads = self._status_reads = _StatusReads(self.store, self._readers, loop)
+        aredis = self.async_redis
+        deadline = time.monotonic() + timeout_s
+        key = done_key(job_id)
+        woke = False
+        next_settle = time.monotonic() + SETTLE_EVERY_S
+        while True:
+            status = await reads.get(job_id)
+            left = deadline - time.monotonic()
+            if status is None or status.finished or left <= 0:
+                return await loop.run_in_executor(self._readers, self.status, job_id)
+            if status is Status.QUEUED and (woke or time.monotonic() >= next_settle):
+                # still queued: past its queue's bound, or a worker on another store left a
+                # notice (status() ends it failed then, as wait() does)
+                next_settle = time.monotonic() + SETTLE_EVERY_S
+                rec = await loop.run_in_executor(self._readers, self.status, job_id)
+                if rec.finished:
+                    return rec
+            if woke:  # a notice of a run that did not finish the job: do not spin on it
+                await asyncio.sleep(min(left, 0.05))
+            try:
+                woke = await aredis.blmove(
+                    key, key, max(0.01, min(left, WAIT_SLICE_S)), "LEFT", "RIGHT"
+                ) is not None
+            except redis.RedisError:
+                woke = False
+                await asyncio.sleep(min(max(left, 0), 0.2))
+
+    async def aclose(self) -> None:
+        """Close what the event loop side opened (the sync side: ``close``)."""
+        aredis, self._aredis = self._aredis, None
+        if aredis is not None:
+            await aredis.aclose()
+
     def cancel(self, job_id: str) -> Status:
         """Cancel a job: the intent goes to the run store FIRST (a queued job is cancelled
         at once and never starts), then the Redis flag the running job polls, then the
@@ -386,6 +463,8 @@ class CodeClient:
             self._app = None
         self.redis.close()
         self._blocking.close()
+        if self._readers is not None:
+            self._readers.shutdown(wait=False)
         if self._own_store:
             self.store.close()
 
@@ -394,6 +473,44 @@ class CodeClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _StatusReads:
+    """Coalesces the status re-reads of every waiting call into one query per window: 200
+    waiting calls cost a few small queries a second, not 200 record loads."""
+
+    WINDOW_S = 0.02
+
+    def __init__(self, store: RunStore, threads: ThreadPoolExecutor,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.store, self.threads, self.loop = store, threads, loop
+        self._pending: dict[str, list[asyncio.Future[Status | None]]] = {}
+        self._flush: asyncio.Task[None] | None = None
+
+    async def get(self, job_id: str) -> Status | None:
+        """The job's status (None when the store does not know it)."""
+        future: asyncio.Future[Status | None] = self.loop.create_future()
+        self._pending.setdefault(job_id, []).append(future)
+        if self._flush is None:
+            self._flush = self.loop.create_task(self._read())
+        return await future
+
+    async def _read(self) -> None:
+        await asyncio.sleep(self.WINDOW_S)
+        batch, self._pending, self._flush = self._pending, {}, None
+        try:
+            found = await self.loop.run_in_executor(self.threads, self.store.statuses,
+                                                    list(batch))
+        except Exception as e:  # noqa: BLE001 - each waiter gets it, as its own read would
+            for futures in batch.values():
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(e)
+            return
+        for job_id, futures in batch.items():
+            for f in futures:
+                if not f.done():
+                    f.set_result(found.get(job_id))
 
 
 def _reject_constant(name: str) -> Any:

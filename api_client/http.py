@@ -3,8 +3,9 @@ app (``create_app``) that ``studio-code serve`` runs with uvicorn.
 
     GET  /api/meta/runtime          what the editor sees (no user needed)
     POST /api/code/validate         save-time check: 200, or 400 CODE_INVALID with the reason
-    POST /api/code/test             an editor test call: rate limited per user (429 with
-                                    Retry-After), runs on queue code.test, waits (bounded)
+    POST /api/code/test             an editor test call: rate limited per user per minute
+                                    and in flight (429 with Retry-After), runs on queue
+                                    code.test, waits (bounded, async: no thread held)
     POST /api/runs                  submit a workflow run's Code node (202)
     GET  /api/runs/{job_id}         the run, with its result once finished
     POST /api/runs/{job_id}/cancel  cancel it (the worker kills its sandbox)
@@ -14,14 +15,29 @@ Who is calling: the studio's own API (or its proxy) authenticates the person and
 ``X-Studio-User: <user id>`` and, for admins, ``X-Studio-Admin: 1``. This service trusts
 those headers as sent, so the proxy MUST strip them from every client request and this
 port must be reachable from the studio only (docs/operations.md). Without X-Studio-User,
-/api/code/* and /api/runs* answer 401.
+/api/code/* and /api/runs* answer 401. The studio itself proves who it is with
+``Authorization: Bearer <STUDIO_API_TOKEN>`` (checked, with the Host allow-list and the
+body limits, by ``api_client.limits.RequestLimits`` before the app reads a byte).
+
+No route holds a thread while it waits: a test call's wait is async (redis.asyncio), and
+sync routes do only short work (a store read or write) in the thread pool.
 
 A caller reads and cancels only its own runs; an admin, any run. Another user's run
 answers 404, exactly like an unknown id, so ids cannot be probed for existence.
 
 Every error is ``{"error": {"code": "...", "message": "..."}}``: the executor's codes
 (CODE_INVALID 400, RATE_LIMITED 429, CODE_NODES_DISABLED and RUNTIME_UNAVAILABLE 503) and
-the HTTP ones (UNAUTHENTICATED 401, NOT_FOUND 404, CONFLICT 409, REQUEST_INVALID 422).
+the HTTP ones (REQUEST_INVALID 400/422, HOST_NOT_ALLOWED, HEADER_REPEATED and
+REQUEST_TOO_DEEP 400, UNAUTHENTICATED 401, NOT_FOUND 404, METHOD_NOT_ALLOWED 405,
+CONFLICT 409, REQUEST_TOO_LARGE 413, INTERNAL 500), the framework's own 404/405/422
+included.
+
+Mounting in the studio: ``app.include_router(router)``, ``app.state.studio_code =
+Services(settings)``; ``ErrorRoute`` gives the router's own errors the shape. The limits
+are a middleware: ``app.add_middleware(RequestLimits, settings=settings,
+router_only=True)`` checks this router's paths only (Host, the token when
+STUDIO_API_TOKEN is set, body caps, JSON depth) and leaves the studio's routes alone;
+404/405 of paths the studio's app does not have are the studio's app's to shape.
 """
 
 from __future__ import annotations
@@ -29,6 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -48,8 +65,12 @@ from prometheus_client import (
     multiprocess,
 )
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from executor.errors import ErrorCode, RateLimited, StudioCodeError
+from api_client.inflight import InFlight
+from api_client.limits import RequestLimits, bind_refusal
+from executor.errors import ErrorCode, RateLimited, SettingsError, StudioCodeError
 from executor.models import CodeErrorInfo, Status, TraceRow
 from executor.settings import Settings
 from executor.store.base import JobRecord
@@ -64,7 +85,8 @@ CODE_MAX_CHARS = 1_000_000
 
 RATE_LIMITED_TOTAL = Counter(
     "studio_code_rate_limited",
-    "Editor test calls refused with 429 because the user was over STUDIO_CODE_TEST_PER_MINUTE.",
+    "Editor test calls refused with 429 because the user was over STUDIO_CODE_TEST_PER_MINUTE "
+    "or STUDIO_CODE_TEST_IN_FLIGHT.",
 )
 
 # --- wire models ----------------------------------------------------------------------------
@@ -231,6 +253,28 @@ def _from_studio_error(e: StudioCodeError) -> JSONResponse:
     return _error_response(status, str(e.code), e.message)
 
 
+_HTTP_CODES = {400: "REQUEST_INVALID", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
+               405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_LARGE", 422: "REQUEST_INVALID",
+               429: "RATE_LIMITED"}
+
+
+def _from_http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """The framework's own errors (no route, wrong method, an unreadable body) in the shape."""
+    where = f"{request.method} {request.url.path}"
+    if e.status_code == 404:
+        message = f"No route {where} here: the routes are listed in /openapi.json."
+    elif e.status_code == 405:
+        allow = (e.headers or {}).get("Allow", "")
+        message = f"{where} is not allowed: use {allow or 'another method'} on this path."
+    elif e.status_code == 400:
+        message = ("The request body could not be read as JSON (" + str(e.detail) + "): send "
+                   "a JSON object with Content-Type: application/json.")
+    else:
+        message = f"{e.detail} ({where})."
+    code = _HTTP_CODES.get(e.status_code, f"HTTP_{e.status_code}")
+    return _error_response(e.status_code, code, message, dict(e.headers or {}) or None)
+
+
 def _is_unreachable(e: BaseException) -> bool:
     """Redis or the database went away: an infrastructure 503, not a bug (500)."""
     names = {c.__name__ for c in type(e).__mro__}
@@ -258,6 +302,8 @@ class ErrorRoute(APIRoute):
                 return _from_studio_error(e)
             except RequestValidationError as e:
                 return _error_response(422, "REQUEST_INVALID", _validation_message(e))
+            except StarletteHTTPException as e:
+                return _from_http_exception(request, e)
             except Exception as e:
                 if _is_unreachable(e):
                     log.warning("dependency unreachable on %s: %s", request.url.path, e)
@@ -297,7 +343,7 @@ class Caller(BaseModel):
         return self.admin or rec.user == self.user
 
 
-def caller(
+async def caller(
     x_studio_user: Annotated[
         str | None,
         Header(alias=USER_HEADER, description="The studio user id; set by the studio's API "
@@ -333,6 +379,7 @@ class Services:
         self.settings = settings
         self._client = client
         self._lock = threading.Lock()
+        self.in_flight = InFlight(settings.code_test_in_flight)
 
     @property
     def client(self) -> Any:
@@ -348,6 +395,12 @@ class Services:
         close = getattr(client, "close", None)
         if callable(close):
             close()
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._client, "aclose", None)
+        if callable(aclose):
+            await aclose()
+        self.close()
 
     def record(self, job_id: str) -> JobRecord | None:
         from api_client.client import JobNotFound
@@ -377,7 +430,7 @@ class Services:
             return None
 
 
-def _services(request: Request) -> Services:
+async def _services(request: Request) -> Services:
     return request.app.state.studio_code  # type: ignore[no-any-return]
 
 
@@ -451,20 +504,59 @@ def check_node(body: LanguageBody, who: CallerDep, services: ServicesDep) -> Nod
              responses={**ERRORS, 202: {"model": RunView,
                                         "description": "Not finished within the wait: poll "
                                         "GET /api/runs/{job_id}."}})
-def test_code(body: RunBody, who: CallerDep, services: ServicesDep,
-              response: Response) -> RunView:
-    """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute (then
-    429 with Retry-After), run on the code.test queue, answered with the result (200) or,
-    when it takes longer than its timeout plus a margin, with the run so far (202)."""
-    client, s = services.client, services.settings
-    job_id = client.submit(body.code, body.language, body.state, body.timeout_s, who.user,
-                           kind="test")
+async def test_code(body: RunBody, who: CallerDep, services: ServicesDep, request: Request,
+                    response: Response) -> Any:
+    """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute and
+    STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
+    code.test queue, answered with the result (200) or, when it takes longer than its
+    timeout plus a margin, with the run so far (202)."""
+    s = services.settings
+    # the first call of a process opens the run store: never on the event loop
+    client = await run_in_threadpool(lambda: services.client)
     cap = s.code_max_seconds if body.timeout_s is None else min(body.timeout_s,
                                                                 s.code_max_seconds)
-    rec: JobRecord = client.wait(job_id, cap + TEST_WAIT_MARGIN_S)
+    wait_s = cap + TEST_WAIT_MARGIN_S
+    aredis = client.async_redis
+    slot = await services.in_flight.acquire(aredis, who.user, wait_s + 5)
+    try:
+        job_id = await run_in_threadpool(client.submit, body.code, body.language, body.state,
+                                         body.timeout_s, who.user, "test")
+        rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s))
+    finally:
+        await services.in_flight.release(aredis, slot)
+    if rec is None:  # nobody is listening; the run goes on and GET /api/runs/{id} has it
+        return _error_response(499, "CLIENT_GONE", "The caller went away before the result.")
     if not rec.status.finished:
         response.status_code = 202
     return RunView.of(rec)
+
+
+async def _unless_disconnected(request: Request,
+                               wait: Coroutine[Any, Any, JobRecord]) -> JobRecord | None:
+    """``wait``'s result, or None as soon as the caller disconnects (the wait is cancelled,
+    so the caller's in-flight slot is given back at once)."""
+    import anyio
+
+    result: JobRecord | None = None
+    error: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            try:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+            except Exception:  # noqa: BLE001 - cannot tell: keep waiting for the result
+                return
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result = await wait
+        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
+            error = e
+        tg.cancel_scope.cancel()
+    if error is not None:  # as itself (a 503, a 404), not wrapped in an ExceptionGroup
+        raise error
+    return result
 
 
 @router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"],
@@ -518,10 +610,11 @@ def _metrics_registry() -> CollectorRegistry:
     return REGISTRY
 
 
-def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
+def create_app(settings: Settings, *, client: Any = None,
+               bind_host: str | None = None) -> FastAPI:
     """The routes as a whole app (what ``studio-code serve`` runs), with /healthz/* and
-    /metrics. The studio can instead mount ``router`` and set ``app.state.studio_code =
-    Services(settings)``."""
+    /metrics, every request bounded by ``RequestLimits`` (``bind_host`` joins the Host
+    allow-list). The studio can instead mount ``router``: see the module docstring."""
     services = Services(settings, client)
 
     @asynccontextmanager
@@ -530,7 +623,7 @@ def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
 
         log.info("run store: %s", describe_url(settings.sqlalchemy_url))
         yield
-        services.close()
+        await services.aclose()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -542,13 +635,23 @@ def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
     )
     app.state.studio_code = services
     app.include_router(router)
+    app.add_middleware(RequestLimits, settings=settings, bind_host=bind_host)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         return _error_response(422, "REQUEST_INVALID", _validation_message(e))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _from_http_exception(request, e)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        return _error_response(500, "INTERNAL", "The API failed on this request (a bug; its "
+                               "log has the traceback). Try again; report it if it repeats.")
+
     @app.get("/healthz/live", include_in_schema=False)
-    def live() -> dict[str, bool]:
+    async def live() -> dict[str, bool]:
         return {"ok": True}
 
     @app.get("/healthz/ready", include_in_schema=False, response_model=Health)
@@ -580,13 +683,16 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080,
     import uvicorn
     from uvicorn.config import LOGGING_CONFIG
 
+    refusal = bind_refusal(settings, host)
+    if refusal:
+        raise SettingsError(refusal)
     log_config = copy.deepcopy(LOGGING_CONFIG)
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     if threading.current_thread() is threading.main_thread():
         # uvicorn re-raises the signal that stopped it once it has shut down; with this
         # handler that ends in a normal return instead of the process dying on SIGTERM.
         signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level,
+    uvicorn.run(create_app(settings, bind_host=host), host=host, port=port, log_level=log_level,
                 log_config=log_config, proxy_headers=False, server_header=False)
 
 
@@ -602,7 +708,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    serve(load_settings(), args.host, args.port, args.log_level)
+    try:
+        serve(load_settings(), args.host, args.port, args.log_level)
+    except SettingsError as e:
+        print(e.message, file=sys.stderr)
+        return 2
     return 0
 
 

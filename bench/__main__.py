@@ -11,6 +11,7 @@ SECTIONS = [
     "bench.queue",
     "bench.isolation",
     "bench.outputs",
+    "bench.http",
 ]
 
 if __name__ == "__main__":

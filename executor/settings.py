@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from executor.errors import SettingsError
@@ -23,6 +23,7 @@ from executor.languages.ts_imports import DEFAULT_TS_PACKAGES, PackageSpec, pars
 
 KNOWN_RUNTIMES = ("docker", "subprocess")
 KNOWN_LANGUAGES = ("python", "typescript")
+API_TOKEN_MIN_CHARS = 16
 NOBODY = 65534  # uid/gid a sandbox gets when the server runs as root: no sandbox runs as root
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([bkmg]?)b?\s*$", re.IGNORECASE)
@@ -159,6 +160,39 @@ class Settings(BaseSettings):
         "is sent again by a worker's sweep (claim keeps it exactly-once).",
     )
 
+    code_test_in_flight: int = Field(
+        5, ge=1, le=1000,
+        description="Editor test calls one user may have waiting for their result at once "
+        "(counted in Redis, across API processes); one more answers 429 RATE_LIMITED.",
+    )
+    api_token: SecretStr = Field(
+        SecretStr(""),
+        description="Shared secret between the studio and this API: every route but "
+        "/healthz/live then needs 'Authorization: Bearer <token>'. Required to serve on a "
+        "non-loopback address. At least 16 characters (e.g. `openssl rand -hex 32`).",
+    )
+    api_token_file: str = Field(
+        "", description="A file holding STUDIO_API_TOKEN (a Compose or Kubernetes secret); "
+        "used when STUDIO_API_TOKEN is empty.",
+    )
+    api_allowed_hosts: str = Field(
+        "",
+        description="Comma-separated Host names the API answers besides the loopback names "
+        "(localhost, 127.0.0.1, ::1) and the address it binds; any other Host is 400 (DNS "
+        "rebinding). '*' turns the check off (only behind a proxy that checks Host).",
+    )
+    api_body_max_bytes: int = Field(
+        0, ge=0,
+        description="Largest request body of POST /api/runs and /api/code/test (413 beyond). "
+        "0: STUDIO_CODE_STATE_MAX_BYTES + 8 MiB (room for the code). Other routes have "
+        "smaller caps of their own.",
+    )
+    api_json_max_depth: int = Field(
+        64, ge=2, le=500,
+        description="Deepest nesting of arrays and objects a JSON request body may have "
+        "(400 beyond), checked before the body is parsed.",
+    )
+
     @field_validator("code_memory")
     @classmethod
     def _memory(cls, v: str) -> str:
@@ -203,6 +237,27 @@ class Settings(BaseSettings):
         if v in ("auto", "off") or (v.startswith("/") and ".." not in v.split("/")):
             return v
         raise ValueError("auto, off, or an absolute cgroup path such as /studio-code")
+    @field_validator("api_token")
+    @classmethod
+    def _api_token(cls, v: SecretStr) -> SecretStr:
+        token = v.get_secret_value()
+        if token and (len(token) < API_TOKEN_MIN_CHARS or token != token.strip()):
+            raise ValueError(f"a secret of at least {API_TOKEN_MIN_CHARS} characters with no "
+                             "surrounding spaces (e.g. `openssl rand -hex 32`)")
+        return v
+
+    @field_validator("api_token_file")
+    @classmethod
+    def _api_token_file(cls, v: str) -> str:
+        if v:
+            try:
+                token = Path(v).read_text().strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"a readable file holding the token ({e})") from None
+            if len(token) < API_TOKEN_MIN_CHARS:
+                raise ValueError(f"a file holding a secret of at least {API_TOKEN_MIN_CHARS} "
+                                 "characters (e.g. `openssl rand -hex 32 > FILE`)")
+        return v
 
     # --- derived values -------------------------------------------------------------
 
@@ -242,6 +297,27 @@ class Settings(BaseSettings):
         if os.getuid() == 0 and os.path.exists("/usr/bin/python3"):
             return "/usr/bin/python3"
         return sys.executable
+
+    @cached_property
+    def api_token_bytes(self) -> bytes:
+        """The shared secret in force (STUDIO_API_TOKEN, else STUDIO_API_TOKEN_FILE's
+        content), b"" when none is set."""
+        token = self.api_token.get_secret_value()
+        if not token and self.api_token_file:
+            token = Path(self.api_token_file).read_text().strip()
+        return token.encode()
+
+    @property
+    def allowed_hosts(self) -> tuple[str, ...]:
+        return tuple(x.strip().lower().rstrip(".") for x in self.api_allowed_hosts.split(",")
+                     if x.strip())
+
+    @property
+    def run_body_max_bytes(self) -> int:
+        """The body cap of the routes that carry a state."""
+        if self.api_body_max_bytes:
+            return self.api_body_max_bytes
+        return self.code_state_max_bytes + 8 * 1024 * 1024
 
     @property
     def subprocess_uids(self) -> range:
@@ -293,11 +369,13 @@ def load_settings(**overrides: Any) -> Settings:
         for err in e.errors():
             name = _env_name(err["loc"])
             value = err.get("input")
+            field = Settings.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+            if field is not None and field.annotation is SecretStr:
+                value = "<hidden>"  # a secret never goes into a log line
             custom = str(err.get("ctx", {}).get("error", ""))
             if custom:
                 sentences.append(f"{name}={value!r} is not valid: use {custom}.")
             else:
-                field = Settings.model_fields.get(str(err["loc"][0])) if err["loc"] else None
                 meaning = f" ({field.description})" if field and field.description else ""
                 sentences.append(f"{name}={value!r} is not valid: {err['msg'].lower()}{meaning}.")
         raise SettingsError(" ".join(sentences)) from e

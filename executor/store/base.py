@@ -144,6 +144,11 @@ class RunStore(ABC):
                 out[job_id] = rec
         return out
 
+    def statuses(self, job_ids: Iterable[str]) -> dict[str, Status]:
+        """The status of each known job among ``job_ids``: what a waiter re-reads every
+        second, so backends answer it without loading code, state or output."""
+        return {job_id: rec.status for job_id, rec in self.get_many(job_ids).items()}
+
     @abstractmethod
     def claim(self, job_id: str, worker: str) -> JobRecord | None:
         """queued -> running, or running -> running when redelivered (attempts += 1, new

@@ -551,6 +551,16 @@ class SqlRunStore(RunStore):
                     out[rec.job_id] = rec
         return out
 
+    def statuses(self, job_ids: Iterable[str]) -> dict[str, Status]:
+        ids = list(dict.fromkeys(job_ids))
+        out: dict[str, Status] = {}
+        with self._read() as conn:
+            for i in range(0, len(ids), _CHUNK):
+                rows = conn.execute(select(jobs.c.job_id, jobs.c.status)
+                                    .where(jobs.c.job_id.in_(ids[i : i + _CHUNK])))
+                out.update({job_id: Status(status) for job_id, status in rows})
+        return out
+
     def claim(self, job_id: str, worker: str) -> JobRecord | None:
         now = _utcnow()
         stmt = (

@@ -1,0 +1,218 @@
+"""Benchmark of the HTTP API under waiting test calls, in ONE run: its own redis-server, one
+Celery worker, ``studio-code serve`` (uvicorn) on loopback with STUDIO_API_TOKEN, a SQLite
+run store. No assertions.
+
+GET /healthz/live and GET /api/runs/{id} are timed one after the other (p50 / p99) while
+nothing waits, then while ``--calls`` editor test calls from ``--users`` users wait for
+their result (their code sleeps; one worker slot, so nearly all of them wait queued), then
+with nothing waiting again. Goal: loaded p99 ≤ 2x the idle p99 and ≤ 100 ms.
+
+    python -m bench.http [--calls 200] [--users 20] [--n 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.common import pct
+from bench.queue import ROOT, Redis, free_port
+
+SLEEP = "import time\n\ndef main(state):\n    time.sleep(60)\n    return 1\n"
+TRIVIAL = "def main(state):\n    return 1\n"
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def probe(base: str, auth: dict[str, str], run_id: str, n: int) -> tuple[list[float],
+                                                                         list[float]]:
+    """n timings (ms) of each route, interleaved."""
+    import httpx
+
+    live, run = [], []
+    with httpx.Client(base_url=base, headers=auth, timeout=30) as c:
+        for _ in range(n):
+            for path, out, h in (("/healthz/live", live, {}),
+                                 (f"/api/runs/{run_id}", run, {"X-Studio-User": "bench"})):
+                t0 = time.perf_counter()
+                r = c.get(path, headers=h)
+                out.append((time.perf_counter() - t0) * 1000)
+                assert r.status_code == 200, r.text
+            time.sleep(0.005)
+    return live, run
+
+
+class Burst:
+    """The waiting test calls, held open from a thread with its own event loop."""
+
+    def __init__(self, base: str, auth: dict[str, str], users: list[str], per_user: int):
+        self.codes: list[int] = []
+        self.answered = 0  # calls ended so far (counted as they end)
+        self._stop = asyncio.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_until_complete,
+                                        args=(self._run(base, auth, users, per_user),),
+                                        daemon=True)
+        self._thread.start()
+
+    async def _run(self, base: str, auth: dict[str, str], users: list[str],
+                   per_user: int) -> None:
+        import httpx
+
+        n = len(users) * per_user
+        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=300,
+                                     limits=httpx.Limits(max_connections=n + 10)) as c:
+            body = {"code": SLEEP, "timeout_s": 30}
+            tasks = [asyncio.ensure_future(c.post("/api/code/test", json=body,
+                                                  headers={"X-Studio-User": u}))
+                     for u in users for _ in range(per_user)]
+            for t in tasks:
+                t.add_done_callback(lambda _: setattr(self, "answered", self.answered + 1))
+            stop = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
+            while not stop.done() and not all(t.done() for t in tasks):
+                await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
+            for t in tasks:
+                t.cancel()
+                try:
+                    self.codes.append((await t).status_code)
+                except (asyncio.CancelledError, httpx.HTTPError):
+                    pass
+            stop.cancel()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--users", type=int, default=20)
+    p.add_argument("--n", type=int, default=300)
+    args = p.parse_args()
+
+    import httpx
+    import redis as redis_lib
+
+    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-http-"))
+    redis = Redis(tmp)
+    token = secrets.token_hex(24)
+    auth = {"Authorization": f"Bearer {token}"}
+    db = tmp / "runs.db"
+    per_user = max(1, args.calls // args.users)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+    env.update(STUDIO_ENABLE_CODE_NODES="1", STUDIO_REDIS_URL=redis.url,
+               STUDIO_DATABASE_URL=f"sqlite:///{db}", STUDIO_CODE_LANGUAGES="python",
+               STUDIO_API_TOKEN=token, STUDIO_CODE_TEST_PER_MINUTE="10000",
+               STUDIO_CODE_TEST_IN_FLIGHT=str(per_user), STUDIO_CODE_CONCURRENCY="1",
+               STUDIO_QUEUE_TEST_SLOTS="1")
+    bindir = Path(sys.executable).parent
+    procs: list[subprocess.Popen[bytes]] = []
+    burst = None
+    try:
+        with open(tmp / "worker.log", "wb") as out:
+            procs.append(subprocess.Popen(
+                [str(bindir / "celery"), "-A", "worker", "worker", "--pool", "prefork", "-c",
+                 "1", "-Q", "code.test,code.run", "--loglevel", "WARNING"],
+                cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True))
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        with open(tmp / "api.log", "wb") as out:
+            procs.append(subprocess.Popen(
+                [str(bindir / "studio-code"), "serve", "--port", str(port), "--log-level",
+                 "warning"], cwd=ROOT, env=env, stdout=out, stderr=out,
+                start_new_session=True))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz/live", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the API did not start: see {tmp / 'api.log'}")
+            time.sleep(0.2)
+        r = httpx.post(f"{base}/api/runs", json={"code": TRIVIAL}, timeout=30,
+                       headers={**auth, "X-Studio-User": "bench"})
+        run_id = r.json()["job_id"]
+
+        api_pid = procs[-1].pid
+        c0, t0 = cpu_s(api_pid), time.monotonic()
+        idle_live, idle_run = probe(base, auth, run_id, args.n)
+        idle_cpu = (cpu_s(api_pid) - c0) / (time.monotonic() - t0)
+        users = [f"bench-{i}" for i in range(args.users)]
+        rc = redis_lib.Redis.from_url(redis.url)
+        t0 = time.monotonic()
+        burst = Burst(base, auth, users, per_user)
+        waiting = 0
+        while time.monotonic() - t0 < 180:  # every call admitted and waiting in the API
+            waiting = sum(int(rc.zcard(f"studio:inflight:test:{u}")) for u in users)
+            if waiting >= len(users) * per_user:
+                break
+            time.sleep(0.2)
+        ramp_s = time.monotonic() - t0
+        c0, t1 = cpu_s(api_pid), time.monotonic()
+        load_live, load_run = probe(base, auth, run_id, args.n)
+        load_cpu = (cpu_s(api_pid) - c0) / (time.monotonic() - t1)
+        still = sum(int(rc.zcard(f"studio:inflight:test:{u}")) for u in users)
+        with sqlite3.connect(db, timeout=30) as conn:
+            ids = [row[0] for row in conn.execute(
+                "SELECT job_id FROM code_jobs WHERE kind = 'test'")]
+        admin = {**auth, "X-Studio-User": "admin", "X-Studio-Admin": "1"}
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda job_id: httpx.post(f"{base}/api/runs/{job_id}/cancel",
+                                                    timeout=60, headers=admin), ids))
+        deadline = time.monotonic() + 60  # the runs end, then every waiting call answers
+        while burst.answered < len(users) * per_user and time.monotonic() < deadline:
+            time.sleep(0.1)
+        burst.stop()
+        after_live, after_run = probe(base, auth, run_id, args.n)
+
+        idle_l, idle_r = idle_live + after_live, idle_run + after_run
+        print(f"# bench.http: {waiting} test calls from {args.users} users waiting "
+              f"({still} still waiting after the loaded probes; admitted in {ramp_s:.1f} s); "
+              f"n={args.n} per route per phase, sequential; {os.cpu_count()} CPUs")
+        print("| route | idle p50 / p99 | loaded p50 / p99 | p99 loaded / idle | goal |")
+        print("|---|---|---|---|---|")
+        for name, idle, load in (("GET /healthz/live", idle_l, load_live),
+                                 ("GET /api/runs/{id}", idle_r, load_run)):
+            print(f"| {name} | {pct(idle, 50):.1f} / {pct(idle, 99):.1f} ms | "
+                  f"{pct(load, 50):.1f} / {pct(load, 99):.1f} ms | "
+                  f"{pct(load, 99) / pct(idle, 99):.2f}x | ≤ 2x and ≤ 100 ms |")
+        print(f"| API process CPU while probed | {idle_cpu:.0%} of a core | {load_cpu:.0%} "
+              "of a core | | |")
+        answered = sorted(set(burst.codes))
+        print(f"\nthe waiting calls answered {answered} once their runs were cancelled "
+              f"({len(burst.codes)} of {len(users) * per_user})")
+    finally:
+        if burst is not None:
+            burst.stop()
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+        redis.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

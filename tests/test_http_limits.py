@@ -1,0 +1,622 @@
+"""The HTTP API under hostile callers and under load, over real HTTP: ``studio-code serve``
+(uvicorn) on a loopback port with STUDIO_API_TOKEN set, a real Celery worker, a real
+redis-server, Docker sandboxes, a SQLite run store.
+
+What it shows: 200 editor test calls waiting while /healthz/live and GET /api/runs/{id}
+still answer (the p99 figure is in ``make bench``, bench/http.py); the per-user in-flight
+cap (429) and its slots given back when callers disconnect; the token; the Host
+allow-list (DNS rebinding); repeated identity headers; body caps (Content-Length checked
+before a byte is read, chunked bodies counted); the JSON depth cap; and every error, the
+framework's own included, in the documented shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shutil
+import socket
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from api_client.limits import bind_refusal, is_loopback, json_depth_over
+from tests.conftest import RedisServer, free_port, require, run_cli
+from tests.test_http import (
+    OK_CODE,
+    SLEEP_CODE,
+    StudioProc,
+    fuzz_for_server_errors,
+    start_api,
+    start_worker,
+    studio_env,
+)
+
+USER = "X-Studio-User"
+ADMIN = "X-Studio-Admin"
+BODY_MAX = 1024 * 1024
+IN_FLIGHT = 10
+EXTRA_HOST = "studio-code.internal"
+
+
+def _user() -> str:
+    return f"u-{uuid.uuid4().hex[:8]}"
+
+
+def _nested(n: int) -> Any:
+    v: Any = 1
+    for _ in range(n):
+        v = [v]
+    return v
+
+
+def _error(r: httpx.Response, status: int, code: str) -> str:
+    """Asserts the documented error shape; returns the message."""
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    body = r.json()
+    assert set(body) == {"error"}, body
+    assert body["error"]["code"] == code, body
+    assert isinstance(body["error"]["message"], str) and len(body["error"]["message"]) > 20
+    return str(body["error"]["message"])
+
+
+# --- pure checks (no service) ----------------------------------------------------------------
+
+
+def test_json_depth_is_counted_outside_strings() -> None:
+    assert not json_depth_over(json.dumps({"s": _nested(63)}).encode(), 64)  # 64 deep
+    assert json_depth_over(json.dumps({"s": _nested(64)}).encode(), 64)  # 65 deep
+    assert json_depth_over(b"[" * 100_000, 64)
+    # brackets inside strings, escaped quotes and backslashes do not count
+    assert not json_depth_over(json.dumps({"a": "[" * 500, "b": '\\"[' * 300}).encode(), 64)
+    assert not json_depth_over(json.dumps(["x\\", "[" * 100, "y\\\\", "{" * 100]).encode(), 64)
+    # ...but an escaped backslash before a closing quote ends the string
+    assert json_depth_over(b'["a\\\\", ' + b"[" * 70 + b"]" * 70 + b"]", 64)
+    # many shallow containers are not deep
+    assert not json_depth_over(json.dumps([[1, {"a": [2]}]] * 100_000).encode(), 64)
+
+
+def test_loopback_and_the_bind_refusal(make_settings: Any) -> None:
+    for host in ("127.0.0.1", "127.3.4.5", "::1", "[::1]", "localhost", "LOCALHOST."):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "10.1.2.3", "example.com", ""):
+        assert not is_loopback(host), host
+    bare = make_settings()
+    assert bind_refusal(bare, "127.0.0.1") is None
+    refusal = bind_refusal(bare, "0.0.0.0")
+    assert refusal and "STUDIO_API_TOKEN" in refusal
+    assert bind_refusal(make_settings(api_token="t" * 32), "0.0.0.0") is None
+
+
+def test_the_token_setting_is_checked_and_never_echoed(make_settings: Any,
+                                                       tmp_path: Path) -> None:
+    from executor.errors import SettingsError
+
+    with pytest.raises(SettingsError) as e:
+        make_settings(api_token="hunter2")
+    assert "STUDIO_API_TOKEN" in e.value.message and "hunter2" not in e.value.message
+    token = secrets.token_hex(16)
+    f = tmp_path / "token"
+    f.write_text(token + "\n")
+    assert make_settings(api_token_file=str(f)).api_token_bytes == token.encode()
+    with pytest.raises(SettingsError, match="STUDIO_API_TOKEN_FILE"):
+        make_settings(api_token_file=str(tmp_path / "missing"))
+    assert "hunter" not in repr(make_settings(api_token="hunter2-but-longer-now"))
+
+
+def test_serve_refuses_a_non_loopback_address_without_a_token() -> None:
+    env = {"STUDIO_API_TOKEN": "", "STUDIO_API_TOKEN_FILE": ""}
+    r = run_cli("serve", "--host", "0.0.0.0", "--port", "1", env=env, timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
+    out = json.loads(r.stdout)
+    assert out["status"] == "failed" and "STUDIO_API_TOKEN" in out["error"]["message"]
+    assert "Uvicorn running" not in r.stderr  # refused before binding anything
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres",
+                                                            marks=pytest.mark.postgres)])
+def test_statuses_reads_what_a_waiter_needs_in_one_query(backend: str, tmp_path: Path,
+                                                         request: pytest.FixtureRequest) -> None:
+    """What async waits re-read every second: the status of many jobs, unknown ids left out."""
+    from executor.models import CodeJob, Status
+    from executor.store import open_store
+
+    url = (f"sqlite:///{tmp_path / 'runs.db'}" if backend == "sqlite"
+           else request.getfixturevalue("pg_schema_url"))
+    with open_store(url) as store:
+        jobs = [CodeJob(code=OK_CODE, state_json=json.dumps({"big": "x" * 1000}))
+                for _ in range(3)]
+        for job in jobs:
+            store.create(job, code_runtime="docker")
+        store.request_cancel(jobs[1].job_id)
+        got = store.statuses([j.job_id for j in jobs] + ["unknown"])
+        assert got == {jobs[0].job_id: Status.QUEUED, jobs[1].job_id: Status.CANCELLED,
+                       jobs[2].job_id: Status.QUEUED}
+
+
+def test_a_failed_wait_raises_its_own_error_and_a_disconnect_ends_it() -> None:
+    """What a test call's wait raises reaches the route's error handling as itself (a
+    store outage is a 503, not a 500 from an ExceptionGroup); a disconnect ends the wait."""
+    from starlette.requests import Request
+
+    from api_client.client import JobNotFound
+    from api_client.http import _unless_disconnected
+
+    async def silent() -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        return {}
+
+    async def gone() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def fails() -> Any:
+        await asyncio.sleep(0.01)
+        raise JobNotFound("abc")
+
+    async def forever() -> Any:
+        await asyncio.sleep(3600)
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+    with pytest.raises(JobNotFound):
+        asyncio.run(_unless_disconnected(Request(scope, silent), fails()))
+
+    async def disconnected() -> Any:
+        return await asyncio.wait_for(_unless_disconnected(Request(scope, gone), forever()), 5)
+
+    assert asyncio.run(disconnected()) is None
+
+
+# --- the stack -------------------------------------------------------------------------------
+
+
+class Stack:
+    def __init__(self, base: str, port: int, token: str, db: Path, api: StudioProc) -> None:
+        self.base, self.port, self.token, self.db, self.api = base, port, token, db, api
+        self.auth = {"Authorization": f"Bearer {token}"}
+        self.http = httpx.Client(base_url=base, timeout=30, headers=self.auth)
+
+    def h(self, user: str, admin: bool = False) -> dict[str, str]:
+        return {USER: user, **({ADMIN: "1"} if admin else {})}
+
+    def job_ids(self, users: set[str]) -> list[str]:
+        """The user's jobs, straight from the run store (no route lists them)."""
+        with sqlite3.connect(self.db, timeout=30) as conn:
+            rows = conn.execute("SELECT job_id, user FROM code_jobs").fetchall()
+        return [job for job, user in rows if user in users]
+
+    def cancel_all(self, users: set[str]) -> None:
+        for job_id in self.job_ids(users):
+            r = self.http.post(f"/api/runs/{job_id}/cancel", headers=self.h("admin", True))
+            assert r.status_code in (202, 409), r.text
+
+    def raw(self, request: bytes, *, then: bytes = b"", timeout: float = 10.0) -> bytes:
+        """Send bytes as they are (what httpx will not send), return the whole answer."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+            s.sendall(request)
+            if then:
+                try:
+                    s.sendall(then)
+                except OSError:
+                    pass  # the server answered and closed: that is the point
+            out = b""
+            while True:
+                try:
+                    chunk = s.recv(65536)
+                except (ConnectionResetError, TimeoutError):
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            return out
+
+
+def _status_and_body(raw: bytes) -> tuple[int, dict[str, Any]]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, docker_client: Any,
+          python_image: str) -> Iterator[Stack]:
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    tmp = tmp_path_factory.mktemp("http-limits")
+    redis = RedisServer(tmp)
+    redis.start()
+    token = secrets.token_hex(24)
+    db = tmp / "runs.db"
+    env = studio_env(redis.url, f"sqlite:///{db}", python_image,
+                     STUDIO_API_TOKEN=token, STUDIO_API_ALLOWED_HOSTS=EXTRA_HOST,
+                     STUDIO_CODE_TEST_PER_MINUTE=1000, STUDIO_CODE_TEST_IN_FLIGHT=IN_FLIGHT,
+                     STUDIO_API_BODY_MAX_BYTES=BODY_MAX)
+    worker = start_worker(env, tmp / "worker.log", concurrency=1)
+    api = None
+    try:
+        api, base = start_api(env, tmp / "api.log")
+        s = Stack(base, int(base.rsplit(":", 1)[1]), token, db, api)
+        yield s
+        s.http.close()
+    finally:
+        if api is not None:
+            api.stop(20)
+        worker.stop(60)
+        redis.stop()
+
+
+# --- the shared secret -----------------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_the_token_is_required_on_every_route_but_liveness(stack: Stack) -> None:
+    routes = [("GET", "/api/meta/runtime"), ("POST", "/api/code/validate"),
+              ("POST", "/api/code/test"), ("POST", "/api/runs"), ("GET", "/api/runs/x"),
+              ("POST", "/api/runs/x/cancel"), ("GET", "/healthz/ready"), ("GET", "/metrics"),
+              ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")]
+    wrong = [None, "Bearer " + "x" * 48, f"Basic {stack.token}", f"Bearer {stack.token}x",
+             stack.token, f"Bearer {stack.token[:-1]}"]
+    with httpx.Client(base_url=stack.base, timeout=30) as bare:
+        for method, path in routes:
+            for auth in wrong:
+                headers = {USER: _user(), **({"Authorization": auth} if auth else {})}
+                r = bare.request(method, path, headers=headers,
+                                 json={"code": OK_CODE} if method == "POST" else None)
+                message = _error(r, 401, "UNAUTHENTICATED")
+                assert "Bearer" in message and r.headers["WWW-Authenticate"] == "Bearer"
+        # liveness needs no token; the scheme is case-insensitive; with the token all is well
+        assert bare.get("/healthz/live").json() == {"ok": True}
+        r = bare.get("/api/meta/runtime", headers={"Authorization": f"bearer {stack.token}"})
+        assert r.status_code == 200, r.text
+    assert stack.http.get("/healthz/ready").status_code == 200
+    # and the API counts what it refused, by code
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fam = {f.name: f for f in text_string_to_metric_families(stack.http.get("/metrics").text)}
+    refused = {s.labels["code"]: s.value for s in fam["studio_code_http_refused"].samples
+               if s.name == "studio_code_http_refused_total"}
+    assert refused["UNAUTHENTICATED"] >= len(routes) * len(wrong), refused
+
+
+# --- Host and repeated headers -------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_a_rebound_host_is_refused_before_anything_runs(stack: Stack) -> None:
+    user = _user()
+    for host in ("attacker.example", f"attacker.example:{stack.port}", "127.0.0.1.nip.io",
+                 "localhost.attacker.example", "", "0.0.0.0"):
+        r = stack.http.post("/api/runs", json={"code": OK_CODE},
+                            headers={**stack.h(user), "Host": host})
+        assert "attacker" not in _error(r, 400, "HOST_NOT_ALLOWED") or host
+    assert stack.job_ids({user}) == [], "a refused Host still queued a run"
+    for host in (f"localhost:{stack.port}", f"127.0.0.1:{stack.port}", f"[::1]:{stack.port}",
+                 "LOCALHOST", EXTRA_HOST, f"{EXTRA_HOST.upper()}:{stack.port}"):
+        r = stack.http.get("/api/meta/runtime", headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+    # liveness answers any Host (a Kubernetes probe sends the pod's IP)
+    r = httpx.get(stack.base + "/healthz/live", headers={"Host": "10.0.0.7:8080"})
+    assert r.status_code == 200
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_an_identity_header_sent_twice_is_refused(stack: Stack) -> None:
+    user = _user()
+    auth = ("Authorization", f"Bearer {stack.token}")
+    for headers in (
+        [auth, (USER, user), (USER, "someone-else")],
+        [auth, (USER, user), (ADMIN, "0"), (ADMIN, "1")],
+        [auth, auth, (USER, user)],
+        [auth, (USER, user), ("x-studio-user", user)],  # same name, other case
+    ):
+        r = httpx.post(stack.base + "/api/runs", json={"code": OK_CODE}, headers=headers)
+        assert "more than once" in _error(r, 400, "HEADER_REPEATED")
+    assert stack.job_ids({user}) == []
+    # two Host headers (httpx cannot send that): uvicorn's parser refuses them itself, with
+    # a 400 of its own, before the app sees the request (the app would say HEADER_REPEATED)
+    raw = stack.raw(
+        f"POST /api/runs HTTP/1.1\r\nHost: localhost\r\nHost: attacker.example\r\n"
+        f"Authorization: Bearer {stack.token}\r\n{USER}: {user}\r\nContent-Type: "
+        "application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}".encode())
+    assert raw.startswith(b"HTTP/1.1 400 "), raw[:300]
+    assert stack.job_ids({user}) == []
+
+
+# --- bodies ----------------------------------------------------------------------------------
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_a_body_over_the_cap_is_413_before_it_is_read(stack: Stack) -> None:
+    user = _user()
+    head = (f"POST /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            f"{stack.token}\r\n{USER}: {user}\r\nContent-Type: application/json\r\n")
+    # Content-Length says 100 MB and not a byte follows: the answer comes anyway, at once
+    t0 = time.monotonic()
+    status, body = _status_and_body(stack.raw(
+        (head + "Content-Length: 100000000\r\n\r\n").encode(), timeout=10))
+    assert (status, body["error"]["code"]) == (413, "REQUEST_TOO_LARGE"), body
+    assert str(BODY_MAX) in body["error"]["message"]
+    assert time.monotonic() - t0 < 5
+
+    # a chunked body is counted as it arrives: 100 MB offered, refused near the cap, and
+    # the API's memory does not grow by the body
+    rss0 = _rss_kb(stack.api.pid)
+    chunk = b"x" * 65536
+    stream = (f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n") * 1600  # 100 MiB
+    status, body = _status_and_body(stack.raw(
+        (head + "Transfer-Encoding: chunked\r\n\r\n").encode(), then=stream, timeout=30))
+    assert (status, body["error"]["code"]) == (413, "REQUEST_TOO_LARGE"), body
+    assert _rss_kb(stack.api.pid) - rss0 < 30 * 1024, "the API kept the body"
+    assert stack.job_ids({user}) == []
+
+    # under the cap it runs; each route has its own cap (a language check takes 64 KiB)
+    state = {"blob": "y" * (BODY_MAX // 2)}
+    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": state},
+                        headers=stack.h(user))
+    assert r.status_code == 202, r.text
+    stack.cancel_all({user})
+    r = stack.http.post("/api/code/nodes/check", content=b" " * 70_000 + b'{"language": "py"}',
+                        headers={**stack.h(user), "Content-Type": "application/json"})
+    _error(r, 413, "REQUEST_TOO_LARGE")
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_json_nested_too_deep_is_refused_before_it_is_parsed(stack: Stack) -> None:
+    user = _user()
+    # 100,000 deep (the stdlib parser would raise RecursionError on it)
+    deep = b'{"code": "x", "state": {"v": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    r = stack.http.post("/api/runs", content=deep,
+                        headers={**stack.h(user), "Content-Type": "application/json"})
+    assert "STUDIO_API_JSON_MAX_DEPTH=64" in _error(r, 400, "REQUEST_TOO_DEEP")
+    # the body, the state and 62 arrays: 64 levels, the limit, pass; one more does not
+    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": {"v": _nested(62)}},
+                        headers=stack.h(user))
+    assert r.status_code == 202, r.text
+    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": {"v": _nested(63)}},
+                        headers=stack.h(user))
+    _error(r, 400, "REQUEST_TOO_DEEP")
+    # a body sent with no Content-Type is parsed as JSON by the framework: checked too
+    r = stack.http.post("/api/code/validate", content=b"[" * 70 + b"]" * 70,
+                        headers=stack.h(user))
+    _error(r, 400, "REQUEST_TOO_DEEP")
+    stack.cancel_all({user})
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_every_framework_error_has_the_shape(stack: Stack) -> None:
+    h = stack.h(_user())
+    _error(stack.http.get("/no/such/route", headers=h), 404, "NOT_FOUND")
+    r = stack.http.get("/api/code/test", headers=h)
+    assert "POST" in _error(r, 405, "METHOD_NOT_ALLOWED") and r.headers["Allow"] == "POST"
+    _error(stack.http.delete("/api/runs/abc", headers=h), 405, "METHOD_NOT_ALLOWED")
+    _error(stack.http.post("/api/runs", json={"code": 1}, headers=h), 422, "REQUEST_INVALID")
+    _error(stack.http.post("/api/runs", json=None, headers=h), 422, "REQUEST_INVALID")
+    _error(stack.http.post("/api/runs", content=b"{not json",
+                           headers={**h, "Content-Type": "application/json"}),
+           422, "REQUEST_INVALID")
+    # not UTF-8: the framework cannot decode it
+    r = stack.http.post("/api/runs", content=b'{"code": "\xff\xfe"}',
+                        headers={**h, "Content-Type": "application/json"})
+    assert r.status_code in (400, 422), r.text
+    assert r.json()["error"]["code"] == "REQUEST_INVALID"
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_schemathesis_finds_no_server_error_behind_the_token_and_limits(stack: Stack) -> None:
+    fuzz_for_server_errors(stack.base, {**stack.auth, USER: f"fuzz-{uuid.uuid4().hex[:6]}"})
+
+
+# --- waiting: the in-flight cap and 200 waiting calls ---------------------------------------
+
+
+async def _fire(stack: Stack, calls: list[tuple[str, dict[str, Any]]],
+                stop: asyncio.Event, results: list[Any], answered: list[int]) -> None:
+    """Send every call at once and keep them open until they all answer or ``stop`` is
+    set (then the rest disconnect)."""
+    limits = httpx.Limits(max_connections=len(calls) + 10)
+    async with httpx.AsyncClient(base_url=stack.base, headers=stack.auth, limits=limits,
+                                 timeout=120) as client:
+        tasks = [asyncio.ensure_future(client.post("/api/code/test", json=body,
+                                                   headers={USER: user}))
+                 for user, body in calls]
+        for t in tasks:
+            t.add_done_callback(lambda _: answered.append(1))
+        stopper = asyncio.ensure_future(stop.wait())
+        pending: set[asyncio.Future[Any]] = {*tasks, stopper}
+        while not stopper.done() and not all(t.done() for t in tasks):
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        for t in tasks:
+            try:
+                results.append(await t)
+            except (asyncio.CancelledError, httpx.HTTPError) as e:
+                results.append(e)
+        stopper.cancel()
+
+
+class Burst:
+    """``calls`` editor test calls held open from a thread of their own."""
+
+    def __init__(self, stack: Stack, calls: list[tuple[str, dict[str, Any]]]) -> None:
+        self.results: list[Any] = []
+        self.answered: list[int] = []  # one entry per call that has ended, as it ends
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()  # bound to the loop that first waits on it
+        self._thread = threading.Thread(
+            target=self._loop.run_until_complete,
+            args=(self._run(stack, calls),), daemon=True)
+        self._thread.start()
+
+    async def _run(self, stack: Stack, calls: list[tuple[str, dict[str, Any]]]) -> None:
+        await _fire(stack, calls, self._stop, self.results, self.answered)
+
+    def disconnect(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _wait_for_jobs(stack: Stack, users: set[str], n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(stack.job_ids(users)) >= n:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"only {len(stack.job_ids(users))} of {n} test calls were submitted")
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_the_in_flight_cap_is_429_and_a_disconnect_gives_the_slot_back(stack: Stack) -> None:
+    user = _user()
+    body = {"code": SLEEP_CODE, "state": {"s": 60}, "timeout_s": 15}
+    burst = Burst(stack, [(user, body)] * IN_FLIGHT)
+    try:
+        _wait_for_jobs(stack, {user}, IN_FLIGHT, 60)
+        r = stack.http.post("/api/code/test", json=body, headers=stack.h(user))
+        message = _error(r, 429, "RATE_LIMITED")
+        assert f"STUDIO_CODE_TEST_IN_FLIGHT={IN_FLIGHT}" in message
+        assert r.headers["Retry-After"] == "2" and r.json()["error"]["retry_after_s"] == 2
+        assert len(stack.job_ids({user})) == IN_FLIGHT, "a refused call still queued a run"
+    finally:
+        burst.disconnect()
+        assert burst.join(30), "the waiting calls did not end"
+    # every slot came back: the user may wait on IN_FLIGHT calls again
+    deadline = time.monotonic() + 10
+    while True:
+        again = Burst(stack, [(user, body)] * IN_FLIGHT)
+        time.sleep(1)
+        again.disconnect()
+        assert again.join(30)
+        codes = [getattr(x, "status_code", None) for x in again.results]
+        if 429 not in codes or time.monotonic() > deadline:
+            break
+    assert 429 not in codes, codes
+    _wait_for_jobs(stack, {user}, 2 * IN_FLIGHT, 30)
+    stack.cancel_all({user})
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
+    users = [_user() for _ in range(20)]
+    body = {"code": SLEEP_CODE, "state": {"s": 60}, "timeout_s": 15}
+    ok = stack.http.post("/api/runs", json={"code": OK_CODE}, headers=stack.h("prober"))
+    probe_id = ok.json()["job_id"]
+    burst = Burst(stack, [(u, body) for u in users for _ in range(IN_FLIGHT)])
+    failures: list[str] = []
+    probes = 0
+    try:
+        _wait_for_jobs(stack, set(users), 200, 120)
+        # every call is now waiting in the API; the API answers others meanwhile
+        deadline = time.monotonic() + 5
+        with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=10) as c:
+            while time.monotonic() < deadline:
+                for path, h in (("/healthz/live", {}),
+                                (f"/api/runs/{probe_id}", stack.h("prober"))):
+                    probes += 1
+                    try:
+                        r = c.get(path, headers=h)
+                        if r.status_code != 200:
+                            failures.append(f"{path}: {r.status_code} {r.text[:200]}")
+                    except httpx.HTTPError as e:
+                        failures.append(f"{path}: {type(e).__name__} {e}")
+                time.sleep(0.05)
+        assert not burst.answered, "test calls ended before their runs did"
+        # the runs end (cancelled), and every waiting call answers with its run
+        stack.cancel_all(set(users))
+        assert burst.join(60), "the waiting calls did not end after their runs did"
+    finally:
+        burst.disconnect()
+        burst.join(30)
+        stack.cancel_all(set(users))
+    assert not failures, failures[:5]
+    assert probes > 20
+    answers = [r for r in burst.results if isinstance(r, httpx.Response)]
+    assert len(answers) == 200, [r for r in burst.results if not isinstance(r, httpx.Response)][:3]
+    assert {r.status_code for r in answers} == {200}, [r.text for r in answers
+                                                       if r.status_code != 200][:2]
+    assert {r.json()["status"] for r in answers} == {"cancelled"}
+
+
+# --- the router mounted in a studio's own app -------------------------------------------------
+
+
+def test_the_router_mounted_in_another_app_keeps_its_limits_and_leaves_the_rest(
+        make_settings: Any) -> None:
+    """A studio app of its own with the router and RequestLimits(router_only=True): the
+    router's paths are bounded (Host, depth, size, repeated headers) and answer in the error
+    shape; the studio's own route is untouched (any Host, any body)."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    from api_client.http import Services, router
+    from api_client.limits import RequestLimits
+
+    settings = make_settings(redis_url="redis://127.0.0.1:1/0", api_body_max_bytes=4096)
+    studio = FastAPI()
+    studio.include_router(router)
+    studio.state.studio_code = services = Services(settings)
+    studio.add_middleware(RequestLimits, settings=settings, router_only=True)
+
+    async def own(request: Request) -> JSONResponse:
+        return JSONResponse({"bytes": len(await request.body())})
+
+    studio.router.add_route("/studio/own", own, methods=["POST"])  # the studio's own route
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(studio, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with httpx.Client(base_url=f"http://localhost:{port}", timeout=30) as c:
+            h = {USER: "u1"}
+            r = c.post("/api/code/validate", json={"code": OK_CODE}, headers=h)
+            assert r.status_code == 200, r.text
+            _error(c.post("/api/code/validate", json={"code": "def main(:"}, headers=h),
+                   400, "CODE_INVALID")
+            _error(c.post("/api/code/validate", json={"code": 1}, headers=h),
+                   422, "REQUEST_INVALID")
+            _error(c.post("/api/code/validate", content=b"[" * 100 + b"]" * 100, headers=h),
+                   400, "REQUEST_TOO_DEEP")
+            _error(c.post("/api/runs", json={"code": "x" * 5000}, headers=h),
+                   413, "REQUEST_TOO_LARGE")
+            _error(c.post("/api/runs", json={"code": OK_CODE},
+                          headers=[(USER, "a"), (USER, "b")]), 400, "HEADER_REPEATED")
+            _error(c.get("/api/runs/x", headers={**h, "Host": "evil.example"}),
+                   400, "HOST_NOT_ALLOWED")
+            # the studio's own route: not the router's business
+            r = c.post("/studio/own", content=b"[" * 10_000, headers={"Host": "evil.example"})
+            assert r.json() == {"bytes": 10_000}
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        services.close()
