@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from executor.errors import SettingsError
-from executor.languages.ts_imports import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
+from executor.packages import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
 
 KNOWN_RUNTIMES = ("docker", "subprocess")
 KNOWN_LANGUAGES = ("python", "typescript")
