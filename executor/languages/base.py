@@ -8,11 +8,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from executor.models import CodeErrorInfo, CodeJob, Limits
-from executor.settings import Settings
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: a save-time check loads none of them
+    from executor.models import CodeErrorInfo, CodeJob, Limits
     from executor.runtimes.base import RawRun
+    from executor.settings import Settings
 
 
 @dataclass(frozen=True)
