@@ -1,6 +1,17 @@
 """``studio-code``: run, validate and inspect Code nodes; every command prints ONE JSON object.
 
-Exit status: 0 only when the command did what was asked (``run``: status succeeded).
+Every outcome is one JSON object on stdout, refusals of the command line included (logs go
+to stderr). ``run`` (and a refused ``submit``) prints the run's object: ``job_id``,
+``language``, ``status``, ``output``, ``error`` ({code, message} or null), ``logs``,
+``runtime``, ``code_runtime``, ``duration_ms``, ``warnings``, ``trace``... Any other
+command's refusal is ``{"ok": false, "command": ..., "error": {code, message}}``.
+
+Exit status: 0 only when the command did what was asked (``run``: status succeeded); 1 when
+the input or the outcome is refused; 2 when the command line or a setting is malformed.
+Only ``--help`` prints text.
+
+Only what a command needs is imported, and only when it runs: ``--help`` and ``validate``
+load no database driver, Redis, Celery or Docker SDK; ``run`` loads no queue or store.
 """
 
 from __future__ import annotations
@@ -9,74 +20,123 @@ import argparse
 import json
 import logging
 import sys
+import uuid
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from executor.errors import ErrorCode, StudioCodeError
-from executor.models import CodeJob, Language
-from executor.settings import Settings, load_settings
+from executor.errors import CodeInvalid, ErrorCode, StudioCodeError
+
+if TYPE_CHECKING:
+    from executor.models import Language
+    from executor.settings import Settings
+
+log = logging.getLogger("studio_code.cli")
 
 EXTENSIONS = {".py": "python", ".ts": "typescript", ".mts": "typescript", ".tsx": "typescript"}
+#: a malformed command line (the HTTP API's code for a malformed request)
+REQUEST_INVALID = "REQUEST_INVALID"
+#: commands whose refusals print the run's object
+JOB_COMMANDS = ("run", "submit")
+
+
+class UsageError(Exception):
+    """Raised when the command line does not parse (argparse's own refusal, as JSON)."""
+
+    def __init__(self, command: str | None, message: str) -> None:
+        super().__init__(message)
+        self.command = command
+        self.message = message
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, except that a refusal raises UsageError instead of printing text."""
+
+    def error(self, message: str) -> NoReturn:
+        words = self.prog.split()
+        command = words[1] if len(words) > 1 else None
+        raise UsageError(command, f"{self.prog}: {message}. Run `{self.prog} --help` to see "
+                         "what it takes.")
 
 
 def _print(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
 
 
-def _failure(code: ErrorCode, message: str, status: str = "failed", runtime: str = "") -> dict:
-    return {
-        "status": status,
-        "output": None,
-        "error": {"code": str(code), "message": message},
-        "logs": "",
-        "runtime": runtime,
-        "duration_ms": 0,
-        "warnings": [],
-    }
+def _refusal(command: str | None, code: str, message: str, *, status: str = "invalid",
+             runtime: str = "", language: str | None = None) -> dict[str, Any]:
+    """The object a refused command prints: the run's (every field, a new job id) for
+    ``run`` and ``submit``; ``{ok: false, command, error}`` for the others."""
+    error = {"code": str(code), "message": message}
+    if command not in JOB_COMMANDS:
+        out: dict[str, Any] = {"ok": False, "command": command, "error": error}
+        if command == "validate":
+            out.update(language=language, problems=[])
+        return out
+    from executor.models import CodeResult, Status
+
+    # Every field of CodeResult, from the model itself, so the shape cannot drift.
+    result = CodeResult.ended(uuid.uuid4().hex, "python", Status(status),
+                              ErrorCode.CODE_INVALID, message, runtime=runtime)
+    return {**result.cli_dict(), "language": language, "error": error}
 
 
 def _language(args: argparse.Namespace) -> Language:
+    """The --language, else the one the file's extension names; CodeInvalid otherwise."""
     if args.language:
-        return cast(Language, args.language)
-    return cast(Language, EXTENSIONS.get(Path(args.file).suffix.lower(), "python"))
+        return args.language  # type: ignore[no-any-return]  # argparse choices
+    suffix = Path(args.file).suffix.lower()
+    if suffix in EXTENSIONS:
+        return EXTENSIONS[suffix]  # type: ignore[return-value]
+    known = ", ".join(f"{ext} ({lang})" for ext, lang in EXTENSIONS.items())
+    what = f"the extension {suffix!r}" if suffix else "no extension"
+    raise CodeInvalid(f"{args.file} has {what}, which names no Code node language: use "
+                      f"{known}, or say which with --language python|typescript.")
 
 
 def _read_code(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise StudioCodeError(
-            f"Cannot read {path}: {e}. Give the path of a UTF-8 source file.",
-            code=ErrorCode.CODE_INVALID,
-        ) from e
+        raise CodeInvalid(f"Cannot read {path}: {e}. Give the path of a UTF-8 source file."
+                          ) from e
 
 
-def _read_state(args: argparse.Namespace) -> str:
+def _read_state(args: argparse.Namespace, settings: Settings) -> str:
+    """The state JSON of --state / --state-file, under the one state rule (executor.inputs:
+    JSON, no NaN or Infinity, an object, at most STUDIO_CODE_STATE_MAX_BYTES)."""
+    from executor.inputs import state_json
+
     if args.state_file:
         try:
             text = Path(args.state_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise StudioCodeError(f"Cannot read --state-file {args.state_file}: {e}.",
-                                  code=ErrorCode.CODE_INVALID) from e
+            raise CodeInvalid(f"Cannot read --state-file {args.state_file}: {e}. Give the "
+                              "path of a UTF-8 file holding a JSON object.") from e
         where = f"--state-file {args.state_file}"
     else:
-        text, where = args.state or "{}", "--state"
-    try:
-        json.loads(text)
-    except ValueError as e:
-        raise StudioCodeError(f"{where} is not valid JSON: {e}. Pass a JSON object.",
-                              code=ErrorCode.CODE_INVALID) from e
-    return text
+        text, where = ("{}" if args.state is None else args.state), "--state"
+    return state_json(text, max_bytes=settings.code_state_max_bytes, source=where)
+
+
+def _timeout(args: argparse.Namespace, settings: Settings) -> float:
+    """--timeout under the one timeout rule (executor.inputs): a number above 0, capped."""
+    from executor.inputs import timeout_s
+
+    return timeout_s(args.timeout, max_seconds=settings.code_max_seconds, source="--timeout")
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    from executor.models import CodeJob
     from executor.service import Executor
 
+    language: str | None = args.language
     try:
-        job = CodeJob(language=_language(args), code=_read_code(args.file),
-                      state_json=_read_state(args), timeout_s=args.timeout)
+        language = _language(args)
+        job = CodeJob(language=language, code=_read_code(args.file),
+                      state_json=_read_state(args, settings), timeout_s=_timeout(args, settings))
     except StudioCodeError as e:
-        _print(_failure(e.code, e.message, "invalid", settings.code_runtime))
+        _print(_refusal("run", e.code, e.message, runtime=settings.code_runtime,
+                        language=language))
         return 1
     result = Executor(settings).run(job)
     _print(result.cli_dict())
@@ -84,13 +144,15 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_validate(args: argparse.Namespace, settings: Settings) -> int:
-    from executor.service import Executor
+    # The language's own check, without an Executor: no runtime (Docker SDK) is loaded.
+    from executor.languages import offered_language
 
-    language = _language(args)
+    language: str | None = args.language
     try:
-        problems = Executor(settings).check_code(_read_code(args.file), language)
+        language = _language(args)
+        problems = offered_language(language, settings).check(_read_code(args.file), settings)
     except StudioCodeError as e:
-        _print({"ok": False, "language": language, "error": e.to_dict(), "problems": []})
+        _print(_refusal("validate", e.code, e.message, language=language))
         return 1
     error = None
     if problems:
@@ -114,33 +176,32 @@ def cmd_meta(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "validate": cmd_validate, "meta": cmd_meta}
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="studio-code", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="studio-code", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run a code node file once, here (no queue)")
     run.add_argument("file")
-    run.add_argument("--language", choices=["python", "typescript"])
+    run.add_argument("--language", choices=["python", "typescript"],
+                     help="default: from the extension (.py; .ts, .mts, .tsx)")
     state = run.add_mutually_exclusive_group()
-    state.add_argument("--state", help="the state as JSON (default {})")
-    state.add_argument("--state-file", help="a file holding the state as JSON")
-    run.add_argument("--timeout", type=float, help="seconds (capped by STUDIO_CODE_MAX_SECONDS)")
+    state.add_argument("--state", help="the state as a JSON object (default {})")
+    state.add_argument("--state-file", help="a file holding the state as a JSON object")
+    run.add_argument("--timeout", help="seconds above 0 (capped by STUDIO_CODE_MAX_SECONDS)")
+    run.set_defaults(handler=cmd_run)
 
     val = sub.add_parser("validate", help="the save-time check of a code node file")
     val.add_argument("file")
-    val.add_argument("--language", choices=["python", "typescript"])
+    val.add_argument("--language", choices=["python", "typescript"],
+                     help="default: from the extension (.py; .ts, .mts, .tsx)")
+    val.set_defaults(handler=cmd_validate)
 
-    sub.add_parser("meta", help="what GET /api/meta/runtime reports")
-    for extend in _EXTENSIONS:
-        extend(sub)
+    meta = sub.add_parser("meta", help="what GET /api/meta/runtime reports")
+    meta.set_defaults(handler=cmd_meta)
+    _queue_commands(sub)
+    _serve_command(sub)
     return p
-
-
-#: other modules (the queue's commands) add subcommands here
-_EXTENSIONS: list[Any] = []
 
 
 # --- the queue's commands: submit, status, cancel, worker ---------------------------------
@@ -156,18 +217,23 @@ def _record_dict(rec: Any) -> dict[str, Any]:
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from api_client.client import CodeClient
 
+    language: str | None = args.language
     try:
-        code, state = _read_code(args.file), _read_state(args)
+        language = _language(args)
+        code, state = _read_code(args.file), _read_state(args, settings)
+        timeout = _timeout(args, settings)
     except StudioCodeError as e:
-        _print(_failure(e.code, e.message, "invalid", settings.code_runtime))
+        _print(_refusal("submit", e.code, e.message, runtime=settings.code_runtime,
+                        language=language))
         return 1
     with CodeClient(settings) as client:
         try:
-            job_id = client.submit(code, _language(args), state, timeout_s=args.timeout,
-                                   user=args.user, kind=args.kind)
+            job_id = client.submit(code, language, state, timeout_s=timeout, user=args.user,
+                                   kind=args.kind)
         except StudioCodeError as e:
             status = "invalid" if e.code is ErrorCode.CODE_INVALID else "failed"
-            out = _failure(e.code, e.message, status, settings.code_runtime)
+            out = _refusal("submit", e.code, e.message, status=status,
+                           runtime=settings.code_runtime, language=language)
             if getattr(e, "retry_after_s", None) is not None:
                 out["retry_after_s"] = e.retry_after_s  # type: ignore[attr-defined]
             _print(out)
@@ -219,6 +285,30 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if ok else 1
 
 
+WORKER_HELP = """\
+usage: studio-code worker [CELERY WORKER OPTION ...]
+
+Run a Celery worker for Code nodes on this machine, with this process's STUDIO_* settings
+(STUDIO_REDIS_URL, STUDIO_DATABASE_URL, STUDIO_ENABLE_CODE_NODES=1, ...). It consumes the
+queues code.test (editor test calls, STUDIO_QUEUE_TEST_SLOTS processes of their own) and
+code.run (workflow runs, STUDIO_CODE_CONCURRENCY processes) until SIGTERM or Ctrl-C, then
+prints ONE JSON object: {"command": "worker", "status": "stopped", "exit_code": N}.
+The banner and logs go to stderr.
+
+Every argument is passed to `celery worker` unchanged, for example:
+  -n NAME           the worker's node name (default celery@HOSTNAME)
+  -l, --loglevel L  DEBUG, INFO, WARNING (default), ERROR
+  -Q, --queues Q    default: code.test,code.run
+  -P, --pool POOL   default: prefork (a cancel kills the job's sandbox in its process)
+Celery's whole list: `celery worker --help`.
+"""
+
+
+def _wants_help(celery_args: list[str]) -> bool:
+    args = celery_args[1:] if celery_args[:1] == ["--"] else celery_args
+    return any(a in ("-h", "--help") for a in args)
+
+
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     """Run a Celery worker (``celery -A worker worker`` with this process's Settings). Its
     banner and logs go to stderr; ONE JSON object goes to stdout when it stops."""
@@ -258,12 +348,13 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
 def _queue_commands(sub: Any) -> None:
     submit = sub.add_parser("submit", help="queue a code node file for a worker")
     submit.add_argument("file")
-    submit.add_argument("--language", choices=["python", "typescript"])
+    submit.add_argument("--language", choices=["python", "typescript"],
+                        help="default: from the extension (.py; .ts, .mts, .tsx)")
     state = submit.add_mutually_exclusive_group()
-    state.add_argument("--state", help="the state as JSON (default {})")
-    state.add_argument("--state-file", help="a file holding the state as JSON")
-    submit.add_argument("--timeout", type=float,
-                        help="seconds (capped by STUDIO_CODE_MAX_SECONDS)")
+    state.add_argument("--state", help="the state as a JSON object (default {})")
+    state.add_argument("--state-file", help="a file holding the state as a JSON object")
+    submit.add_argument("--timeout",
+                        help="seconds above 0 (capped by STUDIO_CODE_MAX_SECONDS)")
     submit.add_argument("--kind", choices=["run", "test"], default="run",
                         help="run: a workflow run (queue code.run); test: an editor test "
                         "call (queue code.test, rate limited per user)")
@@ -288,9 +379,6 @@ def _queue_commands(sub: Any) -> None:
     worker.set_defaults(handler=cmd_worker)
 
 
-_EXTENSIONS.append(_queue_commands)
-
-
 # --- the HTTP API: serve --------------------------------------------------------------------
 
 
@@ -300,7 +388,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     try:
         from api_client.http import serve
     except ImportError as e:
-        _print(_failure(ErrorCode.RUNTIME_UNAVAILABLE,
+        _print(_refusal("serve", ErrorCode.RUNTIME_UNAVAILABLE,
                         f"The HTTP API needs the http extra ({e}): pip install "
                         "'studio-code[http]'."))
         return 2
@@ -308,7 +396,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     refusal = bind_refusal(settings, args.host)
     if refusal:  # before binding: a non-loopback port with no shared secret is anyone's
-        _print(_failure(ErrorCode.RUNTIME_UNAVAILABLE, refusal))
+        _print(_refusal(args.command, ErrorCode.RUNTIME_UNAVAILABLE, refusal, status="failed"))
         return 2
     serve(settings, args.host, args.port, args.log_level)
     _print({"command": "serve", "status": "stopped", "host": args.host, "port": args.port})
@@ -328,29 +416,48 @@ def _serve_command(sub: Any) -> None:
     serve.set_defaults(handler=cmd_serve)
 
 
-_EXTENSIONS.append(_serve_command)
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # parse_args would refuse them in the top parser's name: say the command's
+            prog = f"{parser.prog} {args.command}"
+            raise UsageError(args.command, f"{prog}: unrecognized arguments: {' '.join(extra)}"
+                             f". Run `{prog} --help` to see what it takes.")
+    except UsageError as e:
+        _print(_refusal(e.command, REQUEST_INVALID, e.message))
+        return 2
+    if args.command == "worker" and _wants_help(args.celery_args):
+        sys.stdout.write(WORKER_HELP)  # ours, not Celery's, and no "stopped" object
+        return 0
+    from executor.settings import load_settings
+
     try:
         settings = load_settings()
     except StudioCodeError as e:
-        _print(_failure(e.code, e.message))
+        _print(_refusal(args.command, e.code, e.message, status="failed"))
         return 2
-    handler = COMMANDS.get(args.command) or args.handler
     if args.command in ("serve", "worker"):
         # Services log what they use at start (the run store, the queues they serve).
         logging.getLogger("studio_code").setLevel(logging.INFO)
     try:
-        return int(handler(args, settings))
+        return int(args.handler(args, settings))
     except StudioCodeError as e:  # e.g. the run store unreachable: said, not a traceback
-        out = _failure(e.code, e.message, runtime=settings.code_runtime)
+        out = _refusal(args.command, e.code, e.message, status="failed",
+                       runtime=settings.code_runtime)
         if getattr(args, "job_id", None):
             out["job_id"] = args.job_id
         _print(out)
+        return 1
+    except Exception as e:  # noqa: BLE001 - still ONE JSON object; the traceback to stderr
+        log.exception("studio-code %s failed", args.command)
+        _print(_refusal(args.command, ErrorCode.RUNTIME_UNAVAILABLE,
+                        f"studio-code {args.command} failed: {type(e).__name__}: {e}. The "
+                        "log above (stderr) has the details; check that the services in "
+                        "STUDIO_REDIS_URL and STUDIO_DATABASE_URL are up.",
+                        status="failed", runtime=settings.code_runtime))
         return 1
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import redis
 
+from executor import inputs
 from executor.errors import (
     CodeInvalid,
     ErrorCode,
@@ -212,16 +213,14 @@ class CodeClient:
         if kind not in ("run", "test"):
             raise CodeInvalid(f"kind={kind!r} is not a kind of call: use 'run' (a workflow "
                               "run) or 'test' (an editor test call).")
-        if timeout_s is not None and not timeout_s > 0:
-            raise CodeInvalid(f"timeout_s={timeout_s!r} is not a timeout: give a number of "
-                              "seconds above 0, or none for STUDIO_CODE_MAX_SECONDS.")
+        timeout = inputs.timeout_s(timeout_s, max_seconds=self.settings.code_max_seconds)
         self.executor.language(language)  # not offered: CodeInvalid before anything else
-        state_json = _state_json(state)
+        state_json = inputs.state_json(state, max_bytes=self.settings.code_state_max_bytes)
         job = CodeJob(
             language=language,  # type: ignore[arg-type]  # offered, checked above
             code=code,
             state_json=state_json,
-            timeout_s=self.executor.limits(timeout_s).timeout_s,  # capped now, stored so
+            timeout_s=timeout,  # capped now, stored so
             kind=kind,  # type: ignore[arg-type]
             user=user,
         )
@@ -511,29 +510,3 @@ class _StatusReads:
             for f in futures:
                 if not f.done():
                     f.set_result(found.get(job_id))
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _state_json(state: Any) -> str:
-    """The state as JSON text: given as text (checked) or as a value (serialised)."""
-    if state is None:
-        return "{}"
-    if isinstance(state, bytes | bytearray):
-        try:
-            state = bytes(state).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CodeInvalid(f"The state is not UTF-8 text: {e}. Pass JSON.") from e
-    if isinstance(state, str):
-        try:
-            json.loads(state, parse_constant=_reject_constant)
-        except ValueError as e:
-            raise CodeInvalid(f"The state is not valid JSON: {e}. Pass a JSON object.") from e
-        return state
-    try:
-        return json.dumps(state, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise CodeInvalid(f"The state cannot be sent as JSON: {e}. Pass only JSON values "
-                          "(objects, arrays, strings, numbers, true/false/null).") from e

@@ -12,6 +12,7 @@ SECTIONS = [
     "bench.isolation",
     "bench.outputs",
     "bench.http",
+    "bench.cli",
 ]
 
 if __name__ == "__main__":

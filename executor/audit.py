@@ -20,9 +20,5 @@ class AuditSink(Protocol):
 class LogAuditSink:
     """Writes audit entries to the log, for the embedded default with no run store."""
 
-    def __init__(self) -> None:
-        self.entries: list[tuple[str, dict[str, Any]]] = []
-
     def audit(self, event: str, details: dict[str, Any], *, actor: str = "system") -> None:
-        self.entries.append((event, details))
         log.warning("audit %s by %s: %s", event, actor, json.dumps(details, sort_keys=True))

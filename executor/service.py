@@ -20,7 +20,8 @@ from executor.errors import (
     RuntimeUnavailable,
     StudioCodeError,
 )
-from executor.languages import get_language
+from executor.inputs import check_state_size
+from executor.languages import offered_language
 from executor.languages.base import Language, Problem
 from executor.models import CodeErrorInfo, CodeJob, CodeResult, Limits, Status, TraceRow
 from executor.outputs import MESSAGE_MAX_CHARS, OutputInvalid, parse_reply, safe_text
@@ -93,14 +94,7 @@ class Executor:
 
     def language(self, name: str) -> Language:
         """The language ``name`` if it is offered; raises CodeInvalid saying what is."""
-        if name not in self.settings.languages:
-            offered = ", ".join(self.settings.languages) or "none"
-            raise CodeInvalid(
-                f"{name} Code nodes are not offered here (STUDIO_CODE_LANGUAGES={offered}): "
-                f"rewrite the node in an offered language or add {name} to "
-                "STUDIO_CODE_LANGUAGES."
-            )
-        return get_language(name)
+        return offered_language(name, self.settings)
 
     def limits(self, timeout_s: float | None = None) -> Limits:
         """The limits of one call: a node's timeout is capped by STUDIO_CODE_MAX_SECONDS."""
@@ -132,19 +126,7 @@ class Executor:
         problems = language.check(job.code, self.settings)
         if problems:
             raise CodeInvalid("; ".join(str(p) for p in problems))
-        try:
-            size = len(job.state_json.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise CodeInvalid(
-                "The state holds a lone surrogate, which is not valid Unicode: send the "
-                "state as well-formed UTF-8 JSON."
-            ) from None
-        limit = self.settings.code_state_max_bytes
-        if size > limit:
-            raise CodeInvalid(
-                f"The state is {size} bytes, more than STUDIO_CODE_STATE_MAX_BYTES={limit}: "
-                "pass less data to the node."
-            )
+        check_state_size(job.state_json, max_bytes=self.settings.code_state_max_bytes)
         return language
 
     def validate_node(self, language: str) -> None:

@@ -4,13 +4,20 @@ A malformed value stops start-up with a sentence naming the variable, the value 
 is allowed (``load_settings`` raises ``SettingsError``). One exception, asked for by the
 specification: an UNKNOWN ``STUDIO_CODE_RUNTIME`` does not stop anything, it turns Code
 nodes off, and validation and meta say why.
+
+An EMPTY value means the default, for every variable (``STUDIO_ENABLE_CODE_NODES=`` is off,
+``STUDIO_CODE_MEMORY=`` is 256m), as if it were unset. A ``STUDIO_*`` variable that nothing
+reads (a misspelling) is logged as a warning at start-up, naming the closest known one.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import re
 import sys
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -19,7 +26,9 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from executor.errors import SettingsError
-from executor.languages.ts_imports import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
+from executor.packages import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
+
+log = logging.getLogger("studio_code.settings")
 
 KNOWN_RUNTIMES = ("docker", "subprocess")
 KNOWN_LANGUAGES = ("python", "typescript")
@@ -41,7 +50,9 @@ def parse_size(value: str) -> int:
 class Settings(BaseSettings):
     """The executor's configuration; every field is a STUDIO_* environment variable."""
 
-    model_config = SettingsConfigDict(env_prefix="STUDIO_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="STUDIO_", extra="ignore", frozen=True, env_ignore_empty=True
+    )
 
     enable_code_nodes: bool = Field(
         False, description="Turns Code nodes on (1). While off, a workflow with one fails."
@@ -71,7 +82,7 @@ class Settings(BaseSettings):
     code_ts_packages: str = Field(
         DEFAULT_TS_PACKAGES,
         description="The only packages TypeScript may import, each npm:name@major; keep it "
-        "equal to docker/studio-code-ts/deps.ts.",
+        "equal to docker/studio-code-ts/deps.ts. none: no package (empty means the default).",
     )
     python: str = Field(
         "",
@@ -216,6 +227,8 @@ class Settings(BaseSettings):
     @field_validator("code_ts_packages")
     @classmethod
     def _ts_packages(cls, v: str) -> str:
+        if v.strip().lower() == "none":  # an empty value means the default list
+            return ""
         parse_packages(v)  # its ValueError already names the entry and the form to use
         return v
 
@@ -356,12 +369,44 @@ def sandbox_ids() -> tuple[int, int]:
     return uid, gid
 
 
+#: STUDIO_* variables read by something other than Settings: the worker's metrics server
+#: (worker/metrics.py) and the image build (docker/build.sh). Not misspellings.
+OTHER_VARIABLES = frozenset({
+    "STUDIO_METRICS_PORT", "STUDIO_METRICS_HOST", "STUDIO_METRICS_READY_INTERVAL_S",
+    "STUDIO_BUILD_NETWORK", "STUDIO_BUILD_CA_FILE", "STUDIO_DEBIAN_MIRROR",
+    "STUDIO_DEBIAN_SUITE", "STUDIO_PULL_TIMEOUT", "STUDIO_PY_BASE", "STUDIO_TS_BASE",
+})
+_warned: set[str] = set()
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A sentence for each STUDIO_* variable in ``environ`` that nothing reads (a misspelled
+    setting is otherwise silently ignored), naming the closest known variable."""
+    known = {f"STUDIO_{name.upper()}" for name in Settings.model_fields} | OTHER_VARIABLES
+    sentences = []
+    for name in sorted(environ):
+        if not name.startswith("STUDIO_") or name in known:
+            continue
+        # compared without the common prefix, which would make every name look close
+        close = difflib.get_close_matches(name[7:], sorted(k[7:] for k in known), n=1,
+                                          cutoff=0.7)
+        hint = (f"did you mean STUDIO_{close[0]}?" if close
+                else "see the configuration table in the README for the variables there are.")
+        sentences.append(f"{name} is not a studio-code setting and is ignored: {hint}")
+    return sentences
+
+
 def _env_name(loc: tuple[Any, ...]) -> str:
     return "STUDIO_" + str(loc[0]).upper() if loc else "STUDIO_*"
 
 
 def load_settings(**overrides: Any) -> Settings:
-    """Read STUDIO_* from the environment (overrides win); raise SettingsError on a bad value."""
+    """Read STUDIO_* from the environment (overrides win); raise SettingsError on a bad value.
+    Warns (once per process and name) about a STUDIO_* variable that nothing reads."""
+    for sentence in unknown_variables(os.environ):
+        if sentence not in _warned:
+            _warned.add(sentence)
+            log.warning("%s", sentence)
     try:
         return Settings(**overrides)
     except ValidationError as e:

@@ -105,3 +105,128 @@ def test_meta(python_image):
     assert python["packages"] == ["pydantic", "python-dateutil"]
     assert out["limits"]["memory"] == "256m" and out["limits"]["pids"] == 64
     assert "uid" in out["sandbox_user"]
+
+
+# --- every outcome is ONE JSON object of the documented shape (issue 11) --------------------
+
+SUB = {**ON, "STUDIO_CODE_RUNTIME": "subprocess"}
+
+
+def run_fields() -> set[str]:
+    from executor.models import CodeResult
+
+    return set(CodeResult.model_fields)  # job_id, language, ..., code_runtime, trace
+
+
+def refused_run(proc, code: str, exit_status: int) -> dict:
+    """The run's whole object, refused with ``code``, and the exit status."""
+    out = one_json(proc)
+    assert set(out) == run_fields(), out
+    assert out["status"] == "invalid" and out["output"] is None, out
+    assert out["error"]["code"] == code, out
+    assert isinstance(out["job_id"], str) and len(out["job_id"]) == 32
+    assert (out["logs"], out["warnings"], out["trace"]) == ("", [], [])
+    assert proc.returncode == exit_status, out
+    return out
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan"])
+def test_a_bad_timeout_is_refused_as_http_refuses_it(node, value):
+    proc = run_cli("run", node("def main(s):\n    return 1\n"), "--timeout", value, env=SUB)
+    out = refused_run(proc, "CODE_INVALID", 1)
+    assert f"--timeout={value!r} is not a timeout" in out["error"]["message"]
+    assert out["code_runtime"] == "subprocess"
+
+
+@pytest.mark.parametrize(("state", "says"), [
+    ('{"x": NaN}', "NaN is not a JSON number"),
+    ("[1,2]", "is an array, not a JSON object"),
+])
+def test_a_state_http_refuses_is_refused(node, state, says):
+    proc = run_cli("run", node("def main(s):\n    return s\n"), "--state", state, env=SUB)
+    assert says in refused_run(proc, "CODE_INVALID", 1)["error"]["message"]
+
+
+def test_an_unreadable_file_prints_every_field(tmp_path):
+    proc = run_cli("run", str(tmp_path / "missing.py"), env=SUB)
+    out = refused_run(proc, "CODE_INVALID", 1)
+    assert "Cannot read" in out["error"]["message"]
+    assert (out["runtime"], out["code_runtime"], out["language"]) == ("subprocess",
+                                                                       "subprocess", "python")
+
+
+@pytest.mark.parametrize("name", ["node.js", "node.txt", "node"])
+def test_an_unknown_extension_is_refused_with_the_supported_list(node, name):
+    path = node("def main(s):\n    return 1\n", name)
+    out = refused_run(run_cli("run", path, env=SUB), "CODE_INVALID", 1)
+    assert ".py (python), .ts (typescript)" in out["error"]["message"]
+    assert "--language" in out["error"]["message"] and out["language"] is None
+    bad = run_cli("validate", path)
+    val = one_json(bad)
+    assert (bad.returncode, val["ok"], val["error"]["code"]) == (1, False, "CODE_INVALID")
+
+
+def test_an_unknown_extension_runs_when_the_language_is_given(node):
+    path = node("def main(s):\n    return s['n'] + 1\n", "node.txt")
+    proc = run_cli("run", path, "--language", "python", "--state", '{"n": 1}', env=SUB)
+    out = one_json(proc)
+    assert (proc.returncode, out["status"], out["output"]) == (0, "succeeded", 2)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["run"], "the following arguments are required: file"),
+    (["run", "x.py", "--language", "cobol"], "invalid choice: 'cobol'"),
+    (["run", "x.py", "--state", "{}", "--state-file", "s.json"], "not allowed with"),
+    (["run", "x.py", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_a_malformed_run_command_line_is_the_run_object(args, says):
+    out = refused_run(run_cli(*args, env=SUB), "REQUEST_INVALID", 2)
+    assert says in out["error"]["message"]
+    assert f"Run `studio-code {args[0]} --help`" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(("args", "command", "says"), [
+    ([], None, "the following arguments are required: COMMAND"),
+    (["bogus"], None, "invalid choice: 'bogus'"),
+    (["validate"], "validate", "the following arguments are required: file"),
+    (["status"], "status", "the following arguments are required: job_id"),
+    (["meta", "--x"], "meta", "unrecognized arguments: --x"),
+    (["serve", "--port", "http"], "serve", "invalid int value: 'http'"),
+])
+def test_a_malformed_command_line_is_one_json_object(args, command, says):
+    proc = run_cli(*args)
+    out = one_json(proc)
+    assert proc.returncode == 2
+    assert (out["ok"], out["command"], out["error"]["code"]) == (False, command,
+                                                                 "REQUEST_INVALID")
+    assert says in out["error"]["message"]
+    assert "usage:" not in proc.stdout + proc.stderr  # no argparse text anywhere
+
+
+def test_worker_help_is_our_own_and_prints_no_stopped_line():
+    proc = run_cli("worker", "--help")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("usage: studio-code worker")
+    assert "STUDIO_REDIS_URL" in proc.stdout and "code.test,code.run" in proc.stdout
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("{")]  # no JSON
+    assert "celery worker [OPTIONS]" not in proc.stdout + proc.stderr  # Celery's own help
+
+
+def test_a_misspelled_variable_is_warned_on_stderr_naming_the_closest(node):
+    proc = run_cli("validate", node("def main(s):\n    return 1\n"),
+                   env={"STUDIO_CODE_MEMROY": "1g", "STUDIO_ENABLE_CODE_NODE": "1"})
+    assert proc.returncode == 0 and one_json(proc)["ok"] is True  # stdout: the object only
+    assert "STUDIO_CODE_MEMROY is not a studio-code setting" in proc.stderr
+    assert "did you mean STUDIO_CODE_MEMORY?" in proc.stderr
+    assert "did you mean STUDIO_ENABLE_CODE_NODES?" in proc.stderr
+
+
+def test_an_empty_value_means_the_default(node):
+    path = node("def main(s):\n    return 1\n")
+    off = run_cli("run", path, env={"STUDIO_ENABLE_CODE_NODES": ""})
+    out = one_json(off)  # off by default: not a malformed setting
+    assert (off.returncode, out["error"]["code"]) == (1, "CODE_NODES_DISABLED")
+    empty = {name: "" for name in ("STUDIO_CODE_MEMORY", "STUDIO_CODE_CPUS", "STUDIO_CODE_PIDS",
+                                   "STUDIO_CODE_MAX_SECONDS", "STUDIO_CODE_LANGUAGES")}
+    proc = run_cli("run", path, env={**SUB, **empty})
+    assert (proc.returncode, one_json(proc)["output"]) == (0, 1)

@@ -116,7 +116,8 @@ def test_serve_refuses_a_non_loopback_address_without_a_token() -> None:
     r = run_cli("serve", "--host", "0.0.0.0", "--port", "1", env=env, timeout=60)
     assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
     out = json.loads(r.stdout)
-    assert out["status"] == "failed" and "STUDIO_API_TOKEN" in out["error"]["message"]
+    assert out["ok"] is False and out["command"] == "serve"
+    assert "STUDIO_API_TOKEN" in out["error"]["message"]
     assert "Uvicorn running" not in r.stderr  # refused before binding anything
 
 

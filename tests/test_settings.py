@@ -112,3 +112,40 @@ def test_subprocess_mode_with_no_deno_dir_and_no_package_list_allows_no_package(
     assert load_settings().ts_packages == ()
     monkeypatch.setenv("STUDIO_CODE_TS_DENO_DIR", "/var/cache/deno")
     assert [str(p) for p in load_settings().ts_packages] == ["npm:zod@3", "npm:date-fns@4"]
+
+
+def test_an_empty_value_means_the_default_for_every_variable(monkeypatch):
+    from executor.settings import Settings
+
+    for name in Settings.model_fields:
+        monkeypatch.setenv(f"STUDIO_{name.upper()}", "")
+    assert load_settings() == Settings.model_construct()  # every field at its default
+    assert load_settings().enable_code_nodes is False
+    assert [str(p) for p in load_settings().ts_packages] == ["npm:zod@3", "npm:date-fns@4"]
+
+
+def test_no_typescript_package_is_written_none(monkeypatch):
+    monkeypatch.setenv("STUDIO_CODE_TS_PACKAGES", "none")
+    assert load_settings().ts_packages == ()
+
+
+def test_a_misspelled_variable_is_named_with_the_closest_known_one(monkeypatch, caplog):
+    import logging
+
+    from executor.settings import unknown_variables
+
+    env = {"STUDIO_CODE_MEMROY": "1g", "STUDIO_REDIS": "redis://x", "STUDIO_NOTHING_LIKE": "1",
+           "STUDIO_CODE_MEMORY": "1g", "STUDIO_METRICS_PORT": "9808", "OTHER_CODE_MEMROY": "1"}
+    assert unknown_variables(env) == [
+        "STUDIO_CODE_MEMROY is not a studio-code setting and is ignored: did you mean "
+        "STUDIO_CODE_MEMORY?",
+        "STUDIO_NOTHING_LIKE is not a studio-code setting and is ignored: see the "
+        "configuration table in the README for the variables there are.",
+        "STUDIO_REDIS is not a studio-code setting and is ignored: did you mean "
+        "STUDIO_REDIS_URL?",
+    ]
+    monkeypatch.setenv("STUDIO_CODE_CONCURENCY", "8")
+    with caplog.at_level(logging.WARNING, logger="studio_code.settings"):
+        assert load_settings().code_concurrency == 4  # ignored, as before, but now said
+    assert any("did you mean STUDIO_CODE_CONCURRENCY?" in r.getMessage()
+               for r in caplog.records)

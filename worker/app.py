@@ -15,7 +15,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
-from executor.runtimes.docker import KILL_GRACE_S
+from executor.runtimes.constants import KILL_GRACE_S
 from executor.settings import Settings, load_settings
 from worker.protocol import (
     QUEUE_RUN,

@@ -28,7 +28,8 @@ from celery import bootsteps, signals
 
 from executor.errors import ErrorCode
 from executor.models import CodeResult, Status
-from executor.runtimes.docker import KILL_GRACE_S, LABEL_DEADLINE, LABEL_JOB, LABEL_OWNER
+from executor.runtimes.constants import KILL_GRACE_S
+from executor.runtimes.docker import LABEL_DEADLINE, LABEL_JOB, LABEL_OWNER
 from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import signal
 
-from executor.runtimes.docker import KILL_GRACE_S
+from executor.runtimes.constants import KILL_GRACE_S
 from executor.settings import Settings
 
 #: workflow runs

@@ -5,8 +5,11 @@ from __future__ import annotations
 from functools import cache
 from typing import TYPE_CHECKING
 
+from executor.errors import CodeInvalid
+
 if TYPE_CHECKING:
     from executor.languages.base import Language
+    from executor.settings import Settings
 
 
 @cache
@@ -21,3 +24,16 @@ def get_language(name: str) -> Language:
 
         return TypeScript()
     raise KeyError(name)
+
+
+def offered_language(name: str, settings: Settings) -> Language:
+    """The language ``name`` if STUDIO_CODE_LANGUAGES offers it; raises CodeInvalid saying
+    what is offered. Loads that language only (no runtime, no other language's checker)."""
+    if name not in settings.languages:
+        offered = ", ".join(settings.languages) or "none"
+        raise CodeInvalid(
+            f"{name} Code nodes are not offered here (STUDIO_CODE_LANGUAGES={offered}): "
+            f"rewrite the node in an offered language or add {name} to "
+            "STUDIO_CODE_LANGUAGES."
+        )
+    return get_language(name)

@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from executor.languages.ts_imports import Problem
-from executor.models import CodeErrorInfo, CodeJob, Limits
-from executor.settings import Settings
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: a save-time check loads none of them
+    from executor.models import CodeErrorInfo, CodeJob, Limits
     from executor.runtimes.base import RawRun
+    from executor.settings import Settings
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A reason the code may not be saved, at a 1-based line of the user's code (0: none)."""
+
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}" if self.line else self.message
 
 
 class Language(ABC):

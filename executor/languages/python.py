@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from executor.languages.base import Language, Problem
-from executor.models import Limits
-from executor.settings import Settings
+
+if TYPE_CHECKING:
+    from executor.models import Limits
+    from executor.settings import Settings
 
 RUNNER_SOURCE = (Path(__file__).parent / "python_runner.py").read_text(encoding="utf-8")
 # Flags as arguments too: in subprocess mode the environment is empty.

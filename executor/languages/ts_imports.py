@@ -17,10 +17,23 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final, Literal, NoReturn
+from typing import Final, Literal
 
 import tree_sitter
 import tree_sitter_typescript
+
+# Problem lives with the languages, the package list's parser in executor.packages (so
+# Settings loads no tree-sitter); their names stay importable from here.
+from executor.languages.base import Problem
+from executor.packages import (
+    DEFAULT_TS_PACKAGES,
+    NAME_PART,
+    REGISTRIES,
+    SCHEME_RE,
+    SETTING_REASONS,
+    PackageSpec,
+    parse_packages,
+)
 
 __all__ = [
     "ALLOWED_LIST",
@@ -36,10 +49,6 @@ __all__ = [
     "find_imports",
     "parse_packages",
 ]
-
-#: Default of the ``STUDIO_CODE_TS_PACKAGES`` setting; ``docker/studio-code-ts/deps.ts`` must
-#: import exactly these packages (a test checks it), since that file fills the image's cache.
-DEFAULT_TS_PACKAGES: Final = "npm:zod@3,npm:date-fns@4"
 
 #: The reasons a code node is refused, as format strings. Their text is part of the contract:
 #: admins see them in the CODE_INVALID error, and the tests check each one exactly.
@@ -80,39 +89,19 @@ REASONS: Final[Mapping[str, str]] = MappingProxyType(
 ALLOWED_LIST: Final = "allowed: {specs}"
 ALLOWED_NONE: Final = "no package is allowed (STUDIO_CODE_TS_PACKAGES is empty)"
 
-#: Reasons ``parse_packages`` gives for a bad ``STUDIO_CODE_TS_PACKAGES`` entry.
-SETTING_REASONS: Final[Mapping[str, str]] = MappingProxyType(
-    {
-        "entry": (
-            "STUDIO_CODE_TS_PACKAGES entry '{entry}' {problem}: write each package as"
-            " npm:name@major, e.g. npm:zod@3"
-        ),
-        "no_registry": "has no registry",
-        "registry": "has the unsupported registry '{registry}' (use npm or jsr)",
-        "name": "has an invalid package name '{name}'",
-        "jsr_scope": "names a jsr package without a scope (jsr names are @scope/name)",
-        "unpinned": "is not pinned",
-        "not_a_major": "is not pinned to a major version ('{version}' is not a plain major number)",
-        "duplicate": "repeats the package {package}, which is already listed",
-    }
-)
-
-_REGISTRIES: Final = ("npm", "jsr")
+_REGISTRIES: Final = REGISTRIES
 _FORMS: Final = {"npm": "npm:name@major", "jsr": "jsr:@scope/name@major"}
-# npm's name rules, loosely: no leading dot/underscore, no spaces or slashes inside a part.
-_NAME_PART: Final = r"[A-Za-z0-9~][A-Za-z0-9._~-]*"
-_NAME_RE: Final = re.compile(rf"(?:@{_NAME_PART}/)?{_NAME_PART}")
+_NAME_PART: Final = NAME_PART
 _PACKAGE_RE: Final = re.compile(
     rf"(?P<name>(?:@{_NAME_PART}/)?{_NAME_PART})(?:@(?P<version>[^/]*))?(?P<subpath>/.*)?",
     re.DOTALL,
 )
-_MAJOR_RE: Final = re.compile(r"0|[1-9][0-9]*")
 # A concrete version (3, 3.25, 3.25.1, 3.0.0-beta.1): anything else is a range or a dist-tag.
 _EXACT_VERSION_RE: Final = re.compile(
     r"(?P<major>0|[1-9][0-9]*)"
     r"(?:\.(?:0|[1-9][0-9]*)(?:\.(?:0|[1-9][0-9]*)(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)?)?"
 )
-_SCHEME_RE: Final = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):")
+_SCHEME_RE: Final = SCHEME_RE
 # A data: URL can be as long as the code itself; the reason only needs to identify it.
 _MAX_SHOWN: Final = 80
 
@@ -147,18 +136,6 @@ _TYPE_ONLY_DECLARATIONS: Final = frozenset(
 
 
 @dataclass(frozen=True)
-class PackageSpec:
-    """One allowed package: ``npm:zod@3`` is ``PackageSpec("npm", "zod", 3)``."""
-
-    registry: str
-    name: str
-    major: int
-
-    def __str__(self) -> str:
-        return f"{self.registry}:{self.name}@{self.major}"
-
-
-@dataclass(frozen=True)
 class ImportRef:
     """A module the code imports, as written, with the 1-based line of its specifier.
 
@@ -172,69 +149,6 @@ class ImportRef:
     specifier: str | None
     line: int
     kind: ImportKind
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A reason the code may not be saved, at a 1-based line of the user's code (0: none)."""
-
-    line: int
-    message: str
-
-    def __str__(self) -> str:
-        return f"line {self.line}: {self.message}" if self.line else self.message
-
-
-def parse_packages(value: str) -> tuple[PackageSpec, ...]:
-    """Parse ``STUDIO_CODE_TS_PACKAGES``, e.g. ``'npm:zod@3,npm:date-fns@4'``.
-
-    Blank entries are ignored and ``''`` gives ``()``, which allows no package. Raises
-    ValueError with a sentence naming the bad entry and the expected form, e.g.
-    "STUDIO_CODE_TS_PACKAGES entry 'npm:zod' is not pinned: write each package as
-    npm:name@major, e.g. npm:zod@3".
-    """
-    specs: list[PackageSpec] = []
-    seen: set[tuple[str, str]] = set()
-    for raw in value.split(","):
-        entry = raw.strip()
-        if not entry:
-            continue
-        spec = _parse_entry(entry)
-        if (spec.registry, spec.name) in seen:
-            package = f"{spec.registry}:{spec.name}"
-            _bad_entry(entry, "duplicate", package=package)
-        seen.add((spec.registry, spec.name))
-        specs.append(spec)
-    return tuple(specs)
-
-
-def _parse_entry(entry: str) -> PackageSpec:
-    scheme = _SCHEME_RE.match(entry)
-    if scheme is None:
-        _bad_entry(entry, "no_registry")
-    registry = scheme["scheme"]
-    if registry not in _REGISTRIES:
-        _bad_entry(entry, "registry", registry=registry)
-    rest = entry[scheme.end() :]
-    # The version follows the last "@"; a scoped name's own "@" is always first.
-    name, at, pinned = rest.rpartition("@")
-    version: str | None = pinned
-    if not at or not name:
-        name, version = rest, None
-    if not _NAME_RE.fullmatch(name):
-        _bad_entry(entry, "name", name=name)
-    if registry == "jsr" and not name.startswith("@"):
-        _bad_entry(entry, "jsr_scope")
-    if version is None or version == "":
-        _bad_entry(entry, "unpinned")
-    if not _MAJOR_RE.fullmatch(version):
-        _bad_entry(entry, "not_a_major", version=version)
-    return PackageSpec(registry, name, int(version))
-
-
-def _bad_entry(entry: str, problem: str, **fields: str) -> NoReturn:
-    detail = SETTING_REASONS[problem].format(**fields)
-    raise ValueError(SETTING_REASONS["entry"].format(entry=entry, problem=detail))
 
 
 def find_imports(code: str) -> list[ImportRef]:

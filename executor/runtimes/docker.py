@@ -22,6 +22,7 @@ from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
 from executor.runtimes.base import POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime, owner_id
+from executor.runtimes.constants import KILL_GRACE_S
 from executor.runtimes.seccomp import profile_json
 from executor.settings import Settings, sandbox_ids
 
@@ -32,7 +33,6 @@ LABEL_OWNER = "studio.owner"
 LABEL_DEADLINE = "studio.deadline"  # epoch seconds after which any reaper may remove it
 LABEL_LANGUAGE = "studio.language"
 TMPFS_SIZE = "64m"
-KILL_GRACE_S = 10.0
 
 
 def sandbox_policy(

@@ -1,0 +1,111 @@
+"""What a call is given, checked by one rule at every door: the state and the timeout.
+
+The CLI (``studio-code run`` / ``submit``), ``CodeClient`` (and through it the HTTP routes)
+and the executor's own last check (``Executor.check_job``) all call these functions, so a
+state that one entry point accepts is never refused by another. Standard library only: the
+CLI checks its arguments before it loads anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, NoReturn
+
+from executor.errors import CodeInvalid
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "true or false", type(None): "null"}
+
+
+def state_json(value: Any, *, max_bytes: int, source: str = "The state") -> str:
+    """The state as JSON text for the sandbox.
+
+    ``value`` is JSON text (``str`` or UTF-8 ``bytes``, checked and passed on untouched), a
+    JSON-serialisable value (serialised), or None (``{}``). Raises CodeInvalid, with a
+    sentence that starts with ``source`` (``--state``, ``The state``), when it is not JSON,
+    holds NaN or Infinity (JSON has neither; HTTP refuses them), is not a JSON object at the
+    top (the node's ``main`` gets an object, as the HTTP body requires), or is larger than
+    ``max_bytes`` (STUDIO_CODE_STATE_MAX_BYTES) in UTF-8.
+    """
+    if value is None:
+        return "{}"
+    if isinstance(value, bytes | bytearray):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CodeInvalid(f"{source} is not UTF-8 text: {e}. Pass JSON.") from e
+    if isinstance(value, str):
+        text = value
+        try:
+            parsed = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        except ValueError as e:
+            raise CodeInvalid(f"{source} is not valid JSON: {e}. Pass a JSON object.") from e
+    else:
+        parsed = value
+        try:
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CodeInvalid(
+                f"{source} cannot be sent as JSON: {e}. Pass only JSON values (objects, "
+                "arrays, strings, numbers, true/false/null)."
+            ) from e
+    if not isinstance(parsed, dict):
+        kind = _JSON_KINDS.get(type(parsed), type(parsed).__name__)
+        raise CodeInvalid(
+            f"{source} is {kind}, not a JSON object: pass an object such as "
+            '{"items": [1, 2]} (the node\'s main gets it as its state).'
+        )
+    check_state_size(text, max_bytes=max_bytes, source=source)
+    return text
+
+
+def check_state_size(text: str, *, max_bytes: int, source: str = "The state") -> None:
+    """Raises CodeInvalid when the state JSON is larger than STUDIO_CODE_STATE_MAX_BYTES or
+    holds a lone surrogate (not valid Unicode, so it could never reach the sandbox)."""
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise CodeInvalid(
+            f"{source} holds a lone surrogate, which is not valid Unicode: send the state as "
+            "well-formed UTF-8 JSON."
+        ) from None
+    if size > max_bytes:
+        raise CodeInvalid(
+            f"{source} is {size} bytes, more than STUDIO_CODE_STATE_MAX_BYTES={max_bytes}: "
+            "pass less data to the node."
+        )
+
+
+def timeout_s(value: float | str | None, *, max_seconds: float, source: str = "timeout_s"
+              ) -> float:
+    """A node's timeout in seconds: ``None`` gives STUDIO_CODE_MAX_SECONDS; otherwise a
+    finite number above 0 (text such as ``"2.5"`` is read), capped by ``max_seconds`` (a
+    request can lower the limit, never raise it). Raises CodeInvalid otherwise."""
+    if value is None:
+        return float(max_seconds)
+    seconds: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
+        try:
+            seconds = float(value.strip())
+        except ValueError:
+            seconds = None
+    if seconds is None or not math.isfinite(seconds) or not seconds > 0:
+        raise CodeInvalid(
+            f"{source}={value!r} is not a timeout: give a number of seconds above 0 (at most "
+            f"STUDIO_CODE_MAX_SECONDS={max_seconds:g} is used), or none for that cap."
+        )
+    return min(seconds, float(max_seconds))
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text} is too large for a JSON number")
+    return number

@@ -1,0 +1,116 @@
+"""The TypeScript package list: ``STUDIO_CODE_TS_PACKAGES`` and its parser.
+
+A list such as ``npm:zod@3,npm:date-fns@4`` names the only packages a TypeScript node may
+import, each pinned to a major. Settings parse it at start-up; the save-time check
+(``executor.languages.ts_imports``) compares a node's imports with it. This module is apart
+from that check so that reading the settings loads no TypeScript parser.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final, NoReturn
+
+__all__ = [
+    "DEFAULT_TS_PACKAGES",
+    "SETTING_REASONS",
+    "PackageSpec",
+    "parse_packages",
+]
+
+#: Default of the ``STUDIO_CODE_TS_PACKAGES`` setting; ``docker/studio-code-ts/deps.ts`` must
+#: import exactly these packages (a test checks it), since that file fills the image's cache.
+DEFAULT_TS_PACKAGES: Final = "npm:zod@3,npm:date-fns@4"
+
+#: Reasons ``parse_packages`` gives for a bad ``STUDIO_CODE_TS_PACKAGES`` entry.
+SETTING_REASONS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "entry": (
+            "STUDIO_CODE_TS_PACKAGES entry '{entry}' {problem}: write each package as"
+            " npm:name@major, e.g. npm:zod@3"
+        ),
+        "no_registry": "has no registry",
+        "registry": "has the unsupported registry '{registry}' (use npm or jsr)",
+        "name": "has an invalid package name '{name}'",
+        "jsr_scope": "names a jsr package without a scope (jsr names are @scope/name)",
+        "unpinned": "is not pinned",
+        "not_a_major": "is not pinned to a major version ('{version}' is not a plain major number)",
+        "duplicate": "repeats the package {package}, which is already listed",
+    }
+)
+
+#: The registries a package may come from.
+REGISTRIES: Final = ("npm", "jsr")
+# npm's name rules, loosely: no leading dot/underscore, no spaces or slashes inside a part.
+NAME_PART: Final = r"[A-Za-z0-9~][A-Za-z0-9._~-]*"
+_NAME_RE: Final = re.compile(rf"(?:@{NAME_PART}/)?{NAME_PART}")
+_MAJOR_RE: Final = re.compile(r"0|[1-9][0-9]*")
+#: A specifier's scheme (``npm:``, ``jsr:``, ``https:``...).
+SCHEME_RE: Final = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):")
+
+
+@dataclass(frozen=True)
+class PackageSpec:
+    """One allowed package: ``npm:zod@3`` is ``PackageSpec("npm", "zod", 3)``."""
+
+    registry: str
+    name: str
+    major: int
+
+    def __str__(self) -> str:
+        return f"{self.registry}:{self.name}@{self.major}"
+
+
+def parse_packages(value: str) -> tuple[PackageSpec, ...]:
+    """Parse ``STUDIO_CODE_TS_PACKAGES``, e.g. ``'npm:zod@3,npm:date-fns@4'``.
+
+    Blank entries are ignored and ``''`` gives ``()``, which allows no package. Raises
+    ValueError with a sentence naming the bad entry and the expected form, e.g.
+    "STUDIO_CODE_TS_PACKAGES entry 'npm:zod' is not pinned: write each package as
+    npm:name@major, e.g. npm:zod@3".
+    """
+    specs: list[PackageSpec] = []
+    seen: set[tuple[str, str]] = set()
+    for raw in value.split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        spec = _parse_entry(entry)
+        if (spec.registry, spec.name) in seen:
+            package = f"{spec.registry}:{spec.name}"
+            _bad_entry(entry, "duplicate", package=package)
+        seen.add((spec.registry, spec.name))
+        specs.append(spec)
+    return tuple(specs)
+
+
+def _parse_entry(entry: str) -> PackageSpec:
+    scheme = SCHEME_RE.match(entry)
+    if scheme is None:
+        _bad_entry(entry, "no_registry")
+    registry = scheme["scheme"]
+    if registry not in REGISTRIES:
+        _bad_entry(entry, "registry", registry=registry)
+    rest = entry[scheme.end() :]
+    # The version follows the last "@"; a scoped name's own "@" is always first.
+    name, at, pinned = rest.rpartition("@")
+    version: str | None = pinned
+    if not at or not name:
+        name, version = rest, None
+    if not _NAME_RE.fullmatch(name):
+        _bad_entry(entry, "name", name=name)
+    if registry == "jsr" and not name.startswith("@"):
+        _bad_entry(entry, "jsr_scope")
+    if version is None or version == "":
+        _bad_entry(entry, "unpinned")
+    if not _MAJOR_RE.fullmatch(version):
+        _bad_entry(entry, "not_a_major", version=version)
+    return PackageSpec(registry, name, int(version))
+
+
+def _bad_entry(entry: str, problem: str, **fields: str) -> NoReturn:
+    detail = SETTING_REASONS[problem].format(**fields)
+    raise ValueError(SETTING_REASONS["entry"].format(entry=entry, problem=detail))

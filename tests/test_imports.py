@@ -1,0 +1,108 @@
+"""Imports follow the layers and load only what a command needs, each checked in a fresh
+interpreter (by ``sys.modules``), so a stray top-level import cannot creep back in:
+``studio-code --help`` and ``validate`` of a Python file load no database driver, Redis,
+Celery, Docker SDK or tree-sitter; ``run`` loads no queue or store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("sqlalchemy", "redis", "celery", "kombu", "docker", "requests", "tree_sitter")
+#: the queue and the run store, which `studio-code run` (no queue) must not load
+QUEUE_AND_STORE = ("sqlalchemy", "redis", "celery", "kombu", "psycopg", "executor.store",
+                   "worker", "api_client.client")
+
+
+def loaded_after(script: str, env: dict[str, str] | None = None) -> set[str]:
+    """The modules (top-level names and dotted names) a fresh interpreter holds after
+    running ``script``, which may print to stdout (it is set aside)."""
+    probe = textwrap.dedent(script) + textwrap.dedent("""
+        import sys as _sys, json as _json
+        _sys.__stdout__.write("\\n@@MODULES@@" + _json.dumps(sorted(_sys.modules)) + "\\n")
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = json.loads(proc.stdout.rsplit("@@MODULES@@", 1)[1])
+    return set(names) | {n.split(".")[0] for n in names}
+
+
+def loaded_of(modules: set[str], wanted: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in modules if m in wanted)
+
+
+@pytest.mark.parametrize("module", ["api_client.cli", "worker.protocol", "api_client",
+                                    "executor.settings", "executor.inputs"])
+def test_importing_loads_nothing_heavy(module):
+    assert loaded_of(loaded_after(f"import {module}"), HEAVY) == []
+
+
+def test_the_package_still_exports_every_name_on_first_use():
+    mods = loaded_after("""
+        import api_client
+        from api_client import CodeClient, JobRecord, Status, CodeInvalid
+        from api_client.client import CodeClient as Direct
+        assert CodeClient is Direct and api_client.CodeClient is Direct
+        assert set(api_client.__all__) <= set(dir(api_client))
+        for name in api_client.__all__:
+            getattr(api_client, name)
+        try:
+            api_client.Nope
+        except AttributeError:
+            pass
+        else:
+            raise SystemExit("api_client.Nope did not raise AttributeError")
+    """)
+    assert "redis" in mods  # CodeClient was really loaded, on use
+
+
+def test_help_loads_nothing_heavy_nor_pydantic():
+    mods = loaded_after("""
+        from api_client.cli import main
+        try:
+            main(["--help"])
+        except SystemExit as e:
+            assert e.code == 0
+    """)
+    assert loaded_of(mods, (*HEAVY, "pydantic", "executor.settings")) == []
+
+
+def test_validate_of_a_python_file_loads_nothing_heavy(tmp_path):
+    node = tmp_path / "node.py"
+    node.write_text("def main(state):\n    return 1\n")
+    mods = loaded_after(f"""
+        from api_client.cli import main
+        assert main(["validate", {str(node)!r}]) == 0
+    """)
+    assert loaded_of(mods, HEAVY) == []
+
+
+def test_run_loads_no_queue_and_no_store(tmp_path):
+    node = tmp_path / "node.py"
+    node.write_text("def main(state):\n    return state['n'] + 1\n")
+    mods = loaded_after(f"""
+        from api_client.cli import main
+        assert main(["run", {str(node)!r}, "--state", '{{"n": 1}}']) == 0
+    """, env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "subprocess"})
+    assert "executor.service" in mods  # it did run
+    assert loaded_of(mods, QUEUE_AND_STORE) == []
+
+
+def test_executor_never_imports_worker_or_api_client():
+    mods = loaded_after("""
+        import pkgutil, importlib, executor
+        for m in pkgutil.walk_packages(executor.__path__, "executor."):
+            if not m.name.endswith("_runner"):  # the sandbox's script, not a module
+                importlib.import_module(m.name)
+    """)
+    assert sorted(m for m in mods if m.split(".")[0] in ("worker", "api_client")) == []
