@@ -217,6 +217,30 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if ok else 1
 
 
+def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
+    """Run history from the run store, newest first: ONE JSON object with ``runs`` and
+    ``next_cursor`` (pass it to --cursor for the next page)."""
+    from datetime import datetime
+
+    from api_client.client import CodeClient
+
+    try:
+        since = datetime.fromisoformat(args.since) if args.since else None
+        until = datetime.fromisoformat(args.until) if args.until else None
+        with CodeClient(settings) as client:
+            page = client.list_runs(
+                user=args.user, status=args.status or None, language=args.language,
+                code_runtime=args.code_runtime, kind=args.kind, since=since, until=until,
+                limit=args.limit, cursor=args.cursor)
+    except ValueError as e:
+        _print({"runs": [], "next_cursor": None,
+                "error": {"code": "REQUEST_INVALID", "message": str(e)}})
+        return 1
+    _print({"runs": [r.model_dump(mode="json") for r in page.runs],
+            "next_cursor": page.next_cursor, "error": None})
+    return 0
+
+
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     """Run a Celery worker (``celery -A worker worker`` with this process's Settings). Its
     banner and logs go to stderr; ONE JSON object goes to stdout when it stops."""
@@ -278,6 +302,21 @@ def _queue_commands(sub: Any) -> None:
     cancel = sub.add_parser("cancel", help="cancel a queued or running job")
     cancel.add_argument("job_id")
     cancel.set_defaults(handler=cmd_cancel)
+
+    runs = sub.add_parser("runs", help="run history, newest first (filters, pages)")
+    runs.add_argument("--user", help="only this user's runs")
+    runs.add_argument("--status", action="append",
+                      choices=["queued", "running", "cancelling", "succeeded", "failed",
+                               "timed_out", "cancelled", "invalid"],
+                      help="only this status (repeat for several)")
+    runs.add_argument("--language", choices=["python", "typescript"])
+    runs.add_argument("--code-runtime", choices=["docker", "subprocess"])
+    runs.add_argument("--kind", choices=["run", "test"])
+    runs.add_argument("--since", help="queued at or after (ISO 8601; no zone: UTC)")
+    runs.add_argument("--until", help="queued before (ISO 8601; no zone: UTC)")
+    runs.add_argument("--limit", type=int, default=50, help="runs per page (1-200)")
+    runs.add_argument("--cursor", help="next_cursor of the previous page")
+    runs.set_defaults(handler=cmd_runs)
 
     worker = sub.add_parser(
         "worker", help="run a worker: celery worker arguments follow (-c, -n, --loglevel...)",

@@ -15,9 +15,12 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from pydantic import BaseModel
 
 from executor.errors import (
     CodeInvalid,
@@ -29,7 +32,15 @@ from executor.languages.base import Problem
 from executor.models import CodeJob, CodeResult, Kind, Status
 from executor.service import Executor
 from executor.settings import Settings
-from executor.store import JobRecord, RunStore, open_store
+from executor.store import (
+    JobRecord,
+    RunFilter,
+    RunStore,
+    RunSummary,
+    decode_cursor,
+    encode_cursor,
+    open_store,
+)
 from worker.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
@@ -44,6 +55,9 @@ from worker.protocol import (
 )
 
 log = logging.getLogger("studio_code.api_client")
+
+#: most runs one page of the history holds
+RUNS_PAGE_MAX = 200
 
 RATE_WINDOW_S = 60
 WAIT_SLICE_S = 1.0  # wait() re-reads the store at least this often
@@ -66,6 +80,19 @@ end
 local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
 return {0, tonumber(oldest[2]) + window_us - now}
 """
+
+
+class RunPage(BaseModel):
+    """One page of run history, newest first; ``next_cursor`` is None on the last page."""
+
+    runs: list[RunSummary]
+    next_cursor: str | None = None
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
 
 
 class JobNotFound(LookupError):
@@ -204,6 +231,41 @@ class CodeClient:
             except redis.RedisError:
                 woke = False
                 time.sleep(min(max(left, 0), 0.2))
+
+    def list_runs(
+        self,
+        *,
+        user: str | None = None,
+        status: Iterable[Status | str] | None = None,
+        language: str | None = None,
+        code_runtime: str | None = None,
+        kind: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> RunPage:
+        """Run history, newest first: summaries (no code, state, output or logs) matching
+        every filter given, at most ``limit`` (1..RUNS_PAGE_MAX) per page. Pass the page's
+        ``next_cursor`` back as ``cursor`` for the next one (None: no more). Naive datetimes
+        are UTC. Raises ValueError for a bad filter or cursor, with the reason."""
+        if not 1 <= int(limit) <= RUNS_PAGE_MAX:
+            raise ValueError(f"limit={limit} is out of range: give 1 to {RUNS_PAGE_MAX}.")
+        try:
+            statuses = tuple(Status(s) for s in status) if status else None
+        except ValueError:
+            raise ValueError(f"status={list(status or [])!r} has an unknown value: use "
+                             f"{', '.join(s.value for s in Status)}.") from None
+        where = RunFilter(
+            user=user, status=statuses, language=language,  # type: ignore[arg-type]
+            code_runtime=code_runtime, kind=kind,  # type: ignore[arg-type]
+            since=_aware(since), until=_aware(until),
+        )
+        before = decode_cursor(cursor) if cursor else None
+        rows = self.store.list_runs(where, limit=int(limit) + 1, before=before)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return RunPage(runs=rows, next_cursor=encode_cursor(rows[-1]) if more else None)
 
     def cancel(self, job_id: str) -> Status:
         """Cancel a job: the intent goes to the run store FIRST (a queued job is cancelled

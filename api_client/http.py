@@ -528,6 +528,9 @@ def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
     )
     app.state.studio_code = services
     app.include_router(router)
+    from api_client import routes_runs
+
+    app.include_router(routes_runs.router)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:

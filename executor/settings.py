@@ -113,6 +113,23 @@ class Settings(BaseSettings):
         "stuck running.",
     )
 
+    runs_keep_days: float = Field(
+        30, ge=0, le=36500,
+        description="Days a finished run stays in the run store (then the worker's janitor "
+        "deletes it, in small batches); 0 keeps runs forever.",
+    )
+    runs_payload_keep_days: float = Field(
+        7, ge=0, le=36500,
+        description="Days a finished run keeps its code, state, output and logs (then they "
+        "are cleared; status, error, timings and trace stay until STUDIO_RUNS_KEEP_DAYS); 0 "
+        "keeps them as long as the run.",
+    )
+    retention_batch_rows: int = Field(
+        500, ge=10, le=100_000,
+        description="Rows the janitor deletes or clears per transaction (at most 20 "
+        "transactions per sweep), so a retention pass never holds the store for long.",
+    )
+
     @field_validator("code_memory")
     @classmethod
     def _memory(cls, v: str) -> str:

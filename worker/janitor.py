@@ -33,6 +33,7 @@ from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
+from worker.retention import apply_retention
 
 log = logging.getLogger("studio_code.worker")
 
@@ -101,6 +102,7 @@ class Janitor:
         )
         if failed:
             log.warning("reaper: jobs stuck running ended failed: %s", ", ".join(failed))
+        apply_retention(self.store, self.settings)
         return {"reaped": reaped, "failed": failed}
 
     def reap_sandboxes(self) -> list[str]:

@@ -14,7 +14,12 @@ from executor.store.base import (
     WORKER_STOPPED,
     AuditEntry,
     JobRecord,
+    PruneReport,
+    RunFilter,
     RunStore,
+    RunSummary,
+    decode_cursor,
+    encode_cursor,
 )
 from executor.store.sql import SqlRunStore
 
@@ -31,7 +36,12 @@ __all__ = [
     "WORKER_STOPPED",
     "AuditEntry",
     "JobRecord",
+    "PruneReport",
+    "RunFilter",
     "RunStore",
+    "RunSummary",
+    "decode_cursor",
+    "encode_cursor",
     "SqlRunStore",
     "open_store",
 ]

@@ -15,6 +15,9 @@ A finished row (succeeded, failed, timed_out, cancelled, invalid) is never chang
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from datetime import datetime
@@ -74,6 +77,7 @@ class JobRecord(BaseModel):
     finished_at: datetime | None = None
     worker: str | None = None
     attempts: int = 0
+    pruned_at: datetime | None = None  # retention cleared code, state, output and logs
 
     @property
     def finished(self) -> bool:
@@ -98,6 +102,56 @@ class JobRecord(BaseModel):
             warnings=list(self.warnings),
             trace=list(self.trace),
         )
+
+
+class RunSummary(BaseModel):
+    """One run as the history lists it: no code, state, output or logs (those stay in
+    ``get``). Datetimes are timezone-aware UTC."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    status: Status
+    kind: Kind = "run"
+    user: str = ""
+    language: Language = "python"
+    code_runtime: str = ""
+    runtime: str | None = None
+    error: CodeErrorInfo | None = None
+    duration_ms: float | None = None
+    queued_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    worker: str | None = None
+    attempts: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+
+class RunFilter(BaseModel):
+    """What ``list_runs`` keeps: every given field must match (None: any)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    user: str | None = None
+    status: tuple[Status, ...] | None = None
+    language: Language | None = None
+    code_runtime: str | None = None
+    kind: Kind | None = None
+    since: datetime | None = None  # queued_at >= since
+    until: datetime | None = None  # queued_at < until
+
+
+class PruneReport(BaseModel):
+    """What one ``prune`` call did: rows deleted, payloads cleared, batches run (each one
+    short transaction of at most ``batch`` rows)."""
+
+    deleted: int = 0
+    payloads_cleared: int = 0
+    batches: int = 0
+    max_batch_rows: int = 0
 
 
 class AuditEntry(BaseModel):
@@ -172,6 +226,32 @@ class RunStore(ABC):
         """Audit events, newest first, optionally of one event name."""
 
     @abstractmethod
+    def list_runs(
+        self, where: RunFilter, *, limit: int = 50, before: tuple[datetime, str] | None = None
+    ) -> list[RunSummary]:
+        """Runs matching ``where``, newest first by (queued_at, job_id), at most ``limit``,
+        starting strictly after the cursor ``before`` (the last row of the previous page)."""
+
+    @abstractmethod
+    def oldest_queued_at(self) -> datetime | None:
+        """When the oldest job still ``queued`` was queued (None when none is)."""
+
+    @abstractmethod
+    def prune(
+        self,
+        *,
+        runs_before: datetime | None,
+        payloads_before: datetime | None,
+        batch: int = 500,
+        max_batches: int = 20,
+    ) -> PruneReport:
+        """Retention: finished runs that finished before ``runs_before`` are deleted; the
+        code, state, output and logs of finished runs that finished before
+        ``payloads_before`` are cleared (the row, its status, error, timings and trace
+        stay). At most ``batch`` rows per transaction and ``max_batches`` transactions per
+        call, so a writer never waits long behind it; call again for more."""
+
+    @abstractmethod
     def counts_by_status(self) -> dict[str, int]:
         """Number of jobs per status; every Status value is present (0 when none)."""
 
@@ -189,3 +269,24 @@ class RunStore(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def encode_cursor(row: RunSummary) -> str:
+    """The opaque cursor of the page after ``row`` (the last row of a page)."""
+    raw = json.dumps([row.queued_at.isoformat(), row.job_id], separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """(queued_at, job_id) of a cursor from ``encode_cursor``; ValueError when it is not one."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        at_text, job_id = json.loads(raw)
+        at = datetime.fromisoformat(at_text)
+        if at.tzinfo is None or not isinstance(job_id, str):
+            raise ValueError
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+        raise ValueError(
+            "not a cursor of this API: pass next_cursor from the previous page as it came"
+        ) from None
+    return at, job_id
