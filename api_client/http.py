@@ -548,10 +548,14 @@ def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
         return JSONResponse({"ok": ok, "checks": checks}, status_code=200 if ok else 503)
 
     registry = _metrics_registry()
+    from api_client.http_metrics import instrument
+
+    queue_registry = instrument(app, services)
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(registry) + generate_latest(queue_registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

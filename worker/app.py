@@ -86,7 +86,7 @@ def worker_app(settings: Settings) -> Celery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker import janitor, slots, tasks
+    from worker import janitor, outcomes, slots, tasks
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -101,6 +101,7 @@ def worker_app(settings: Settings) -> Celery:
     app.steps["consumer"].add(slots.CodeTestConsumer)
     app.steps["worker"].add(janitor.JanitorStep)
     tasks.connect_process_signals()
+    outcomes.register_inspect_commands()
     _connect_metrics(settings)
     return app
 

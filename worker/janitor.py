@@ -32,6 +32,7 @@ from executor.runtimes.docker import KILL_GRACE_S, LABEL_DEADLINE, LABEL_JOB, LA
 from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
+from worker.outcomes import cancel_on_terminate
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
 from worker.retention import apply_retention
 
@@ -178,11 +179,16 @@ class Janitor:
             log.exception("backstop for job %s failed", job_id)
 
 
-def guard_terminate(pool: Any) -> None:
-    """Send the cancel signal without billiard's "terminated" bookkeeping (see above)."""
+def guard_terminate(pool: Any, store: RunStore | None = None) -> None:
+    """Send the cancel signal without billiard's "terminated" bookkeeping (see above); with
+    ``store``, any other terminate of a process running a job is carried out as a cancel
+    (worker.outcomes.cancel_on_terminate)."""
     original = pool.terminate_job
 
     def terminate_job(pid: int, signal: Any = None) -> Any:
+        if (signal is not None and int(signal) != int(CANCEL_SIGNAL) and store is not None
+                and cancel_on_terminate(store, pid, int(signal))):
+            return None
         if signal is not None and int(signal) == int(CANCEL_SIGNAL):
             try:
                 os.kill(pid, int(signal))
@@ -211,9 +217,9 @@ class JanitorStep(bootsteps.StartStopStep):
         settings = getattr(w.app, "studio_settings", None)
         if settings is None:
             return
-        if w.pool is not None and hasattr(w.pool, "terminate_job"):
-            guard_terminate(w.pool)
         self.janitor = Janitor(settings, w.hostname)
+        if w.pool is not None and hasattr(w.pool, "terminate_job"):
+            guard_terminate(w.pool, self.janitor.store)
         signals.task_revoked.connect(self.janitor.on_revoked, weak=False)
         self.janitor.start()
 

@@ -33,6 +33,7 @@ from executor.settings import Settings
 from executor.store import JobRecord, RunStore, open_store
 from worker import metrics
 from worker.cancel import CancelWatch
+from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (
     CANCEL_SIGNAL,
     DONE_TTL_S,
@@ -155,6 +156,7 @@ def register(app: Celery) -> None:
         ignore_result=True,
         # Never retried by Celery: a job either ran (result in the store) or did not.
         max_retries=0,
+        throws=(NodeFailed,),  # a failed node is an expected outcome, not a worker error
     )(run_job)
 
 
@@ -166,9 +168,11 @@ def run_job(task: Task, job_id: str) -> str:
     worker = f"{request.hostname}:{os.getpid()}"
     queue = (request.delivery_info or {}).get("routing_key") or QUEUE_RUN
     try:
-        return _run(state, job_id, worker, queue)
+        outcome = _run(state, job_id, worker, queue)
     finally:
         state.notify_done(job_id)
+    report_outcome(state.store, job_id)  # failed: NodeFailed, cancelled: Ignore (Celery's view)
+    return outcome
 
 
 def _run(state: ProcessState, job_id: str, worker: str, queue: str) -> str:

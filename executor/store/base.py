@@ -187,6 +187,12 @@ class RunStore(ABC):
                 out[job_id] = rec
         return out
 
+    def get_summary(self, job_id: str) -> RunSummary | None:
+        """The job without its code, state, output or logs; None if unknown."""
+        rec = self.get(job_id)
+        return None if rec is None else RunSummary(**rec.model_dump(
+            include=set(RunSummary.model_fields)))
+
     @abstractmethod
     def claim(self, job_id: str, worker: str) -> JobRecord | None:
         """queued -> running, or running -> running when redelivered (attempts += 1, new
@@ -233,8 +239,8 @@ class RunStore(ABC):
         starting strictly after the cursor ``before`` (the last row of the previous page)."""
 
     @abstractmethod
-    def oldest_queued_at(self) -> datetime | None:
-        """When the oldest job still ``queued`` was queued (None when none is)."""
+    def oldest_queued_at(self, kind: Kind | None = None) -> datetime | None:
+        """When the oldest job still ``queued`` (of this kind) was queued; None when none is."""
 
     @abstractmethod
     def prune(

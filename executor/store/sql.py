@@ -61,7 +61,15 @@ from sqlalchemy.pool import StaticPool
 from sqlalchemy.types import TypeDecorator
 
 from executor.errors import ErrorCode
-from executor.models import FINISHED, CodeErrorInfo, CodeJob, CodeResult, Status, TraceRow
+from executor.models import (
+    FINISHED,
+    CodeErrorInfo,
+    CodeJob,
+    CodeResult,
+    Kind,
+    Status,
+    TraceRow,
+)
 from executor.store.base import (
     CANCELLED_BEFORE_START,
     CANCELLED_WHILE_RUNNING,
@@ -403,6 +411,11 @@ class SqlRunStore(RunStore):
             row = conn.execute(select(jobs).where(jobs.c.job_id == job_id)).first()
         return None if row is None else _record(row)
 
+    def get_summary(self, job_id: str) -> RunSummary | None:
+        with self._read() as conn:
+            row = conn.execute(select(*_SUMMARY_COLUMNS).where(jobs.c.job_id == job_id)).first()
+        return None if row is None else _summary(row)
+
     def get_many(self, job_ids: Iterable[str]) -> dict[str, JobRecord]:
         ids = list(dict.fromkeys(job_ids))
         out: dict[str, JobRecord] = {}
@@ -610,8 +623,10 @@ class SqlRunStore(RunStore):
         with self._read() as conn:
             return [_summary(r) for r in conn.execute(stmt)]
 
-    def oldest_queued_at(self) -> datetime | None:
+    def oldest_queued_at(self, kind: Kind | None = None) -> datetime | None:
         stmt = select(func.min(jobs.c.queued_at)).where(jobs.c.status == Status.QUEUED.value)
+        if kind is not None:
+            stmt = stmt.where(jobs.c.kind == kind)
         with self._read() as conn:
             value: datetime | None = conn.execute(stmt).scalar_one_or_none()
         return value
