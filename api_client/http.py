@@ -519,6 +519,7 @@ def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
         services.close()
 
     app = FastAPI(
+        docs_url=None, redoc_url=None,  # served offline by api_client.docs
         lifespan=lifespan,
         title="studio-code",
         version="0.1.0",
@@ -528,9 +529,10 @@ def create_app(settings: Settings, *, client: Any = None) -> FastAPI:
     )
     app.state.studio_code = services
     app.include_router(router)
-    from api_client import routes_runs
+    from api_client import docs, routes_runs
 
     app.include_router(routes_runs.router)
+    docs.install_docs(app)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
