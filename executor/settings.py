@@ -53,7 +53,8 @@ class Settings(BaseSettings):
     code_image: str = Field("studio-code:1", description="The Python sandbox image.")
     code_packages: str = Field(
         "pydantic,python-dateutil",
-        description="Comma-separated packages of STUDIO_CODE_IMAGE, shown in the editor.",
+        description="Comma-separated packages of STUDIO_CODE_IMAGE, shown in the editor; "
+        "keep it equal to docker/studio-code/requirements.txt.",
     )
     code_memory: str = Field("256m", description="Memory per call (swap equal to memory).")
     code_cpus: float = Field(0.5, gt=0, le=64, description="CPU share per call.")
