@@ -73,8 +73,11 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from executor.service import Executor
 
     try:
+        from api_client.client import _memory_bytes
+
         job = CodeJob(language=_language(args), code=_read_code(args.file),
-                      state_json=_read_state(args), timeout_s=args.timeout)
+                      state_json=_read_state(args), timeout_s=args.timeout,
+                      memory_bytes=_memory_bytes(args.memory), cpus=args.cpus)
     except StudioCodeError as e:
         _print(_failure(e.code, e.message, "invalid", settings.code_runtime))
         return 1
@@ -128,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--state", help="the state as JSON (default {})")
     state.add_argument("--state-file", help="a file holding the state as JSON")
     run.add_argument("--timeout", type=float, help="seconds (capped by STUDIO_CODE_MAX_SECONDS)")
+    _limit_args(run)
 
     val = sub.add_parser("validate", help="the save-time check of a code node file")
     val.add_argument("file")
@@ -137,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     for extend in _EXTENSIONS:
         extend(sub)
     return p
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory", help="memory for this node, e.g. 512m (at most "
+                   "STUDIO_CODE_MAX_MEMORY; default STUDIO_CODE_MEMORY)")
+    p.add_argument("--cpus", type=float, help="CPU share for this node (at most "
+                   "STUDIO_CODE_MAX_CPUS; default STUDIO_CODE_CPUS)")
 
 
 #: other modules (the queue's commands) add subcommands here
@@ -164,7 +175,8 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     with CodeClient(settings) as client:
         try:
             job_id = client.submit(code, _language(args), state, timeout_s=args.timeout,
-                                   user=args.user, kind=args.kind)
+                                   user=args.user, kind=args.kind, memory=args.memory,
+                                   cpus=args.cpus)
         except StudioCodeError as e:
             status = "invalid" if e.code is ErrorCode.CODE_INVALID else "failed"
             out = _failure(e.code, e.message, status, settings.code_runtime)
@@ -290,6 +302,7 @@ def _queue_commands(sub: Any) -> None:
                         help="run: a workflow run (queue code.run); test: an editor test "
                         "call (queue code.test, rate limited per user)")
     submit.add_argument("--user", default="", help="who asks (editor test calls' limit)")
+    _limit_args(submit)
     submit.add_argument("--wait", action="store_true", help="wait for the result; print it")
     submit.add_argument("--wait-timeout", type=float, default=600.0,
                         help="seconds --wait waits at most (default 600)")

@@ -132,10 +132,15 @@ class CodeClient:
 
     # --- what may run ------------------------------------------------------------------
 
-    def validate(self, code: str, language: str) -> list[Problem]:
+    def validate(self, code: str, language: str, *, memory: str | int | None = None,
+                 cpus: float | None = None, timeout_s: float | None = None) -> list[Problem]:
         """The editor's save-time check: [] when the code may be saved. Raises CodeInvalid
-        for a language that is not offered."""
-        return self.executor.check_code(code, language)
+        for a language that is not offered, or for limits the node asks for over the
+        server's caps (STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS), naming the cap."""
+        problems = self.executor.check_code(code, language)
+        self.executor.check_limits(memory_bytes=_memory_bytes(memory), cpus=cpus,
+                                   timeout_s=timeout_s)
+        return problems
 
     def validate_node(self, language: str) -> None:
         """Workflow validation of a Code node: returns when it can run here, else raises
@@ -150,7 +155,7 @@ class CodeClient:
         return runtime_meta(self.executor, fresh=fresh)
 
     def _job(self, code: str, language: str, state: Any, timeout_s: float | None, user: str,
-             kind: str) -> CodeJob:
+             kind: str, memory: str | int | None = None, cpus: float | None = None) -> CodeJob:
         if kind not in ("run", "test"):
             raise CodeInvalid(f"kind={kind!r} is not a kind of call: use 'run' (a workflow "
                               "run) or 'test' (an editor test call).")
@@ -166,6 +171,8 @@ class CodeClient:
             timeout_s=self.executor.limits(timeout_s).timeout_s,  # capped now, stored so
             kind=kind,  # type: ignore[arg-type]
             user=user,
+            memory_bytes=_memory_bytes(memory),
+            cpus=cpus,
         )
         self.executor.check_job(job)
         return job
@@ -173,14 +180,17 @@ class CodeClient:
     # --- the queue ---------------------------------------------------------------------
 
     def submit(self, code: str, language: str = "python", state: Any = None,
-               timeout_s: float | None = None, user: str = "", kind: Kind = "run") -> str:
+               timeout_s: float | None = None, user: str = "", kind: Kind = "run", *,
+               memory: str | int | None = None, cpus: float | None = None) -> str:
         """Queue one Code-node call; returns its job id.
 
         ``state`` is any JSON-serialisable value, or JSON text (str/bytes). Raises
         CodeNodesDisabled, CodeInvalid (the save-time check, a bad state, a bad kind),
         RateLimited (an editor test call over STUDIO_CODE_TEST_PER_MINUTE) or
-        RuntimeUnavailable (Redis could not take the job; the job then ends failed)."""
-        job = self._job(code, language, state, timeout_s, user, kind)
+        RuntimeUnavailable (Redis could not take the job; the job then ends failed).
+        ``memory`` (a size such as 512m, or bytes) and ``cpus`` are what the node asks for,
+        up to STUDIO_CODE_MAX_MEMORY / STUDIO_CODE_MAX_CPUS (over: CodeInvalid)."""
+        job = self._job(code, language, state, timeout_s, user, kind, memory, cpus)
         if kind == "test":
             self._check_rate(user)
         self.store.create(job, code_runtime=self.settings.code_runtime)
@@ -352,6 +362,19 @@ class CodeClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _memory_bytes(memory: str | int | None) -> int | None:
+    """A node's memory request in bytes: a size such as 512m, or a number of bytes."""
+    if memory is None or isinstance(memory, int):
+        return memory
+    from executor.settings import parse_size
+
+    try:
+        return parse_size(memory)
+    except ValueError:
+        raise CodeInvalid(f"memory={memory!r} is not a size: give one such as 512m (a number "
+                          "with b, k, m or g).") from None
 
 
 def _reject_constant(name: str) -> Any:

@@ -97,6 +97,15 @@ class CodeBody(BaseModel):
 
     code: str = Field(max_length=CODE_MAX_CHARS, description="The node's source.")
     language: LanguageName = "python"
+    memory: str | None = Field(
+        None, max_length=20, description="Memory the node asks for (e.g. 512m); at most "
+        "STUDIO_CODE_MAX_MEMORY. Default: STUDIO_CODE_MEMORY.")
+    cpus: float | None = Field(
+        None, gt=0, le=64, description="CPU share the node asks for; at most "
+        "STUDIO_CODE_MAX_CPUS. Default: STUDIO_CODE_CPUS.")
+    timeout_s: float | None = Field(
+        None, gt=0, le=86400, description="Seconds; at save time at most "
+        "STUDIO_CODE_MAX_SECONDS (a run caps it there).")
 
 
 class RunBody(CodeBody):
@@ -123,6 +132,8 @@ class RunView(BaseModel):
     user: str
     language: LanguageName
     timeout_s: float | None = None
+    memory_bytes: int | None = None
+    cpus: float | None = None
     output: Any = None
     error: CodeErrorInfo | None = None
     logs: str = ""
@@ -144,6 +155,7 @@ class RunView(BaseModel):
         return cls(
             job_id=rec.job_id, status=rec.status, finished=rec.status.finished, kind=rec.kind,
             user=rec.user, language=rec.language, timeout_s=rec.timeout_s, output=rec.output,
+            memory_bytes=rec.memory_bytes, cpus=rec.cpus,
             error=rec.error, logs=rec.logs, logs_truncated=rec.logs_truncated,
             runtime=rec.runtime, code_runtime=rec.code_runtime, duration_ms=rec.duration_ms,
             exit_code=rec.exit_code, warnings=list(rec.warnings), trace=list(rec.trace),
@@ -406,7 +418,8 @@ def get_runtime_meta(services: ServicesDep) -> dict[str, Any]:
 def validate_code(body: CodeBody, who: CallerDep, services: ServicesDep) -> ValidateResult:
     """The save-time check: 200 when the code may be saved, else 400 CODE_INVALID whose
     message (and ``problems``) give the reason."""
-    problems = _problems(services.client.validate(body.code, body.language))
+    problems = _problems(services.client.validate(
+        body.code, body.language, memory=body.memory, cpus=body.cpus, timeout_s=body.timeout_s))
     if problems:
         raise ApiError(400, str(ErrorCode.CODE_INVALID),
                        "; ".join(p.message if p.line is None else f"line {p.line}: {p.message}"
@@ -447,7 +460,7 @@ def test_code(body: RunBody, who: CallerDep, services: ServicesDep,
     when it takes longer than its timeout plus a margin, with the run so far (202)."""
     client, s = services.client, services.settings
     job_id = client.submit(body.code, body.language, body.state, body.timeout_s, who.user,
-                           kind="test")
+                           kind="test", memory=body.memory, cpus=body.cpus)
     cap = s.code_max_seconds if body.timeout_s is None else min(body.timeout_s,
                                                                 s.code_max_seconds)
     rec: JobRecord = client.wait(job_id, cap + TEST_WAIT_MARGIN_S)
@@ -461,7 +474,7 @@ def test_code(body: RunBody, who: CallerDep, services: ServicesDep,
 def submit_run(body: RunBody, who: CallerDep, services: ServicesDep) -> RunView:
     """Queue a workflow run's Code node (queue code.run); poll GET /api/runs/{job_id}."""
     job_id = services.client.submit(body.code, body.language, body.state, body.timeout_s,
-                                    who.user, kind="run")
+                                    who.user, kind="run", memory=body.memory, cpus=body.cpus)
     rec = services.record(job_id)
     if rec is None:  # pragma: no cover
         raise ApiError(503, str(ErrorCode.RUNTIME_UNAVAILABLE), "The run was lost.")

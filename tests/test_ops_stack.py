@@ -123,7 +123,8 @@ def ops(tmp_path_factory: pytest.TempPathFactory, docker_client: Any,
     (tmp / "prom").mkdir()
     env = studio_env(redis.url, f"sqlite:///{tmp / 'runs.db'}", python_image,
                      STUDIO_METRICS_PORT=port, PROMETHEUS_MULTIPROC_DIR=tmp / "prom",
-                     STUDIO_METRICS_READY_INTERVAL_S=0)
+                     STUDIO_METRICS_READY_INTERVAL_S=0, STUDIO_CODE_MAX_MEMORY="512m",
+                     STUDIO_CODE_MAX_CPUS=1)
     events = EventLog(redis.url)
     name = f"ops{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
     worker = StudioProc(
@@ -388,3 +389,62 @@ def test_backlog_and_oldest_wait_with_no_worker(redis_server: Any, tmp_path: Pat
         # the key KEDA's Redis list scaler reads is the queue's own name
         assert r.llen("code.run") == 3
         r.close()
+
+
+# --- per-node limits --------------------------------------------------------------------
+
+CGROUP_CODE = (
+    "def read(*paths):\n"
+    "    for p in paths:\n"
+    "        try:\n"
+    "            return open(p).read().strip()\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "def main(state):\n"
+    "    return {'cpu': read('/sys/fs/cgroup/cpu.max'),\n"
+    "            'quota': read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us'),\n"
+    "            'period': read('/sys/fs/cgroup/cpu/cpu.cfs_period_us'),\n"
+    "            'mem': read('/sys/fs/cgroup/memory.max',\n"
+    "                        '/sys/fs/cgroup/memory/memory.limit_in_bytes')}\n"
+)
+
+
+def _cpu_share(out: dict[str, Any]) -> float:
+    if out["period"]:  # cgroup v1
+        return int(out["quota"]) / int(out["period"])
+    quota, period = out["cpu"].split()
+    return int(quota) / int(period)
+
+
+def test_a_node_asks_for_its_own_limits_up_to_the_caps(ops: Ops) -> None:
+    user = _user()
+    # seen from INSIDE the sandbox: what the node asked for, not the server's default
+    job = ops.submit(user, CGROUP_CODE, memory="384m", cpus=1)
+    body = ops.until(job, user, {"succeeded", "failed"})
+    assert body["status"] == "succeeded", body
+    assert int(body["output"]["mem"]) == 384 * 1024 * 1024
+    assert _cpu_share(body["output"]) == 1.0
+    assert body["memory_bytes"] == 384 * 1024 * 1024 and body["cpus"] == 1.0
+    # and without asking: the defaults (STUDIO_CODE_MEMORY 256m, STUDIO_CODE_CPUS 0.5)
+    job = ops.submit(user, CGROUP_CODE)
+    body = ops.until(job, user, {"succeeded", "failed"})
+    assert int(body["output"]["mem"]) == 256 * 1024 * 1024
+    assert _cpu_share(body["output"]) == 0.5
+
+    # over a cap: CODE_INVALID naming the cap, at save time and at submit
+    for extra, cap in [({"memory": "1g"}, "STUDIO_CODE_MAX_MEMORY=512m"),
+                       ({"cpus": 2}, "STUDIO_CODE_MAX_CPUS=1"),
+                       ({"timeout_s": 60}, "STUDIO_CODE_MAX_SECONDS=15"),
+                       ({"memory": "lots"}, "512m")]:
+        r = ops.http.post("/api/code/validate", json={"code": OK_CODE, **extra},
+                          headers={USER: user})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["code"] == "CODE_INVALID" and cap in r.json()["error"][
+            "message"], r.text
+    for extra in ({"memory": "1g"}, {"cpus": 2}):
+        r = ops.http.post("/api/runs", json={"code": OK_CODE, **extra}, headers={USER: user})
+        assert r.status_code == 400 and "STUDIO_CODE_MAX_" in r.json()["error"]["message"]
+    r = ops.http.post("/api/code/validate", json={"code": OK_CODE, "memory": "512m",
+                                                  "cpus": 1, "timeout_s": 15},
+                      headers={USER: user})
+    assert r.status_code == 200, r.text

@@ -146,19 +146,22 @@ def test_an_older_database_gets_the_new_columns_and_indexes(store_url: str) -> N
             for name in ("ix_code_jobs_queued", "ix_code_jobs_user_queued",
                          "ix_code_jobs_finished", "ix_code_jobs_prune"):
                 conn.exec_driver_sql(f"DROP INDEX {name}")
-            conn.exec_driver_sql("ALTER TABLE code_jobs DROP COLUMN pruned_at")
+            for column in ("pruned_at", "memory_bytes", "cpus"):
+                conn.exec_driver_sql(f"ALTER TABLE code_jobs DROP COLUMN {column}")
             cols = {c["name"] for c in inspect(conn).get_columns("code_jobs")}
-            assert "pruned_at" not in cols
+            assert not {"pruned_at", "memory_bytes", "cpus"} & cols
     with _store(store_url) as store:
         with store.engine.connect() as conn:
             cols = {c["name"] for c in inspect(conn).get_columns("code_jobs")}
             indexes = {i["name"] for i in inspect(conn).get_indexes("code_jobs")}
-        assert "pruned_at" in cols
+        assert {"pruned_at", "memory_bytes", "cpus"} <= cols
         assert {"ix_code_jobs_queued", "ix_code_jobs_user_queued", "ix_code_jobs_finished",
                 "ix_code_jobs_prune"} <= indexes
-        job = CodeJob(code="x")
+        job = CodeJob(code="x", memory_bytes=64 * 1024**2, cpus=0.25)
         store.create(job, code_runtime="docker")
-        assert store.get(job.job_id).pruned_at is None  # type: ignore[union-attr]
+        rec = store.get(job.job_id)
+        assert rec is not None and rec.pruned_at is None
+        assert rec.memory_bytes == 64 * 1024**2 and rec.cpus == 0.25
     # opening again changes nothing and fails nothing
     open_store(store_url).close()
 
@@ -252,3 +255,14 @@ def test_finish_and_list_agree(tmp_path: Path) -> None:
         [row] = store.list_runs(RunFilter(user="a"))
         assert row.status is Status.SUCCEEDED and row.code_runtime == "subprocess"
         assert row.finished and row.finished_at is not None and row.duration_ms == 3.0
+
+
+def test_limit_caps_default_to_todays_values() -> None:
+    from executor.settings import load_settings
+
+    s = load_settings()
+    assert s.max_memory_bytes == s.memory_bytes == 256 * 1024**2
+    assert s.max_cpus == s.code_cpus == 0.5
+    # a cap below the default never lowers the default
+    assert load_settings(code_max_memory="64m").max_memory_bytes == 256 * 1024**2
+    assert load_settings(code_max_memory="2g", code_max_cpus=2).max_cpus == 2

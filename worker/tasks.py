@@ -192,6 +192,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str) -> str:
     job = CodeJob(
         job_id=rec.job_id, language=rec.language, code=rec.code, state_json=rec.state_json,
         timeout_s=rec.timeout_s, kind=rec.kind, user=rec.user,
+        memory_bytes=rec.memory_bytes, cpus=rec.cpus,
     )
     watch = state.watch(job_id)
     state.current_job = job_id

@@ -78,6 +78,8 @@ class JobRecord(BaseModel):
     worker: str | None = None
     attempts: int = 0
     pruned_at: datetime | None = None  # retention cleared code, state, output and logs
+    memory_bytes: int | None = None  # what the node asked for (None: the server's default)
+    cpus: float | None = None
 
     @property
     def finished(self) -> bool:

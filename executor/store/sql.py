@@ -166,6 +166,8 @@ jobs = Table(
     # Added after the first release: nullable, so an existing table gets them with ALTER
     # TABLE ADD COLUMN when the store opens (_add_missing_columns).
     Column("pruned_at", UtcDateTime, nullable=True),  # retention cleared the payloads
+    Column("memory_bytes", BigInteger, nullable=True),  # what the node asked for, if any
+    Column("cpus", Double, nullable=True),
     Index("ix_code_jobs_status", "status"),
     # Run history, newest first, with a keyset cursor: all runs (admins) and one user's.
     Index("ix_code_jobs_queued", "queued_at", "job_id"),
@@ -259,6 +261,8 @@ def _record(row: Row[Any]) -> JobRecord:
         worker=m["worker"],
         attempts=m["attempts"],
         pruned_at=m["pruned_at"],
+        memory_bytes=m["memory_bytes"],
+        cpus=m["cpus"],
     )
 
 
@@ -380,6 +384,8 @@ class SqlRunStore(RunStore):
             "code": _storable(job.code),
             "state_json": job.state_json,
             "timeout_s": job.timeout_s,
+            "memory_bytes": job.memory_bytes,
+            "cpus": job.cpus,
             "code_runtime": code_runtime,
             "logs": "",
             "logs_truncated": False,
