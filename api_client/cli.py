@@ -229,6 +229,26 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if ok else 1
 
 
+def cmd_logs(args: argparse.Namespace, settings: Settings) -> int:
+    """A job's logs. With --follow, what it prints goes to stderr AS IT PRINTS IT, until it
+    ends; then (as without --follow) ONE JSON object with the stored logs (the truth)."""
+    from api_client.client import CodeClient, JobNotFound
+
+    with CodeClient(settings) as client:
+        try:
+            if args.follow:
+                for event in client.follow_logs(args.job_id, timeout_s=args.timeout):
+                    if event.event in ("log", "truncated"):
+                        sys.stderr.write(event.data)
+                        sys.stderr.flush()
+            rec = client.status(args.job_id)
+        except JobNotFound as e:
+            return _not_found(args.job_id, e)
+    _print({"job_id": rec.job_id, "status": rec.status.value, "finished": rec.finished,
+            "logs": rec.logs, "logs_truncated": rec.logs_truncated, "error": None})
+    return 0
+
+
 def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
     """Run history from the run store, newest first: ONE JSON object with ``runs`` and
     ``next_cursor`` (pass it to --cursor for the next page)."""
@@ -315,6 +335,14 @@ def _queue_commands(sub: Any) -> None:
     cancel = sub.add_parser("cancel", help="cancel a queued or running job")
     cancel.add_argument("job_id")
     cancel.set_defaults(handler=cmd_cancel)
+
+    logs = sub.add_parser("logs", help="a job's logs; --follow: live, until it ends")
+    logs.add_argument("job_id")
+    logs.add_argument("--follow", "-f", action="store_true",
+                      help="print what the job prints to stderr as it prints it")
+    logs.add_argument("--timeout", type=float, default=3600.0,
+                      help="seconds --follow waits at most (default 3600)")
+    logs.set_defaults(handler=cmd_logs)
 
     runs = sub.add_parser("runs", help="run history, newest first (filters, pages)")
     runs.add_argument("--user", help="only this user's runs")

@@ -15,13 +15,14 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
 from pydantic import BaseModel
 
+from api_client.live_logs import LogEvent
 from executor.errors import (
     CodeInvalid,
     ErrorCode,
@@ -276,6 +277,15 @@ class CodeClient:
         more = len(rows) > limit
         rows = rows[:limit]
         return RunPage(runs=rows, next_cursor=encode_cursor(rows[-1]) if more else None)
+
+    def follow_logs(self, job_id: str, *, timeout_s: float = 3600.0) -> Iterator[LogEvent]:
+        """What job ``job_id`` prints, as it prints it (``LogEvent``: log, truncated, end),
+        until the job has finished; raises JobNotFound. See api_client.live_logs."""
+        from api_client.live_logs import follow
+
+        self.status(job_id)  # JobNotFound before anything is yielded
+        yield from follow(self._blocking, job_id, lambda: self.store.get_summary(job_id),
+                          lambda: self.store.get(job_id), timeout_s=timeout_s)
 
     def cancel(self, job_id: str) -> Status:
         """Cancel a job: the intent goes to the run store FIRST (a queued job is cancelled

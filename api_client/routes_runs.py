@@ -2,6 +2,7 @@
 
     GET /api/runs        the caller's runs (an admin: anyone's, or one user's), newest first,
                          filtered, in pages with an opaque cursor
+    GET /api/runs/{job_id}/logs[?follow=1]   the stored logs, or live as Server-Sent Events
 
 ``create_app`` includes this router; a studio that mounts ``api_client.http.router`` itself
 includes ``api_client.routes_runs.router`` too.
@@ -9,18 +10,31 @@ includes ``api_client.routes_runs.router`` too.
 
 from __future__ import annotations
 
+import asyncio
+import re
+from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
 from api_client.client import RUNS_PAGE_MAX
-from api_client.http import ERRORS, ApiError, CallerDep, ErrorBody, ErrorRoute, ServicesDep
+from api_client.http import (
+    ERRORS,
+    ApiError,
+    CallerDep,
+    ErrorBody,
+    ErrorRoute,
+    JobIdPath,
+    ServicesDep,
+    _own_record,
+)
 from executor.models import Status
 from executor.store import RunSummary
 
 router = APIRouter(route_class=ErrorRoute)
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 
 class RunList(BaseModel):
@@ -70,3 +84,57 @@ def list_runs(
     except ValueError as e:
         raise ApiError(422, "REQUEST_INVALID", str(e)) from e
     return RunList(runs=page.runs, next_cursor=page.next_cursor)
+
+
+class RunLogs(BaseModel):
+    """A run's stored logs (the truth once it has finished)."""
+
+    job_id: str
+    status: Status
+    finished: bool
+    logs: str
+    logs_truncated: bool
+
+
+@router.get(
+    "/api/runs/{job_id}/logs", tags=["runs"], operation_id="get_run_logs",
+    response_model=RunLogs,
+    responses={**ERRORS, 200: {
+        "description": "Without follow: the stored logs (JSON). With follow=1: Server-Sent "
+        "Events, ``text/event-stream``: ``log`` events carry text as the node prints it (at "
+        "most STUDIO_CODE_LOG_MAX_BYTES in all), ``truncated`` the stored logs' truncation "
+        "mark, and ``end`` (data: JSON status and logs_truncated) closes the stream once the "
+        "run has finished. A reconnect with Last-Event-ID resumes after that event.",
+        "content": {"application/json": {}, "text/event-stream": {}}}})
+async def get_run_logs(
+    job_id: JobIdPath, who: CallerDep, services: ServicesDep, request: Request,
+    follow: Annotated[bool, Query(description="1: stream the logs live (SSE) until the run "
+                                  "ends.")] = False,
+) -> Any:
+    """The run's logs: stored (JSON), or followed live as Server-Sent Events."""
+    rec = await asyncio.to_thread(_own_record, services, job_id, who)
+    if not follow:
+        return RunLogs(job_id=rec.job_id, status=rec.status, finished=rec.finished,
+                       logs=rec.logs, logs_truncated=rec.logs_truncated)
+    import redis.asyncio
+    from sse_starlette.sse import EventSourceResponse, ServerSentEvent
+
+    from api_client.live_logs import follow_async
+
+    last_id = request.headers.get("last-event-id") or "0-0"
+    if not _STREAM_ID.fullmatch(last_id):
+        raise ApiError(422, "REQUEST_INVALID", "Last-Event-ID is not an event id of this "
+                       "stream: reconnect without it to start from the beginning.")
+    client = redis.asyncio.Redis.from_url(services.settings.redis_url, socket_timeout=10,
+                                          socket_connect_timeout=5)
+    store = services.client.store
+
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        try:
+            async for e in follow_async(client, job_id, lambda: store.get_summary(job_id),
+                                        lambda: store.get(job_id), last_id=last_id):
+                yield ServerSentEvent(data=e.data, event=e.event, id=e.id)
+        finally:
+            await client.aclose()
+
+    return EventSourceResponse(events(), ping=15, headers={"Cache-Control": "no-store"})

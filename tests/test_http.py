@@ -525,6 +525,6 @@ def test_schemathesis_finds_no_server_error(stack: Stack) -> None:
 
     for result in schema.get_all_operations():
         fuzz(result.ok())
-    assert len(ran) == 8, ran  # with GET /api/runs (api_client.routes_runs)
+    assert len(ran) == 9, ran  # with GET /api/runs and /logs (api_client.routes_runs)
     # GET /api/meta/runtime takes no input: one example is all there is
     assert all(n >= 5 for op, n in ran.items() if op != "GET /api/meta/runtime"), ran

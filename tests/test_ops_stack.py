@@ -448,3 +448,98 @@ def test_a_node_asks_for_its_own_limits_up_to_the_caps(ops: Ops) -> None:
                                                   "cpus": 1, "timeout_s": 15},
                       headers={USER: user})
     assert r.status_code == 200, r.text
+
+
+# --- live logs --------------------------------------------------------------------------
+
+PRINT_THEN_WORK = (
+    "import sys, time\n"
+    "def main(state):\n"
+    "    print('first line', flush=True)\n"
+    "    print('caf\\u00e9 ' * 3, flush=True)\n"
+    "    time.sleep(state.get('s', 3))\n"
+    "    print('second line', flush=True)\n"
+    "    return 'done'\n"
+)
+
+
+def _sse(ops: Ops, job_id: str, user: str, headers: dict[str, str] | None = None,
+         on_event: Any = None) -> list[tuple[str, str, str | None]]:
+    """Read the SSE stream to its end: [(event, data, id)]."""
+    out: list[tuple[str, str, str | None]] = []
+    event, data, eid = "message", [], None
+    with ops.http.stream("GET", f"/api/runs/{job_id}/logs", params={"follow": 1},
+                         headers={USER: user, **(headers or {})}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line == "":
+                if data:
+                    out.append((event, "\n".join(data), eid))
+                    if on_event is not None:
+                        on_event(out[-1])
+                    if event == "end":
+                        break
+                event, data, eid = "message", [], None
+            elif line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+            elif line.startswith("id:"):
+                eid = line[3:].strip()
+    return out
+
+
+def test_live_logs_arrive_while_the_node_runs(ops: Ops) -> None:
+    user = _user()
+    job = ops.submit(user, PRINT_THEN_WORK, state={"s": 3})
+    seen_running: list[bool] = []
+
+    def on_event(e: tuple[str, str, str | None]) -> None:
+        if e[0] == "log" and "first line" in e[1] and not seen_running:
+            # the node is still working: this arrived before its end
+            seen_running.append(ops.run(job, user)["status"] == "running")
+
+    events = _sse(ops, job, user, on_event=on_event)
+    assert seen_running == [True], events
+    assert events[-1][0] == "end"
+    assert json.loads(events[-1][1]) == {"status": "succeeded", "logs_truncated": False}
+    live = "".join(d for e, d, _ in events if e == "log")
+    stored = ops.run(job, user)["logs"]
+    assert live == stored and "café café" in live and "second line" in live  # the truth
+    # a reconnect with Last-Event-ID resumes after that event
+    first_id = next(i for e, d, i in events if e == "log" and "first line" in d)
+    resumed = _sse(ops, job, user, headers={"Last-Event-ID": str(first_id)})
+    text = "".join(d for e, d, _ in resumed if e == "log")
+    assert "first line" not in text and "second line" in text
+    # without follow: the stored logs as JSON; another user's run: 404
+    r = ops.http.get(f"/api/runs/{job}/logs", headers={USER: user})
+    assert r.json()["logs"] == stored and r.json()["finished"] is True
+    assert ops.http.get(f"/api/runs/{job}/logs", params={"follow": 1},
+                        headers={USER: _user()}).status_code == 404
+
+
+def test_live_logs_keep_the_cap_and_the_mark(ops: Ops) -> None:
+    user = _user()
+    flood = ("import sys\ndef main(state):\n"
+             "    for i in range(3000):\n        print('x' * 60, i, flush=True)\n"
+             "    return 1\n")
+    job = ops.submit(user, flood)
+    events = _sse(ops, job, user)
+    body = ops.run(job, user)
+    assert body["logs_truncated"] is True
+    live = "".join(d for e, d, _ in events if e == "log")
+    [mark] = [d for e, d, _ in events if e == "truncated"]
+    assert len(live.encode()) <= 64 * 1024
+    assert live + mark == body["logs"], "live text + mark = the stored logs"
+    assert json.loads(events[-1][1])["logs_truncated"] is True
+
+
+def test_cli_logs_follow(ops: Ops) -> None:
+    user = _user()
+    job = ops.submit(user, PRINT_THEN_WORK, state={"s": 1})
+    out = run_cli("logs", job, "--follow", env=ops.env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    body = json.loads(out.stdout)
+    assert body["status"] == "succeeded" and "second line" in body["logs"]
+    assert "first line" in out.stderr and "second line" in out.stderr

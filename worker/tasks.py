@@ -33,6 +33,7 @@ from executor.settings import Settings
 from executor.store import JobRecord, RunStore, open_store
 from worker import metrics
 from worker.cancel import CancelWatch
+from worker.live_logs import publishing
 from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (
     CANCEL_SIGNAL,
@@ -202,7 +203,8 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str) -> str:
             result = _result(rec, state.settings, Status.CANCELLED, ErrorCode.CODE_CANCELLED,
                              "Cancelled before its sandbox started.")
         else:
-            with _metrics_context(metrics.sandbox_running, job.language):
+            with _metrics_context(metrics.sandbox_running, job.language), \
+                    publishing(state.redis, job_id):  # live logs, flushed before finish
                 result = state.executor.run(job, should_cancel=watch)
     except Exception as e:  # noqa: BLE001 - the executor never raises for the job itself
         log.exception("job %s: the worker failed around the executor", job_id)
