@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SECTIONS = ["bench.core", "bench.typescript", "bench.queue", "bench.history"]
+SECTIONS = ["bench.core", "bench.typescript", "bench.queue", "bench.history", "bench.live_logs"]
 
 if __name__ == "__main__":
     for name in SECTIONS:

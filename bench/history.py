@@ -80,14 +80,17 @@ def raw_page(url: str) -> Any:
     return lambda: conn2.execute(sql).fetchall()
 
 
-def start_api(url: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_api(url: str, tmp: Path,
+              redis_url: str = "redis://127.0.0.1:1/0") -> tuple[subprocess.Popen[bytes], str]:
+    """``studio-code serve`` on the store at ``url``; the history needs no Redis (the
+    default points nowhere), live logs do."""
     import httpx
 
-    from tests.conftest import free_port
+    from bench.queue import free_port
 
     port = free_port()
     env = {**os.environ, "STUDIO_DATABASE_URL": url, "STUDIO_ENABLE_CODE_NODES": "1",
-           "STUDIO_REDIS_URL": "redis://127.0.0.1:6379/0"}
+           "STUDIO_REDIS_URL": redis_url}
     log = open(tmp / f"api-{port}.log", "wb")  # noqa: SIM115 - lives as long as the API
     proc = subprocess.Popen([str(Path(sys.executable).with_name("studio-code")), "serve",
                              "--port", str(port), "--log-level", "warning"], env=env,
