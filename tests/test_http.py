@@ -488,7 +488,8 @@ def test_openapi_has_the_routes_and_models(stack: Stack) -> None:
     assert set(spec["paths"]) == {
         "/api/meta/runtime", "/api/code/validate", "/api/code/nodes/check", "/api/code/test",
         "/api/runs",
-        "/api/runs/{job_id}", "/api/runs/{job_id}/cancel"}
+        "/api/runs/{job_id}", "/api/runs/{job_id}/cancel",
+        "/api/runs/{job_id}/logs"}  # api_client.routes_runs
     schemas = spec["components"]["schemas"]
     for name in ("RunBody", "CodeBody", "RunView", "ErrorBody", "RuntimeMeta"):
         assert name in schemas
