@@ -131,9 +131,12 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 
     language: str | None = args.language
     try:
+        from executor.inputs import memory_bytes
+
         language = _language(args)
         job = CodeJob(language=language, code=_read_code(args.file),
-                      state_json=_read_state(args, settings), timeout_s=_timeout(args, settings))
+                      state_json=_read_state(args, settings), timeout_s=_timeout(args, settings),
+                      memory_bytes=memory_bytes(args.memory), cpus=args.cpus)
     except StudioCodeError as e:
         _print(_refusal("run", e.code, e.message, runtime=settings.code_runtime,
                         language=language))
@@ -190,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--state-file", help="a file holding the state as a JSON object")
     run.add_argument("--timeout", help="seconds above 0 (capped by STUDIO_CODE_MAX_SECONDS)")
     run.set_defaults(handler=cmd_run)
+    _limit_args(run)
 
     val = sub.add_parser("validate", help="the save-time check of a code node file")
     val.add_argument("file")
@@ -202,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     _queue_commands(sub)
     _serve_command(sub)
     return p
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory", help="memory for this node, e.g. 512m (at most "
+                   "STUDIO_CODE_MAX_MEMORY; default STUDIO_CODE_MEMORY)")
+    p.add_argument("--cpus", type=float, help="CPU share for this node (at most "
+                   "STUDIO_CODE_MAX_CPUS; default STUDIO_CODE_CPUS)")
 
 
 # --- the queue's commands: submit, status, cancel, worker ---------------------------------
@@ -229,7 +240,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     with CodeClient(settings) as client:
         try:
             job_id = client.submit(code, language, state, timeout_s=timeout, user=args.user,
-                                   kind=args.kind)
+                                   kind=args.kind, memory=args.memory, cpus=args.cpus)
         except StudioCodeError as e:
             status = "invalid" if e.code is ErrorCode.CODE_INVALID else "failed"
             out = _refusal("submit", e.code, e.message, status=status,
@@ -309,6 +320,50 @@ def _wants_help(celery_args: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in args)
 
 
+def cmd_logs(args: argparse.Namespace, settings: Settings) -> int:
+    """A job's logs. With --follow, what it prints goes to stderr AS IT PRINTS IT, until it
+    ends; then (as without --follow) ONE JSON object with the stored logs (the truth)."""
+    from api_client.client import CodeClient, JobNotFound
+
+    with CodeClient(settings) as client:
+        try:
+            if args.follow:
+                for event in client.follow_logs(args.job_id, timeout_s=args.timeout):
+                    if event.event in ("log", "truncated"):
+                        sys.stderr.write(event.data)
+                        sys.stderr.flush()
+            rec = client.status(args.job_id)
+        except JobNotFound as e:
+            return _not_found(args.job_id, e)
+    _print({"job_id": rec.job_id, "status": rec.status.value, "finished": rec.finished,
+            "logs": rec.logs, "logs_truncated": rec.logs_truncated, "error": None})
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
+    """Run history from the run store, newest first: ONE JSON object with ``runs`` and
+    ``next_cursor`` (pass it to --cursor for the next page)."""
+    from datetime import datetime
+
+    from api_client.client import CodeClient
+
+    try:
+        since = datetime.fromisoformat(args.since) if args.since else None
+        until = datetime.fromisoformat(args.until) if args.until else None
+        with CodeClient(settings) as client:
+            page = client.list_runs(
+                user=args.user, status=args.status or None, language=args.language,
+                code_runtime=args.code_runtime, kind=args.kind, since=since, until=until,
+                limit=args.limit, cursor=args.cursor)
+    except ValueError as e:
+        _print({"runs": [], "next_cursor": None,
+                "error": {"code": "REQUEST_INVALID", "message": str(e)}})
+        return 1
+    _print({"runs": [r.model_dump(mode="json") for r in page.runs],
+            "next_cursor": page.next_cursor, "error": None})
+    return 0
+
+
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     """Run a Celery worker (``celery -A worker worker`` with this process's Settings). Its
     banner and logs go to stderr; ONE JSON object goes to stdout when it stops."""
@@ -359,6 +414,7 @@ def _queue_commands(sub: Any) -> None:
                         help="run: a workflow run (queue code.run); test: an editor test "
                         "call (queue code.test, rate limited per user)")
     submit.add_argument("--user", default="", help="who asks (editor test calls' limit)")
+    _limit_args(submit)
     submit.add_argument("--wait", action="store_true", help="wait for the result; print it")
     submit.add_argument("--wait-timeout", type=float, default=600.0,
                         help="seconds --wait waits at most (default 600)")
@@ -371,6 +427,29 @@ def _queue_commands(sub: Any) -> None:
     cancel = sub.add_parser("cancel", help="cancel a queued or running job")
     cancel.add_argument("job_id")
     cancel.set_defaults(handler=cmd_cancel)
+
+    logs = sub.add_parser("logs", help="a job's logs; --follow: live, until it ends")
+    logs.add_argument("job_id")
+    logs.add_argument("--follow", "-f", action="store_true",
+                      help="print what the job prints to stderr as it prints it")
+    logs.add_argument("--timeout", type=float, default=3600.0,
+                      help="seconds --follow waits at most (default 3600)")
+    logs.set_defaults(handler=cmd_logs)
+
+    runs = sub.add_parser("runs", help="run history, newest first (filters, pages)")
+    runs.add_argument("--user", help="only this user's runs")
+    runs.add_argument("--status", action="append",
+                      choices=["queued", "running", "cancelling", "succeeded", "failed",
+                               "timed_out", "cancelled", "invalid"],
+                      help="only this status (repeat for several)")
+    runs.add_argument("--language", choices=["python", "typescript"])
+    runs.add_argument("--code-runtime", choices=["docker", "subprocess"])
+    runs.add_argument("--kind", choices=["run", "test"])
+    runs.add_argument("--since", help="queued at or after (ISO 8601; no zone: UTC)")
+    runs.add_argument("--until", help="queued before (ISO 8601; no zone: UTC)")
+    runs.add_argument("--limit", type=int, default=50, help="runs per page (1-200)")
+    runs.add_argument("--cursor", help="next_cursor of the previous page")
+    runs.set_defaults(handler=cmd_runs)
 
     worker = sub.add_parser(
         "worker", help="run a worker: celery worker arguments follow (-c, -n, --loglevel...)",

@@ -16,11 +16,15 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from pydantic import BaseModel
 
+from api_client.live_logs import LogEvent
 from executor import inputs
 from executor.errors import (
     CodeInvalid,
@@ -33,7 +37,14 @@ from executor.languages.base import Problem
 from executor.models import CodeJob, CodeResult, Kind, Status
 from executor.service import Executor
 from executor.settings import Settings
-from executor.store import JobRecord, RunStore
+from executor.store import (
+    JobRecord,
+    RunFilter,
+    RunStore,
+    RunSummary,
+    decode_cursor,
+    encode_cursor,
+)
 from executor.store.guard import guard, open_guarded
 from worker.cancel import CancelWatch
 from worker.heartbeat import WorkerInfo, WorkerRegistry, summary
@@ -54,6 +65,9 @@ from worker.protocol import (
 )
 
 log = logging.getLogger("studio_code.api_client")
+
+#: most runs one page of the history holds
+RUNS_PAGE_MAX = 200
 
 RATE_WINDOW_S = 60
 WAIT_SLICE_S = 1.0  # wait() re-reads the store at least this often
@@ -83,6 +97,19 @@ end
 local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
 return {0, tonumber(oldest[2]) + window_us - now}
 """
+
+
+class RunPage(BaseModel):
+    """One page of run history, newest first; ``next_cursor`` is None on the last page."""
+
+    runs: list[RunSummary]
+    next_cursor: str | None = None
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
 
 
 class JobNotFound(LookupError):
@@ -139,10 +166,15 @@ class CodeClient:
 
     # --- what may run ------------------------------------------------------------------
 
-    def validate(self, code: str, language: str) -> list[Problem]:
+    def validate(self, code: str, language: str, *, memory: str | int | None = None,
+                 cpus: float | None = None, timeout_s: float | None = None) -> list[Problem]:
         """The editor's save-time check: [] when the code may be saved. Raises CodeInvalid
-        for a language that is not offered."""
-        return self.executor.check_code(code, language)
+        for a language that is not offered, or for limits the node asks for over the
+        server's caps (STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS), naming the cap."""
+        problems = self.executor.check_code(code, language)
+        self.executor.check_limits(memory_bytes=inputs.memory_bytes(memory), cpus=cpus,
+                                   timeout_s=timeout_s)
+        return problems
 
     def validate_node(self, language: str) -> None:
         """Workflow validation of a Code node: returns when it can run here, else raises
@@ -209,7 +241,7 @@ class CodeClient:
         raise RuntimeUnavailable(message + ".")
 
     def _job(self, code: str, language: str, state: Any, timeout_s: float | None, user: str,
-             kind: str) -> CodeJob:
+             kind: str, memory: str | int | None = None, cpus: float | None = None) -> CodeJob:
         if kind not in ("run", "test"):
             raise CodeInvalid(f"kind={kind!r} is not a kind of call: use 'run' (a workflow "
                               "run) or 'test' (an editor test call).")
@@ -223,6 +255,8 @@ class CodeClient:
             timeout_s=timeout,  # capped now, stored so
             kind=kind,  # type: ignore[arg-type]
             user=user,
+            memory_bytes=inputs.memory_bytes(memory),
+            cpus=cpus,
         )
         self.executor.check_job(job)
         return job
@@ -230,7 +264,8 @@ class CodeClient:
     # --- the queue ---------------------------------------------------------------------
 
     def submit(self, code: str, language: str = "python", state: Any = None,
-               timeout_s: float | None = None, user: str = "", kind: Kind = "run") -> str:
+               timeout_s: float | None = None, user: str = "", kind: Kind = "run", *,
+               memory: str | int | None = None, cpus: float | None = None) -> str:
         """Queue one Code-node call; returns its job id.
 
         ``state`` is any JSON-serialisable value, or JSON text (str/bytes). Raises
@@ -238,8 +273,10 @@ class CodeClient:
         RateLimited (an editor test call over STUDIO_CODE_TEST_PER_MINUTE) or
         RuntimeUnavailable (no live worker serves the job's queue: nothing is stored; the
         run store is unreachable: StoreUnavailable naming it; Redis could not take the job:
-        the job then ends failed)."""
-        job = self._job(code, language, state, timeout_s, user, kind)
+        the job then ends failed). ``memory`` (a size such as 512m, or bytes) and ``cpus``
+        are what the node asks for, up to STUDIO_CODE_MAX_MEMORY / STUDIO_CODE_MAX_CPUS
+        (over: CodeInvalid)."""
+        job = self._job(code, language, state, timeout_s, user, kind, memory, cpus)
         queue = queue_of(kind)
         self._check_served(queue)  # before the row: a refused job leaves nothing queued
         if kind == "test":
@@ -385,6 +422,50 @@ class CodeClient:
         if aredis is not None:
             await aredis.aclose()
 
+    def list_runs(
+        self,
+        *,
+        user: str | None = None,
+        status: Iterable[Status | str] | None = None,
+        language: str | None = None,
+        code_runtime: str | None = None,
+        kind: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> RunPage:
+        """Run history, newest first: summaries (no code, state, output or logs) matching
+        every filter given, at most ``limit`` (1..RUNS_PAGE_MAX) per page. Pass the page's
+        ``next_cursor`` back as ``cursor`` for the next one (None: no more). Naive datetimes
+        are UTC. Raises ValueError for a bad filter or cursor, with the reason."""
+        if not 1 <= int(limit) <= RUNS_PAGE_MAX:
+            raise ValueError(f"limit={limit} is out of range: give 1 to {RUNS_PAGE_MAX}.")
+        try:
+            statuses = tuple(Status(s) for s in status) if status else None
+        except ValueError:
+            raise ValueError(f"status={list(status or [])!r} has an unknown value: use "
+                             f"{', '.join(s.value for s in Status)}.") from None
+        where = RunFilter(
+            user=user, status=statuses, language=language,  # type: ignore[arg-type]
+            code_runtime=code_runtime, kind=kind,  # type: ignore[arg-type]
+            since=_aware(since), until=_aware(until),
+        )
+        before = decode_cursor(cursor) if cursor else None
+        rows = self.store.list_runs(where, limit=int(limit) + 1, before=before)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return RunPage(runs=rows, next_cursor=encode_cursor(rows[-1]) if more else None)
+
+    def follow_logs(self, job_id: str, *, timeout_s: float = 3600.0) -> Iterator[LogEvent]:
+        """What job ``job_id`` prints, as it prints it (``LogEvent``: log, truncated, end),
+        until the job has finished; raises JobNotFound. See api_client.live_logs."""
+        from api_client.live_logs import follow
+
+        self.status(job_id)  # JobNotFound before anything is yielded
+        yield from follow(self._blocking, job_id, lambda: self.store.get_summary(job_id),
+                          lambda: self.store.get(job_id), timeout_s=timeout_s)
+
     def cancel(self, job_id: str) -> Status:
         """Cancel a job: the intent goes to the run store FIRST (a queued job is cancelled
         at once and never starts), then the Redis flag the running job polls, then the
@@ -472,6 +553,7 @@ class CodeClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
 
 
 class _StatusReads:

@@ -119,6 +119,15 @@ class CodeBody(BaseModel):
 
     code: str = Field(max_length=CODE_MAX_CHARS, description="The node's source.")
     language: LanguageName = "python"
+    memory: str | None = Field(
+        None, max_length=20, description="Memory the node asks for (e.g. 512m); at most "
+        "STUDIO_CODE_MAX_MEMORY. Default: STUDIO_CODE_MEMORY.")
+    cpus: float | None = Field(
+        None, gt=0, le=64, description="CPU share the node asks for; at most "
+        "STUDIO_CODE_MAX_CPUS. Default: STUDIO_CODE_CPUS.")
+    timeout_s: float | None = Field(
+        None, gt=0, le=86400, description="Seconds; at save time at most "
+        "STUDIO_CODE_MAX_SECONDS (a run caps it there).")
 
 
 class RunBody(CodeBody):
@@ -145,6 +154,8 @@ class RunView(BaseModel):
     user: str
     language: LanguageName
     timeout_s: float | None = None
+    memory_bytes: int | None = None
+    cpus: float | None = None
     output: Any = None
     error: CodeErrorInfo | None = None
     logs: str = ""
@@ -166,6 +177,7 @@ class RunView(BaseModel):
         return cls(
             job_id=rec.job_id, status=rec.status, finished=rec.status.finished, kind=rec.kind,
             user=rec.user, language=rec.language, timeout_s=rec.timeout_s, output=rec.output,
+            memory_bytes=rec.memory_bytes, cpus=rec.cpus,
             error=rec.error, logs=rec.logs, logs_truncated=rec.logs_truncated,
             runtime=rec.runtime, code_runtime=rec.code_runtime, duration_ms=rec.duration_ms,
             exit_code=rec.exit_code, warnings=list(rec.warnings), trace=list(rec.trace),
@@ -470,7 +482,8 @@ def get_runtime_meta(services: ServicesDep) -> dict[str, Any]:
 def validate_code(body: CodeBody, who: CallerDep, services: ServicesDep) -> ValidateResult:
     """The save-time check: 200 when the code may be saved, else 400 CODE_INVALID whose
     message (and ``problems``) give the reason."""
-    problems = _problems(services.client.validate(body.code, body.language))
+    problems = _problems(services.client.validate(
+        body.code, body.language, memory=body.memory, cpus=body.cpus, timeout_s=body.timeout_s))
     if problems:
         raise ApiError(400, str(ErrorCode.CODE_INVALID),
                        "; ".join(p.message if p.line is None else f"line {p.line}: {p.message}"
@@ -519,8 +532,9 @@ async def test_code(body: RunBody, who: CallerDep, services: ServicesDep, reques
     aredis = client.async_redis
     slot = await services.in_flight.acquire(aredis, who.user, wait_s + 5)
     try:
-        job_id = await run_in_threadpool(client.submit, body.code, body.language, body.state,
-                                         body.timeout_s, who.user, "test")
+        job_id = await run_in_threadpool(
+            lambda: client.submit(body.code, body.language, body.state, body.timeout_s,
+                                  who.user, "test", memory=body.memory, cpus=body.cpus))
         rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s))
     finally:
         await services.in_flight.release(aredis, slot)
@@ -564,7 +578,7 @@ async def _unless_disconnected(request: Request,
 def submit_run(body: RunBody, who: CallerDep, services: ServicesDep) -> RunView:
     """Queue a workflow run's Code node (queue code.run); poll GET /api/runs/{job_id}."""
     job_id = services.client.submit(body.code, body.language, body.state, body.timeout_s,
-                                    who.user, kind="run")
+                                    who.user, kind="run", memory=body.memory, cpus=body.cpus)
     rec = services.record(job_id)
     if rec is None:  # pragma: no cover
         raise ApiError(503, str(ErrorCode.RUNTIME_UNAVAILABLE), "The run was lost.")
@@ -626,6 +640,7 @@ def create_app(settings: Settings, *, client: Any = None,
         await services.aclose()
 
     app = FastAPI(
+        docs_url=None, redoc_url=None,  # served offline by api_client.docs
         lifespan=lifespan,
         title="studio-code",
         version="0.1.0",
@@ -635,6 +650,10 @@ def create_app(settings: Settings, *, client: Any = None,
     )
     app.state.studio_code = services
     app.include_router(router)
+    from api_client import docs, routes_runs
+
+    app.include_router(routes_runs.router)
+    docs.install_docs(app)
     app.add_middleware(RequestLimits, settings=settings, bind_host=bind_host)
 
     @app.exception_handler(RequestValidationError)
@@ -664,10 +683,14 @@ def create_app(settings: Settings, *, client: Any = None,
                             status_code=200 if ok else 503)
 
     registry = _metrics_registry()
+    from api_client.http_metrics import instrument
+
+    queue_registry = instrument(app, services)
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(registry) + generate_latest(queue_registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

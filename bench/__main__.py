@@ -13,6 +13,8 @@ SECTIONS = [
     "bench.outputs",
     "bench.http",
     "bench.cli",
+    "bench.history",
+    "bench.live_logs",
 ]
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 # Build the Code-node sandbox images.
 #
 #   docker/build.sh python|typescript|all [--offline|--registry]
+#   docker/build.sh --debian-packages   (the offline build's Debian names for requirements.txt)
 #
 # Tags: studio-code:1 and studio-code-ts:1 (override with STUDIO_CODE_IMAGE and
 # STUDIO_CODE_TS_IMAGE).
@@ -21,6 +22,8 @@
 #   STUDIO_PY_BASE        registry base for python      (python:3.12-slim)
 #   STUDIO_TS_BASE        registry base for typescript  (debian:trixie-slim)
 #   STUDIO_PULL_TIMEOUT   seconds allowed for `docker pull` of a base (20)
+#   STUDIO_PY_REQUIREMENTS  another requirements file for --debian-packages (a check
+#                         before editing docker/studio-code/requirements.txt)
 #   STUDIO_BUILD_NETWORK  --network for `docker build` (e.g. host)
 #   STUDIO_DEBIAN_MIRROR  Debian mirror for debootstrap (default: the host's apt mirror)
 #   STUDIO_DEBIAN_SUITE   Debian suite for debootstrap  (trixie)
@@ -49,7 +52,33 @@ SUITE=${STUDIO_DEBIAN_SUITE:-trixie}
 CACHE_DIR=${XDG_CACHE_HOME:-$HOME/.cache}/studio-code
 DEPS_TS=$HERE/studio-code-ts/deps.ts
 
-PY_PACKAGES=python3,python3-pydantic,python3-dateutil
+PY_REQUIREMENTS=${STUDIO_PY_REQUIREMENTS:-$HERE/studio-code/requirements.txt}
+# PyPI name -> Debian package, for the offline build (docker/README.md has the table).
+# A name not listed here maps to python3-<name>, which is Debian's rule for most packages.
+declare -A PY_DEBIAN=(
+  [python-dateutil]=python3-dateutil
+  [pyyaml]=python3-yaml
+  [beautifulsoup4]=python3-bs4
+  [scikit-learn]=python3-sklearn
+  [pillow]=python3-pil
+  [msgpack]=python3-msgpack
+)
+py_requirements() { sed -e 's/#.*//' -e 's/[[:space:]]//g' "$PY_REQUIREMENTS" | grep -v '^$' || true; }
+py_debian_packages() {
+  local name out=python3
+  while read -r name; do
+    name=${name,,}
+    out+=",${PY_DEBIAN[$name]:-python3-$name}"
+  done < <(py_requirements)
+  echo "$out"
+}
+PY_PACKAGES=$(py_debian_packages)
+if [[ ${1:-} == --debian-packages ]]; then echo "$PY_PACKAGES"; exit 0; fi
+# What makes the Python image: a label on it, so an image from an older recipe is told apart.
+py_recipe_hash() {
+  cat "$HERE/studio-code/Dockerfile" "$PY_REQUIREMENTS" "$HERE/studio-code/record_modules.py" \
+    | sha
+}
 TS_PACKAGES=                  # plain minbase: deno needs only libc and libgcc_s
 # Bump when the rootfs recipe (stripping below) changes, to invalidate cached rootfs.
 RECIPE=1
@@ -209,7 +238,11 @@ find_deno() {
 check_python() {
   log "smoke test $PY_IMAGE under the sandbox policy"
   docker run "${SANDBOX_FLAGS[@]}" "$PY_IMAGE" \
-    python3 -I -c 'import sys, pydantic, dateutil; print("python", sys.version.split()[0], "pydantic", pydantic.VERSION, "dateutil", dateutil.__version__)' </dev/null >&2 \
+    python3 -I -c 'import json, sys, importlib
+m = json.load(open("/usr/share/studio-code/modules.json"))
+for names in m["packages"].values():
+    for n in names: importlib.import_module(n)
+print("python", sys.version.split()[0], "imports", sorted(m["packages"]))' </dev/null >&2 \
     || die "$PY_IMAGE failed its smoke test"
 }
 
@@ -218,21 +251,32 @@ build_python_registry() {
   local old; old=$(image_id "$PY_IMAGE")
   docker build --force-rm ${STUDIO_BUILD_NETWORK:+--network "$STUDIO_BUILD_NETWORK"} \
     --build-arg BASE="$PY_BASE" --label studio.image=python \
+    --label "studio.recipe-sha=$(py_recipe_hash)" \
     -t "$PY_IMAGE" "$HERE/studio-code"
   drop_old "$old" "$PY_IMAGE"
 }
 
 build_python_offline() {
   log "python: OFFLINE path (debootstrap $SUITE + docker import) -> $PY_IMAGE"
-  local tarball
+  local tarball root
   tarball=$(rootfs_tarball "$PY_PACKAGES")
-  import_rootfs "$tarball" "$PY_IMAGE" \
+  root=$(tmpdir pyroot)
+  tar --numeric-owner -C "$root" -xf "$tarball"
+  mkdir -p "$root/usr/share/studio-code"
+  cp "$PY_REQUIREMENTS" "$HERE/studio-code/record_modules.py" "$root/usr/share/studio-code/"
+  # The rootfs's own python3 records what it can import (fails if a package is missing).
+  chroot "$root" /usr/bin/python3 /usr/share/studio-code/record_modules.py \
+    /usr/share/studio-code/requirements.txt >"$root/usr/share/studio-code/modules.json" \
+    || die "the offline python image lacks a package of $PY_REQUIREMENTS (Debian names: $PY_PACKAGES)"
+  import_rootfs "$root" "$PY_IMAGE" \
     'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     'ENV LANG=C.UTF-8' \
     'WORKDIR /tmp' \
     'USER 65534:65534' \
     'LABEL studio.image=python' \
+    "LABEL studio.recipe-sha=$(py_recipe_hash)" \
     "LABEL studio.build=offline-debootstrap-$SUITE"
+  rm -rf "$root"
 }
 
 # ---------------------------------------------------------------- typescript

@@ -109,3 +109,16 @@ def _finite(text: str) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{text} is too large for a JSON number")
     return number
+
+
+def memory_bytes(memory: str | int | None) -> int | None:
+    """A node's memory request in bytes: a size such as 512m, or a number of bytes."""
+    if memory is None or isinstance(memory, int):
+        return memory
+    from executor.settings import parse_size
+
+    try:
+        return parse_size(memory)
+    except ValueError:
+        raise CodeInvalid(f"memory={memory!r} is not a size: give one such as 512m (a number "
+                          "with b, k, m or g).") from None

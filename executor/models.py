@@ -62,6 +62,10 @@ class CodeJob(BaseModel):
     timeout_s: float | None = None
     kind: Kind = "run"
     user: str = ""
+    # What the node asked for, up to STUDIO_CODE_MAX_MEMORY / STUDIO_CODE_MAX_CPUS; None:
+    # STUDIO_CODE_MEMORY / STUDIO_CODE_CPUS.
+    memory_bytes: int | None = None
+    cpus: float | None = None
 
 
 class CodeErrorInfo(BaseModel):

@@ -49,6 +49,16 @@ class Readiness:
     checked_at: float
 
 
+MIN_MEMORY_BYTES = 16 * 1024**2
+
+
+def _size(n: int) -> str:
+    for unit, size in (("g", 1024**3), ("m", 1024**2), ("k", 1024)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}b"
+
+
 def make_runtime(settings: Settings) -> Runtime | None:
     """The runtime STUDIO_CODE_RUNTIME names, or None for an unknown value (Code nodes off)."""
     if settings.code_runtime == "docker":
@@ -96,14 +106,17 @@ class Executor:
         """The language ``name`` if it is offered; raises CodeInvalid saying what is."""
         return offered_language(name, self.settings)
 
-    def limits(self, timeout_s: float | None = None) -> Limits:
-        """The limits of one call: a node's timeout is capped by STUDIO_CODE_MAX_SECONDS."""
+    def limits(self, timeout_s: float | None = None, *, memory_bytes: int | None = None,
+               cpus: float | None = None) -> Limits:
+        """The limits of one call: a node's timeout is capped by STUDIO_CODE_MAX_SECONDS, its
+        memory and CPU share (checked by ``check_limits``) by their caps."""
         s = self.settings
         cap = s.code_max_seconds
         timeout = cap if timeout_s is None or timeout_s <= 0 else min(timeout_s, cap)
         return Limits(
-            memory_bytes=s.memory_bytes,
-            cpus=s.code_cpus,
+            memory_bytes=s.memory_bytes if memory_bytes is None else min(
+                memory_bytes, s.max_memory_bytes),
+            cpus=s.code_cpus if cpus is None else min(cpus, s.max_cpus),
             pids=s.code_pids,
             timeout_s=timeout,
             log_max_bytes=s.code_log_max_bytes,
@@ -126,8 +139,31 @@ class Executor:
         problems = language.check(job.code, self.settings)
         if problems:
             raise CodeInvalid("; ".join(str(p) for p in problems))
+        self.check_limits(memory_bytes=job.memory_bytes, cpus=job.cpus)
         check_state_size(job.state_json, max_bytes=self.settings.code_state_max_bytes)
         return language
+
+    def check_limits(self, *, memory_bytes: int | None = None, cpus: float | None = None,
+                     timeout_s: float | None = None) -> None:
+        """What a node asks for, against the server's caps: CodeInvalid naming the cap."""
+        s = self.settings
+        if memory_bytes is not None:
+            if memory_bytes < MIN_MEMORY_BYTES:
+                raise CodeInvalid(f"The node asks for {memory_bytes} bytes of memory; give at "
+                                  "least 16m (Python and Deno need that much to start).")
+            if memory_bytes > s.max_memory_bytes:
+                raise CodeInvalid(
+                    f"The node asks for {_size(memory_bytes)} of memory, more than the cap "
+                    f"STUDIO_CODE_MAX_MEMORY={_size(s.max_memory_bytes)}: ask for at most that, "
+                    "or ask an admin to raise the cap.")
+        if cpus is not None and not 0 < cpus <= s.max_cpus:
+            raise CodeInvalid(
+                f"The node asks for a CPU share of {cpus:g}: give more than 0 and at most the "
+                f"cap STUDIO_CODE_MAX_CPUS={s.max_cpus:g}.")
+        if timeout_s is not None and not 0 < timeout_s <= s.code_max_seconds:
+            raise CodeInvalid(
+                f"The node's timeout of {timeout_s:g} s is not allowed: give more than 0 and "
+                f"at most the cap STUDIO_CODE_MAX_SECONDS={s.code_max_seconds:g}.")
 
     def validate_node(self, language: str) -> None:
         """Workflow validation of a Code node: raises CodeNodesDisabled, CodeInvalid (language
@@ -186,7 +222,8 @@ class Executor:
         started = time.monotonic()
         try:
             language = self.check_job(job)
-            return self._run(job, language, self.limits(job.timeout_s), should_cancel)
+            limits = self.limits(job.timeout_s, memory_bytes=job.memory_bytes, cpus=job.cpus)
+            return self._run(job, language, limits, should_cancel)
         except StudioCodeError as e:
             status = Status.INVALID if e.code is ErrorCode.CODE_INVALID else Status.FAILED
             return self._result(job, status, error=e.code, message=e.message, t0=started)

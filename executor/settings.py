@@ -65,12 +65,19 @@ class Settings(BaseSettings):
     code_image: str = Field("studio-code:1", description="The Python sandbox image.")
     code_packages: str = Field(
         "pydantic,python-dateutil",
-        description="Comma-separated packages of STUDIO_CODE_IMAGE, shown in the editor.",
+        description="Comma-separated packages of STUDIO_CODE_IMAGE, shown in the editor; "
+        "keep it equal to docker/studio-code/requirements.txt.",
     )
     code_memory: str = Field("256m", description="Memory per call (swap equal to memory).")
     code_cpus: float = Field(0.5, gt=0, le=64, description="CPU share per call.")
     code_pids: int = Field(64, ge=8, le=4096, description="Processes per call.")
     code_max_seconds: float = Field(30, gt=0, le=3600, description="Cap on a node's timeout.")
+    code_max_memory: str = Field(
+        "", description="Cap on the memory a node may ask for (a size, e.g. 1g). Empty: "
+        "STUDIO_CODE_MEMORY, so a node can only ask for less.")
+    code_max_cpus: float = Field(
+        0, ge=0, le=64, description="Cap on the CPU share a node may ask for. 0: "
+        "STUDIO_CODE_CPUS, so a node can only ask for less.")
     code_concurrency: int = Field(4, ge=1, le=256, description="Sandboxes at once per process.")
     code_test_per_minute: int = Field(
         20, ge=1, le=10000, description="Editor test calls per user per minute."
@@ -204,6 +211,23 @@ class Settings(BaseSettings):
         "(400 beyond), checked before the body is parsed.",
     )
 
+    runs_keep_days: float = Field(
+        30, ge=0, le=36500,
+        description="Days a finished run stays in the run store (then the worker's janitor "
+        "deletes it, in small batches); 0 keeps runs forever.",
+    )
+    runs_payload_keep_days: float = Field(
+        7, ge=0, le=36500,
+        description="Days a finished run keeps its code, state, output and logs (then they "
+        "are cleared; status, error, timings and trace stay until STUDIO_RUNS_KEEP_DAYS); 0 "
+        "keeps them as long as the run.",
+    )
+    retention_batch_rows: int = Field(
+        500, ge=10, le=100_000,
+        description="Rows the janitor deletes or clears per transaction (at most 20 "
+        "transactions per sweep), so a retention pass never holds the store for long.",
+    )
+
     @field_validator("code_memory")
     @classmethod
     def _memory(cls, v: str) -> str:
@@ -214,6 +238,17 @@ class Settings(BaseSettings):
         if size < 16 * 1024**2:
             raise ValueError("at least 16m (Deno and Python need more to start)")
         return v
+
+    @field_validator("code_max_memory")
+    @classmethod
+    def _max_memory(cls, v: str) -> str:
+        if v.strip():
+            try:
+                parse_size(v)
+            except ValueError:
+                raise ValueError("a size such as 1g (a number with b, k, m or g), or empty "
+                                 "for STUDIO_CODE_MEMORY") from None
+        return v.strip()
 
     @field_validator("code_languages")
     @classmethod
@@ -277,6 +312,17 @@ class Settings(BaseSettings):
     @property
     def memory_bytes(self) -> int:
         return parse_size(self.code_memory)
+
+    @property
+    def max_memory_bytes(self) -> int:
+        """The most memory a node may ask for (never below STUDIO_CODE_MEMORY)."""
+        cap = parse_size(self.code_max_memory) if self.code_max_memory else 0
+        return max(cap, self.memory_bytes)
+
+    @property
+    def max_cpus(self) -> float:
+        """The most CPU share a node may ask for (never below STUDIO_CODE_CPUS)."""
+        return max(self.code_max_cpus, self.code_cpus)
 
     @property
     def runtime_known(self) -> bool:

@@ -492,12 +492,15 @@ def test_openapi_has_the_routes_and_models(stack: Stack) -> None:
     assert set(spec["paths"]) == {
         "/api/meta/runtime", "/api/code/validate", "/api/code/nodes/check", "/api/code/test",
         "/api/runs",
-        "/api/runs/{job_id}", "/api/runs/{job_id}/cancel"}
+        "/api/runs/{job_id}", "/api/runs/{job_id}/cancel",
+        "/api/runs/{job_id}/logs"}  # api_client.routes_runs
     schemas = spec["components"]["schemas"]
     for name in ("RunBody", "CodeBody", "RunView", "ErrorBody", "RuntimeMeta"):
         assert name in schemas
-    params = {p["name"] for p in spec["paths"]["/api/runs"]["post"]["parameters"]}
-    assert {USER, ADMIN} <= params
+    # the caller headers are security schemes (api_client.docs), required per route
+    schemes = spec["components"]["securitySchemes"]
+    assert {schemes["studioUser"]["name"], schemes["studioAdmin"]["name"]} == {USER, ADMIN}
+    assert {"studioUser": []} in spec["paths"]["/api/runs"]["post"]["security"]
 
 
 def test_schemathesis_finds_no_server_error(stack: Stack) -> None:
@@ -531,6 +534,6 @@ def fuzz_for_server_errors(base: str, headers: dict[str, str]) -> None:
 
     for result in schema.get_all_operations():
         fuzz(result.ok())
-    assert len(ran) == 7, ran
+    assert len(ran) == 9, ran  # with GET /api/runs and /logs (api_client.routes_runs)
     # GET /api/meta/runtime takes no input: one example is all there is
     assert all(n >= 5 for op, n in ran.items() if op != "GET /api/meta/runtime"), ran

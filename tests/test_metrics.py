@@ -240,6 +240,10 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
         "studio_code_cancellations_total", "studio_code_cancel_latency_seconds_bucket",
         "studio_code_oom_total", "studio_code_timeouts_total",
         "studio_code_rate_limited_total", "studio_code_language_ready",
+        # autoscaling and API signals (worker.autoscale, api_client.http_metrics)
+        "studio_code_queue_backlog", "studio_code_queue_oldest_seconds",
+        "studio_code_worker_slots", "studio_code_worker_up",
+        "studio_code_http_requests_total", "studio_code_http_request_duration_seconds_bucket",
     }
     assert used <= exposed, used - exposed
     assert exposed <= used, exposed - used

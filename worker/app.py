@@ -86,7 +86,7 @@ def worker_app(settings: Settings) -> Celery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker import heartbeat, janitor, slots, tasks
+    from worker import heartbeat, janitor, outcomes, slots, tasks
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -104,6 +104,7 @@ def worker_app(settings: Settings) -> Celery:
     # a sentence, or None) to have it announced paused instead (see worker.heartbeat).
     app.steps["consumer"].add(heartbeat.HeartbeatStep)
     tasks.connect_process_signals()
+    outcomes.register_inspect_commands()
     _connect_metrics(settings)
     return app
 

@@ -33,8 +33,10 @@ from executor.runtimes.docker import LABEL_DEADLINE, LABEL_JOB, LABEL_OWNER
 from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
+from worker.outcomes import cancel_on_terminate
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
 from worker.queued import QueuedSweep
+from worker.retention import apply_retention
 
 log = logging.getLogger("studio_code.worker")
 
@@ -107,6 +109,7 @@ class Janitor:
         )
         if failed:
             log.warning("reaper: jobs stuck running ended failed: %s", ", ".join(failed))
+        apply_retention(self.store, self.settings)
         out = {"reaped": reaped, "failed": failed}
         if self.queued is not None:
             out.update(self.queued.run())
@@ -185,11 +188,16 @@ class Janitor:
             log.exception("backstop for job %s failed", job_id)
 
 
-def guard_terminate(pool: Any) -> None:
-    """Send the cancel signal without billiard's "terminated" bookkeeping (see above)."""
+def guard_terminate(pool: Any, store: RunStore | None = None) -> None:
+    """Send the cancel signal without billiard's "terminated" bookkeeping (see above); with
+    ``store``, any other terminate of a process running a job is carried out as a cancel
+    (worker.outcomes.cancel_on_terminate)."""
     original = pool.terminate_job
 
     def terminate_job(pid: int, signal: Any = None) -> Any:
+        if (signal is not None and int(signal) != int(CANCEL_SIGNAL) and store is not None
+                and cancel_on_terminate(store, pid, int(signal))):
+            return None
         if signal is not None and int(signal) == int(CANCEL_SIGNAL):
             try:
                 os.kill(pid, int(signal))
@@ -218,10 +226,10 @@ class JanitorStep(bootsteps.StartStopStep):
         settings = getattr(w.app, "studio_settings", None)
         if settings is None:
             return
-        if w.pool is not None and hasattr(w.pool, "terminate_job"):
-            guard_terminate(w.pool)
         self.janitor = Janitor(settings, w.hostname, w.app)
         w.studio_store_id = self.janitor.store.store_id  # announced by the heartbeat
+        if w.pool is not None and hasattr(w.pool, "terminate_job"):
+            guard_terminate(w.pool, self.janitor.store)
         signals.task_revoked.connect(self.janitor.on_revoked, weak=False)
         self.janitor.start()
 

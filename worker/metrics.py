@@ -190,6 +190,22 @@ def record_queue_wait(seconds: float, *, queue: str = "code.run") -> None:
     metrics().queue_wait.labels(queue).observe(max(0.0, seconds))
 
 
+def touch_series(settings: Settings) -> None:
+    """Create every labelled series a dashboard or alert reads, at 0, so a fresh worker
+    shows 0 rather than "no data" until the first job, timeout or cancel."""
+    m = metrics()
+    runtime = settings.code_runtime
+    for language in KNOWN_LANGUAGES:
+        m.sandboxes_running.labels(language)
+        m.timeouts.labels(language, runtime)
+        m.oom.labels(language, runtime)
+        for status in (Status.SUCCEEDED, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED,
+                       Status.INVALID):
+            m.jobs.labels(language, runtime, status.value)
+    for stage in ("running", "queued"):
+        m.cancellations.labels(stage)
+
+
 @contextmanager
 def sandbox_running(language: str) -> Iterator[None]:
     """Counts a sandbox as running for the duration of the block (the gauge is a
@@ -392,6 +408,9 @@ class MetricsServer:
             self.registry.register(_DefaultRegistry())
         self.readiness = ReadinessCollector(settings, ready_interval_s)
         self.registry.register(self.readiness)
+        from worker.autoscale import SLOTS
+
+        self.registry.register(SLOTS)
         self._metrics_app = make_wsgi_app(self.registry)
         self._store: Any = None
         self._store_lock = threading.Lock()
@@ -486,7 +505,14 @@ def connect_worker_signals(settings_factory: Callable[[], Settings]) -> None:
     def on_init(**_: Any) -> None:
         reset_multiprocess_dir()
 
-    def on_ready(**_: Any) -> None:
+    def on_ready(sender: Any = None, **_: Any) -> None:
+        from worker.autoscale import SLOTS
+
+        SLOTS.consumer = sender  # worker_ready's sender is Celery's consumer
+        try:
+            touch_series(settings_factory())
+        except Exception as e:  # noqa: BLE001 - a metric is never worth a worker
+            log.warning("metrics series not created: %s", e)
         try:
             start_metrics_server(settings_factory())
         except OSError as e:

@@ -33,6 +33,8 @@ from executor.settings import Settings
 from executor.store import JobRecord, RunStore, open_store
 from worker import metrics, unrunnable
 from worker.cancel import CancelWatch
+from worker.live_logs import publishing
+from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (
     CANCEL_SIGNAL,
     DONE_TTL_S,
@@ -155,6 +157,7 @@ def register(app: Celery) -> None:
         ignore_result=True,
         # Never retried by Celery: a job either ran (result in the store) or did not.
         max_retries=0,
+        throws=(NodeFailed,),  # a failed node is an expected outcome, not a worker error
     )(run_job)
 
 
@@ -166,9 +169,11 @@ def run_job(task: Task, job_id: str) -> str:
     worker = f"{request.hostname}:{os.getpid()}"
     queue = (request.delivery_info or {}).get("routing_key") or QUEUE_RUN
     try:
-        return _run(state, job_id, worker, queue, request)
+        outcome = _run(state, job_id, worker, queue, request)
     finally:
         state.notify_done(job_id)
+    report_outcome(state.store, job_id)  # failed: NodeFailed, cancelled: Ignore (Celery's view)
+    return outcome
 
 
 def _run(state: ProcessState, job_id: str, worker: str, queue: str,
@@ -196,6 +201,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str,
     job = CodeJob(
         job_id=rec.job_id, language=rec.language, code=rec.code, state_json=rec.state_json,
         timeout_s=rec.timeout_s, kind=rec.kind, user=rec.user,
+        memory_bytes=rec.memory_bytes, cpus=rec.cpus,
     )
     watch = state.watch(job_id)
     state.current_job = job_id
@@ -205,7 +211,8 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str,
             result = _result(rec, state.settings, Status.CANCELLED, ErrorCode.CODE_CANCELLED,
                              "Cancelled before its sandbox started.")
         else:
-            with _metrics_context(metrics.sandbox_running, job.language):
+            with _metrics_context(metrics.sandbox_running, job.language), \
+                    publishing(state.redis, job_id):  # live logs, flushed before finish
                 result = state.executor.run(job, should_cancel=watch)
     except Exception as e:  # noqa: BLE001 - the executor never raises for the job itself
         log.exception("job %s: the worker failed around the executor", job_id)

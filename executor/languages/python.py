@@ -19,7 +19,21 @@ _FLAGS = ["-B", "-u", "-s"]
 
 class Python(Language):
     name = "python"
-    test_program = "def main(state):\n    return {'ready': True}\n"
+    # Ready means every package the image lists imports (a package whose native part does
+    # not load under the sandbox policy makes the language not ready, with its name).
+    test_program = (
+        "import importlib, json\n"
+        "def main(state):\n"
+        "    try:\n"
+        "        with open('/usr/share/studio-code/modules.json') as f:\n"
+        "            listed = json.load(f)['packages']\n"
+        "    except FileNotFoundError:\n"
+        "        listed = {}\n"
+        "    for modules in listed.values():\n"
+        "        for name in modules:\n"
+        "            importlib.import_module(name)\n"
+        "    return {'ready': True}\n"
+    )
 
     def image(self, settings: Settings) -> str:
         return settings.code_image
@@ -47,7 +61,7 @@ class Python(Language):
                 Problem(0, "The code defines no main(state) function: add `def main(state):` "
                         "returning the node's output.")
             ]
-        return []
+        return _unavailable_imports(tree, settings)
 
     def packages(self, settings: Settings) -> list[str]:
         return list(settings.python_packages)
@@ -61,3 +75,29 @@ def _binds_main(node: ast.stmt) -> bool:
     if isinstance(node, ast.ImportFrom | ast.Import):
         return any((a.asname or a.name) == "main" for a in node.names)
     return False
+
+
+def _unavailable_imports(tree: ast.Module, settings: Settings) -> list[Problem]:
+    """An import that is neither in the image's standard library nor installed in the image
+    fails at run time: refuse it at save time, naming what is available."""
+    if settings.code_runtime != "docker":
+        return []
+    from executor.languages.python_modules import imports, read_image_modules
+
+    found = imports(tree)
+    if not found:
+        return []
+    available = read_image_modules(settings.code_image)
+    if available is None:
+        return []
+    problems = []
+    for line, module in found:
+        if not available.allows(module):
+            listed = ", ".join(
+                f"{pkg} (import {', '.join(mods)})" if [pkg] != mods else pkg
+                for pkg, mods in sorted(available.packages.items()))
+            problems.append(Problem(line, (
+                f"`{module}` cannot be imported in the sandbox image {settings.code_image}: it "
+                f"is not in its standard library nor among its packages: {listed}. Use one of "
+                "those, or ask an admin to add the package to the image (docker/README.md).")))
+    return problems

@@ -6,6 +6,7 @@ import os
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from executor.languages.base import Language
@@ -22,15 +23,23 @@ def owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+#: Set by a caller (the worker) around a run: a runtime hands it to its logs buffer, which
+#: passes each kept piece on as it comes (live logs). Same cap as the stored logs, since
+#: only what the buffer keeps is passed on. It must be quick and never raise.
+LOG_TAP: ContextVar[Callable[[bytes], None] | None] = ContextVar("studio_log_tap",
+                                                                 default=None)
+
+
 class BoundedBuffer:
     """Keeps the first ``limit`` bytes of a stream and counts the rest, so a print flood
-    costs the host no memory."""
+    costs the host no memory. ``tap`` (optional) gets each kept piece as it is written."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tap: Callable[[bytes], None] | None = None) -> None:
         self.limit = limit
         self.chunks: list[bytes] = []
         self.kept = 0
         self.total = 0
+        self.tap = tap
 
     def write(self, data: bytes) -> None:
         self.total += len(data)
@@ -39,6 +48,11 @@ class BoundedBuffer:
             piece = data[:room]
             self.chunks.append(piece)
             self.kept += len(piece)
+            if self.tap is not None and piece:
+                try:
+                    self.tap(piece)
+                except Exception:  # noqa: BLE001, S110 - live logs never break a run
+                    pass
 
     @property
     def truncated(self) -> bool:

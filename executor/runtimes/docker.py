@@ -21,7 +21,15 @@ from docker.types import LogConfig, Ulimit
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
-from executor.runtimes.base import POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime, owner_id
+from executor.runtimes.base import (
+    LOG_TAP,
+    POLL_S,
+    BoundedBuffer,
+    CancelCheck,
+    RawRun,
+    Runtime,
+    owner_id,
+)
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.runtimes.seccomp import profile_json
 from executor.settings import Settings, sandbox_ids
@@ -161,7 +169,7 @@ class DockerRuntime(Runtime):
             )
             writer.start()
             out = BoundedBuffer(limits.output_max_bytes + 4096)
-            logs = BoundedBuffer(limits.log_max_bytes)
+            logs = BoundedBuffer(limits.log_max_bytes, tap=LOG_TAP.get())  # live logs
             deadline = started + limits.timeout_s
             ending = _pump(raw, out, logs, deadline, should_cancel)
             exit_code, oom = None, False

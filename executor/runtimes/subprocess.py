@@ -40,7 +40,7 @@ from typing import IO, Any
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
-from executor.runtimes.base import POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime
+from executor.runtimes.base import LOG_TAP, POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime
 from executor.runtimes.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
 from executor.runtimes.uids import (
     SWEPT_DIRS,
@@ -185,7 +185,7 @@ class SubprocessRuntime(Runtime):
             self._children[job.job_id] = child
         started = time.monotonic()
         out = BoundedBuffer(limits.output_max_bytes + 4096)
-        logs = BoundedBuffer(limits.log_max_bytes)
+        logs = BoundedBuffer(limits.log_max_bytes, tap=LOG_TAP.get())  # live logs
         assert child.stdin and child.stdout and child.stderr
         threads = [
             threading.Thread(target=_feed, args=(child.stdin, language.stdin_payload(job))),

@@ -14,8 +14,13 @@ from executor.store.base import (
     WORKER_STOPPED,
     AuditEntry,
     JobRecord,
+    PruneReport,
     QueuedJob,
+    RunFilter,
     RunStore,
+    RunSummary,
+    decode_cursor,
+    encode_cursor,
 )
 from executor.store.sql import SqlRunStore, describe_url
 
@@ -35,7 +40,12 @@ __all__ = [
     "AuditEntry",
     "JobRecord",
     "QueuedJob",
+    "PruneReport",
+    "RunFilter",
     "RunStore",
+    "RunSummary",
+    "decode_cursor",
+    "encode_cursor",
     "SqlRunStore",
     "describe_url",
     "open_store",

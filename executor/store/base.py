@@ -15,6 +15,9 @@ A finished row (succeeded, failed, timed_out, cancelled, invalid) is never chang
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from datetime import datetime
@@ -77,6 +80,9 @@ class JobRecord(BaseModel):
     #: columns of the stored row that could not be read (each shown with its default and
     #: named here): a worker does not run such a job, it ends it failed
     problems: list[str] = Field(default_factory=list)
+    pruned_at: datetime | None = None  # retention cleared code, state, output and logs
+    memory_bytes: int | None = None  # what the node asked for (None: the server's default)
+    cpus: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -109,6 +115,54 @@ class QueuedJob(NamedTuple):
     job_id: str
     kind: str
     queued_at: datetime
+class RunSummary(BaseModel):
+    """One run as the history lists it: no code, state, output or logs (those stay in
+    ``get``). Datetimes are timezone-aware UTC."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    status: Status
+    kind: Kind = "run"
+    user: str = ""
+    language: Language = "python"
+    code_runtime: str = ""
+    runtime: str | None = None
+    error: CodeErrorInfo | None = None
+    duration_ms: float | None = None
+    queued_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    worker: str | None = None
+    attempts: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+
+class RunFilter(BaseModel):
+    """What ``list_runs`` keeps: every given field must match (None: any)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    user: str | None = None
+    status: tuple[Status, ...] | None = None
+    language: Language | None = None
+    code_runtime: str | None = None
+    kind: Kind | None = None
+    since: datetime | None = None  # queued_at >= since
+    until: datetime | None = None  # queued_at < until
+
+
+class PruneReport(BaseModel):
+    """What one ``prune`` call did: rows deleted, payloads cleared, batches run (each one
+    short transaction of at most ``batch`` rows)."""
+
+    deleted: int = 0
+    payloads_cleared: int = 0
+    batches: int = 0
+    max_batch_rows: int = 0
 
 
 class AuditEntry(BaseModel):
@@ -148,6 +202,11 @@ class RunStore(ABC):
         """The status of each known job among ``job_ids``: what a waiter re-reads every
         second, so backends answer it without loading code, state or output."""
         return {job_id: rec.status for job_id, rec in self.get_many(job_ids).items()}
+    def get_summary(self, job_id: str) -> RunSummary | None:
+        """The job without its code, state, output or logs; None if unknown."""
+        rec = self.get(job_id)
+        return None if rec is None else RunSummary(**rec.model_dump(
+            include=set(RunSummary.model_fields)))
 
     @abstractmethod
     def claim(self, job_id: str, worker: str) -> JobRecord | None:
@@ -186,6 +245,32 @@ class RunStore(ABC):
     @abstractmethod
     def list_audit(self, event: str | None = None, limit: int = 100) -> list[AuditEntry]:
         """Audit events, newest first, optionally of one event name."""
+
+    @abstractmethod
+    def list_runs(
+        self, where: RunFilter, *, limit: int = 50, before: tuple[datetime, str] | None = None
+    ) -> list[RunSummary]:
+        """Runs matching ``where``, newest first by (queued_at, job_id), at most ``limit``,
+        starting strictly after the cursor ``before`` (the last row of the previous page)."""
+
+    @abstractmethod
+    def oldest_queued_at(self, kind: Kind | None = None) -> datetime | None:
+        """When the oldest job still ``queued`` (of this kind) was queued; None when none is."""
+
+    @abstractmethod
+    def prune(
+        self,
+        *,
+        runs_before: datetime | None,
+        payloads_before: datetime | None,
+        batch: int = 500,
+        max_batches: int = 20,
+    ) -> PruneReport:
+        """Retention: finished runs that finished before ``runs_before`` are deleted; the
+        code, state, output and logs of finished runs that finished before
+        ``payloads_before`` are cleared (the row, its status, error, timings and trace
+        stay). At most ``batch`` rows per transaction and ``max_batches`` transactions per
+        call, so a writer never waits long behind it; call again for more."""
 
     @abstractmethod
     def counts_by_status(self) -> dict[str, int]:
@@ -230,3 +315,24 @@ class RunStore(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def encode_cursor(row: RunSummary) -> str:
+    """The opaque cursor of the page after ``row`` (the last row of a page)."""
+    raw = json.dumps([row.queued_at.isoformat(), row.job_id], separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """(queued_at, job_id) of a cursor from ``encode_cursor``; ValueError when it is not one."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        at_text, job_id = json.loads(raw)
+        at = datetime.fromisoformat(at_text)
+        if at.tzinfo is None or not isinstance(job_id, str):
+            raise ValueError
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+        raise ValueError(
+            "not a cursor of this API: pass next_cursor from the previous page as it came"
+        ) from None
+    return at, job_id

@@ -15,6 +15,7 @@ are created when missing (``metadata.create_all``; no migrations).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import time
@@ -43,10 +44,12 @@ from sqlalchemy import (
     and_,
     case,
     create_engine,
+    delete,
     event,
     exc,
     func,
     insert,
+    inspect,
     literal,
     select,
     text,
@@ -59,7 +62,15 @@ from sqlalchemy.pool import StaticPool
 from sqlalchemy.types import TypeDecorator
 
 from executor.errors import ErrorCode, StoreUnavailable
-from executor.models import CodeErrorInfo, CodeJob, CodeResult, Status, TraceRow
+from executor.models import (
+    FINISHED,
+    CodeErrorInfo,
+    CodeJob,
+    CodeResult,
+    Kind,
+    Status,
+    TraceRow,
+)
 from executor.outputs import (
     OutputInvalid,
     check_value,
@@ -74,9 +85,14 @@ from executor.store.base import (
     WORKER_STOPPED,
     AuditEntry,
     JobRecord,
+    PruneReport,
     QueuedJob,
+    RunFilter,
     RunStore,
+    RunSummary,
 )
+
+log = logging.getLogger("studio_code.store")
 
 _READ_ONLY = "studio_read_only"  # execution option: a read transaction (plain BEGIN on SQLite)
 _SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -156,7 +172,18 @@ jobs = Table(
     Column("started_ts", Double, nullable=True),
     Column("worker", String, nullable=True),
     Column("attempts", Integer, nullable=False, default=0),
+    # Added after the first release: nullable, so an existing table gets them with ALTER
+    # TABLE ADD COLUMN when the store opens (_add_missing_columns).
+    Column("pruned_at", UtcDateTime, nullable=True),  # retention cleared the payloads
+    Column("memory_bytes", BigInteger, nullable=True),  # what the node asked for, if any
+    Column("cpus", Double, nullable=True),
     Index("ix_code_jobs_status", "status"),
+    # Run history, newest first, with a keyset cursor: all runs (admins) and one user's.
+    Index("ix_code_jobs_queued", "queued_at", "job_id"),
+    Index("ix_code_jobs_user_queued", "user", "queued_at", "job_id"),
+    # Retention: runs finished before a cutoff; payloads not cleared yet (NULL first).
+    Index("ix_code_jobs_finished", "finished_at"),
+    Index("ix_code_jobs_prune", "pruned_at", "finished_at"),
 )
 
 audit_log = Table(
@@ -312,6 +339,9 @@ def _record_strict(row: Row[Any]) -> JobRecord:
         finished_at=m["finished_at"],
         worker=m["worker"],
         attempts=m["attempts"],
+        pruned_at=m["pruned_at"],
+        memory_bytes=m["memory_bytes"],
+        cpus=m["cpus"],
     )
 
 
@@ -385,12 +415,47 @@ def _record_tolerant(row: Row[Any]) -> JobRecord:
     take("finished_at", same, None, "a time")
     take("worker", same, None, "text")
     take("attempts", same, 0, "an integer")
+    take("pruned_at", same, None, "a time")
+    take("memory_bytes", same, None, "a number of bytes")
+    take("cpus", same, None, "a CPU share")
     if problems and fields.get("error") is None:
         fields["error"] = CodeErrorInfo(
             code=ErrorCode.RUNTIME_UNAVAILABLE,
             message="The run store's row of this job cannot be read: "
             + "; ".join(problems) + ".")
     return JobRecord(**fields, problems=problems)
+
+
+#: the columns a run-history row carries (no code, state, output, logs, trace)
+_SUMMARY_COLUMNS = (
+    jobs.c.job_id, jobs.c.status, jobs.c.kind, jobs.c.user, jobs.c.language,
+    jobs.c.code_runtime, jobs.c.runtime, jobs.c.error, jobs.c.duration_ms, jobs.c.queued_at,
+    jobs.c.started_at, jobs.c.finished_at, jobs.c.worker, jobs.c.attempts,
+)
+
+
+def _summary(row: Any) -> RunSummary:
+    m = row._mapping
+    return RunSummary(
+        job_id=m["job_id"], status=Status(m["status"]), kind=m["kind"], user=m["user"],
+        language=m["language"], code_runtime=m["code_runtime"], runtime=m["runtime"],
+        error=None if m["error"] is None else CodeErrorInfo.model_validate_json(m["error"]),
+        duration_ms=m["duration_ms"], queued_at=m["queued_at"], started_at=m["started_at"],
+        finished_at=m["finished_at"], worker=m["worker"], attempts=m["attempts"],
+    )
+
+
+def _add_missing_columns(conn: Connection) -> None:
+    """ALTER TABLE ADD COLUMN for each nullable column of ``jobs`` the table lacks."""
+    have = {c["name"] for c in inspect(conn).get_columns(jobs.name)}
+    for column in jobs.columns:
+        if column.name in have:
+            continue
+        if not column.nullable:  # pragma: no cover - a schema change that needs a migration
+            raise RuntimeError(f"the run store lacks the NOT NULL column {column.name}")
+        name = conn.dialect.identifier_preparer.quote(column.name)
+        type_sql = column.type.compile(dialect=conn.dialect)
+        conn.exec_driver_sql(f"ALTER TABLE {jobs.name} ADD COLUMN {name} {type_sql}")
 
 
 # --- the store ---------------------------------------------------------------------------
@@ -469,6 +534,13 @@ class SqlRunStore(RunStore):
                 # Many workers may start at once; CREATE TABLE races fail on PostgreSQL.
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_CREATE_LOCK})
             metadata.create_all(conn, checkfirst=True)
+            # create_all makes a missing TABLE with its indexes, but leaves an existing
+            # table as it is: a store made by an older release gets the new columns and
+            # indexes here (both idempotent, and serialised by the lock above on
+            # PostgreSQL and by BEGIN IMMEDIATE on SQLite).
+            _add_missing_columns(conn)
+            for index in jobs.indexes:
+                index.create(conn, checkfirst=True)
             self._store_id = self._read_store_id(conn)
             if self._store_id is None:
                 self._store_id = uuid.uuid4().hex
@@ -509,6 +581,8 @@ class SqlRunStore(RunStore):
             "code": _storable(job.code),
             "state_json": job.state_json,
             "timeout_s": job.timeout_s,
+            "memory_bytes": job.memory_bytes,
+            "cpus": job.cpus,
             "code_runtime": code_runtime,
             "logs": "",
             "logs_truncated": False,
@@ -539,6 +613,11 @@ class SqlRunStore(RunStore):
         with self._read() as conn:
             row = conn.execute(select(jobs).where(jobs.c.job_id == job_id)).first()
         return None if row is None else _record(row)
+
+    def get_summary(self, job_id: str) -> RunSummary | None:
+        with self._read() as conn:
+            row = conn.execute(select(*_SUMMARY_COLUMNS).where(jobs.c.job_id == job_id)).first()
+        return None if row is None else _summary(row)
 
     def get_many(self, job_ids: Iterable[str]) -> dict[str, JobRecord]:
         ids = list(dict.fromkeys(job_ids))
@@ -763,6 +842,122 @@ class SqlRunStore(RunStore):
             for r in rows
         ]
 
+    def list_runs(
+        self, where: RunFilter, *, limit: int = 50, before: tuple[datetime, str] | None = None
+    ) -> list[RunSummary]:
+        stmt = select(*_SUMMARY_COLUMNS)
+        if where.user is not None:
+            stmt = stmt.where(jobs.c.user == where.user)
+        if where.status:
+            stmt = stmt.where(jobs.c.status.in_([s.value for s in where.status]))
+        if where.language is not None:
+            stmt = stmt.where(jobs.c.language == where.language)
+        if where.code_runtime is not None:
+            stmt = stmt.where(jobs.c.code_runtime == where.code_runtime)
+        if where.kind is not None:
+            stmt = stmt.where(jobs.c.kind == where.kind)
+        if where.since is not None:
+            stmt = stmt.where(jobs.c.queued_at >= where.since)
+        if where.until is not None:
+            stmt = stmt.where(jobs.c.queued_at < where.until)
+        if before is not None:
+            at, job_id = before
+            # Written so both databases seek the (queued_at, job_id) index: a range on
+            # queued_at, then the tie on job_id.
+            stmt = stmt.where(
+                jobs.c.queued_at <= at,
+                (jobs.c.queued_at < at) | (jobs.c.job_id < job_id),
+            )
+        stmt = stmt.order_by(jobs.c.queued_at.desc(), jobs.c.job_id.desc()).limit(
+            max(0, int(limit))
+        )
+        with self._read() as conn:
+            return [_summary(r) for r in conn.execute(stmt)]
+
+    def oldest_queued_at(self, kind: Kind | None = None) -> datetime | None:
+        stmt = select(func.min(jobs.c.queued_at)).where(jobs.c.status == Status.QUEUED.value)
+        if kind is not None:
+            stmt = stmt.where(jobs.c.kind == kind)
+        with self._read() as conn:
+            value: datetime | None = conn.execute(stmt).scalar_one_or_none()
+        return value
+
+    def prune(
+        self,
+        *,
+        runs_before: datetime | None,
+        payloads_before: datetime | None,
+        batch: int = 500,
+        max_batches: int = 20,
+    ) -> PruneReport:
+        batch = max(1, int(batch))
+        finished = [s.value for s in FINISHED]
+        report = PruneReport()
+
+        def run_batches(make: Any) -> int:
+            total = 0
+            while report.batches < max_batches:
+                with self._write() as conn:
+                    n = int(conn.execute(make()).rowcount or 0)
+                report.batches += 1
+                report.max_batch_rows = max(report.max_batch_rows, n)
+                total += n
+                if n < batch:
+                    break
+            return total
+
+        if runs_before is not None:
+            def delete_batch() -> Any:
+                ids = (
+                    select(jobs.c.job_id)
+                    .where(jobs.c.finished_at < runs_before, jobs.c.status.in_(finished))
+                    .limit(batch)
+                )
+                return delete(jobs).where(jobs.c.job_id.in_(ids.scalar_subquery()))
+
+            report.deleted = run_batches(delete_batch)
+        if payloads_before is not None:
+            def clear_batch() -> Any:
+                ids = (
+                    select(jobs.c.job_id)
+                    .where(
+                        jobs.c.pruned_at.is_(None),
+                        jobs.c.finished_at < payloads_before,
+                        jobs.c.status.in_(finished),
+                    )
+                    .limit(batch)
+                )
+                return (
+                    update(jobs)
+                    .where(jobs.c.job_id.in_(ids.scalar_subquery()))
+                    .values(code="", state_json="{}", output=None, logs="",
+                            pruned_at=_utcnow())
+                )
+
+            report.payloads_cleared = run_batches(clear_batch)
+        if (report.deleted or report.payloads_cleared) and self.dialect == "sqlite":
+            self._give_space_back()
+        return report
+
+    def _give_space_back(self) -> None:
+        """SQLite: free pages go back to the file system (a store created by this release
+        has auto_vacuum=INCREMENTAL; an older file keeps them for reuse) and the WAL is
+        checkpointed and truncated. Both run outside a transaction; a busy reader only makes
+        the checkpoint partial, never an error."""
+        raw = self._engine.raw_connection()
+        try:
+            cur = raw.cursor()
+            # executescript steps the pragma to its end; execute() frees one page only.
+            # The pages freed are those this bounded pass deleted, so this stays short.
+            cur.executescript("PRAGMA incremental_vacuum;")
+            cur.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            cur.fetchall()
+            cur.close()
+        except sqlite3.OperationalError as e:
+            log.warning("SQLite space not given back this time: %s", e)
+        finally:
+            raw.close()
+
     def counts_by_status(self) -> dict[str, int]:
         stmt = select(jobs.c.status, func.count()).group_by(jobs.c.status)
         counts = {s.value: 0 for s in Status}
@@ -793,6 +988,9 @@ def _configure_sqlite(engine: Engine) -> None:
         cur = dbapi_conn.cursor()
         try:
             cur.execute(f"PRAGMA busy_timeout = {_SQLITE_BUSY_TIMEOUT_MS}")
+            # Only a NEW file takes it (before its first table): retention's deletes then
+            # give pages back with PRAGMA incremental_vacuum. An existing file is unchanged.
+            cur.execute("PRAGMA auto_vacuum = INCREMENTAL")
             # In WAL mode, NORMAL syncs at checkpoints, not at every commit: a crash of any
             # process loses nothing and the file stays consistent; only a power cut may undo
             # the last commits (like Redis's appendfsync everysec beside it). It takes the

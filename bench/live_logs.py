@@ -1,0 +1,134 @@
+"""Benchmark of live logs, in ONE run: its own redis-server, a Celery worker, the real API
+(``studio-code serve``), Docker, a SQLite run store. No assertions.
+
+A node prints its clock (time.time()) every 100 ms; the reader notes when each line arrives:
+print -> SSE event (``GET /api/runs/{id}/logs?follow=1``) and print -> ``CodeClient.
+follow_logs`` (Redis directly), beside the floor measured in the same run: one XADD seen by
+a blocked XREAD on the same Redis (the transport alone). Same host, same clock.
+
+    python -m bench.live_logs [--lines 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.common import pct
+from bench.queue import Redis, Worker
+
+PRINTER = (
+    "import time\n"
+    "def main(state):\n"
+    "    time.sleep(1)  # the reader is connected by then: only live lines are timed\n"
+    "    for _ in range(state['n']):\n"
+    "        print(repr(time.time()), flush=True)\n"
+    "        time.sleep(0.1)\n"
+    "    return 1\n"
+)
+
+
+def _lags(lines: list[tuple[float, str]]) -> list[float]:
+    out = []
+    for arrived, text in lines:
+        for line in text.splitlines():
+            try:
+                out.append((arrived - float(line)) * 1000)
+            except ValueError:
+                pass
+    return out
+
+
+def floor(redis_url: str, n: int) -> list[float]:
+    import redis
+
+    a, b = redis.Redis.from_url(redis_url), redis.Redis.from_url(redis_url)
+    key = "bench:floor"
+    out: list[float] = []
+    for _ in range(n):
+        last = a.xadd(key, {"d": "x"})
+        got: list[float] = []
+
+        def read(last: bytes = last, got: list[float] = got) -> None:
+            b.xread({key: last}, block=2000)
+            got.append(time.time())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.02)
+        t0 = time.time()
+        a.xadd(key, {"d": "y"})
+        reader.join()
+        out.append((got[0] - t0) * 1000)
+    a.delete(key)
+    a.close()
+    b.close()
+    return out
+
+
+def main() -> None:
+    import httpx
+
+    from api_client.client import CodeClient
+    from bench.history import start_api
+    from executor.settings import load_settings
+
+    p = argparse.ArgumentParser(prog="python -m bench.live_logs")
+    p.add_argument("--lines", type=int, default=40)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="studio-bench-logs-") as d:
+        tmp = Path(d)
+        redis = Redis(tmp)
+        db = f"sqlite:///{tmp / 'runs.db'}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+        env.update({"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_REDIS_URL": redis.url,
+                    "STUDIO_DATABASE_URL": db, "STUDIO_CODE_LANGUAGES": "python"})
+        settings = load_settings(enable_code_nodes=True, redis_url=redis.url,
+                                 database_url=db, code_languages="python")
+        client = CodeClient(settings)
+        worker = Worker(env, 2, tmp / "worker.log", client)
+        proc = None
+        try:
+            proc, base = start_api(db, tmp, redis.url)
+            http = httpx.Client(base_url=base, timeout=60)
+            # the API builds its client (store, executor) on the first call: not timed
+            http.get("/api/runs/warm-up/logs", headers={"X-Studio-User": "bench"})
+            sse: list[tuple[float, str]] = []
+            job = client.submit(PRINTER, state={"n": args.lines}, user="bench")
+            with http.stream("GET", f"/api/runs/{job}/logs", params={"follow": 1},
+                             headers={"X-Studio-User": "bench"}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        sse.append((time.time(), line[5:].strip()))
+                    if line.startswith("event: end") or line.startswith("event:end"):
+                        break
+            direct: list[tuple[float, str]] = []
+            job = client.submit(PRINTER, state={"n": args.lines}, user="bench")
+            for event in client.follow_logs(job):
+                if event.event == "log":
+                    direct.append((time.time(), event.data))
+            base_ms = floor(redis.url, args.lines)
+            print(f"live logs: {args.lines} printed lines per reader")
+            print(f"  {'':44} {'p50 ms':>8} {'p95 ms':>8}")
+            for label, ms in [("Redis XADD -> blocked XREAD (floor)", base_ms),
+                              ("print -> CodeClient.follow_logs", _lags(direct)),
+                              ("print -> SSE event (GET .../logs?follow=1)", _lags(sse))]:
+                print(f"  {label:44} {pct(ms, 50):8.2f} {pct(ms, 95):8.2f}", flush=True)
+            http.close()
+        finally:
+            if proc is not None:
+                import signal
+
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(20)
+            worker.stop()
+            client.close()
+            redis.stop()
+
+
+if __name__ == "__main__":
+    main()

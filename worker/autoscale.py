@@ -1,0 +1,162 @@
+"""Signals an autoscaler reads: backlog per queue, age of the oldest queued job, live
+workers and busy/idle slots per queue.
+
+* ``QueueCollector`` (served by the API's ``/metrics``, which stays up when workers scale
+  to zero): ``studio_code_queue_backlog{queue}`` is LLEN of the queue's Redis lists (what
+  KEDA's Redis list scaler reads too: see docs/operations.md), and
+  ``studio_code_queue_oldest_seconds{queue}`` the age of the oldest job still ``queued``
+  in the run store (0 when none waits).
+* ``SlotsCollector`` (served by each worker's ``/metrics``): ``studio_code_worker_up{queue}``
+  is 1 for each queue this worker consumes once it is ready (0 before), so its sum over
+  workers is the live workers per queue; ``studio_code_worker_slots{queue,state}`` counts
+  this worker's pool processes that can take a job of the queue, busy or idle.
+
+Live workers here are "workers Prometheus scraped", read from the worker itself; Redis
+heartbeats per worker and queue (another part of the project) are the API-side view.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from worker.protocol import QUEUE_RUN, QUEUE_TEST, QUEUES
+
+log = logging.getLogger("studio_code.metrics")
+
+PREFIX = "studio_code"
+#: kombu's Redis transport keeps a queue's messages in a list named after the queue, one
+#: more list per priority step (queue + "\\x06\\x16" + step) when priorities are used.
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = (3, 6, 9)
+KIND_OF = {QUEUE_RUN: "run", QUEUE_TEST: "test"}
+
+
+def queue_keys(queue: str) -> list[str]:
+    """The Redis lists holding ``queue``'s waiting messages."""
+    return [queue, *(f"{queue}{PRIORITY_SEP}{p}" for p in PRIORITY_STEPS)]
+
+
+class QueueCollector(Collector):
+    """Backlog (Redis) and oldest wait (run store) per queue, read at scrape time. A
+    source that cannot be read leaves its family empty for that scrape (and is logged):
+    an autoscaler then sees no data, never a false 0."""
+
+    def __init__(self, redis_client: Any, store_factory: Any) -> None:
+        self.redis = redis_client
+        self.store_factory = store_factory  # called per scrape: the store may open late
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return [self._backlog_family(), self._oldest_family()]
+
+    @staticmethod
+    def _backlog_family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            f"{PREFIX}_queue_backlog",
+            "Messages waiting in the queue's Redis lists (LLEN), not yet taken by a worker.",
+            labels=["queue"])
+
+    @staticmethod
+    def _oldest_family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            f"{PREFIX}_queue_oldest_seconds",
+            "Age of the oldest job still queued in the run store (0 when none waits).",
+            labels=["queue"])
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        backlog = self._backlog_family()
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for queue in QUEUES:
+                for key in queue_keys(queue):
+                    pipe.llen(key)
+            lengths = pipe.execute()
+            n = len(PRIORITY_STEPS) + 1
+            for i, queue in enumerate(QUEUES):
+                backlog.add_metric([queue], float(sum(lengths[i * n:(i + 1) * n])))
+        except Exception as e:  # noqa: BLE001 - a scrape never fails for a dependency
+            log.warning("queue backlog unreadable: %s", e)
+        oldest = self._oldest_family()
+        try:
+            store = self.store_factory()
+            now = datetime.now(UTC)
+            for queue in QUEUES:
+                at = store.oldest_queued_at(KIND_OF[queue])
+                oldest.add_metric([queue], 0.0 if at is None else
+                                  max(0.0, (now - at).total_seconds()))
+        except Exception as e:  # noqa: BLE001
+            log.warning("oldest queued job unreadable: %s", e)
+        return [backlog, oldest]
+
+
+class SlotsCollector(Collector):
+    """This worker's slots and liveness per queue (see the module doc). ``consumer`` is
+    Celery's consumer, set once the worker is ready."""
+
+    def __init__(self) -> None:
+        self.consumer: Any = None
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return list(self._families())
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        return list(self._families(self.consumer))
+
+    @staticmethod
+    def slots(consumer: Any) -> dict[str, tuple[int, int]]:
+        """queue -> (busy, total) for the queues ``consumer``'s worker reads."""
+        from celery.worker.state import active_requests
+
+        controller = consumer.controller
+        concurrency = int(controller.concurrency or 0)
+        test_slots = int(getattr(controller, "studio_test_slots", 0) or 0)
+        queues = consumer.app.amqp.queues
+        names = [q for q in QUEUES if q in set(queues.consume_from or queues)]
+        busy_by_queue = {q: 0 for q in QUEUES}
+        busy = 0
+        for req in list(active_requests):
+            busy += 1
+            key = (req.delivery_info or {}).get("routing_key")
+            if key in busy_by_queue:
+                busy_by_queue[key] += 1
+        out = {}
+        for q in names:
+            if test_slots:  # split pool (worker.slots): each queue has its own processes
+                total = test_slots if q == QUEUE_TEST else concurrency - test_slots
+                out[q] = (min(busy_by_queue[q], total), total)
+            else:  # one pool, both queues: every process can take either
+                out[q] = (min(busy, concurrency), concurrency)
+        return out
+
+    def _families(self, consumer: Any = None) -> Iterable[GaugeMetricFamily]:
+        up = GaugeMetricFamily(
+            f"{PREFIX}_worker_up",
+            "1 for each queue this worker consumes, once ready; sum over workers = live "
+            "workers per queue.", labels=["queue"])
+        slots = GaugeMetricFamily(
+            f"{PREFIX}_worker_slots",
+            "This worker's pool processes that can take a job of the queue, by state.",
+            labels=["queue", "state"])
+        table: dict[str, tuple[int, int]] = {}
+        if consumer is not None:
+            try:
+                table = self.slots(consumer)
+            except Exception as e:  # noqa: BLE001
+                log.warning("worker slots unreadable: %s", e)
+        for q in QUEUES:
+            busy, total = table.get(q, (0, 0))
+            up.add_metric([q], 1.0 if q in table else 0.0)
+            slots.add_metric([q, "busy"], float(busy))
+            slots.add_metric([q, "idle"], float(total - busy))
+        yield up
+        yield slots
+
+
+#: the worker's collector: its metrics server serves it, worker_ready gives it the consumer
+SLOTS = SlotsCollector()
+

@@ -1,0 +1,102 @@
+"""Live logs, the worker's side: what a running node prints goes to a Redis stream as it
+comes, so the API can show it before the node ends (``GET /api/runs/{id}/logs?follow=1``).
+
+The runtime's logs buffer passes on each piece it KEEPS (``executor.runtimes.base.LOG_TAP``),
+so the stream holds at most the same STUDIO_CODE_LOG_MAX_BYTES (64 KiB) as the stored logs;
+the truncation mark comes from the stored logs at the end, which stay the truth.
+
+Writing to Redis never slows the sandbox's pump: pieces go to an in-process queue and a
+thread of this job sends them in batches (one XADD per batch). A Redis that is down loses
+the live view only (logged once); the stored logs are written as always.
+
+Stream ``studio:logs:{job_id}``: entries ``{"d": <bytes>}``, then ``{"end": "1"}`` when the
+sandbox is done; it expires LIVE_TTL_S after its last entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from executor.runtimes.base import LOG_TAP
+
+log = logging.getLogger("studio_code.worker")
+
+LIVE_TTL_S = 600
+MAX_ENTRIES = 10_000  # a safety cap (64 KiB of logs make far fewer entries)
+_STOP = object()
+
+
+def logs_key(job_id: str) -> str:
+    return f"studio:logs:{job_id}"
+
+
+class LivePublisher:
+    """One job's pieces -> its Redis stream, from a thread of its own."""
+
+    def __init__(self, client: Any, job_id: str) -> None:
+        self.client = client
+        self.key = logs_key(job_id)
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._failed = False
+        self._thread = threading.Thread(target=self._loop, name="studio-live-logs",
+                                        daemon=True)
+        self._thread.start()
+
+    def write(self, piece: bytes) -> None:
+        self._q.put(piece)
+
+    def _send(self, fields: dict[str, Any]) -> None:
+        if self._failed:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xadd(self.key, fields, maxlen=MAX_ENTRIES, approximate=True)
+            pipe.expire(self.key, LIVE_TTL_S)
+            pipe.execute()
+        except Exception as e:  # noqa: BLE001 - the live view is best effort
+            self._failed = True
+            log.warning("live logs of %s not published (%s); the stored logs are kept",
+                        self.key, e)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            batch = []
+            stop = item is _STOP
+            if not stop:
+                batch.append(item)
+            while not stop:
+                try:
+                    more = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    stop = True
+                else:
+                    batch.append(more)
+            if batch:
+                self._send({"d": b"".join(batch)})
+            if stop:
+                self._send({"end": "1"})
+                return
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._q.put(_STOP)
+        self._thread.join(timeout_s)
+
+
+@contextmanager
+def publishing(client: Any, job_id: str) -> Iterator[LivePublisher]:
+    """Publish what the job prints while the block runs (the runtime reads LOG_TAP)."""
+    publisher = LivePublisher(client, job_id)
+    token = LOG_TAP.set(publisher.write)
+    try:
+        yield publisher
+    finally:
+        LOG_TAP.reset(token)
+        publisher.close()
