@@ -91,6 +91,22 @@ class Settings(BaseSettings):
     code_state_max_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="Largest state JSON a call may be given."
     )
+    code_prewarm: int = Field(
+        1, ge=0, le=16,
+        description="Pre-started, never-used containers kept per offered language in each "
+        "worker slot (docker runtime), so a job does not wait for a container start. Each is "
+        "used for ONE job only. 0 turns the pool off.",
+    )
+    code_prewarm_max_idle_s: float = Field(
+        300, gt=0, le=86400,
+        description="Seconds a pre-started container may wait for a job; older ones are "
+        "removed and replaced.",
+    )
+    code_oci_runtime: str = Field(
+        "",
+        description="The OCI runtime Docker starts sandboxes with (a name `docker info` lists "
+        "under Runtimes, e.g. crun). Empty: the engine's default (runc).",
+    )
     data_dir: Path = Field(Path("data"), description="Where the embedded SQLite run store lives.")
     database_url: str = Field(
         "", description="Run store URL (SQLAlchemy). Empty: a SQLite file in STUDIO_DATA_DIR."

@@ -137,6 +137,13 @@ def _bootstrap():
         sys.stdout.flush()
         sys.stderr.flush()
         os.close(result_fd)
+        # The result and the logs are complete: closing both streams now tells the host so
+        # (EOF on its attach stream) without waiting for the process and container to end.
+        for fd in (1, 2):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
     # Skip interpreter teardown: threads or atexit hooks the code left must not alter the result.
     os._exit(0)
 

@@ -55,6 +55,8 @@ const realStdout = Deno.stdout;
 const realStderr = Deno.stderr;
 const writeStdout = uncurry(realStdout.writeSync).bind(null, realStdout);
 const writeStderr = uncurry(realStderr.writeSync).bind(null, realStderr);
+const closeStdout = uncurry(realStdout.close).bind(null, realStdout);
+const closeStderr = uncurry(realStderr.close).bind(null, realStderr);
 const addEventListener = uncurry(globalThis.addEventListener).bind(null, globalThis);
 const preventDefault = uncurry(Event.prototype.preventDefault);
 const internals = Deno[Deno.internal];
@@ -87,6 +89,19 @@ function writeAll(write, bytes) {
   }
 }
 
+function closeStreams() {
+  try {
+    closeStdout();
+  } catch {
+    // already closed
+  }
+  try {
+    closeStderr();
+  } catch {
+    // already closed
+  }
+}
+
 function printErr(message) {
   try {
     writeAll(writeStderr, encode(message));
@@ -96,6 +111,8 @@ function printErr(message) {
 }
 
 // Writes the frame and ends the process: nothing the code left running can add to the result.
+// Both streams are closed first: the result and the logs are complete, and the host sees EOF
+// at once instead of after the process and its container have ended.
 function finish(json) {
   if (finished) return;
   finished = true;
@@ -104,6 +121,7 @@ function finish(json) {
   } catch {
     exit(1);
   }
+  closeStreams();
   exit(0);
 }
 

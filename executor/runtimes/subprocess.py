@@ -22,6 +22,7 @@ import threading
 import time
 from typing import IO
 
+from executor.audit import SUBPROCESS_RUNTIME_USED
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
@@ -63,6 +64,10 @@ class SubprocessRuntime(Runtime):
     """Runs each call as an rlimited child process in its own session."""
 
     name = "subprocess"
+    isolated = False
+    warnings = (WARNING,)
+    run_warnings = (RUN_WARNING,)
+    audit_event = SUBPROCESS_RUNTIME_USED
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
