@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SECTIONS = ["bench.core", "bench.typescript", "bench.queue"]
+SECTIONS = ["bench.core", "bench.typescript", "bench.pool", "bench.queue", "bench.engine"]
 
 if __name__ == "__main__":
     for name in SECTIONS:

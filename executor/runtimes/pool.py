@@ -122,6 +122,7 @@ class SandboxPool:
         self._retry_at: dict[str, float] = {}
         self._retire: deque[Pooled | str] = deque()
         self._taken: dict[str, str] = {}
+        self._removing = 0
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self._cond = threading.Condition()
@@ -159,6 +160,20 @@ class SandboxPool:
                     return False
                 self._cond.wait(min(left, 0.1))
         return True
+
+    def wait_settled(self, timeout_s: float = 60.0) -> bool:
+        """Block until the pool is full and nothing is being started or removed (benchmarks
+        that count a job's whole cost, its replacement and removal included)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._cond:
+                busy = self._retire or any(self._starting.values()) or self._removing
+            if not busy and self.wait_ready(max(0.0, deadline - time.monotonic())):
+                with self._cond:
+                    if not (self._retire or any(self._starting.values()) or self._removing):
+                        return True
+            time.sleep(0.02)
+        return False
 
     # --- take and run ---------------------------------------------------------------------
 
@@ -443,6 +458,7 @@ class SandboxPool:
                 if not self._retire:
                     return
                 item = self._retire.popleft()
+                self._removing += 1
             cid = item if isinstance(item, str) else item.cid
             if not isinstance(item, str):
                 _close(item)
@@ -451,6 +467,9 @@ class SandboxPool:
                 self.runtime._remove_surely(api, cid)
             except RuntimeUnavailable as e:
                 log.warning("could not remove sandbox %s: %s", cid[:12], e)
+            finally:
+                with self._cond:
+                    self._removing -= 1
             if one:
                 return
 
