@@ -341,3 +341,14 @@ def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_not
     wait_for(lambda: pool_containers(docker_client, owner2), 60, "the slot's idle sandbox")
     w2.stop()
     assert pool_containers(docker_client, owner2) == []
+
+
+def test_an_oci_runtime_the_engine_does_not_know_is_not_ready_and_says_so(
+        make_settings: Any, python_image: str) -> None:
+    from executor.languages import get_language
+    from executor.service import Executor
+
+    ex = Executor(make_settings(code_image=python_image, code_oci_runtime="no-such-oci"))
+    ready = ex.readiness(get_language("python"), fresh=True)
+    assert not ready.ready
+    assert "STUDIO_CODE_OCI_RUNTIME='no-such-oci'" in ready.reason and "runc" in ready.reason

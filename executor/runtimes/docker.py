@@ -204,6 +204,19 @@ class DockerRuntime(Runtime):
         down = self.health_problem()
         if down is not None:
             return down
+        oci = self.settings.code_oci_runtime
+        if oci:
+            try:
+                known = sorted((self.api.info().get("Runtimes") or {}).keys())
+            except DockerException as e:
+                return _docker_down(e)
+            if oci not in known:
+                return (
+                    f"STUDIO_CODE_OCI_RUNTIME={oci!r} is not a runtime this Docker engine "
+                    f"knows (it has: {', '.join(known) or 'none'}): register it under "
+                    '"runtimes" in /etc/docker/daemon.json, or leave the setting empty for '
+                    "the engine's default."
+                )
         image = language.image(self.settings)
         try:
             self.api.inspect_image(image)
