@@ -72,6 +72,22 @@ class OwnEngine:
                 time.sleep(0.2)
         raise RuntimeError("the bench's own dockerd did not start")
 
+    def crun_problem(self, image: str) -> str | None:
+        """Why crun cannot start a container in this engine (None: it can)."""
+        import docker
+
+        if not self.crun:
+            return "crun is not installed (apt-get install crun)"
+        client = docker.DockerClient(base_url=self.host, timeout=60)
+        try:
+            client.containers.run(image, ["python3", "-c", "pass"], runtime="crun",
+                                  network_mode="none", remove=True)
+            return None
+        except docker.errors.DockerException as e:
+            return str(e)
+        finally:
+            client.close()
+
     def load(self, images: list[str]) -> None:
         save = subprocess.Popen(["docker", "save", *images], stdout=subprocess.PIPE)
         subprocess.run(["docker", "-H", self.host, "load", "-q"], stdin=save.stdout,
@@ -107,13 +123,12 @@ class OwnEngine:
 TRIVIAL = "def main(state):\n    return 1\n"
 
 
-def _bench(engine: OwnEngine, n: int) -> None:
+def _bench(engine: OwnEngine, n: int, runtimes: list[str]) -> None:
     from bench.core import raw_docker_floor
     from executor.models import CodeJob
     from executor.service import Executor
     from executor.settings import load_settings
 
-    runtimes = ["runc"] + (["crun"] if engine.crun else [])
     executors: dict[tuple[str, str], Executor] = {}
     for rt in runtimes:
         settings = load_settings(enable_code_nodes=True, code_languages="python",
@@ -140,8 +155,8 @@ def _bench(engine: OwnEngine, n: int) -> None:
                   lambda ex=executors[(rt, "pool")]: job(ex)]
         names += [f"{rt}: raw cold floor", f"{rt}: executor cold", f"{rt}: executor pool"]
     times = interleave(n, sides)
-    print(f"# bench.engine: an own dockerd (runc{', crun' if engine.crun else ''}); trivial "
-          f"Python node, n={n} per side, interleaved; ms")
+    print(f"# bench.engine: an own dockerd ({', '.join(runtimes)}); trivial Python node, "
+          f"n={n} per side, interleaved; ms")
     print("| what | p50 | p95 |")
     print("|---|---|---|")
     for name, t in zip(names, times, strict=True):
@@ -192,15 +207,25 @@ def main(n: int = 15, pytest_args: list[str] | None = None) -> int:
     settings = load_settings()
     engine = OwnEngine()
     saved = os.environ.get("DOCKER_HOST")
+
+    def stop_on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # so the engine below is stopped, never left running
+
+    signal.signal(signal.SIGTERM, stop_on_term)
     try:
         engine.start()
         engine.load([settings.code_image, settings.code_ts_image])
+        crun = engine.crun_problem(settings.code_image)
+        if crun is not None:
+            print(f"crun: cannot start a container on this host, so it is not measured: {crun}")
         os.environ["DOCKER_HOST"] = engine.host
         if pytest_args is not None:
+            if crun is not None:
+                return 1
             env = {**os.environ, "STUDIO_CODE_OCI_RUNTIME": "crun"}
             return subprocess.run([sys.executable, "-m", "pytest", *pytest_args],
                                   env=env).returncode
-        _bench(engine, n)
+        _bench(engine, n, ["runc"] + ([] if crun else ["crun"]))
         return 0
     finally:
         if saved is None:

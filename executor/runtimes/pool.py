@@ -374,8 +374,11 @@ class SandboxPool:
             self._failures[name] += 1
             delay = BACKOFF_S[min(self._failures[name], len(BACKOFF_S)) - 1]
             self._retry_at[name] = time.monotonic() + delay
-            log.warning("could not pre-start a %s sandbox (retrying in %g s): %s", name,
-                        delay, e)
+            # Said once, then every 10th time: a missing image must not flood the log (its
+            # jobs start cold and report the problem themselves).
+            level = logging.WARNING if self._failures[name] % 10 == 1 else logging.DEBUG
+            log.log(level, "could not pre-start a %s sandbox (failure %d, retrying in %g s): "
+                    "%s", name, self._failures[name], delay, e)
         with self._cond:
             self._starting[name] -= 1
             if made is not None:
