@@ -17,6 +17,10 @@ import os
 import sys
 
 FILENAME = "main.py"
+#: the end-of-logs mark the host asked for in the header ("end"), written to stderr after
+#: the result: the host knows the result and the logs are complete without waiting for the
+#: process and its container to end (a pre-started sandbox answers at once)
+_END = b""
 
 
 def _emit(fd, payload):
@@ -52,6 +56,8 @@ def _run(result_fd, output_max_bytes):
     del raw
     header = json.loads(header_raw)
     code = header["code"]
+    global _END
+    _END = str(header.get("end") or "").encode("utf-8")
     try:
         state = json.loads(state_raw) if state_raw.strip() else {}
     except ValueError as e:
@@ -137,11 +143,9 @@ def _bootstrap():
         sys.stdout.flush()
         sys.stderr.flush()
         os.close(result_fd)
-        # The result and the logs are complete: closing both streams now tells the host so
-        # (EOF on its attach stream) without waiting for the process and container to end.
-        for fd in (1, 2):
+        if _END:
             try:
-                os.close(fd)
+                _write_all(2, _END)
             except OSError:
                 pass
     # Skip interpreter teardown: threads or atexit hooks the code left must not alter the result.

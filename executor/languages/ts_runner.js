@@ -55,8 +55,6 @@ const realStdout = Deno.stdout;
 const realStderr = Deno.stderr;
 const writeStdout = uncurry(realStdout.writeSync).bind(null, realStdout);
 const writeStderr = uncurry(realStderr.writeSync).bind(null, realStderr);
-const closeStdout = uncurry(realStdout.close).bind(null, realStdout);
-const closeStderr = uncurry(realStderr.close).bind(null, realStderr);
 const addEventListener = uncurry(globalThis.addEventListener).bind(null, globalThis);
 const preventDefault = uncurry(Event.prototype.preventDefault);
 const internals = Deno[Deno.internal];
@@ -78,6 +76,9 @@ const packages = [...(config.packages ?? [])];
 const text = { __proto__: null, ...config.messages };
 
 let marker = "";
+// The end-of-logs mark the host asked for (header "end"), written to stderr after the frame:
+// the result and the logs are complete without waiting for the process to end.
+let endMark = "";
 let finished = false;
 let waitingForMain = false;
 
@@ -86,19 +87,6 @@ function writeAll(write, bytes) {
   const total = TypedArrayLength(bytes);
   while (offset < total) {
     offset += write(TypedArraySubarray(bytes, offset));
-  }
-}
-
-function closeStreams() {
-  try {
-    closeStdout();
-  } catch {
-    // already closed
-  }
-  try {
-    closeStderr();
-  } catch {
-    // already closed
   }
 }
 
@@ -111,8 +99,6 @@ function printErr(message) {
 }
 
 // Writes the frame and ends the process: nothing the code left running can add to the result.
-// Both streams are closed first: the result and the logs are complete, and the host sees EOF
-// at once instead of after the process and its container have ended.
 function finish(json) {
   if (finished) return;
   finished = true;
@@ -121,7 +107,7 @@ function finish(json) {
   } catch {
     exit(1);
   }
-  closeStreams();
+  if (endMark !== "") printErr(endMark);
   exit(0);
 }
 
@@ -355,6 +341,7 @@ async function run() {
   if (newline < 0) newline = TypedArrayLength(input);
   const header = JSONParse(decode(TypedArraySubarray(input, 0, newline)));
   marker = header.marker;
+  endMark = typeof header.end === "string" ? header.end : "";
   const code = header.code;
   const stateText = decode(TypedArraySubarray(input, newline + 1));
   let state;

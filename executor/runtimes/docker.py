@@ -11,6 +11,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import docker
@@ -242,9 +243,10 @@ class DockerRuntime(Runtime):
         api = self.api
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
         if self.pool is not None:
+            asked = time.monotonic()
             pooled = self.pool.take(language, policy)
             if pooled is not None:
-                return self.pool.run(pooled, job, language, limits, should_cancel)
+                return self.pool.run(pooled, job, language, limits, should_cancel, t0=asked)
         policy["host_config"] = api.create_host_config(**policy["host_config"])
         t0 = time.monotonic()
         cid = self._create(api, policy, job.job_id)
@@ -406,9 +408,11 @@ def _pump(
     logs: BoundedBuffer,
     deadline: float,
     should_cancel: CancelCheck | None,
+    done: Callable[[], bool] | None = None,
 ) -> str:
-    """Demultiplex Docker's attach stream into stdout and logs until EOF, the deadline or
-    a cancel. Returns "eof", "deadline" or "cancel"."""
+    """Demultiplex Docker's attach stream into stdout and logs until EOF, the deadline,
+    a cancel or (with ``done``) the runner saying its result and logs are complete.
+    Returns "eof", "deadline", "cancel" or "done"."""
     buf = bytearray()
     next_check = 0.0
     while True:
@@ -433,3 +437,5 @@ def _pump(
             data = bytes(buf[_HEADER.size : _HEADER.size + size])
             del buf[: _HEADER.size + size]
             (out if stream == 1 else logs).write(data)
+        if done is not None and done():
+            return "done"

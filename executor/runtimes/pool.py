@@ -17,11 +17,15 @@ pre-started container until it is taken.
   change after create: the name is how ANY process's ``kill(job_id)`` finds it), then the
   job's stdin is written and the attach stream read exactly as for a cold container. The
   node's timeout counts from here, the job's start.
-* **Done at the frame**: the runners close their stdout and stderr right after writing the
-  result, so EOF on the attach stream means the result and the logs are complete. With a
-  complete result frame the caller has its answer at once; the container's exit and its
-  removal happen in this pool's thread, off the caller's path. Anything else (no frame, a
-  timeout, a cancel, OOM) is read and removed as for a cold container.
+* **Done at the frame**: EOF on the attach stream comes only when the container has exited
+  (measured on Docker 20.10: closing fds 1 and 2 does not end it), ~30-150 ms after the
+  result. So the job's header carries a per-job end-of-logs mark, which the runner writes to
+  stderr after its result: when the logs END with the mark and stdout holds a whole result
+  frame, the result and every log byte the runner wrote are in, and the caller has its
+  answer at once; the container's exit and its removal happen in this pool's thread, off
+  the caller's path. Code that forges the mark can only cut its own logs short (a result is
+  still needed). Anything else (no frame, a timeout, a cancel, OOM) is read and removed as
+  for a cold container.
 * **Replace**: a replacement starts right after one is handed out, off the path. Idle
   containers older than STUDIO_CODE_PREWARM_MAX_IDLE_S, or made from an image whose id
   changed since, are removed and replaced. ``close`` (a stopping worker process) removes
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import select
 import threading
 import time
@@ -223,31 +228,38 @@ class SandboxPool:
             return self._taken.get(job_id)
 
     def run(self, p: Pooled, job: CodeJob, language: Language, limits: Limits,
-            should_cancel: CancelCheck | None) -> RawRun:
-        """Give ``job`` to the taken container ``p``: its one and only job."""
+            should_cancel: CancelCheck | None, *, t0: float | None = None) -> RawRun:
+        """Give ``job`` to the taken container ``p``: its one and only job. ``t0``: when the
+        job asked for a sandbox (its start_ms counts a wait in ``take`` too)."""
         runtime = self.runtime
         api = runtime.api
-        t0 = time.monotonic()
+        t0 = time.monotonic() if t0 is None else t0
         with self._cond:
             self._taken[job.job_id] = p.cid
         handed_off = False
         try:
             self._rename(p, job.job_id)
             started = time.monotonic()
-            writer = threading.Thread(target=_feed, args=(p.raw, language.stdin_payload(job)),
-                                      daemon=True)
+            mark = f"\x1estudio-end:{secrets.token_hex(16)}\x1e"
+            payload = language.stdin_payload(job, end_mark=mark)
+            writer = threading.Thread(target=_feed, args=(p.raw, payload), daemon=True)
             writer.start()
             out = BoundedBuffer(limits.output_max_bytes + 4096)
-            logs = BoundedBuffer(limits.log_max_bytes)
+            logs = _Logs(limits.log_max_bytes, mark.encode("utf-8"))
+
+            def complete() -> bool:
+                return logs.at_end and not out.truncated and _complete(language, job,
+                                                                     out.getvalue())
+
             deadline = started + limits.timeout_s
-            ending = _pump(p.raw, out, logs, deadline, should_cancel)
+            ending = _pump(p.raw, out, logs, deadline, should_cancel, complete)
             raw = RawRun(exit_code=None, stdout=out.getvalue(), stdout_truncated=out.truncated,
-                         logs=logs.getvalue(), logs_total=logs.total, pooled=True,
-                         start_ms=(started - t0) * 1000)
-            if ending == "eof" and not out.truncated and _complete(language, job, raw):
-                # Both streams closed after a whole result: the answer is complete. The
-                # runner exits 0 right after (its contract); its exit and the removal are
-                # not waited for here.
+                         logs=logs.without_mark(), logs_total=logs.total_without_mark,
+                         pooled=True, start_ms=(started - t0) * 1000)
+            if ending == "done" or (ending == "eof" and complete()):
+                # The runner wrote its whole result, then the end-of-logs mark after every
+                # log byte it wrote: the answer is complete. It exits 0 right after (its
+                # contract); that exit and the removal are not waited for here.
                 raw.exit_code = 0
                 raw.run_ms = (time.monotonic() - started) * 1000
                 self._hand_off(p)
@@ -477,9 +489,41 @@ class SandboxPool:
                 return
 
 
-def _complete(language: Language, job: CodeJob, raw: RawRun) -> bool:
-    """The runner's whole result is in ``raw``: its JSON parses to the runner's object."""
-    frame = language.result_bytes(job, raw)
+class _Logs(BoundedBuffer):
+    """The logs, watching for the runner's end-of-logs mark (which may arrive past the
+    kept bytes of a print flood) and keeping it out of what the user sees."""
+
+    def __init__(self, limit: int, mark: bytes) -> None:
+        super().__init__(limit)
+        self.mark = mark
+        self.tail = b""
+        self.seen = False
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.tail = (self.tail + data)[-len(self.mark):]
+        self.seen = self.seen or self.tail == self.mark
+
+    @property
+    def at_end(self) -> bool:
+        """The last bytes written are the mark: nothing the runner wrote is still to come."""
+        return self.tail == self.mark
+
+    def without_mark(self) -> bytes:
+        kept = self.getvalue()
+        at = kept.rfind(self.mark) if self.seen else -1
+        return kept if at < 0 else kept[:at] + kept[at + len(self.mark):]
+
+    @property
+    def total_without_mark(self) -> int:
+        return self.total - len(self.mark) if self.seen else self.total
+
+
+def _complete(language: Language, job: CodeJob, stdout: bytes) -> bool:
+    """The runner's whole result is in ``stdout``: its JSON parses to the runner's object."""
+    probe = RawRun(exit_code=None, stdout=stdout, stdout_truncated=False, logs=b"",
+                   logs_total=0)
+    frame = language.result_bytes(job, probe)
     if not frame:
         return False
     try:
