@@ -220,6 +220,7 @@ class RuntimeMeta(BaseModel):
     limits: LimitsMeta
     sandbox_user: dict[str, Any]
     warnings: list[str] = Field(default_factory=list)
+    pool: dict[str, Any] | None = None
 
 
 class Health(BaseModel):

@@ -15,6 +15,8 @@ SECTIONS = [
     "bench.cli",
     "bench.history",
     "bench.live_logs",
+    "bench.pool",
+    "bench.engine",
 ]
 
 if __name__ == "__main__":

@@ -187,12 +187,27 @@ def overhead(client: Any, n: int) -> dict[str, list[float]]:
     return out
 
 
+def e2e_interleaved(clients: list[Any], n: int) -> list[list[float]]:
+    """submit→result in the caller, one job at a time, alternating between ``clients`` (each
+    with its own worker), so both see the same machine noise; ms per client."""
+    out: list[list[float]] = [[] for _ in clients]
+    while min(len(x) for x in out) < n:
+        for i, client in enumerate(clients):
+            t0 = time.perf_counter()
+            rec = client.wait(client.submit(TRIVIAL, "python", {}), 60)
+            if rec.status != "succeeded":
+                DISTURBED["e2e"] += 1
+                continue
+            out[i].append((time.perf_counter() - t0) * 1000)
+    return out
+
+
 def cancel_latency(client: Any, api: Any, n: int) -> tuple[list[float], list[float]]:
     gone: list[float] = []
     ended: list[float] = []
     while len(gone) < n:
         job_id = client.submit(SPIN, "python", {})
-        flt = {"label": f"{LABEL_JOB}={job_id}"}
+        flt = {"name": f"^/studio-code-{job_id}$"}  # cold or pre-started: its job's name
         deadline = time.monotonic() + 30
         while not api.containers(filters={**flt, "status": "running"}):
             if time.monotonic() > deadline:
@@ -304,8 +319,11 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="studio-bench-queue-"))
     redis = Redis(tmp)
-    worker = None
-    client = None
+    tmp_cold = tmp / "cold"
+    tmp_cold.mkdir()
+    redis_cold = Redis(tmp_cold)
+    worker = worker_cold = None
+    client = client_cold = None
     try:
         db = args.database_url or f"sqlite:///{tmp / 'studio-code.db'}"
         settings = load_settings(
@@ -326,17 +344,28 @@ def main() -> None:
         )
         client = CodeClient(settings)
         worker = Worker(env, args.slots, tmp / "worker.log", client)
+        # The same worker with no pre-started sandboxes, on its own Redis and store.
+        db_cold = f"sqlite:///{tmp_cold / 'studio-code.db'}"
+        settings_cold = load_settings(enable_code_nodes=True, redis_url=redis_cold.url,
+                                      database_url=db_cold, code_concurrency=args.slots)
+        env_cold = {**env, "STUDIO_REDIS_URL": redis_cold.url, "STUDIO_DATABASE_URL": db_cold,
+                    "STUDIO_CODE_PREWARM": "0"}
+        client_cold = CodeClient(settings_cold)
+        worker_cold = Worker(env_cold, args.slots, tmp_cold / "worker.log", client_cold)
         api = docker.from_env(timeout=60).api
-        for _ in range(5):  # warm-up: every pool process, the engine, the store
-            client.wait(client.submit(TRIVIAL, "python", {}), 60)
+        for c in (client, client_cold):
+            for _ in range(5):  # warm-up: every pool process, the engine, the store
+                c.wait(c.submit(TRIVIAL, "python", {}), 60)
         raw_throughput(settings, api, args.slots, 2 * args.slots)
 
         ov = overhead(client, args.n)
+        e2e_pool, e2e_cold = e2e_interleaved([client, client_cold], args.n)
         gone, ended = cancel_latency(client, api, args.cancels)
-        queue_rates, raw_rates, ex_rates = [], [], []
+        queue_rates, raw_rates, ex_rates, cold_rates = [], [], [], []
         for _ in range(args.rounds):
             raw_rates.append(raw_throughput(settings, api, args.slots, args.jobs))
             queue_rates.append(queue_throughput(client, args.jobs))
+            cold_rates.append(queue_throughput(client_cold, args.jobs))
             ex_rates.append(executor_throughput(settings, args.slots, args.jobs))
 
         def ms(xs: list[float], q: float) -> str:
@@ -373,6 +402,15 @@ def main() -> None:
             f"p95 {ms(ov['run'], 95)} | |"
         )
         print(
+            f"| queue path e2e, trivial node, submit→result in the caller, pool on (n="
+            f"{args.n}, interleaved with the next row) | {ms(e2e_pool, 50)} | "
+            f"p95 {ms(e2e_pool, 95)} | |"
+        )
+        print(
+            f"| … the same worker with STUDIO_CODE_PREWARM=0 (cold sandboxes) | "
+            f"{ms(e2e_cold, 50)} | p95 {ms(e2e_cold, 95)} | |"
+        )
+        print(
             f"| cancel latency: cancel() → container gone (n={args.cancels}) | "
             f"{pct(gone, 50) * 1000:.0f} ms | p99 {pct(gone, 99) * 1000:.0f} ms | ≤ 500 ms |"
         )
@@ -382,18 +420,22 @@ def main() -> None:
         )
         print()
         print(
-            f"| throughput, trivial nodes, {args.jobs} per round | queue, {args.slots} slots "
-            f"(jobs/s) | raw SDK floor, {args.slots} threads | queue / raw | executor, "
-            f"{args.slots} threads, no queue | queue / executor |"
+            f"| throughput, trivial nodes, {args.jobs} per round | queue, {args.slots} slots, "
+            f"pool (jobs/s) | queue, {args.slots} slots, no pool | raw SDK floor, {args.slots} "
+            f"threads | queue (pool) / raw | executor, {args.slots} threads, no queue | "
+            "queue / executor |"
         )
-        print("|---|---|---|---|---|---|")
-        for i, (q, r, e) in enumerate(zip(queue_rates, raw_rates, ex_rates, strict=True), 1):
-            print(f"| round {i} | {q:.2f} | {r:.2f} | {q / r:.2f}x | {e:.2f} | {q / e:.2f}x |")
+        print("|---|---|---|---|---|---|---|")
+        rows = zip(queue_rates, cold_rates, raw_rates, ex_rates, strict=True)
+        for i, (q, c, r, e) in enumerate(rows, 1):
+            print(f"| round {i} | {q:.2f} | {c:.2f} | {r:.2f} | {q / r:.2f}x | {e:.2f} | "
+                  f"{q / e:.2f}x |")
         n = len(queue_rates)
         q_all, r_all, e_all = sum(queue_rates) / n, sum(raw_rates) / n, sum(ex_rates) / n
+        c_all = sum(cold_rates) / n
         print(
-            f"| mean | {q_all:.2f} | {r_all:.2f} | {q_all / r_all:.2f}x (goal ≥ 0.85x) | "
-            f"{e_all:.2f} | {q_all / e_all:.2f}x |"
+            f"| mean | {q_all:.2f} | {c_all:.2f} | {r_all:.2f} | {q_all / r_all:.2f}x (goal ≥ "
+            f"0.85x) | {e_all:.2f} | {q_all / e_all:.2f}x |"
         )
         if sum(DISTURBED.values()):
             print(
@@ -401,11 +443,14 @@ def main() -> None:
                 f"and measured again; throughput jobs that failed so): {dict(DISTURBED)}"
             )
     finally:
-        if client is not None:
-            client.close()
-        if worker is not None:
-            worker.stop()
+        for c in (client, client_cold):
+            if c is not None:
+                c.close()
+        for w in (worker, worker_cold):
+            if w is not None:
+                w.stop()
         redis.stop()
+        redis_cold.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -15,6 +15,7 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
     """Enabled, runtime, each language's readiness (proven by its test program) and
     packages, the limits in force and the sandbox's uid:gid."""
     s = executor.settings
+    runtime = executor.runtime
     reason = executor.disabled_reason()
     languages = []
     for name in KNOWN_LANGUAGES:
@@ -26,7 +27,7 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             entry.update(
                 ready=ready.ready,
                 reason=ready.reason,
-                image=lang.image(s) if s.code_runtime == "docker" else None,
+                image=runtime.image(lang) if runtime is not None else None,
                 packages=lang.packages(s),
             )
         else:
@@ -34,15 +35,12 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
                          image=None, packages=[])
         languages.append(entry)
     uid, gid = sandbox_ids()
-    warnings = []
-    isolation = None
-    if s.code_runtime == "subprocess":
-        from executor.runtimes.subprocess import WARNING, isolation_warning
+    isolation = getattr(executor.runtime, "isolation", None)
+    warnings = list(runtime.warnings) if runtime is not None else []
+    if isolation is not None:
+        from executor.runtimes.subprocess import isolation_warning
 
-        warnings.append(WARNING)
-        isolation = getattr(executor.runtime, "isolation", None)
-        if isolation is not None:
-            warnings.append(isolation_warning(isolation))
+        warnings.append(isolation_warning(isolation))
     from executor.store.sql import describe_url  # SQLAlchemy's URL parser; no driver
 
     return {
@@ -51,7 +49,7 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         "enabled": reason is None,
         "reason": reason,
         "code_runtime": s.code_runtime,
-        "isolated": s.code_runtime == "docker",
+        "isolated": runtime is not None and runtime.isolated,
         "languages": languages,
         "limits": {
             "memory": s.code_memory,
@@ -83,4 +81,11 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         ),
         "warnings": warnings,
         "subprocess_isolation": isolation,
+        # Pre-started sandboxes: the setting, and this process's own pool when it keeps one
+        # (a worker's pool process; the API's process starts sandboxes cold).
+        "pool": {
+            "prewarm": s.code_prewarm,
+            "max_idle_s": s.code_prewarm_max_idle_s,
+            "this_process": runtime.pool_stats() if runtime is not None else None,
+        },
     }

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from executor.audit import SUBPROCESS_RUNTIME_USED, AuditSink, LogAuditSink
+from executor.audit import AuditSink, LogAuditSink
 from executor.errors import (
     CodeInvalid,
     CodeNodesDisabled,
@@ -21,11 +21,11 @@ from executor.errors import (
     StudioCodeError,
 )
 from executor.inputs import check_state_size
-from executor.languages import offered_language
+from executor.languages import get_language, offered_language
 from executor.languages.base import Language, Problem
 from executor.models import CodeErrorInfo, CodeJob, CodeResult, Limits, Status, TraceRow
 from executor.outputs import MESSAGE_MAX_CHARS, OutputInvalid, parse_reply, safe_text
-from executor.runtimes.base import CancelCheck, RawRun, Runtime, owner_id
+from executor.runtimes.base import CancelCheck, PoolObserver, RawRun, Runtime, owner_id
 from executor.settings import KNOWN_RUNTIMES, Settings
 
 log = logging.getLogger("studio_code")
@@ -59,18 +59,29 @@ def _size(n: int) -> str:
     return f"{n}b"
 
 
-def make_runtime(settings: Settings) -> Runtime | None:
-    """The runtime STUDIO_CODE_RUNTIME names, or None for an unknown value (Code nodes off)."""
+def runtime_class(settings: Settings) -> type[Runtime] | None:
+    """The class of the runtime STUDIO_CODE_RUNTIME names (None: unknown). The one place
+    that reads the name: everything else asks the runtime what it can do."""
     if settings.code_runtime == "docker":
         from executor.runtimes.docker import DockerRuntime
 
-        return DockerRuntime(settings)
+        return DockerRuntime
     if settings.code_runtime == "subprocess":
-        from executor.runtimes.subprocess import WARNING, SubprocessRuntime
+        from executor.runtimes.subprocess import SubprocessRuntime
 
-        log.warning(WARNING)
-        return SubprocessRuntime(settings)
+        return SubprocessRuntime
     return None
+
+
+def make_runtime(settings: Settings) -> Runtime | None:
+    """The runtime STUDIO_CODE_RUNTIME names, or None for an unknown value (Code nodes off)."""
+    cls = runtime_class(settings)
+    if cls is None:
+        return None
+    runtime = cls(settings)
+    for warning in runtime.warnings:
+        log.warning(warning)
+    return runtime
 
 
 class Executor:
@@ -214,6 +225,21 @@ class Executor:
     def runtime_name(self) -> str:
         return self.settings.code_runtime
 
+    # --- the runtime's life in a long-lived process (a worker's pool process) ----------
+
+    def prepare(self, observe: PoolObserver | None = None) -> None:
+        """Connect the runtime and fill its pool of pre-started sandboxes for every offered
+        language (STUDIO_CODE_PREWARM); a process that runs many jobs calls it once."""
+        if self.runtime is None or self.disabled_reason():
+            return
+        languages = [get_language(name) for name in self.settings.languages]
+        self.runtime.prepare(languages, self.limits(), observe)
+
+    def close(self) -> None:
+        """Remove the runtime's idle pre-started sandboxes (a stopping process)."""
+        if self.runtime is not None:
+            self.runtime.close()
+
     # --- one call ----------------------------------------------------------------------
 
     def run(self, job: CodeJob, *, should_cancel: CancelCheck | None = None) -> CodeResult:
@@ -260,18 +286,19 @@ class Executor:
         return self._read(job, language, limits, raw, t0)
 
     def _audit_first_subprocess_call(self, job: CodeJob) -> None:
-        if self.runtime_name != "subprocess" or self._audited:
+        event = self.runtime.audit_event if self.runtime is not None else None
+        if event is None or self._audited:
             return
         with self._audit_lock:
             if self._audited:
                 return
             try:
                 self.audit_sink.audit(
-                    SUBPROCESS_RUNTIME_USED,
+                    event,
                     {"owner": owner_id(), "job_id": job.job_id, "language": job.language},
                 )
             except Exception:  # the next call tries again; the run itself goes on
-                log.exception("could not write the %s audit entry", SUBPROCESS_RUNTIME_USED)
+                log.exception("could not write the %s audit entry", event)
                 return
             self._audited = True
 
@@ -362,15 +389,12 @@ class Executor:
         trace = []
         if raw is not None:
             trace = [
-                TraceRow(step="sandbox.start", runtime=runtime, duration_ms=round(raw.start_ms, 3)),
+                TraceRow(step="sandbox.start", runtime=runtime, duration_ms=round(raw.start_ms, 3),
+                         detail="pool" if raw.pooled else "cold"),
                 TraceRow(step="code.run", runtime=runtime, duration_ms=round(raw.run_ms, 3),
                          detail=str(status)),
             ]
-        warnings = []
-        if runtime == "subprocess":
-            from executor.runtimes.subprocess import RUN_WARNING
-
-            warnings.append(RUN_WARNING)
+        warnings = list(self.runtime.run_warnings) if self.runtime is not None else []
         return CodeResult(
             job_id=job.job_id,
             language=job.language,

@@ -116,6 +116,22 @@ class Settings(BaseSettings):
         "for root, else $XDG_DATA_HOME/studio-code (~/.local/share/studio-code): never the "
         "current folder, so every process of one user finds the same store.",
     )
+    code_prewarm: int = Field(
+        1, ge=0, le=16,
+        description="Pre-started, never-used containers kept per offered language in each "
+        "worker slot (docker runtime), so a job does not wait for a container start. Each is "
+        "used for ONE job only. 0 turns the pool off.",
+    )
+    code_prewarm_max_idle_s: float = Field(
+        300, gt=0, le=86400,
+        description="Seconds a pre-started container may wait for a job; older ones are "
+        "removed and replaced.",
+    )
+    code_oci_runtime: str = Field(
+        "",
+        description="The OCI runtime Docker starts sandboxes with (a name `docker info` lists "
+        "under Runtimes, e.g. crun). Empty: the engine's default (runc).",
+    )
     database_url: str = Field(
         "", description="Run store URL (SQLAlchemy). Empty: a SQLite file in STUDIO_DATA_DIR."
     )

@@ -17,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
 LABEL_JOB = "studio.job_id"
+#: on every sandbox, used or pre-started (a pre-started one has no job id label yet)
+LABEL_OWNER = "studio.owner"
 
 
 #: forks until the process limit says no; it refuses to start as root, so it can only ever
@@ -72,14 +74,14 @@ def _docker_client():  # type: ignore[no-untyped-def]
 def docker_client():  # type: ignore[no-untyped-def]
     client = _docker_client()
     require(client is not None, "no Docker engine reachable")
-    before = {c["Id"] for c in client.api.containers(all=True, filters={"label": LABEL_JOB})}
+    before = {c["Id"] for c in client.api.containers(all=True, filters={"label": LABEL_OWNER})}
     yield client
     # The suite must leave no sandbox behind: whatever is left is a leak of the code path
     # that made it, so report it as an error after removing it. A container still being
     # removed by its runtime gets a moment to go.
     left: list[dict] = []
     for _ in range(20):
-        left = [c for c in client.api.containers(all=True, filters={"label": LABEL_JOB})
+        left = [c for c in client.api.containers(all=True, filters={"label": LABEL_OWNER})
                 if c["Id"] not in before and _made_by_this_session(c)]
         if not left:
             break
@@ -165,6 +167,20 @@ def docker_executor(make_settings, python_image):  # type: ignore[no-untyped-def
     from executor.service import Executor
 
     return Executor(make_settings(code_runtime="docker", code_image=python_image))
+
+
+@pytest.fixture
+def docker_pool_executor(make_settings, python_image):  # type: ignore[no-untyped-def]
+    """A docker executor whose pool of pre-started sandboxes is filled (Python only), as in
+    a worker's pool process; its idle sandboxes are removed at the end."""
+    from executor.service import Executor
+
+    ex = Executor(make_settings(code_runtime="docker", code_image=python_image,
+                                code_languages="python"))
+    ex.prepare()
+    assert ex.runtime.pool is not None and ex.runtime.pool.wait_ready(60)
+    yield ex
+    ex.close()
 
 
 @pytest.fixture

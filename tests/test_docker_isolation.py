@@ -1,5 +1,7 @@
 """Every isolation control and limit of the docker runtime, asserted FROM INSIDE the sandbox:
-the test's code runs in the container and reports what it sees."""
+the test's code runs in the container and reports what it sees. Every test runs twice: in a
+container started for the job (cold) and in a pre-started one taken from the pool (pool):
+the same results from inside."""
 
 from __future__ import annotations
 
@@ -53,7 +55,44 @@ def main(state):
 def run(executor, code: str, state: object = None, timeout_s: float | None = None, **kw):
     job = CodeJob(code=code, state_json=json.dumps(state if state is not None else {}),
                   timeout_s=timeout_s, **kw)
-    return executor.run(job)
+    result = executor.run(job)
+    # The sandbox really was of the kind under test (a silent pool miss proves nothing).
+    expected = "pool" if executor.runtime.pool is not None else "cold"
+    assert [r.detail for r in result.trace if r.step == "sandbox.start"] == [expected], result
+    return result
+
+
+@pytest.fixture(params=["cold", "pool"])
+def sandbox_mode(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def make_executor(make_settings, python_image, sandbox_mode):
+    """Executor(settings); in pool mode its pool of pre-started sandboxes is filled first
+    (and its idle containers removed at the end)."""
+    from executor.service import Executor
+
+    made = []
+
+    def make(**overrides):
+        settings = make_settings(code_runtime="docker", code_image=python_image,
+                                 code_languages="python", **overrides)
+        ex = Executor(settings)
+        if sandbox_mode == "pool":
+            ex.prepare()
+            assert ex.runtime.pool is not None and ex.runtime.pool.wait_ready(60)
+        made.append(ex)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.close()
+
+
+@pytest.fixture
+def docker_executor(make_executor):
+    return make_executor()
 
 
 @pytest.fixture
@@ -161,10 +200,8 @@ def test_loopback_listener_of_the_host_is_unreachable(docker_executor):
     assert accepted == []
 
 
-def test_memory_above_the_limit_ends_code_memory(make_settings, python_image):
-    from executor.service import Executor
-
-    ex = Executor(make_settings(code_memory="64m", code_image=python_image))
+def test_memory_above_the_limit_ends_code_memory(make_executor):
+    ex = make_executor(code_memory="64m")
     code = "def main(state):\n    x = []\n    while True:\n        x.append(bytearray(1 << 20))\n"
     result = run(ex, code, timeout_s=20)
     assert result.status is Status.FAILED
@@ -172,10 +209,8 @@ def test_memory_above_the_limit_ends_code_memory(make_settings, python_image):
     assert "STUDIO_CODE_MEMORY=64m" in result.error.message
 
 
-def test_fork_bomb_stops_at_the_pids_limit(make_settings, python_image):
-    from executor.service import Executor
-
-    ex = Executor(make_settings(code_pids=16, code_image=python_image))
+def test_fork_bomb_stops_at_the_pids_limit(make_executor):
+    ex = make_executor(code_pids=16)
     # Runs ONLY inside the container, under its pids limit of 16.
     result = run(ex, FORK_BOMB, timeout_s=20)
     assert result.status is Status.SUCCEEDED, result
@@ -193,10 +228,8 @@ def test_endless_loop_ends_code_timeout_within_timeout_plus_one_second(docker_ex
     assert elapsed < 2 + 1, elapsed
 
 
-def test_node_timeout_is_capped_by_max_seconds(make_settings, python_image):
-    from executor.service import Executor
-
-    ex = Executor(make_settings(code_max_seconds=1, code_image=python_image))
+def test_node_timeout_is_capped_by_max_seconds(make_executor):
+    ex = make_executor(code_max_seconds=1)
     t0 = time.monotonic()
     result = run(ex, "import time\ndef main(state):\n    time.sleep(60)\n", timeout_s=60)
     assert result.status is Status.TIMED_OUT
@@ -204,11 +237,8 @@ def test_node_timeout_is_capped_by_max_seconds(make_settings, python_image):
     assert time.monotonic() - t0 < 2
 
 
-def test_cpu_share_and_limits_are_visible_in_the_cgroup(make_settings, python_image):
-    from executor.service import Executor
-
-    ex = Executor(make_settings(code_cpus=0.5, code_pids=32, code_memory="128m",
-                                code_image=python_image))
+def test_cpu_share_and_limits_are_visible_in_the_cgroup(make_executor):
+    ex = make_executor(code_cpus=0.5, code_pids=32, code_memory="128m")
     code = (
         "def read(*paths):\n"
         "    for p in paths:\n"
@@ -279,13 +309,13 @@ def test_each_call_gets_a_new_container(docker_executor):
 
 
 def test_containers_are_labelled_and_always_removed(docker_executor, docker_client):
-    seen: list[dict] = []
+    seen: list[tuple[str, dict]] = []
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.is_set():
-            for c in docker_client.api.containers(all=True, filters={"label": "studio.job_id"}):
-                seen.append(c["Labels"])
+            for c in docker_client.api.containers(all=True, filters={"label": "studio.owner"}):
+                seen.append((c["Names"][0].lstrip("/"), c["Labels"]))
             time.sleep(0.02)
 
     t = threading.Thread(target=watch, daemon=True)
@@ -297,13 +327,25 @@ def test_containers_are_labelled_and_always_removed(docker_executor, docker_clie
         stop.set()
         t.join()
     assert result.status is Status.SUCCEEDED
-    mine = [labels for labels in seen if labels["studio.job_id"] == job.job_id]
-    assert mine, "the container was never seen with its label"
-    assert mine[0]["studio.owner"].endswith(f":{os.getpid()}")
+    name = f"studio-code-{job.job_id}"
+    mine = [labels for n, labels in seen if n == name]
+    assert mine, "the container was never seen with its job's name"
+    owner = mine[0]["studio.owner"]
+    assert owner.endswith(f":{os.getpid()}")
     assert int(mine[0]["studio.deadline"]) > time.time()
-    left = docker_client.api.containers(all=True,
-                                        filters={"label": f"studio.job_id={job.job_id}"})
-    assert left == []
+    if docker_executor.runtime.pool is None:
+        assert mine[0]["studio.job_id"] == job.job_id
+        assert "studio.pool" not in mine[0]
+    else:
+        # Pre-started before its job was known: a pool label (its owner) instead of a job
+        # id, and the job's name from the moment it was taken.
+        assert mine[0]["studio.pool"] == owner
+        assert "studio.job_id" not in mine[0]
+    # Removed whatever happens (a pooled one just after the answer, off the caller's path).
+    deadline = time.monotonic() + 10
+    while docker_client.api.containers(all=True, filters={"name": name}):
+        assert time.monotonic() < deadline, "the sandbox was not removed"
+        time.sleep(0.05)
 
 
 def test_kill_by_label_from_another_process_ends_cancelled(docker_executor):

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import LABEL_JOB, ROOT, RedisServer, free_port, require
+from tests.conftest import ROOT, RedisServer, free_port, require
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
@@ -154,7 +154,8 @@ def start_api(env: dict[str, str], log: Path) -> tuple[StudioProc, str]:
 
 
 def containers_of(docker_client: Any, job_id: str) -> list[Any]:
-    return docker_client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={job_id}"})
+    # by name: a pre-started sandbox gets its job's name when taken (its labels are fixed)
+    return docker_client.containers.list(all=True, filters={"name": f"^/studio-code-{job_id}$"})
 
 
 # --- the stack ---------------------------------------------------------------------------

@@ -11,9 +11,10 @@ from executor.models import CodeJob, Status
 from tests.conftest import require
 
 
-@pytest.fixture(params=["docker", "subprocess"])
+@pytest.fixture(params=["docker", "docker-pool", "subprocess"])
 def executor(request):
-    name = "docker_executor" if request.param == "docker" else "subprocess_executor"
+    name = {"docker": "docker_executor", "docker-pool": "docker_pool_executor",
+            "subprocess": "subprocess_executor"}[request.param]
     return request.getfixturevalue(name)
 
 

@@ -214,7 +214,10 @@ class QueueEnv:
 
 
 def containers_of(docker_client: Any, job_id: str, *, running: bool = False) -> list[dict]:
-    filters: dict[str, Any] = {"label": f"{LABEL_JOB}={job_id}"}
+    """The sandbox of ``job_id``: found by its name, which a container started for the job
+    has from its create and a pre-started one from the moment it is taken (its labels were
+    fixed before the job was known)."""
+    filters: dict[str, Any] = {"name": f"^/studio-code-{job_id}$"}
     if running:
         filters["status"] = "running"
     return docker_client.api.containers(all=not running, filters=filters)
@@ -328,9 +331,13 @@ def test_test_call_never_waits_behind_runs(queue_env: Any, docker_client: Any) -
     assert all(r.status == "succeeded" for r in recs.values())
     sentinel = q.client.submit(TRIVIAL, "python", {"n": 1})  # FIFO: after the 4th message
     assert q.client.wait(sentinel, 30).status == "succeeded"
+    until = int(time.time()) + 1
     events = list(docker_client.api.events(
-        since=since, until=int(time.time()) + 1, decode=True,
+        since=since, until=until, decode=True,
         filters={"type": "container", "label": [f"{LABEL_JOB}={fourth}"]}))
+    events += list(docker_client.api.events(  # a pre-started one would be renamed to it
+        since=since, until=until, decode=True,
+        filters={"type": "container", "container": [f"studio-code-{fourth}"]}))
     assert events == [], "a job cancelled while queued must never get a container"
     cancelled = q.client.status(fourth)
     assert cancelled.status == "cancelled" and cancelled.started_at is None
@@ -363,7 +370,17 @@ def test_200_jobs_over_two_workers_each_once(queue_env: Any, docker_client: Any)
         nonlocal samples
         while not stop.is_set():
             per: Counter[str] = Counter()
-            for c in docker_client.api.containers(all=True, filters={"label": LABEL_JOB}):
+            # Sandboxes of jobs not finished yet: a pre-started one that answered is removed
+            # just after (off the job's path), and idle pre-started ones run no job.
+            boxes = {}
+            for c in docker_client.api.containers(all=True, filters={"label": LABEL_OWNER}):
+                name = c["Names"][0].lstrip("/")
+                if name.startswith("studio-code-") and not name.startswith("studio-code-pool-"):
+                    boxes[name.removeprefix("studio-code-")] = c
+            ended = {j for j, r in q.client.store.get_many(list(boxes)).items() if r.finished}
+            for job_id, c in boxes.items():
+                if job_id in ended:
+                    continue
                 owner = (c.get("Labels") or {}).get(LABEL_OWNER, "")
                 host, _, pid = owner.rpartition(":")
                 if host != HOST or not pid.isdigit():

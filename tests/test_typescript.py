@@ -29,7 +29,8 @@ from executor.settings import NOBODY, load_settings
 from tests.conftest import ROOT, require, run_cli
 
 DEPS_TS = ROOT / "docker" / "studio-code-ts" / "deps.ts"
-RUNTIMES = ["docker", "subprocess"]
+#: docker-pool: the docker runtime with its pool of pre-started sandboxes filled first
+RUNTIMES = ["docker", "docker-pool", "subprocess"]
 ON = {"STUDIO_ENABLE_CODE_NODES": "1"}
 
 pytestmark = pytest.mark.deno
@@ -79,21 +80,33 @@ def runtime(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def make_executor(
     runtime: str, request: pytest.FixtureRequest, make_settings
-) -> Callable[..., Executor]:
+) -> Iterator[Callable[..., Executor]]:
     """Executors of the parametrized runtime with real Deno: the image in docker, the
-    session's cache in subprocess mode; keyword overrides win."""
+    session's cache in subprocess mode; keyword overrides win. In docker-pool the pool is
+    filled before the executor is handed out, and its idle sandboxes removed at the end."""
+    made: list[Executor] = []
 
     def make(**overrides: object) -> Executor:
-        if runtime == "docker":
+        if runtime.startswith("docker"):
             base: dict[str, object] = {
                 "code_runtime": "docker", "code_ts_image": request.getfixturevalue("ts_image"),
             }
+            if runtime == "docker-pool":
+                base["code_languages"] = "typescript"
         else:
             base = {"code_runtime": "subprocess",
                     "code_ts_deno_dir": request.getfixturevalue("deno_cache")}
-        return Executor(make_settings(**{**base, **overrides}))
+        ex = Executor(make_settings(**{**base, **overrides}))
+        made.append(ex)
+        if runtime == "docker-pool" and "typescript" in ex.settings.languages:
+            ex.prepare()
+            assert ex.runtime is not None and ex.runtime.pool is not None
+            assert ex.runtime.pool.wait_ready(60)
+        return ex
 
-    return make
+    yield make
+    for ex in made:
+        ex.close()
 
 
 @pytest.fixture
@@ -567,6 +580,7 @@ def _one_json(proc) -> dict:
     return json.loads(lines[0])
 
 
+@pytest.mark.parametrize("runtime", ["docker", "subprocess"])  # the CLI runs one job: no pool
 def test_cli_run_and_validate_a_ts_file(runtime, request, tmp_path):
     env = _cli_env(runtime, request)
     node = tmp_path / "x.ts"

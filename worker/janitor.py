@@ -1,9 +1,10 @@
 """The worker's main process: what it cleans up that its pool processes could not.
 
-* **Reaper**, at start and every STUDIO_QUEUE_REAP_INTERVAL_S: removes sandboxes labelled
-  with THIS host whose owner process (``studio.owner`` = host:pid) is dead - a worker or a
-  pool process killed mid-job - and any sandbox past its ``studio.deadline`` (its owner
-  should have removed it by then, wherever it runs). Then ``store.fail_stuck`` ends jobs
+* **Reaper**, at start and every STUDIO_QUEUE_REAP_INTERVAL_S: ``runtime.reap()`` removes
+  sandboxes labelled with THIS host whose owner process (``studio.owner`` = host:pid) is
+  dead - a worker or a pool process killed mid-job or with idle pre-started sandboxes - and
+  any sandbox past its ``studio.deadline`` (its owner should have removed it by then,
+  wherever it runs). Then ``store.fail_stuck`` ends jobs
   still ``running`` long after their timeout, once redelivery had its chance: no job stays
   running forever.
 * **Revoke backstop**: on Celery's ``task_revoked`` (this process, for a job it holds) it
@@ -29,7 +30,6 @@ from celery import bootsteps, signals
 from executor.errors import ErrorCode
 from executor.models import CodeResult, Status
 from executor.runtimes.constants import KILL_GRACE_S
-from executor.runtimes.docker import LABEL_DEADLINE, LABEL_JOB, LABEL_OWNER
 from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
@@ -42,23 +42,6 @@ log = logging.getLogger("studio_code.worker")
 
 #: how long the pool process gets to stop a cancelled job's sandbox before the backstop
 BACKSTOP_DELAY_S = 2.0
-
-
-def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` runs. A zombie is dead: a pool process whose worker was
-    killed becomes one until init reaps it, which can take a while."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process: it exists
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): existence is all we know
-    return state not in (b"Z", b"X")
 
 
 class Janitor:
@@ -116,38 +99,11 @@ class Janitor:
         return out
 
     def reap_sandboxes(self) -> list[str]:
-        """Remove sandboxes whose owner on this host is dead or whose deadline passed;
-        returns their job ids."""
-        runtime = self.runtime
-        if runtime is None or runtime.name != "docker":
+        """Remove sandboxes whose owner on this host is dead or whose deadline passed
+        (pre-started ones included): the runtime knows how; returns what it removed."""
+        if self.runtime is None:
             return []
-        from docker.errors import APIError, NotFound
-
-        now = time.time()
-        reaped = []
-        for c in runtime.sandboxes():  # type: ignore[attr-defined]
-            labels = c.get("Labels") or {}
-            host, _, pid = labels.get(LABEL_OWNER, "").rpartition(":")
-            try:
-                deadline = float(labels.get(LABEL_DEADLINE) or "inf")
-            except ValueError:
-                deadline = float("inf")
-            orphan = host == self.host and pid.isdigit() and not pid_alive(int(pid))
-            if not orphan and now <= deadline:
-                continue
-            try:
-                runtime.api.remove_container(c["Id"], force=True)  # type: ignore[attr-defined]
-            except NotFound:
-                continue
-            except APIError as e:  # e.g. removal already in progress
-                log.warning("reaper: could not remove %s: %s", c["Id"][:12], e)
-                continue
-            job_id = labels.get(LABEL_JOB, "?")
-            why = "its owner process is gone" if orphan else "it is past its deadline"
-            log.warning("reaper: removed the sandbox of job %s (%s, owner %s)", job_id, why,
-                        labels.get(LABEL_OWNER))
-            reaped.append(job_id)
-        return reaped
+        return self.runtime.reap()
 
     # --- revoke backstop ---------------------------------------------------------------
 

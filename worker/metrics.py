@@ -226,6 +226,66 @@ def record_cancel(latency_s: float | None = None, *, stage: str = "running") -> 
         m.cancel_latency.observe(max(0.0, latency_s))
 
 
+# --- pre-started sandboxes (the runtime's pool; executor/runtimes/pool.py) ----------------
+
+
+@dataclass(frozen=True)
+class PoolMetrics:
+    """The pool of pre-started sandboxes of each pool process, summed over the worker."""
+
+    idle: Gauge
+    idle_age: Gauge
+    hits: Counter
+    misses: Counter
+
+
+def build_pool_metrics(registry: CollectorRegistry | None = REGISTRY) -> PoolMetrics:
+    return PoolMetrics(
+        idle=Gauge(
+            f"{PREFIX}_pool_idle", "Pre-started sandboxes waiting for a job on this worker.",
+            ["language"], multiprocess_mode="livesum", registry=registry),
+        idle_age=Gauge(
+            f"{PREFIX}_pool_idle_age_seconds",
+            "Age of the oldest pre-started sandbox waiting for a job (at the last update, "
+            "every few seconds).",
+            ["language"], multiprocess_mode="livemax", registry=registry),
+        hits=Counter(
+            f"{PREFIX}_pool_hits", "Jobs that took a pre-started sandbox.",
+            ["language"], registry=registry),
+        misses=Counter(
+            f"{PREFIX}_pool_misses",
+            "Jobs that started a sandbox cold (pool empty, or limits other than the pool's).",
+            ["language"], registry=registry),
+    )
+
+
+@cache
+def pool_metrics() -> PoolMetrics:
+    return build_pool_metrics()
+
+
+_pool_seen: dict[tuple[str, str], int] = {}
+_pool_lock = threading.Lock()
+
+
+def record_pool(stats: dict[str, Any] | None) -> None:
+    """The runtime's ``pool_stats()`` (cumulative hits and misses, idle now): sets the
+    gauges and adds what the counters have not seen yet. Called by the pool's observer."""
+    if not stats:
+        return
+    m = pool_metrics()
+    with _pool_lock:
+        for language, entry in stats.get("languages", {}).items():
+            m.idle.labels(language).set(entry.get("idle", 0))
+            m.idle_age.labels(language).set(entry.get("oldest_idle_s", 0.0))
+            for name, counter in (("hits", m.hits), ("misses", m.misses)):
+                total = int(entry.get(name, 0))
+                seen = _pool_seen.get((language, name), 0)
+                if total > seen:
+                    counter.labels(language).inc(total - seen)
+                _pool_seen[(language, name)] = total
+
+
 # --- multiprocess bookkeeping ------------------------------------------------------------
 
 
@@ -367,19 +427,15 @@ def dependency_problems(settings: Settings, *, store: Any = None) -> dict[str, s
         checks["run_store"] = None
     except Exception as e:  # noqa: BLE001
         checks["run_store"] = f"The run store (STUDIO_DATABASE_URL) is not reachable: {e}"
-    if settings.code_runtime == "docker":
-        try:
-            import docker
+    from executor.service import runtime_class
 
-            client = docker.from_env(timeout=5)
-            try:
-                client.ping()
-            finally:
-                client.close()
-            checks["docker"] = None
-        except Exception as e:  # noqa: BLE001
-            checks["docker"] = (
-                f"Docker is not reachable: {e}. Under Compose mount /var/run/docker.sock.")
+    cls = runtime_class(settings)
+    if cls is not None and cls.service is not None:
+        runtime = cls(settings)
+        try:
+            checks[cls.service] = runtime.health_problem()
+        finally:
+            runtime.close()
     return checks
 
 

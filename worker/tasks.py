@@ -93,6 +93,7 @@ class ProcessState:
                         job_id, e)
 
     def close(self) -> None:
+        self.executor.close()  # idle pre-started sandboxes go with the process
         self.store.close()
         self.redis.close()
 
@@ -121,12 +122,11 @@ def _on_process_init(**_: Any) -> None:
     if getattr(app, "studio_settings", None) is None:
         return
     state = process_state(app)
-    runtime = state.executor.runtime
-    if runtime is not None and runtime.name == "docker":
-        try:
-            _ = runtime.api  # type: ignore[attr-defined]  # connect now, not in the first job
-        except Exception as e:  # noqa: BLE001 - the first job reports it as its result
-            log.warning("Docker not reachable at process start: %s", e)
+    try:
+        # Connect now, not in the first job, and pre-start this slot's sandboxes.
+        state.executor.prepare(observe=lambda stats: _metrics(metrics.record_pool, stats))
+    except Exception as e:  # noqa: BLE001 - the first job reports it as its result
+        log.warning("the runtime could not get ready at process start: %s", e)
 
 
 def _on_process_shutdown(**_: Any) -> None:

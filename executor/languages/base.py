@@ -63,7 +63,12 @@ class Language(ABC):
         default; a runner that frames its result (TypeScript) cuts the frame out."""
         return raw.stdout
 
-    def stdin_payload(self, job: CodeJob) -> bytes:
-        """Header line with the code (as data), then the state JSON, untouched."""
-        header = json.dumps({"code": job.code}, ensure_ascii=False).encode("utf-8")
+    def stdin_payload(self, job: CodeJob, *, end_mark: str = "") -> bytes:
+        """Header line with the code (as data), then the state JSON, untouched. With
+        ``end_mark`` the runner writes it to stderr once its result is written (the
+        result and the logs are complete: see executor/runtimes/pool.py)."""
+        head: dict[str, str] = {"code": job.code}
+        if end_mark:
+            head["end"] = end_mark
+        header = json.dumps(head, ensure_ascii=False).encode("utf-8")
         return header + b"\n" + job.state_json.encode("utf-8")

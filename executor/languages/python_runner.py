@@ -34,6 +34,11 @@ _dict = dict
 _list = list
 _tuple = tuple
 
+#: the end-of-logs mark the host asked for in the header ("end"), written to stderr after
+#: the result: the host knows the result and the logs are complete without waiting for the
+#: process and its container to end (a pre-started sandbox answers at once)
+_END = b""
+
 
 def _emit(fd, payload):
     # ASCII (lone surrogates escaped): writing a reply can never fail on the text it holds.
@@ -89,6 +94,8 @@ def _run(result_fd, output_max_bytes):
     del raw
     header = json.loads(header_raw)
     code = header["code"]
+    global _END
+    _END = str(header.get("end") or "").encode("utf-8")
     try:
         state = _loads(state_raw) if state_raw.strip() else {}
     except ValueError as e:
@@ -209,6 +216,11 @@ def _bootstrap():
         sys.stdout.flush()
         sys.stderr.flush()
         os.close(result_fd)
+        if _END:
+            try:
+                _write_all(2, _END)
+            except OSError:
+                pass
     # Skip interpreter teardown: threads or atexit hooks the code left must not alter the result.
     os._exit(0)
 

@@ -88,6 +88,9 @@ const OUTPUT_MAX_DEPTH = 100;
 const MESSAGE_MAX_CHARS = 64 * 1024;
 
 let marker = "";
+// The end-of-logs mark the host asked for (header "end"), written to stderr after the frame:
+// the result and the logs are complete without waiting for the process to end.
+let endMark = "";
 let finished = false;
 let waitingForMain = false;
 
@@ -118,6 +121,7 @@ function finish(json) {
   } catch {
     exit(1);
   }
+  if (endMark !== "") printErr(endMark);
   exit(0);
 }
 
@@ -404,6 +408,7 @@ async function run() {
   if (newline < 0) newline = TypedArrayLength(input);
   const header = JSONParse(decode(TypedArraySubarray(input, 0, newline)));
   marker = header.marker;
+  endMark = typeof header.end === "string" ? header.end : "";
   // Deno and the runner are up (RUNNER_STARTED in typescript.py): a later "unable to create
   // worker threads" in the logs is the node's, not the operator's.
   writeAll(writeStdout, encode("\x1estudio-runner-started\x1e"));

@@ -178,8 +178,11 @@ class TypeScript(Language):
         env["DENO_EMIT_CACHE_MODE"] = "disable"
         return env
 
-    def stdin_payload(self, job: CodeJob) -> bytes:
-        header = json.dumps({"code": job.code, "marker": result_marker(job)}, ensure_ascii=False)
+    def stdin_payload(self, job: CodeJob, *, end_mark: str = "") -> bytes:
+        head = {"code": job.code, "marker": result_marker(job)}
+        if end_mark:
+            head["end"] = end_mark
+        header = json.dumps(head, ensure_ascii=False)
         return header.encode("utf-8") + b"\n" + job.state_json.encode("utf-8")
 
     # --- what may be saved, what the editor shows ----------------------------------------

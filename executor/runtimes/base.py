@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
@@ -15,6 +16,8 @@ from executor.settings import Settings
 
 #: polled while a sandbox runs; True means "the job was cancelled: kill it now"
 CancelCheck = Callable[[], bool]
+#: called with a runtime's pool_stats() (worker metrics)
+PoolObserver = Callable[[dict[str, Any]], None]
 POLL_S = 0.05
 
 
@@ -28,6 +31,31 @@ def owner_id() -> str:
 #: only what the buffer keeps is passed on. It must be quick and never raise.
 LOG_TAP: ContextVar[Callable[[bytes], None] | None] = ContextVar("studio_log_tap",
                                                                  default=None)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` runs. A zombie is dead: a pool process whose worker was
+    killed becomes one until init reaps it, which can take a while."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: it exists
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): existence is all we know
+    return state not in (b"Z", b"X")
+
+
+def owner_dead(owner: str, host: str | None = None) -> bool:
+    """True when ``owner`` (host:pid, see owner_id) is a process of THIS host that is gone;
+    another host's owner is never judged dead from here."""
+    owner_host, _, pid = owner.rpartition(":")
+    return owner_host == (host or socket.gethostname()) and pid.isdigit() and \
+        not pid_alive(int(pid))
 
 
 class BoundedBuffer:
@@ -76,6 +104,8 @@ class RawRun:
     cancelled: bool = False
     start_ms: float = 0.0
     run_ms: float = 0.0
+    #: the sandbox was pre-started (taken from the runtime's pool), not started for this job
+    pooled: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -84,12 +114,59 @@ class RawRun:
 
 
 class Runtime(ABC):
-    """A way to run one job: ``docker`` or ``subprocess``."""
+    """A way to run one job: ``docker`` or ``subprocess``.
 
+    Callers ask a runtime what it can do (``isolated``, ``warnings``, ``prepare``, ``reap``,
+    ``health_problem``...) and never branch on its ``name``, which is only a label (trace
+    rows, results, metrics): a new runtime touches its own file and ``make_runtime``.
+    """
+
+    #: the label of results, trace rows and metrics (STUDIO_CODE_RUNTIME's value)
     name: str
+    #: True when code runs in a sandbox (no network, no host files); meta shows it
+    isolated: bool = True
+    #: what an operator must know about this runtime (meta, start-up log); [] when nothing
+    warnings: tuple[str, ...] = ()
+    #: added to every result this runtime produces (e.g. "runs on host")
+    run_warnings: tuple[str, ...] = ()
+    #: an audit event written on the first call after each start (None: none)
+    audit_event: str | None = None
+    #: the service it needs, checked by health probes under this key (None: none)
+    service: str | None = None
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+
+    def prepare(  # noqa: B027 - optional hook
+        self, languages: list[Language], limits: Limits, observe: PoolObserver | None = None
+    ) -> None:
+        """Get ready to run ``languages`` under ``limits`` (the settings' own) at once:
+        connect, and fill a pool of pre-started sandboxes where the runtime keeps one;
+        ``observe`` is then called with ``pool_stats()`` when they change and every few
+        seconds (metrics). Never raises: the first job reports a problem as its result."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what ``prepare`` took (idle pre-started sandboxes, threads); waits for
+        sandboxes being removed in the background. Safe to call twice."""
+
+    def reap(self) -> list[str]:
+        """Remove this runtime's leftovers that no live process owns (its owner on this host
+        is gone) or that are past their deadline; returns what was removed (job ids, or
+        ``pool:<name>`` for a never-used pre-started sandbox)."""
+        return []
+
+    def health_problem(self) -> str | None:
+        """Why the runtime's service is unreachable now (a cheap check), or None."""
+        return None
+
+    def image(self, language: Language) -> str | None:
+        """The image ``language`` runs from in this runtime, or None (no images)."""
+        return None
+
+    def pool_stats(self) -> dict[str, Any] | None:
+        """Pre-started sandboxes of this process (size, hits, misses, idle age per
+        language), or None when this runtime keeps no pool."""
+        return None
 
     @abstractmethod
     def run(

@@ -11,7 +11,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import docker
 import requests
@@ -26,8 +27,10 @@ from executor.runtimes.base import (
     POLL_S,
     BoundedBuffer,
     CancelCheck,
+    PoolObserver,
     RawRun,
     Runtime,
+    owner_dead,
     owner_id,
 )
 from executor.runtimes.constants import KILL_GRACE_S
@@ -40,6 +43,9 @@ LABEL_JOB = "studio.job_id"
 LABEL_OWNER = "studio.owner"
 LABEL_DEADLINE = "studio.deadline"  # epoch seconds after which any reaper may remove it
 LABEL_LANGUAGE = "studio.language"
+#: a pre-started container waiting for a job carries its owner here instead of a job id
+#: (labels are fixed at create): it gets its job's name when taken, see executor/runtimes/pool.py
+LABEL_POOL = "studio.pool"
 TMPFS_SIZE = "64m"
 
 
@@ -75,6 +81,7 @@ def sandbox_policy(
         "pids_limit": limits.pids,
         "ulimits": [Ulimit(name="core", soft=0, hard=0), Ulimit(name="msgqueue", soft=0, hard=0)],
         "log_config": LogConfig(type=LogConfig.types.NONE),
+        "runtime": settings.code_oci_runtime or None,  # the OCI runtime: engine default
     }
     deadline = int(time.time() + limits.timeout_s + KILL_GRACE_S)
     return {
@@ -102,15 +109,90 @@ def container_name(job_id: str) -> str:
     return f"studio-code-{job_id}"
 
 
+if TYPE_CHECKING:
+    from executor.runtimes.pool import SandboxPool
+
+
 class DockerRuntime(Runtime):
     """Runs each call in a new container and always removes it."""
 
     name = "docker"
+    isolated = True
+    service = "docker"
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self._api: docker.APIClient | None = None
         self._lock = threading.Lock()
+        self.pool: SandboxPool | None = None
+
+    # --- what it can do (the Runtime interface) ---------------------------------------
+
+    def prepare(self, languages: list[Language], limits: Limits,
+                observe: PoolObserver | None = None) -> None:
+        try:
+            _ = self.api  # connect now, not in the first job
+        except RuntimeUnavailable as e:
+            log.warning("Docker not reachable at process start: %s", e)
+        if self.settings.code_prewarm > 0 and languages and self.pool is None:
+            from executor.runtimes.pool import SandboxPool
+
+            self.pool = SandboxPool(self, languages, limits, observe)
+            self.pool.start()
+
+    def close(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+        with self._lock:
+            api, self._api = self._api, None
+        if api is not None:
+            api.close()
+
+    def image(self, language: Language) -> str | None:
+        return language.image(self.settings)
+
+    def health_problem(self) -> str | None:
+        try:
+            self.api.ping()
+        except (DockerException, RuntimeUnavailable, OSError) as e:
+            return _docker_down(e)
+        return None
+
+    def pool_stats(self) -> dict[str, Any] | None:
+        return self.pool.stats() if self.pool is not None else None
+
+    def reap(self) -> list[str]:
+        """Remove sandboxes (used or pre-started) whose owner on this host is dead, or
+        whose studio.deadline passed; returns their job ids (``pool:<name>`` for a
+        pre-started one that never got a job)."""
+        api = self.api
+        now = time.time()
+        reaped = []
+        for c in api.containers(all=True, filters={"label": LABEL_OWNER}):
+            labels = c.get("Labels") or {}
+            if LABEL_JOB not in labels and LABEL_POOL not in labels:
+                continue  # not a sandbox of ours (a bench's raw container, say)
+            try:
+                deadline = float(labels.get(LABEL_DEADLINE) or "inf")
+            except ValueError:
+                deadline = float("inf")
+            orphan = owner_dead(labels.get(LABEL_OWNER, ""))
+            if not orphan and now <= deadline:
+                continue
+            try:
+                if not self._remove(api, c["Id"]):
+                    continue
+            except APIError as e:
+                log.warning("reaper: could not remove %s: %s", c["Id"][:12], e)
+                continue
+            name = (c.get("Names") or ["?"])[0].lstrip("/")
+            what = labels.get(LABEL_JOB) or f"pool:{name}"
+            why = "its owner process is gone" if orphan else "it is past its deadline"
+            log.warning("reaper: removed the sandbox %s (%s, owner %s)", what, why,
+                        labels.get(LABEL_OWNER))
+            reaped.append(what)
+        return reaped
 
     @property
     def api(self) -> docker.APIClient:
@@ -125,10 +207,22 @@ class DockerRuntime(Runtime):
     # --- readiness --------------------------------------------------------------------
 
     def unavailable_reason(self, language: Language) -> str | None:
-        try:
-            self.api.ping()
-        except (DockerException, RuntimeUnavailable, OSError) as e:
-            return _docker_down(e)
+        down = self.health_problem()
+        if down is not None:
+            return down
+        oci = self.settings.code_oci_runtime
+        if oci:
+            try:
+                known = sorted((self.api.info().get("Runtimes") or {}).keys())
+            except DockerException as e:
+                return _docker_down(e)
+            if oci not in known:
+                return (
+                    f"STUDIO_CODE_OCI_RUNTIME={oci!r} is not a runtime this Docker engine "
+                    f"knows (it has: {', '.join(known) or 'none'}): register it under "
+                    '"runtimes" in /etc/docker/daemon.json, or leave the setting empty for '
+                    "the engine's default."
+                )
         image = language.image(self.settings)
         try:
             self.api.inspect_image(image)
@@ -153,6 +247,11 @@ class DockerRuntime(Runtime):
     ) -> RawRun:
         api = self.api
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
+        if self.pool is not None:
+            asked = time.monotonic()
+            pooled = self.pool.take(language, policy)
+            if pooled is not None:
+                return self.pool.run(pooled, job, language, limits, should_cancel, t0=asked)
         policy["host_config"] = api.create_host_config(**policy["host_config"])
         t0 = time.monotonic()
         cid = self._create(api, policy, job.job_id)
@@ -267,7 +366,15 @@ class DockerRuntime(Runtime):
     # --- from anywhere ----------------------------------------------------------------
 
     def kill(self, job_id: str) -> bool:
-        return bool(self.remove_where({"label": f"{LABEL_JOB}={job_id}"}))
+        killed = bool(self.remove_where({"label": f"{LABEL_JOB}={job_id}"}))
+        # A pre-started sandbox has no job label (labels are fixed at create): this
+        # process finds it in its pool's map, any process by the name it got when taken.
+        cid = self.pool.taken_by(job_id) if self.pool is not None else None
+        try:
+            killed |= self._remove(self.api, cid or container_name(job_id))
+        except APIError as e:
+            log.warning("removing the sandbox of job %s failed: %s", job_id, e)
+        return killed
 
     def remove_where(self, filters: dict[str, Any]) -> list[str]:
         """Force-remove every sandbox container matching ``filters``; returns their ids."""
@@ -306,9 +413,11 @@ def _pump(
     logs: BoundedBuffer,
     deadline: float,
     should_cancel: CancelCheck | None,
+    done: Callable[[], bool] | None = None,
 ) -> str:
-    """Demultiplex Docker's attach stream into stdout and logs until EOF, the deadline or
-    a cancel. Returns "eof", "deadline" or "cancel"."""
+    """Demultiplex Docker's attach stream into stdout and logs until EOF, the deadline,
+    a cancel or (with ``done``) the runner saying its result and logs are complete.
+    Returns "eof", "deadline", "cancel" or "done"."""
     buf = bytearray()
     next_check = 0.0
     while True:
@@ -333,3 +442,5 @@ def _pump(
             data = bytes(buf[_HEADER.size : _HEADER.size + size])
             del buf[: _HEADER.size + size]
             (out if stream == 1 else logs).write(data)
+        if done is not None and done():
+            return "done"

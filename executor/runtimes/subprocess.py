@@ -37,6 +37,7 @@ import threading
 import time
 from typing import IO, Any
 
+from executor.audit import SUBPROCESS_RUNTIME_USED
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
@@ -90,6 +91,10 @@ class SubprocessRuntime(Runtime):
     with its own uid and, where one can be made, its own cgroup."""
 
     name = "subprocess"
+    isolated = False
+    warnings = (WARNING,)
+    run_warnings = (RUN_WARNING,)
+    audit_event = SUBPROCESS_RUNTIME_USED
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)

@@ -1,0 +1,245 @@
+"""runc vs crun, measured in a Docker engine of the bench's OWN (root only).
+
+The shared engine is never touched: registering crun there would need a daemon.json change
+and a reload. So this starts a second ``dockerd`` (its own --data-root, --exec-root, socket,
+pidfile; --bridge=none --iptables=false; ``--add-runtime crun=<crun>``) inside a cpuacct
+cgroup of its own, with ``--cgroup-parent`` putting its containers in another: the CPU of
+dockerd, its containerd, every shim and every runc/crun call, and of the sandboxes
+themselves, is read from those two cgroups, so the machine's other work is not counted.
+The sandbox images are copied in with ``docker save | docker -H … load``; the engine is
+stopped by its pid at the end.
+
+    python -m bench.engine [--n 15]                      # the benchmark
+    python -m bench.engine --pytest tests/test_docker_isolation.py   # tests under crun
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import interleave, pct
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+
+
+class OwnEngine:
+    """A dockerd of this process's own, with crun registered."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="studio-bench-engine-", dir="/var/tmp"))
+        self.host = f"unix://{self.dir / 'docker.sock'}"
+        tag = f"studio-bench-{os.getpid()}"
+        self.cg_engine = CPUACCT / f"{tag}-engine"
+        self.cg_parent = f"/{tag}-sandboxes"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.crun = shutil.which("crun")
+
+    def start(self) -> OwnEngine:
+        import docker
+
+        self.cg_engine.mkdir(exist_ok=True)
+        args = [
+            "dockerd", "--data-root", str(self.dir / "data"), "--exec-root",
+            str(self.dir / "exec"), "--host", self.host, "--pidfile",
+            str(self.dir / "docker.pid"), "--bridge=none", "--iptables=false",
+            "--ip6tables=false", "--cgroup-parent", self.cg_parent,
+        ]
+        if self.crun:
+            args += ["--add-runtime", f"crun={self.crun}"]
+        # The shell joins the cgroup, then becomes dockerd: containerd, shims and runc
+        # inherit it.
+        script = f'echo $$ > {self.cg_engine}/cgroup.procs && exec "$@"'
+        with open(self.dir / "dockerd.log", "wb") as log:
+            self.proc = subprocess.Popen(["sh", "-c", script, "sh", *args], stdout=log,
+                                         stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dockerd exited: {(self.dir / 'dockerd.log').read_text()}")
+            try:
+                docker.APIClient(base_url=self.host, timeout=2).ping()
+                return self
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.2)
+        raise RuntimeError("the bench's own dockerd did not start")
+
+    def crun_problem(self, image: str) -> str | None:
+        """Why crun cannot start a container in this engine (None: it can)."""
+        import docker
+
+        if not self.crun:
+            return "crun is not installed (apt-get install crun)"
+        client = docker.DockerClient(base_url=self.host, timeout=60)
+        try:
+            client.containers.run(image, ["python3", "-c", "pass"], runtime="crun",
+                                  network_mode="none", remove=True)
+            return None
+        except docker.errors.DockerException as e:
+            return str(e)
+        finally:
+            client.close()
+
+    def load(self, images: list[str]) -> None:
+        save = subprocess.Popen(["docker", "save", *images], stdout=subprocess.PIPE)
+        subprocess.run(["docker", "-H", self.host, "load", "-q"], stdin=save.stdout,
+                       check=True, stdout=subprocess.DEVNULL)
+        save.wait()
+
+    def cpu_ms(self) -> tuple[float, float]:
+        """CPU so far of the engine (dockerd, containerd, shims, runc/crun) and of its
+        sandboxes, in ms."""
+        engine = int((self.cg_engine / "cpuacct.usage").read_text())
+        parent = CPUACCT / self.cg_parent.lstrip("/") / "cpuacct.usage"
+        boxes = int(parent.read_text()) if parent.exists() else 0
+        return engine / 1e6, boxes / 1e6
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # dockerd, by its own pid (the exec'd sh)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for cg in [self.cg_engine, *Path("/sys/fs/cgroup").glob(f"*{self.cg_parent}")]:
+            for sub in sorted(cg.glob("**/"), key=lambda p: -len(p.parts)):
+                try:
+                    sub.rmdir()
+                except OSError:
+                    pass
+        subprocess.run(["umount", "-R", str(self.dir)], capture_output=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TRIVIAL = "def main(state):\n    return 1\n"
+
+
+def _bench(engine: OwnEngine, n: int, runtimes: list[str]) -> None:
+    from bench.core import raw_docker_floor
+    from executor.models import CodeJob
+    from executor.service import Executor
+    from executor.settings import load_settings
+
+    executors: dict[tuple[str, str], Executor] = {}
+    for rt in runtimes:
+        settings = load_settings(enable_code_nodes=True, code_languages="python",
+                                 code_oci_runtime="" if rt == "runc" else rt)
+        executors[(rt, "cold")] = Executor(settings)
+        pooled = Executor(settings)
+        pooled.prepare()
+        assert pooled.runtime is not None and pooled.runtime.pool is not None
+        assert pooled.runtime.pool.wait_ready(60)
+        executors[(rt, "pool")] = pooled
+
+    def job(ex: Executor) -> None:
+        r = ex.run(CodeJob(code=TRIVIAL, timeout_s=20))
+        assert r.status == "succeeded", r.error
+
+    def settle(ex: Executor) -> None:
+        if ex.runtime is not None and ex.runtime.pool is not None:
+            ex.runtime.pool.wait_settled(60)
+
+    sides, names = [], []
+    for rt in runtimes:
+        cold = executors[(rt, "cold")]
+        sides += [raw_docker_floor(cold, "{}"), lambda ex=cold: job(ex),
+                  lambda ex=executors[(rt, "pool")]: job(ex)]
+        names += [f"{rt}: raw cold floor", f"{rt}: executor cold", f"{rt}: executor pool"]
+    times = interleave(n, sides)
+    print(f"# bench.engine: an own dockerd ({', '.join(runtimes)}); trivial Python node, "
+          f"n={n} per side, interleaved; ms")
+    print("| what | p50 | p95 |")
+    print("|---|---|---|")
+    for name, t in zip(names, times, strict=True):
+        print(f"| {name} | {pct(t, 50):.1f} | {pct(t, 95):.1f} |")
+
+    # CPU per job: blocks of jobs, alternating runtimes, each block waited out (a pooled
+    # job's replacement and its removal in the background are part of its cost).
+    cpu: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    block = max(5, n // 2)
+    for _ in range(3):
+        for rt in runtimes:
+            for mode in ("cold", "pool"):
+                ex = executors[(rt, mode)]
+                settle(ex)
+                e0, b0 = engine.cpu_ms()
+                c0 = _self_cpu_ms()
+                for _ in range(block):
+                    job(ex)
+                settle(ex)
+                e1, b1 = engine.cpu_ms()
+                c1 = _self_cpu_ms()
+                cpu.setdefault((rt, mode), []).append(
+                    ((e1 - e0) / block, (b1 - b0) / block, (c1 - c0) / block))
+    print()
+    print(f"| CPU per job ({3 * block} jobs per row, ms) | engine: dockerd, containerd, shim, "
+          "OCI runtime | the sandbox's own processes | this client (executor) | total |")
+    print("|---|---|---|---|---|")
+    for (rt, mode), rows in cpu.items():
+        e = sum(r[0] for r in rows) / len(rows)
+        b = sum(r[1] for r in rows) / len(rows)
+        c = sum(r[2] for r in rows) / len(rows)
+        print(f"| {rt}, {mode} | {e:.1f} | {b:.1f} | {c:.1f} | {e + b + c:.1f} |")
+    for ex in executors.values():
+        ex.close()
+
+
+def _self_cpu_ms() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return (r.ru_utime + r.ru_stime) * 1000
+
+
+def main(n: int = 15, pytest_args: list[str] | None = None) -> int:
+    if os.geteuid() != 0 or not shutil.which("dockerd") or not CPUACCT.exists():
+        print("bench.engine: skipped (needs root, dockerd and cgroup v1 cpuacct)")
+        return 0
+    from executor.settings import load_settings
+
+    settings = load_settings()
+    engine = OwnEngine()
+    saved = os.environ.get("DOCKER_HOST")
+
+    def stop_on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # so the engine below is stopped, never left running
+
+    signal.signal(signal.SIGTERM, stop_on_term)
+    try:
+        engine.start()
+        engine.load([settings.code_image, settings.code_ts_image])
+        crun = engine.crun_problem(settings.code_image)
+        if crun is not None:
+            print(f"crun: cannot start a container on this host, so it is not measured: {crun}")
+        os.environ["DOCKER_HOST"] = engine.host
+        if pytest_args is not None:
+            if crun is not None:
+                return 1
+            env = {**os.environ, "STUDIO_CODE_OCI_RUNTIME": "crun"}
+            return subprocess.run([sys.executable, "-m", "pytest", *pytest_args],
+                                  env=env).returncode
+        _bench(engine, n, ["runc"] + ([] if crun else ["crun"]))
+        return 0
+    finally:
+        if saved is None:
+            os.environ.pop("DOCKER_HOST", None)
+        else:
+            os.environ["DOCKER_HOST"] = saved
+        engine.stop()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m bench.engine")
+    p.add_argument("--n", type=int, default=15)
+    p.add_argument("--pytest", nargs=argparse.REMAINDER,
+                   help="instead of the bench: run pytest with these arguments against the "
+                   "own engine with STUDIO_CODE_OCI_RUNTIME=crun")
+    a = p.parse_args()
+    raise SystemExit(main(a.n, a.pytest))

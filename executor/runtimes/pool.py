@@ -1,0 +1,545 @@
+"""Pre-started sandboxes: a fresh container is already running when a job arrives, and is
+still used for ONE job only.
+
+Each pool process keeps STUDIO_CODE_PREWARM containers per offered language, created and
+started with the whole ``sandbox_policy`` (same limits, user, seccomp, no network...) and
+attached, their runner blocked reading stdin: both runners read ALL of stdin before they
+look at any code, and the code only ever arrives on stdin. Nothing of a job is in a
+pre-started container until it is taken.
+
+* **Take** (``take``): a job whose create arguments equal the pooled ones (everything but the
+  labels: a node's own timeout is host-side only) takes one. A job with other limits, or
+  a pool that is empty with no container starting, is a miss: the caller starts a cold one.
+  A container is taken out of the pool under its lock, so it can never serve two jobs,
+  and a container whose attach stream shows anything before its job (it died, or printed)
+  is thrown away, never handed out.
+* **Run** (``run``): the container is renamed ``studio-code-<job id>`` first (labels cannot
+  change after create: the name is how ANY process's ``kill(job_id)`` finds it), then the
+  job's stdin is written and the attach stream read exactly as for a cold container. The
+  node's timeout counts from here, the job's start.
+* **Done at the frame**: EOF on the attach stream comes only when the container has exited
+  (measured on Docker 20.10: closing fds 1 and 2 does not end it), ~30-150 ms after the
+  result. So the job's header carries a per-job end-of-logs mark, which the runner writes to
+  stderr after its result: when the logs END with the mark and stdout holds a whole result
+  frame, the result and every log byte the runner wrote are in, and the caller has its
+  answer at once; the container's exit and its removal happen in this pool's thread, off
+  the caller's path. Code that forges the mark can only cut its own logs short (a result is
+  still needed). Anything else (no frame, a timeout, a cancel, OOM) is read and removed as
+  for a cold container.
+* **Replace**: a replacement starts right after one is handed out, off the path. Idle
+  containers older than STUDIO_CODE_PREWARM_MAX_IDLE_S, or made from an image whose id
+  changed since, are removed and replaced. ``close`` (a stopping worker process) removes
+  the idle ones; the reaper removes those whose owner died: they carry ``studio.pool`` =
+  owner and a ``studio.deadline`` of creation + the idle bound + the longest run + grace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import select
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from docker.errors import APIError, DockerException
+
+from executor.errors import RuntimeUnavailable
+from executor.languages.base import Language
+from executor.models import CodeJob, Limits
+from executor.runtimes.base import BoundedBuffer, CancelCheck, PoolObserver, RawRun, owner_id
+from executor.runtimes.docker import (
+    KILL_GRACE_S,
+    LABEL_DEADLINE,
+    LABEL_JOB,
+    LABEL_POOL,
+    _feed,
+    _pump,
+    container_name,
+    sandbox_policy,
+)
+
+if TYPE_CHECKING:
+    from executor.runtimes.docker import DockerRuntime
+
+log = logging.getLogger("studio_code")
+
+#: how long a job waits for a container already starting before it starts a cold one: a
+#: start in flight is never slower than a new one, so a short wait only saves CPU
+WAIT_FOR_STARTING_S = 3.0
+TICK_S = 2.0  # idle-bound checks; the image id is checked every IMAGE_CHECK_S
+IMAGE_CHECK_S = 10.0
+BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0)
+
+
+
+
+@dataclass
+class Pooled:
+    """One pre-started container, waiting on stdin."""
+
+    cid: str
+    name: str
+    language: str
+    shape: dict[str, Any]
+    sock: Any
+    raw: Any
+    image_id: str
+    created: float  # monotonic
+
+    def fresh(self) -> bool:
+        """Still running and silent: its runner writes nothing before its job, and a
+        container that died closes the stream, so anything readable means: do not use."""
+        try:
+            ready, _, _ = select.select([self.raw], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not ready
+
+
+def _shape(policy: dict[str, Any]) -> dict[str, Any]:
+    """What a job must match to use a pooled container: every create argument but the
+    labels (its job id and deadline: what the name and the reaper stand for)."""
+    return {k: v for k, v in policy.items() if k != "labels"}
+
+
+class SandboxPool:
+    """The pre-started containers of one process (one per ``DockerRuntime``)."""
+
+    def __init__(self, runtime: DockerRuntime, languages: list[Language], limits: Limits,
+                 observe: PoolObserver | None = None) -> None:
+        self.runtime = runtime
+        self.settings = runtime.settings
+        self.size = self.settings.code_prewarm
+        self.max_idle_s = self.settings.code_prewarm_max_idle_s
+        self.limits = limits
+        self.observe = observe
+        self.languages = {lang.name: lang for lang in languages}
+        self.owner = owner_id()
+        self._idle: dict[str, deque[Pooled]] = {name: deque() for name in self.languages}
+        self._starting: Counter[str] = Counter()
+        self._waiting: Counter[str] = Counter()
+        self._failures: Counter[str] = Counter()
+        self._retry_at: dict[str, float] = {}
+        self._retire: deque[Pooled | str] = deque()
+        self._taken: dict[str, str] = {}
+        self._removing = 0
+        self.hits: Counter[str] = Counter()
+        self.misses: Counter[str] = Counter()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._image_ids: dict[str, str] = {}
+        self._images_checked = 0.0
+
+    # --- life ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="studio-pool", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop refilling, remove every idle container, wait for removals in flight."""
+        with self._cond:
+            self._stop = True
+            for q in self._idle.values():
+                self._retire.extend(q)
+                q.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._drain_retired()  # whatever the thread left (it never started, or timed out)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> bool:
+        """Block until every language has its idle containers (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not all(len(q) >= self.size for q in self._idle.values()):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop:
+                    return False
+                self._cond.wait(min(left, 0.1))
+        return True
+
+    def wait_settled(self, timeout_s: float = 60.0) -> bool:
+        """Block until the pool is full and nothing is being started or removed (benchmarks
+        that count a job's whole cost, its replacement and removal included)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._cond:
+                busy = self._retire or any(self._starting.values()) or self._removing
+            if not busy and self.wait_ready(max(0.0, deadline - time.monotonic())):
+                with self._cond:
+                    if not (self._retire or any(self._starting.values()) or self._removing):
+                        return True
+            time.sleep(0.02)
+        return False
+
+    # --- take and run ---------------------------------------------------------------------
+
+    def take(self, language: Language, policy: dict[str, Any]) -> Pooled | None:
+        """A fresh container for a job with create arguments ``policy``, or None (a miss:
+        start a cold one)."""
+        name = language.name
+        shape = _shape(policy)
+        deadline = time.monotonic() + WAIT_FOR_STARTING_S
+        with self._cond:
+            try:
+                if name not in self._idle or self._stop:
+                    self.misses[name] += 1
+                    return None
+                while True:
+                    q = self._idle[name]
+                    while q:
+                        p = q[0]
+                        if p.shape != shape:  # other limits: this job goes cold
+                            self.misses[name] += 1
+                            return None
+                        q.popleft()
+                        if not p.fresh():
+                            log.warning("pre-started sandbox %s was not fresh; removed",
+                                        p.name)
+                            self._retire.append(p)
+                            continue
+                        self.hits[name] += 1
+                        return p
+                    left = deadline - time.monotonic()
+                    if self._starting[name] > self._waiting[name] and left > 0 and \
+                            not self._stop:
+                        self._waiting[name] += 1
+                        try:
+                            self._cond.wait(left)
+                        finally:
+                            self._waiting[name] -= 1
+                        continue
+                    self.misses[name] += 1
+                    return None
+            finally:
+                self._cond.notify_all()  # the thread starts a replacement
+
+    def taken_by(self, job_id: str) -> str | None:
+        """The container id a running job of this process took from the pool."""
+        with self._cond:
+            return self._taken.get(job_id)
+
+    def run(self, p: Pooled, job: CodeJob, language: Language, limits: Limits,
+            should_cancel: CancelCheck | None, *, t0: float | None = None) -> RawRun:
+        """Give ``job`` to the taken container ``p``: its one and only job. ``t0``: when the
+        job asked for a sandbox (its start_ms counts a wait in ``take`` too)."""
+        runtime = self.runtime
+        api = runtime.api
+        t0 = time.monotonic() if t0 is None else t0
+        with self._cond:
+            self._taken[job.job_id] = p.cid
+        handed_off = False
+        try:
+            self._rename(p, job.job_id)
+            started = time.monotonic()
+            mark = f"\x1estudio-end:{secrets.token_hex(16)}\x1e"
+            payload = language.stdin_payload(job, end_mark=mark)
+            writer = threading.Thread(target=_feed, args=(p.raw, payload), daemon=True)
+            writer.start()
+            out = BoundedBuffer(limits.output_max_bytes + 4096)
+            logs = _Logs(limits.log_max_bytes, mark.encode("utf-8"))
+
+            def complete() -> bool:
+                return logs.at_end and not out.truncated and _complete(language, job,
+                                                                     out.getvalue())
+
+            deadline = started + limits.timeout_s
+            ending = _pump(p.raw, out, logs, deadline, should_cancel, complete)
+            raw = RawRun(exit_code=None, stdout=out.getvalue(), stdout_truncated=out.truncated,
+                         logs=logs.without_mark(), logs_total=logs.total_without_mark,
+                         pooled=True, start_ms=(started - t0) * 1000)
+            if ending == "done" or (ending == "eof" and complete()):
+                # The runner wrote its whole result, then the end-of-logs mark after every
+                # log byte it wrote: the answer is complete. It exits 0 right after (its
+                # contract); that exit and the removal are not waited for here.
+                raw.exit_code = 0
+                raw.run_ms = (time.monotonic() - started) * 1000
+                self._hand_off(p)
+                handed_off = True
+                return raw
+            exit_code, oom = None, False
+            if ending == "eof":
+                exit_code, oom, ending = runtime._exit_state(api, p.cid, deadline)
+            if ending == "eof" and exit_code in (None, 137) and not oom and should_cancel:
+                ending = "cancel" if should_cancel() else ending
+            raw.exit_code = exit_code
+            raw.oom_killed = oom
+            raw.timed_out = ending == "deadline"
+            raw.cancelled = ending == "cancel"
+            raw.run_ms = (time.monotonic() - started) * 1000
+            return raw
+        except (APIError, OSError) as e:
+            raise RuntimeUnavailable(
+                f"The sandbox for job {job.job_id} failed to run: {e}. Check the Docker "
+                "engine (docker info) and the image."
+            ) from e
+        finally:
+            with self._cond:
+                self._taken.pop(job.job_id, None)
+            if not handed_off:
+                _close(p)
+                runtime._remove_surely(api, p.cid)
+
+    def _rename(self, p: Pooled, job_id: str) -> None:
+        api = self.runtime.api
+        name = container_name(job_id)
+        try:
+            api.rename(p.cid, name)
+            return
+        except APIError as e:
+            if e.status_code != 409:
+                raise
+        # A container of this job already exists (a redelivery after a crash): it must not
+        # run twice, so the old one goes first (never ours: it has another id).
+        for c in api.containers(all=True, filters={"label": f"{LABEL_JOB}={job_id}"}):
+            if c["Id"] != p.cid:
+                self.runtime._remove(api, c["Id"])
+        try:
+            old = api.inspect_container(name)["Id"]
+            if old != p.cid:
+                self.runtime._remove(api, old)
+        except DockerException:
+            pass
+        api.rename(p.cid, name)
+
+    def _hand_off(self, p: Pooled) -> None:
+        with self._cond:
+            self._retire.append(p)
+            self._cond.notify_all()
+
+    # --- what it shows ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        with self._cond:
+            return {
+                "size": self.size,
+                "max_idle_s": self.max_idle_s,
+                "languages": {
+                    name: {
+                        "idle": len(q),
+                        "starting": self._starting[name],
+                        "hits": self.hits[name],
+                        "misses": self.misses[name],
+                        "oldest_idle_s": round(max((now - p.created for p in q), default=0.0),
+                                               3),
+                    }
+                    for name, q in self._idle.items()
+                },
+            }
+
+    def _notify(self) -> None:
+        if self.observe is None:
+            return
+        try:
+            self.observe(self.stats())
+        except Exception as e:  # noqa: BLE001 - a metric is never worth a sandbox
+            log.warning("pool observer failed: %s", e)
+
+    # --- the pool's thread: start, replace, remove ----------------------------------------
+
+    def _loop(self) -> None:
+        next_tick = 0.0
+        while True:
+            with self._cond:
+                while not self._stop and not self._retire and self._wanted() is None and \
+                        time.monotonic() < next_tick:
+                    self._cond.wait(max(0.01, min(next_tick - time.monotonic(), TICK_S)))
+                if self._stop and not self._retire:
+                    return
+                lang = None if self._stop else self._wanted()
+                if lang is not None:
+                    self._starting[lang] += 1
+            try:
+                if lang is not None:
+                    self._fill(lang)  # first: the next job waits for it, not for a removal
+                elif self._retire:
+                    self._drain_retired(one=True)
+                elif time.monotonic() >= next_tick:
+                    self._maintain()
+                    next_tick = time.monotonic() + TICK_S
+                    self._notify()
+            except Exception:  # noqa: BLE001 - the pool thread must live on
+                log.exception("sandbox pool thread")
+
+    def _wanted(self) -> str | None:
+        """A language that needs one more container now (not in back-off), or None."""
+        now = time.monotonic()
+        for name, q in self._idle.items():
+            if len(q) + self._starting[name] < self.size and self._retry_at.get(name, 0) <= now:
+                return name
+        return None
+
+    def _fill(self, name: str) -> None:
+        made: Pooled | None = None
+        try:
+            made = self._create(self.languages[name])
+        except Exception as e:  # noqa: BLE001 - a job that misses reports it as its result
+            self._failures[name] += 1
+            delay = BACKOFF_S[min(self._failures[name], len(BACKOFF_S)) - 1]
+            self._retry_at[name] = time.monotonic() + delay
+            # Said once, then every 10th time: a missing image must not flood the log (its
+            # jobs start cold and report the problem themselves).
+            level = logging.WARNING if self._failures[name] % 10 == 1 else logging.DEBUG
+            log.log(level, "could not pre-start a %s sandbox (failure %d, retrying in %g s): "
+                    "%s", name, self._failures[name], delay, e)
+        with self._cond:
+            self._starting[name] -= 1
+            if made is not None:
+                self._failures[name] = 0
+                if self._stop:
+                    self._retire.append(made)
+                else:
+                    self._idle[name].append(made)
+            self._cond.notify_all()
+        self._notify()
+
+    def _create(self, language: Language) -> Pooled:
+        api = self.runtime.api
+        placeholder = CodeJob(job_id=f"pool-{uuid.uuid4().hex[:12]}", language=language.name,  # type: ignore[arg-type]
+                              code="")
+        policy = sandbox_policy(self.settings, language, placeholder, self.limits, self.owner)
+        shape = _shape(policy)
+        labels = dict(policy["labels"])
+        labels.pop(LABEL_JOB, None)
+        labels[LABEL_POOL] = self.owner
+        # Any reaper may remove it after: idle at most max_idle_s (+ a tick), then one job.
+        labels[LABEL_DEADLINE] = str(int(time.time() + self.max_idle_s + TICK_S +
+                                         self.settings.code_max_seconds + KILL_GRACE_S))
+        args = {**policy, "labels": labels,
+                "host_config": api.create_host_config(**policy["host_config"])}
+        name = f"studio-code-pool-{uuid.uuid4().hex[:12]}"
+        image_id = self._image_id(language, fresh=True)
+        cid = api.create_container(name=name, **args)["Id"]
+        sock = None
+        try:
+            sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1,
+                                                  "stream": 1})
+            api.start(cid)
+        except BaseException:
+            if sock is not None:
+                _close_sock(sock)
+            self.runtime._remove_surely(api, cid)
+            raise
+        return Pooled(cid=cid, name=name, language=language.name, shape=shape, sock=sock,
+                      raw=getattr(sock, "_sock", sock), image_id=image_id,
+                      created=time.monotonic())
+
+    def _image_id(self, language: Language, *, fresh: bool = False) -> str:
+        if fresh or language.name not in self._image_ids:
+            image = language.image(self.settings)
+            self._image_ids[language.name] = str(self.runtime.api.inspect_image(image)["Id"])
+        return self._image_ids[language.name]
+
+    def _maintain(self) -> None:
+        """Replace containers idle too long, or made from an image that was rebuilt."""
+        now = time.monotonic()
+        check_images = now - self._images_checked >= IMAGE_CHECK_S
+        current: dict[str, str] = {}
+        if check_images:
+            self._images_checked = now
+            for name, lang in self.languages.items():
+                try:
+                    current[name] = self._image_id(lang, fresh=True)
+                except DockerException:
+                    pass
+        with self._cond:
+            for name, q in self._idle.items():
+                keep: deque[Pooled] = deque()
+                for p in q:
+                    if now - p.created > self.max_idle_s:
+                        self._retire.append(p)
+                    elif name in current and p.image_id != current[name]:
+                        log.info("image of %s changed: replacing its pre-started sandbox",
+                                 name)
+                        self._retire.append(p)
+                    else:
+                        keep.append(p)
+                self._idle[name] = keep
+            self._cond.notify_all()
+
+    def _drain_retired(self, *, one: bool = False) -> None:
+        api = None
+        while True:
+            with self._cond:
+                if not self._retire:
+                    return
+                item = self._retire.popleft()
+                self._removing += 1
+            cid = item if isinstance(item, str) else item.cid
+            if not isinstance(item, str):
+                _close(item)
+            try:
+                api = api or self.runtime.api
+                self.runtime._remove_surely(api, cid)
+            except RuntimeUnavailable as e:
+                log.warning("could not remove sandbox %s: %s", cid[:12], e)
+            finally:
+                with self._cond:
+                    self._removing -= 1
+            if one:
+                return
+
+
+class _Logs(BoundedBuffer):
+    """The logs, watching for the runner's end-of-logs mark (which may arrive past the
+    kept bytes of a print flood) and keeping it out of what the user sees."""
+
+    def __init__(self, limit: int, mark: bytes) -> None:
+        super().__init__(limit)
+        self.mark = mark
+        self.tail = b""
+        self.seen = False
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.tail = (self.tail + data)[-len(self.mark):]
+        self.seen = self.seen or self.tail == self.mark
+
+    @property
+    def at_end(self) -> bool:
+        """The last bytes written are the mark: nothing the runner wrote is still to come."""
+        return self.tail == self.mark
+
+    def without_mark(self) -> bytes:
+        kept = self.getvalue()
+        at = kept.rfind(self.mark) if self.seen else -1
+        return kept if at < 0 else kept[:at] + kept[at + len(self.mark):]
+
+    @property
+    def total_without_mark(self) -> int:
+        return self.total - len(self.mark) if self.seen else self.total
+
+
+def _complete(language: Language, job: CodeJob, stdout: bytes) -> bool:
+    """The runner's whole result is in ``stdout``: its JSON parses to the runner's object."""
+    probe = RawRun(exit_code=None, stdout=stdout, stdout_truncated=False, logs=b"",
+                   logs_total=0)
+    frame = language.result_bytes(job, probe)
+    if not frame:
+        return False
+    try:
+        reply = json.loads(frame)
+    except ValueError:
+        return False
+    return isinstance(reply, dict) and "ok" in reply
+
+
+def _close(p: Pooled) -> None:
+    _close_sock(p.sock)
+
+
+def _close_sock(sock: Any) -> None:
+    try:
+        getattr(sock, "_sock", sock).close()  # SocketIO.close leaves the socket open
+        sock.close()
+    except OSError:
+        pass

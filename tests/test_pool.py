@@ -1,0 +1,354 @@
+"""Pre-started sandboxes (executor/runtimes/pool.py), against the real Docker engine and a
+real worker: each pre-started container gets exactly ONE job, a job with other limits starts
+cold, idle ones are replaced (age, a new image id), and nothing is left behind or reused after
+a cancel, a timeout, OOM, a worker SIGKILL or a worker stop. Which container ran a job is
+read from INSIDE it (its /etc/hostname mount names the container id)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from executor.models import CodeJob, Status
+from tests.conftest import ROOT
+from tests.test_queue import (  # noqa: F401 - queue_env, sqlite_url: fixtures used by name
+    QueueEnv,
+    children,
+    queue_env,
+    sqlite_url,
+    wait_for,
+)
+
+pytestmark = pytest.mark.docker
+
+LABEL_POOL = "studio.pool"
+
+#: reports (and prints to the logs, for runs that end without a result) the id of the
+#: container it runs in, and whether anything ran in this container before it
+WHOAMI = r'''
+import os, re, time
+
+def cid():
+    for line in open("/proc/self/mountinfo"):
+        m = re.search(r"/containers/([0-9a-f]{64})/hostname", line)
+        if m:
+            return m.group(1)
+
+def main(state):
+    me = cid()
+    print("cid", me, flush=True)
+    reused = os.path.exists("/tmp/used")
+    open("/tmp/used", "w").write("x")
+    mode = state.get("mode")
+    if mode == "spin":
+        while True:
+            pass
+    if mode == "sleep":
+        time.sleep(60)
+    if mode == "oom":
+        hog = []
+        while True:
+            hog.append(bytearray(1 << 20))
+    return {"cid": me, "reused": reused}
+'''
+
+
+def cid_in_logs(logs: str) -> str:
+    line = next(x for x in logs.splitlines() if x.startswith("cid "))
+    return line.split()[1]
+
+
+def start_detail(trace: list[Any]) -> str:
+    return next(r.detail for r in trace if r.step == "sandbox.start")
+
+
+def pool_containers(docker_client: Any, owner: str) -> list[dict]:
+    return docker_client.api.containers(all=True, filters={"label": f"{LABEL_POOL}={owner}"})
+
+
+@pytest.fixture
+def pooled(make_settings: Callable[..., Any], python_image: str) -> Iterator[Callable[..., Any]]:
+    """Factory of executors with a filled pool (Python); closed at the end."""
+    from executor.service import Executor
+
+    made: list[Executor] = []
+
+    def make(**overrides: Any) -> Executor:
+        base = {"code_runtime": "docker", "code_image": python_image, "code_languages": "python"}
+        ex = Executor(make_settings(**{**base, **overrides}))
+        made.append(ex)
+        ex.prepare()
+        assert ex.runtime is not None and ex.runtime.pool is not None
+        assert ex.runtime.pool.wait_ready(60)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.close()
+
+
+# --- one job per container ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_each_pre_started_container_gets_exactly_one_job(pooled: Any, docker_client: Any) -> None:
+    """50 jobs through a pool: every job's container id (seen from inside) is new; every
+    pooled container was attached once (its stdin) and renamed once, to its one job."""
+    from executor.runtimes.base import owner_id
+
+    # Followed as they happen, from before the pool is filled (the engine keeps only its
+    # last 256 events for a later query).
+    stream = docker_client.api.events(
+        decode=True, filters={"type": "container", "label": f"{LABEL_POOL}={owner_id()}"})
+    events: list[dict] = []
+    reader = threading.Thread(target=lambda: events.extend(stream), daemon=True)
+    reader.start()
+    time.sleep(0.2)
+    ex = pooled()
+    pool = ex.runtime.pool
+    results = [ex.run(CodeJob(code=WHOAMI, timeout_s=20)) for _ in range(50)]
+    assert all(r.status is Status.SUCCEEDED for r in results), [r.error for r in results]
+    assert not any(r.output["reused"] for r in results)
+    ids = [r.output["cid"] for r in results]
+    assert len(set(ids)) == 50, "a container ran two jobs"
+
+    ex.close()  # the last replacement is removed: its events are in too
+    time.sleep(0.5)
+    stream.close()
+    reader.join(5)
+    attaches = Counter(e["id"] for e in events if e["Action"] == "attach")
+    renames: dict[str, list[str]] = defaultdict(list)
+    for e in events:
+        if e["Action"] == "rename":
+            renames[e["id"]].append(e["Actor"]["Attributes"]["name"])
+    hits = [r for r in results if start_detail(r.trace) == "pool"]
+    # A job waits for a container already starting rather than starting its own: on a
+    # loaded machine one may still start cold (the wait is bounded), never most of them.
+    assert len(hits) >= 40, f"only {len(hits)} of 50 jobs took a pre-started sandbox"
+    for r in hits:
+        cid = r.output["cid"]
+        assert renames[cid] == [f"studio-code-{r.job_id}"], (cid, renames.get(cid))
+        assert attaches[cid] == 1
+    assert set(attaches.values()) == {1}, "a pre-started container was attached twice"
+    assert all(len(names) == 1 for names in renames.values())
+    assert pool.hits["python"] == len(hits) and pool.misses["python"] == 50 - len(hits)
+
+
+def test_other_limits_start_cold_a_nodes_own_timeout_does_not(pooled: Any) -> None:
+    from executor.languages import get_language
+
+    ex = pooled()
+    r = ex.run(CodeJob(code=WHOAMI, timeout_s=3))
+    assert r.status is Status.SUCCEEDED and start_detail(r.trace) == "pool"
+    assert ex.runtime.pool.wait_ready(60)
+    before = ex.runtime.pool_stats()["languages"]["python"]
+    limits = ex.limits(10).model_copy(update={"memory_bytes": 128 * 1024 * 1024})
+    raw = ex.runtime.run(CodeJob(code=WHOAMI), get_language("python"), limits)
+    assert raw.pooled is False and raw.exit_code == 0
+    after = ex.runtime.pool_stats()["languages"]["python"]
+    assert after["misses"] == before["misses"] + 1 and after["hits"] == before["hits"]
+    assert after["idle"] == 1, "the pooled container stays for a job that matches"
+
+
+def test_idle_containers_past_the_bound_are_replaced(pooled: Any, docker_client: Any) -> None:
+    ex = pooled(code_prewarm_max_idle_s=1)
+    owner = ex.runtime.pool.owner
+    first = {c["Id"] for c in pool_containers(docker_client, owner)}
+    assert len(first) == 1
+
+    def replaced() -> bool:
+        now = {c["Id"] for c in pool_containers(docker_client, owner)
+               if c["State"] == "running"}
+        return bool(now) and not (now & first) and not any(
+            c["Id"] in first for c in pool_containers(docker_client, owner))
+
+    wait_for(replaced, 20, "the idle container replaced", interval_s=0.2)
+    r = ex.run(CodeJob(code=WHOAMI))
+    assert start_detail(r.trace) == "pool" and r.output["cid"] not in first
+
+
+def test_a_new_image_id_drains_the_pool(pooled: Any, docker_client: Any, python_image: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import executor.runtimes.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "IMAGE_CHECK_S", 0.0)
+    tag = f"studio-code-pooltest-{os.getpid()}:1"  # our own tag: the shared ones stay as they are
+    docker_client.images.get(python_image).tag(tag)
+    try:
+        ex = pooled(code_image=tag)
+        owner = ex.runtime.pool.owner
+        old = pool_containers(docker_client, owner)[0]
+        rebuilt, _ = docker_client.images.build(
+            fileobj=io.BytesIO(f"FROM {python_image}\nLABEL studio.test=pool-drain\n".encode()),
+            tag=tag, rm=True)
+        assert rebuilt.id != old["ImageID"]
+
+        def on_new_image() -> bool:
+            cs = pool_containers(docker_client, owner)
+            return bool(cs) and all(c["ImageID"] == rebuilt.id for c in cs)
+
+        wait_for(on_new_image, 30, "the pool refilled from the new image", interval_s=0.2)
+        r = ex.run(CodeJob(code=WHOAMI))
+        assert start_detail(r.trace) == "pool" and r.output["cid"] != old["Id"]
+        ex.close()
+    finally:
+        docker_client.images.remove(tag, noprune=False)
+
+
+# --- what a stopping or dying process leaves ------------------------------------------------
+
+
+def test_close_removes_idle_and_the_reaper_those_of_a_dead_owner(
+        pooled: Any, make_settings: Any, python_image: str, docker_client: Any) -> None:
+    from executor.runtimes.docker import DockerRuntime
+
+    ex = pooled()
+    owner = ex.runtime.pool.owner
+    assert len(pool_containers(docker_client, owner)) == 1
+    ex.close()
+    assert pool_containers(docker_client, owner) == []
+
+    # A process with a filled pool is SIGKILLed: its idle sandboxes stay until a reaper
+    # sees their owner is gone.
+    script = (
+        "import os, signal\n"
+        "from executor.service import Executor\n"
+        "from executor.settings import load_settings\n"
+        f"ex = Executor(load_settings(enable_code_nodes=True, code_image={python_image!r}))\n"
+        "ex.prepare()\n"
+        "assert ex.runtime.pool.wait_ready(60)\n"
+        "print(ex.runtime.pool.owner, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    dead = proc.stdout.strip()
+    left = pool_containers(docker_client, dead)
+    assert len(left) == 2, "python and typescript, idle"
+    reaped = DockerRuntime(make_settings(code_image=python_image)).reap()
+    assert sorted(reaped) == sorted(f"pool:{c['Names'][0].lstrip('/')}" for c in left)
+    assert pool_containers(docker_client, dead) == []
+
+
+def test_meta_shows_the_pool(pooled: Any) -> None:
+    from executor.meta import runtime_meta
+
+    ex = pooled()
+    runtime_meta(ex)  # its readiness probe runs the test program: in a pooled sandbox too
+    assert ex.runtime.pool.wait_ready(60)
+    ex.run(CodeJob(code=WHOAMI))
+    assert ex.runtime.pool.wait_ready(60)
+    pool = runtime_meta(ex)["pool"]  # the probe's result is cached: no third sandbox
+    assert pool["prewarm"] == 1 and pool["max_idle_s"] == 300
+    py = pool["this_process"]["languages"]["python"]
+    assert (py["idle"], py["hits"], py["misses"]) == (1, 2, 0)
+    assert py["oldest_idle_s"] >= 0
+
+
+def test_pool_metrics_count_hits_and_misses_and_show_idle() -> None:
+    from prometheus_client import REGISTRY
+
+    from worker.metrics import record_pool
+
+    def value(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"language": "typescript"}) or 0.0
+
+    hits0, misses0 = value("studio_code_pool_hits_total"), value("studio_code_pool_misses_total")
+    stats = {"languages": {"typescript": {"idle": 1, "hits": 3, "misses": 1,
+                                          "oldest_idle_s": 4.5}}}
+    record_pool(stats)
+    record_pool(stats)  # cumulative figures: seen twice, counted once
+    assert value("studio_code_pool_hits_total") - hits0 == 3
+    assert value("studio_code_pool_misses_total") - misses0 == 1
+    assert value("studio_code_pool_idle") == 1
+    assert value("studio_code_pool_idle_age_seconds") == 4.5
+
+
+# --- in a real worker ---------------------------------------------------------------------
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(240)
+def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_nothing(
+        queue_env: Any, docker_client: Any, make_settings: Any) -> None:  # noqa: F811
+    q: QueueEnv = queue_env(code_concurrency=1, code_memory="64m", code_languages="python",
+                            queue_test_slots=0)
+    w = q.start_worker("pool1", 1)
+    [slot] = children(w.pid)
+    owner = f"{os.uname().nodename}:{slot}"
+    wait_for(lambda: pool_containers(docker_client, owner), 60, "the slot's idle sandbox")
+
+    def name_gone(job_id: str) -> bool:
+        return not docker_client.api.containers(all=True,
+                                                filters={"name": f"studio-code-{job_id}"})
+
+    seen: list[str] = []
+    # cancel
+    spin = q.client.submit(WHOAMI, "python", {"mode": "spin"})
+    wait_for(lambda: docker_client.api.containers(
+        filters={"name": f"studio-code-{spin}", "status": "running"}), 60, "the spin running")
+    time.sleep(0.3)
+    assert q.client.cancel(spin) in ("cancelling", "cancelled")
+    rec = q.client.wait(spin, 30)
+    assert rec.status == "cancelled", rec
+    seen.append(cid_in_logs(rec.logs))
+    # timeout, OOM, a normal run
+    late = q.client.submit(WHOAMI, "python", {"mode": "sleep"}, timeout_s=1)
+    rec = q.client.wait(late, 30)
+    assert rec.status == "timed_out" and rec.error.code == "CODE_TIMEOUT", rec
+    seen.append(cid_in_logs(rec.logs))
+    hog = q.client.submit(WHOAMI, "python", {"mode": "oom"}, timeout_s=20)
+    rec = q.client.wait(hog, 30)
+    assert rec.error is not None and rec.error.code == "CODE_MEMORY", rec
+    seen.append(cid_in_logs(rec.logs))
+    ok = q.client.submit(WHOAMI, "python", {})
+    rec = q.client.wait(ok, 30)
+    assert rec.status == "succeeded" and rec.output["reused"] is False, rec
+    seen.append(rec.output["cid"])
+    for job_id in (spin, late, hog, ok):
+        assert start_detail(q.client.status(job_id).trace) == "pool"
+        wait_for(lambda j=job_id: name_gone(j), 10, f"the sandbox of {job_id} removed")
+    assert len(set(seen)) == 4, "a container ran two jobs"
+
+    # SIGKILL with an idle pre-started sandbox: it stays until the reaper sees its owner gone
+    idle = wait_for(lambda: pool_containers(docker_client, owner), 60, "a new idle sandbox")
+    assert {c["Id"] for c in idle}.isdisjoint(seen)
+    w.kill_hard()
+    assert pool_containers(docker_client, owner), "the idle sandbox outlived its owner"
+    from worker.janitor import Janitor
+
+    janitor = Janitor(q.settings, "reaper@test")
+    try:
+        assert janitor.reap_sandboxes() == [f"pool:{idle[0]['Names'][0].lstrip('/')}"]
+    finally:
+        janitor.store.close()
+    assert pool_containers(docker_client, owner) == []
+
+    # A worker that stops removes its idle sandboxes itself.
+    w2 = q.start_worker("pool2", 1)
+    [slot2] = children(w2.pid)
+    owner2 = f"{os.uname().nodename}:{slot2}"
+    wait_for(lambda: pool_containers(docker_client, owner2), 60, "the slot's idle sandbox")
+    w2.stop()
+    assert pool_containers(docker_client, owner2) == []
+
+
+def test_an_oci_runtime_the_engine_does_not_know_is_not_ready_and_says_so(
+        make_settings: Any, python_image: str) -> None:
+    from executor.languages import get_language
+    from executor.service import Executor
+
+    ex = Executor(make_settings(code_image=python_image, code_oci_runtime="no-such-oci"))
+    ready = ex.readiness(get_language("python"), fresh=True)
+    assert not ready.ready
+    assert "STUDIO_CODE_OCI_RUNTIME='no-such-oci'" in ready.reason and "runc" in ready.reason
