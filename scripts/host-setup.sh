@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Make this Debian/Ubuntu machine able to run studio-code: `make demo`, `make test`, `make up`
+# and .ci/run call it first. It checks, and installs or starts only what is missing, saying
+# what (as root, or through sudo):
+#
+#   packages  docker.io (dockerd), docker-compose, debootstrap (offline image builds),
+#             redis-server (tests start their own), python3-venv (ensurepip, for `make
+#             install`), python3-pydantic + python3-dateutil (the subprocess runtime's
+#             /usr/bin/python3 needs what the sandbox image has)
+#   dockerd   started when no engine answers: --bridge=none --iptables=false
+#             --ip6tables=false (sandboxes use no network, and these machines must not create
+#             a private-range network); log in /var/log/dockerd-studio.log
+#   postgres  an installed but stopped cluster is started (the run store tests use it)
+#
+# On a machine that has all of it, it changes nothing and takes well under a second.
+# STUDIO_HOST_SETUP=0 skips it (a machine managed otherwise).
+set -Eeuo pipefail
+[[ ${STUDIO_HOST_SETUP:-1} == 0 ]] && exit 0
+export DEBIAN_FRONTEND=noninteractive
+
+log() { printf '[host-setup] %s\n' "$*" >&2; }
+SUDO=()
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { log "not root and no sudo: install the packages below by hand"; }
+  SUDO=(sudo)
+fi
+
+need=()
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
+  || need+=(docker-compose)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v redis-server >/dev/null || need+=(redis-server)
+# one interpreter start (-S: no site, ~15 ms) for the three modules
+py=$(/usr/bin/python3 -I - <<'PY' 2>/dev/null || echo "python3 python3-venv"
+from importlib.util import find_spec  # finds without importing: a few ms
+# venv alone is stdlib on Debian; pip in a venv needs ensurepip
+pkgs = {"ensurepip": "python3-venv", "pydantic": "python3-pydantic",
+        "dateutil": "python3-dateutil"}
+print(" ".join(pkg for mod, pkg in pkgs.items() if find_spec(mod) is None))
+PY
+)
+# shellcheck disable=SC2206 # word splitting of package names is intended
+need+=($py)
+if ((${#need[@]})); then
+  log "installing: ${need[*]}"
+  "${SUDO[@]}" apt-get update -qq
+  "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+if ! docker version --format '{{.Server.Version}}' >/dev/null 2>&1; then
+  if [[ -S /var/run/docker.sock ]] && pgrep -x dockerd >/dev/null; then
+    log "dockerd runs but does not answer you: add your user to the group of /var/run/docker.sock"
+    exit 1
+  fi
+  log "starting dockerd --bridge=none --iptables=false --ip6tables=false (log: /var/log/dockerd-studio.log)"
+  "${SUDO[@]}" sh -c 'nohup dockerd --bridge=none --iptables=false --ip6tables=false \
+    >/var/log/dockerd-studio.log 2>&1 &'
+  for _ in $(seq 1 60); do
+    "${SUDO[@]}" docker version --format '{{.Server.Version}}' >/dev/null 2>&1 && break
+    sleep 1
+  done
+  "${SUDO[@]}" docker version >/dev/null 2>&1 || { tail -n 30 /var/log/dockerd-studio.log >&2; exit 1; }
+fi
+
+if command -v pg_ctlcluster >/dev/null && command -v pg_isready >/dev/null \
+  && ! pg_isready -h 127.0.0.1 -q 2>/dev/null; then
+  log "starting PostgreSQL"
+  "${SUDO[@]}" pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
+fi
+exit 0
