@@ -146,8 +146,12 @@ build_postgres_offline() {
   bin=$(ls -d "$r"/usr/lib/postgresql/*/bin | sort -V | tail -n1); bin=${bin#"$r"}
   # the cluster Debian's postinst made: the entrypoint makes its own in the volume
   rm -rf "$r"/var/lib/postgresql/* "$r"/etc/postgresql/*
-  mkdir -p "$r/var/lib/postgresql/data" "$r/var/run/postgresql"
-  chown -R "$u:$u" "$r/var/lib/postgresql" "$r/var/run/postgresql"
+  # /var/run is an absolute symlink to /run: write through $r/run, never through a path
+  # whose symlink would resolve on the HOST
+  [[ -d $r/run && ! -L $r/run && ! -L $r/var/lib ]] || die "unexpected rootfs layout in $r"
+  mkdir -p "$r/var/lib/postgresql/data" "$r/run/postgresql"
+  chown -R "$u:$u" "$r/var/lib/postgresql" "$r/run/postgresql"
+  chmod 2775 "$r/run/postgresql"
   chmod 0700 "$r/var/lib/postgresql/data"
   install -m 0755 "$HERE/postgres-entrypoint.sh" "$r/usr/local/bin/docker-entrypoint.sh"
   import_dir "$r" "${OFFLINE_IMAGE[postgres]}" \
@@ -213,7 +217,7 @@ app() {
   find "$ctx" -name __pycache__ -prune -exec rm -rf {} +
   if [[ -r $ca ]]; then cp "$ca" "$ctx/build-ca.pem"; fi
   log "app: docker build -f deploy/Dockerfile --build-arg BASE=$base -> $APP_IMAGE"
-  docker build -q "${net[@]}" -f "$HERE/Dockerfile" --build-arg BASE="$base" \
+  docker build -q --force-rm "${net[@]}" -f "$HERE/Dockerfile" --build-arg BASE="$base" \
     ${PIP_INDEX_URL:+--build-arg PIP_INDEX_URL="$PIP_INDEX_URL"} \
     --label studio.base="$base" -t "$APP_IMAGE" "$ctx" >&2
   echo "APP_IMAGE=$APP_IMAGE"

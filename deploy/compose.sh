@@ -35,7 +35,8 @@ if [[ -z $network ]]; then
   if docker network inspect bridge >/dev/null 2>&1; then network=bridge; else network=host; fi
 fi
 FILES=(-f "$HERE/compose.yaml")
-[[ $network == host ]] && FILES+=(-f "$HERE/compose.hostnet.yaml")
+if [[ $network == host ]]; then FILES+=(-f "$HERE/compose.hostnet.yaml")
+else FILES+=(-f "$HERE/compose.bridge.yaml"); fi
 
 compose() { "${COMPOSE[@]}" -p "$PROJECT" --env-file "$ENV_FILE" "${FILES[@]}" "$@"; }
 

@@ -49,6 +49,7 @@ def compose_cmd() -> list[str] | None:
 
 
 HOSTNET_FILE = ROOT / "deploy" / "compose.hostnet.yaml"
+BRIDGE_FILE = ROOT / "deploy" / "compose.bridge.yaml"
 SECRETS = {"REDIS_PASSWORD": "r3dis-pw", "POSTGRES_PASSWORD": "pg-pw", "STUDIO_API_TOKEN": "tok"}
 
 
@@ -74,7 +75,7 @@ def _parse(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("compose")
-    return _parse(compose_config(tmp, COMPOSE_FILE, env={
+    return _parse(compose_config(tmp, COMPOSE_FILE, BRIDGE_FILE, env={
         **SECRETS, "DOCKER_GID": "4242", "STATE_DIR": str(tmp)}))
 
 
@@ -146,6 +147,7 @@ def test_hostnet_variant_binds_loopback_and_keeps_reaping_safe(hostnet: dict[str
     svcs = hostnet["services"]
     for name in ("redis", "postgres", "api", "worker", "prometheus"):
         assert svcs[name]["network_mode"] == "host", name
+        assert not svcs[name].get("ports"), name  # Compose v1 refuses them on the host network
     assert "--bind 127.0.0.1 --port 16379" in " ".join(svcs["redis"]["command"])
     assert svcs["api"]["command"][2:4] == ["--host", "127.0.0.1"]
     assert svcs["worker"]["environment"]["STUDIO_REDIS_URL"] == \
@@ -181,6 +183,7 @@ def test_the_workers_start_sandboxes_through_the_docker_socket(config: dict[str,
     api = config["services"]["api"]
     assert api["command"][:2] == ["studio-code", "serve"]
     # the API trusts X-Studio-User: it must not listen on every host address
+    assert api.get("ports"), "compose.bridge.yaml publishes the API's port"
     for port in api.get("ports") or []:
         host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).split(":")[0]
         assert host_ip == "127.0.0.1", port
@@ -425,7 +428,8 @@ class Deployment:
         return docker_client.containers.list(all=True, filters={"label": labels})
 
 
-def _wait(what: str, check: Any, timeout: float, step: float = 0.2) -> Any:
+def _wait(what: str, check: Any, timeout: float, step: float = 0.2,
+          describe: Any = None) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -433,7 +437,7 @@ def _wait(what: str, check: Any, timeout: float, step: float = 0.2) -> Any:
         if last:
             return last
         time.sleep(step)
-    pytest.fail(f"{what}: not within {timeout}s (last: {last!r})")
+    pytest.fail(f"{what}: not within {timeout}s (last: {describe() if describe else last!r})")
 
 
 def _owned_by_a_worker(docker_client: Any, dep: Deployment, sandbox: Any) -> bool:
@@ -483,10 +487,14 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
                 and "redis" in checks
 
         _wait("the API ready (Redis and PostgreSQL reachable)", healthy, 180, 1)
+
+        def health(service: str) -> list[str]:
+            return [c.attrs["State"].get("Health", {}).get("Status", c.status)
+                    for c in dep.containers(docker_client, service)]
+
         for svc in ("redis", "postgres", "api", "worker"):
-            _wait(f"{svc} healthy", lambda s=svc: all(
-                (c.reload() or c.attrs["State"].get("Health", {}).get("Status")) == "healthy"
-                for c in dep.containers(docker_client, s)), 120, 1)
+            _wait(f"{svc} healthy", lambda s=svc: health(s) == ["healthy"], 120, 1,
+                  describe=lambda s=svc: health(s))
         # the API has no Docker socket; the workers do
         api = dep.containers(docker_client, "api")[0]
         assert not any("docker.sock" in m["Source"] for m in api.attrs["Mounts"])
@@ -531,10 +539,8 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
         # three workers, and the jobs spread over them
         scale = dep.make("scale", "N=3", timeout=300)
         assert scale.returncode == 0, scale.stderr[-3000:]
-        _wait("3 healthy workers", lambda: len([
-            c for c in dep.containers(docker_client, "worker")
-            if (c.reload() or c.attrs["State"].get("Health", {}).get("Status")) == "healthy"
-        ]) == 3, 180, 1)
+        _wait("3 healthy workers", lambda: health("worker") == ["healthy"] * 3, 180, 1,
+              describe=lambda: health("worker"))
         batch = [submit(SLEEPY_PY, "python", {"i": i, "s": 1.5}) for i in range(18)]
         recs = [_wait(f"job {j} done", lambda j=j: (r := run(j))["finished"] and r, 180, 0.5)
                 for j in batch]
