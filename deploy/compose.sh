@@ -13,7 +13,8 @@
 # deploy/.state/<project>/env (mode 0600), made on the first `up` with random REDIS_PASSWORD,
 # POSTGRES_PASSWORD and STUDIO_API_TOKEN, and reused after. DOCKER_GID is read from the
 # socket every time. STUDIO_COMPOSE_NETWORK=bridge|host overrides the choice of variant
-# (default: host when the engine has no `bridge` network). On the host variant the ports
+# (default: host when the engine has no `bridge` network). DOCKER_COMPOSE_EXTRA adds more
+# Compose files (space-separated), e.g. deploy/compose.api-docker.yaml. On the host variant the ports
 # are REDIS_PORT (16379), POSTGRES_PORT (15432), API_PORT (18080), PROMETHEUS_PORT (19090):
 # set them in the environment of the first `up` to change them.
 set -Eeuo pipefail
@@ -37,6 +38,8 @@ fi
 FILES=(-f "$HERE/compose.yaml")
 if [[ $network == host ]]; then FILES+=(-f "$HERE/compose.hostnet.yaml")
 else FILES+=(-f "$HERE/compose.bridge.yaml"); fi
+# more files, space-separated (e.g. deploy/compose.api-docker.yaml)
+for f in ${DOCKER_COMPOSE_EXTRA:-}; do FILES+=(-f "$f"); done
 
 compose() { "${COMPOSE[@]}" -p "$PROJECT" --env-file "$ENV_FILE" "${FILES[@]}" "$@"; }
 
