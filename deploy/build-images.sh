@@ -23,9 +23,9 @@
 #
 # Environment: STUDIO_PULL_TIMEOUT, STUDIO_DEBIAN_MIRROR, STUDIO_DEBIAN_SUITE (trixie),
 # STUDIO_APP_IMAGE (studio-code-app:1), PIP_INDEX_URL (passed to the app build),
-# STUDIO_BUILD_CA_FILE (CA bundle pip trusts in the app build; default: $PIP_CERT, else the
-# host's /etc/ssl/certs/ca-certificates.crt), STUDIO_REBUILD=1 (rebuild offline images that
-# are present).
+# STUDIO_SERVICE_TAG (the offline images' tag: 1), STUDIO_BUILD_CA_FILE (the CA bundle pip
+# trusts in the app build; default: $PIP_CERT, else the host's ca-certificates.crt),
+# STUDIO_REBUILD=1 (rebuild offline images that are present).
 set -Eeuo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -34,15 +34,16 @@ SUITE=${STUDIO_DEBIAN_SUITE:-trixie}
 CACHE_DIR=${XDG_CACHE_HOME:-$HOME/.cache}/studio-code
 PULL_TIMEOUT=${STUDIO_PULL_TIMEOUT:-20}
 APP_IMAGE=${STUDIO_APP_IMAGE:-studio-code-app:1}
+TAG=${STUDIO_SERVICE_TAG:-1}
 APP_BASE_REGISTRY=python:3.12-slim
-APP_BASE_OFFLINE=studio-code-pybase:1
+APP_BASE_OFFLINE=studio-code-pybase:$TAG
 # Bump when a recipe below changes, to invalidate the cached rootfs tarballs.
 RECIPE=1
 
 declare -A REGISTRY_IMAGE=([redis]=redis:7 [postgres]=postgres:16
   [prometheus]=prom/prometheus:v2.53.0)
-declare -A OFFLINE_IMAGE=([redis]=studio-code-redis:1 [postgres]=studio-code-postgres:1
-  [prometheus]=studio-code-prometheus:1)
+declare -A OFFLINE_IMAGE=([redis]=studio-code-redis:$TAG [postgres]=studio-code-postgres:$TAG
+  [prometheus]=studio-code-prometheus:$TAG)
 declare -A PACKAGES=([redis]=redis-server,redis-tools
   [postgres]=postgresql,postgresql-client
   [prometheus]=prometheus,ca-certificates
@@ -83,14 +84,20 @@ debian_mirror() { # the host's apt mirror, as docker/build.sh finds it
   echo "http://deb.debian.org/debian"
 }
 
+tarball_of() { # $1 name, $2 packages: the cache path of that rootfs
+  local arch key
+  arch=$(dpkg --print-architecture 2>/dev/null || echo amd64)
+  key=$(printf 'svc recipe=%s suite=%s arch=%s include=%s\n' "$RECIPE" "$SUITE" "$arch" "$2" \
+    | sha256sum | cut -c1-16)
+  echo "$CACHE_DIR/rootfs-$1-$SUITE-$arch-$key.tar"
+}
+
 # A directory holding a cached Debian rootfs with packages $2, for recipe $1 (unpacked from
 # the cached tarball, or made by debootstrap on a miss and then cached).
 rootfs() {
-  local name=$1 include=$2 arch key tarball root
+  local name=$1 include=$2 arch tarball root
   arch=$(dpkg --print-architecture 2>/dev/null || echo amd64)
-  key=$(printf 'svc recipe=%s suite=%s arch=%s include=%s\n' "$RECIPE" "$SUITE" "$arch" "$include" \
-    | sha256sum | cut -c1-16)
-  tarball=$CACHE_DIR/rootfs-$name-$SUITE-$arch-$key.tar
+  tarball=$(tarball_of "$name" "$include")
   root=$(mktemp -d "$TMP_ROOT/$name.XXXXXX")
   if [[ -s $tarball ]]; then
     log "$name: using cached rootfs $tarball"
@@ -114,7 +121,9 @@ rootfs() {
       --exclude=./dev/* --exclude=./proc/* --exclude=./sys/* --exclude=./run/* .
     mv "$tarball.part" "$tarball"
     log "$name: cached $tarball ($(du -h "$tarball" | cut -f1))"
-    rm -rf "$root"; root=$(mktemp -d "$TMP_ROOT/$name.XXXXXX")
+    rm -rf "$root"
+    [[ ${3:-} != --cache-only ]] || return 0
+    root=$(mktemp -d "$TMP_ROOT/$name.XXXXXX")
   fi
   tar --numeric-owner --xattrs -C "$root" -xf "$tarball"
   echo "$root"
@@ -233,6 +242,26 @@ docker info >/dev/null 2>&1 || die "cannot talk to the Docker engine (scripts/ho
 case $TARGET in
   app) app ;;
   redis|postgres|prometheus) service "$TARGET" ;;
-  all) for s in redis postgres prometheus; do service "$s"; done; app ;;
+  all)
+    # The debootstraps of the images that will be built offline run side by side (mostly
+    # downloads and dpkg): on a cold cache this roughly halves the wait.
+    warm=()
+    for s in redis postgres prometheus; do
+      if [[ $MODE == offline ]] || ! pullable "${REGISTRY_IMAGE[$s]}"; then
+        { present "${OFFLINE_IMAGE[$s]}" && [[ ${STUDIO_REBUILD:-} != 1 ]]; } || warm+=("$s")
+      fi
+    done
+    if [[ $MODE == offline ]] || ! pullable "$APP_BASE_REGISTRY"; then
+      { present "$APP_BASE_OFFLINE" && [[ ${STUDIO_REBUILD:-} != 1 ]]; } || warm+=(pybase)
+    fi
+    pids=()
+    for s in "${warm[@]}"; do
+      [[ -s $(tarball_of "$s" "${PACKAGES[$s]}") ]] && continue
+      rootfs "$s" "${PACKAGES[$s]}" --cache-only >/dev/null &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || die "a rootfs build failed (above)"; done
+    for s in redis postgres prometheus; do service "$s"; done
+    app ;;
   *) sed -n '2,4p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
 esac

@@ -31,17 +31,17 @@ command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
   || need+=(docker-compose)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 command -v redis-server >/dev/null || need+=(redis-server)
-# one interpreter start (-S: no site, ~15 ms) for the three modules
-py=$(/usr/bin/python3 -I - <<'PY' 2>/dev/null || echo "python3 python3-venv"
-from importlib.util import find_spec  # finds without importing: a few ms
-# venv alone is stdlib on Debian; pip in a venv needs ensurepip
-pkgs = {"ensurepip": "python3-venv", "pydantic": "python3-pydantic",
-        "dateutil": "python3-dateutil"}
-print(" ".join(pkg for mod, pkg in pkgs.items() if find_spec(mod) is None))
-PY
-)
-# shellcheck disable=SC2206 # word splitting of package names is intended
-need+=($py)
+# Python modules, by file (a Python start costs 50-250 ms): ensurepip (venv alone is stdlib on
+# Debian, pip in a venv needs ensurepip), and for /usr/bin/python3 pydantic and dateutil
+has_py() {
+  compgen -G "/usr/lib/python3*/$1" >/dev/null || compgen -G "/usr/lib/python3/dist-packages/$1" >/dev/null \
+    || compgen -G "/usr/local/lib/python3*/dist-packages/$1" >/dev/null
+}
+py=()
+has_py ensurepip/__init__.py || py+=(python3-venv)
+has_py pydantic/__init__.py || py+=(python3-pydantic)
+has_py dateutil/__init__.py || py+=(python3-dateutil)
+need+=("${py[@]}")
 if ((${#need[@]})); then
   log "installing: ${need[*]}"
   "${SUDO[@]}" apt-get update -qq

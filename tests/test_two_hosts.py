@@ -184,18 +184,23 @@ def own_postgres() -> Iterator[PostgresServer]:
 
 
 def start_worker(env: dict[str, str], docker_host: str, name: str, log: Path) -> StudioProc:
-    w = StudioProc([str(BIN / "studio-code"), "worker", "-c", "3", "-n", f"{name}@%h",
-                    "--loglevel", "INFO"], {**env, "DOCKER_HOST": docker_host}, log)
-    deadline = time.monotonic() + 60
+    """``studio-code worker`` on the engine at ``docker_host`` (not waited for)."""
+    return StudioProc([str(BIN / "studio-code"), "worker", "-c", "3", "-n", f"{name}@%h",
+                       "--loglevel", "INFO"], {**env, "DOCKER_HOST": docker_host}, log)
+
+
+def wait_ready(*workers: StudioProc) -> None:
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        if " ready." in w.output():
-            return w
-        if not w.alive():
+        if all(" ready." in w.output() for w in workers):
+            return
+        if not all(w.alive() for w in workers):
             break
         time.sleep(0.2)
-    out = w.output()
-    w.stop(10)
-    pytest.fail(f"worker {name} did not become ready:\n{out[-4000:]}")
+    outs = "\n---\n".join(w.output()[-3000:] for w in workers)
+    for w in workers:
+        w.stop(10)
+    pytest.fail(f"the workers did not become ready:\n{outs}")
 
 
 def test_two_engines_share_jobs_and_a_lost_engine_loses_no_job(
@@ -215,6 +220,7 @@ def test_two_engines_share_jobs_and_a_lost_engine_loses_no_job(
     names = {"e1": f"e1-{tag}", "e2": f"e2-{tag}"}
     w1 = start_worker(env, "unix:///var/run/docker.sock", names["e1"], tmp_path / "e1.log")
     w2 = start_worker(env, engine2.host, names["e2"], tmp_path / "e2.log")
+    wait_ready(w1, w2)
     settings = load_settings(enable_code_nodes=True, redis_url=redis_server.url,
                              database_url=own_postgres.url, code_image=python_image,
                              code_languages="python", code_max_seconds=15)
