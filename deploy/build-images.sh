@@ -226,9 +226,14 @@ app() {
   find "$ctx" -name __pycache__ -prune -exec rm -rf {} +
   if [[ -r $ca ]]; then cp "$ca" "$ctx/build-ca.pem"; fi
   log "app: docker build -f deploy/Dockerfile --build-arg BASE=$base -> $APP_IMAGE"
+  local old; old=$(docker image inspect --format '{{.Id}}' "$APP_IMAGE" 2>/dev/null || true)
   docker build -q --force-rm "${net[@]}" -f "$HERE/Dockerfile" --build-arg BASE="$base" \
     ${PIP_INDEX_URL:+--build-arg PIP_INDEX_URL="$PIP_INDEX_URL"} \
     --label studio.base="$base" -t "$APP_IMAGE" "$ctx" >&2
+  # the previous build, now untagged: removed unless a container still uses it
+  if [[ -n $old && $old != "$(docker image inspect --format '{{.Id}}' "$APP_IMAGE")" ]]; then
+    docker rmi "$old" >/dev/null 2>&1 || true
+  fi
   echo "APP_IMAGE=$APP_IMAGE"
 }
 
