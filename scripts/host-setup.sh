@@ -26,7 +26,7 @@ if [[ $(id -u) -ne 0 ]]; then
 fi
 
 need=()
-command -v dockerd >/dev/null || need+=(docker.io)
+command -v dockerd >/dev/null && command -v docker >/dev/null || need+=(docker.io)
 command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
   || need+=(docker-compose)
 command -v debootstrap >/dev/null || need+=(debootstrap)
@@ -45,22 +45,31 @@ need+=("${py[@]}")
 if ((${#need[@]})); then
   log "installing: ${need[*]}"
   "${SUDO[@]}" apt-get update -qq
-  "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  # with Recommends: on trixie the docker CLI (docker-cli) is only a Recommends of docker.io
+  "${SUDO[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-if ! docker version --format '{{.Server.Version}}' >/dev/null 2>&1; then
-  if [[ -S /var/run/docker.sock ]] && pgrep -x dockerd >/dev/null; then
-    log "dockerd runs but does not answer you: add your user to the group of /var/run/docker.sock"
+answers() { "$@" version --format '{{.Server.Version}}' >/dev/null 2>&1; }
+if ! answers docker; then
+  running=
+  for comm in /proc/[0-9]*/comm; do
+    [[ $(cat "$comm" 2>/dev/null) == dockerd ]] && { running=1; break; }
+  done
+  if [[ -z $running ]]; then
+    log "starting dockerd --bridge=none --iptables=false --ip6tables=false (log: /var/log/dockerd-studio.log)"
+    "${SUDO[@]}" sh -c 'nohup dockerd --bridge=none --iptables=false --ip6tables=false \
+      >/var/log/dockerd-studio.log 2>&1 &'
+  fi
+  for _ in $(seq 1 120); do answers "${SUDO[@]}" docker && break; sleep 1; done
+  if ! answers "${SUDO[@]}" docker; then
+    log "the Docker engine does not answer; its log:"
+    tail -n 30 /var/log/dockerd-studio.log >&2 2>/dev/null || true
     exit 1
   fi
-  log "starting dockerd --bridge=none --iptables=false --ip6tables=false (log: /var/log/dockerd-studio.log)"
-  "${SUDO[@]}" sh -c 'nohup dockerd --bridge=none --iptables=false --ip6tables=false \
-    >/var/log/dockerd-studio.log 2>&1 &'
-  for _ in $(seq 1 60); do
-    "${SUDO[@]}" docker version --format '{{.Server.Version}}' >/dev/null 2>&1 && break
-    sleep 1
-  done
-  "${SUDO[@]}" docker version >/dev/null 2>&1 || { tail -n 30 /var/log/dockerd-studio.log >&2; exit 1; }
+  if ! answers docker; then
+    log "the engine runs but you may not use it: sudo usermod -aG docker $USER, then log in again"
+    exit 1
+  fi
 fi
 
 if command -v pg_ctlcluster >/dev/null && command -v pg_isready >/dev/null \
