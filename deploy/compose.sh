@@ -41,7 +41,14 @@ else FILES+=(-f "$HERE/compose.bridge.yaml"); fi
 # more files, space-separated (e.g. deploy/compose.api-docker.yaml)
 for f in ${DOCKER_COMPOSE_EXTRA:-}; do FILES+=(-f "$f"); done
 
-compose() { "${COMPOSE[@]}" -p "$PROJECT" --env-file "$ENV_FILE" "${FILES[@]}" "$@"; }
+# The shell's environment wins over the env file in Compose's interpolation: on the bridge
+# variant the ports asked for are the published ones (in the env file); inside, the
+# services keep their usual ports.
+compose() {
+  local unset=()
+  [[ $network == bridge ]] && unset=(-u REDIS_PORT -u POSTGRES_PORT -u API_PORT -u PROMETHEUS_PORT)
+  env "${unset[@]}" "${COMPOSE[@]}" -p "$PROJECT" --env-file "$ENV_FILE" "${FILES[@]}" "$@"
+}
 
 secret() { od -An -N24 -tx1 /dev/urandom | tr -d ' \n'; }
 
