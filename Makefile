@@ -4,15 +4,20 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Compose v2 plugin when present, else Debian's docker-compose
-COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
-COMPOSE_FILE := deploy/compose.yaml
+# Compose: deploy/compose.sh picks the plugin or docker-compose, the network variant and
+# the env file. PROJECT names the deployment (a test uses its own).
+PROJECT ?= studio-code
+COMPOSE := COMPOSE_PROJECT_NAME=$(PROJECT) deploy/compose.sh
 N ?= 4
+WORKERS ?= 1
 
-.PHONY: help install image demo test bench lint worker up down scale clean
+.PHONY: help host install image demo test bench lint worker up down scale clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+host: ## install/start what this machine lacks (Docker engine, debootstrap, ...): scripts/host-setup.sh
+	@scripts/host-setup.sh
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +30,11 @@ install: $(STAMP) ## create .venv with the project, Deno and the test tools
 image: $(STAMP) ## build studio-code:1 and studio-code-ts:1 (registry if reachable, else offline)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" docker/build.sh all
 
-demo: install image ## run a sample Python node end to end in a fresh sandbox
+demo: host install image ## run a sample Python node end to end in a fresh sandbox
 	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code run examples/hello.py --state-file examples/state.json
 	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code run examples/hello.ts --state-file examples/state.json
 
-test: install image ## the whole test suite against real Docker, Redis, Deno, SQLite, PostgreSQL
+test: host install image ## the whole test suite against real Docker, Redis, Deno, SQLite, PostgreSQL
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install image ## benchmarks: executor vs raw floors, side by side in one run
@@ -42,14 +47,15 @@ lint: install ## ruff and mypy
 worker: install ## a Celery worker on this machine (STUDIO_REDIS_URL, STUDIO_DATABASE_URL)
 	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code worker
 
-up: image ## start API, workers, Redis, PostgreSQL, Prometheus with Compose
-	$(COMPOSE) -f $(COMPOSE_FILE) up -d --build
+up: host ## start API, WORKERS workers, Redis, PostgreSQL, Prometheus with Compose (images built if no registry)
+	@docker image inspect studio-code:1 studio-code-ts:1 >/dev/null 2>&1 || $(MAKE) image
+	$(COMPOSE) up $(WORKERS)
 
-down: ## stop the Compose deployment (workers finish or hand back their nodes)
-	$(COMPOSE) -f $(COMPOSE_FILE) down
+down: ## stop the Compose deployment (workers finish their nodes); PURGE=1 also drops volumes and secrets
+	$(COMPOSE) down $(if $(filter 1,$(PURGE)),--purge)
 
 scale: ## run N workers under Compose: make scale N=4
-	$(COMPOSE) -f $(COMPOSE_FILE) up -d --no-recreate --scale worker=$(N)
+	$(COMPOSE) scale $(N)
 
 clean: ## remove the venv and local data
 	rm -rf $(VENV) data

@@ -1,10 +1,14 @@
-"""deploy/: the Compose file as Compose itself reads it, and the scaling and graceful-stop
-stories it promises, played on THIS machine with real processes (``docker compose up``
-cannot run here: the engine has no bridge network).
+"""deploy/: the Compose file as Compose itself reads it, the deployment brought up for real
+(``make up`` with a project of its own, on the host-network variant when the engine has no
+bridge), and the scaling and graceful-stop stories it promises, played with real processes.
 
-* ``docker-compose config`` accepts the file; no service is privileged; the workers get
-  the Docker socket; Redis runs with AOF (everysec) and noeviction; the workers' stop grace
-  covers STUDIO_CODE_MAX_SECONDS; workers can be scaled (no fixed name, no host port).
+* ``docker-compose config`` accepts the file; no service is privileged; only the workers get
+  the Docker socket; every service has resource limits and rotated logs; Redis runs with a
+  password, maxmemory, AOF (everysec) and noeviction; no password has a default; the
+  workers' stop grace covers STUDIO_CODE_MAX_SECONDS; workers can be scaled.
+* ``make up`` / ``make scale`` / ``make down`` (slow): Python and TypeScript nodes over the
+  API, each in a sandbox a worker container started through the socket, jobs spread over
+  3 workers, a running node cancelled, nothing left behind.
 * ``--scale worker=2``: two worker processes on one Redis and one PostgreSQL share jobs.
 * ``docker stop`` of a busy worker (SIGTERM, then the grace): its running jobs finish, no
   sandbox is left, no job is lost (what it had not started is run by another worker).
@@ -13,12 +17,14 @@ cannot run here: the engine has no bridge network).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +48,43 @@ def compose_cmd() -> list[str] | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def config() -> dict[str, Any]:
+HOSTNET_FILE = ROOT / "deploy" / "compose.hostnet.yaml"
+BRIDGE_FILE = ROOT / "deploy" / "compose.bridge.yaml"
+SECRETS = {"REDIS_PASSWORD": "r3dis-pw", "POSTGRES_PASSWORD": "pg-pw", "STUDIO_API_TOKEN": "tok"}
+
+
+def compose_config(tmp: Path, *files: Path, env: dict[str, str] | None = None,
+                   ) -> subprocess.CompletedProcess[str]:
     cmd = compose_cmd()
     require(cmd is not None, "neither docker-compose nor the docker compose plugin is installed")
     assert cmd is not None
-    out = subprocess.run([*cmd, "-f", str(COMPOSE_FILE), "--profile", "images", "config"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    env_file = tmp / "env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in (env or {}).items()))
+    args = [a for f in files for a in ("-f", str(f))]
+    return subprocess.run([*cmd, "--env-file", str(env_file), *args, "--profile", "images",
+                           "config"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def _parse(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert out.returncode == 0, out.stderr
     parsed = yaml.safe_load(out.stdout)
     assert isinstance(parsed, dict)
     return parsed
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("compose")
+    return _parse(compose_config(tmp, COMPOSE_FILE, BRIDGE_FILE, env={
+        **SECRETS, "DOCKER_GID": "4242", "STATE_DIR": str(tmp)}))
+
+
+@pytest.fixture(scope="module")
+def hostnet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("compose")
+    return _parse(compose_config(tmp, COMPOSE_FILE, HOSTNET_FILE, env={
+        **SECRETS, "DOCKER_GID": "4242", "STATE_DIR": str(tmp), "REDIS_HOST": "127.0.0.1",
+        "REDIS_BIND": "127.0.0.1", "REDIS_PORT": "16379", "API_BIND": "127.0.0.1"}))
 
 
 def seconds(value: Any) -> float:
@@ -80,6 +112,51 @@ def test_no_service_is_privileged(config: dict[str, Any]) -> None:
         assert svc.get("pid") != "host" and svc.get("network_mode") != "host", name
 
 
+def test_every_service_is_limited_and_rotates_its_logs(config: dict[str, Any]) -> None:
+    for name in ("redis", "postgres", "api", "worker", "prometheus"):
+        svc = config["services"][name]
+        assert svc.get("mem_limit"), f"{name} has no memory limit"
+        assert float(svc.get("cpus", 0)) > 0, f"{name} has no CPU limit"
+        assert int(svc.get("pids_limit", 0)) > 0, f"{name} has no pids limit"
+        log = svc.get("logging") or {}
+        assert log.get("driver") == "json-file", name
+        assert log["options"]["max-size"] and int(log["options"]["max-file"]) >= 1, name
+
+
+def test_no_password_or_group_is_defaulted(tmp_path: Path) -> None:
+    """Without the env file `make up` writes, Compose refuses to start: no silent
+    `studio` password, no assumed docker group."""
+    for missing in ("REDIS_PASSWORD", "POSTGRES_PASSWORD", "STUDIO_API_TOKEN", "DOCKER_GID"):
+        env = {**SECRETS, "DOCKER_GID": "4242", "STATE_DIR": str(tmp_path)}
+        del env[missing]
+        out = compose_config(tmp_path, COMPOSE_FILE, env=env)
+        assert out.returncode != 0, f"{missing} unset was accepted"
+        assert "make up" in out.stderr, out.stderr
+
+
+def test_only_the_workers_get_the_docker_socket(config: dict[str, Any]) -> None:
+    for name, svc in config["services"].items():
+        has = any("docker.sock" in (src or "") for src, _ in _mounts(svc))
+        assert has == (name == "worker"), f"{name}: socket mounted = {has}"
+    assert config["services"]["worker"]["group_add"] == ["4242"]
+    assert "group_add" not in config["services"]["api"]
+    assert config["services"]["api"]["environment"]["STUDIO_API_TOKEN"] == "tok"
+
+
+def test_hostnet_variant_binds_loopback_and_keeps_reaping_safe(hostnet: dict[str, Any]) -> None:
+    svcs = hostnet["services"]
+    for name in ("redis", "postgres", "api", "worker", "prometheus"):
+        assert svcs[name]["network_mode"] == "host", name
+        assert not svcs[name].get("ports"), name  # Compose v1 refuses them on the host network
+    assert "--bind 127.0.0.1 --port 16379" in " ".join(svcs["redis"]["command"])
+    assert svcs["api"]["command"][2:4] == ["--host", "127.0.0.1"]
+    assert svcs["worker"]["environment"]["STUDIO_REDIS_URL"] == \
+        "redis://:r3dis-pw@127.0.0.1:16379/0"
+    # replicas share the host's hostname: the reaper's host:pid owners need the host's pids
+    assert svcs["worker"]["pid"] == "host"
+    assert "-n" in svcs["worker"]["command"][-1] and "urandom" in svcs["worker"]["command"][-1]
+
+
 def _mounts(svc: dict[str, Any]) -> list[tuple[str, str]]:
     out = []
     for v in svc.get("volumes") or []:
@@ -97,8 +174,8 @@ def test_the_workers_start_sandboxes_through_the_docker_socket(config: dict[str,
     env = worker["environment"]
     assert env["STUDIO_CODE_RUNTIME"] == "docker"
     assert env["STUDIO_ENABLE_CODE_NODES"] == "1"
-    assert env["STUDIO_DATABASE_URL"].startswith("postgresql+psycopg://")
-    assert env["STUDIO_REDIS_URL"].startswith("redis://redis:")
+    assert env["STUDIO_DATABASE_URL"] == "postgresql+psycopg://studio:pg-pw@postgres:5432/studio"
+    assert env["STUDIO_REDIS_URL"] == "redis://:r3dis-pw@redis:6379/0"
     assert worker["command"][:2] == ["studio-code", "worker"]
     # metrics: a multiprocess dir of its own and a port Prometheus scrapes
     assert env["PROMETHEUS_MULTIPROC_DIR"].startswith("/tmp/")
@@ -106,6 +183,7 @@ def test_the_workers_start_sandboxes_through_the_docker_socket(config: dict[str,
     api = config["services"]["api"]
     assert api["command"][:2] == ["studio-code", "serve"]
     # the API trusts X-Studio-User: it must not listen on every host address
+    assert api.get("ports"), "compose.bridge.yaml publishes the API's port"
     for port in api.get("ports") or []:
         host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).split(":")[0]
         assert host_ip == "127.0.0.1", port
@@ -118,6 +196,9 @@ def test_redis_keeps_acknowledged_jobs(config: dict[str, Any]) -> None:
     assert re.search(r"--appendonly\s+yes", line)
     assert re.search(r"--appendfsync\s+everysec", line)
     assert re.search(r"--maxmemory-policy\s+noeviction", line)
+    assert re.search(r"--maxmemory\s+\d+mb", line)
+    assert "requirepass" in line and "r3dis-pw" not in line  # the password is not in argv
+    assert redis["environment"]["REDIS_PASSWORD"] == "r3dis-pw"
     assert any(target == "/data" for _, target in _mounts(redis))
 
 
@@ -161,12 +242,14 @@ def test_prometheus_scrapes_every_worker_and_the_api(config: dict[str, Any]) -> 
     worker_sd = jobs["studio-code-worker"]["dns_sd_configs"][0]
     assert worker_sd["names"] == ["worker"] and worker_sd["port"] == 9808
     assert jobs["studio-code-api"]["static_configs"][0]["targets"] == ["api:8080"]
+    assert jobs["studio-code-api"]["authorization"]["credentials_file"] == \
+        "/etc/prometheus/api_token"
 
 
 def test_the_app_dockerfile_installs_the_project() -> None:
     text = (ROOT / "deploy" / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE=python:3\.12-slim$", text, re.M)
-    assert 'pip install ".[http]"' in text
+    assert re.search(r'pip install .*"\.\[http\]"', text)
     assert re.search(r"^USER 10001:10001$", text, re.M)
     json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
 
@@ -278,3 +361,214 @@ def first_name(proc: Any) -> str:
     m = re.search(r"(first-[0-9a-f]{4})@", proc.output())
     assert m, proc.output()[-2000:]
     return m.group(1)
+
+
+# --- make up / scale / down, for real ----------------------------------------------------------
+
+
+INSIDE_PY = (
+    "import os, socket, time\n\n"
+    "def main(state):\n"
+    "    time.sleep(state.get('sleep', 0))\n"
+    "    s = socket.socket()\n"
+    "    try:\n"
+    "        s.connect(('127.0.0.1', 9))\n"
+    "        net = 'connected'\n"
+    "    except OSError as e:\n"
+    "        net = type(e).__name__\n"
+    "    finally:\n"
+    "        s.close()\n"
+    "    return {'i': state.get('i'), 'hostname': socket.gethostname(), 'uid': os.getuid(),\n"
+    "            'ifaces': sorted(os.listdir('/sys/class/net')), 'net': net}\n"
+)
+INSIDE_TS = (
+    'import { z } from "npm:zod@3";\n'
+    "export default function main(state: { n: number }) {\n"
+    "  const t = Date.now();\n"
+    "  while (Date.now() - t < 3000) { /* busy: long enough to be seen running */ }\n"
+    "  return { doubled: z.object({ n: z.number() }).parse(state).n * 2,\n"
+    "           deno: Deno.version.deno };\n"
+    "}\n"
+)
+SLEEPY_PY = "import time\n\ndef main(state):\n    time.sleep(state['s'])\n    return state['i']\n"
+
+
+class Deployment:
+    """One `make up` of its own: project name, loopback ports, the API token it wrote."""
+
+    def __init__(self, project: str) -> None:
+        from tests.conftest import free_port
+
+        self.project = project
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+        # the host-network variant listens on these (the bridge variant publishes the API's)
+        self.ports = {name: free_port() for name in
+                      ("REDIS_PORT", "POSTGRES_PORT", "API_PORT", "PROMETHEUS_PORT")}
+        self.env.update({k: str(v) for k, v in self.ports.items()})
+        self.base = f"http://127.0.0.1:{self.ports['API_PORT']}"
+        self.token = ""
+
+    def make(self, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["make", "--no-print-directory", *args, f"PROJECT={self.project}"],
+                              cwd=ROOT, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def env_file(self) -> dict[str, str]:
+        path = ROOT / "deploy" / ".state" / self.project / "env"
+        return dict(line.split("=", 1) for line in path.read_text().splitlines()
+                    if "=" in line and not line.startswith("#"))
+
+    def headers(self, user: str = "compose") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}", "X-Studio-User": user}
+
+    def containers(self, docker_client: Any, service: str | None = None) -> list[Any]:
+        labels = [f"com.docker.compose.project={self.project}"]
+        if service:
+            labels.append(f"com.docker.compose.service={service}")
+        return docker_client.containers.list(all=True, filters={"label": labels})
+
+
+def _wait(what: str, check: Any, timeout: float, step: float = 0.2,
+          describe: Any = None) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(step)
+    pytest.fail(f"{what}: not within {timeout}s (last: {describe() if describe else last!r})")
+
+
+def _owned_by_a_worker(docker_client: Any, dep: Deployment, sandbox: Any) -> bool:
+    """The sandbox's studio.owner (host:pid) is a process of one of this deployment's
+    worker containers: by hostname (bridge) or by host pid (host network, pid: host)."""
+    host, _, pid = sandbox.labels["studio.owner"].rpartition(":")
+    for w in dep.containers(docker_client, "worker"):
+        if w.attrs["HostConfig"]["NetworkMode"] == "host":
+            top = docker_client.api.top(w.id, ps_args="-eo pid")
+            if pid in {row[0].strip() for row in top["Processes"]}:
+                return True
+        elif host == w.attrs["Config"]["Hostname"]:
+            return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.timeout(1800)  # a first run on a fresh machine builds the service images
+def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
+        docker_client: Any, python_image: str, ts_image: str) -> None:
+    import httpx
+
+    require(compose_cmd() is not None, "neither docker-compose nor docker compose is installed")
+    dep = Deployment(f"sctest{uuid.uuid4().hex[:6]}")
+    job_ids: list[str] = []
+    try:
+        t0 = time.monotonic()
+        up = dep.make("up", timeout=1500)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-5000:]
+        print(f"make up: {time.monotonic() - t0:.1f}s")
+        env = dep.env_file()
+        dep.token = env["STUDIO_API_TOKEN"]
+        assert len(env["REDIS_PASSWORD"]) >= 32 and len(env["POSTGRES_PASSWORD"]) >= 32
+        assert env["DOCKER_GID"] == str(os.stat("/var/run/docker.sock").st_gid)
+        mode = (ROOT / "deploy" / ".state" / dep.project / "env").stat().st_mode & 0o777
+        assert mode == 0o600, oct(mode)
+        http = httpx.Client(base_url=dep.base, timeout=30)
+
+        def healthy() -> bool:
+            try:
+                r = http.get("/healthz/ready", headers=dep.headers())
+            except httpx.TransportError:
+                return False
+            checks = r.json().get("checks", {})
+            return checks.get("redis") is None and checks.get("run_store") is None \
+                and "redis" in checks
+
+        _wait("the API ready (Redis and PostgreSQL reachable)", healthy, 180, 1)
+
+        def health(service: str) -> list[str]:
+            return [c.attrs["State"].get("Health", {}).get("Status", c.status)
+                    for c in dep.containers(docker_client, service)]
+
+        for svc in ("redis", "postgres", "api", "worker"):
+            _wait(f"{svc} healthy", lambda s=svc: health(s) == ["healthy"], 120, 1,
+                  describe=lambda s=svc: health(s))
+        # the API has no Docker socket; the workers do
+        api = dep.containers(docker_client, "api")[0]
+        assert not any("docker.sock" in m["Source"] for m in api.attrs["Mounts"])
+
+        def submit(code: str, language: str, state: dict[str, Any]) -> str:
+            r = http.post("/api/runs", headers=dep.headers(), json={
+                "code": code, "language": language, "state": state})
+            assert r.status_code == 202, r.text
+            job_ids.append(r.json()["job_id"])
+            return str(r.json()["job_id"])
+
+        def run(job_id: str) -> dict[str, Any]:
+            r = http.get(f"/api/runs/{job_id}", headers=dep.headers())
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        def seen_running(job_id: str) -> Any:
+            boxes = containers_of(docker_client, job_id)
+            return boxes[0] if boxes and run(job_id)["status"] == "running" else None
+
+        # a Python and a TypeScript node, each seen in its sandbox while it runs
+        py = submit(INSIDE_PY, "python", {"i": 1, "sleep": 3})
+        box = _wait("the Python sandbox running", lambda: seen_running(py), 90)
+        assert box.image.tags == [python_image]
+        assert _owned_by_a_worker(docker_client, dep, box), box.labels
+        ts = submit(INSIDE_TS, "typescript", {"n": 21})
+        tbox = _wait("the TypeScript sandbox running", lambda: seen_running(ts), 90)
+        assert tbox.image.tags == [ts_image]
+        assert _owned_by_a_worker(docker_client, dep, tbox), tbox.labels
+        rec = _wait("the Python node done", lambda: (r := run(py))["finished"] and r, 90)
+        assert rec["status"] == "succeeded", rec
+        inside = rec["output"]
+        # from inside: the sandbox's hostname, the worker image's uid, no network but lo
+        assert inside["hostname"] == "sandbox" and inside["uid"] == 10001, inside
+        assert inside["ifaces"] == ["lo"] and inside["net"] == "ConnectionRefusedError", inside
+        assert rec["runtime"] == "docker" and rec["worker"], rec
+        rec = _wait("the TypeScript node done", lambda: (r := run(ts))["finished"] and r, 90)
+        assert rec["status"] == "succeeded", rec
+        assert rec["output"]["doubled"] == 42 and rec["output"]["deno"], rec
+        assert not containers_of(docker_client, py) and not containers_of(docker_client, ts)
+
+        # three workers, and the jobs spread over them
+        scale = dep.make("scale", "N=3", timeout=300)
+        assert scale.returncode == 0, scale.stderr[-3000:]
+        _wait("3 healthy workers", lambda: health("worker") == ["healthy"] * 3, 180, 1,
+              describe=lambda: health("worker"))
+        batch = [submit(SLEEPY_PY, "python", {"i": i, "s": 1.5}) for i in range(18)]
+        recs = [_wait(f"job {j} done", lambda j=j: (r := run(j))["finished"] and r, 180, 0.5)
+                for j in batch]
+        assert [r["status"] for r in recs] == ["succeeded"] * 18, recs
+        assert [r["output"] for r in recs] == list(range(18))
+        nodes = {r["worker"].split(":")[0] for r in recs}
+        print(f"jobs per worker: {Counter(r['worker'].split(':')[0] for r in recs)}")
+        assert len(nodes) == 3, f"the jobs did not spread over 3 workers: {nodes}"
+
+        # cancel a running node: its sandbox is killed, it ends cancelled
+        long = submit(SLEEPY_PY, "python", {"i": 0, "s": 25})
+        _wait("the long node running", lambda: seen_running(long), 90)
+        r = http.post(f"/api/runs/{long}/cancel", headers=dep.headers())
+        assert r.status_code == 202, r.text
+        rec = _wait("the cancelled node ended", lambda: (x := run(long))["finished"] and x, 30)
+        assert rec["status"] == "cancelled", rec
+        assert rec["error"]["code"] == "CODE_CANCELLED", rec
+        _wait("its sandbox gone", lambda: not containers_of(docker_client, long), 15)
+        http.close()
+    finally:
+        t1 = time.monotonic()
+        down = dep.make("down", "PURGE=1", timeout=300)
+        print(f"make down: {time.monotonic() - t1:.1f}s")
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert not dep.containers(docker_client), "make down left containers"
+    label = f"com.docker.compose.project={dep.project}"
+    assert not docker_client.networks.list(filters={"label": label}), "make down left a network"
+    assert not docker_client.volumes.list(filters={"label": label}), "PURGE=1 left volumes"
+    for job_id in job_ids:
+        assert not containers_of(docker_client, job_id), f"sandbox of {job_id} left"
+    assert not (ROOT / "deploy" / ".state" / dep.project).exists()

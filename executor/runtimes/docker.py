@@ -327,6 +327,10 @@ class DockerRuntime(Runtime):
             code = api.wait(cid, timeout=max(0.5, deadline - time.monotonic()))["StatusCode"]
         except NotFound:
             return None, False, "eof"  # removed from outside (a cancel by label)
+        except requests.exceptions.ConnectionError as e:
+            # The engine itself went away (stopped or crashed, and the sandbox with it): not
+            # the code's timeout, which is what a read timeout below means.
+            raise RuntimeUnavailable(_docker_down(e)) from e
         except requests.exceptions.RequestException:
             return None, False, "deadline"  # still running with its streams closed
         oom = False
