@@ -112,6 +112,17 @@ class Settings(BaseSettings):
         description="Seconds between a worker's sweeps for sandboxes of dead workers and jobs "
         "stuck running.",
     )
+    queue_probe_interval_s: float = Field(
+        5, gt=0, le=600,
+        description="Seconds between a worker's checks that its run store takes writes and its "
+        "runtime can run nodes (every second while it is paused for either).",
+    )
+    queue_pending_ttl_s: int = Field(
+        7 * 86400, ge=60,
+        description="Seconds a result computed while the run store was down is kept in Redis "
+        "(studio:pending:<job id>) to be written when the store is back: store outages shorter "
+        "than this lose no result.",
+    )
 
     @field_validator("code_memory")
     @classmethod

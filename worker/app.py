@@ -86,7 +86,7 @@ def worker_app(settings: Settings) -> Celery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker import janitor, slots, tasks
+    from worker import gate, janitor, poison, slots, tasks
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -97,8 +97,12 @@ def worker_app(settings: Settings) -> Celery:
             vis, settings.code_max_seconds, KILL_GRACE_S)
 
     tasks.register(app)
+    # Items that are not kombu messages are set aside, not fatal (worker.poison).
+    app.conf.broker_transport = poison.TRANSPORT
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
+    app.steps["consumer"].add(gate.GateStep)
+    app.steps["worker"].add(gate.GateWatchStep)
     app.steps["worker"].add(janitor.JanitorStep)
     tasks.connect_process_signals()
     _connect_metrics(settings)
