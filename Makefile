@@ -9,7 +9,7 @@ COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compos
 COMPOSE_FILE := deploy/compose.yaml
 N ?= 4
 
-.PHONY: help install image demo test bench lint worker up down scale clean
+.PHONY: help install image demo test bench soak lint worker up down scale clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -34,6 +34,9 @@ test: install image ## the whole test suite against real Docker, Redis, Deno, SQ
 
 bench: install image ## benchmarks: executor vs raw floors, side by side in one run
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench
+
+soak: install image ## chaos soak: jobs over 2 workers while workers, Redis, the store are killed (SOAK_ARGS=--jobs 1000)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.soak $(SOAK_ARGS)
 
 lint: install ## ruff and mypy
 	$(VENV)/bin/ruff check executor worker api_client tests bench

@@ -169,7 +169,11 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     waits in Redis for the store) or ``dead-letter``. Raises ``Reject(requeue=True)`` to hand
     the message back, unconsumed, when the store or the runtime is down here."""
     job_id = _job_id_of(args, kwargs)
-    state = process_state(task.app)
+    try:
+        state = process_state(task.app)
+    except Exception as e:  # noqa: BLE001 - e.g. the store is down as the process starts
+        gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
+        _hand_back(f"job {job_id}: this pool process could not start")
     request = task.request
     if job_id is None:
         poison.dead_letter_task(state.redis, request, args, kwargs)
