@@ -130,6 +130,18 @@ def pause_reason() -> str | None:
 # --- probes -----------------------------------------------------------------------------------
 
 
+def is_store_outage(e: BaseException) -> bool:
+    """True for errors that mean "the store cannot be reached or written now" (connection
+    refused or lost, SQLite locked or read-only), False for errors of the data itself,
+    which waiting would not cure."""
+    from sqlalchemy import exc
+
+    if isinstance(e, (exc.OperationalError, exc.InterfaceError, exc.DisconnectionError,
+                      exc.TimeoutError, ConnectionError, TimeoutError)):
+        return True
+    return isinstance(e, exc.DBAPIError) and bool(e.connection_invalidated)
+
+
 def store_write_problem(store: Any) -> str | None:
     """None when the run store takes a write now, else a sentence naming it. A write probe:
     a store that answers reads but refuses writes (SQLite locked, read-only) is down too."""

@@ -77,8 +77,8 @@ def write_one(store: Any, client: redis.Redis, job_id: str) -> bool | None:
     result, worker = found
     wrote = bool(store.finish(result, worker=worker))
     forget(client, job_id)
-    announce(client, job_id)
-    if wrote:
+    if wrote:  # the one writer that won announces the end (two flushers may race)
+        announce(client, job_id)
         log.warning("job %s: wrote its result (%s), kept in Redis while the run store was "
                     "down", job_id, result.status.value)
         _count(result)
@@ -91,7 +91,16 @@ def flush(store: Any, client: redis.Redis) -> int:
     written = 0
     for raw_id in client.sscan_iter(PENDING_SET, count=200):
         job_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-        outcome = write_one(store, client, job_id)
+        try:
+            outcome = write_one(store, client, job_id)
+        except Exception as e:
+            from worker.gate import is_store_outage
+
+            if is_store_outage(e):
+                raise  # the store went away again: the rest waits for the next flush
+            log.error("job %s: its parked result cannot be written (%s); it stays in Redis "
+                      "until STUDIO_QUEUE_PENDING_TTL_S", job_id, e)
+            continue
         if outcome is None:
             client.srem(PENDING_SET, job_id)
             log.error("job %s: its parked result expired (STUDIO_QUEUE_PENDING_TTL_S) before "

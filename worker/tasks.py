@@ -171,7 +171,9 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     job_id = _job_id_of(args, kwargs)
     try:
         state = process_state(task.app)
-    except Exception as e:  # noqa: BLE001 - e.g. the store is down as the process starts
+    except Exception as e:
+        if not gate.is_store_outage(e):
+            raise
         gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
         _hand_back(f"job {job_id}: this pool process could not start")
     request = task.request
@@ -181,8 +183,8 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     worker = f"{request.hostname}:{os.getpid()}"
     queue = (request.delivery_info or {}).get("routing_key") or QUEUE_RUN
     outcome = _run(state, job_id, worker, queue)
-    if outcome != "parked":  # a parked result is announced when it is written
-        state.notify_done(job_id)
+    if outcome not in ("parked", "parked-duplicate"):
+        state.notify_done(job_id)  # a parked result is announced by whoever writes it
     return outcome
 
 
@@ -209,14 +211,18 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str) -> str:
     except redis.RedisError as e:
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
         written = None
-    except Exception as e:  # noqa: BLE001 - the store is down: the result stays parked
-        gate.report(gate.RUN_STORE, str(e))
+    except Exception as e:
+        if not gate.is_store_outage(e):
+            raise
+        gate.report(gate.RUN_STORE, str(e))  # the result stays parked
         _hand_back(f"job {job_id}: its parked result waits for the run store")
     if written is not None:
-        return "finished" if written else "duplicate"
+        return "finished" if written else "parked-duplicate"
     try:
         rec = state.store.claim(job_id, worker)
-    except Exception as e:  # noqa: BLE001 - unreachable store: not consumed, handed back
+    except Exception as e:
+        if not gate.is_store_outage(e):
+            raise  # not an outage (e.g. a row it cannot read): handing back would loop
         gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
         _hand_back(f"job {job_id}: the run store is unreachable")
     if rec is None:
@@ -231,15 +237,10 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str) -> str:
             "before it ended, so it was not started again: check the workers' logs (memory, "
             "crashes), then run it again.")
         return _finish(state, result, rec, worker, queue)
-    try:
-        job = CodeJob(
-            job_id=rec.job_id, language=rec.language, code=rec.code,
-            state_json=rec.state_json, timeout_s=rec.timeout_s, kind=rec.kind, user=rec.user,
-        )
-    except Exception as e:  # noqa: BLE001 - a row this worker cannot read ends, with why
-        result = _result(rec, state.settings, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE,
-                         f"This worker cannot read the job ({e}); run it again.")
-        return _finish(state, result, rec, worker, queue)
+    job = CodeJob(
+        job_id=rec.job_id, language=rec.language, code=rec.code, state_json=rec.state_json,
+        timeout_s=rec.timeout_s, kind=rec.kind, user=rec.user,
+    )
     watch = state.watch(job_id)
     state.current_job = job_id
     state.take_signal()  # a signal that came before this job was meant for another one
@@ -298,9 +299,11 @@ def _finish(state: ProcessState, result: CodeResult, rec: JobRecord, worker: str
         try:
             wrote = state.store.finish(result, worker=worker)
             break
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             error = e
             if delay is None:
+                if not gate.is_store_outage(e):
+                    raise  # the result itself is refused: the reaper ends the job
                 break
             log.warning("job %s: storing the result failed (%s), retrying", rec.job_id, e)
             time.sleep(delay)
