@@ -166,7 +166,8 @@ def register(app: Celery) -> None:
 def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     """Run job ``job_id`` (its code and state are in the run store). Returns what happened,
     for the worker's log: ``finished``, ``duplicate``, ``skipped``, ``parked`` (the result
-    waits in Redis for the store) or ``dead-letter``. Raises ``Reject(requeue=True)`` to hand
+    waits in Redis for the store), ``parked-duplicate`` (a redelivery found a parked result
+    someone else wrote) or ``dead-letter``. Raises ``Reject(requeue=True)`` to hand
     the message back, unconsumed, when the store or the runtime is down here."""
     job_id = _job_id_of(args, kwargs)
     try:
