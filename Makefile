@@ -11,7 +11,7 @@ COMPOSE := COMPOSE_PROJECT_NAME=$(PROJECT) deploy/compose.sh
 N ?= 4
 WORKERS ?= 1
 
-.PHONY: help host install image demo test bench lint worker up down scale clean
+.PHONY: help host install image demo test bench soak lint worker up down scale clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -39,6 +39,9 @@ test: host install image ## the whole test suite against real Docker, Redis, Den
 
 bench: install image ## benchmarks: executor vs raw floors, side by side in one run
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench
+
+soak: install image ## chaos soak: jobs over 2 workers while workers, Redis, the store are killed (SOAK_ARGS=--jobs 1000)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.soak $(SOAK_ARGS)
 
 lint: install ## ruff and mypy
 	$(VENV)/bin/ruff check executor worker api_client tests bench

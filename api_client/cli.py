@@ -380,15 +380,27 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     if not any(a in ("-P", "--pool") or a.startswith(("-P", "--pool=")) for a in extra):
         argv += ["--pool", "prefork"]
     argv += extra
+    from celery import signals
+
     app = worker_app(settings)
+    controllers: list[Any] = []
+
+    def remember(sender: Any = None, **_: Any) -> None:
+        controllers.append(sender)
+
+    signals.worker_init.connect(remember, weak=False)
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)  # Celery prints its banner to the real stdout
+    error: str | None = None
     try:
         code = app.worker_main(argv)
     except SystemExit as e:
         code = e.code
+    except Exception as e:  # noqa: BLE001 - reported in the JSON line, exit non-zero
+        code, error = 1, f"{type(e).__name__}: {e}"
     finally:
+        signals.worker_init.disconnect(remember)
         # Celery's worker sends sys.stdout/stderr to its logger; this JSON goes to stdout.
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         if sys.stdout is not None:
@@ -396,7 +408,18 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
         os.dup2(saved, 1)
         os.close(saved)
     exit_code = code if isinstance(code, int) else (0 if code is None else 1)
-    _print({"command": "worker", "status": "stopped", "exit_code": exit_code})
+    # worker_main returns nothing: the worker's own exit code says whether it stopped
+    # because of an error (Celery's "Unrecoverable error" sets it to 1).
+    worker_code = getattr(controllers[-1], "exitcode", None) if controllers else None
+    if isinstance(worker_code, int) and worker_code != 0 and exit_code == 0:
+        exit_code = worker_code
+    out: dict[str, Any] = {"command": "worker", "status": "stopped", "exit_code": exit_code}
+    if exit_code != 0:
+        out["status"] = "failed"
+        out["error"] = {"code": "WORKER_FAILED",
+                        "message": (error or "The worker stopped because of an error")
+                        + ": see its log above (stderr); a supervisor should restart it."}
+    _print(out)
     return 0 if exit_code == 0 else 1
 
 

@@ -243,6 +243,17 @@ class Settings(BaseSettings):
         description="Rows the janitor deletes or clears per transaction (at most 20 "
         "transactions per sweep), so a retention pass never holds the store for long.",
     )
+    queue_probe_interval_s: float = Field(
+        5, gt=0, le=600,
+        description="Seconds between a worker's checks that its run store takes writes and its "
+        "runtime can run nodes (every second while it is paused for either).",
+    )
+    queue_pending_ttl_s: int = Field(
+        7 * 86400, ge=60,
+        description="Seconds a result computed while the run store was down is kept in Redis "
+        "(studio:pending:<job id>) to be written when the store is back: store outages shorter "
+        "than this lose no result.",
+    )
 
     @field_validator("code_memory")
     @classmethod

@@ -86,7 +86,7 @@ def worker_app(settings: Settings) -> Celery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker import heartbeat, janitor, outcomes, slots, tasks
+    from worker import gate, heartbeat, janitor, outcomes, poison, slots, tasks
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -97,11 +97,16 @@ def worker_app(settings: Settings) -> Celery:
             vis, settings.code_max_seconds, KILL_GRACE_S)
 
     tasks.register(app)
+    # Items that are not kombu messages are set aside, not fatal (worker.poison).
+    app.conf.broker_transport = poison.TRANSPORT
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
+    app.steps["consumer"].add(gate.GateStep)
+    app.steps["worker"].add(gate.GateWatchStep)
     app.steps["worker"].add(janitor.JanitorStep)
-    # Announces the worker per queue; set app.studio_not_serving_reason (a callable giving
-    # a sentence, or None) to have it announced paused instead (see worker.heartbeat).
+    # Announces the worker per queue, "paused" with the gate's reason while the gate is
+    # closed (its store or runtime is down), so the API refuses what no worker would take.
+    app.studio_not_serving_reason = gate.pause_reason  # type: ignore[attr-defined]
     app.steps["consumer"].add(heartbeat.HeartbeatStep)
     tasks.connect_process_signals()
     outcomes.register_inspect_commands()

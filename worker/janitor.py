@@ -84,6 +84,9 @@ class Janitor:
     def sweep(self) -> dict[str, list[str]]:
         """One pass: orphaned/overdue sandboxes removed, stuck jobs failed."""
         reaped = self.reap_sandboxes()
+        # Results parked while the store was down are written first: their jobs are still
+        # ``running`` and must end with their real outcome, not "worker stopped".
+        self._flush_parked()
         failed = self.store.fail_stuck(
             stuck_after_s(self.settings),
             reason="The worker running this job stopped before the job ended and the job "
@@ -97,6 +100,17 @@ class Janitor:
         if self.queued is not None:
             out.update(self.queued.run())
         return out
+
+    def _flush_parked(self) -> None:
+        from worker.pending import Flusher
+
+        flusher = Flusher(self.settings.redis_url)
+        try:
+            written = flusher(self.store)
+            if written:
+                log.warning("reaper: wrote %d result(s) kept while the store was down", written)
+        finally:
+            flusher.close()
 
     def reap_sandboxes(self) -> list[str]:
         """Remove sandboxes whose owner on this host is dead or whose deadline passed

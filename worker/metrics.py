@@ -490,6 +490,7 @@ class MetricsServer:
             store = self._store
         checks = dependency_problems(self.settings, store=store) if store else \
             dependency_problems(self.settings)
+        checks.update(gate_checks())
         return all(v is None for v in checks.values()), checks
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
@@ -585,3 +586,28 @@ def connect_worker_signals(settings_factory: Callable[[], Settings]) -> None:
     signals.worker_process_shutdown.connect(on_child_exit, weak=False)
     signals.worker_shutdown.connect(on_shutdown, weak=False)
 
+
+
+# --- faults: dead letters and the gate (worker.poison, worker.gate) ------------------------
+
+
+@cache
+def _dead_letters() -> Counter:
+    return Counter(
+        f"{PREFIX}_dead_letters",
+        "Queue items set aside in studio:dead:<queue> because the worker could not use them "
+        "(undecodable, not a task message, unknown task, bad arguments).",
+        ["queue", "reason"])
+
+
+def record_dead_letter(queue: str, reason: str) -> None:
+    """One poison item set aside (``reason``: a short label such as 'undecodable')."""
+    _dead_letters().labels(queue, reason).inc()
+
+
+def gate_checks() -> dict[str, str | None]:
+    """``paused``: why this worker is not taking jobs (run store unwritable, runtime down),
+    None while it is. A paused worker's readiness answers 503 with this sentence."""
+    from worker.gate import pause_reason
+
+    return {"paused": pause_reason()}

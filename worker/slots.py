@@ -29,6 +29,7 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.worker.consumer import Consumer
 
+from worker import poison
 from worker.protocol import QUEUE_TEST
 
 log = logging.getLogger("studio_code.worker")
@@ -82,6 +83,20 @@ class StudioConsumer(Consumer):
             reserved = self.studio_test_slots * self.prefetch_multiplier
             self.initial_prefetch_count = max(self.prefetch_multiplier, initial - reserved)
 
+    # Poison messages: set aside in studio:dead:<queue> (worker.poison), never just dropped.
+
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        poison.on_bad_message(message, f"undecodable body: {type(exc).__name__}: {exc}")
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        poison.on_bad_message(message, "unknown message format (not a Celery task)")
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        poison.on_bad_message(message, f"unknown task: {exc}")
+
+    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        poison.on_bad_message(message, f"invalid task: {exc}")
+
     @property
     def max_prefetch_count(self) -> int:
         # Celery restores the prefetch to this after a reconnect: the run slots, not the pool.
@@ -108,6 +123,16 @@ class CodeTestConsumer(bootsteps.ConsumerStep):
         c.task_consumer.cancel_by_queue(QUEUE_TEST)
         self._c = c
         super().start(c)
+
+    def stop(self, c: Any) -> None:
+        # A warm shutdown stops the consumers BEFORE the pool finishes its jobs: only cancel
+        # here. Closing the channel now would hand its unacked messages back to the queue
+        # and the acks of the jobs still ending would be lost (redelivered once ended).
+        for consumer in self.consumers or []:
+            try:
+                consumer.cancel()
+            except Exception as e:  # noqa: BLE001
+                log.warning("cancelling the %s consumer failed: %s", QUEUE_TEST, e)
 
     def get_consumers(self, channel: Any) -> list[Any]:
         c = self._c

@@ -21,17 +21,18 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 from celery import Celery, Task, current_app, signals
+from celery.exceptions import Reject
 
 from executor.errors import ErrorCode
 from executor.models import CodeJob, CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import JobRecord, RunStore, open_store
-from worker import metrics, unrunnable
+from worker import gate, metrics, pending, poison, unrunnable
 from worker.cancel import CancelWatch
 from worker.live_logs import publishing
 from worker.outcomes import NodeFailed, report_outcome
@@ -47,6 +48,10 @@ from worker.protocol import (
 log = logging.getLogger("studio_code.worker")
 
 FINISH_RETRIES_S = (0.2, 1.0, 3.0)
+#: a pool process that hands a message back waits this long first (see _hand_back)
+HAND_BACK_PAUSE_S = 1.0
+#: how long a pool process keeps trying to store or park a result when both are down
+PARK_FOR_S = 60.0
 
 
 class ProcessState:
@@ -161,24 +166,78 @@ def register(app: Celery) -> None:
     )(run_job)
 
 
-def run_job(task: Task, job_id: str) -> str:
+def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     """Run job ``job_id`` (its code and state are in the run store). Returns what happened,
-    for the worker's log: ``finished``, ``duplicate`` or ``skipped``."""
-    state = process_state(task.app)
+    for the worker's log: ``finished``, ``duplicate``, ``skipped``, ``parked`` (the result
+    waits in Redis for the store), ``parked-duplicate`` (a redelivery found a parked result
+    someone else wrote) or ``dead-letter``. Raises ``Reject(requeue=True)`` to hand
+    the message back, unconsumed, when the store or the runtime is down here."""
+    job_id = _job_id_of(args, kwargs)
+    try:
+        state = process_state(task.app)
+    except Exception as e:
+        if not gate.is_store_outage(e):
+            raise
+        gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
+        _hand_back(f"job {job_id}: this pool process could not start")
     request = task.request
+    if job_id is None:
+        poison.dead_letter_task(state.redis, request, args, kwargs)
+        return "dead-letter"
     worker = f"{request.hostname}:{os.getpid()}"
     queue = (request.delivery_info or {}).get("routing_key") or QUEUE_RUN
     try:
         outcome = _run(state, job_id, worker, queue, request)
-    finally:
-        state.notify_done(job_id)
+    except Reject:
+        raise  # handed back: the job has not ended, nothing to announce
+    except BaseException:
+        state.notify_done(job_id)  # the waiter re-reads the store (the reaper ends the job)
+        raise
+    if outcome in ("parked", "parked-duplicate"):
+        return outcome  # a parked result is announced by whoever writes it
+    state.notify_done(job_id)
     report_outcome(state.store, job_id)  # failed: NodeFailed, cancelled: Ignore (Celery's view)
     return outcome
 
 
+def _job_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    if len(args) == 1 and not kwargs and isinstance(args[0], str) and args[0]:
+        return args[0]
+    if not args and set(kwargs) == {"job_id"} and isinstance(kwargs["job_id"], str):
+        return kwargs["job_id"] or None
+    return None
+
+
+def _hand_back(why: str) -> NoReturn:
+    """The message goes back to its queue, unconsumed (the gate stops this worker taking it
+    again; a pause first keeps a gate that has not closed yet from spinning on it)."""
+    time.sleep(HAND_BACK_PAUSE_S)
+    raise Reject(why, requeue=True)
+
+
 def _run(state: ProcessState, job_id: str, worker: str, queue: str,
          request: Any = None) -> str:
-    rec = state.store.claim(job_id, worker)
+    if gate.closed_in_child():
+        _hand_back(f"job {job_id} handed back: {gate.RUN_STORE} or runtime unavailable here")
+    try:
+        written = pending.write_one(state.store, state.redis, job_id)
+    except redis.RedisError as e:
+        log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
+        written = None
+    except Exception as e:
+        if not gate.is_store_outage(e):
+            raise
+        gate.report(gate.RUN_STORE, str(e))  # the result stays parked
+        _hand_back(f"job {job_id}: its parked result waits for the run store")
+    if written is not None:
+        return "finished" if written else "parked-duplicate"
+    try:
+        rec = state.store.claim(job_id, worker)
+    except Exception as e:
+        if not gate.is_store_outage(e):
+            raise  # not an outage (e.g. a row it cannot read): handing back would loop
+        gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
+        _hand_back(f"job {job_id}: the run store is unreachable")
     if rec is None:
         # Unknown, cancelled while queued, or already finished (a redelivery): nothing to do.
         if _cancelled_before_start(state, job_id):
@@ -222,20 +281,58 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str,
         state.current_job = None
     if watch.cancelled_at is not None:
         _metrics(metrics.record_cancel, time.monotonic() - watch.cancelled_at, stage="running")
+    if _runtime_down_before_start(state, result, rec):
+        _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
     return _finish(state, result, rec, worker, queue)
+
+
+def _runtime_down_before_start(state: ProcessState, result: CodeResult,
+                               rec: JobRecord) -> bool:
+    """True when the runtime failed the job before its sandbox started and cannot run its
+    language here now (Docker unreachable, image missing): the job is handed back for
+    another worker instead of failed, while it has attempts left (MAX_ATTEMPTS bounds it:
+    the last attempt ends with the runtime's own message)."""
+    if result.status is not Status.FAILED or result.error is None:
+        return False
+    if result.error.code is not ErrorCode.RUNTIME_UNAVAILABLE or result.trace:
+        return False
+    if rec.attempts >= MAX_ATTEMPTS or state.executor.runtime is None:
+        return False
+    try:
+        reason = state.executor.runtime.unavailable_reason(
+            state.executor.language(rec.language))
+    except Exception as e:  # noqa: BLE001
+        reason = str(e)
+    if reason is None:
+        return False
+    gate.report(gate.RUNTIME, reason)
+    log.error("job %s handed back (attempt %d of %d): %s", rec.job_id, rec.attempts,
+              MAX_ATTEMPTS, reason)
+    return True
 
 
 def _finish(state: ProcessState, result: CodeResult, rec: JobRecord, worker: str,
             queue: str) -> str:
+    """Store the result; while the store cannot take it, park it in Redis (written by the
+    main process when the store is back). Never drops a result that was computed."""
+    wrote: bool | None = None
+    error: Exception | None = None
     for delay in (*FINISH_RETRIES_S, None):
         try:
             wrote = state.store.finish(result, worker=worker)
             break
         except Exception as e:
+            error = e
             if delay is None:
-                raise  # the job stays running; the reaper's fail_stuck ends it
+                if not gate.is_store_outage(e):
+                    raise  # the result itself is refused: the reaper ends the job
+                break
             log.warning("job %s: storing the result failed (%s), retrying", rec.job_id, e)
             time.sleep(delay)
+    if wrote is None:
+        gate.report(gate.RUN_STORE, f"finish of job {rec.job_id} failed: {error}")
+        _park(state, result, worker)
+        return "parked"
     if not wrote:
         return "duplicate"
     wait_s = None
@@ -243,6 +340,34 @@ def _finish(state: ProcessState, result: CodeResult, rec: JobRecord, worker: str
         wait_s = (rec.started_at - rec.queued_at).total_seconds()
     _metrics(metrics.record_result, result, wait_s, queue=queue)
     return "finished"
+
+
+def _park(state: ProcessState, result: CodeResult, worker: str) -> None:
+    """Keep the result in Redis until the store answers. Redis down too: retry both with
+    back-off for as long as the task may run, then give up (the message is not acked: a
+    redelivery runs the job again, the only case where it may run twice)."""
+    ttl = int(state.settings.queue_pending_ttl_s)
+    deadline = time.monotonic() + PARK_FOR_S
+    delay = 0.5
+    while True:
+        try:
+            pending.park(state.redis, result, worker, ttl)
+            log.error("job %s: the run store is unreachable; its result (%s) is kept in Redis "
+                      "for up to %d s and written when the store is back", result.job_id,
+                      result.status.value, ttl)
+            return
+        except redis.RedisError as e:
+            try:
+                if state.store.finish(result, worker=worker) is not None:
+                    return
+            except Exception:  # noqa: BLE001
+                pass
+            if time.monotonic() > deadline:
+                log.error("job %s: neither the run store nor Redis takes its result (%s); "
+                          "the job will be handed out again", result.job_id, e)
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def _cancelled_before_start(state: ProcessState, job_id: str) -> bool:

@@ -1,0 +1,183 @@
+"""Poison messages are set aside: a queue item the worker cannot use goes to a dead-letter
+list in Redis, is logged at ERROR and counted; the worker keeps serving.
+
+Where an item can go bad, and who catches it:
+
+* not a kombu message at all (``LPUSH code.run 'not a kombu message'``, JSON that is not a
+  message): kombu's Redis channel would raise in the worker's event loop and stop the worker.
+  ``Transport`` (the worker's broker transport) checks each item it pops first;
+* a message whose body cannot be decoded, of an unknown task, or invalid for Celery:
+  ``StudioConsumer`` (worker.slots) sends it here instead of Celery's log-and-drop;
+* a message of our task with arguments that are not one job id: the task itself.
+
+The dead-letter list of queue Q is ``studio:dead:Q`` (e.g. ``studio:dead:code.run``): each
+entry is a JSON object ``{"at", "queue", "reason", "item"}`` (``item``: the raw text, cut
+at 64 KiB). The list keeps the newest 10,000 entries. Inspect it with
+``redis-cli LRANGE studio:dead:code.run 0 -1``; re-send a repaired message with LPUSH to
+the queue. The metric is ``studio_code_dead_letters_total{queue,reason}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
+
+log = logging.getLogger("studio_code.worker")
+
+DEAD_PREFIX = "studio:dead:"
+DEAD_MAX = 10_000
+ITEM_MAX_CHARS = 64 * 1024
+
+
+def dead_key(queue: str) -> str:
+    """The dead-letter list of ``queue``."""
+    return f"{DEAD_PREFIX}{queue}"
+
+
+def _text(item: Any) -> str:
+    if isinstance(item, bytes):
+        item = item.decode("utf-8", "replace")
+    elif not isinstance(item, str):
+        try:
+            item = json.dumps(item, default=repr)
+        except Exception:  # noqa: BLE001
+            item = repr(item)
+    return item[:ITEM_MAX_CHARS]
+
+
+def dead_letter(client: Any, queue: str, reason: str, item: Any) -> None:
+    """Set ``item`` aside in ``studio:dead:<queue>``, log it at ERROR and count it. Never
+    raises: a dead letter that cannot be stored is still logged."""
+    text = _text(item)
+    log.error("poison message on %s set aside in %s: %s; item: %.300s", queue,
+              dead_key(queue), reason, text)
+    try:
+        entry = json.dumps({"at": time.time(), "queue": queue, "reason": reason, "item": text})
+        pipe = client.pipeline()
+        pipe.lpush(dead_key(queue), entry)
+        pipe.ltrim(dead_key(queue), 0, DEAD_MAX - 1)
+        pipe.execute()
+    except Exception as e:  # noqa: BLE001
+        log.error("could not store the dead letter of %s (%s): it is only in this log", queue, e)
+    try:
+        from worker import metrics
+
+        metrics.record_dead_letter(queue, reason.split(":")[0][:40])
+    except Exception as e:  # noqa: BLE001 - a metric is never worth the worker
+        log.warning("dead-letter metric failed: %s", e)
+
+
+def dead_letter_task(client: Any, request: Any, args: Any, kwargs: Any) -> None:
+    """Our task was sent with arguments that are not one job id."""
+    queue = ((getattr(request, "delivery_info", None) or {}).get("routing_key")) or "code.run"
+    dead_letter(client, queue, "bad arguments: the task takes one job id",
+                {"id": getattr(request, "id", None), "args": args, "kwargs": kwargs})
+
+
+def valid_payload(payload: Any) -> bool:
+    """What kombu's virtual Message needs to exist at all."""
+    if not isinstance(payload, dict):
+        return False
+    props = payload.get("properties")
+    return isinstance(props, dict) and "delivery_tag" in props and "body" in payload
+
+
+# --- the broker transport ---------------------------------------------------------------------
+
+
+class Channel(kombu_redis.Channel):
+    """kombu's Redis channel, checking each popped item before delivering it."""
+
+    def _poison(self, queue: str, reason: str, item: Any) -> None:
+        try:
+            with self.conn_or_acquire() as client:
+                dead_letter(client, queue, reason, item)
+        except Exception as e:  # noqa: BLE001
+            log.error("poison message on %s (%s) could not be set aside: %s", queue, reason, e)
+
+    def _decode_item(self, queue: str, item: Any) -> Any:
+        try:
+            payload = loads(bytes_to_str(item))
+        except Exception as e:  # noqa: BLE001
+            self._poison(queue, f"undecodable: {type(e).__name__}: {e}", item)
+            return None
+        if not valid_payload(payload):
+            self._poison(queue, "not a kombu message: no properties.delivery_tag or body",
+                         item)
+            return None
+        return payload
+
+    def _brpop_read(self, **options: Any) -> bool:
+        # kombu's own, with _decode_item instead of loads (kept in step with kombu 5.x)
+        try:
+            try:
+                dest__item = self.client.parse_response(self.client.connection, "BRPOP",
+                                                        **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            if dest__item:
+                dest, item = dest__item
+                dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
+                self._queue_cycle.rotate(dest)
+                payload = self._decode_item(dest, item)
+                if payload is not None:
+                    self.connection._deliver(payload, dest)
+                return True
+            raise kombu_redis.Empty()
+        finally:
+            self._in_poll = None  # type: ignore[assignment]
+            flush = getattr(self, "_flush_brpop_reauth", None)
+            if flush is not None:
+                flush()
+
+    def _get(self, queue: str, timeout: Any = None) -> Any:
+        while True:
+            with self.conn_or_acquire() as client:
+                for pri in self.priority_steps:
+                    item = client.rpop(self._q_for_pri(queue, pri))
+                    if item:
+                        self._maybe_update_queues_expire(client, queue)
+                        payload = self._decode_item(queue, item)
+                        if payload is None:
+                            break  # set aside: look again
+                        return payload
+                else:
+                    self._maybe_update_queues_expire(client, queue)
+                    raise kombu_redis.Empty()
+
+
+class Transport(kombu_redis.Transport):
+    """The worker's broker transport (``broker_transport``): Redis, poison set aside."""
+
+    Channel = Channel
+
+
+TRANSPORT = "worker.poison:Transport"
+
+
+# --- consumer-level hooks (StudioConsumer) ----------------------------------------------------
+
+
+def _queue_of(message: Any) -> str:
+    info = getattr(message, "delivery_info", None) or {}
+    return str(info.get("routing_key") or info.get("exchange") or "unknown")
+
+
+def on_bad_message(message: Any, reason: str) -> None:
+    """Set a delivered message aside and acknowledge it (it must not come back)."""
+    try:
+        raw = getattr(message, "_raw", None) or {"body": _text(getattr(message, "body", ""))}
+        with message.channel.conn_or_acquire() as client:
+            dead_letter(client, _queue_of(message), reason, raw)
+    finally:
+        try:
+            message.ack()
+        except Exception as e:  # noqa: BLE001
+            log.error("could not acknowledge the poison message: %s", e)
