@@ -372,8 +372,10 @@ def test_backlog_and_oldest_wait_with_no_worker(redis_server: Any, tmp_path: Pat
     from api_client.client import CodeClient
     from worker.autoscale import QueueCollector
 
+    # no worker on purpose: the client must queue anyway instead of refusing (issue 8)
     settings = make_settings(redis_url=redis_server.url, code_runtime="subprocess",
-                             database_url=f"sqlite:///{tmp_path / 'r.db'}")
+                             database_url=f"sqlite:///{tmp_path / 'r.db'}",
+                             queue_require_worker=False)
     with CodeClient(settings) as client:
         for _ in range(3):
             client.submit(OK_CODE, kind="run")

@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,14 @@ from docker.errors import APIError, DockerException
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
-from executor.runtimes.base import BoundedBuffer, CancelCheck, PoolObserver, RawRun, owner_id
+from executor.runtimes.base import (
+    LOG_TAP,
+    BoundedBuffer,
+    CancelCheck,
+    PoolObserver,
+    RawRun,
+    owner_id,
+)
 from executor.runtimes.docker import (
     KILL_GRACE_S,
     LABEL_DEADLINE,
@@ -245,7 +253,7 @@ class SandboxPool:
             writer = threading.Thread(target=_feed, args=(p.raw, payload), daemon=True)
             writer.start()
             out = BoundedBuffer(limits.output_max_bytes + 4096)
-            logs = _Logs(limits.log_max_bytes, mark.encode("utf-8"))
+            logs = _Logs(limits.log_max_bytes, mark.encode("utf-8"), tap=LOG_TAP.get())
 
             def complete() -> bool:
                 return logs.at_end and not out.truncated and _complete(language, job,
@@ -253,6 +261,7 @@ class SandboxPool:
 
             deadline = started + limits.timeout_s
             ending = _pump(p.raw, out, logs, deadline, should_cancel, complete)
+            logs.flush_tap()
             raw = RawRun(exit_code=None, stdout=out.getvalue(), stdout_truncated=out.truncated,
                          logs=logs.without_mark(), logs_total=logs.total_without_mark,
                          pooled=True, start_ms=(started - t0) * 1000)
@@ -493,16 +502,49 @@ class _Logs(BoundedBuffer):
     """The logs, watching for the runner's end-of-logs mark (which may arrive past the
     kept bytes of a print flood) and keeping it out of what the user sees."""
 
-    def __init__(self, limit: int, mark: bytes) -> None:
-        super().__init__(limit)
+    def __init__(self, limit: int, mark: bytes,
+                 tap: Callable[[bytes], None] | None = None) -> None:
+        super().__init__(limit)  # no tap of its own: the mark must never reach live logs
         self.mark = mark
         self.tail = b""
         self.seen = False
+        self.live_tap = tap
+        self.held = b""  # kept bytes not yet passed on: they may be the mark's beginning
 
     def write(self, data: bytes) -> None:
+        before = self.kept
         super().write(data)
         self.tail = (self.tail + data)[-len(self.mark):]
         self.seen = self.seen or self.tail == self.mark
+        if self.live_tap is None:
+            return
+        self.held += data[: self.kept - before]
+        if self.at_end:
+            self.flush_tap()
+            return
+        # hold back only a tail that may be the mark's beginning (it starts with \x1e)
+        keep = 0
+        for k in range(min(len(self.held), len(self.mark) - 1), 0, -1):
+            if self.held.endswith(self.mark[:k]):
+                keep = k
+                break
+        if len(self.held) > keep:
+            self._pass_on(self.held[: len(self.held) - keep])
+            self.held = self.held[len(self.held) - keep:]
+
+    def flush_tap(self) -> None:
+        """Pass on what is held (without the mark): at the end of the logs, or of the run."""
+        held, self.held = self.held, b""
+        if held.endswith(self.mark):
+            held = held[: -len(self.mark)]
+        if held:
+            self._pass_on(held)
+
+    def _pass_on(self, piece: bytes) -> None:
+        try:
+            self.live_tap(piece)  # type: ignore[misc]
+        except Exception:  # noqa: BLE001, S110 - live logs never break a run
+            pass
 
     @property
     def at_end(self) -> bool:
