@@ -377,6 +377,17 @@ def test_ten_megabyte_state_round_trips(store: RunStore) -> None:
 # --- fail_stuck --------------------------------------------------------------------------
 
 
+def test_fail_stuck_leaves_jobs_whose_message_is_still_queued(store: RunStore) -> None:
+    """A job whose worker died mid-run, with its message back in the broker (kept), is not
+    stuck: it comes round again and ends with its real outcome, not "worker stopped"."""
+    requeued = _running(store, timeout_s=2)
+    lost = _running(store, timeout_s=2)
+    assert store.fail_stuck(-10, "gone", keep={requeued, "other"}) == [lost]
+    assert store.get(requeued).status is Status.RUNNING  # type: ignore[union-attr]
+    assert store.fail_stuck(-10, "gone", keep={requeued}) == []  # nothing else to end
+    assert store.fail_stuck(-10, "gone") == [requeued]  # once its message is gone
+
+
 def test_fail_stuck(store: RunStore) -> None:
     short = _running(store, timeout_s=2)  # deadline: started + 2 s
     default = _running(store)  # no timeout: default_timeout_s applies

@@ -87,11 +87,16 @@ class Janitor:
         # Results parked while the store was down are written first: their jobs are still
         # ``running`` and must end with their real outcome, not "worker stopped".
         self._flush_parked()
+        # A job whose worker died mid-run may still have its message in the broker (put back
+        # at the END of a long queue): it will run again to its real outcome, so it is not
+        # stuck. Without a broker reading, nothing is kept back (fail_stuck as before).
+        in_broker = self.queued.in_broker() if self.queued is not None else None
         failed = self.store.fail_stuck(
             stuck_after_s(self.settings),
             reason="The worker running this job stopped before the job ended and the job "
             "was not picked up again: run it again.",
             default_timeout_s=self.settings.code_max_seconds,
+            keep=in_broker or (),
         )
         if failed:
             log.warning("reaper: jobs stuck running ended failed: %s", ", ".join(failed))

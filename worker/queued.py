@@ -112,6 +112,15 @@ class QueuedSweep:
         ttl_ms = max(500, int(self.settings.queue_reap_interval_s * 900))
         return bool(self.redis.set(SWEEP_LOCK_KEY, self.nodename, nx=True, px=ttl_ms))
 
+    def in_broker(self) -> set[str] | None:
+        """Job ids whose message is in a queue or held by a worker now (None: unknown, e.g.
+        Redis unreachable or too many messages to read)."""
+        try:
+            return broker_job_ids(self.redis)
+        except redis.RedisError as e:
+            log.warning("cannot read the broker's messages (%s)", e)
+            return None
+
     def run(self, *, force: bool = False) -> dict[str, list[str]]:
         """One sweep (skipped when another worker swept within the interval, unless
         ``force``): ``expired`` jobs ended failed, ``resent`` jobs whose message was lost."""

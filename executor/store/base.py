@@ -19,7 +19,7 @@ import base64
 import binascii
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import datetime
 from types import TracebackType
 from typing import Any, NamedTuple, Self
@@ -232,11 +232,14 @@ class RunStore(ABC):
 
     @abstractmethod
     def fail_stuck(
-        self, older_than_s: float, reason: str = WORKER_STOPPED, *, default_timeout_s: float = 30.0
+        self, older_than_s: float, reason: str = WORKER_STOPPED, *, default_timeout_s: float = 30.0,
+        keep: Collection[str] = (),
     ) -> list[str]:
         """Running/cancelling jobs whose started_at + timeout_s + older_than_s has passed end
         ``failed`` (``cancelled`` if cancelling) with RUNTIME_UNAVAILABLE and ``reason``.
-        ``default_timeout_s`` stands for a job created without a timeout. The ids changed."""
+        ``default_timeout_s`` stands for a job created without a timeout. Jobs in ``keep``
+        (e.g. whose message is still in the broker: it will be delivered again and run to
+        its real outcome) are left alone. The ids changed."""
 
     @abstractmethod
     def audit(self, event: str, details: dict[str, Any], *, actor: str = "system") -> None:

@@ -20,7 +20,7 @@ import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -744,7 +744,8 @@ class SqlRunStore(RunStore):
             return conn.execute(stmt).rowcount == 1
 
     def fail_stuck(
-        self, older_than_s: float, reason: str = WORKER_STOPPED, *, default_timeout_s: float = 30.0
+        self, older_than_s: float, reason: str = WORKER_STOPPED, *, default_timeout_s: float = 30.0,
+        keep: Collection[str] = (),
     ) -> list[str]:
         now = _utcnow()
         deadline = (
@@ -770,6 +771,14 @@ class SqlRunStore(RunStore):
             "output": None,
             "finished_at": now,
         }
+        if keep:
+            # a job whose message is still in the broker is not stuck: it comes round again
+            with self._read() as conn:
+                candidates = conn.execute(select(jobs.c.job_id).where(stuck)).scalars().all()
+            ids = [job_id for job_id in candidates if job_id not in keep]
+            if not ids:
+                return []
+            stuck = and_(stuck, jobs.c.job_id.in_(ids[:_CHUNK]))
         if self._engine.dialect.update_returning:
             stmt = update(jobs).where(stuck).values(values).returning(jobs.c.job_id)
             with self._write() as conn:
