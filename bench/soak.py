@@ -128,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         "STUDIO_QUEUE_VISIBILITY_TIMEOUT_S": "25", "STUDIO_QUEUE_REAP_INTERVAL_S": "5",
         "STUDIO_QUEUE_PROBE_INTERVAL_S": "2", "STUDIO_CODE_LANGUAGES": "python",
     })
+    # The burst is queued as the workers start (before their first heartbeat): the client
+    # queues it anyway instead of refusing it (STUDIO_QUEUE_REQUIRE_WORKER=0).
     settings = load_settings(enable_code_nodes=True, redis_url=redis.url,
-                             database_url=pg.url, data_dir=tmp, code_concurrency=2)
+                             database_url=pg.url, data_dir=tmp, code_concurrency=2,
+                             queue_require_worker=False)
     workers = [Worker("soak1", env, tmp), Worker("soak2", env, tmp)]
     dk = docker.from_env(timeout=60)
     since = int(time.time()) - 1
