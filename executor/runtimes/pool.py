@@ -50,8 +50,8 @@ from docker.errors import APIError, DockerException
 
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
-from executor.models import CodeJob, Limits
-from executor.runtimes.base import BoundedBuffer, CancelCheck, PoolObserver, RawRun, owner_id
+from executor.models import CodeJob, Limits, RawRun
+from executor.runtimes.base import BoundedBuffer, CancelCheck, PoolObserver, owner_id
 from executor.runtimes.docker import (
     KILL_GRACE_S,
     LABEL_DEADLINE,
