@@ -32,6 +32,9 @@ REQUEST_TOO_DEEP 400, UNAUTHENTICATED 401, NOT_FOUND 404, METHOD_NOT_ALLOWED 405
 CONFLICT 409, REQUEST_TOO_LARGE 413, INTERNAL 500), the framework's own 404/405/422
 included.
 
+The request and response models live in ``api_client.wire`` (re-exported here). The one
+way to run these routes as a server is ``studio-code serve`` (``serve`` below).
+
 Mounting in the studio: ``app.include_router(router)``, ``app.state.studio_code =
 Services(settings)``; ``ErrorRoute`` gives the router's own errors the shape. The limits
 are a middleware: ``app.add_middleware(RequestLimits, settings=settings,
@@ -291,7 +294,7 @@ class Services:
             return None
 
     def health(self) -> dict[str, str | None]:
-        from worker.metrics import dependency_problems
+        from worker.health import dependency_problems
 
         try:
             store = getattr(self.client, "store", None)
