@@ -88,6 +88,11 @@ class JobRecord(BaseModel):
     def finished(self) -> bool:
         return self.status.finished
 
+    def to_job(self) -> CodeJob:
+        """The job this record holds, to run it: every field of CodeJob from the record's
+        own field of the same name."""
+        return CodeJob.model_validate({name: getattr(self, name) for name in CodeJob.model_fields})
+
     def to_result(self) -> CodeResult | None:
         """The CodeResult this record holds, or None while the job has not finished."""
         if not self.finished:
