@@ -27,7 +27,7 @@ class ErrorCode(StrEnum):
     def http_status(self) -> int:
         """The HTTP status of a request refused with this code: 400 for input to fix, 429
         to wait, 503 for the service (Code nodes off, a runtime or the store down). The one
-        mapping: the HTTP API and its docs read it here."""
+        mapping: the HTTP API reads it here."""
         return _HTTP_STATUS.get(self, 503)
 
 

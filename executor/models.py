@@ -35,7 +35,7 @@ class Status(StrEnum):
     @classmethod
     def ended_by(cls, code: ErrorCode) -> Status:
         """The status of a job that ended with the error ``code``: the one mapping of
-        error codes to statuses (the executor, the CLI and the client read it here)."""
+        error codes to statuses (the executor and the CLI read it here)."""
         return _ENDED_BY.get(code, cls.FAILED)
 
 
