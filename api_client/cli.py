@@ -242,8 +242,9 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
             job_id = client.submit(code, language, state, timeout_s=timeout, user=args.user,
                                    kind=args.kind, memory=args.memory, cpus=args.cpus)
         except StudioCodeError as e:
-            status = "invalid" if e.code is ErrorCode.CODE_INVALID else "failed"
-            out = _refusal("submit", e.code, e.message, status=status,
+            from executor.models import Status
+
+            out = _refusal("submit", e.code, e.message, status=Status.ended_by(e.code).value,
                            runtime=settings.code_runtime, language=language)
             if getattr(e, "retry_after_s", None) is not None:
                 out["retry_after_s"] = e.retry_after_s  # type: ignore[attr-defined]

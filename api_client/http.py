@@ -32,6 +32,9 @@ REQUEST_TOO_DEEP 400, UNAUTHENTICATED 401, NOT_FOUND 404, METHOD_NOT_ALLOWED 405
 CONFLICT 409, REQUEST_TOO_LARGE 413, INTERNAL 500), the framework's own 404/405/422
 included.
 
+The request and response models live in ``api_client.wire`` (re-exported here). The one
+way to run these routes as a server is ``studio-code serve`` (``serve`` below).
+
 Mounting in the studio: ``app.include_router(router)``, ``app.state.studio_code =
 Services(settings)``; ``ErrorRoute`` gives the router's own errors the shape. The limits
 are a middleware: ``app.add_middleware(RequestLimits, settings=settings,
@@ -45,12 +48,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -64,14 +65,32 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api_client.inflight import InFlight
 from api_client.limits import RequestLimits, bind_refusal
+from api_client.wire import (  # noqa: F401 - re-exported: every wire record imports from here
+    CODE_MAX_CHARS,
+    CodeBody,
+    ErrorBody,
+    ErrorInfo,
+    Health,
+    LanguageBody,
+    LanguageMeta,
+    LanguageName,
+    LimitsMeta,
+    NodeCheck,
+    Problem,
+    RunBody,
+    RuntimeMeta,
+    RunView,
+    ValidateResult,
+)
 from executor.errors import ErrorCode, RateLimited, SettingsError, StudioCodeError
-from executor.models import CodeErrorInfo, Status, TraceRow
+from executor.inputs import capped_timeout_s
+from executor.models import Status
 from executor.settings import Settings
 from executor.store.base import JobRecord
 
@@ -81,153 +100,12 @@ USER_HEADER = "X-Studio-User"
 ADMIN_HEADER = "X-Studio-Admin"
 #: waited for a test call's result on top of its own timeout: queue wait and sandbox start
 TEST_WAIT_MARGIN_S = 30.0
-CODE_MAX_CHARS = 1_000_000
 
 RATE_LIMITED_TOTAL = Counter(
     "studio_code_rate_limited",
     "Editor test calls refused with 429 because the user was over STUDIO_CODE_TEST_PER_MINUTE "
     "or STUDIO_CODE_TEST_IN_FLIGHT.",
 )
-
-# --- wire models ----------------------------------------------------------------------------
-
-
-class ErrorInfo(BaseModel):
-    code: str = Field(description="CODE_INVALID, RATE_LIMITED, NOT_FOUND, ...")
-    message: str = Field(description="What happened and what to do.")
-    problems: list[Problem] | None = Field(
-        None, description="CODE_INVALID from /api/code/validate: each problem found.")
-    retry_after_s: int | None = Field(None, description="RATE_LIMITED: seconds to wait.")
-
-
-class Problem(BaseModel):
-    line: int | None = None
-    message: str
-
-
-class ErrorBody(BaseModel):
-    error: ErrorInfo
-
-
-ErrorInfo.model_rebuild()
-
-LanguageName = Literal["python", "typescript"]
-
-
-class CodeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    code: str = Field(max_length=CODE_MAX_CHARS, description="The node's source.")
-    language: LanguageName = "python"
-    memory: str | None = Field(
-        None, max_length=20, description="Memory the node asks for (e.g. 512m); at most "
-        "STUDIO_CODE_MAX_MEMORY. Default: STUDIO_CODE_MEMORY.")
-    cpus: float | None = Field(
-        None, gt=0, le=64, description="CPU share the node asks for; at most "
-        "STUDIO_CODE_MAX_CPUS. Default: STUDIO_CODE_CPUS.")
-    timeout_s: float | None = Field(
-        None, gt=0, le=86400, description="Seconds; at save time at most "
-        "STUDIO_CODE_MAX_SECONDS (a run caps it there).")
-
-
-class RunBody(CodeBody):
-    state: dict[str, Any] = Field(
-        default_factory=dict, description="The workflow state; the code gets a JSON copy.")
-    timeout_s: float | None = Field(
-        None, gt=0, le=86400,
-        description="Seconds; capped by STUDIO_CODE_MAX_SECONDS (a request can only lower it).")
-
-
-class ValidateResult(BaseModel):
-    ok: bool
-    language: LanguageName
-    problems: list[Problem] = Field(default_factory=list)
-
-
-class RunView(BaseModel):
-    """One Code-node job as the studio sees it; the result fields fill in once finished."""
-
-    job_id: str
-    status: Status
-    finished: bool
-    kind: Literal["run", "test"]
-    user: str
-    language: LanguageName
-    timeout_s: float | None = None
-    memory_bytes: int | None = None
-    cpus: float | None = None
-    output: Any = None
-    error: CodeErrorInfo | None = None
-    logs: str = ""
-    logs_truncated: bool = False
-    runtime: str | None = None
-    code_runtime: str = ""
-    duration_ms: float | None = None
-    exit_code: int | None = None
-    warnings: list[str] = Field(default_factory=list)
-    trace: list[TraceRow] = Field(default_factory=list)
-    queued_at: datetime | None = None
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    worker: str | None = None
-    attempts: int = 0
-
-    @classmethod
-    def of(cls, rec: JobRecord) -> RunView:
-        return cls(
-            job_id=rec.job_id, status=rec.status, finished=rec.status.finished, kind=rec.kind,
-            user=rec.user, language=rec.language, timeout_s=rec.timeout_s, output=rec.output,
-            memory_bytes=rec.memory_bytes, cpus=rec.cpus,
-            error=rec.error, logs=rec.logs, logs_truncated=rec.logs_truncated,
-            runtime=rec.runtime, code_runtime=rec.code_runtime, duration_ms=rec.duration_ms,
-            exit_code=rec.exit_code, warnings=list(rec.warnings), trace=list(rec.trace),
-            queued_at=rec.queued_at, started_at=rec.started_at, finished_at=rec.finished_at,
-            worker=rec.worker, attempts=rec.attempts,
-        )
-
-
-class LanguageMeta(BaseModel):
-    name: str
-    offered: bool
-    ready: bool
-    reason: str | None = None
-    image: str | None = None
-    packages: list[str] = Field(default_factory=list)
-
-
-class LimitsMeta(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    memory: str
-    memory_bytes: int
-    cpus: float
-    pids: int
-    max_seconds: float
-    concurrency: int
-    test_per_minute: int
-
-
-class RuntimeMeta(BaseModel):
-    """GET /api/meta/runtime: what the editor and the admin's Code nodes card show."""
-
-    model_config = ConfigDict(extra="allow")
-
-    enabled: bool
-    reason: str | None = None
-    code_runtime: str
-    isolated: bool
-    languages: list[LanguageMeta]
-    limits: LimitsMeta
-    sandbox_user: dict[str, Any]
-    warnings: list[str] = Field(default_factory=list)
-    pool: dict[str, Any] | None = None
-
-
-class Health(BaseModel):
-    ok: bool
-    checks: dict[str, str | None]
-    workers: dict[str, Any] | None = None
-
 
 # --- errors ---------------------------------------------------------------------------------
 
@@ -241,14 +119,6 @@ class ApiError(Exception):
         self.headers: dict[str, str] = {}
 
 
-_STATUS_OF = {
-    ErrorCode.CODE_INVALID: 400,
-    ErrorCode.RATE_LIMITED: 429,
-    ErrorCode.CODE_NODES_DISABLED: 503,
-    ErrorCode.RUNTIME_UNAVAILABLE: 503,
-}
-
-
 def _error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
                     **extra: Any) -> JSONResponse:
     info: dict[str, Any] = {"code": code, "message": message}
@@ -257,7 +127,7 @@ def _error_response(status: int, code: str, message: str, headers: dict[str, str
 
 
 def _from_studio_error(e: StudioCodeError) -> JSONResponse:
-    status = _STATUS_OF.get(e.code, 503)
+    status = e.code.http_status
     if isinstance(e, RateLimited):
         retry = max(1, math.ceil(e.retry_after_s))
         RATE_LIMITED_TOTAL.inc()
@@ -424,7 +294,7 @@ class Services:
             return None
 
     def health(self) -> dict[str, str | None]:
-        from worker.metrics import dependency_problems
+        from worker.health import dependency_problems
 
         try:
             store = getattr(self.client, "store", None)
@@ -493,17 +363,6 @@ def validate_code(body: CodeBody, who: CallerDep, services: ServicesDep) -> Vali
     return ValidateResult(ok=True, language=body.language)
 
 
-class LanguageBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    language: LanguageName = "python"
-
-
-class NodeCheck(BaseModel):
-    ok: bool
-    language: LanguageName
-
-
 @router.post("/api/code/nodes/check", response_model=NodeCheck, tags=["code"],
              responses=ERRORS)
 def check_node(body: LanguageBody, who: CallerDep, services: ServicesDep) -> NodeCheck:
@@ -527,9 +386,8 @@ async def test_code(body: RunBody, who: CallerDep, services: ServicesDep, reques
     s = services.settings
     # the first call of a process opens the run store: never on the event loop
     client = await run_in_threadpool(lambda: services.client)
-    cap = s.code_max_seconds if body.timeout_s is None else min(body.timeout_s,
-                                                                s.code_max_seconds)
-    wait_s = cap + TEST_WAIT_MARGIN_S
+    wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + \
+        TEST_WAIT_MARGIN_S
     aredis = client.async_redis
     slot = await services.in_flight.acquire(aredis, who.user, wait_s + 5)
     try:
@@ -718,27 +576,3 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080,
         signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(create_app(settings, bind_host=host), host=host, port=port, log_level=log_level,
                 log_config=log_config, proxy_headers=False, server_header=False)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m api_client.http [--host H] [--port P]``: what ``studio-code serve`` does."""
-    import argparse
-
-    from executor.settings import load_settings
-
-    p = argparse.ArgumentParser(prog="python -m api_client.http")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--log-level", default="info")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    try:
-        serve(load_settings(), args.host, args.port, args.log_level)
-    except SettingsError as e:
-        print(e.message, file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

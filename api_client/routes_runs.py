@@ -17,7 +17,6 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, Field
 
 from api_client.client import RUNS_PAGE_MAX
 from api_client.http import (
@@ -30,20 +29,11 @@ from api_client.http import (
     ServicesDep,
     _own_record,
 )
+from api_client.wire import RunList, RunLogs
 from executor.models import Status
-from executor.store import RunSummary
 
 router = APIRouter(route_class=ErrorRoute)
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
-
-
-class RunList(BaseModel):
-    """One page of run history: summaries without code, state, output or logs (read one
-    run with GET /api/runs/{job_id})."""
-
-    runs: list[RunSummary]
-    next_cursor: str | None = Field(
-        None, description="Pass as ``cursor`` for the next page; null on the last page.")
 
 
 @router.get("/api/runs", response_model=RunList, tags=["runs"],
@@ -86,16 +76,6 @@ def list_runs(
     return RunList(runs=page.runs, next_cursor=page.next_cursor)
 
 
-class RunLogs(BaseModel):
-    """A run's stored logs (the truth once it has finished)."""
-
-    job_id: str
-    status: Status
-    finished: bool
-    logs: str
-    logs_truncated: bool
-
-
 @router.get(
     "/api/runs/{job_id}/logs", tags=["runs"], operation_id="get_run_logs",
     response_model=RunLogs,
@@ -114,8 +94,7 @@ async def get_run_logs(
     """The run's logs: stored (JSON), or followed live as Server-Sent Events."""
     rec = await asyncio.to_thread(_own_record, services, job_id, who)
     if not follow:
-        return RunLogs(job_id=rec.job_id, status=rec.status, finished=rec.finished,
-                       logs=rec.logs, logs_truncated=rec.logs_truncated)
+        return RunLogs.of(rec)
     import redis.asyncio
     from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 

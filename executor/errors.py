@@ -23,6 +23,21 @@ class ErrorCode(StrEnum):
     CODE_CANCELLED = "CODE_CANCELLED"
     RATE_LIMITED = "RATE_LIMITED"
 
+    @property
+    def http_status(self) -> int:
+        """The HTTP status of a request refused with this code: 400 for input to fix, 429
+        to wait, 503 for the service (Code nodes off, a runtime or the store down). The one
+        mapping: the HTTP API reads it here."""
+        return _HTTP_STATUS.get(self, 503)
+
+
+_HTTP_STATUS = {
+    ErrorCode.CODE_INVALID: 400,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.CODE_NODES_DISABLED: 503,
+    ErrorCode.RUNTIME_UNAVAILABLE: 503,
+}
+
 
 class StudioCodeError(Exception):
     """Raised when the executor cannot do what was asked; carries a code and a sentence."""

@@ -97,7 +97,17 @@ def timeout_s(value: float | str | None, *, max_seconds: float, source: str = "t
             f"{source}={value!r} is not a timeout: give a number of seconds above 0 (at most "
             f"STUDIO_CODE_MAX_SECONDS={max_seconds:g} is used), or none for that cap."
         )
-    return min(seconds, float(max_seconds))
+    return capped_timeout_s(seconds, max_seconds=max_seconds)
+
+
+def capped_timeout_s(seconds: float | None, *, max_seconds: float) -> float:
+    """The timeout a run gets: ``seconds`` capped by STUDIO_CODE_MAX_SECONDS (``max_seconds``);
+    none, or a value not above 0 (never accepted by ``timeout_s``, but a job built by hand
+    may hold one), gives the cap. The one cap: ``timeout_s``, ``Executor.limits`` and the
+    HTTP test call's wait all use it."""
+    if seconds is None or not seconds > 0:
+        return float(max_seconds)
+    return min(float(seconds), float(max_seconds))
 
 
 def _no_constant(name: str) -> NoReturn:

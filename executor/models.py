@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -31,10 +32,21 @@ class Status(StrEnum):
     def finished(self) -> bool:
         return self in FINISHED
 
+    @classmethod
+    def ended_by(cls, code: ErrorCode) -> Status:
+        """The status of a job that ended with the error ``code``: the one mapping of
+        error codes to statuses (the executor and the CLI read it here)."""
+        return _ENDED_BY.get(code, cls.FAILED)
+
 
 FINISHED = frozenset(
     {Status.SUCCEEDED, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED, Status.INVALID}
 )
+_ENDED_BY = {
+    ErrorCode.CODE_INVALID: Status.INVALID,
+    ErrorCode.CODE_TIMEOUT: Status.TIMED_OUT,
+    ErrorCode.CODE_CANCELLED: Status.CANCELLED,
+}
 
 
 class Limits(BaseModel):
@@ -123,3 +135,26 @@ class CodeResult(BaseModel):
     def cli_dict(self) -> dict[str, Any]:
         """The stable JSON object printed by ``studio-code run``."""
         return self.model_dump(mode="json")
+
+
+@dataclass
+class RawRun:
+    """What a sandbox did, before the executor reads it as a CodeResult (a runtime's
+    ``run`` returns it; a language reads its crash and result bytes from it)."""
+
+    exit_code: int | None
+    stdout: bytes
+    stdout_truncated: bool
+    logs: bytes
+    logs_total: int
+    timed_out: bool = False
+    oom_killed: bool = False
+    cancelled: bool = False
+    start_ms: float = 0.0
+    run_ms: float = 0.0
+    #: the sandbox was pre-started (taken from the runtime's pool), not started for this job
+    pooled: bool = False
+
+    @property
+    def logs_truncated(self) -> bool:
+        return self.logs_total > len(self.logs)

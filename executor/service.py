@@ -20,12 +20,20 @@ from executor.errors import (
     RuntimeUnavailable,
     StudioCodeError,
 )
-from executor.inputs import check_state_size
+from executor.inputs import capped_timeout_s, check_state_size
 from executor.languages import get_language, offered_language
 from executor.languages.base import Language, Problem
-from executor.models import CodeErrorInfo, CodeJob, CodeResult, Limits, Status, TraceRow
+from executor.models import (
+    CodeErrorInfo,
+    CodeJob,
+    CodeResult,
+    Limits,
+    RawRun,
+    Status,
+    TraceRow,
+)
 from executor.outputs import MESSAGE_MAX_CHARS, OutputInvalid, parse_reply, safe_text
-from executor.runtimes.base import CancelCheck, PoolObserver, RawRun, Runtime, owner_id
+from executor.runtimes.base import CancelCheck, PoolObserver, Runtime, owner_id
 from executor.settings import KNOWN_RUNTIMES, Settings
 
 log = logging.getLogger("studio_code")
@@ -122,8 +130,7 @@ class Executor:
         """The limits of one call: a node's timeout is capped by STUDIO_CODE_MAX_SECONDS, its
         memory and CPU share (checked by ``check_limits``) by their caps."""
         s = self.settings
-        cap = s.code_max_seconds
-        timeout = cap if timeout_s is None or timeout_s <= 0 else min(timeout_s, cap)
+        timeout = capped_timeout_s(timeout_s, max_seconds=s.code_max_seconds)
         return Limits(
             memory_bytes=s.memory_bytes if memory_bytes is None else min(
                 memory_bytes, s.max_memory_bytes),
@@ -251,8 +258,8 @@ class Executor:
             limits = self.limits(job.timeout_s, memory_bytes=job.memory_bytes, cpus=job.cpus)
             return self._run(job, language, limits, should_cancel)
         except StudioCodeError as e:
-            status = Status.INVALID if e.code is ErrorCode.CODE_INVALID else Status.FAILED
-            return self._result(job, status, error=e.code, message=e.message, t0=started)
+            return self._result(job, Status.ended_by(e.code), error=e.code, message=e.message,
+                                t0=started)
         except Exception as e:  # a bug or a broken engine must still give the job an end
             log.exception("job %s: the executor failed", job.job_id)
             return self._result(
@@ -360,7 +367,7 @@ class Executor:
         code = RUNNER_CODES.get(str(err.get("code")), ErrorCode.CODE_ERROR)
         if code is ErrorCode.CODE_MEMORY:
             return self._memory_result(job, **common)
-        status = Status.INVALID if code is ErrorCode.CODE_INVALID else Status.FAILED
+        status = Status.ended_by(code)
         message = err.get("message")
         if not isinstance(message, str) or not message.strip():
             message = "The code failed with an error that has no message."
@@ -412,10 +419,3 @@ class Executor:
             warnings=warnings,
             trace=trace,
         )
-
-    # --- cancel from this process -----------------------------------------------------
-
-    def kill(self, job_id: str) -> bool:
-        """Kill the sandbox of ``job_id`` (docker: on this engine, whoever started it)."""
-        return self.runtime.kill(job_id) if self.runtime is not None else False
-

@@ -254,6 +254,19 @@ class Settings(BaseSettings):
         "(studio:pending:<job id>) to be written when the store is back: store outages shorter "
         "than this lose no result.",
     )
+    metrics_port: int = Field(
+        0, ge=0, le=65535,
+        description="Port of a worker's /metrics and /healthz (served by its main process); "
+        "0: off.",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address a worker's metrics server binds (0.0.0.0 under "
+        "Compose, so Prometheus can reach it).",
+    )
+    metrics_ready_interval_s: float = Field(
+        30.0, ge=0, description="Seconds between a worker's language readiness probes "
+        "(studio_code_language_ready); 0: no probes.",
+    )
 
     @field_validator("code_memory")
     @classmethod
@@ -442,10 +455,9 @@ def sandbox_ids() -> tuple[int, int]:
     return uid, gid
 
 
-#: STUDIO_* variables read by something other than Settings: the worker's metrics server
-#: (worker/metrics.py) and the image build (docker/build.sh). Not misspellings.
+#: STUDIO_* variables read by something other than Settings: the image build
+#: (docker/build.sh). Not misspellings.
 OTHER_VARIABLES = frozenset({
-    "STUDIO_METRICS_PORT", "STUDIO_METRICS_HOST", "STUDIO_METRICS_READY_INTERVAL_S",
     "STUDIO_BUILD_NETWORK", "STUDIO_BUILD_CA_FILE", "STUDIO_DEBIAN_MIRROR",
     "STUDIO_DEBIAN_SUITE", "STUDIO_PULL_TIMEOUT", "STUDIO_PY_BASE", "STUDIO_TS_BASE",
 })

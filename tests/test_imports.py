@@ -106,3 +106,45 @@ def test_executor_never_imports_worker_or_api_client():
                 importlib.import_module(m.name)
     """)
     assert sorted(m for m in mods if m.split(".")[0] in ("worker", "api_client")) == []
+
+
+def test_the_languages_never_import_the_runtimes():
+    """RawRun lives with the models, so a language reads a run without the runtimes: no
+    import circle between executor/languages/ and executor/runtimes/ (each imported first)."""
+    for first in ("executor.languages.base", "executor.runtimes.base"):
+        mods = loaded_after(f"import {first}")
+        assert first in mods
+    mods = loaded_after("""
+        import pkgutil, importlib, executor.languages
+        for m in pkgutil.walk_packages(executor.languages.__path__, "executor.languages."):
+            if not m.name.endswith("_runner"):
+                importlib.import_module(m.name)
+        from executor.models import RawRun
+        from executor.runtimes.base import RawRun as Again  # re-exported: old imports work
+        assert RawRun is Again
+    """)
+    assert "executor.models" in mods
+
+
+def test_a_pool_process_loads_no_metrics_server_and_moved_names_still_import():
+    """worker.metrics (what pool processes record) loads neither the server nor the health
+    checks; the names that moved out are still importable from it, on first use."""
+    mods = loaded_after("import worker.metrics")
+    assert loaded_of(mods, ("worker.metrics_server", "worker.health")) == []
+    loaded_after("""
+        from worker.metrics import MetricsServer, connect_worker_signals, dependency_problems
+        from worker import health, metrics_server
+        assert MetricsServer is metrics_server.MetricsServer
+        assert connect_worker_signals is metrics_server.connect_worker_signals
+        assert dependency_problems is health.dependency_problems
+    """)
+
+
+def test_the_wire_records_load_without_the_routes():
+    """api_client.wire is models only (no FastAPI); api_client.http re-exports them."""
+    assert loaded_of(loaded_after("import api_client.wire"), ("fastapi", "starlette")) == []
+    loaded_after("""
+        from api_client import http, wire
+        for name in ("RunView", "RunBody", "CodeBody", "ErrorBody", "RuntimeMeta", "Health"):
+            assert getattr(http, name) is getattr(wire, name), name
+    """)

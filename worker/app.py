@@ -116,11 +116,11 @@ def worker_app(settings: Settings) -> Celery:
 
 def _connect_metrics(settings: Settings) -> None:
     try:
-        from worker import metrics
+        from worker import metrics_server
     except ImportError as e:  # prometheus-client missing: a worker still runs jobs
         log.warning("worker metrics are off: %s", e)
         return
-    metrics.connect_worker_signals(lambda: settings)
+    metrics_server.connect_worker_signals(lambda: settings)
 
 
 _default: Celery | None = None

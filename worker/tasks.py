@@ -28,7 +28,7 @@ from celery import Celery, Task, current_app, signals
 from celery.exceptions import Reject
 
 from executor.errors import ErrorCode
-from executor.models import CodeJob, CodeResult, Status
+from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import JobRecord, RunStore, open_store
@@ -257,11 +257,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str,
             "before it ended, so it was not started again: check the workers' logs (memory, "
             "crashes), then run it again.")
         return _finish(state, result, rec, worker, queue)
-    job = CodeJob(
-        job_id=rec.job_id, language=rec.language, code=rec.code, state_json=rec.state_json,
-        timeout_s=rec.timeout_s, kind=rec.kind, user=rec.user,
-        memory_bytes=rec.memory_bytes, cpus=rec.cpus,
-    )
+    job = rec.to_job()
     watch = state.watch(job_id)
     state.current_job = job_id
     state.take_signal()  # a signal that came before this job was meant for another one

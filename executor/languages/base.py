@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: a save-time check loads none of them
-    from executor.models import CodeErrorInfo, CodeJob, Limits
-    from executor.runtimes.base import RawRun
+    from executor.models import CodeErrorInfo, CodeJob, Limits, RawRun
     from executor.settings import Settings
 
 

@@ -23,16 +23,12 @@ import secrets
 import shutil
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from executor.errors import ErrorCode
 from executor.languages.base import Language, Problem
 from executor.languages.ts_imports import check_typescript
-from executor.models import CodeErrorInfo, CodeJob, Limits
+from executor.models import CodeErrorInfo, CodeJob, Limits, RawRun
 from executor.settings import Settings, sandbox_ids
-
-if TYPE_CHECKING:
-    from executor.runtimes.base import RawRun
 
 RUNNER_SOURCE = (Path(__file__).parent / "ts_runner.js").read_text(encoding="utf-8")
 RUNNER_URL = "data:application/javascript;base64," + base64.b64encode(

@@ -7,11 +7,10 @@ import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any
 
 from executor.languages.base import Language
-from executor.models import CodeJob, Limits
+from executor.models import CodeJob, Limits, RawRun
 from executor.settings import Settings
 
 #: polled while a sandbox runs; True means "the job was cancelled: kill it now"
@@ -88,29 +87,6 @@ class BoundedBuffer:
 
     def getvalue(self) -> bytes:
         return b"".join(self.chunks)
-
-
-@dataclass
-class RawRun:
-    """What a sandbox did, before it is read as a result."""
-
-    exit_code: int | None
-    stdout: bytes
-    stdout_truncated: bool
-    logs: bytes
-    logs_total: int
-    timed_out: bool = False
-    oom_killed: bool = False
-    cancelled: bool = False
-    start_ms: float = 0.0
-    run_ms: float = 0.0
-    #: the sandbox was pre-started (taken from the runtime's pool), not started for this job
-    pooled: bool = False
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def logs_truncated(self) -> bool:
-        return self.logs_total > len(self.logs)
 
 
 class Runtime(ABC):

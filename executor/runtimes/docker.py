@@ -21,14 +21,13 @@ from docker.types import LogConfig, Ulimit
 
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
-from executor.models import CodeJob, Limits
+from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes.base import (
     LOG_TAP,
     POLL_S,
     BoundedBuffer,
     CancelCheck,
     PoolObserver,
-    RawRun,
     Runtime,
     owner_dead,
     owner_id,

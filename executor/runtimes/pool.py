@@ -51,13 +51,12 @@ from docker.errors import APIError, DockerException
 
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
-from executor.models import CodeJob, Limits
+from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes.base import (
     LOG_TAP,
     BoundedBuffer,
     CancelCheck,
     PoolObserver,
-    RawRun,
     owner_id,
 )
 from executor.runtimes.docker import (

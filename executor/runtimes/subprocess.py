@@ -40,8 +40,8 @@ from typing import IO, Any
 from executor.audit import SUBPROCESS_RUNTIME_USED
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
-from executor.models import CodeJob, Limits
-from executor.runtimes.base import LOG_TAP, POLL_S, BoundedBuffer, CancelCheck, RawRun, Runtime
+from executor.models import CodeJob, Limits, RawRun
+from executor.runtimes.base import LOG_TAP, POLL_S, BoundedBuffer, CancelCheck, Runtime
 from executor.runtimes.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
 from executor.runtimes.uids import (
     SWEPT_DIRS,
@@ -115,9 +115,7 @@ class SubprocessRuntime(Runtime):
         binary = language.command(self.settings, _PROBE_LIMITS, in_container=False)[0]
         if shutil.which(binary) is None:
             return f"{binary} is not installed or not on PATH for the server user."
-        if not sys.platform.startswith("linux"):
-            return None  # runs, but without the memory limit: meta's warning says so
-        return None
+        return None  # off Linux it runs, but without the memory limit: meta's warning says so
 
     def run(
         self,
@@ -142,13 +140,12 @@ class SubprocessRuntime(Runtime):
         should_cancel: CancelCheck | None,
         lease: UidLease | None,
     ) -> RawRun:
-        notes: list[str] = []
         if lease is not None and lease.was_dirty:
             # the last holder of this uid died mid-run: what it left goes first
             kill_uid(lease.uid, lease.gid)
             remove_owned_files(lease.uid)
             remove_owned_ipc(lease.uid)
-        group = self._make_cgroup(lease, limits, notes)
+        group = self._make_cgroup(lease, limits)
         ids = (lease.uid, lease.gid) if lease is not None else None
         linux = sys.platform.startswith("linux")
         shared_ids = sandbox_ids() if not linux and os.getuid() == 0 else None
@@ -239,12 +236,9 @@ class SubprocessRuntime(Runtime):
             cancelled=ending == "cancel",
             start_ms=(started - t0) * 1000,
             run_ms=(time.monotonic() - started) * 1000,
-            notes=notes,
         )
 
-    def _make_cgroup(
-        self, lease: UidLease | None, limits: Limits, notes: list[str]
-    ) -> RunCgroup | None:
+    def _make_cgroup(self, lease: UidLease | None, limits: Limits) -> RunCgroup | None:
         if self._cgroups is None:
             return None
         with self._lock:
@@ -256,9 +250,8 @@ class SubprocessRuntime(Runtime):
         try:
             return self._cgroups.create(name, limits.memory_bytes, limits.pids)
         except CgroupError as e:
-            log.warning("subprocess run without a cgroup: %s", e)
-            notes.append(f"This run had no cgroup ({e}): memory in /dev/shm and tmpfs was "
-                         "not counted, and only its session and uid were killed at the end.")
+            log.warning("subprocess run without a cgroup (%s): memory in /dev/shm and tmpfs "
+                        "is not counted, and only its session and uid are killed at the end", e)
             return None
 
     def _end(self, group: RunCgroup | None, lease: UidLease | None) -> None:

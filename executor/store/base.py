@@ -88,25 +88,20 @@ class JobRecord(BaseModel):
     def finished(self) -> bool:
         return self.status.finished
 
+    def to_job(self) -> CodeJob:
+        """The job this record holds, to run it: every field of CodeJob from the record's
+        own field of the same name."""
+        return CodeJob.model_validate({name: getattr(self, name) for name in CodeJob.model_fields})
+
     def to_result(self) -> CodeResult | None:
         """The CodeResult this record holds, or None while the job has not finished."""
         if not self.finished:
             return None
-        return CodeResult(
-            job_id=self.job_id,
-            language=self.language,
-            status=self.status,
-            output=self.output,
-            error=self.error,
-            logs=self.logs,
-            logs_truncated=self.logs_truncated,
-            runtime=self.runtime or self.code_runtime,
-            code_runtime=self.code_runtime,
-            duration_ms=self.duration_ms or 0.0,
-            exit_code=self.exit_code,
-            warnings=list(self.warnings),
-            trace=list(self.trace),
-        )
+        # every field of CodeResult from the record's own field of the same name
+        fields = {name: getattr(self, name) for name in CodeResult.model_fields}
+        fields.update(runtime=self.runtime or self.code_runtime,
+                      duration_ms=self.duration_ms or 0.0)
+        return CodeResult.model_validate(fields)
 
 
 class QueuedJob(NamedTuple):

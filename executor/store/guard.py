@@ -53,10 +53,6 @@ class GuardedStore:
         self._where = store.describe()
 
     @property
-    def wrapped(self) -> RunStore:
-        return self._store
-
-    @property
     def store_id(self) -> str:
         try:
             return self._store.store_id

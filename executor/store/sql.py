@@ -313,36 +313,24 @@ def _record(row: Row[Any]) -> JobRecord:
         return _record_tolerant(row)
 
 
+#: the columns of ``jobs`` that are fields of JobRecord, in the table's order (started_ts is
+#: not): both readers below go over them, so a column added to the table and the record is
+#: read without another line here
+_RECORD_COLUMNS = tuple(c.name for c in jobs.columns if c.name in JobRecord.model_fields)
+
+
 def _record_strict(row: Row[Any]) -> JobRecord:
     m = row._mapping
-    return JobRecord(
-        job_id=m["job_id"],
+    fields = {name: m[name] for name in _RECORD_COLUMNS}
+    fields.update(
         status=Status(m["status"]),
-        kind=m["kind"],
-        user=m["user"],
-        language=m["language"],
-        code=m["code"],
-        state_json=m["state_json"],
-        timeout_s=m["timeout_s"],
-        code_runtime=m["code_runtime"],
-        runtime=m["runtime"],
         output=None if m["output"] is None else _load_output(m["output"]),
         error=None if m["error"] is None else _load_error(m["error"]),
-        logs=m["logs"],
         logs_truncated=bool(m["logs_truncated"]),
         warnings=json.loads(m["warnings"]),
         trace=[TraceRow.model_validate(t) for t in json.loads(m["trace"])],
-        exit_code=m["exit_code"],
-        duration_ms=m["duration_ms"],
-        queued_at=m["queued_at"],
-        started_at=m["started_at"],
-        finished_at=m["finished_at"],
-        worker=m["worker"],
-        attempts=m["attempts"],
-        pruned_at=m["pruned_at"],
-        memory_bytes=m["memory_bytes"],
-        cpus=m["cpus"],
     )
+    return JobRecord(**fields)
 
 
 def _raw(row: Row[Any], name: str) -> Any:
@@ -357,6 +345,39 @@ def _raw(row: Row[Any], name: str) -> Any:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+#: what each column must hold, as the sentence of an unreadable row says it
+_ALLOWED = {
+    "status": "a status (" + ", ".join(s.value for s in Status) + ")",
+    "kind": "'run' or 'test'",
+    "user": "text",
+    "language": "a language this worker knows (python, typescript)",
+    "code": "text",
+    "state_json": "text",
+    "timeout_s": "a number of seconds",
+    "code_runtime": "text",
+    "runtime": "text",
+    "output": "JSON",
+    "error": "an error object ({code, message})",
+    "logs": "text",
+    "logs_truncated": "true or false",
+    "warnings": "a JSON list of text",
+    "trace": "a JSON list of trace rows",
+    "exit_code": "an integer",
+    "duration_ms": "a number",
+    "queued_at": "a time",
+    "started_at": "a time",
+    "finished_at": "a time",
+    "worker": "text",
+    "attempts": "an integer",
+    "pruned_at": "a time",
+    "memory_bytes": "a number of bytes",
+    "cpus": "a CPU share",
+}
+#: an unreadable column's value where the record has no default of its own
+_TOLERANT_DEFAULTS: dict[str, Any] = {
+    "status": Status.FAILED, "queued_at": datetime.fromtimestamp(0, UTC)}
 
 
 def _record_tolerant(row: Row[Any]) -> JobRecord:
@@ -391,33 +412,15 @@ def _record_tolerant(row: Row[Any]) -> JobRecord:
     def trace_of(v: Any) -> Any:
         return [TraceRow.model_validate(t) for t in json.loads(v)]
 
+    parse = {"status": Status, "output": json_or_none, "error": error_of,
+             "logs_truncated": bool, "warnings": json.loads, "trace": trace_of}
     job_id = _raw(row, "job_id")
     fields["job_id"] = str(job_id) if not isinstance(job_id, Exception) else "?"
-    take("status", Status, Status.FAILED, "a status (" + ", ".join(s.value for s in Status) + ")")
-    take("kind", same, "run", "'run' or 'test'")
-    take("user", same, "", "text")
-    take("language", same, "python", "a language this worker knows (python, typescript)")
-    take("code", same, "", "text")
-    take("state_json", same, "{}", "text")
-    take("timeout_s", same, None, "a number of seconds")
-    take("code_runtime", same, "", "text")
-    take("runtime", same, None, "text")
-    take("output", json_or_none, None, "JSON")
-    take("error", error_of, None, "an error object ({code, message})")
-    take("logs", same, "", "text")
-    take("logs_truncated", bool, False, "true or false")
-    take("warnings", json.loads, [], "a JSON list of text")
-    take("trace", trace_of, [], "a JSON list of trace rows")
-    take("exit_code", same, None, "an integer")
-    take("duration_ms", same, None, "a number")
-    take("queued_at", same, datetime.fromtimestamp(0, UTC), "a time")
-    take("started_at", same, None, "a time")
-    take("finished_at", same, None, "a time")
-    take("worker", same, None, "text")
-    take("attempts", same, 0, "an integer")
-    take("pruned_at", same, None, "a time")
-    take("memory_bytes", same, None, "a number of bytes")
-    take("cpus", same, None, "a CPU share")
+    for name in _RECORD_COLUMNS:
+        if name != "job_id":
+            own = JobRecord.model_fields[name].get_default(call_default_factory=True)
+            take(name, parse.get(name, same), _TOLERANT_DEFAULTS.get(name, own),
+                 _ALLOWED.get(name, "readable"))
     if problems and fields.get("error") is None:
         fields["error"] = CodeErrorInfo(
             code=ErrorCode.RUNTIME_UNAVAILABLE,
@@ -426,23 +429,17 @@ def _record_tolerant(row: Row[Any]) -> JobRecord:
     return JobRecord(**fields, problems=problems)
 
 
-#: the columns a run-history row carries (no code, state, output, logs, trace)
-_SUMMARY_COLUMNS = (
-    jobs.c.job_id, jobs.c.status, jobs.c.kind, jobs.c.user, jobs.c.language,
-    jobs.c.code_runtime, jobs.c.runtime, jobs.c.error, jobs.c.duration_ms, jobs.c.queued_at,
-    jobs.c.started_at, jobs.c.finished_at, jobs.c.worker, jobs.c.attempts,
-)
+#: the columns a run-history row carries (no code, state, output, logs, trace): RunSummary's
+_SUMMARY_COLUMNS = tuple(jobs.c[name] for name in RunSummary.model_fields)
 
 
 def _summary(row: Any) -> RunSummary:
     m = row._mapping
-    return RunSummary(
-        job_id=m["job_id"], status=Status(m["status"]), kind=m["kind"], user=m["user"],
-        language=m["language"], code_runtime=m["code_runtime"], runtime=m["runtime"],
-        error=None if m["error"] is None else CodeErrorInfo.model_validate_json(m["error"]),
-        duration_ms=m["duration_ms"], queued_at=m["queued_at"], started_at=m["started_at"],
-        finished_at=m["finished_at"], worker=m["worker"], attempts=m["attempts"],
-    )
+    fields = {name: m[name] for name in RunSummary.model_fields}
+    fields.update(
+        status=Status(m["status"]),
+        error=None if m["error"] is None else CodeErrorInfo.model_validate_json(m["error"]))
+    return RunSummary(**fields)
 
 
 def _add_missing_columns(conn: Connection) -> None:
@@ -573,16 +570,9 @@ class SqlRunStore(RunStore):
 
     def create(self, job: CodeJob, *, code_runtime: str) -> bool:
         values = {
-            "job_id": job.job_id,
-            "status": Status.QUEUED.value,
-            "kind": job.kind,
-            "user": job.user,
-            "language": job.language,
+            **job.model_dump(),  # every field of CodeJob is a column of the same name
             "code": _storable(job.code),
-            "state_json": job.state_json,
-            "timeout_s": job.timeout_s,
-            "memory_bytes": job.memory_bytes,
-            "cpus": job.cpus,
+            "status": Status.QUEUED.value,
             "code_runtime": code_runtime,
             "logs": "",
             "logs_truncated": False,

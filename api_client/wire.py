@@ -1,0 +1,184 @@
+"""The HTTP API's wire records: what a request carries and what a route answers.
+
+Pydantic models only, beside no route (``api_client.http`` and ``api_client.routes_runs``
+hold the routes and re-export these names). A run's view is derived from the run store's
+``JobRecord`` field by field of the model itself (``RunView.of``), so a field added to both
+is written once.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from executor.models import CodeErrorInfo, Status, TraceRow
+from executor.store.base import JobRecord, RunSummary
+
+#: the longest source a request may carry, in characters
+CODE_MAX_CHARS = 1_000_000
+
+
+class ErrorInfo(BaseModel):
+    code: str = Field(description="CODE_INVALID, RATE_LIMITED, NOT_FOUND, ...")
+    message: str = Field(description="What happened and what to do.")
+    problems: list[Problem] | None = Field(
+        None, description="CODE_INVALID from /api/code/validate: each problem found.")
+    retry_after_s: int | None = Field(None, description="RATE_LIMITED: seconds to wait.")
+
+
+class Problem(BaseModel):
+    line: int | None = None
+    message: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorInfo
+
+
+ErrorInfo.model_rebuild()
+
+LanguageName = Literal["python", "typescript"]
+
+
+class CodeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    code: str = Field(max_length=CODE_MAX_CHARS, description="The node's source.")
+    language: LanguageName = "python"
+    memory: str | None = Field(
+        None, max_length=20, description="Memory the node asks for (e.g. 512m); at most "
+        "STUDIO_CODE_MAX_MEMORY. Default: STUDIO_CODE_MEMORY.")
+    cpus: float | None = Field(
+        None, gt=0, le=64, description="CPU share the node asks for; at most "
+        "STUDIO_CODE_MAX_CPUS. Default: STUDIO_CODE_CPUS.")
+    timeout_s: float | None = Field(
+        None, gt=0, le=86400, description="Seconds; at save time at most "
+        "STUDIO_CODE_MAX_SECONDS (a run caps it there).")
+
+
+class RunBody(CodeBody):
+    state: dict[str, Any] = Field(
+        default_factory=dict, description="The workflow state; the code gets a JSON copy.")
+    timeout_s: float | None = Field(
+        None, gt=0, le=86400,
+        description="Seconds; capped by STUDIO_CODE_MAX_SECONDS (a request can only lower it).")
+
+
+class ValidateResult(BaseModel):
+    ok: bool
+    language: LanguageName
+    problems: list[Problem] = Field(default_factory=list)
+
+
+class RunView(BaseModel):
+    """One Code-node job as the studio sees it; the result fields fill in once finished."""
+
+    job_id: str
+    status: Status
+    finished: bool
+    kind: Literal["run", "test"]
+    user: str
+    language: LanguageName
+    timeout_s: float | None = None
+    memory_bytes: int | None = None
+    cpus: float | None = None
+    output: Any = None
+    error: CodeErrorInfo | None = None
+    logs: str = ""
+    logs_truncated: bool = False
+    runtime: str | None = None
+    code_runtime: str = ""
+    duration_ms: float | None = None
+    exit_code: int | None = None
+    warnings: list[str] = Field(default_factory=list)
+    trace: list[TraceRow] = Field(default_factory=list)
+    queued_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    worker: str | None = None
+    attempts: int = 0
+
+    @classmethod
+    def of(cls, rec: JobRecord) -> RunView:
+        """The view of a run-store record: each field of this model read from the record's
+        attribute of the same name (``finished`` is its property)."""
+        return cls.model_validate(rec, from_attributes=True)
+
+
+class LanguageMeta(BaseModel):
+    name: str
+    offered: bool
+    ready: bool
+    reason: str | None = None
+    image: str | None = None
+    packages: list[str] = Field(default_factory=list)
+
+
+class LimitsMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    memory: str
+    memory_bytes: int
+    cpus: float
+    pids: int
+    max_seconds: float
+    concurrency: int
+    test_per_minute: int
+
+
+class RuntimeMeta(BaseModel):
+    """GET /api/meta/runtime: what the editor and the admin's Code nodes card show."""
+
+    model_config = ConfigDict(extra="allow")
+
+    enabled: bool
+    reason: str | None = None
+    code_runtime: str
+    isolated: bool
+    languages: list[LanguageMeta]
+    limits: LimitsMeta
+    sandbox_user: dict[str, Any]
+    warnings: list[str] = Field(default_factory=list)
+    pool: dict[str, Any] | None = None
+
+
+class Health(BaseModel):
+    ok: bool
+    checks: dict[str, str | None]
+    workers: dict[str, Any] | None = None
+
+
+class LanguageBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    language: LanguageName = "python"
+
+
+class NodeCheck(BaseModel):
+    ok: bool
+    language: LanguageName
+
+
+class RunList(BaseModel):
+    """One page of run history: summaries without code, state, output or logs (read one
+    run with GET /api/runs/{job_id})."""
+
+    runs: list[RunSummary]
+    next_cursor: str | None = Field(
+        None, description="Pass as ``cursor`` for the next page; null on the last page.")
+
+
+class RunLogs(BaseModel):
+    """A run's stored logs (the truth once it has finished)."""
+
+    job_id: str
+    status: Status
+    finished: bool
+    logs: str
+    logs_truncated: bool
+
+    @classmethod
+    def of(cls, rec: JobRecord) -> RunLogs:
+        return cls.model_validate(rec, from_attributes=True)

@@ -1,0 +1,60 @@
+"""Health checks a worker and the API share: are the services a Code node needs reachable?
+
+``dependency_problems`` backs the API's ``GET /healthz/ready`` and the worker's metrics
+server's ``/healthz`` (worker/metrics_server.py); ``gate_checks`` adds, on a worker, why it
+is paused. Each check is None when fine, else a sentence that says what is wrong. Nothing
+heavy is imported until a check runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from executor.settings import Settings
+
+
+def dependency_problems(settings: Settings, *, store: Any = None) -> dict[str, str | None]:
+    """What a worker needs, each None when reachable or a sentence saying what is wrong:
+    ``redis`` (the broker), ``run_store`` and, in the docker runtime, ``docker``."""
+    checks: dict[str, str | None] = {}
+    try:
+        import redis
+
+        client = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=3, socket_connect_timeout=3)
+        try:
+            client.ping()
+        finally:
+            client.close()
+        checks["redis"] = None
+    except Exception as e:  # noqa: BLE001 - any failure is "unreachable"
+        checks["redis"] = f"Redis at STUDIO_REDIS_URL is not reachable: {e}"
+    try:
+        if store is None:
+            from executor.store import open_store
+
+            with open_store(settings.sqlalchemy_url) as s:
+                s.get("__healthz__")
+        else:
+            store.get("__healthz__")
+        checks["run_store"] = None
+    except Exception as e:  # noqa: BLE001
+        checks["run_store"] = f"The run store (STUDIO_DATABASE_URL) is not reachable: {e}"
+    from executor.service import runtime_class
+
+    cls = runtime_class(settings)
+    if cls is not None and cls.service is not None:
+        runtime = cls(settings)
+        try:
+            checks[cls.service] = runtime.health_problem()
+        finally:
+            runtime.close()
+    return checks
+
+
+def gate_checks() -> dict[str, str | None]:
+    """``paused``: why this worker is not taking jobs (run store unwritable, runtime down),
+    None while it is. A paused worker's readiness answers 503 with this sentence."""
+    from worker.gate import pause_reason
+
+    return {"paused": pause_reason()}
