@@ -54,16 +54,24 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         words = self.prog.split()
         command = words[1] if len(words) > 1 else None
-        raise UsageError(command, f"{self.prog}: {message}. Run `{self.prog} --help` to see "
-                         "what it takes.")
+        raise UsageError(
+            command, f"{self.prog}: {message}. Run `{self.prog} --help` to see what it takes."
+        )
 
 
 def _print(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
 
 
-def _refusal(command: str | None, code: str, message: str, *, status: str = "invalid",
-             runtime: str = "", language: str | None = None) -> dict[str, Any]:
+def _refusal(
+    command: str | None,
+    code: str,
+    message: str,
+    *,
+    status: str = "invalid",
+    runtime: str = "",
+    language: str | None = None,
+) -> dict[str, Any]:
     """The object a refused command prints: the run's (every field, a new job id) for
     ``run`` and ``submit``; ``{ok: false, command, error}`` for the others."""
     error = {"code": str(code), "message": message}
@@ -75,8 +83,9 @@ def _refusal(command: str | None, code: str, message: str, *, status: str = "inv
     from executor.models import CodeResult, Status
 
     # Every field of CodeResult, from the model itself, so the shape cannot drift.
-    result = CodeResult.ended(uuid.uuid4().hex, "python", Status(status),
-                              ErrorCode.CODE_INVALID, message, runtime=runtime)
+    result = CodeResult.ended(
+        uuid.uuid4().hex, "python", Status(status), ErrorCode.CODE_INVALID, message, runtime=runtime
+    )
     return {**result.cli_dict(), "language": language, "error": error}
 
 
@@ -89,16 +98,17 @@ def _language(args: argparse.Namespace) -> Language:
         return EXTENSIONS[suffix]  # type: ignore[return-value]
     known = ", ".join(f"{ext} ({lang})" for ext, lang in EXTENSIONS.items())
     what = f"the extension {suffix!r}" if suffix else "no extension"
-    raise CodeInvalid(f"{args.file} has {what}, which names no Code node language: use "
-                      f"{known}, or say which with --language python|typescript.")
+    raise CodeInvalid(
+        f"{args.file} has {what}, which names no Code node language: use "
+        f"{known}, or say which with --language python|typescript."
+    )
 
 
 def _read_code(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise CodeInvalid(f"Cannot read {path}: {e}. Give the path of a UTF-8 source file."
-                          ) from e
+        raise CodeInvalid(f"Cannot read {path}: {e}. Give the path of a UTF-8 source file.") from e
 
 
 def _read_state(args: argparse.Namespace, settings: Settings) -> str:
@@ -110,8 +120,10 @@ def _read_state(args: argparse.Namespace, settings: Settings) -> str:
         try:
             text = Path(args.state_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise CodeInvalid(f"Cannot read --state-file {args.state_file}: {e}. Give the "
-                              "path of a UTF-8 file holding a JSON object.") from e
+            raise CodeInvalid(
+                f"Cannot read --state-file {args.state_file}: {e}. Give the "
+                "path of a UTF-8 file holding a JSON object."
+            ) from e
         where = f"--state-file {args.state_file}"
     else:
         text, where = ("{}" if args.state is None else args.state), "--state"
@@ -134,12 +146,16 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         from executor.inputs import memory_bytes
 
         language = _language(args)
-        job = CodeJob(language=language, code=_read_code(args.file),
-                      state_json=_read_state(args, settings), timeout_s=_timeout(args, settings),
-                      memory_bytes=memory_bytes(args.memory), cpus=args.cpus)
+        job = CodeJob(
+            language=language,
+            code=_read_code(args.file),
+            state_json=_read_state(args, settings),
+            timeout_s=_timeout(args, settings),
+            memory_bytes=memory_bytes(args.memory),
+            cpus=args.cpus,
+        )
     except StudioCodeError as e:
-        _print(_refusal("run", e.code, e.message, runtime=settings.code_runtime,
-                        language=language))
+        _print(_refusal("run", e.code, e.message, runtime=settings.code_runtime, language=language))
         return 1
     result = Executor(settings).run(job)
     _print(result.cli_dict())
@@ -159,14 +175,18 @@ def cmd_validate(args: argparse.Namespace, settings: Settings) -> int:
         return 1
     error = None
     if problems:
-        error = {"code": str(ErrorCode.CODE_INVALID),
-                 "message": "; ".join(str(p) for p in problems)}
-    _print({
-        "ok": not problems,
-        "language": language,
-        "error": error,
-        "problems": [{"line": p.line, "message": p.message} for p in problems],
-    })
+        error = {
+            "code": str(ErrorCode.CODE_INVALID),
+            "message": "; ".join(str(p) for p in problems),
+        }
+    _print(
+        {
+            "ok": not problems,
+            "language": language,
+            "error": error,
+            "problems": [{"line": p.line, "message": p.message} for p in problems],
+        }
+    )
     return 0 if not problems else 1
 
 
@@ -180,14 +200,20 @@ def cmd_meta(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="studio-code", description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(
+        prog="studio-code",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run a code node file once, here (no queue)")
     run.add_argument("file")
-    run.add_argument("--language", choices=["python", "typescript"],
-                     help="default: from the extension (.py; .ts, .mts, .tsx)")
+    run.add_argument(
+        "--language",
+        choices=["python", "typescript"],
+        help="default: from the extension (.py; .ts, .mts, .tsx)",
+    )
     state = run.add_mutually_exclusive_group()
     state.add_argument("--state", help="the state as a JSON object (default {})")
     state.add_argument("--state-file", help="a file holding the state as a JSON object")
@@ -197,8 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     val = sub.add_parser("validate", help="the save-time check of a code node file")
     val.add_argument("file")
-    val.add_argument("--language", choices=["python", "typescript"],
-                     help="default: from the extension (.py; .ts, .mts, .tsx)")
+    val.add_argument(
+        "--language",
+        choices=["python", "typescript"],
+        help="default: from the extension (.py; .ts, .mts, .tsx)",
+    )
     val.set_defaults(handler=cmd_validate)
 
     meta = sub.add_parser("meta", help="what GET /api/meta/runtime reports")
@@ -209,10 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--memory", help="memory for this node, e.g. 512m (at most "
-                   "STUDIO_CODE_MAX_MEMORY; default STUDIO_CODE_MEMORY)")
-    p.add_argument("--cpus", type=float, help="CPU share for this node (at most "
-                   "STUDIO_CODE_MAX_CPUS; default STUDIO_CODE_CPUS)")
+    p.add_argument(
+        "--memory",
+        help="memory for this node, e.g. 512m (at most "
+        "STUDIO_CODE_MAX_MEMORY; default STUDIO_CODE_MEMORY)",
+    )
+    p.add_argument(
+        "--cpus",
+        type=float,
+        help="CPU share for this node (at most STUDIO_CODE_MAX_CPUS; default STUDIO_CODE_CPUS)",
+    )
 
 
 # --- the queue's commands: submit, status, cancel, worker ---------------------------------
@@ -234,27 +269,48 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         code, state = _read_code(args.file), _read_state(args, settings)
         timeout = _timeout(args, settings)
     except StudioCodeError as e:
-        _print(_refusal("submit", e.code, e.message, runtime=settings.code_runtime,
-                        language=language))
+        _print(
+            _refusal("submit", e.code, e.message, runtime=settings.code_runtime, language=language)
+        )
         return 1
     with CodeClient(settings) as client:
         try:
-            job_id = client.submit(code, language, state, timeout_s=timeout, user=args.user,
-                                   kind=args.kind, memory=args.memory, cpus=args.cpus)
+            job_id = client.submit(
+                code,
+                language,
+                state,
+                timeout_s=timeout,
+                user=args.user,
+                kind=args.kind,
+                memory=args.memory,
+                cpus=args.cpus,
+            )
         except StudioCodeError as e:
             from executor.models import Status
 
-            out = _refusal("submit", e.code, e.message, status=Status.ended_by(e.code).value,
-                           runtime=settings.code_runtime, language=language)
+            out = _refusal(
+                "submit",
+                e.code,
+                e.message,
+                status=Status.ended_by(e.code).value,
+                runtime=settings.code_runtime,
+                language=language,
+            )
             if getattr(e, "retry_after_s", None) is not None:
                 out["retry_after_s"] = e.retry_after_s  # type: ignore[attr-defined]
             _print(out)
             return 1
         if not args.wait:
             rec = client.status(job_id)
-            _print({"job_id": job_id, "status": rec.status.value, "kind": args.kind,
+            _print(
+                {
+                    "job_id": job_id,
+                    "status": rec.status.value,
+                    "kind": args.kind,
                     "queue": "code.test" if args.kind == "test" else "code.run",
-                    "store": client.store.describe()})
+                    "store": client.store.describe(),
+                }
+            )
             return 0
         rec = client.wait(job_id, args.wait_timeout)
         _print({**_record_dict(rec), "store": client.store.describe()})
@@ -290,9 +346,11 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     ok = status in ("cancelling", "cancelled")
     out: dict[str, Any] = {"job_id": args.job_id, "status": status.value, "error": None}
     if not ok:
-        out["error"] = {"code": "NOT_CANCELLED",
-                        "message": f"The job had already ended ({status.value}) before the "
-                        "cancel; nothing was stopped."}
+        out["error"] = {
+            "code": "NOT_CANCELLED",
+            "message": f"The job had already ended ({status.value}) before the "
+            "cancel; nothing was stopped.",
+        }
     _print(out)
     return 0 if ok else 1
 
@@ -336,8 +394,16 @@ def cmd_logs(args: argparse.Namespace, settings: Settings) -> int:
             rec = client.status(args.job_id)
         except JobNotFound as e:
             return _not_found(args.job_id, e)
-    _print({"job_id": rec.job_id, "status": rec.status.value, "finished": rec.finished,
-            "logs": rec.logs, "logs_truncated": rec.logs_truncated, "error": None})
+    _print(
+        {
+            "job_id": rec.job_id,
+            "status": rec.status.value,
+            "finished": rec.finished,
+            "logs": rec.logs,
+            "logs_truncated": rec.logs_truncated,
+            "error": None,
+        }
+    )
     return 0
 
 
@@ -353,15 +419,32 @@ def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
         until = datetime.fromisoformat(args.until) if args.until else None
         with CodeClient(settings) as client:
             page = client.list_runs(
-                user=args.user, status=args.status or None, language=args.language,
-                code_runtime=args.code_runtime, kind=args.kind, since=since, until=until,
-                limit=args.limit, cursor=args.cursor)
+                user=args.user,
+                status=args.status or None,
+                language=args.language,
+                code_runtime=args.code_runtime,
+                kind=args.kind,
+                since=since,
+                until=until,
+                limit=args.limit,
+                cursor=args.cursor,
+            )
     except ValueError as e:
-        _print({"runs": [], "next_cursor": None,
-                "error": {"code": "REQUEST_INVALID", "message": str(e)}})
+        _print(
+            {
+                "runs": [],
+                "next_cursor": None,
+                "error": {"code": "REQUEST_INVALID", "message": str(e)},
+            }
+        )
         return 1
-    _print({"runs": [r.model_dump(mode="json") for r in page.runs],
-            "next_cursor": page.next_cursor, "error": None})
+    _print(
+        {
+            "runs": [r.model_dump(mode="json") for r in page.runs],
+            "next_cursor": page.next_cursor,
+            "error": None,
+        }
+    )
     return 0
 
 
@@ -417,9 +500,11 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     out: dict[str, Any] = {"command": "worker", "status": "stopped", "exit_code": exit_code}
     if exit_code != 0:
         out["status"] = "failed"
-        out["error"] = {"code": "WORKER_FAILED",
-                        "message": (error or "The worker stopped because of an error")
-                        + ": see its log above (stderr); a supervisor should restart it."}
+        out["error"] = {
+            "code": "WORKER_FAILED",
+            "message": (error or "The worker stopped because of an error")
+            + ": see its log above (stderr); a supervisor should restart it.",
+        }
     _print(out)
     return 0 if exit_code == 0 else 1
 
@@ -427,21 +512,31 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
 def _queue_commands(sub: Any) -> None:
     submit = sub.add_parser("submit", help="queue a code node file for a worker")
     submit.add_argument("file")
-    submit.add_argument("--language", choices=["python", "typescript"],
-                        help="default: from the extension (.py; .ts, .mts, .tsx)")
+    submit.add_argument(
+        "--language",
+        choices=["python", "typescript"],
+        help="default: from the extension (.py; .ts, .mts, .tsx)",
+    )
     state = submit.add_mutually_exclusive_group()
     state.add_argument("--state", help="the state as a JSON object (default {})")
     state.add_argument("--state-file", help="a file holding the state as a JSON object")
-    submit.add_argument("--timeout",
-                        help="seconds above 0 (capped by STUDIO_CODE_MAX_SECONDS)")
-    submit.add_argument("--kind", choices=["run", "test"], default="run",
-                        help="run: a workflow run (queue code.run); test: an editor test "
-                        "call (queue code.test, rate limited per user)")
+    submit.add_argument("--timeout", help="seconds above 0 (capped by STUDIO_CODE_MAX_SECONDS)")
+    submit.add_argument(
+        "--kind",
+        choices=["run", "test"],
+        default="run",
+        help="run: a workflow run (queue code.run); test: an editor test "
+        "call (queue code.test, rate limited per user)",
+    )
     submit.add_argument("--user", default="", help="who asks (editor test calls' limit)")
     _limit_args(submit)
     submit.add_argument("--wait", action="store_true", help="wait for the result; print it")
-    submit.add_argument("--wait-timeout", type=float, default=600.0,
-                        help="seconds --wait waits at most (default 600)")
+    submit.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=600.0,
+        help="seconds --wait waits at most (default 600)",
+    )
     submit.set_defaults(handler=cmd_submit)
 
     status = sub.add_parser("status", help="a queued job's status and result")
@@ -454,18 +549,37 @@ def _queue_commands(sub: Any) -> None:
 
     logs = sub.add_parser("logs", help="a job's logs; --follow: live, until it ends")
     logs.add_argument("job_id")
-    logs.add_argument("--follow", "-f", action="store_true",
-                      help="print what the job prints to stderr as it prints it")
-    logs.add_argument("--timeout", type=float, default=3600.0,
-                      help="seconds --follow waits at most (default 3600)")
+    logs.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="print what the job prints to stderr as it prints it",
+    )
+    logs.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds --follow waits at most (default 3600)",
+    )
     logs.set_defaults(handler=cmd_logs)
 
     runs = sub.add_parser("runs", help="run history, newest first (filters, pages)")
     runs.add_argument("--user", help="only this user's runs")
-    runs.add_argument("--status", action="append",
-                      choices=["queued", "running", "cancelling", "succeeded", "failed",
-                               "timed_out", "cancelled", "invalid"],
-                      help="only this status (repeat for several)")
+    runs.add_argument(
+        "--status",
+        action="append",
+        choices=[
+            "queued",
+            "running",
+            "cancelling",
+            "succeeded",
+            "failed",
+            "timed_out",
+            "cancelled",
+            "invalid",
+        ],
+        help="only this status (repeat for several)",
+    )
     runs.add_argument("--language", choices=["python", "typescript"])
     runs.add_argument("--code-runtime", choices=["docker", "subprocess"])
     runs.add_argument("--kind", choices=["run", "test"])
@@ -476,8 +590,11 @@ def _queue_commands(sub: Any) -> None:
     runs.set_defaults(handler=cmd_runs)
 
     worker = sub.add_parser(
-        "worker", help="run a worker: celery worker arguments follow (-c, -n, --loglevel...)",
-        add_help=False, prefix_chars="+")  # every argument, options included, is Celery's
+        "worker",
+        help="run a worker: celery worker arguments follow (-c, -n, --loglevel...)",
+        add_help=False,
+        prefix_chars="+",
+    )  # every argument, options included, is Celery's
     worker.add_argument("celery_args", nargs=argparse.REMAINDER)
     worker.set_defaults(handler=cmd_worker)
 
@@ -491,9 +608,13 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     try:
         from api_client.http import serve
     except ImportError as e:
-        _print(_refusal("serve", ErrorCode.RUNTIME_UNAVAILABLE,
-                        f"The HTTP API needs the http extra ({e}): pip install "
-                        "'studio-code[http]'."))
+        _print(
+            _refusal(
+                "serve",
+                ErrorCode.RUNTIME_UNAVAILABLE,
+                f"The HTTP API needs the http extra ({e}): pip install 'studio-code[http]'.",
+            )
+        )
         return 2
     from api_client.limits import bind_refusal
 
@@ -507,28 +628,41 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _serve_command(sub: Any) -> None:
-    serve = sub.add_parser("serve", help="run the HTTP API (/api/meta/runtime, /api/code/*, "
-                           "/api/runs*, /healthz/*, /metrics) with uvicorn")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default 127.0.0.1; the API trusts the "
-                       "X-Studio-User header, so only the studio may reach it: any other "
-                       "than a loopback address needs STUDIO_API_TOKEN)")
+    serve = sub.add_parser(
+        "serve",
+        help="run the HTTP API (/api/meta/runtime, /api/code/*, "
+        "/api/runs*, /healthz/*, /metrics) with uvicorn",
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; the API trusts the "
+        "X-Studio-User header, so only the studio may reach it: any other "
+        "than a loopback address needs STUDIO_API_TOKEN)",
+    )
     serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     serve.set_defaults(handler=cmd_serve)
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # parse_args would refuse them in the top parser's name: say the command's
             prog = f"{parser.prog} {args.command}"
-            raise UsageError(args.command, f"{prog}: unrecognized arguments: {' '.join(extra)}"
-                             f". Run `{prog} --help` to see what it takes.")
+            raise UsageError(
+                args.command,
+                f"{prog}: unrecognized arguments: {' '.join(extra)}"
+                f". Run `{prog} --help` to see what it takes.",
+            )
     except UsageError as e:
         _print(_refusal(e.command, REQUEST_INVALID, e.message))
         return 2
@@ -548,19 +682,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args, settings))
     except StudioCodeError as e:  # e.g. the run store unreachable: said, not a traceback
-        out = _refusal(args.command, e.code, e.message, status="failed",
-                       runtime=settings.code_runtime)
+        out = _refusal(
+            args.command, e.code, e.message, status="failed", runtime=settings.code_runtime
+        )
         if getattr(args, "job_id", None):
             out["job_id"] = args.job_id
         _print(out)
         return 1
     except Exception as e:  # noqa: BLE001 - still ONE JSON object; the traceback to stderr
         log.exception("studio-code %s failed", args.command)
-        _print(_refusal(args.command, ErrorCode.RUNTIME_UNAVAILABLE,
-                        f"studio-code {args.command} failed: {type(e).__name__}: {e}. The "
-                        "log above (stderr) has the details; check that the services in "
-                        "STUDIO_REDIS_URL and STUDIO_DATABASE_URL are up.",
-                        status="failed", runtime=settings.code_runtime))
+        _print(
+            _refusal(
+                args.command,
+                ErrorCode.RUNTIME_UNAVAILABLE,
+                f"studio-code {args.command} failed: {type(e).__name__}: {e}. The "
+                "log above (stderr) has the details; check that the services in "
+                "STUDIO_REDIS_URL and STUDIO_DATABASE_URL are up.",
+                status="failed",
+                runtime=settings.code_runtime,
+            )
+        )
         return 1
 
 

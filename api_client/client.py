@@ -117,8 +117,14 @@ class JobNotFound(LookupError):
 
     def __init__(self, job_id: str, store: str = "") -> None:
         where = f"the run store at {store}" if store else "the run store"
-        hint = (" and that STUDIO_DATABASE_URL (or STUDIO_DATA_DIR) points at the store it "
-                "was submitted to") if store else ""
+        hint = (
+            (
+                " and that STUDIO_DATABASE_URL (or STUDIO_DATA_DIR) points at the store it "
+                "was submitted to"
+            )
+            if store
+            else ""
+        )
         super().__init__(f"No job {job_id!r} in {where}: check the id{hint}.")
         self.job_id = job_id
 
@@ -126,15 +132,17 @@ class JobNotFound(LookupError):
 class CodeClient:
     """The queue's client side, one per API process (thread-safe)."""
 
-    def __init__(self, settings: Settings, *, store: RunStore | None = None,
-                 create_store: bool = True) -> None:
+    def __init__(
+        self, settings: Settings, *, store: RunStore | None = None, create_store: bool = True
+    ) -> None:
         """``create_store=False`` opens the run store for reading only: nothing is created
         (no folder, file or table), a missing SQLite file raises StoreUnavailable. An
         unreachable store raises StoreUnavailable naming it, here and in every call."""
         self.settings = settings
         self._own_store = store is None
         self.store: RunStore = (
-            guard(store) if store is not None
+            guard(store)
+            if store is not None
             else open_guarded(settings.sqlalchemy_url, create=create_store)
         )
         log.info("run store: %s", self.store.describe())
@@ -166,14 +174,22 @@ class CodeClient:
 
     # --- what may run ------------------------------------------------------------------
 
-    def validate(self, code: str, language: str, *, memory: str | int | None = None,
-                 cpus: float | None = None, timeout_s: float | None = None) -> list[Problem]:
+    def validate(
+        self,
+        code: str,
+        language: str,
+        *,
+        memory: str | int | None = None,
+        cpus: float | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Problem]:
         """The editor's save-time check: [] when the code may be saved. Raises CodeInvalid
         for a language that is not offered, or for limits the node asks for over the
         server's caps (STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS), naming the cap."""
         problems = self.executor.check_code(code, language)
-        self.executor.check_limits(memory_bytes=inputs.memory_bytes(memory), cpus=cpus,
-                                   timeout_s=timeout_s)
+        self.executor.check_limits(
+            memory_bytes=inputs.memory_bytes(memory), cpus=cpus, timeout_s=timeout_s
+        )
         return problems
 
     def validate_node(self, language: str) -> None:
@@ -220,7 +236,8 @@ class CodeClient:
         except redis.RedisError as e:
             raise RuntimeUnavailable(
                 f"The queue (Redis at STUDIO_REDIS_URL) cannot be read ({e}): check that "
-                "Redis is up, then run it again.") from e
+                "Redis is up, then run it again."
+            ) from e
         mine = self.store.store_id
         serving = [i for i in infos if i.serving]
         elsewhere = [i for i in serving if i.store_id and mine and i.store_id != mine]
@@ -235,16 +252,28 @@ class CodeClient:
                 f". The worker(s) {', '.join(i.nodename for i in elsewhere)} serve it from "
                 f"ANOTHER run store ({w.store or '?'}, store id {w.store_id}) than this "
                 f"API's ({self.store.describe()}, store id {mine}): give the API and the "
-                "workers the same STUDIO_DATABASE_URL (or STUDIO_DATA_DIR)")
+                "workers the same STUDIO_DATABASE_URL (or STUDIO_DATA_DIR)"
+            )
         if paused:
             message += ". Paused: " + "; ".join(f"{i.nodename} ({i.reason})" for i in paused)
         raise RuntimeUnavailable(message + ".")
 
-    def _job(self, code: str, language: str, state: Any, timeout_s: float | None, user: str,
-             kind: str, memory: str | int | None = None, cpus: float | None = None) -> CodeJob:
+    def _job(
+        self,
+        code: str,
+        language: str,
+        state: Any,
+        timeout_s: float | None,
+        user: str,
+        kind: str,
+        memory: str | int | None = None,
+        cpus: float | None = None,
+    ) -> CodeJob:
         if kind not in ("run", "test"):
-            raise CodeInvalid(f"kind={kind!r} is not a kind of call: use 'run' (a workflow "
-                              "run) or 'test' (an editor test call).")
+            raise CodeInvalid(
+                f"kind={kind!r} is not a kind of call: use 'run' (a workflow "
+                "run) or 'test' (an editor test call)."
+            )
         timeout = inputs.timeout_s(timeout_s, max_seconds=self.settings.code_max_seconds)
         self.executor.language(language)  # not offered: CodeInvalid before anything else
         state_json = inputs.state_json(state, max_bytes=self.settings.code_state_max_bytes)
@@ -263,9 +292,18 @@ class CodeClient:
 
     # --- the queue ---------------------------------------------------------------------
 
-    def submit(self, code: str, language: str = "python", state: Any = None,
-               timeout_s: float | None = None, user: str = "", kind: Kind = "run", *,
-               memory: str | int | None = None, cpus: float | None = None) -> str:
+    def submit(
+        self,
+        code: str,
+        language: str = "python",
+        state: Any = None,
+        timeout_s: float | None = None,
+        user: str = "",
+        kind: Kind = "run",
+        *,
+        memory: str | int | None = None,
+        cpus: float | None = None,
+    ) -> str:
         """Queue one Code-node call; returns its job id.
 
         ``state`` is any JSON-serialisable value, or JSON text (str/bytes). Raises
@@ -284,13 +322,23 @@ class CodeClient:
         self.store.create(job, code_runtime=self.settings.code_runtime)
         headers = job_headers(self.store.store_id, self.store.describe())
         try:
-            self.app.send_task(TASK_NAME, args=(job.job_id,), task_id=job.job_id, queue=queue,
-                               ignore_result=True, headers=headers)
+            self.app.send_task(
+                TASK_NAME,
+                args=(job.job_id,),
+                task_id=job.job_id,
+                queue=queue,
+                ignore_result=True,
+                headers=headers,
+            )
         except Exception as e:
-            message = (f"The queue (Redis at STUDIO_REDIS_URL) did not take the job: {e}. "
-                       "Check that Redis is up, then run it again.")
-            self.store.finish(self._ended(job, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE,
-                                          message), worker="api")
+            message = (
+                f"The queue (Redis at STUDIO_REDIS_URL) did not take the job: {e}. "
+                "Check that Redis is up, then run it again."
+            )
+            self.store.finish(
+                self._ended(job, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE, message),
+                worker="api",
+            )
             raise RuntimeUnavailable(message) from e
         return job.job_id
 
@@ -350,9 +398,16 @@ class CodeClient:
             try:
                 # BLMOVE from the list to itself: wakes on the worker's notice without
                 # taking it, so every waiter of the job wakes (and the count stays).
-                woke = self._blocking.blmove(  # Redis >= 6 takes a fractional timeout
-                    key, key, max(0.01, min(left, WAIT_SLICE_S)), "LEFT", "RIGHT"  # type: ignore[arg-type]
-                ) is not None
+                woke = (
+                    self._blocking.blmove(  # Redis >= 6 takes a fractional timeout
+                        key,
+                        key,
+                        max(0.01, min(left, WAIT_SLICE_S)),  # type: ignore[arg-type]
+                        "LEFT",
+                        "RIGHT",
+                    )
+                    is not None
+                )
             except redis.RedisError:
                 woke = False
                 time.sleep(min(max(left, 0), 0.2))
@@ -368,8 +423,12 @@ class CodeClient:
             # its socket must wait longer than that). Past ASYNC_REDIS_CONNECTIONS waiters,
             # a wait waits for a free connection (at most a slice) instead of failing.
             pool = redis.asyncio.BlockingConnectionPool.from_url(
-                self.settings.redis_url, max_connections=ASYNC_REDIS_CONNECTIONS,
-                timeout=20, socket_timeout=WAIT_SLICE_S + 5, socket_connect_timeout=5)
+                self.settings.redis_url,
+                max_connections=ASYNC_REDIS_CONNECTIONS,
+                timeout=20,
+                socket_timeout=WAIT_SLICE_S + 5,
+                socket_connect_timeout=5,
+            )
             self._aredis = redis.asyncio.Redis.from_pool(pool)
             self._aredis_loop = loop
         return self._aredis
@@ -409,9 +468,12 @@ class CodeClient:
             if woke:  # a notice of a run that did not finish the job: do not spin on it
                 await asyncio.sleep(min(left, 0.05))
             try:
-                woke = await aredis.blmove(
-                    key, key, max(0.01, min(left, WAIT_SLICE_S)), "LEFT", "RIGHT"
-                ) is not None
+                woke = (
+                    await aredis.blmove(
+                        key, key, max(0.01, min(left, WAIT_SLICE_S)), "LEFT", "RIGHT"
+                    )
+                    is not None
+                )
             except redis.RedisError:
                 woke = False
                 await asyncio.sleep(min(max(left, 0), 0.2))
@@ -444,12 +506,18 @@ class CodeClient:
         try:
             statuses = tuple(Status(s) for s in status) if status else None
         except ValueError:
-            raise ValueError(f"status={list(status or [])!r} has an unknown value: use "
-                             f"{', '.join(s.value for s in Status)}.") from None
+            raise ValueError(
+                f"status={list(status or [])!r} has an unknown value: use "
+                f"{', '.join(s.value for s in Status)}."
+            ) from None
         where = RunFilter(
-            user=user, status=statuses, language=language,  # type: ignore[arg-type]
-            code_runtime=code_runtime, kind=kind,  # type: ignore[arg-type]
-            since=_aware(since), until=_aware(until),
+            user=user,
+            status=statuses,
+            language=language,  # type: ignore[arg-type]
+            code_runtime=code_runtime,
+            kind=kind,  # type: ignore[arg-type]
+            since=_aware(since),
+            until=_aware(until),
         )
         before = decode_cursor(cursor) if cursor else None
         rows = self.store.list_runs(where, limit=int(limit) + 1, before=before)
@@ -463,8 +531,13 @@ class CodeClient:
         from api_client.live_logs import follow
 
         self.status(job_id)  # JobNotFound before anything is yielded
-        yield from follow(self._blocking, job_id, lambda: self.store.get_summary(job_id),
-                          lambda: self.store.get(job_id), timeout_s=timeout_s)
+        yield from follow(
+            self._blocking,
+            job_id,
+            lambda: self.store.get_summary(job_id),
+            lambda: self.store.get(job_id),
+            timeout_s=timeout_s,
+        )
 
     def cancel(self, job_id: str) -> Status:
         """Cancel a job: the intent goes to the run store FIRST (a queued job is cancelled
@@ -479,13 +552,11 @@ class CodeClient:
         try:
             self.redis.set(cancel_key(job_id), "1", ex=cancel_flag_ttl_s(self.settings))
         except redis.RedisError as e:
-            log.warning("cancel flag of %s not set (%s): the worker reads the run store", job_id,
-                        e)
+            log.warning("cancel flag of %s not set (%s): the worker reads the run store", job_id, e)
         try:
             self.app.control.revoke(job_id, terminate=True, signal=CANCEL_SIGNAL_NAME)
         except Exception as e:  # noqa: BLE001 - the flag and the store still stop it
-            log.warning("revoke of %s not sent (%s): the worker polls its cancel flag", job_id,
-                        e)
+            log.warning("revoke of %s not sent (%s): the worker polls its cancel flag", job_id, e)
         return status
 
     # --- editor test calls ---------------------------------------------------------------
@@ -500,7 +571,8 @@ class CodeClient:
         except redis.RedisError as e:
             raise RuntimeUnavailable(
                 f"Redis at STUDIO_REDIS_URL cannot count editor test calls ({e}): check that "
-                "it is up.") from e
+                "it is up."
+            ) from e
         if not admitted:
             retry = max(1, math.ceil(int(wait_us) / 1_000_000))
             who = f"User {user!r}" if user else "This user"
@@ -510,9 +582,15 @@ class CodeClient:
                 retry_after_s=retry,
             )
 
-    def run_inline(self, code: str, language: str = "python", state: Any = None,
-                   timeout_s: float | None = None, user: str = "",
-                   kind: Kind = "test") -> CodeResult:
+    def run_inline(
+        self,
+        code: str,
+        language: str = "python",
+        state: Any = None,
+        timeout_s: float | None = None,
+        user: str = "",
+        kind: Kind = "test",
+    ) -> CodeResult:
         """Run a call in THIS process, no queue (an API that runs editor test calls itself).
         Same checks and rate limit as submit; the job is in the run store, so status and
         cancel work on it. At most STUDIO_CODE_CONCURRENCY sandboxes run at once per process
@@ -534,8 +612,9 @@ class CodeClient:
     # --- helpers -------------------------------------------------------------------------
 
     def _ended(self, job: CodeJob, status: Status, code: ErrorCode, message: str) -> CodeResult:
-        return CodeResult.ended(job.job_id, job.language, status, code, message,
-                                runtime=self.settings.code_runtime)
+        return CodeResult.ended(
+            job.job_id, job.language, status, code, message, runtime=self.settings.code_runtime
+        )
 
     def close(self) -> None:
         if self._app is not None:
@@ -555,15 +634,15 @@ class CodeClient:
         self.close()
 
 
-
 class _StatusReads:
     """Coalesces the status re-reads of every waiting call into one query per window: 200
     waiting calls cost a few small queries a second, not 200 record loads."""
 
     WINDOW_S = 0.02
 
-    def __init__(self, store: RunStore, threads: ThreadPoolExecutor,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, store: RunStore, threads: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.store, self.threads, self.loop = store, threads, loop
         self._pending: dict[str, list[asyncio.Future[Status | None]]] = {}
         self._flush: asyncio.Task[None] | None = None
@@ -580,8 +659,7 @@ class _StatusReads:
         await asyncio.sleep(self.WINDOW_S)
         batch, self._pending, self._flush = self._pending, {}, None
         try:
-            found = await self.loop.run_in_executor(self.threads, self.store.statuses,
-                                                    list(batch))
+            found = await self.loop.run_in_executor(self.threads, self.store.statuses, list(batch))
         except Exception as e:  # noqa: BLE001 - each waiter gets it, as its own read would
             for futures in batch.values():
                 for f in futures:

@@ -32,27 +32,46 @@ USER_HEADER = "X-Studio-User"
 ADMIN_HEADER = "X-Studio-Admin"
 
 ERROR_EXAMPLES: dict[str, dict[str, Any]] = {
-    "400": {"code": "CODE_INVALID",
-            "message": "line 1: no main(state) function: define def main(state): ..."},
-    "401": {"code": "UNAUTHENTICATED",
-            "message": "No X-Studio-User header: the studio's API must say which user calls."},
-    "403": {"code": "FORBIDDEN",
-            "message": "Only an admin may list another user's runs: drop ``user``."},
+    "400": {
+        "code": "CODE_INVALID",
+        "message": "line 1: no main(state) function: define def main(state): ...",
+    },
+    "401": {
+        "code": "UNAUTHENTICATED",
+        "message": "No X-Studio-User header: the studio's API must say which user calls.",
+    },
+    "403": {
+        "code": "FORBIDDEN",
+        "message": "Only an admin may list another user's runs: drop ``user``.",
+    },
     "404": {"code": "NOT_FOUND", "message": "No run 'abc' that you can see."},
-    "409": {"code": "CONFLICT",
-            "message": "Run abc already finished (succeeded); nothing to cancel."},
-    "422": {"code": "REQUEST_INVALID", "message": "The request is not valid: code: Field "
-            "required."},
-    "429": {"code": "RATE_LIMITED", "retry_after_s": 12,
-            "message": "User 'u1' made 20 editor test calls in the last minute (the limit, "
-            "STUDIO_CODE_TEST_PER_MINUTE=20): try again in 12 s."},
-    "503": {"code": "RUNTIME_UNAVAILABLE",
-            "message": "Docker is not reachable: start the Docker engine."},
+    "409": {
+        "code": "CONFLICT",
+        "message": "Run abc already finished (succeeded); nothing to cancel.",
+    },
+    "422": {
+        "code": "REQUEST_INVALID",
+        "message": "The request is not valid: code: Field required.",
+    },
+    "429": {
+        "code": "RATE_LIMITED",
+        "retry_after_s": 12,
+        "message": "User 'u1' made 20 editor test calls in the last minute (the limit, "
+        "STUDIO_CODE_TEST_PER_MINUTE=20): try again in 12 s.",
+    },
+    "503": {
+        "code": "RUNTIME_UNAVAILABLE",
+        "message": "Docker is not reachable: start the Docker engine.",
+    },
 }
 
 #: the routes that check code (or the language) and may answer 400 CODE_INVALID
-CHECKS_CODE = {("post", "/api/code/validate"), ("post", "/api/code/nodes/check"),
-               ("post", "/api/code/test"), ("post", "/api/runs")}
+CHECKS_CODE = {
+    ("post", "/api/code/validate"),
+    ("post", "/api/code/nodes/check"),
+    ("post", "/api/code/test"),
+    ("post", "/api/runs"),
+}
 
 BODY_EXAMPLE = {
     "code": "def main(state):\n    return {'double': state.get('n', 0) * 2}\n",
@@ -77,23 +96,35 @@ def install_docs(app: FastAPI, *, docs_url: str = "/docs", redoc_url: str = "/re
     @app.get(docs_url, include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:
         root = request.scope.get("root_path", "")
-        return _same_host_only(get_swagger_ui_html(
-            openapi_url=f"{root}{openapi_url}", title=f"{app.title} - Swagger UI",
-            swagger_js_url=f"{root}{ASSETS_URL}/swagger-ui-bundle.js",
-            swagger_css_url=f"{root}{ASSETS_URL}/swagger-ui.css",
-            swagger_favicon_url=f"{root}{ASSETS_URL}/favicon.png",
-            oauth2_redirect_url=None,
-            # validatorUrl: the badge would ask validator.swagger.io to check the schema
-            swagger_ui_parameters={"persistAuthorization": True, "displayOperationId": True,
-                                   "validatorUrl": None}))
+        return _same_host_only(
+            get_swagger_ui_html(
+                openapi_url=f"{root}{openapi_url}",
+                title=f"{app.title} - Swagger UI",
+                swagger_js_url=f"{root}{ASSETS_URL}/swagger-ui-bundle.js",
+                swagger_css_url=f"{root}{ASSETS_URL}/swagger-ui.css",
+                swagger_favicon_url=f"{root}{ASSETS_URL}/favicon.png",
+                oauth2_redirect_url=None,
+                # validatorUrl: the badge would ask validator.swagger.io to check the schema
+                swagger_ui_parameters={
+                    "persistAuthorization": True,
+                    "displayOperationId": True,
+                    "validatorUrl": None,
+                },
+            )
+        )
 
     @app.get(redoc_url, include_in_schema=False)
     async def redoc(request: Request) -> HTMLResponse:
         root = request.scope.get("root_path", "")
-        return _same_host_only(get_redoc_html(
-            openapi_url=f"{root}{openapi_url}", title=f"{app.title} - ReDoc",
-            redoc_js_url=f"{root}{ASSETS_URL}/redoc.standalone.js",
-            redoc_favicon_url=f"{root}{ASSETS_URL}/favicon.png", with_google_fonts=False))
+        return _same_host_only(
+            get_redoc_html(
+                openapi_url=f"{root}{openapi_url}",
+                title=f"{app.title} - ReDoc",
+                redoc_js_url=f"{root}{ASSETS_URL}/redoc.standalone.js",
+                redoc_favicon_url=f"{root}{ASSETS_URL}/favicon.png",
+                with_google_fonts=False,
+            )
+        )
 
     truthful_openapi(app)
 
@@ -101,9 +132,11 @@ def install_docs(app: FastAPI, *, docs_url: str = "/docs", redoc_url: str = "/re
 #: the docs pages may load only from this host: ReDoc's bundle shows its vendor's logo from
 #: cdn.redoc.ly (no option turns it off), which the policy stops before any request leaves
 #: the browser. Inline scripts and styles are the pages' own; ReDoc searches in a blob worker.
-DOCS_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; "
-            "style-src 'self' 'unsafe-inline'; img-src 'self' data:; font-src 'self' data:; "
-            "worker-src 'self' blob:; connect-src 'self'")
+DOCS_CSP = (
+    "default-src 'self'; script-src 'self' 'unsafe-inline'; "
+    "style-src 'self' 'unsafe-inline'; img-src 'self' data:; font-src 'self' data:; "
+    "worker-src 'self' blob:; connect-src 'self'"
+)
 
 
 def _same_host_only(page: HTMLResponse) -> HTMLResponse:
@@ -144,20 +177,30 @@ def rewrite(schema: dict[str, Any], *, token: bool = False) -> None:
     components = schema.setdefault("components", {})
     schemes = components.setdefault("securitySchemes", {})
     schemes["studioUser"] = {
-        "type": "apiKey", "in": "header", "name": USER_HEADER,
+        "type": "apiKey",
+        "in": "header",
+        "name": USER_HEADER,
         "description": "The studio user id. Set by the studio's API or proxy only (stripped "
-        "from client requests); without it a route answers 401."}
+        "from client requests); without it a route answers 401.",
+    }
     schemes["studioAdmin"] = {
-        "type": "apiKey", "in": "header", "name": ADMIN_HEADER,
+        "type": "apiKey",
+        "in": "header",
+        "name": ADMIN_HEADER,
         "description": "1 when the user is an admin (sees every run). Set by the studio's "
-                       "API or proxy only."}
+        "API or proxy only.",
+    }
     user_security: list[dict[str, list[str]]] = [
-        {"studioUser": []}, {"studioUser": [], "studioAdmin": []}]
+        {"studioUser": []},
+        {"studioUser": [], "studioAdmin": []},
+    ]
     if token:
         schemes["studioToken"] = {
-            "type": "http", "scheme": "bearer",
+            "type": "http",
+            "scheme": "bearer",
             "description": "The API token the studio's API sends when the service is "
-                           "configured with one (docs/operations.md)."}
+            "configured with one (docs/operations.md).",
+        }
         user_security = [{**s, "studioToken": []} for s in user_security]
     for path, item in schema.get("paths", {}).items():
         for method, op in item.items():
@@ -165,8 +208,11 @@ def rewrite(schema: dict[str, Any], *, token: bool = False) -> None:
                 continue
             params = op.get("parameters", [])
             headers = {p.get("name") for p in params if p.get("in") == "header"}
-            op["parameters"] = [p for p in params if not (
-                p.get("in") == "header" and p.get("name") in (USER_HEADER, ADMIN_HEADER))]
+            op["parameters"] = [
+                p
+                for p in params
+                if not (p.get("in") == "header" and p.get("name") in (USER_HEADER, ADMIN_HEADER))
+            ]
             if not op["parameters"]:
                 del op["parameters"]
             if USER_HEADER in headers:
@@ -192,7 +238,8 @@ def rewrite(schema: dict[str, Any], *, token: bool = False) -> None:
                 if status == "429":
                     response.setdefault("headers", {})["Retry-After"] = {
                         "description": "Seconds to wait before calling again.",
-                        "schema": {"type": "integer", "minimum": 1}}
+                        "schema": {"type": "integer", "minimum": 1},
+                    }
             body = op.get("requestBody", {}).get("content", {}).get("application/json")
             if body is not None and path in ("/api/runs", "/api/code/test"):
                 body["example"] = BODY_EXAMPLE

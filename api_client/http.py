@@ -119,8 +119,9 @@ class ApiError(Exception):
         self.headers: dict[str, str] = {}
 
 
-def _error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
-                    **extra: Any) -> JSONResponse:
+def _error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
     info: dict[str, Any] = {"code": code, "message": message}
     info.update({k: v for k, v in extra.items() if v is not None})
     return JSONResponse({"error": info}, status_code=status, headers=headers)
@@ -131,14 +132,21 @@ def _from_studio_error(e: StudioCodeError) -> JSONResponse:
     if isinstance(e, RateLimited):
         retry = max(1, math.ceil(e.retry_after_s))
         RATE_LIMITED_TOTAL.inc()
-        return _error_response(status, str(e.code), e.message, {"Retry-After": str(retry)},
-                               retry_after_s=retry)
+        return _error_response(
+            status, str(e.code), e.message, {"Retry-After": str(retry)}, retry_after_s=retry
+        )
     return _error_response(status, str(e.code), e.message)
 
 
-_HTTP_CODES = {400: "REQUEST_INVALID", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
-               405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_LARGE", 422: "REQUEST_INVALID",
-               429: "RATE_LIMITED"}
+_HTTP_CODES = {
+    400: "REQUEST_INVALID",
+    401: "UNAUTHENTICATED",
+    404: "NOT_FOUND",
+    405: "METHOD_NOT_ALLOWED",
+    413: "REQUEST_TOO_LARGE",
+    422: "REQUEST_INVALID",
+    429: "RATE_LIMITED",
+}
 
 
 def _from_http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -150,8 +158,10 @@ def _from_http_exception(request: Request, e: StarletteHTTPException) -> JSONRes
         allow = (e.headers or {}).get("Allow", "")
         message = f"{where} is not allowed: use {allow or 'another method'} on this path."
     elif e.status_code == 400:
-        message = ("The request body could not be read as JSON (" + str(e.detail) + "): send "
-                   "a JSON object with Content-Type: application/json.")
+        message = (
+            "The request body could not be read as JSON (" + str(e.detail) + "): send "
+            "a JSON object with Content-Type: application/json."
+        )
     else:
         message = f"{e.detail} ({where})."
     code = _HTTP_CODES.get(e.status_code, f"HTTP_{e.status_code}")
@@ -179,8 +189,7 @@ class ErrorRoute(APIRoute):
             try:
                 return await handler(request)
             except ApiError as e:
-                return _error_response(e.status, e.code, e.message, e.headers or None,
-                                       **e.extra)
+                return _error_response(e.status, e.code, e.message, e.headers or None, **e.extra)
             except StudioCodeError as e:
                 return _from_studio_error(e)
             except RequestValidationError as e:
@@ -191,11 +200,13 @@ class ErrorRoute(APIRoute):
                 if _is_unreachable(e):
                     log.warning("dependency unreachable on %s: %s", request.url.path, e)
                     return _error_response(
-                        503, str(ErrorCode.RUNTIME_UNAVAILABLE),
+                        503,
+                        str(ErrorCode.RUNTIME_UNAVAILABLE),
                         f"A service the executor needs is not reachable ({type(e).__name__}"
                         "; the API's log has the details). Check Redis (STUDIO_REDIS_URL) "
                         "and the run store (STUDIO_DATABASE_URL); GET /healthz/ready says "
-                        "which.")
+                        "which.",
+                    )
                 raise
 
         return route
@@ -229,19 +240,27 @@ class Caller(BaseModel):
 async def caller(
     x_studio_user: Annotated[
         str | None,
-        Header(alias=USER_HEADER, description="The studio user id; set by the studio's API "
-               "or proxy only (stripped from client requests)."),
+        Header(
+            alias=USER_HEADER,
+            description="The studio user id; set by the studio's API "
+            "or proxy only (stripped from client requests).",
+        ),
     ] = None,
     x_studio_admin: Annotated[
         str | None,
-        Header(alias=ADMIN_HEADER, description="1 when the user is an admin; set by the "
-               "studio's API or proxy only."),
+        Header(
+            alias=ADMIN_HEADER,
+            description="1 when the user is an admin; set by the studio's API or proxy only.",
+        ),
     ] = None,
 ) -> Caller:
     user = (x_studio_user or "").strip()
     if not user:
-        raise ApiError(401, "UNAUTHENTICATED",
-                       f"No {USER_HEADER} header: the studio's API must say which user calls.")
+        raise ApiError(
+            401,
+            "UNAUTHENTICATED",
+            f"No {USER_HEADER} header: the studio's API must say which user calls.",
+        )
     if len(user) > 200:
         raise ApiError(422, "REQUEST_INVALID", f"{USER_HEADER} is longer than 200 characters.")
     admin = (x_studio_admin or "").strip().lower() in ("1", "true", "yes")
@@ -340,31 +359,40 @@ def _problems(raw: Any) -> list[Problem]:
 router = APIRouter(route_class=ErrorRoute)
 
 
-@router.get("/api/meta/runtime", response_model=RuntimeMeta, tags=["meta"],
-            responses={503: {"model": ErrorBody}})
+@router.get(
+    "/api/meta/runtime",
+    response_model=RuntimeMeta,
+    tags=["meta"],
+    responses={503: {"model": ErrorBody}},
+)
 def get_runtime_meta(services: ServicesDep) -> dict[str, Any]:
     """Enabled, runtime, each language's readiness (its test program ran) and packages,
     and the limits in force."""
     return services.client.meta()  # type: ignore[no-any-return]
 
 
-@router.post("/api/code/validate", response_model=ValidateResult, tags=["code"],
-             responses=ERRORS)
+@router.post("/api/code/validate", response_model=ValidateResult, tags=["code"], responses=ERRORS)
 def validate_code(body: CodeBody, who: CallerDep, services: ServicesDep) -> ValidateResult:
     """The save-time check: 200 when the code may be saved, else 400 CODE_INVALID whose
     message (and ``problems``) give the reason."""
-    problems = _problems(services.client.validate(
-        body.code, body.language, memory=body.memory, cpus=body.cpus, timeout_s=body.timeout_s))
+    problems = _problems(
+        services.client.validate(
+            body.code, body.language, memory=body.memory, cpus=body.cpus, timeout_s=body.timeout_s
+        )
+    )
     if problems:
-        raise ApiError(400, str(ErrorCode.CODE_INVALID),
-                       "; ".join(p.message if p.line is None else f"line {p.line}: {p.message}"
-                                 for p in problems),
-                       problems=[p.model_dump() for p in problems])
+        raise ApiError(
+            400,
+            str(ErrorCode.CODE_INVALID),
+            "; ".join(
+                p.message if p.line is None else f"line {p.line}: {p.message}" for p in problems
+            ),
+            problems=[p.model_dump() for p in problems],
+        )
     return ValidateResult(ok=True, language=body.language)
 
 
-@router.post("/api/code/nodes/check", response_model=NodeCheck, tags=["code"],
-             responses=ERRORS)
+@router.post("/api/code/nodes/check", response_model=NodeCheck, tags=["code"], responses=ERRORS)
 def check_node(body: LanguageBody, who: CallerDep, services: ServicesDep) -> NodeCheck:
     """Workflow validation of a Code node: 200 when a node of this language can run now;
     503 CODE_NODES_DISABLED or RUNTIME_UNAVAILABLE, or 400 CODE_INVALID for a language that
@@ -373,12 +401,21 @@ def check_node(body: LanguageBody, who: CallerDep, services: ServicesDep) -> Nod
     return NodeCheck(ok=True, language=body.language)
 
 
-@router.post("/api/code/test", response_model=RunView, tags=["code"],
-             responses={**ERRORS, 202: {"model": RunView,
-                                        "description": "Not finished within the wait: poll "
-                                        "GET /api/runs/{job_id}."}})
-async def test_code(body: RunBody, who: CallerDep, services: ServicesDep, request: Request,
-                    response: Response) -> Any:
+@router.post(
+    "/api/code/test",
+    response_model=RunView,
+    tags=["code"],
+    responses={
+        **ERRORS,
+        202: {
+            "model": RunView,
+            "description": "Not finished within the wait: poll GET /api/runs/{job_id}.",
+        },
+    },
+)
+async def test_code(
+    body: RunBody, who: CallerDep, services: ServicesDep, request: Request, response: Response
+) -> Any:
     """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute and
     STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
     code.test queue, answered with the result (200) or, when it takes longer than its
@@ -386,14 +423,22 @@ async def test_code(body: RunBody, who: CallerDep, services: ServicesDep, reques
     s = services.settings
     # the first call of a process opens the run store: never on the event loop
     client = await run_in_threadpool(lambda: services.client)
-    wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + \
-        TEST_WAIT_MARGIN_S
+    wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + TEST_WAIT_MARGIN_S
     aredis = client.async_redis
     slot = await services.in_flight.acquire(aredis, who.user, wait_s + 5)
     try:
         job_id = await run_in_threadpool(
-            lambda: client.submit(body.code, body.language, body.state, body.timeout_s,
-                                  who.user, "test", memory=body.memory, cpus=body.cpus))
+            lambda: client.submit(
+                body.code,
+                body.language,
+                body.state,
+                body.timeout_s,
+                who.user,
+                "test",
+                memory=body.memory,
+                cpus=body.cpus,
+            )
+        )
         rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s))
     finally:
         await services.in_flight.release(aredis, slot)
@@ -404,8 +449,9 @@ async def test_code(body: RunBody, who: CallerDep, services: ServicesDep, reques
     return RunView.of(rec)
 
 
-async def _unless_disconnected(request: Request,
-                               wait: Coroutine[Any, Any, JobRecord]) -> JobRecord | None:
+async def _unless_disconnected(
+    request: Request, wait: Coroutine[Any, Any, JobRecord]
+) -> JobRecord | None:
     """``wait``'s result, or None as soon as the caller disconnects (the wait is cancelled,
     so the caller's in-flight slot is given back at once)."""
     import anyio
@@ -413,6 +459,7 @@ async def _unless_disconnected(request: Request,
     result: JobRecord | None = None
     error: Exception | None = None
     async with anyio.create_task_group() as tg:
+
         async def watch() -> None:
             try:
                 while (await request.receive())["type"] != "http.disconnect":
@@ -432,12 +479,19 @@ async def _unless_disconnected(request: Request,
     return result
 
 
-@router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"],
-             responses=ERRORS)
+@router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"], responses=ERRORS)
 def submit_run(body: RunBody, who: CallerDep, services: ServicesDep) -> RunView:
     """Queue a workflow run's Code node (queue code.run); poll GET /api/runs/{job_id}."""
-    job_id = services.client.submit(body.code, body.language, body.state, body.timeout_s,
-                                    who.user, kind="run", memory=body.memory, cpus=body.cpus)
+    job_id = services.client.submit(
+        body.code,
+        body.language,
+        body.state,
+        body.timeout_s,
+        who.user,
+        kind="run",
+        memory=body.memory,
+        cpus=body.cpus,
+    )
     rec = services.record(job_id)
     if rec is None:  # pragma: no cover
         raise ApiError(503, str(ErrorCode.RUNTIME_UNAVAILABLE), "The run was lost.")
@@ -445,24 +499,30 @@ def submit_run(body: RunBody, who: CallerDep, services: ServicesDep) -> RunView:
 
 
 @router.get("/api/runs/{job_id}", response_model=RunView, tags=["runs"], responses=ERRORS)
-def get_run(job_id: JobIdPath, who: CallerDep,
-            services: ServicesDep) -> RunView:
+def get_run(job_id: JobIdPath, who: CallerDep, services: ServicesDep) -> RunView:
     """The run and, once finished, its result. 404 for an unknown id or another user's
     run (unless the caller is an admin)."""
     return RunView.of(_own_record(services, job_id, who))
 
 
-@router.post("/api/runs/{job_id}/cancel", response_model=RunView, status_code=202,
-             tags=["runs"], responses=ERRORS)
-def cancel_run(job_id: JobIdPath, who: CallerDep,
-               services: ServicesDep) -> RunView:
+@router.post(
+    "/api/runs/{job_id}/cancel",
+    response_model=RunView,
+    status_code=202,
+    tags=["runs"],
+    responses=ERRORS,
+)
+def cancel_run(job_id: JobIdPath, who: CallerDep, services: ServicesDep) -> RunView:
     """Cancel a run: a queued one never starts, a running one has its sandbox killed and
     ends ``cancelled``. Cancelling a cancelled run again is fine (202); one that finished
     otherwise answers 409."""
     rec = _own_record(services, job_id, who)
     if rec.status.finished and rec.status is not Status.CANCELLED:
-        raise ApiError(409, "CONFLICT",
-                       f"Run {job_id} already finished ({rec.status.value}); nothing to cancel.")
+        raise ApiError(
+            409,
+            "CONFLICT",
+            f"Run {job_id} already finished ({rec.status.value}); nothing to cancel.",
+        )
     from api_client.client import JobNotFound
 
     try:
@@ -483,8 +543,7 @@ def _metrics_registry() -> CollectorRegistry:
     return REGISTRY
 
 
-def create_app(settings: Settings, *, client: Any = None,
-               bind_host: str | None = None) -> FastAPI:
+def create_app(settings: Settings, *, client: Any = None, bind_host: str | None = None) -> FastAPI:
     """The routes as a whole app (what ``studio-code serve`` runs), with /healthz/* and
     /metrics, every request bounded by ``RequestLimits`` (``bind_host`` joins the Host
     allow-list). The studio can instead mount ``router``: see the module docstring."""
@@ -499,7 +558,8 @@ def create_app(settings: Settings, *, client: Any = None,
         await services.aclose()
 
     app = FastAPI(
-        docs_url=None, redoc_url=None,  # served offline by api_client.docs
+        docs_url=None,
+        redoc_url=None,  # served offline by api_client.docs
         lifespan=lifespan,
         title="studio-code",
         version="0.1.0",
@@ -525,8 +585,12 @@ def create_app(settings: Settings, *, client: Any = None,
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
-        return _error_response(500, "INTERNAL", "The API failed on this request (a bug; its "
-                               "log has the traceback). Try again; report it if it repeats.")
+        return _error_response(
+            500,
+            "INTERNAL",
+            "The API failed on this request (a bug; its "
+            "log has the traceback). Try again; report it if it repeats.",
+        )
 
     @app.get("/healthz/live", include_in_schema=False)
     async def live() -> dict[str, bool]:
@@ -538,8 +602,10 @@ def create_app(settings: Settings, *, client: Any = None,
         shows the live workers per queue (no worker is not a 503: the API still serves)."""
         checks = services.health()
         ok = all(v is None for v in checks.values())
-        return JSONResponse({"ok": ok, "checks": checks, "workers": services.workers()},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"ok": ok, "checks": checks, "workers": services.workers()},
+            status_code=200 if ok else 503,
+        )
 
     registry = _metrics_registry()
     from api_client.http_metrics import instrument
@@ -554,8 +620,9 @@ def create_app(settings: Settings, *, client: Any = None,
     return app
 
 
-def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080,
-          log_level: str = "info") -> None:
+def serve(
+    settings: Settings, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info"
+) -> None:
     """Run the app with uvicorn until SIGTERM / Ctrl-C, then return (after uvicorn's
     graceful shutdown). Every log line, access log included, goes to stderr: stdout is
     the CLI's one JSON object."""
@@ -574,5 +641,12 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080,
         # uvicorn re-raises the signal that stopped it once it has shut down; with this
         # handler that ends in a normal return instead of the process dying on SIGTERM.
         signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(create_app(settings, bind_host=host), host=host, port=port, log_level=log_level,
-                log_config=log_config, proxy_headers=False, server_header=False)
+    uvicorn.run(
+        create_app(settings, bind_host=host),
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=log_config,
+        proxy_headers=False,
+        server_header=False,
+    )

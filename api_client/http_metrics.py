@@ -28,11 +28,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 REQUESTS = Counter(
     "studio_code_http_requests",
     "HTTP requests answered by the API, by method, route template and status class.",
-    ["method", "route", "status"])
+    ["method", "route", "status"],
+)
 LATENCY = Histogram(
     "studio_code_http_request_duration_seconds",
     "From the request's arrival to the end of its response, by method and route template.",
-    ["method", "route"], buckets=LATENCY_BUCKETS)
+    ["method", "route"],
+    buckets=LATENCY_BUCKETS,
+)
 
 
 class RequestMetrics:
@@ -89,7 +92,8 @@ def instrument(app: FastAPI, services: Any) -> CollectorRegistry:
             for cls in STATUS_CLASSES:
                 REQUESTS.labels(method, route.path, cls)
     registry = CollectorRegistry(auto_describe=False)
-    client = redis.Redis.from_url(services.settings.redis_url, socket_timeout=2,
-                                  socket_connect_timeout=2)
+    client = redis.Redis.from_url(
+        services.settings.redis_url, socket_timeout=2, socket_connect_timeout=2
+    )
     registry.register(QueueCollector(client, lambda: services.client.store))
     return registry

@@ -63,12 +63,14 @@ class InFlight:
         the user already has ``limit`` calls waiting."""
         slot = Slot(in_flight_key(user), uuid.uuid4().hex)
         try:
-            admitted = await aredis.eval(_ACQUIRE_LUA, 1, slot.key, self.limit,
-                                         math.ceil(hold_s * 1000), slot.token)
+            admitted = await aredis.eval(
+                _ACQUIRE_LUA, 1, slot.key, self.limit, math.ceil(hold_s * 1000), slot.token
+            )
         except redis.RedisError as e:
             raise RuntimeUnavailable(
                 f"Redis at STUDIO_REDIS_URL cannot count waiting editor test calls ({e}): "
-                "check that it is up.") from e
+                "check that it is up."
+            ) from e
         if not admitted:
             who = f"User {user!r}" if user else "This user"
             raise RateLimited(

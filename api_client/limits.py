@@ -91,18 +91,20 @@ def bind_refusal(settings: Settings, host: str) -> str | None:
     would let anyone who reaches the port claim any user (None when it may)."""
     if is_loopback(host) or settings.api_token_bytes:
         return None
-    return (f"Refusing to serve on {host!r} without STUDIO_API_TOKEN: the API believes the "
-            "X-Studio-User header, so anyone who can reach a non-loopback port could act as "
-            "any user (and, in subprocess mode, run code on this host). Set STUDIO_API_TOKEN "
-            "(or STUDIO_API_TOKEN_FILE) to a secret the studio sends as 'Authorization: "
-            "Bearer <token>', or bind 127.0.0.1.")
+    return (
+        f"Refusing to serve on {host!r} without STUDIO_API_TOKEN: the API believes the "
+        "X-Studio-User header, so anyone who can reach a non-loopback port could act as "
+        "any user (and, in subprocess mode, run code on this host). Set STUDIO_API_TOKEN "
+        "(or STUDIO_API_TOKEN_FILE) to a secret the studio sends as 'Authorization: "
+        "Bearer <token>', or bind 127.0.0.1."
+    )
 
 
 def _host_name(value: str) -> str:
     """The name part of a Host header: 'Example.com:8080' -> 'example.com', '[::1]:80' -> '::1'."""
     value = value.strip().lower()
     if value.startswith("["):
-        return value[1:value.find("]")] if "]" in value else value
+        return value[1 : value.find("]")] if "]" in value else value
     if value.count(":") == 1:
         value = value.split(":", 1)[0]
     return value.rstrip(".")
@@ -131,10 +133,12 @@ def json_depth_over(body: bytes, max_depth: int) -> bool:
     signs = brackets.translate(_SIGN)
     depth = 0
     for i in range(0, len(signs), _BLOCK):
-        block = signs[i:i + _BLOCK]
+        block = signs[i : i + _BLOCK]
         opens = block.count(1)
-        if depth + opens > max_depth and max(accumulate(array("b", block),
-                                                        initial=depth)) > max_depth:
+        if (
+            depth + opens > max_depth
+            and max(accumulate(array("b", block), initial=depth)) > max_depth
+        ):
             return True
         depth += 2 * opens - len(block)
     return False
@@ -147,8 +151,15 @@ def error_body(code: str, message: str) -> bytes:
 class RequestLimits:
     """The pure ASGI middleware described in the module docstring."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, *, bind_host: str | None = None,
-                 router_only: bool = False, prefix: str = "") -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        *,
+        bind_host: str | None = None,
+        router_only: bool = False,
+        prefix: str = "",
+    ) -> None:
         self.app = app
         self.settings = settings
         self.router_only = router_only
@@ -176,9 +187,12 @@ class RequestLimits:
         body, refusal = await self._read_body(scope, receive, cap)
         if refusal is None and body and _is_json(scope) and await self._too_deep(body):
             limit = self.settings.api_json_max_depth
-            refusal = (400, "REQUEST_TOO_DEEP",
-                       f"The JSON body nests arrays or objects more than {limit} deep (the "
-                       f"limit, STUDIO_API_JSON_MAX_DEPTH={limit}): flatten the state.")
+            refusal = (
+                400,
+                "REQUEST_TOO_DEEP",
+                f"The JSON body nests arrays or objects more than {limit} deep (the "
+                f"limit, STUDIO_API_JSON_MAX_DEPTH={limit}): flatten the state.",
+            )
         if refusal is not None:
             await _respond(send, *refusal)
             return
@@ -188,11 +202,11 @@ class RequestLimits:
         path: str = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):
-            path = path[len(root):] or "/"
+            path = path[len(root) :] or "/"
         if self.prefix:
             if not path.startswith(self.prefix + "/"):
                 return None if self.router_only else path
-            path = path[len(self.prefix):]
+            path = path[len(self.prefix) :]
         if self.router_only and not path.startswith(ROUTER_PREFIXES):
             return None
         return path
@@ -204,42 +218,57 @@ class RequestLimits:
             if name in IDENTITY_HEADERS:
                 if name in seen:
                     header = name.decode().title()
-                    return (400, "HEADER_REPEATED",
-                            f"The {header} header was sent more than once: a proxy must "
-                            "replace it, not add another, or the caller could choose which "
-                            "one counts. Send it once.")
+                    return (
+                        400,
+                        "HEADER_REPEATED",
+                        f"The {header} header was sent more than once: a proxy must "
+                        "replace it, not add another, or the caller could choose which "
+                        "one counts. Send it once.",
+                    )
                 seen[name] = value
         live = path == LIVENESS_PATH and scope["method"] in ("GET", "HEAD")
         if not live and not self.any_host:
             host = _host_name(seen.get(b"host", b"").decode("latin-1"))
             if host not in self.hosts:
-                return (400, "HOST_NOT_ALLOWED",
-                        f"Host {host!r} is not one this API answers to (a page that "
-                        "re-pointed its own name at this machine would send it): call it by "
-                        "a loopback name or add the name to STUDIO_API_ALLOWED_HOSTS.")
+                return (
+                    400,
+                    "HOST_NOT_ALLOWED",
+                    f"Host {host!r} is not one this API answers to (a page that "
+                    "re-pointed its own name at this machine would send it): call it by "
+                    "a loopback name or add the name to STUDIO_API_ALLOWED_HOSTS.",
+                )
         if self.token and not live:
             scheme, _, given = seen.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(),
-                                                                      self.token):
-                return (401, "UNAUTHENTICATED",
-                        "Missing or wrong 'Authorization: Bearer <token>': this API answers "
-                        "only the studio, which sends STUDIO_API_TOKEN.")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+                return (
+                    401,
+                    "UNAUTHENTICATED",
+                    "Missing or wrong 'Authorization: Bearer <token>': this API answers "
+                    "only the studio, which sends STUDIO_API_TOKEN.",
+                )
         return None
 
-    async def _read_body(self, scope: Scope, receive: Receive,
-                         cap: int) -> tuple[bytes, tuple[int, str, str] | None]:
-        too_large = (413, "REQUEST_TOO_LARGE",
-                     f"The request body is larger than {cap} bytes, the most "
-                     f"{scope['method']} {scope.get('path', '')} takes: send a smaller state "
-                     "(STUDIO_API_BODY_MAX_BYTES and STUDIO_CODE_STATE_MAX_BYTES set it).")
+    async def _read_body(
+        self, scope: Scope, receive: Receive, cap: int
+    ) -> tuple[bytes, tuple[int, str, str] | None]:
+        too_large = (
+            413,
+            "REQUEST_TOO_LARGE",
+            f"The request body is larger than {cap} bytes, the most "
+            f"{scope['method']} {scope.get('path', '')} takes: send a smaller state "
+            "(STUDIO_API_BODY_MAX_BYTES and STUDIO_CODE_STATE_MAX_BYTES set it).",
+        )
         for name, value in scope.get("headers", ()):
             if name.lower() == b"content-length":
                 try:
                     if int(value) > cap:
                         return b"", too_large
                 except ValueError:
-                    return b"", (400, "REQUEST_INVALID",
-                                 "The Content-Length header is not a number.")
+                    return b"", (
+                        400,
+                        "REQUEST_INVALID",
+                        "The Content-Length header is not a number.",
+                    )
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -271,7 +300,8 @@ def _is_json(scope: Scope) -> bool:
         if name.lower() == b"content-type":
             media = value.split(b";", 1)[0].strip().lower()
             return media.startswith(b"application/") and (
-                media == b"application/json" or media.endswith(b"+json"))
+                media == b"application/json" or media.endswith(b"+json")
+            )
     return True
 
 
@@ -291,8 +321,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 async def _respond(send: Send, status: int, code: str, message: str) -> None:
     REFUSED_TOTAL.labels(code).inc()
     body = error_body(code, message)
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     if status == 413:

@@ -56,8 +56,11 @@ def _ending(rec: JobRecord, *, with_logs: bool) -> list[LogEvent]:
     mark = _mark(rec)
     if mark is not None:
         out.append(LogEvent("truncated", mark))
-    out.append(LogEvent("end", json.dumps({"status": rec.status.value,
-                                           "logs_truncated": rec.logs_truncated})))
+    out.append(
+        LogEvent(
+            "end", json.dumps({"status": rec.status.value, "logs_truncated": rec.logs_truncated})
+        )
+    )
     return out
 
 
@@ -90,9 +93,15 @@ class _Follower:
         return events
 
 
-def follow(client: Any, job_id: str, status: Callable[[], RunSummary | None],
-           final: Callable[[], JobRecord | None], *, timeout_s: float = 3600.0,
-           last_id: str = "0-0") -> Iterator[LogEvent]:
+def follow(
+    client: Any,
+    job_id: str,
+    status: Callable[[], RunSummary | None],
+    final: Callable[[], JobRecord | None],
+    *,
+    timeout_s: float = 3600.0,
+    last_id: str = "0-0",
+) -> Iterator[LogEvent]:
     """Follow with a sync Redis client. ``status`` gives the job's summary (cheap, read
     each turn), ``final`` its whole record (read once, at the end); None: unknown."""
     f = _Follower(last_id)
@@ -112,9 +121,15 @@ def follow(client: Any, job_id: str, status: Callable[[], RunSummary | None],
             return
 
 
-async def follow_async(client: Any, job_id: str, status: Callable[[], RunSummary | None],
-                       final: Callable[[], JobRecord | None], *, timeout_s: float = 3600.0,
-                       last_id: str = "0-0") -> AsyncIterator[LogEvent]:
+async def follow_async(
+    client: Any,
+    job_id: str,
+    status: Callable[[], RunSummary | None],
+    final: Callable[[], JobRecord | None],
+    *,
+    timeout_s: float = 3600.0,
+    last_id: str = "0-0",
+) -> AsyncIterator[LogEvent]:
     """``follow`` with a redis.asyncio client; the store is read in a worker thread."""
     f = _Follower(last_id)
     key = logs_key(job_id)
@@ -124,8 +139,7 @@ async def follow_async(client: Any, job_id: str, status: Callable[[], RunSummary
         if run is None:
             return
         done = run.finished
-        reply = await client.xread({key: f.last_id}, count=1000,
-                                   block=None if done else BLOCK_MS)
+        reply = await client.xread({key: f.last_id}, count=1000, block=None if done else BLOCK_MS)
         for event in f.take(reply):
             yield event
         if done and not reply:

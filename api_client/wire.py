@@ -24,7 +24,8 @@ class ErrorInfo(BaseModel):
     code: str = Field(description="CODE_INVALID, RATE_LIMITED, NOT_FOUND, ...")
     message: str = Field(description="What happened and what to do.")
     problems: list[Problem] | None = Field(
-        None, description="CODE_INVALID from /api/code/validate: each problem found.")
+        None, description="CODE_INVALID from /api/code/validate: each problem found."
+    )
     retry_after_s: int | None = Field(None, description="RATE_LIMITED: seconds to wait.")
 
 
@@ -48,22 +49,36 @@ class CodeBody(BaseModel):
     code: str = Field(max_length=CODE_MAX_CHARS, description="The node's source.")
     language: LanguageName = "python"
     memory: str | None = Field(
-        None, max_length=20, description="Memory the node asks for (e.g. 512m); at most "
-        "STUDIO_CODE_MAX_MEMORY. Default: STUDIO_CODE_MEMORY.")
+        None,
+        max_length=20,
+        description="Memory the node asks for (e.g. 512m); at most "
+        "STUDIO_CODE_MAX_MEMORY. Default: STUDIO_CODE_MEMORY.",
+    )
     cpus: float | None = Field(
-        None, gt=0, le=64, description="CPU share the node asks for; at most "
-        "STUDIO_CODE_MAX_CPUS. Default: STUDIO_CODE_CPUS.")
+        None,
+        gt=0,
+        le=64,
+        description="CPU share the node asks for; at most "
+        "STUDIO_CODE_MAX_CPUS. Default: STUDIO_CODE_CPUS.",
+    )
     timeout_s: float | None = Field(
-        None, gt=0, le=86400, description="Seconds; at save time at most "
-        "STUDIO_CODE_MAX_SECONDS (a run caps it there).")
+        None,
+        gt=0,
+        le=86400,
+        description="Seconds; at save time at most STUDIO_CODE_MAX_SECONDS (a run caps it there).",
+    )
 
 
 class RunBody(CodeBody):
     state: dict[str, Any] = Field(
-        default_factory=dict, description="The workflow state; the code gets a JSON copy.")
+        default_factory=dict, description="The workflow state; the code gets a JSON copy."
+    )
     timeout_s: float | None = Field(
-        None, gt=0, le=86400,
-        description="Seconds; capped by STUDIO_CODE_MAX_SECONDS (a request can only lower it).")
+        None,
+        gt=0,
+        le=86400,
+        description="Seconds; capped by STUDIO_CODE_MAX_SECONDS (a request can only lower it).",
+    )
 
 
 class ValidateResult(BaseModel):
@@ -167,7 +182,8 @@ class RunList(BaseModel):
 
     runs: list[RunSummary]
     next_cursor: str | None = Field(
-        None, description="Pass as ``cursor`` for the next page; null on the last page.")
+        None, description="Pass as ``cursor`` for the next page; null on the last page."
+    )
 
 
 class RunLogs(BaseModel):

@@ -43,8 +43,9 @@ def main() -> None:
 
         def proc(*argv: str) -> Callable[[], object]:
             def run() -> None:
-                done = subprocess.run(argv, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, check=False)
+                done = subprocess.run(
+                    argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False
+                )
                 assert done.returncode == 0, done.stdout
 
             return run
@@ -56,18 +57,28 @@ def main() -> None:
             assert r.status == "succeeded", r.error
 
         bare = proc(python, "-c", "pass")
-        help_t, validate_t, bare_t = interleave(n, [proc(cli, "--help"),
-                                                    proc(cli, "validate", str(node)), bare])
-        whole_t, inproc_t = interleave(n, [proc(cli, "run", str(node), "--state", STATE),
-                                           in_process])
+        help_t, validate_t, bare_t = interleave(
+            n, [proc(cli, "--help"), proc(cli, "validate", str(node)), bare]
+        )
+        whole_t, inproc_t = interleave(
+            n, [proc(cli, "run", str(node), "--state", STATE), in_process]
+        )
     print(f"# bench.cli: n={n} per side, interleaved; p50 / p95 in ms")
     print("| what | command p50 / p95 | floor p50 / p95 | ratio, delta | goal |")
     print("|---|---|---|---|---|")
     print(row("`studio-code --help` vs `python -c pass`", help_t, bare_t, "≤ +150 ms"))
-    print(row("`studio-code validate node.py` vs `python -c pass`", validate_t, bare_t,
-              "≤ +200 ms"))
-    print(row("`studio-code run node.py` (subprocess runtime), whole process vs the same run "
-              "in-process", whole_t, inproc_t, "≤ +150 ms"))
+    print(
+        row("`studio-code validate node.py` vs `python -c pass`", validate_t, bare_t, "≤ +200 ms")
+    )
+    print(
+        row(
+            "`studio-code run node.py` (subprocess runtime), whole process vs the same run "
+            "in-process",
+            whole_t,
+            inproc_t,
+            "≤ +150 ms",
+        )
+    )
 
 
 if __name__ == "__main__":

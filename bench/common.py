@@ -44,8 +44,7 @@ def raw_container(api: Any, policy: dict[str, Any], stdin: bytes) -> int:
     policy = {**policy, "host_config": api.create_host_config(**policy["host_config"])}
     cid = api.create_container(name=f"studio-code-bench-{uuid.uuid4().hex}", **policy)["Id"]
     try:
-        sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1,
-                                              "stream": 1})
+        sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
         raw = sock._sock
         api.start(cid)
         raw.sendall(stdin)

@@ -23,8 +23,10 @@ TRIVIAL = "def main(state):\n    return 1\n"
 
 def row(name: str, a: list[float], b: list[float], goal: str) -> str:
     a50, a95, b50, b95 = pct(a, 50), pct(a, 95), pct(b, 50), pct(b, 95)
-    return (f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
-            f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms | {goal} |")
+    return (
+        f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
+        f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms | {goal} |"
+    )
 
 
 def raw_docker_floor(ex: Executor, state_json: str) -> Callable[[], object]:
@@ -55,6 +57,7 @@ def main() -> None:
         def run() -> None:
             r = ex.run(CodeJob(code=TRIVIAL, state_json=state, timeout_s=20))
             assert r.status == "succeeded", r.error
+
         return run
 
     lang = get_language("python")
@@ -72,11 +75,16 @@ def main() -> None:
     print("| what | executor p50 / p95 | floor p50 / p95 | ratio, delta | goal |")
     print("|---|---|---|---|---|")
     e2e, floor = interleave(n, [via(docker_ex, "{}"), raw_docker_floor(docker_ex, "{}")])
-    print(row("docker: trivial node e2e vs raw SDK create→attach→start→wait→remove",
-              e2e, floor, "≤ 1.25x"))
+    print(
+        row(
+            "docker: trivial node e2e vs raw SDK create→attach→start→wait→remove",
+            e2e,
+            floor,
+            "≤ 1.25x",
+        )
+    )
     sub, runner, bare = interleave(n, [via(sub_ex, "{}"), bare_runner, bare_python])
-    print(row("subprocess: trivial node vs the same runner spawned bare", sub, runner,
-              "≤ +15 ms"))
+    print(row("subprocess: trivial node vs the same runner spawned bare", sub, runner, "≤ +15 ms"))
     print(row("subprocess: trivial node vs bare `python3 -c pass`", sub, bare, "≤ +15 ms"))
     big_t, small_t = interleave(max(5, n // 3), [via(docker_ex, big), via(docker_ex, small)])
     print(row("docker: 10 MB state vs 1 KB state", big_t, small_t, "(cost of size)"))

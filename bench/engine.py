@@ -48,10 +48,20 @@ class OwnEngine:
 
         self.cg_engine.mkdir(exist_ok=True)
         args = [
-            "dockerd", "--data-root", str(self.dir / "data"), "--exec-root",
-            str(self.dir / "exec"), "--host", self.host, "--pidfile",
-            str(self.dir / "docker.pid"), "--bridge=none", "--iptables=false",
-            "--ip6tables=false", "--cgroup-parent", self.cg_parent,
+            "dockerd",
+            "--data-root",
+            str(self.dir / "data"),
+            "--exec-root",
+            str(self.dir / "exec"),
+            "--host",
+            self.host,
+            "--pidfile",
+            str(self.dir / "docker.pid"),
+            "--bridge=none",
+            "--iptables=false",
+            "--ip6tables=false",
+            "--cgroup-parent",
+            self.cg_parent,
         ]
         if self.crun:
             args += ["--add-runtime", f"crun={self.crun}"]
@@ -59,8 +69,9 @@ class OwnEngine:
         # inherit it.
         script = f'echo $$ > {self.cg_engine}/cgroup.procs && exec "$@"'
         with open(self.dir / "dockerd.log", "wb") as log:
-            self.proc = subprocess.Popen(["sh", "-c", script, "sh", *args], stdout=log,
-                                         stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen(
+                ["sh", "-c", script, "sh", *args], stdout=log, stderr=log, start_new_session=True
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -80,8 +91,9 @@ class OwnEngine:
             return "crun is not installed (apt-get install crun)"
         client = docker.DockerClient(base_url=self.host, timeout=60)
         try:
-            client.containers.run(image, ["python3", "-c", "pass"], runtime="crun",
-                                  network_mode="none", remove=True)
+            client.containers.run(
+                image, ["python3", "-c", "pass"], runtime="crun", network_mode="none", remove=True
+            )
             return None
         except docker.errors.DockerException as e:
             return str(e)
@@ -90,8 +102,12 @@ class OwnEngine:
 
     def load(self, images: list[str]) -> None:
         save = subprocess.Popen(["docker", "save", *images], stdout=subprocess.PIPE)
-        subprocess.run(["docker", "-H", self.host, "load", "-q"], stdin=save.stdout,
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["docker", "-H", self.host, "load", "-q"],
+            stdin=save.stdout,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         save.wait()
 
     def cpu_ms(self) -> tuple[float, float]:
@@ -131,8 +147,11 @@ def _bench(engine: OwnEngine, n: int, runtimes: list[str]) -> None:
 
     executors: dict[tuple[str, str], Executor] = {}
     for rt in runtimes:
-        settings = load_settings(enable_code_nodes=True, code_languages="python",
-                                 code_oci_runtime="" if rt == "runc" else rt)
+        settings = load_settings(
+            enable_code_nodes=True,
+            code_languages="python",
+            code_oci_runtime="" if rt == "runc" else rt,
+        )
         executors[(rt, "cold")] = Executor(settings)
         pooled = Executor(settings)
         pooled.prepare()
@@ -151,12 +170,17 @@ def _bench(engine: OwnEngine, n: int, runtimes: list[str]) -> None:
     sides, names = [], []
     for rt in runtimes:
         cold = executors[(rt, "cold")]
-        sides += [raw_docker_floor(cold, "{}"), lambda ex=cold: job(ex),
-                  lambda ex=executors[(rt, "pool")]: job(ex)]
+        sides += [
+            raw_docker_floor(cold, "{}"),
+            lambda ex=cold: job(ex),
+            lambda ex=executors[(rt, "pool")]: job(ex),
+        ]
         names += [f"{rt}: raw cold floor", f"{rt}: executor cold", f"{rt}: executor pool"]
     times = interleave(n, sides)
-    print(f"# bench.engine: an own dockerd ({', '.join(runtimes)}); trivial Python node, "
-          f"n={n} per side, interleaved; ms")
+    print(
+        f"# bench.engine: an own dockerd ({', '.join(runtimes)}); trivial Python node, "
+        f"n={n} per side, interleaved; ms"
+    )
     print("| what | p50 | p95 |")
     print("|---|---|---|")
     for name, t in zip(names, times, strict=True):
@@ -179,10 +203,13 @@ def _bench(engine: OwnEngine, n: int, runtimes: list[str]) -> None:
                 e1, b1 = engine.cpu_ms()
                 c1 = _self_cpu_ms()
                 cpu.setdefault((rt, mode), []).append(
-                    ((e1 - e0) / block, (b1 - b0) / block, (c1 - c0) / block))
+                    ((e1 - e0) / block, (b1 - b0) / block, (c1 - c0) / block)
+                )
     print()
-    print(f"| CPU per job ({3 * block} jobs per row, ms) | engine: dockerd, containerd, shim, "
-          "OCI runtime | the sandbox's own processes | this client (executor) | total |")
+    print(
+        f"| CPU per job ({3 * block} jobs per row, ms) | engine: dockerd, containerd, shim, "
+        "OCI runtime | the sandbox's own processes | this client (executor) | total |"
+    )
     print("|---|---|---|---|---|")
     for (rt, mode), rows in cpu.items():
         e = sum(r[0] for r in rows) / len(rows)
@@ -223,8 +250,9 @@ def main(n: int = 15, pytest_args: list[str] | None = None) -> int:
             if crun is not None:
                 return 1
             env = {**os.environ, "STUDIO_CODE_OCI_RUNTIME": "crun"}
-            return subprocess.run([sys.executable, "-m", "pytest", *pytest_args],
-                                  env=env).returncode
+            return subprocess.run(
+                [sys.executable, "-m", "pytest", *pytest_args], env=env
+            ).returncode
         _bench(engine, n, ["runc"] + ([] if crun else ["crun"]))
         return 0
     finally:
@@ -238,8 +266,11 @@ def main(n: int = 15, pytest_args: list[str] | None = None) -> int:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.engine")
     p.add_argument("--n", type=int, default=15)
-    p.add_argument("--pytest", nargs=argparse.REMAINDER,
-                   help="instead of the bench: run pytest with these arguments against the "
-                   "own engine with STUDIO_CODE_OCI_RUNTIME=crun")
+    p.add_argument(
+        "--pytest",
+        nargs=argparse.REMAINDER,
+        help="instead of the bench: run pytest with these arguments against the "
+        "own engine with STUDIO_CODE_OCI_RUNTIME=crun",
+    )
     a = p.parse_args()
     raise SystemExit(main(a.n, a.pytest))

@@ -27,8 +27,9 @@ from typing import Any
 from bench.common import interleave, pct
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_URL = os.environ.get("STUDIO_TEST_POSTGRES_URL",
-                        "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+PG_URL = os.environ.get(
+    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
 
 
 def fill(url: str, rows: int) -> None:
@@ -44,14 +45,30 @@ def fill(url: str, rows: int) -> None:
     with store.engine.begin() as conn:
         for i in range(rows):
             at = start + timedelta(seconds=i * 15)
-            batch.append({
-                "job_id": uuid.uuid4().hex, "status": "failed" if i % 500 == 0 else "succeeded",
-                "kind": "run", "user": f"user{i % 100}", "language": "python",
-                "code": "def main(state):\n    return state\n" * 10, "state_json": "{}",
-                "code_runtime": "docker", "runtime": "docker", "output": "{}", "logs": "",
-                "logs_truncated": False, "warnings": "[]", "trace": "[]", "duration_ms": 9.0,
-                "queued_at": at, "started_at": at, "finished_at": at, "worker": "w",
-                "attempts": 1})
+            batch.append(
+                {
+                    "job_id": uuid.uuid4().hex,
+                    "status": "failed" if i % 500 == 0 else "succeeded",
+                    "kind": "run",
+                    "user": f"user{i % 100}",
+                    "language": "python",
+                    "code": "def main(state):\n    return state\n" * 10,
+                    "state_json": "{}",
+                    "code_runtime": "docker",
+                    "runtime": "docker",
+                    "output": "{}",
+                    "logs": "",
+                    "logs_truncated": False,
+                    "warnings": "[]",
+                    "trace": "[]",
+                    "duration_ms": 9.0,
+                    "queued_at": at,
+                    "started_at": at,
+                    "finished_at": at,
+                    "worker": "w",
+                    "attempts": 1,
+                }
+            )
             if len(batch) == 10_000:
                 conn.execute(insert(jobs), batch)
                 batch = []
@@ -62,9 +79,11 @@ def fill(url: str, rows: int) -> None:
 
 def raw_page(url: str) -> Any:
     """The same first page with the raw driver: the SQL floor."""
-    sql = ("SELECT job_id, status, kind, \"user\", language, code_runtime, runtime, error, "
-           "duration_ms, queued_at, started_at, finished_at, worker, attempts FROM code_jobs "
-           "ORDER BY queued_at DESC, job_id DESC LIMIT 51")
+    sql = (
+        'SELECT job_id, status, kind, "user", language, code_runtime, runtime, error, '
+        "duration_ms, queued_at, started_at, finished_at, worker, attempts FROM code_jobs "
+        "ORDER BY queued_at DESC, job_id DESC LIMIT 51"
+    )
     if url.startswith("sqlite"):
         import sqlite3
 
@@ -75,13 +94,16 @@ def raw_page(url: str) -> Any:
 
     u = make_url(url)
     options = u.query.get("options")
-    conn2 = psycopg.connect(u.set(drivername="postgresql", query={}).render_as_string(
-        hide_password=False), **({"options": options} if options else {}))
+    conn2 = psycopg.connect(
+        u.set(drivername="postgresql", query={}).render_as_string(hide_password=False),
+        **({"options": options} if options else {}),
+    )
     return lambda: conn2.execute(sql).fetchall()
 
 
-def start_api(url: str, tmp: Path,
-              redis_url: str = "redis://127.0.0.1:1/0") -> tuple[subprocess.Popen[bytes], str]:
+def start_api(
+    url: str, tmp: Path, redis_url: str = "redis://127.0.0.1:1/0"
+) -> tuple[subprocess.Popen[bytes], str]:
     """``studio-code serve`` on the store at ``url``; the history needs no Redis (the
     default points nowhere), live logs do."""
     import httpx
@@ -89,12 +111,27 @@ def start_api(url: str, tmp: Path,
     from bench.queue import free_port
 
     port = free_port()
-    env = {**os.environ, "STUDIO_DATABASE_URL": url, "STUDIO_ENABLE_CODE_NODES": "1",
-           "STUDIO_REDIS_URL": redis_url}
+    env = {
+        **os.environ,
+        "STUDIO_DATABASE_URL": url,
+        "STUDIO_ENABLE_CODE_NODES": "1",
+        "STUDIO_REDIS_URL": redis_url,
+    }
     log = open(tmp / f"api-{port}.log", "wb")  # noqa: SIM115 - lives as long as the API
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("studio-code")), "serve",
-                             "--port", str(port), "--log-level", "warning"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("studio-code")),
+            "serve",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -118,8 +155,9 @@ def bench_store(name: str, url: str, rows: int, n: int, tmp: Path) -> None:
         user = {"X-Studio-User": "user7"}
         deep = http.get("/api/runs", params={"limit": 200}, headers=admin).json()
         for _ in range(250):  # 50,000 rows down
-            deep = http.get("/api/runs", params={"limit": 200, "cursor": deep["next_cursor"]},
-                            headers=admin).json()
+            deep = http.get(
+                "/api/runs", params={"limit": 200, "cursor": deep["next_cursor"]}, headers=admin
+            ).json()
         deep_cursor = deep["next_cursor"]
         floor_sql = raw_page(url)
         cases = [
@@ -127,17 +165,24 @@ def bench_store(name: str, url: str, rows: int, n: int, tmp: Path) -> None:
             ("raw SQL first page (SQL floor)", floor_sql),
             ("GET /api/runs admin, 50", lambda: http.get("/api/runs", headers=admin)),
             ("GET /api/runs own runs, 50", lambda: http.get("/api/runs", headers=user)),
-            ("GET /api/runs status=failed", lambda: http.get(
-                "/api/runs", params={"status": "failed"}, headers=admin)),
-            ("GET /api/runs page at 50,000", lambda: http.get(
-                "/api/runs", params={"cursor": deep_cursor}, headers=admin)),
+            (
+                "GET /api/runs status=failed",
+                lambda: http.get("/api/runs", params={"status": "failed"}, headers=admin),
+            ),
+            (
+                "GET /api/runs page at 50,000",
+                lambda: http.get("/api/runs", params={"cursor": deep_cursor}, headers=admin),
+            ),
         ]
         times = interleave(n, [fn for _, fn in cases], warmup=5)
         floor = pct(times[0], 50)
         print(f"  {'':38} {'p50 ms':>8} {'p95 ms':>8} {'p50/HTTP floor':>15}")
         for (label, _), t in zip(cases, times, strict=True):
-            print(f"  {name + ' ' + label:38} {pct(t, 50):8.2f} {pct(t, 95):8.2f} "
-                  f"{pct(t, 50) / floor:15.2f}", flush=True)
+            print(
+                f"  {name + ' ' + label:38} {pct(t, 50):8.2f} {pct(t, 95):8.2f} "
+                f"{pct(t, 50) / floor:15.2f}",
+                flush=True,
+            )
         http.close()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -164,8 +209,9 @@ def main() -> None:
             print(f"  postgresql: skipped ({e})")
             return
         try:
-            bench_store("postgresql", f"{PG_URL}?options=-csearch_path%3D{schema}",
-                        args.rows, args.n, tmp)
+            bench_store(
+                "postgresql", f"{PG_URL}?options=-csearch_path%3D{schema}", args.rows, args.n, tmp
+            )
         finally:
             with psycopg.connect(dsn, autocommit=True) as c:
                 c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

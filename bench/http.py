@@ -39,16 +39,17 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def probe(base: str, auth: dict[str, str], run_id: str, n: int) -> tuple[list[float],
-                                                                         list[float]]:
+def probe(base: str, auth: dict[str, str], run_id: str, n: int) -> tuple[list[float], list[float]]:
     """n timings (ms) of each route, interleaved."""
     import httpx
 
     live, run = [], []
     with httpx.Client(base_url=base, headers=auth, timeout=30) as c:
         for _ in range(n):
-            for path, out, h in (("/healthz/live", live, {}),
-                                 (f"/api/runs/{run_id}", run, {"X-Studio-User": "bench"})):
+            for path, out, h in (
+                ("/healthz/live", live, {}),
+                (f"/api/runs/{run_id}", run, {"X-Studio-User": "bench"}),
+            ):
                 t0 = time.perf_counter()
                 r = c.get(path, headers=h)
                 out.append((time.perf_counter() - t0) * 1000)
@@ -65,22 +66,28 @@ class Burst:
         self.answered = 0  # calls ended so far (counted as they end)
         self._stop = asyncio.Event()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_until_complete,
-                                        args=(self._run(base, auth, users, per_user),),
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_until_complete,
+            args=(self._run(base, auth, users, per_user),),
+            daemon=True,
+        )
         self._thread.start()
 
-    async def _run(self, base: str, auth: dict[str, str], users: list[str],
-                   per_user: int) -> None:
+    async def _run(self, base: str, auth: dict[str, str], users: list[str], per_user: int) -> None:
         import httpx
 
         n = len(users) * per_user
-        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=300,
-                                     limits=httpx.Limits(max_connections=n + 10)) as c:
+        async with httpx.AsyncClient(
+            base_url=base, headers=auth, timeout=300, limits=httpx.Limits(max_connections=n + 10)
+        ) as c:
             body = {"code": SLEEP, "timeout_s": 30}
-            tasks = [asyncio.ensure_future(c.post("/api/code/test", json=body,
-                                                  headers={"X-Studio-User": u}))
-                     for u in users for _ in range(per_user)]
+            tasks = [
+                asyncio.ensure_future(
+                    c.post("/api/code/test", json=body, headers={"X-Studio-User": u})
+                )
+                for u in users
+                for _ in range(per_user)
+            ]
             for t in tasks:
                 t.add_done_callback(lambda _: setattr(self, "answered", self.answered + 1))
             stop = asyncio.ensure_future(self._stop.wait())
@@ -117,27 +124,65 @@ def main() -> None:
     db = tmp / "runs.db"
     per_user = max(1, args.calls // args.users)
     env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-    env.update(STUDIO_ENABLE_CODE_NODES="1", STUDIO_REDIS_URL=redis.url,
-               STUDIO_DATABASE_URL=f"sqlite:///{db}", STUDIO_CODE_LANGUAGES="python",
-               STUDIO_API_TOKEN=token, STUDIO_CODE_TEST_PER_MINUTE="10000",
-               STUDIO_CODE_TEST_IN_FLIGHT=str(per_user), STUDIO_CODE_CONCURRENCY="1",
-               STUDIO_QUEUE_TEST_SLOTS="1")
+    env.update(
+        STUDIO_ENABLE_CODE_NODES="1",
+        STUDIO_REDIS_URL=redis.url,
+        STUDIO_DATABASE_URL=f"sqlite:///{db}",
+        STUDIO_CODE_LANGUAGES="python",
+        STUDIO_API_TOKEN=token,
+        STUDIO_CODE_TEST_PER_MINUTE="10000",
+        STUDIO_CODE_TEST_IN_FLIGHT=str(per_user),
+        STUDIO_CODE_CONCURRENCY="1",
+        STUDIO_QUEUE_TEST_SLOTS="1",
+    )
     bindir = Path(sys.executable).parent
     procs: list[subprocess.Popen[bytes]] = []
     burst = None
     try:
         with open(tmp / "worker.log", "wb") as out:
-            procs.append(subprocess.Popen(
-                [str(bindir / "celery"), "-A", "worker", "worker", "--pool", "prefork", "-c",
-                 "1", "-Q", "code.test,code.run", "--loglevel", "WARNING"],
-                cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(bindir / "celery"),
+                        "-A",
+                        "worker",
+                        "worker",
+                        "--pool",
+                        "prefork",
+                        "-c",
+                        "1",
+                        "-Q",
+                        "code.test,code.run",
+                        "--loglevel",
+                        "WARNING",
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=out,
+                    start_new_session=True,
+                )
+            )
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         with open(tmp / "api.log", "wb") as out:
-            procs.append(subprocess.Popen(
-                [str(bindir / "studio-code"), "serve", "--port", str(port), "--log-level",
-                 "warning"], cwd=ROOT, env=env, stdout=out, stderr=out,
-                start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(bindir / "studio-code"),
+                        "serve",
+                        "--port",
+                        str(port),
+                        "--log-level",
+                        "warning",
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=out,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -148,8 +193,12 @@ def main() -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the API did not start: see {tmp / 'api.log'}")
             time.sleep(0.2)
-        r = httpx.post(f"{base}/api/runs", json={"code": TRIVIAL}, timeout=30,
-                       headers={**auth, "X-Studio-User": "bench"})
+        r = httpx.post(
+            f"{base}/api/runs",
+            json={"code": TRIVIAL},
+            timeout=30,
+            headers={**auth, "X-Studio-User": "bench"},
+        )
         run_id = r.json()["job_id"]
 
         api_pid = procs[-1].pid
@@ -172,12 +221,19 @@ def main() -> None:
         load_cpu = (cpu_s(api_pid) - c0) / (time.monotonic() - t1)
         still = sum(int(rc.zcard(f"studio:inflight:test:{u}")) for u in users)
         with sqlite3.connect(db, timeout=30) as conn:
-            ids = [row[0] for row in conn.execute(
-                "SELECT job_id FROM code_jobs WHERE kind = 'test'")]
+            ids = [
+                row[0] for row in conn.execute("SELECT job_id FROM code_jobs WHERE kind = 'test'")
+            ]
         admin = {**auth, "X-Studio-User": "admin", "X-Studio-Admin": "1"}
         with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda job_id: httpx.post(f"{base}/api/runs/{job_id}/cancel",
-                                                    timeout=60, headers=admin), ids))
+            list(
+                pool.map(
+                    lambda job_id: httpx.post(
+                        f"{base}/api/runs/{job_id}/cancel", timeout=60, headers=admin
+                    ),
+                    ids,
+                )
+            )
         deadline = time.monotonic() + 60  # the runs end, then every waiting call answers
         while burst.answered < len(users) * per_user and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -185,21 +241,31 @@ def main() -> None:
         after_live, after_run = probe(base, auth, run_id, args.n)
 
         idle_l, idle_r = idle_live + after_live, idle_run + after_run
-        print(f"# bench.http: {waiting} test calls from {args.users} users waiting "
-              f"({still} still waiting after the loaded probes; admitted in {ramp_s:.1f} s); "
-              f"n={args.n} per route per phase, sequential; {os.cpu_count()} CPUs")
+        print(
+            f"# bench.http: {waiting} test calls from {args.users} users waiting "
+            f"({still} still waiting after the loaded probes; admitted in {ramp_s:.1f} s); "
+            f"n={args.n} per route per phase, sequential; {os.cpu_count()} CPUs"
+        )
         print("| route | idle p50 / p99 | loaded p50 / p99 | p99 loaded / idle | goal |")
         print("|---|---|---|---|---|")
-        for name, idle, load in (("GET /healthz/live", idle_l, load_live),
-                                 ("GET /api/runs/{id}", idle_r, load_run)):
-            print(f"| {name} | {pct(idle, 50):.1f} / {pct(idle, 99):.1f} ms | "
-                  f"{pct(load, 50):.1f} / {pct(load, 99):.1f} ms | "
-                  f"{pct(load, 99) / pct(idle, 99):.2f}x | ≤ 2x and ≤ 100 ms |")
-        print(f"| API process CPU while probed | {idle_cpu:.0%} of a core | {load_cpu:.0%} "
-              "of a core | | |")
+        for name, idle, load in (
+            ("GET /healthz/live", idle_l, load_live),
+            ("GET /api/runs/{id}", idle_r, load_run),
+        ):
+            print(
+                f"| {name} | {pct(idle, 50):.1f} / {pct(idle, 99):.1f} ms | "
+                f"{pct(load, 50):.1f} / {pct(load, 99):.1f} ms | "
+                f"{pct(load, 99) / pct(idle, 99):.2f}x | ≤ 2x and ≤ 100 ms |"
+            )
+        print(
+            f"| API process CPU while probed | {idle_cpu:.0%} of a core | {load_cpu:.0%} "
+            "of a core | | |"
+        )
         answered = sorted(set(burst.codes))
-        print(f"\nthe waiting calls answered {answered} once their runs were cancelled "
-              f"({len(burst.codes)} of {len(users) * per_user})")
+        print(
+            f"\nthe waiting calls answered {answered} once their runs were cancelled "
+            f"({len(burst.codes)} of {len(users) * per_user})"
+        )
     finally:
         if burst is not None:
             burst.stop()

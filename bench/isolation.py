@@ -23,26 +23,38 @@ TRIVIAL = "def main(state):\n    return 1\n"
 
 def row(name: str, a: list[float], b: list[float]) -> str:
     a50, a95, b50, b95 = pct(a, 50), pct(a, 95), pct(b, 50), pct(b, 95)
-    return (f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
-            f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms |")
+    return (
+        f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
+        f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms |"
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.isolation")
     p.add_argument("--n", type=int, default=30)
     n = p.parse_args().n
-    full = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
-                                  code_languages="python"))
-    no_cgroup = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
-                                       code_languages="python", code_subprocess_cgroup="off"))
+    full = Executor(
+        load_settings(enable_code_nodes=True, code_runtime="subprocess", code_languages="python")
+    )
+    no_cgroup = Executor(
+        load_settings(
+            enable_code_nodes=True,
+            code_runtime="subprocess",
+            code_languages="python",
+            code_subprocess_cgroup="off",
+        )
+    )
     iso = full.runtime.isolation  # type: ignore[union-attr]
-    print(f"# bench.isolation: n={n} per side, interleaved; p50 / p95 in ms; server uid "
-          f"{os.getuid()}, separate uids {iso['separate_uids']}, cgroup {iso['cgroup']}")
+    print(
+        f"# bench.isolation: n={n} per side, interleaved; p50 / p95 in ms; server uid "
+        f"{os.getuid()}, separate uids {iso['separate_uids']}, cgroup {iso['cgroup']}"
+    )
 
     def via(ex: Executor) -> Callable[[], object]:
         def run() -> None:
             r = ex.run(CodeJob(code=TRIVIAL, timeout_s=20))
             assert r.status == "succeeded", r.error
+
         return run
 
     lang = get_language("python")

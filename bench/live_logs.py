@@ -85,10 +85,17 @@ def main() -> None:
         redis = Redis(tmp)
         db = f"sqlite:///{tmp / 'runs.db'}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-        env.update({"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_REDIS_URL": redis.url,
-                    "STUDIO_DATABASE_URL": db, "STUDIO_CODE_LANGUAGES": "python"})
-        settings = load_settings(enable_code_nodes=True, redis_url=redis.url,
-                                 database_url=db, code_languages="python")
+        env.update(
+            {
+                "STUDIO_ENABLE_CODE_NODES": "1",
+                "STUDIO_REDIS_URL": redis.url,
+                "STUDIO_DATABASE_URL": db,
+                "STUDIO_CODE_LANGUAGES": "python",
+            }
+        )
+        settings = load_settings(
+            enable_code_nodes=True, redis_url=redis.url, database_url=db, code_languages="python"
+        )
         client = CodeClient(settings)
         worker = Worker(env, 2, tmp / "worker.log", client)
         proc = None
@@ -99,8 +106,12 @@ def main() -> None:
             http.get("/api/runs/warm-up/logs", headers={"X-Studio-User": "bench"})
             sse: list[tuple[float, str]] = []
             job = client.submit(PRINTER, state={"n": args.lines}, user="bench")
-            with http.stream("GET", f"/api/runs/{job}/logs", params={"follow": 1},
-                             headers={"X-Studio-User": "bench"}) as r:
+            with http.stream(
+                "GET",
+                f"/api/runs/{job}/logs",
+                params={"follow": 1},
+                headers={"X-Studio-User": "bench"},
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data:"):
                         sse.append((time.time(), line[5:].strip()))
@@ -114,9 +125,11 @@ def main() -> None:
             base_ms = floor(redis.url, args.lines)
             print(f"live logs: {args.lines} printed lines per reader")
             print(f"  {'':44} {'p50 ms':>8} {'p95 ms':>8}")
-            for label, ms in [("Redis XADD -> blocked XREAD (floor)", base_ms),
-                              ("print -> CodeClient.follow_logs", _lags(direct)),
-                              ("print -> SSE event (GET .../logs?follow=1)", _lags(sse))]:
+            for label, ms in [
+                ("Redis XADD -> blocked XREAD (floor)", base_ms),
+                ("print -> CodeClient.follow_logs", _lags(direct)),
+                ("print -> SSE event (GET .../logs?follow=1)", _lags(sse)),
+            ]:
                 print(f"  {label:44} {pct(ms, 50):8.2f} {pct(ms, 95):8.2f}", flush=True)
             http.close()
         finally:

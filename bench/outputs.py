@@ -27,8 +27,10 @@ TRIVIAL = "def main(state):\n    return 1\n"
 
 def row(name: str, a: list[float], b: list[float], goal: str) -> str:
     a50, a95, b50, b95 = pct(a, 50), pct(a, 95), pct(b, 50), pct(b, 95)
-    return (f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
-            f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms | {goal} |")
+    return (
+        f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
+        f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms | {goal} |"
+    )
 
 
 def container(ex: Executor, *, own_profile: bool) -> Callable[[], object]:
@@ -41,8 +43,7 @@ def container(ex: Executor, *, own_profile: bool) -> Callable[[], object]:
         policy = sandbox_policy(ex.settings, lang, job, limits, "bench")
         if not own_profile:
             host = dict(policy["host_config"])
-            host["security_opt"] = [o for o in host["security_opt"]
-                                    if not o.startswith("seccomp=")]
+            host["security_opt"] = [o for o in host["security_opt"] if not o.startswith("seccomp=")]
             policy = {**policy, "host_config": host}
         assert raw_container(api, policy, lang.stdin_payload(job)) == 0
 
@@ -57,12 +58,18 @@ def main() -> None:
     print(f"# bench.outputs: n={n} per side, interleaved; p50 / p95 in ms")
     print("| what | ours p50 / p95 | floor p50 / p95 | ratio, delta | goal |")
     print("|---|---|---|---|---|")
-    ours, default = interleave(n, [container(ex, own_profile=True),
-                                   container(ex, own_profile=False)])
-    print(row("docker: raw container under our seccomp profile vs Docker's default",
-              ours, default, "≤ +10 ms"))
-    rows = [{"id": i, "name": f"row-{i}", "tags": ["a", "b"], "v": i * 0.5}
-            for i in range(100_000)]
+    ours, default = interleave(
+        n, [container(ex, own_profile=True), container(ex, own_profile=False)]
+    )
+    print(
+        row(
+            "docker: raw container under our seccomp profile vs Docker's default",
+            ours,
+            default,
+            "≤ +10 ms",
+        )
+    )
+    rows = [{"id": i, "name": f"row-{i}", "tags": ["a", "b"], "v": i * 0.5} for i in range(100_000)]
     data = json.dumps({"ok": True, "output": rows}).encode()
 
     def checked() -> None:
@@ -72,8 +79,14 @@ def main() -> None:
         json.loads(data)
 
     a, b = interleave(max(5, n // 2), [checked, bare])
-    print(row(f"host: parse_reply of a {len(data) / 1e6:.1f} MB result vs bare json.loads",
-              a, b, "(cost of the checks)"))
+    print(
+        row(
+            f"host: parse_reply of a {len(data) / 1e6:.1f} MB result vs bare json.loads",
+            a,
+            b,
+            "(cost of the checks)",
+        )
+    )
 
 
 if __name__ == "__main__":

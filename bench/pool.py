@@ -35,8 +35,10 @@ def row(name: str, a: list[float], b: list[float] | None, goal: str = "") -> str
     if b is None:
         return f"| {name} | {a50:.1f} / {a95:.1f} | | | {goal} |"
     b50, b95 = pct(b, 50), pct(b, 95)
-    return (f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
-            f"{a50 / b50:.2f}x, {a50 - b50:+.1f} ms | {goal} |")
+    return (
+        f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
+        f"{a50 / b50:.2f}x, {a50 - b50:+.1f} ms | {goal} |"
+    )
 
 
 def via(ex: Executor, language: str, details: list[str]) -> Callable[[], object]:
@@ -44,8 +46,14 @@ def via(ex: Executor, language: str, details: list[str]) -> Callable[[], object]
     expected = 1 if language == "python" else EXPECTED
 
     def run() -> None:
-        r = ex.run(CodeJob(language=language, code=code, state_json=state,  # type: ignore[arg-type]
-                           timeout_s=20))
+        r = ex.run(
+            CodeJob(
+                language=language,
+                code=code,
+                state_json=state,  # type: ignore[arg-type]
+                timeout_s=20,
+            )
+        )
         assert r.status == "succeeded" and r.output == expected, r.error
         details.append(next(t.detail for t in r.trace if t.step == "sandbox.start"))
 
@@ -60,9 +68,11 @@ def idle_memory(ex: Executor) -> dict[str, float]:
     out = {}
     for name, q in pool._idle.items():
         cid = q[0].cid
-        for path in (f"/sys/fs/cgroup/memory/docker/{cid}/memory.usage_in_bytes",
-                     f"/sys/fs/cgroup/system.slice/docker-{cid}.scope/memory.current",
-                     f"/sys/fs/cgroup/docker/{cid}/memory.current"):
+        for path in (
+            f"/sys/fs/cgroup/memory/docker/{cid}/memory.usage_in_bytes",
+            f"/sys/fs/cgroup/system.slice/docker-{cid}.scope/memory.current",
+            f"/sys/fs/cgroup/docker/{cid}/memory.current",
+        ):
             p = Path(path)
             if p.exists():
                 out[name] = int(p.read_text()) / 2**20
@@ -81,21 +91,37 @@ def main() -> None:
     pooled.prepare()
     assert pooled.runtime is not None and pooled.runtime.pool is not None
     assert pooled.runtime.pool.wait_ready(60)
-    print(f"# bench.pool: n={n} per side, interleaved; p50 / p95 in ms; STUDIO_CODE_PREWARM="
-          f"{settings.code_prewarm}")
+    print(
+        f"# bench.pool: n={n} per side, interleaved; p50 / p95 in ms; STUDIO_CODE_PREWARM="
+        f"{settings.code_prewarm}"
+    )
     print("| what | p50 / p95 | floor p50 / p95 | ratio, delta | goal |")
     print("|---|---|---|---|---|")
     for language, goal in (("python", "≤ 0.2x"), ("typescript", "≤ 0.3x")):
         details: list[str] = []
-        floor = raw_docker_floor(cold, "{}") if language == "python" else \
-            docker_sdk(cold, bare=False)
+        floor = (
+            raw_docker_floor(cold, "{}") if language == "python" else docker_sdk(cold, bare=False)
+        )
         e2e_pool, raw, e2e_cold = interleave(
-            n, [via(pooled, language, details), floor, via(cold, language, [])])
+            n, [via(pooled, language, details), floor, via(cold, language, [])]
+        )
         hits = details[-n:].count("pool")
-        print(row(f"{language}: trivial node e2e, pool ({hits}/{n} from the pool) vs raw "
-                  "cold floor", e2e_pool, raw, goal))
-        print(row(f"{language}: trivial node e2e, cold executor vs raw cold floor", e2e_cold,
-                  raw, "(unchanged, ≈ 1x)"))
+        print(
+            row(
+                f"{language}: trivial node e2e, pool ({hits}/{n} from the pool) vs raw cold floor",
+                e2e_pool,
+                raw,
+                goal,
+            )
+        )
+        print(
+            row(
+                f"{language}: trivial node e2e, cold executor vs raw cold floor",
+                e2e_cold,
+                raw,
+                "(unchanged, ≈ 1x)",
+            )
+        )
     mem = idle_memory(pooled)
     print()
     print("| idle pre-started sandbox | memory charged (MiB) |")

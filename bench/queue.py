@@ -346,10 +346,18 @@ def main() -> None:
         worker = Worker(env, args.slots, tmp / "worker.log", client)
         # The same worker with no pre-started sandboxes, on its own Redis and store.
         db_cold = f"sqlite:///{tmp_cold / 'studio-code.db'}"
-        settings_cold = load_settings(enable_code_nodes=True, redis_url=redis_cold.url,
-                                      database_url=db_cold, code_concurrency=args.slots)
-        env_cold = {**env, "STUDIO_REDIS_URL": redis_cold.url, "STUDIO_DATABASE_URL": db_cold,
-                    "STUDIO_CODE_PREWARM": "0"}
+        settings_cold = load_settings(
+            enable_code_nodes=True,
+            redis_url=redis_cold.url,
+            database_url=db_cold,
+            code_concurrency=args.slots,
+        )
+        env_cold = {
+            **env,
+            "STUDIO_REDIS_URL": redis_cold.url,
+            "STUDIO_DATABASE_URL": db_cold,
+            "STUDIO_CODE_PREWARM": "0",
+        }
         client_cold = CodeClient(settings_cold)
         worker_cold = Worker(env_cold, args.slots, tmp_cold / "worker.log", client_cold)
         api = docker.from_env(timeout=60).api
@@ -428,8 +436,10 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         rows = zip(queue_rates, cold_rates, raw_rates, ex_rates, strict=True)
         for i, (q, c, r, e) in enumerate(rows, 1):
-            print(f"| round {i} | {q:.2f} | {c:.2f} | {r:.2f} | {q / r:.2f}x | {e:.2f} | "
-                  f"{q / e:.2f}x |")
+            print(
+                f"| round {i} | {q:.2f} | {c:.2f} | {r:.2f} | {q / r:.2f}x | {e:.2f} | "
+                f"{q / e:.2f}x |"
+            )
         n = len(queue_rates)
         q_all, r_all, e_all = sum(queue_rates) / n, sum(raw_rates) / n, sum(ex_rates) / n
         c_all = sum(cold_rates) / n

@@ -49,10 +49,28 @@ class Worker:
         self.starts += 1
         log = open(self.logdir / f"{self.name}.{self.starts}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [str(CELERY), "-A", "worker", "worker", "--pool", "prefork", "-c", "2",
-             "-Q", "code.test,code.run", "--hostname", f"{self.name}@%h",
-             "--loglevel", "INFO"],
-            cwd=ROOT, env=self.env, stdout=log, stderr=log, start_new_session=True)
+            [
+                str(CELERY),
+                "-A",
+                "worker",
+                "worker",
+                "--pool",
+                "prefork",
+                "-c",
+                "2",
+                "-Q",
+                "code.test,code.run",
+                "--hostname",
+                f"{self.name}@%h",
+                "--loglevel",
+                "INFO",
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
 
     def pids(self) -> list[int]:
         return process_tree(self.proc.pid) if self.proc else []
@@ -121,18 +139,30 @@ def main(argv: list[str] | None = None) -> int:
     pg.init()
     pg.start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-    env.update({
-        "STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_REDIS_URL": redis.url,
-        "STUDIO_DATABASE_URL": pg.url, "STUDIO_DATA_DIR": str(tmp),
-        "STUDIO_CODE_CONCURRENCY": "2", "STUDIO_CODE_MAX_SECONDS": "10",
-        "STUDIO_QUEUE_VISIBILITY_TIMEOUT_S": "25", "STUDIO_QUEUE_REAP_INTERVAL_S": "5",
-        "STUDIO_QUEUE_PROBE_INTERVAL_S": "2", "STUDIO_CODE_LANGUAGES": "python",
-    })
+    env.update(
+        {
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_REDIS_URL": redis.url,
+            "STUDIO_DATABASE_URL": pg.url,
+            "STUDIO_DATA_DIR": str(tmp),
+            "STUDIO_CODE_CONCURRENCY": "2",
+            "STUDIO_CODE_MAX_SECONDS": "10",
+            "STUDIO_QUEUE_VISIBILITY_TIMEOUT_S": "25",
+            "STUDIO_QUEUE_REAP_INTERVAL_S": "5",
+            "STUDIO_QUEUE_PROBE_INTERVAL_S": "2",
+            "STUDIO_CODE_LANGUAGES": "python",
+        }
+    )
     # The burst is queued as the workers start (before their first heartbeat): the client
     # queues it anyway instead of refusing it (STUDIO_QUEUE_REQUIRE_WORKER=0).
-    settings = load_settings(enable_code_nodes=True, redis_url=redis.url,
-                             database_url=pg.url, data_dir=tmp, code_concurrency=2,
-                             queue_require_worker=False)
+    settings = load_settings(
+        enable_code_nodes=True,
+        redis_url=redis.url,
+        database_url=pg.url,
+        data_dir=tmp,
+        code_concurrency=2,
+        queue_require_worker=False,
+    )
     workers = [Worker("soak1", env, tmp), Worker("soak2", env, tmp)]
     dk = docker.from_env(timeout=60)
     since = int(time.time()) - 1
@@ -145,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             w.start()
         client = CodeClient(settings)
         jobs = {client.submit(TRIVIAL, "python", {"n": i}): i for i in range(args.jobs)}
-        print(f"soak: seed {seed}, {len(jobs)} jobs submitted in "
-              f"{time.monotonic() - t_start:.1f} s; chaos for {args.chaos_s:g} s", flush=True)
+        print(
+            f"soak: seed {seed}, {len(jobs)} jobs submitted in "
+            f"{time.monotonic() - t_start:.1f} s; chaos for {args.chaos_s:g} s",
+            flush=True,
+        )
         chaos_end = time.monotonic() + args.chaos_s
         actions = ["worker main", "pool process", "redis", "store"]
         while time.monotonic() < chaos_end:
@@ -190,14 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         took = time.monotonic() - t_start
         time.sleep(3)
         starts: Counter[str] = Counter()
-        for ev in dk.api.events(since=since, until=int(time.time()) + 1, decode=True,
-                                filters={"type": "container", "event": "start",
-                                         "label": LABEL_JOB}):
+        for ev in dk.api.events(
+            since=since,
+            until=int(time.time()) + 1,
+            decode=True,
+            filters={"type": "container", "event": "start", "label": LABEL_JOB},
+        ):
             job = (ev.get("Actor", {}).get("Attributes") or {}).get(LABEL_JOB)
             if job in jobs:
                 starts[job] += 1
-        left = [c["Id"][:12] for c in dk.api.containers(all=True, filters={"label": LABEL_JOB})
-                if (c.get("Labels") or {}).get(LABEL_JOB) in jobs]
+        left = [
+            c["Id"][:12]
+            for c in dk.api.containers(all=True, filters={"label": LABEL_JOB})
+            if (c.get("Labels") or {}).get(LABEL_JOB) in jobs
+        ]
     finally:
         for w in workers:
             w.stop()
@@ -210,20 +249,31 @@ def main(argv: list[str] | None = None) -> int:
     twice = {j: n for j, n in starts.items() if n > 1}
     lost = [j for j in jobs if j not in recs or recs[j].status == "queued"]
     stuck = [j for j, r in recs.items() if r.status in ("running", "cancelling")]
-    not_succeeded = {j: (r.status.value, r.error and r.error.message)
-                     for j, r in recs.items() if r.finished and r.status != "succeeded"}
-    twice_list = {j: {"starts": n, "attempts": recs[j].attempts if j in recs else None}
-                  for j, n in twice.items()}
-    unexplained_twice = {j: v for j, v in twice_list.items()
-                         if v["attempts"] is not None and v["attempts"] < 2}
+    not_succeeded = {
+        j: (r.status.value, r.error and r.error.message)
+        for j, r in recs.items()
+        if r.finished and r.status != "succeeded"
+    }
+    twice_list = {
+        j: {"starts": n, "attempts": recs[j].attempts if j in recs else None}
+        for j, n in twice.items()
+    }
+    unexplained_twice = {
+        j: v for j, v in twice_list.items() if v["attempts"] is not None and v["attempts"] < 2
+    }
     report = {
-        "seed": seed, "duration_s": round(took, 1), "faults": events,
-        "submitted": len(jobs), "ended": dict(statuses),
+        "seed": seed,
+        "duration_s": round(took, 1),
+        "faults": events,
+        "submitted": len(jobs),
+        "ended": dict(statuses),
         "wrong outputs": len(wrong),
         "executed more than once": twice_list,
         "executed more than once without a worker dying mid-run": unexplained_twice,
         "not succeeded": dict(list(not_succeeded.items())[:10]),
-        "lost": len(lost), "stuck": len(stuck), "containers left": len(left),
+        "lost": len(lost),
+        "stuck": len(stuck),
+        "containers left": len(left),
     }
     print(json.dumps(report, indent=2))
     ok = not lost and not stuck and not left and not wrong and not unexplained_twice

@@ -39,9 +39,10 @@ BARE_TAIL = (
     "\nconst input = await new Response(Deno.stdin.readable).text();\n"
     "console.log(JSON.stringify(await main(JSON.parse(input))));\n"
 )
-BARE_URL = "data:application/typescript;base64," + base64.b64encode(
-    (TRIVIAL + BARE_TAIL).encode()
-).decode()
+BARE_URL = (
+    "data:application/typescript;base64,"
+    + base64.b64encode((TRIVIAL + BARE_TAIL).encode()).decode()
+)
 
 
 def bare_argv(argv: list[str]) -> list[str]:
@@ -97,9 +98,15 @@ def plain_subprocess(ex: Executor, *, bare: bool) -> Callable[[], object]:
             if as_root:
                 os.chown(workdir, uid, gid)
             proc = subprocess.run(
-                argv, input=payload, capture_output=True, env=env, cwd=workdir,
-                user=uid if as_root else None, group=gid if as_root else None,
-                extra_groups=[] if as_root else None, check=True,
+                argv,
+                input=payload,
+                capture_output=True,
+                env=env,
+                cwd=workdir,
+                user=uid if as_root else None,
+                group=gid if as_root else None,
+                extra_groups=[] if as_root else None,
+                check=True,
             )
             if bare:
                 check_bare(proc.stdout)
@@ -136,8 +143,11 @@ def main() -> None:
             sides = [via_executor(ex), docker_sdk(ex, bare=False), docker_sdk(ex, bare=True)]
             how = "raw SDK"
         else:
-            sides = [via_executor(ex), plain_subprocess(ex, bare=False),
-                     plain_subprocess(ex, bare=True)]
+            sides = [
+                via_executor(ex),
+                plain_subprocess(ex, bare=False),
+                plain_subprocess(ex, bare=True),
+            ]
             how = "subprocess.run"
         e2e, runner, bare = interleave(n, sides)
         print(row(f"{runtime}: Executor.run (e2e)", e2e, bare))

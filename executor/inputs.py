@@ -14,8 +14,14 @@ from typing import Any, NoReturn
 
 from executor.errors import CodeInvalid
 
-_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
-               bool: "true or false", type(None): "null"}
+_JSON_KINDS = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "true or false",
+    type(None): "null",
+}
 
 
 def state_json(value: Any, *, max_bytes: int, source: str = "The state") -> str:
@@ -77,8 +83,7 @@ def check_state_size(text: str, *, max_bytes: int, source: str = "The state") ->
         )
 
 
-def timeout_s(value: float | str | None, *, max_seconds: float, source: str = "timeout_s"
-              ) -> float:
+def timeout_s(value: float | str | None, *, max_seconds: float, source: str = "timeout_s") -> float:
     """A node's timeout in seconds: ``None`` gives STUDIO_CODE_MAX_SECONDS; otherwise a
     finite number above 0 (text such as ``"2.5"`` is read), capped by ``max_seconds`` (a
     request can lower the limit, never raise it). Raises CodeInvalid otherwise."""
@@ -130,5 +135,6 @@ def memory_bytes(memory: str | int | None) -> int | None:
     try:
         return parse_size(memory)
     except ValueError:
-        raise CodeInvalid(f"memory={memory!r} is not a size: give one such as 512m (a number "
-                          "with b, k, m or g).") from None
+        raise CodeInvalid(
+            f"memory={memory!r} is not a size: give one such as 512m (a number with b, k, m or g)."
+        ) from None

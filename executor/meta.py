@@ -31,8 +31,12 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
                 packages=lang.packages(s),
             )
         else:
-            entry.update(ready=False, reason=f"{name} is not in STUDIO_CODE_LANGUAGES.",
-                         image=None, packages=[])
+            entry.update(
+                ready=False,
+                reason=f"{name} is not in STUDIO_CODE_LANGUAGES.",
+                image=None,
+                packages=[],
+            )
         languages.append(entry)
     uid, gid = sandbox_ids()
     isolation = getattr(executor.runtime, "isolation", None)
@@ -67,17 +71,20 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             "uid": uid,
             "gid": gid,
             "note": (
-                (f"The server runs as root, so each subprocess run gets its own uid and gid "
-                 f"from STUDIO_CODE_SUBPROCESS_UIDS={s.code_subprocess_uids}."
-                 if s.code_runtime == "subprocess" else
-                 f"The server runs as root, so sandboxes run as nobody ({NOBODY}:{NOBODY}).")
+                (
+                    f"The server runs as root, so each subprocess run gets its own uid and gid "
+                    f"from STUDIO_CODE_SUBPROCESS_UIDS={s.code_subprocess_uids}."
+                    if s.code_runtime == "subprocess"
+                    else f"The server runs as root, so sandboxes run as nobody ({NOBODY}:{NOBODY})."
+                )
                 if os.getuid() == 0
                 else "Sandboxes run as the server's own uid and gid."
             ),
         },
         "seccomp": (
             {"profile": "executor/runtimes/seccomp.json", "sha256": profile_sha256()}
-            if s.code_runtime == "docker" else None
+            if s.code_runtime == "docker"
+            else None
         ),
         "warnings": warnings,
         "subprocess_isolation": isolation,

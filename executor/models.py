@@ -122,14 +122,23 @@ class CodeResult(BaseModel):
 
     @classmethod
     def ended(
-        cls, job_id: str, language: Language, status: Status, code: ErrorCode, message: str,
-        *, runtime: str,
+        cls,
+        job_id: str,
+        language: Language,
+        status: Status,
+        code: ErrorCode,
+        message: str,
+        *,
+        runtime: str,
     ) -> CodeResult:
         """A job that ended without running to a result (cancelled, worker lost, refused)."""
         return cls(
-            job_id=job_id, language=language, status=status,
+            job_id=job_id,
+            language=language,
+            status=status,
             error=CodeErrorInfo(code=code, message=message),
-            runtime=runtime, code_runtime=runtime,
+            runtime=runtime,
+            code_runtime=runtime,
         )
 
     def cli_dict(self) -> dict[str, Any]:

@@ -42,8 +42,12 @@ READINESS_TTL_S = 15.0
 #: the only error codes a runner may report on the result channel
 RUNNER_CODES = {
     str(c): c
-    for c in (ErrorCode.CODE_ERROR, ErrorCode.CODE_INVALID, ErrorCode.CODE_OUTPUT_INVALID,
-              ErrorCode.CODE_MEMORY)
+    for c in (
+        ErrorCode.CODE_ERROR,
+        ErrorCode.CODE_INVALID,
+        ErrorCode.CODE_OUTPUT_INVALID,
+        ErrorCode.CODE_MEMORY,
+    )
 }
 READINESS_TIMEOUT_S = 20.0
 
@@ -125,15 +129,21 @@ class Executor:
         """The language ``name`` if it is offered; raises CodeInvalid saying what is."""
         return offered_language(name, self.settings)
 
-    def limits(self, timeout_s: float | None = None, *, memory_bytes: int | None = None,
-               cpus: float | None = None) -> Limits:
+    def limits(
+        self,
+        timeout_s: float | None = None,
+        *,
+        memory_bytes: int | None = None,
+        cpus: float | None = None,
+    ) -> Limits:
         """The limits of one call: a node's timeout is capped by STUDIO_CODE_MAX_SECONDS, its
         memory and CPU share (checked by ``check_limits``) by their caps."""
         s = self.settings
         timeout = capped_timeout_s(timeout_s, max_seconds=s.code_max_seconds)
         return Limits(
-            memory_bytes=s.memory_bytes if memory_bytes is None else min(
-                memory_bytes, s.max_memory_bytes),
+            memory_bytes=s.memory_bytes
+            if memory_bytes is None
+            else min(memory_bytes, s.max_memory_bytes),
             cpus=s.code_cpus if cpus is None else min(cpus, s.max_cpus),
             pids=s.code_pids,
             timeout_s=timeout,
@@ -161,27 +171,37 @@ class Executor:
         check_state_size(job.state_json, max_bytes=self.settings.code_state_max_bytes)
         return language
 
-    def check_limits(self, *, memory_bytes: int | None = None, cpus: float | None = None,
-                     timeout_s: float | None = None) -> None:
+    def check_limits(
+        self,
+        *,
+        memory_bytes: int | None = None,
+        cpus: float | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         """What a node asks for, against the server's caps: CodeInvalid naming the cap."""
         s = self.settings
         if memory_bytes is not None:
             if memory_bytes < MIN_MEMORY_BYTES:
-                raise CodeInvalid(f"The node asks for {memory_bytes} bytes of memory; give at "
-                                  "least 16m (Python and Deno need that much to start).")
+                raise CodeInvalid(
+                    f"The node asks for {memory_bytes} bytes of memory; give at "
+                    "least 16m (Python and Deno need that much to start)."
+                )
             if memory_bytes > s.max_memory_bytes:
                 raise CodeInvalid(
                     f"The node asks for {_size(memory_bytes)} of memory, more than the cap "
                     f"STUDIO_CODE_MAX_MEMORY={_size(s.max_memory_bytes)}: ask for at most that, "
-                    "or ask an admin to raise the cap.")
+                    "or ask an admin to raise the cap."
+                )
         if cpus is not None and not 0 < cpus <= s.max_cpus:
             raise CodeInvalid(
                 f"The node asks for a CPU share of {cpus:g}: give more than 0 and at most the "
-                f"cap STUDIO_CODE_MAX_CPUS={s.max_cpus:g}.")
+                f"cap STUDIO_CODE_MAX_CPUS={s.max_cpus:g}."
+            )
         if timeout_s is not None and not 0 < timeout_s <= s.code_max_seconds:
             raise CodeInvalid(
                 f"The node's timeout of {timeout_s:g} s is not allowed: give more than 0 and "
-                f"at most the cap STUDIO_CODE_MAX_SECONDS={s.code_max_seconds:g}.")
+                f"at most the cap STUDIO_CODE_MAX_SECONDS={s.code_max_seconds:g}."
+            )
 
     def validate_node(self, language: str) -> None:
         """Workflow validation of a Code node: raises CodeNodesDisabled, CodeInvalid (language
@@ -258,14 +278,19 @@ class Executor:
             limits = self.limits(job.timeout_s, memory_bytes=job.memory_bytes, cpus=job.cpus)
             return self._run(job, language, limits, should_cancel)
         except StudioCodeError as e:
-            return self._result(job, Status.ended_by(e.code), error=e.code, message=e.message,
-                                t0=started)
+            return self._result(
+                job, Status.ended_by(e.code), error=e.code, message=e.message, t0=started
+            )
         except Exception as e:  # a bug or a broken engine must still give the job an end
             log.exception("job %s: the executor failed", job.job_id)
             return self._result(
-                job, Status.FAILED, error=ErrorCode.RUNTIME_UNAVAILABLE,
+                job,
+                Status.FAILED,
+                error=ErrorCode.RUNTIME_UNAVAILABLE,
                 message=f"The executor failed to run the job ({type(e).__name__}: {e}); run "
-                "it again, and tell the operator if it keeps failing.", t0=started)
+                "it again, and tell the operator if it keeps failing.",
+                t0=started,
+            )
 
     def _run(
         self,
@@ -280,8 +305,13 @@ class Executor:
         t0 = time.monotonic()
         while not self._slots.acquire(timeout=0.1):
             if should_cancel is not None and should_cancel():
-                return self._result(job, Status.CANCELLED, error=ErrorCode.CODE_CANCELLED,
-                                    message="Cancelled before it started.", t0=t0)
+                return self._result(
+                    job,
+                    Status.CANCELLED,
+                    error=ErrorCode.CODE_CANCELLED,
+                    message="Cancelled before it started.",
+                    t0=t0,
+                )
         try:
             if not probe:
                 self._audit_first_subprocess_call(job)
@@ -323,39 +353,58 @@ class Executor:
             )
         common: dict[str, Any] = {"logs": logs, "raw": raw, "t0": t0}
         if raw.cancelled:
-            return self._result(job, Status.CANCELLED, error=ErrorCode.CODE_CANCELLED,
-                                message="The run was cancelled and its sandbox killed.", **common)
+            return self._result(
+                job,
+                Status.CANCELLED,
+                error=ErrorCode.CODE_CANCELLED,
+                message="The run was cancelled and its sandbox killed.",
+                **common,
+            )
         if raw.timed_out:
             return self._result(
-                job, Status.TIMED_OUT, error=ErrorCode.CODE_TIMEOUT,
+                job,
+                Status.TIMED_OUT,
+                error=ErrorCode.CODE_TIMEOUT,
                 message=f"The code ran longer than its timeout of {limits.timeout_s:g} s and "
                 "was stopped: make it faster, or raise the node's timeout (at most "
-                f"STUDIO_CODE_MAX_SECONDS={s.code_max_seconds:g}).", **common)
+                f"STUDIO_CODE_MAX_SECONDS={s.code_max_seconds:g}).",
+                **common,
+            )
         if raw.oom_killed:
             return self._memory_result(job, **common)
         crash = language.crash_error(raw)
         if crash is not None:
             if crash.code is ErrorCode.CODE_MEMORY:
                 return self._memory_result(job, **common)
-            return self._result(job, Status.FAILED, error=crash.code, message=crash.message,
-                                **common)
+            return self._result(
+                job, Status.FAILED, error=crash.code, message=crash.message, **common
+            )
         if raw.stdout_truncated:
             return self._result(
-                job, Status.FAILED, error=ErrorCode.CODE_OUTPUT_INVALID,
+                job,
+                Status.FAILED,
+                error=ErrorCode.CODE_OUTPUT_INVALID,
                 message=f"The output is larger than {limits.output_max_bytes} bytes: return "
-                "less, or keep large data elsewhere.", **common)
+                "less, or keep large data elsewhere.",
+                **common,
+            )
         stdout = language.result_bytes(job, raw)
         if not stdout:
             return self._result(
-                job, Status.FAILED, error=ErrorCode.CODE_ERROR,
+                job,
+                Status.FAILED,
+                error=ErrorCode.CODE_ERROR,
                 message=f"The code ended the process (exit status {raw.exit_code}) before "
                 "main returned a value: return the output from main instead of exiting or "
-                "killing the process.", **common)
+                "killing the process.",
+                **common,
+            )
         try:
             reply = parse_reply(stdout, max_bytes=limits.output_max_bytes + 4096)
         except OutputInvalid as e:
-            return self._result(job, Status.FAILED, error=ErrorCode.CODE_OUTPUT_INVALID,
-                                message=str(e), **common)
+            return self._result(
+                job, Status.FAILED, error=ErrorCode.CODE_OUTPUT_INVALID, message=str(e), **common
+            )
         if reply["ok"]:
             return self._result(job, Status.SUCCEEDED, output=reply.get("output"), **common)
         err = reply.get("error")
@@ -375,10 +424,14 @@ class Executor:
 
     def _memory_result(self, job: CodeJob, **common: Any) -> CodeResult:
         return self._result(
-            job, Status.FAILED, error=ErrorCode.CODE_MEMORY,
+            job,
+            Status.FAILED,
+            error=ErrorCode.CODE_MEMORY,
             message=f"The code used more memory than STUDIO_CODE_MEMORY="
             f"{self.settings.code_memory} and was stopped: process less data at once, or "
-            "ask the operator to raise STUDIO_CODE_MEMORY.", **common)
+            "ask the operator to raise STUDIO_CODE_MEMORY.",
+            **common,
+        )
 
     def _result(
         self,
@@ -396,10 +449,18 @@ class Executor:
         trace = []
         if raw is not None:
             trace = [
-                TraceRow(step="sandbox.start", runtime=runtime, duration_ms=round(raw.start_ms, 3),
-                         detail="pool" if raw.pooled else "cold"),
-                TraceRow(step="code.run", runtime=runtime, duration_ms=round(raw.run_ms, 3),
-                         detail=str(status)),
+                TraceRow(
+                    step="sandbox.start",
+                    runtime=runtime,
+                    duration_ms=round(raw.start_ms, 3),
+                    detail="pool" if raw.pooled else "cold",
+                ),
+                TraceRow(
+                    step="code.run",
+                    runtime=runtime,
+                    duration_ms=round(raw.run_ms, 3),
+                    detail=str(status),
+                ),
             ]
         warnings = list(self.runtime.run_warnings) if self.runtime is not None else []
         return CodeResult(
@@ -408,8 +469,11 @@ class Executor:
             status=status,
             output=output,
             # the user's own words (an exception's text, what it printed) made storable
-            error=(CodeErrorInfo(code=error, message=safe_text(message, MESSAGE_MAX_CHARS))
-                   if error else None),
+            error=(
+                CodeErrorInfo(code=error, message=safe_text(message, MESSAGE_MAX_CHARS))
+                if error
+                else None
+            ),
             logs=safe_text(logs),
             logs_truncated=bool(raw and raw.logs_truncated),
             runtime=runtime,

@@ -73,11 +73,17 @@ class Settings(BaseSettings):
     code_pids: int = Field(64, ge=8, le=4096, description="Processes per call.")
     code_max_seconds: float = Field(30, gt=0, le=3600, description="Cap on a node's timeout.")
     code_max_memory: str = Field(
-        "", description="Cap on the memory a node may ask for (a size, e.g. 1g). Empty: "
-        "STUDIO_CODE_MEMORY, so a node can only ask for less.")
+        "",
+        description="Cap on the memory a node may ask for (a size, e.g. 1g). Empty: "
+        "STUDIO_CODE_MEMORY, so a node can only ask for less.",
+    )
     code_max_cpus: float = Field(
-        0, ge=0, le=64, description="Cap on the CPU share a node may ask for. 0: "
-        "STUDIO_CODE_CPUS, so a node can only ask for less.")
+        0,
+        ge=0,
+        le=64,
+        description="Cap on the CPU share a node may ask for. 0: "
+        "STUDIO_CODE_CPUS, so a node can only ask for less.",
+    )
     code_concurrency: int = Field(4, ge=1, le=256, description="Sandboxes at once per process.")
     code_test_per_minute: int = Field(
         20, ge=1, le=10000, description="Editor test calls per user per minute."
@@ -117,13 +123,17 @@ class Settings(BaseSettings):
         "current folder, so every process of one user finds the same store.",
     )
     code_prewarm: int = Field(
-        1, ge=0, le=16,
+        1,
+        ge=0,
+        le=16,
         description="Pre-started, never-used containers kept per offered language in each "
         "worker slot (docker runtime), so a job does not wait for a container start. Each is "
         "used for ONE job only. 0 turns the pool off.",
     )
     code_prewarm_max_idle_s: float = Field(
-        300, gt=0, le=86400,
+        300,
+        gt=0,
+        le=86400,
         description="Seconds a pre-started container may wait for a job; older ones are "
         "removed and replaced.",
     )
@@ -137,18 +147,24 @@ class Settings(BaseSettings):
     )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for the queue.")
     queue_visibility_timeout_s: float = Field(
-        0, ge=0, le=7 * 86400,
+        0,
+        ge=0,
+        le=7 * 86400,
         description="Seconds a worker may hold a job's queue message before Redis gives it to "
         "another worker (a dead worker's jobs come back after this). Must be longer than "
         "STUDIO_CODE_MAX_SECONDS plus the kill grace. 0: 2 x STUDIO_CODE_MAX_SECONDS + 120.",
     )
     queue_test_slots: int = Field(
-        1, ge=0, le=64,
+        1,
+        ge=0,
+        le=64,
         description="Worker processes kept for editor test calls (queue code.test) on top of "
         "the STUDIO_CODE_CONCURRENCY slots of workflow runs, so a test never waits behind runs.",
     )
     queue_reap_interval_s: float = Field(
-        30, gt=0, le=3600,
+        30,
+        gt=0,
+        le=3600,
         description="Seconds between a worker's sweeps for sandboxes of dead workers and jobs "
         "stuck running.",
     )
@@ -173,29 +189,39 @@ class Settings(BaseSettings):
         "STUDIO_QUEUE_RUN_MAX_WAIT_S / STUDIO_QUEUE_TEST_MAX_WAIT_S.",
     )
     queue_heartbeat_interval_s: float = Field(
-        2.0, ge=0.2, le=60,
+        2.0,
+        ge=0.2,
+        le=60,
         description="Seconds between a worker's announcements of the queues it serves; an "
         "announcement lives 3 intervals + 1 s, so a dead worker stops counting after that.",
     )
     queue_run_max_wait_s: float = Field(
-        1800, ge=0, le=7 * 86400,
+        1800,
+        ge=0,
+        le=7 * 86400,
         description="Longest a workflow run may wait in code.run before a worker takes it; "
         "then it ends failed (RUNTIME_UNAVAILABLE: no worker took it). 0: no bound.",
     )
     queue_test_max_wait_s: float = Field(
-        60, ge=0, le=7 * 86400,
+        60,
+        ge=0,
+        le=7 * 86400,
         description="Longest an editor test call may wait in code.test before a worker takes "
         "it; then it ends failed (RUNTIME_UNAVAILABLE: no worker took it). 0: no bound.",
     )
     queue_lost_after_s: float = Field(
-        60, gt=0, le=86400,
+        60,
+        gt=0,
+        le=86400,
         description="A job queued longer than this whose message is in no queue and held by "
         "no worker (lost: an API that died between the row and the message, a Redis crash) "
         "is sent again by a worker's sweep (claim keeps it exactly-once).",
     )
 
     code_test_in_flight: int = Field(
-        5, ge=1, le=1000,
+        5,
+        ge=1,
+        le=1000,
         description="Editor test calls one user may have waiting for their result at once "
         "(counted in Redis, across API processes); one more answers 429 RATE_LIMITED.",
     )
@@ -206,7 +232,8 @@ class Settings(BaseSettings):
         "non-loopback address. At least 16 characters (e.g. `openssl rand -hex 32`).",
     )
     api_token_file: str = Field(
-        "", description="A file holding STUDIO_API_TOKEN (a Compose or Kubernetes secret); "
+        "",
+        description="A file holding STUDIO_API_TOKEN (a Compose or Kubernetes secret); "
         "used when STUDIO_API_TOKEN is empty.",
     )
     api_allowed_hosts: str = Field(
@@ -216,55 +243,72 @@ class Settings(BaseSettings):
         "rebinding). '*' turns the check off (only behind a proxy that checks Host).",
     )
     api_body_max_bytes: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="Largest request body of POST /api/runs and /api/code/test (413 beyond). "
         "0: STUDIO_CODE_STATE_MAX_BYTES + 8 MiB (room for the code). Other routes have "
         "smaller caps of their own.",
     )
     api_json_max_depth: int = Field(
-        64, ge=2, le=500,
+        64,
+        ge=2,
+        le=500,
         description="Deepest nesting of arrays and objects a JSON request body may have "
         "(400 beyond), checked before the body is parsed.",
     )
 
     runs_keep_days: float = Field(
-        30, ge=0, le=36500,
+        30,
+        ge=0,
+        le=36500,
         description="Days a finished run stays in the run store (then the worker's janitor "
         "deletes it, in small batches); 0 keeps runs forever.",
     )
     runs_payload_keep_days: float = Field(
-        7, ge=0, le=36500,
+        7,
+        ge=0,
+        le=36500,
         description="Days a finished run keeps its code, state, output and logs (then they "
         "are cleared; status, error, timings and trace stay until STUDIO_RUNS_KEEP_DAYS); 0 "
         "keeps them as long as the run.",
     )
     retention_batch_rows: int = Field(
-        500, ge=10, le=100_000,
+        500,
+        ge=10,
+        le=100_000,
         description="Rows the janitor deletes or clears per transaction (at most 20 "
         "transactions per sweep), so a retention pass never holds the store for long.",
     )
     queue_probe_interval_s: float = Field(
-        5, gt=0, le=600,
+        5,
+        gt=0,
+        le=600,
         description="Seconds between a worker's checks that its run store takes writes and its "
         "runtime can run nodes (every second while it is paused for either).",
     )
     queue_pending_ttl_s: int = Field(
-        7 * 86400, ge=60,
+        7 * 86400,
+        ge=60,
         description="Seconds a result computed while the run store was down is kept in Redis "
         "(studio:pending:<job id>) to be written when the store is back: store outages shorter "
         "than this lose no result.",
     )
     metrics_port: int = Field(
-        0, ge=0, le=65535,
+        0,
+        ge=0,
+        le=65535,
         description="Port of a worker's /metrics and /healthz (served by its main process); "
         "0: off.",
     )
     metrics_host: str = Field(
-        "127.0.0.1", description="Address a worker's metrics server binds (0.0.0.0 under "
+        "127.0.0.1",
+        description="Address a worker's metrics server binds (0.0.0.0 under "
         "Compose, so Prometheus can reach it).",
     )
     metrics_ready_interval_s: float = Field(
-        30.0, ge=0, description="Seconds between a worker's language readiness probes "
+        30.0,
+        ge=0,
+        description="Seconds between a worker's language readiness probes "
         "(studio_code_language_ready); 0: no probes.",
     )
 
@@ -286,8 +330,10 @@ class Settings(BaseSettings):
             try:
                 parse_size(v)
             except ValueError:
-                raise ValueError("a size such as 1g (a number with b, k, m or g), or empty "
-                                 "for STUDIO_CODE_MEMORY") from None
+                raise ValueError(
+                    "a size such as 1g (a number with b, k, m or g), or empty "
+                    "for STUDIO_CODE_MEMORY"
+                ) from None
         return v.strip()
 
     @field_validator("code_languages")
@@ -325,13 +371,16 @@ class Settings(BaseSettings):
         if v in ("auto", "off") or (v.startswith("/") and ".." not in v.split("/")):
             return v
         raise ValueError("auto, off, or an absolute cgroup path such as /studio-code")
+
     @field_validator("api_token")
     @classmethod
     def _api_token(cls, v: SecretStr) -> SecretStr:
         token = v.get_secret_value()
         if token and (len(token) < API_TOKEN_MIN_CHARS or token != token.strip()):
-            raise ValueError(f"a secret of at least {API_TOKEN_MIN_CHARS} characters with no "
-                             "surrounding spaces (e.g. `openssl rand -hex 32`)")
+            raise ValueError(
+                f"a secret of at least {API_TOKEN_MIN_CHARS} characters with no "
+                "surrounding spaces (e.g. `openssl rand -hex 32`)"
+            )
         return v
 
     @field_validator("api_token_file")
@@ -343,8 +392,10 @@ class Settings(BaseSettings):
             except (OSError, UnicodeDecodeError) as e:
                 raise ValueError(f"a readable file holding the token ({e})") from None
             if len(token) < API_TOKEN_MIN_CHARS:
-                raise ValueError(f"a file holding a secret of at least {API_TOKEN_MIN_CHARS} "
-                                 "characters (e.g. `openssl rand -hex 32 > FILE`)")
+                raise ValueError(
+                    f"a file holding a secret of at least {API_TOKEN_MIN_CHARS} "
+                    "characters (e.g. `openssl rand -hex 32 > FILE`)"
+                )
         return v
 
     # --- derived values -------------------------------------------------------------
@@ -408,8 +459,9 @@ class Settings(BaseSettings):
 
     @property
     def allowed_hosts(self) -> tuple[str, ...]:
-        return tuple(x.strip().lower().rstrip(".") for x in self.api_allowed_hosts.split(",")
-                     if x.strip())
+        return tuple(
+            x.strip().lower().rstrip(".") for x in self.api_allowed_hosts.split(",") if x.strip()
+        )
 
     @property
     def run_body_max_bytes(self) -> int:
@@ -457,10 +509,17 @@ def sandbox_ids() -> tuple[int, int]:
 
 #: STUDIO_* variables read by something other than Settings: the image build
 #: (docker/build.sh). Not misspellings.
-OTHER_VARIABLES = frozenset({
-    "STUDIO_BUILD_NETWORK", "STUDIO_BUILD_CA_FILE", "STUDIO_DEBIAN_MIRROR",
-    "STUDIO_DEBIAN_SUITE", "STUDIO_PULL_TIMEOUT", "STUDIO_PY_BASE", "STUDIO_TS_BASE",
-})
+OTHER_VARIABLES = frozenset(
+    {
+        "STUDIO_BUILD_NETWORK",
+        "STUDIO_BUILD_CA_FILE",
+        "STUDIO_DEBIAN_MIRROR",
+        "STUDIO_DEBIAN_SUITE",
+        "STUDIO_PULL_TIMEOUT",
+        "STUDIO_PY_BASE",
+        "STUDIO_TS_BASE",
+    }
+)
 _warned: set[str] = set()
 
 
@@ -473,10 +532,12 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
         if not name.startswith("STUDIO_") or name in known:
             continue
         # compared without the common prefix, which would make every name look close
-        close = difflib.get_close_matches(name[7:], sorted(k[7:] for k in known), n=1,
-                                          cutoff=0.7)
-        hint = (f"did you mean STUDIO_{close[0]}?" if close
-                else "see the configuration table in the README for the variables there are.")
+        close = difflib.get_close_matches(name[7:], sorted(k[7:] for k in known), n=1, cutoff=0.7)
+        hint = (
+            f"did you mean STUDIO_{close[0]}?"
+            if close
+            else "see the configuration table in the README for the variables there are."
+        )
         sentences.append(f"{name} is not a studio-code setting and is ignored: {hint}")
     return sentences
 

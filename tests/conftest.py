@@ -81,8 +81,11 @@ def docker_client():  # type: ignore[no-untyped-def]
     # removed by its runtime gets a moment to go.
     left: list[dict] = []
     for _ in range(20):
-        left = [c for c in client.api.containers(all=True, filters={"label": LABEL_OWNER})
-                if c["Id"] not in before and _made_by_this_session(c)]
+        left = [
+            c
+            for c in client.api.containers(all=True, filters={"label": LABEL_OWNER})
+            if c["Id"] not in before and _made_by_this_session(c)
+        ]
         if not left:
             break
         time.sleep(0.25)
@@ -175,8 +178,9 @@ def docker_pool_executor(make_settings, python_image):  # type: ignore[no-untype
     a worker's pool process; its idle sandboxes are removed at the end."""
     from executor.service import Executor
 
-    ex = Executor(make_settings(code_runtime="docker", code_image=python_image,
-                                code_languages="python"))
+    ex = Executor(
+        make_settings(code_runtime="docker", code_image=python_image, code_languages="python")
+    )
     ex.prepare()
     assert ex.runtime.pool is not None and ex.runtime.pool.wait_ready(60)
     yield ex
@@ -209,11 +213,29 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
-             "--bind", "127.0.0.1", "--dir", str(self.workdir), "--save", "",
-             "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy",
-             "noeviction", "--daemonize", "no", "--logfile", str(self.workdir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.workdir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                "noeviction",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.workdir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -270,15 +292,18 @@ def pg_schema_url(postgres_url: str) -> Iterator[str]:
     import psycopg
     from sqlalchemy.engine import make_url
 
-    admin = make_url(postgres_url).set(drivername="postgresql").render_as_string(
-        hide_password=False)
+    admin = (
+        make_url(postgres_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    )
     schema = f"test_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE SCHEMA "{schema}"')
     try:
-        yield (make_url(postgres_url)
-               .update_query_dict({"options": f"-csearch_path={schema}"})
-               .render_as_string(hide_password=False))
+        yield (
+            make_url(postgres_url)
+            .update_query_dict({"options": f"-csearch_path={schema}"})
+            .render_as_string(hide_password=False)
+        )
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -33,8 +33,15 @@ def test_run_prints_the_contract_and_exits_zero_on_success(node, runtime, reques
     if runtime == "docker":
         request.getfixturevalue("python_image")
     path = node("def main(state):\n    print('hi')\n    return state['x'] * 2\n")
-    proc = run_cli("run", path, "--state", '{"x": 21}', "--timeout", "10",
-                   env={**ON, "STUDIO_CODE_RUNTIME": runtime})
+    proc = run_cli(
+        "run",
+        path,
+        "--state",
+        '{"x": 21}',
+        "--timeout",
+        "10",
+        env={**ON, "STUDIO_CODE_RUNTIME": runtime},
+    )
     out = one_json(proc)
     assert proc.returncode == 0
     assert CONTRACT <= set(out)
@@ -58,29 +65,33 @@ def test_run_with_a_state_file_and_a_timeout(node, tmp_path, python_image):
     path = node("import time\ndef main(state):\n    time.sleep(state['n'])\n")
     proc = run_cli("run", path, "--state-file", str(state), "--timeout", "1", env=ON)
     out = one_json(proc)
-    assert (proc.returncode, out["status"], out["error"]["code"]) == (1, "timed_out",
-                                                                       "CODE_TIMEOUT")
+    assert (proc.returncode, out["status"], out["error"]["code"]) == (
+        1,
+        "timed_out",
+        "CODE_TIMEOUT",
+    )
 
 
 def test_bad_state_json_is_invalid_before_anything_runs(node):
     proc = run_cli("run", node("def main(s):\n    return 1\n"), "--state", "{nope", env=ON)
     out = one_json(proc)
-    assert (proc.returncode, out["status"], out["error"]["code"]) == (1, "invalid",
-                                                                       "CODE_INVALID")
+    assert (proc.returncode, out["status"], out["error"]["code"]) == (1, "invalid", "CODE_INVALID")
     assert "--state is not valid JSON" in out["error"]["message"]
 
 
 def test_code_nodes_off_says_how_to_turn_them_on(node):
-    proc = run_cli("run", node("def main(s):\n    return 1\n"),
-                   env={"STUDIO_ENABLE_CODE_NODES": "0"})
+    proc = run_cli(
+        "run", node("def main(s):\n    return 1\n"), env={"STUDIO_ENABLE_CODE_NODES": "0"}
+    )
     out = one_json(proc)
     assert out["error"]["code"] == "CODE_NODES_DISABLED"
     assert "STUDIO_ENABLE_CODE_NODES=1" in out["error"]["message"]
 
 
 def test_a_malformed_setting_stops_with_a_sentence(node):
-    proc = run_cli("run", node("def main(s):\n    return 1\n"),
-                   env={**ON, "STUDIO_CODE_MEMORY": "lots"})
+    proc = run_cli(
+        "run", node("def main(s):\n    return 1\n"), env={**ON, "STUDIO_CODE_MEMORY": "lots"}
+    )
     out = one_json(proc)
     assert proc.returncode == 2
     assert "STUDIO_CODE_MEMORY='lots'" in out["error"]["message"]
@@ -138,10 +149,13 @@ def test_a_bad_timeout_is_refused_as_http_refuses_it(node, value):
     assert out["code_runtime"] == "subprocess"
 
 
-@pytest.mark.parametrize(("state", "says"), [
-    ('{"x": NaN}', "NaN is not a JSON number"),
-    ("[1,2]", "is an array, not a JSON object"),
-])
+@pytest.mark.parametrize(
+    ("state", "says"),
+    [
+        ('{"x": NaN}', "NaN is not a JSON number"),
+        ("[1,2]", "is an array, not a JSON object"),
+    ],
+)
 def test_a_state_http_refuses_is_refused(node, state, says):
     proc = run_cli("run", node("def main(s):\n    return s\n"), "--state", state, env=SUB)
     assert says in refused_run(proc, "CODE_INVALID", 1)["error"]["message"]
@@ -151,8 +165,11 @@ def test_an_unreadable_file_prints_every_field(tmp_path):
     proc = run_cli("run", str(tmp_path / "missing.py"), env=SUB)
     out = refused_run(proc, "CODE_INVALID", 1)
     assert "Cannot read" in out["error"]["message"]
-    assert (out["runtime"], out["code_runtime"], out["language"]) == ("subprocess",
-                                                                       "subprocess", "python")
+    assert (out["runtime"], out["code_runtime"], out["language"]) == (
+        "subprocess",
+        "subprocess",
+        "python",
+    )
 
 
 @pytest.mark.parametrize("name", ["node.js", "node.txt", "node"])
@@ -173,32 +190,37 @@ def test_an_unknown_extension_runs_when_the_language_is_given(node):
     assert (proc.returncode, out["status"], out["output"]) == (0, "succeeded", 2)
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["run"], "the following arguments are required: file"),
-    (["run", "x.py", "--language", "cobol"], "invalid choice: 'cobol'"),
-    (["run", "x.py", "--state", "{}", "--state-file", "s.json"], "not allowed with"),
-    (["run", "x.py", "--bogus"], "unrecognized arguments: --bogus"),
-])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["run"], "the following arguments are required: file"),
+        (["run", "x.py", "--language", "cobol"], "invalid choice: 'cobol'"),
+        (["run", "x.py", "--state", "{}", "--state-file", "s.json"], "not allowed with"),
+        (["run", "x.py", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
 def test_a_malformed_run_command_line_is_the_run_object(args, says):
     out = refused_run(run_cli(*args, env=SUB), "REQUEST_INVALID", 2)
     assert says in out["error"]["message"]
     assert f"Run `studio-code {args[0]} --help`" in out["error"]["message"]
 
 
-@pytest.mark.parametrize(("args", "command", "says"), [
-    ([], None, "the following arguments are required: COMMAND"),
-    (["bogus"], None, "invalid choice: 'bogus'"),
-    (["validate"], "validate", "the following arguments are required: file"),
-    (["status"], "status", "the following arguments are required: job_id"),
-    (["meta", "--x"], "meta", "unrecognized arguments: --x"),
-    (["serve", "--port", "http"], "serve", "invalid int value: 'http'"),
-])
+@pytest.mark.parametrize(
+    ("args", "command", "says"),
+    [
+        ([], None, "the following arguments are required: COMMAND"),
+        (["bogus"], None, "invalid choice: 'bogus'"),
+        (["validate"], "validate", "the following arguments are required: file"),
+        (["status"], "status", "the following arguments are required: job_id"),
+        (["meta", "--x"], "meta", "unrecognized arguments: --x"),
+        (["serve", "--port", "http"], "serve", "invalid int value: 'http'"),
+    ],
+)
 def test_a_malformed_command_line_is_one_json_object(args, command, says):
     proc = run_cli(*args)
     out = one_json(proc)
     assert proc.returncode == 2
-    assert (out["ok"], out["command"], out["error"]["code"]) == (False, command,
-                                                                 "REQUEST_INVALID")
+    assert (out["ok"], out["command"], out["error"]["code"]) == (False, command, "REQUEST_INVALID")
     assert says in out["error"]["message"]
     assert "usage:" not in proc.stdout + proc.stderr  # no argparse text anywhere
 
@@ -213,8 +235,11 @@ def test_worker_help_is_our_own_and_prints_no_stopped_line():
 
 
 def test_a_misspelled_variable_is_warned_on_stderr_naming_the_closest(node):
-    proc = run_cli("validate", node("def main(s):\n    return 1\n"),
-                   env={"STUDIO_CODE_MEMROY": "1g", "STUDIO_ENABLE_CODE_NODE": "1"})
+    proc = run_cli(
+        "validate",
+        node("def main(s):\n    return 1\n"),
+        env={"STUDIO_CODE_MEMROY": "1g", "STUDIO_ENABLE_CODE_NODE": "1"},
+    )
     assert proc.returncode == 0 and one_json(proc)["ok"] is True  # stdout: the object only
     assert "STUDIO_CODE_MEMROY is not a studio-code setting" in proc.stderr
     assert "did you mean STUDIO_CODE_MEMORY?" in proc.stderr
@@ -226,7 +251,15 @@ def test_an_empty_value_means_the_default(node):
     off = run_cli("run", path, env={"STUDIO_ENABLE_CODE_NODES": ""})
     out = one_json(off)  # off by default: not a malformed setting
     assert (off.returncode, out["error"]["code"]) == (1, "CODE_NODES_DISABLED")
-    empty = {name: "" for name in ("STUDIO_CODE_MEMORY", "STUDIO_CODE_CPUS", "STUDIO_CODE_PIDS",
-                                   "STUDIO_CODE_MAX_SECONDS", "STUDIO_CODE_LANGUAGES")}
+    empty = {
+        name: ""
+        for name in (
+            "STUDIO_CODE_MEMORY",
+            "STUDIO_CODE_CPUS",
+            "STUDIO_CODE_PIDS",
+            "STUDIO_CODE_MAX_SECONDS",
+            "STUDIO_CODE_LANGUAGES",
+        )
+    }
     proc = run_cli("run", path, env={**SUB, **empty})
     assert (proc.returncode, one_json(proc)["output"]) == (0, 1)

@@ -53,16 +53,24 @@ BRIDGE_FILE = ROOT / "deploy" / "compose.bridge.yaml"
 SECRETS = {"REDIS_PASSWORD": "r3dis-pw", "POSTGRES_PASSWORD": "pg-pw", "STUDIO_API_TOKEN": "tok"}
 
 
-def compose_config(tmp: Path, *files: Path, env: dict[str, str] | None = None,
-                   ) -> subprocess.CompletedProcess[str]:
+def compose_config(
+    tmp: Path,
+    *files: Path,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     cmd = compose_cmd()
     require(cmd is not None, "neither docker-compose nor the docker compose plugin is installed")
     assert cmd is not None
     env_file = tmp / "env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in (env or {}).items()))
     args = [a for f in files for a in ("-f", str(f))]
-    return subprocess.run([*cmd, "--env-file", str(env_file), *args, "--profile", "images",
-                           "config"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [*cmd, "--env-file", str(env_file), *args, "--profile", "images", "config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
 
 
 def _parse(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -75,16 +83,35 @@ def _parse(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("compose")
-    return _parse(compose_config(tmp, COMPOSE_FILE, BRIDGE_FILE, env={
-        **SECRETS, "DOCKER_GID": "4242", "STATE_DIR": str(tmp)}))
+    return _parse(
+        compose_config(
+            tmp,
+            COMPOSE_FILE,
+            BRIDGE_FILE,
+            env={**SECRETS, "DOCKER_GID": "4242", "STATE_DIR": str(tmp)},
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def hostnet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("compose")
-    return _parse(compose_config(tmp, COMPOSE_FILE, HOSTNET_FILE, env={
-        **SECRETS, "DOCKER_GID": "4242", "STATE_DIR": str(tmp), "REDIS_HOST": "127.0.0.1",
-        "REDIS_BIND": "127.0.0.1", "REDIS_PORT": "16379", "API_BIND": "127.0.0.1"}))
+    return _parse(
+        compose_config(
+            tmp,
+            COMPOSE_FILE,
+            HOSTNET_FILE,
+            env={
+                **SECRETS,
+                "DOCKER_GID": "4242",
+                "STATE_DIR": str(tmp),
+                "REDIS_HOST": "127.0.0.1",
+                "REDIS_BIND": "127.0.0.1",
+                "REDIS_PORT": "16379",
+                "API_BIND": "127.0.0.1",
+            },
+        )
+    )
 
 
 def seconds(value: Any) -> float:
@@ -101,8 +128,15 @@ def seconds(value: Any) -> float:
 
 
 def test_compose_config_is_valid_and_has_every_service(config: dict[str, Any]) -> None:
-    assert {"redis", "postgres", "api", "worker", "prometheus", "sandbox-python",
-            "sandbox-typescript"} <= set(config["services"])
+    assert {
+        "redis",
+        "postgres",
+        "api",
+        "worker",
+        "prometheus",
+        "sandbox-python",
+        "sandbox-typescript",
+    } <= set(config["services"])
 
 
 def test_no_service_is_privileged(config: dict[str, Any]) -> None:
@@ -150,8 +184,9 @@ def test_hostnet_variant_binds_loopback_and_keeps_reaping_safe(hostnet: dict[str
         assert not svcs[name].get("ports"), name  # Compose v1 refuses them on the host network
     assert "--bind 127.0.0.1 --port 16379" in " ".join(svcs["redis"]["command"])
     assert svcs["api"]["command"][2:4] == ["--host", "127.0.0.1"]
-    assert svcs["worker"]["environment"]["STUDIO_REDIS_URL"] == \
-        "redis://:r3dis-pw@127.0.0.1:16379/0"
+    assert (
+        svcs["worker"]["environment"]["STUDIO_REDIS_URL"] == "redis://:r3dis-pw@127.0.0.1:16379/0"
+    )
     # replicas share the host's hostname: the reaper's host:pid owners need the host's pids
     assert svcs["worker"]["pid"] == "host"
     assert "-n" in svcs["worker"]["command"][-1] and "urandom" in svcs["worker"]["command"][-1]
@@ -242,8 +277,9 @@ def test_prometheus_scrapes_every_worker_and_the_api(config: dict[str, Any]) -> 
     worker_sd = jobs["studio-code-worker"]["dns_sd_configs"][0]
     assert worker_sd["names"] == ["worker"] and worker_sd["port"] == 9808
     assert jobs["studio-code-api"]["static_configs"][0]["targets"] == ["api:8080"]
-    assert jobs["studio-code-api"]["authorization"]["credentials_file"] == \
-        "/etc/prometheus/api_token"
+    assert (
+        jobs["studio-code-api"]["authorization"]["credentials_file"] == "/etc/prometheus/api_token"
+    )
 
 
 def test_the_app_dockerfile_installs_the_project() -> None:
@@ -263,18 +299,25 @@ WORK_CODE = "import time\n\ndef main(state):\n    time.sleep(0.4)\n    return st
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.postgres
-def test_two_workers_share_the_jobs(tmp_path: Path, redis_server: Any, pg_schema_url: str,
-                                    python_image: str, docker_client: Any) -> None:
+def test_two_workers_share_the_jobs(
+    tmp_path: Path, redis_server: Any, pg_schema_url: str, python_image: str, docker_client: Any
+) -> None:
     from api_client.client import CodeClient
     from executor.settings import load_settings
 
     postgres_url = pg_schema_url
     env = studio_env(redis_server.url, postgres_url, python_image)
-    workers = [start_worker(env, tmp_path / f"w{i}.log", name=f"scale{i}-{uuid.uuid4().hex[:4]}")
-               for i in range(2)]
-    settings = load_settings(enable_code_nodes=True, redis_url=redis_server.url,
-                             database_url=postgres_url, code_image=python_image,
-                             code_languages="python")
+    workers = [
+        start_worker(env, tmp_path / f"w{i}.log", name=f"scale{i}-{uuid.uuid4().hex[:4]}")
+        for i in range(2)
+    ]
+    settings = load_settings(
+        enable_code_nodes=True,
+        redis_url=redis_server.url,
+        database_url=postgres_url,
+        code_image=python_image,
+        code_languages="python",
+    )
     client = CodeClient(settings)
     try:
         ids = [client.submit(WORK_CODE, "python", {"i": i}, user="scale") for i in range(20)]
@@ -298,8 +341,9 @@ LONG_CODE = "import time\n\ndef main(state):\n    time.sleep(3)\n    return stat
 
 @pytest.mark.docker
 @pytest.mark.redis
-def test_sigterm_to_a_busy_worker_loses_no_job(tmp_path: Path, redis_server: Any,
-                                               python_image: str, docker_client: Any) -> None:
+def test_sigterm_to_a_busy_worker_loses_no_job(
+    tmp_path: Path, redis_server: Any, python_image: str, docker_client: Any
+) -> None:
     """What `docker stop` (SIGTERM, then SIGKILL after stop_grace_period) does to a worker
     running two 3 s jobs with two more waiting: the running ones finish there, within the
     bound, the waiting ones are run by the next worker, and no sandbox is left."""
@@ -307,15 +351,24 @@ def test_sigterm_to_a_busy_worker_loses_no_job(tmp_path: Path, redis_server: Any
     from executor.settings import load_settings
 
     max_s = 10
-    env = studio_env(redis_server.url, f"sqlite:///{tmp_path / 'runs.db'}", python_image,
-                     STUDIO_CODE_MAX_SECONDS=max_s)
+    env = studio_env(
+        redis_server.url,
+        f"sqlite:///{tmp_path / 'runs.db'}",
+        python_image,
+        STUDIO_CODE_MAX_SECONDS=max_s,
+    )
     # -c 3: two processes for workflow runs + the one kept for editor test calls
-    first = start_worker(env, tmp_path / "first.log", name=f"first-{uuid.uuid4().hex[:4]}",
-                         concurrency=3)
-    settings = load_settings(enable_code_nodes=True, redis_url=redis_server.url,
-                             database_url=f"sqlite:///{tmp_path / 'runs.db'}",
-                             code_image=python_image, code_languages="python",
-                             code_max_seconds=max_s)
+    first = start_worker(
+        env, tmp_path / "first.log", name=f"first-{uuid.uuid4().hex[:4]}", concurrency=3
+    )
+    settings = load_settings(
+        enable_code_nodes=True,
+        redis_url=redis_server.url,
+        database_url=f"sqlite:///{tmp_path / 'runs.db'}",
+        code_image=python_image,
+        code_languages="python",
+        code_max_seconds=max_s,
+    )
     client = CodeClient(settings)
     second = None
     try:
@@ -348,8 +401,7 @@ def test_sigterm_to_a_busy_worker_loses_no_job(tmp_path: Path, redis_server: Any
         assert [r.output for r in recs] == [0, 1, 2, 3]
         for r in recs:
             _gone(docker_client, r.job_id)
-        assert {r.worker.split("@")[0] for r in recs if r.job_id in running} == \
-            {first_name(first)}
+        assert {r.worker.split("@")[0] for r in recs if r.job_id in running} == {first_name(first)}
     finally:
         client.close()
         first.stop(30)
@@ -364,7 +416,6 @@ def first_name(proc: Any) -> str:
 
 
 # --- make up / scale / down, for real ----------------------------------------------------------
-
 
 
 def _gone(docker_client: Any, job_id: str, timeout_s: float = 15.0) -> None:
@@ -410,21 +461,31 @@ class Deployment:
         self.project = project
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
         # the host-network variant listens on these (the bridge variant publishes the API's)
-        self.ports = {name: free_port() for name in
-                      ("REDIS_PORT", "POSTGRES_PORT", "API_PORT", "PROMETHEUS_PORT")}
+        self.ports = {
+            name: free_port()
+            for name in ("REDIS_PORT", "POSTGRES_PORT", "API_PORT", "PROMETHEUS_PORT")
+        }
         self.env.update({k: str(v) for k, v in self.ports.items()})
         self.base = f"http://127.0.0.1:{self.ports['API_PORT']}"
         self.token = ""
 
     def make(self, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["make", "--no-print-directory", *args, f"PROJECT={self.project}"],
-                              cwd=ROOT, env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            ["make", "--no-print-directory", *args, f"PROJECT={self.project}"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def env_file(self) -> dict[str, str]:
         path = ROOT / "deploy" / ".state" / self.project / "env"
-        return dict(line.split("=", 1) for line in path.read_text().splitlines()
-                    if "=" in line and not line.startswith("#"))
+        return dict(
+            line.split("=", 1)
+            for line in path.read_text().splitlines()
+            if "=" in line and not line.startswith("#")
+        )
 
     def headers(self, user: str = "compose") -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}", "X-Studio-User": user}
@@ -436,8 +497,7 @@ class Deployment:
         return docker_client.containers.list(all=True, filters={"label": labels})
 
 
-def _wait(what: str, check: Any, timeout: float, step: float = 0.2,
-          describe: Any = None) -> Any:
+def _wait(what: str, check: Any, timeout: float, step: float = 0.2, describe: Any = None) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -466,7 +526,8 @@ def _owned_by_a_worker(docker_client: Any, dep: Deployment, sandbox: Any) -> boo
 @pytest.mark.docker
 @pytest.mark.timeout(1800)  # a first run on a fresh machine builds the service images
 def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
-        docker_client: Any, python_image: str, ts_image: str) -> None:
+    docker_client: Any, python_image: str, ts_image: str
+) -> None:
     import httpx
 
     require(compose_cmd() is not None, "neither docker-compose nor docker compose is installed")
@@ -491,25 +552,38 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
             except httpx.TransportError:
                 return False
             checks = r.json().get("checks", {})
-            return checks.get("redis") is None and checks.get("run_store") is None \
+            return (
+                checks.get("redis") is None
+                and checks.get("run_store") is None
                 and "redis" in checks
+            )
 
         _wait("the API ready (Redis and PostgreSQL reachable)", healthy, 180, 1)
 
         def health(service: str) -> list[str]:
-            return [c.attrs["State"].get("Health", {}).get("Status", c.status)
-                    for c in dep.containers(docker_client, service)]
+            return [
+                c.attrs["State"].get("Health", {}).get("Status", c.status)
+                for c in dep.containers(docker_client, service)
+            ]
 
         for svc in ("redis", "postgres", "api", "worker"):
-            _wait(f"{svc} healthy", lambda s=svc: health(s) == ["healthy"], 120, 1,
-                  describe=lambda s=svc: health(s))
+            _wait(
+                f"{svc} healthy",
+                lambda s=svc: health(s) == ["healthy"],
+                120,
+                1,
+                describe=lambda s=svc: health(s),
+            )
         # the API has no Docker socket; the workers do
         api = dep.containers(docker_client, "api")[0]
         assert not any("docker.sock" in m["Source"] for m in api.attrs["Mounts"])
 
         def submit(code: str, language: str, state: dict[str, Any]) -> str:
-            r = http.post("/api/runs", headers=dep.headers(), json={
-                "code": code, "language": language, "state": state})
+            r = http.post(
+                "/api/runs",
+                headers=dep.headers(),
+                json={"code": code, "language": language, "state": state},
+            )
             assert r.status_code == 202, r.text
             job_ids.append(r.json()["job_id"])
             return str(r.json()["job_id"])
@@ -548,11 +622,18 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
         # three workers, and the jobs spread over them
         scale = dep.make("scale", "N=3", timeout=300)
         assert scale.returncode == 0, scale.stderr[-3000:]
-        _wait("3 healthy workers", lambda: health("worker") == ["healthy"] * 3, 180, 1,
-              describe=lambda: health("worker"))
+        _wait(
+            "3 healthy workers",
+            lambda: health("worker") == ["healthy"] * 3,
+            180,
+            1,
+            describe=lambda: health("worker"),
+        )
         batch = [submit(SLEEPY_PY, "python", {"i": i, "s": 1.5}) for i in range(18)]
-        recs = [_wait(f"job {j} done", lambda j=j: (r := run(j))["finished"] and r, 180, 0.5)
-                for j in batch]
+        recs = [
+            _wait(f"job {j} done", lambda j=j: (r := run(j))["finished"] and r, 180, 0.5)
+            for j in batch
+        ]
         assert [r["status"] for r in recs] == ["succeeded"] * 18, recs
         assert [r["output"] for r in recs] == list(range(18))
         nodes = {r["worker"].split(":")[0] for r in recs}

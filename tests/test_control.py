@@ -34,8 +34,12 @@ from tests.test_http import BIN, USER, StudioProc, start_api, start_worker, stud
 pytestmark = [pytest.mark.redis]
 
 TRIVIAL = "def main(state):\n    return state.get('n', 0) * 2\n"
-FAST = {"STUDIO_QUEUE_HEARTBEAT_INTERVAL_S": "0.5", "STUDIO_QUEUE_REAP_INTERVAL_S": "1",
-        "STUDIO_CODE_RUNTIME": "subprocess", "STUDIO_CODE_LANGUAGES": "python"}
+FAST = {
+    "STUDIO_QUEUE_HEARTBEAT_INTERVAL_S": "0.5",
+    "STUDIO_QUEUE_REAP_INTERVAL_S": "1",
+    "STUDIO_CODE_RUNTIME": "subprocess",
+    "STUDIO_CODE_LANGUAGES": "python",
+}
 
 
 def env_for(redis_url: str, database_url: str, **extra: Any) -> dict[str, str]:
@@ -45,10 +49,14 @@ def env_for(redis_url: str, database_url: str, **extra: Any) -> dict[str, str]:
 def client_for(make_settings: Any, redis_url: str, database_url: str, **overrides: Any) -> Any:
     from api_client import CodeClient
 
-    base = {"code_runtime": "subprocess", "code_languages": "python",
-            "queue_heartbeat_interval_s": 0.5}
-    settings = make_settings(redis_url=redis_url, database_url=database_url,
-                             **{**base, **overrides})
+    base = {
+        "code_runtime": "subprocess",
+        "code_languages": "python",
+        "queue_heartbeat_interval_s": 0.5,
+    }
+    settings = make_settings(
+        redis_url=redis_url, database_url=database_url, **{**base, **overrides}
+    )
     return CodeClient(settings)
 
 
@@ -78,8 +86,9 @@ def sqlite(tmp_path: Path, name: str) -> str:
 # --- fail fast when no worker serves -----------------------------------------------------------
 
 
-def test_submit_with_no_worker_is_refused_at_once(redis_server: Any, tmp_path: Path,
-                                                  make_settings: Any) -> None:
+def test_submit_with_no_worker_is_refused_at_once(
+    redis_server: Any, tmp_path: Path, make_settings: Any
+) -> None:
     from api_client import RuntimeUnavailable
 
     with client_for(make_settings, redis_server.url, sqlite(tmp_path, "s")) as client:
@@ -90,7 +99,8 @@ def test_submit_with_no_worker_is_refused_at_once(redis_server: Any, tmp_path: P
             took = time.monotonic() - t0
             assert caught.value.code == "RUNTIME_UNAVAILABLE"
             assert f"No worker is serving {queue}: start one with `studio-code worker`" in (
-                caught.value.message)
+                caught.value.message
+            )
             assert took < 1.0, took
         assert sum(client.store.counts_by_status().values()) == 0, "no row may be left"
         # the rate limit did not count refused test calls
@@ -99,8 +109,9 @@ def test_submit_with_no_worker_is_refused_at_once(redis_server: Any, tmp_path: P
         assert client.run_inline(TRIVIAL, "python", {"n": 2}).output == 4
 
 
-def test_a_paused_worker_does_not_count_and_says_why(redis_server: Any, tmp_path: Path,
-                                                     make_settings: Any) -> None:
+def test_a_paused_worker_does_not_count_and_says_why(
+    redis_server: Any, tmp_path: Path, make_settings: Any
+) -> None:
     """The heartbeat itself (worker.heartbeat.Heartbeat) on a real Redis: while its
     not_serving_reason gives a sentence, the worker is announced paused, the API refuses
     and quotes the reason; once it answers None again, submits pass."""
@@ -108,12 +119,19 @@ def test_a_paused_worker_does_not_count_and_says_why(redis_server: Any, tmp_path
     from worker.heartbeat import Heartbeat
 
     reason: list[str | None] = ["Docker is not reachable at unix:///nowhere.sock"]
-    beat = Heartbeat(redis_server.url, "gated@test", {"code.run": 3}, interval_s=0.2,
-                     ttl_s=1.6, not_serving_reason=lambda: reason[0])
+    beat = Heartbeat(
+        redis_server.url,
+        "gated@test",
+        {"code.run": 3},
+        interval_s=0.2,
+        ttl_s=1.6,
+        not_serving_reason=lambda: reason[0],
+    )
     beat.start()
     try:
-        with client_for(make_settings, redis_server.url, sqlite(tmp_path, "s"),
-                        queue_heartbeat_interval_s=0.2) as client:
+        with client_for(
+            make_settings, redis_server.url, sqlite(tmp_path, "s"), queue_heartbeat_interval_s=0.2
+        ) as client:
             live = client.live_workers()
             assert [w.nodename for w in live["code.run"]] == ["gated@test"]
             assert live["code.run"][0].state == "paused" and live["code.test"] == []
@@ -131,9 +149,9 @@ def test_a_paused_worker_does_not_count_and_says_why(redis_server: Any, tmp_path
         beat.stop()
 
 
-def test_heartbeat_comes_and_goes_with_worker_processes(redis_server: Any, tmp_path: Path,
-                                                        make_settings: Any,
-                                                        procs: list[StudioProc]) -> None:
+def test_heartbeat_comes_and_goes_with_worker_processes(
+    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[StudioProc]
+) -> None:
     from api_client import RuntimeUnavailable
 
     db = sqlite(tmp_path, "s")
@@ -174,17 +192,23 @@ def test_heartbeat_comes_and_goes_with_worker_processes(redis_server: Any, tmp_p
 
 
 def test_queued_sweep_resends_a_lost_message_and_ends_overdue_jobs(
-        redis_server: Any, tmp_path: Path, make_settings: Any,
-        procs: list[StudioProc]) -> None:
+    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[StudioProc]
+) -> None:
     from executor.models import CodeJob
     from executor.store import open_store
 
     db = sqlite(tmp_path, "s")
     # This worker serves code.run only; code.test calls may wait 3 s at most.
-    env = env_for(redis_server.url, db, STUDIO_QUEUE_LOST_AFTER_S="1",
-                  STUDIO_QUEUE_TEST_MAX_WAIT_S="3", STUDIO_QUEUE_TEST_SLOTS="0")
-    with client_for(make_settings, redis_server.url, db, queue_require_worker=False,
-                    queue_test_max_wait_s=3) as client:
+    env = env_for(
+        redis_server.url,
+        db,
+        STUDIO_QUEUE_LOST_AFTER_S="1",
+        STUDIO_QUEUE_TEST_MAX_WAIT_S="3",
+        STUDIO_QUEUE_TEST_SLOTS="0",
+    )
+    with client_for(
+        make_settings, redis_server.url, db, queue_require_worker=False, queue_test_max_wait_s=3
+    ) as client:
         # A row whose message never reached Redis (an API that died in between).
         lost = CodeJob(code=TRIVIAL, state_json='{"n": 5}', kind="run", user="ann")
         with open_store(db) as store:
@@ -192,9 +216,25 @@ def test_queued_sweep_resends_a_lost_message_and_ends_overdue_jobs(
         # An editor test call no worker serves: it may wait 3 s, then it ends failed.
         orphan = client.submit(TRIVIAL, "python", {}, kind="test", user="ann")
         w = StudioProc(
-            [str(BIN / "celery"), "-A", "worker", "worker",
-             "--pool", "prefork", "-c", "1", "-Q", "code.run", "-n", "sweep@%h",
-             "--loglevel", "INFO"], env, tmp_path / "sweep.log")
+            [
+                str(BIN / "celery"),
+                "-A",
+                "worker",
+                "worker",
+                "--pool",
+                "prefork",
+                "-c",
+                "1",
+                "-Q",
+                "code.run",
+                "-n",
+                "sweep@%h",
+                "--loglevel",
+                "INFO",
+            ],
+            env,
+            tmp_path / "sweep.log",
+        )
         procs.append(w)
         rec = client.wait(lost.job_id, 30)
         assert rec.status == "succeeded" and rec.output == 10, w.output()[-3000:]
@@ -208,25 +248,32 @@ def test_queued_sweep_resends_a_lost_message_and_ends_overdue_jobs(
 
 
 def test_a_job_past_its_wait_bound_ends_even_with_no_worker_left(
-        redis_server: Any, tmp_path: Path, make_settings: Any) -> None:
+    redis_server: Any, tmp_path: Path, make_settings: Any
+) -> None:
     """No worker at all (so no janitor): reading the job ends it once it is overdue."""
-    with client_for(make_settings, redis_server.url, sqlite(tmp_path, "s"),
-                    queue_require_worker=False, queue_run_max_wait_s=1) as client:
+    with client_for(
+        make_settings,
+        redis_server.url,
+        sqlite(tmp_path, "s"),
+        queue_require_worker=False,
+        queue_run_max_wait_s=1,
+    ) as client:
         job = client.submit(TRIVIAL, "python", {})
         assert client.status(job).status == "queued"
         time.sleep(1.2)
         rec = client.status(job)
         assert rec.status == "failed" and "No worker took this job within 1 s" in (
-            rec.error.message if rec.error else "")
+            rec.error.message if rec.error else ""
+        )
         assert client.store.counts_by_status()["queued"] == 0
 
 
 # --- one store, said plainly -------------------------------------------------------------------
 
 
-def test_api_and_worker_on_different_stores(redis_server: Any, tmp_path: Path,
-                                            make_settings: Any,
-                                            procs: list[StudioProc]) -> None:
+def test_api_and_worker_on_different_stores(
+    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[StudioProc]
+) -> None:
     from api_client import RuntimeUnavailable
 
     worker_db, api_db = sqlite(tmp_path, "worker"), sqlite(tmp_path, "api")
@@ -242,8 +289,7 @@ def test_api_and_worker_on_different_stores(redis_server: Any, tmp_path: Path,
         assert client.store.counts_by_status()["queued"] == 0
     # With the check off, the job reaches that worker: it says so at ERROR and the waiter
     # ends at once with both stores named, never a silent wait.
-    with client_for(make_settings, redis_server.url, api_db,
-                    queue_require_worker=False) as client:
+    with client_for(make_settings, redis_server.url, api_db, queue_require_worker=False) as client:
         job = client.submit(TRIVIAL, "python", {})
         t0 = time.monotonic()
         rec = client.wait(job, 30)
@@ -254,17 +300,22 @@ def test_api_and_worker_on_different_stores(redis_server: Any, tmp_path: Path,
         assert client.store.store_id in rec.error.message
         assert worker_db.split("///")[1] in rec.error.message
         assert "same STUDIO_DATABASE_URL" in rec.error.message
-    assert "ERROR" in w.output() and f"job {job} is not in this worker's run store" in (
-        w.output())
+    assert "ERROR" in w.output() and f"job {job} is not in this worker's run store" in (w.output())
 
 
 def test_status_of_a_missing_store_creates_nothing(tmp_path: Path, redis_server: Any) -> None:
     from tests.conftest import run_cli
 
     data = tmp_path / "nowhere"
-    proc = run_cli("status", "abc", env={"STUDIO_DATA_DIR": str(data),
-                                         "STUDIO_REDIS_URL": redis_server.url,
-                                         "STUDIO_DATABASE_URL": ""})
+    proc = run_cli(
+        "status",
+        "abc",
+        env={
+            "STUDIO_DATA_DIR": str(data),
+            "STUDIO_REDIS_URL": redis_server.url,
+            "STUDIO_DATABASE_URL": "",
+        },
+    )
     out = json.loads(proc.stdout)
     assert proc.returncode == 1 and out["error"]["code"] == "RUNTIME_UNAVAILABLE", proc.stdout
     assert str(data / "studio-code.db") in out["error"]["message"]
@@ -285,8 +336,9 @@ def test_status_of_a_missing_store_creates_nothing(tmp_path: Path, redis_server:
     assert url in json.loads(unknown.stdout)["error"]["message"], unknown.stdout
 
 
-def test_default_store_does_not_depend_on_the_current_folder(tmp_path: Path,
-                                                             monkeypatch: Any) -> None:
+def test_default_store_does_not_depend_on_the_current_folder(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
     from executor.settings import load_settings
 
     monkeypatch.delenv("STUDIO_DATA_DIR", raising=False)
@@ -308,8 +360,8 @@ def test_default_store_does_not_depend_on_the_current_folder(tmp_path: Path,
 
 
 def test_an_unreadable_row_fails_cleanly_and_get_answers_200(
-        redis_server: Any, tmp_path: Path, make_settings: Any,
-        procs: list[StudioProc]) -> None:
+    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[StudioProc]
+) -> None:
     from sqlalchemy import text
 
     from executor.models import CodeJob
@@ -338,11 +390,22 @@ def test_an_unreadable_row_fails_cleanly_and_get_answers_200(
             store.create(job, code_runtime="subprocess")
             engine = store.engine  # type: ignore[attr-defined]
             with engine.begin() as conn:
-                conn.execute(text("UPDATE code_jobs SET language = 'cobol', warnings = '[oops' "
-                                  "WHERE job_id = :j"), {"j": job.job_id})
+                conn.execute(
+                    text(
+                        "UPDATE code_jobs SET language = 'cobol', warnings = '[oops' "
+                        "WHERE job_id = :j"
+                    ),
+                    {"j": job.job_id},
+                )
             headers = job_headers(store.store_id, store.describe())
-        client.app.send_task(TASK_NAME, args=(job.job_id,), task_id=job.job_id,
-                             queue="code.run", ignore_result=True, headers=headers)
+        client.app.send_task(
+            TASK_NAME,
+            args=(job.job_id,),
+            task_id=job.job_id,
+            queue="code.run",
+            ignore_result=True,
+            headers=headers,
+        )
         rec = client.wait(job.job_id, 30)
         assert rec.status == "failed" and rec.error, (rec, w.output()[-3000:])
         assert rec.error.code == "RUNTIME_UNAVAILABLE"
@@ -357,8 +420,10 @@ def test_an_unreadable_row_fails_cleanly_and_get_answers_200(
         done = client.submit(TRIVIAL, "python", {"n": 1}, user="ann")
         assert client.wait(done, 30).status == "succeeded"
         with open_store(db) as store, store.engine.begin() as conn:  # type: ignore[attr-defined]
-            conn.execute(text("UPDATE code_jobs SET trace = '{' , status = 'exploded' "
-                              "WHERE job_id = :j"), {"j": done})
+            conn.execute(
+                text("UPDATE code_jobs SET trace = '{' , status = 'exploded' WHERE job_id = :j"),
+                {"j": done},
+            )
         r = httpx.get(f"{base}/api/runs/{done}", headers=h, timeout=30)
         assert r.status_code == 200, r.text
         assert "status='exploded'" in r.json()["error"]["message"] or r.json()["output"] == 2
@@ -439,8 +504,12 @@ class Relay:
 
 @pytest.mark.postgres
 def test_an_unreachable_store_is_runtime_unavailable_naming_it(
-        redis_server: Any, tmp_path: Path, make_settings: Any, pg_schema_url: str,
-        procs: list[StudioProc]) -> None:
+    redis_server: Any,
+    tmp_path: Path,
+    make_settings: Any,
+    pg_schema_url: str,
+    procs: list[StudioProc],
+) -> None:
     from sqlalchemy.engine import make_url
 
     from api_client import RuntimeUnavailable
@@ -448,19 +517,23 @@ def test_an_unreachable_store_is_runtime_unavailable_naming_it(
 
     real = make_url(pg_schema_url)
     relay = Relay(real.port or 5432)
-    url = real.set(port=relay.port, password="s3cret").update_query_dict(
-        {"connect_timeout": "2"}).render_as_string(hide_password=False)
+    url = (
+        real.set(port=relay.port, password="s3cret")
+        .update_query_dict({"connect_timeout": "2"})
+        .render_as_string(hide_password=False)
+    )
     shown = make_url(url).render_as_string(hide_password=True)
     assert "s3cret" not in shown
     try:
-        with client_for(make_settings, redis_server.url, url,
-                        queue_require_worker=False) as client:
+        with client_for(make_settings, redis_server.url, url, queue_require_worker=False) as client:
             job = client.submit(TRIVIAL, "python", {})
             assert client.status(job).status == "queued"
             relay.cut()
-            for call in (lambda: client.status(job),
-                         lambda: client.submit(TRIVIAL, "python", {}),
-                         lambda: client.cancel(job)):
+            for call in (
+                lambda: client.status(job),
+                lambda: client.submit(TRIVIAL, "python", {}),
+                lambda: client.cancel(job),
+            ):
                 with pytest.raises(RuntimeUnavailable) as caught:
                     call()
                 assert isinstance(caught.value, StoreUnavailable)
@@ -536,12 +609,19 @@ def test_store_id_queued_rows_and_tolerant_reads(store_url: str, tmp_path: Path)
 
         # one bad column is a named problem, never an exception
         with b.engine.begin() as conn:  # type: ignore[attr-defined]
-            conn.execute(text("UPDATE code_jobs SET language = 'ruby', output = '{no', "
-                              "error = NULL WHERE job_id = :j"), {"j": jobs[1].job_id})
+            conn.execute(
+                text(
+                    "UPDATE code_jobs SET language = 'ruby', output = '{no', "
+                    "error = NULL WHERE job_id = :j"
+                ),
+                {"j": jobs[1].job_id},
+            )
         bad = b.get(jobs[1].job_id)
         assert bad is not None and bad.status == "failed"
-        assert bad.problems == ["language='ruby' is not a language this worker knows "
-                                "(python, typescript)", "output='{no' is not JSON"]
+        assert bad.problems == [
+            "language='ruby' is not a language this worker knows (python, typescript)",
+            "output='{no' is not JSON",
+        ]
         assert bad.error and "cannot be read" in bad.error.message
         assert b.get_many([jobs[1].job_id])[jobs[1].job_id].problems == bad.problems
     # read-only opening creates nothing
@@ -555,8 +635,12 @@ def test_store_id_queued_rows_and_tolerant_reads(store_url: str, tmp_path: Path)
 
 @pytest.mark.postgres
 def test_jobs_consumed_while_the_store_was_down_are_sent_again(
-        redis_server: Any, tmp_path: Path, make_settings: Any, pg_schema_url: str,
-        procs: list[StudioProc]) -> None:
+    redis_server: Any,
+    tmp_path: Path,
+    make_settings: Any,
+    pg_schema_url: str,
+    procs: list[StudioProc],
+) -> None:
     """The worker's store goes away (the API's does not): the worker takes the messages,
     cannot claim them, and they are gone from Redis. Once the store is back, the queued
     sweep finds rows with no message and sends them again; each job runs exactly once."""
@@ -566,8 +650,11 @@ def test_jobs_consumed_while_the_store_was_down_are_sent_again(
 
     real = make_url(pg_schema_url)
     relay = Relay(real.port or 5432)
-    worker_url = real.set(port=relay.port).update_query_dict(
-        {"connect_timeout": "2"}).render_as_string(hide_password=False)
+    worker_url = (
+        real.set(port=relay.port)
+        .update_query_dict({"connect_timeout": "2"})
+        .render_as_string(hide_password=False)
+    )
     try:
         env = env_for(redis_server.url, worker_url, STUDIO_QUEUE_LOST_AFTER_S="2")
         w = start_worker(env, tmp_path / "w.log", name="outage", concurrency=2)
@@ -584,10 +671,13 @@ def test_jobs_consumed_while_the_store_was_down_are_sent_again(
             relay.restore()
             t0 = time.monotonic()
             recs = {j: client.wait(j, 60) for j in jobs}
-            print(f"\n8 jobs consumed during the outage ended {time.monotonic() - t0:.1f} s "
-                  "after the store came back")
+            print(
+                f"\n8 jobs consumed during the outage ended {time.monotonic() - t0:.1f} s "
+                "after the store came back"
+            )
             assert {j: (r.status, r.output, r.attempts) for j, r in recs.items()} == {
-                j: ("succeeded", 2 * i, 1) for j, i in jobs.items()}, w.output()[-3000:]
+                j: ("succeeded", 2 * i, 1) for j, i in jobs.items()
+            }, w.output()[-3000:]
             print(f"messages lost during the outage: {len(lost)}")
             if lost:
                 assert "sent again" in w.output()

@@ -18,7 +18,7 @@ from tests.conftest import FORK_BOMB
 
 pytestmark = pytest.mark.docker
 
-PROBE = r'''
+PROBE = r"""
 import os, socket
 
 def main(state):
@@ -49,12 +49,16 @@ def main(state):
         "env": dict(os.environ),
         "stdin_is_empty": os.read(0, 1) == b"",
     }
-'''
+"""
 
 
 def run(executor, code: str, state: object = None, timeout_s: float | None = None, **kw):
-    job = CodeJob(code=code, state_json=json.dumps(state if state is not None else {}),
-                  timeout_s=timeout_s, **kw)
+    job = CodeJob(
+        code=code,
+        state_json=json.dumps(state if state is not None else {}),
+        timeout_s=timeout_s,
+        **kw,
+    )
     result = executor.run(job)
     # The sandbox really was of the kind under test (a silent pool miss proves nothing).
     expected = "pool" if executor.runtime.pool is not None else "cold"
@@ -76,8 +80,9 @@ def make_executor(make_settings, python_image, sandbox_mode):
     made = []
 
     def make(**overrides):
-        settings = make_settings(code_runtime="docker", code_image=python_image,
-                                 code_languages="python", **overrides)
+        settings = make_settings(
+            code_runtime="docker", code_image=python_image, code_languages="python", **overrides
+        )
         ex = Executor(settings)
         if sandbox_mode == "pool":
             ex.prepare()
@@ -151,8 +156,14 @@ def test_environment_holds_home_and_python_flags_and_nothing_of_the_server(seen)
     assert env["HOME"] == "/tmp"
     assert env["PYTHONDONTWRITEBYTECODE"] == "1" and env["PYTHONUNBUFFERED"] == "1"
     # PATH and LANG come from the image, HOSTNAME from Docker; nothing else may appear.
-    assert set(env) <= {"HOME", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PATH",
-                        "HOSTNAME", "LANG"}
+    assert set(env) <= {
+        "HOME",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONUNBUFFERED",
+        "PATH",
+        "HOSTNAME",
+        "LANG",
+    }
     assert env.get("HOSTNAME") == "sandbox"
     assert "hunter2" not in json.dumps(env) and "also-secret" not in json.dumps(env)
 
@@ -220,8 +231,7 @@ def test_fork_bomb_stops_at_the_pids_limit(make_executor):
 
 def test_endless_loop_ends_code_timeout_within_timeout_plus_one_second(docker_executor):
     t0 = time.monotonic()
-    result = run(docker_executor, "def main(state):\n    while True:\n        pass\n",
-                 timeout_s=2)
+    result = run(docker_executor, "def main(state):\n    while True:\n        pass\n", timeout_s=2)
     elapsed = time.monotonic() - t0
     assert result.status is Status.TIMED_OUT
     assert result.error.code == "CODE_TIMEOUT"
@@ -290,8 +300,9 @@ def test_print_flood_is_truncated_and_the_result_survives(docker_executor):
 
 def test_ten_megabyte_state_round_trips(docker_executor):
     state = {"rows": ["y" * 1000 for _ in range(10 * 1024)]}
-    result = run(docker_executor, "def main(state):\n    return len(state['rows'])\n", state,
-                 timeout_s=25)
+    result = run(
+        docker_executor, "def main(state):\n    return len(state['rows'])\n", state, timeout_s=25
+    )
     assert result.status is Status.SUCCEEDED, result.error
     assert result.output == 10 * 1024
 

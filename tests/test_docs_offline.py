@@ -20,9 +20,15 @@ from tests.conftest import require
 from tests.test_http import start_api, studio_env
 
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-default-apps", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
     "--virtual-time-budget=15000",
 ]
 
@@ -37,18 +43,32 @@ def _schema() -> dict[str, Any]:
 def test_openapi_declares_security_errors_examples_and_ids() -> None:
     schema = _schema()
     schemes = schema["components"]["securitySchemes"]
-    assert schemes["studioUser"] == {**schemes["studioUser"], "type": "apiKey", "in": "header",
-                                     "name": "X-Studio-User"}
+    assert schemes["studioUser"] == {
+        **schemes["studioUser"],
+        "type": "apiKey",
+        "in": "header",
+        "name": "X-Studio-User",
+    }
     assert schemes["studioAdmin"]["name"] == "X-Studio-Admin"
     paths = schema["paths"]
     ops = {(m, p): op for p, item in paths.items() for m, op in item.items()}
     ids = {op["operationId"] for op in ops.values()}
-    assert {"list_runs", "submit_run", "get_run", "cancel_run", "validate_code", "test_code",
-            "get_runtime_meta"} <= ids
+    assert {
+        "list_runs",
+        "submit_run",
+        "get_run",
+        "cancel_run",
+        "validate_code",
+        "test_code",
+        "get_runtime_meta",
+    } <= ids
     for (method, path), op in ops.items():
         # the caller header is a security requirement, not an optional parameter
-        assert not [p for p in op.get("parameters", []) if p["in"] == "header"
-                    and p["name"].startswith("X-Studio-")], (method, path)
+        assert not [
+            p
+            for p in op.get("parameters", [])
+            if p["in"] == "header" and p["name"].startswith("X-Studio-")
+        ], (method, path)
         responses = op["responses"]
         # the bearer token (STUDIO_API_TOKEN) goes with every alternative when declared
         assert schemes["studioToken"]["scheme"] == "bearer"
@@ -76,8 +96,11 @@ def _net_requests(netlog: Path) -> list[tuple[str, str]]:
     """(initiator, url) of every request Chromium started, from its --log-net-log."""
     d = json.loads(netlog.read_text())
     start = d["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"]
-    return [(e["params"].get("initiator", ""), e["params"]["url"])
-            for e in d["events"] if e["type"] == start and "url" in e.get("params", {})]
+    return [
+        (e["params"].get("initiator", ""), e["params"]["url"])
+        for e in d["events"]
+        if e["type"] == start and "url" in e.get("params", {})
+    ]
 
 
 @pytest.mark.redis
@@ -92,9 +115,18 @@ def test_docs_and_redoc_render_offline_in_chromium(tmp_path: Path) -> None:
         for page, must_show in [("docs", 'data-path="/api/runs"'), ("redoc", "list_runs")]:
             netlog = tmp_path / f"{page}.json"
             out = subprocess.run(
-                [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / ('chr-' + page)}",
-                 f"--log-net-log={netlog}", "--dump-dom", f"{base}/{page}"],
-                capture_output=True, text=True, timeout=120)
+                [
+                    chromium,
+                    *CHROMIUM_FLAGS,
+                    f"--user-data-dir={tmp_path / ('chr-' + page)}",
+                    f"--log-net-log={netlog}",
+                    "--dump-dom",
+                    f"{base}/{page}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             dom = out.stdout
             assert must_show in dom, (page, out.stderr[-2000:], dom[:2000])
             if page == "docs":  # Swagger UI drew every operation
@@ -108,7 +140,6 @@ def test_docs_and_redoc_render_offline_in_chromium(tmp_path: Path) -> None:
             assert not off_host, f"/{page} fetched from another host: {off_host}"
         html = httpx.get(f"{base}/redoc").text + httpx.get(f"{base}/docs").text
         assert "cdn." not in html and "fonts.googleapis" not in html
-        assert "default-src 'self'" in httpx.get(f"{base}/docs").headers[
-            "content-security-policy"]
+        assert "default-src 'self'" in httpx.get(f"{base}/docs").headers["content-security-policy"]
     finally:
         api.stop(20)

@@ -37,8 +37,7 @@ queue_env = test_queue.queue_env
 sqlite_url = test_queue.sqlite_url
 
 #: a trivial node that takes a moment, so a store outage finds jobs mid-run
-WORK = ("import time\n\ndef main(state):\n    time.sleep(0.2)\n"
-        "    return state['n'] * 2\n")
+WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['n'] * 2\n"
 
 
 # --- our own PostgreSQL cluster -----------------------------------------------------------------
@@ -67,27 +66,37 @@ class PgCluster:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
     def _run(self, *argv: str, timeout: float = 60) -> None:
-        proc = subprocess.run([*self.user, *argv], capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run([*self.user, *argv], capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{argv[0]} failed: {proc.stdout}{proc.stderr}")
 
     def init(self) -> None:
         initdb = _pg_bin("initdb")
         assert initdb
-        self._run(initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres",
-                  "--no-sync", "-E", "UTF8")
+        self._run(
+            initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"
+        )
 
     def start(self) -> None:
-        opts = (f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir} "
-                "-c fsync=off -c max_connections=200")
-        self._run(_pg_bin("pg_ctl") or "pg_ctl", "-D", str(self.data), "-o", opts,
-                  "-l", str(self.dir / "pg.log"), "-w", "start")
+        opts = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir} "
+            "-c fsync=off -c max_connections=200"
+        )
+        self._run(
+            _pg_bin("pg_ctl") or "pg_ctl",
+            "-D",
+            str(self.data),
+            "-o",
+            opts,
+            "-l",
+            str(self.dir / "pg.log"),
+            "-w",
+            "start",
+        )
 
     def stop(self) -> None:
         """A fast shutdown: connected clients are cut off, as in an outage."""
-        self._run(_pg_bin("pg_ctl") or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w",
-                  "stop")
+        self._run(_pg_bin("pg_ctl") or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
 
     def running(self) -> bool:
         return (self.data / "postmaster.pid").exists()
@@ -103,10 +112,14 @@ class PgCluster:
 
 @pytest.fixture
 def pg_cluster() -> Iterator[PgCluster]:
-    require(_pg_bin("initdb") is not None and _pg_bin("pg_ctl") is not None,
-            "PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    require(os.getuid() != 0 or shutil.which("runuser") is not None,
-            "runuser is needed to run initdb as postgres")
+    require(
+        _pg_bin("initdb") is not None and _pg_bin("pg_ctl") is not None,
+        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
+    )
+    require(
+        os.getuid() != 0 or shutil.which("runuser") is not None,
+        "runuser is needed to run initdb as postgres",
+    )
     cluster = PgCluster()
     try:
         cluster.init()
@@ -128,27 +141,37 @@ def health(port: int) -> tuple[int, dict[str, Any]]:
 
 
 def wait_finished(q: QueueEnv, jobs: list[str], at_least: int, timeout_s: float) -> None:
-    wait_for(lambda: sum(r.finished for r in q.client.store.get_many(jobs).values())
-             >= at_least, timeout_s, f"{at_least} jobs finished", 0.1)
+    wait_for(
+        lambda: sum(r.finished for r in q.client.store.get_many(jobs).values()) >= at_least,
+        timeout_s,
+        f"{at_least} jobs finished",
+        0.1,
+    )
 
 
 def account(q: QueueEnv, jobs: dict[str, int], recs: dict[str, Any]) -> dict[str, Any]:
     """Submitted, ended per status, real outcomes, ended more than once, lost."""
     statuses = Counter(r.status.value for r in recs.values())
-    wrong = {j: (r.status.value, r.output, r.error and r.error.message)
-             for j, r in recs.items() if r.status != "succeeded" or r.output != 2 * jobs[j]}
+    wrong = {
+        j: (r.status.value, r.output, r.error and r.error.message)
+        for j, r in recs.items()
+        if r.status != "succeeded" or r.output != 2 * jobs[j]
+    }
     done = {j: q.done_count(j) for j in jobs}
     return {
-        "submitted": len(jobs), "ended": dict(statuses),
-        "wrong outcome": dict(list(wrong.items())[:5]), "n wrong": len(wrong),
+        "submitted": len(jobs),
+        "ended": dict(statuses),
+        "wrong outcome": dict(list(wrong.items())[:5]),
+        "n wrong": len(wrong),
         "announced != 1": {j: n for j, n in done.items() if n != 1},
         "attempts > 1": {j: r.attempts for j, r in recs.items() if r.attempts > 1},
         "lost": len(jobs) - len(recs),
     }
 
 
-def _burst_with_outage(q: QueueEnv, outage: Any, restore: Any, outage_s: float,
-                       ports: list[int], n_jobs: int = 200) -> None:
+def _burst_with_outage(
+    q: QueueEnv, outage: Any, restore: Any, outage_s: float, ports: list[int], n_jobs: int = 200
+) -> None:
     assert all(health(p)[0] == 200 for p in ports), [health(p) for p in ports]
     jobs = {q.client.submit(WORK, "python", {"n": i}): i for i in range(n_jobs)}
     ids = list(jobs)
@@ -158,8 +181,7 @@ def _burst_with_outage(q: QueueEnv, outage: Any, restore: Any, outage_s: float,
     try:
         # While the store is down: every worker stops taking jobs and says why.
         def all_paused() -> bool:
-            return all(health(p)[0] == 503 and health(p)[1]["checks"]["paused"]
-                       for p in ports)
+            return all(health(p)[0] == 503 and health(p)[1]["checks"]["paused"] for p in ports)
 
         wait_for(all_paused, 15, "both workers' readiness 503 naming the store", 0.2)
         body = health(ports[0])[1]
@@ -168,10 +190,11 @@ def _burst_with_outage(q: QueueEnv, outage: Any, restore: Any, outage_s: float,
     finally:
         restore()
     back = time.monotonic()
-    wait_for(lambda: all(health(p)[0] == 200 for p in ports), 30,
-             "both workers ready again", 0.2)
-    print(f"\nstore down {back - t0:.1f} s; workers ready "
-          f"{time.monotonic() - back:.1f} s after it was back")
+    wait_for(lambda: all(health(p)[0] == 200 for p in ports), 30, "both workers ready again", 0.2)
+    print(
+        f"\nstore down {back - t0:.1f} s; workers ready "
+        f"{time.monotonic() - back:.1f} s after it was back"
+    )
     recs = q.wait_all(ids, 240)
     time.sleep(1)  # a second announcement would come now
     acc = account(q, jobs, recs)
@@ -203,8 +226,7 @@ def _metrics_env(q: QueueEnv, name: str, **extra: Any) -> tuple[Any, int]:
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("outage_s", [20, pytest.param(60, marks=pytest.mark.slow)])
-def test_postgres_outage_during_burst(queue_env: Any, pg_cluster: PgCluster,
-                                      outage_s: int) -> None:
+def test_postgres_outage_during_burst(queue_env: Any, pg_cluster: PgCluster, outage_s: int) -> None:
     """PostgreSQL stopped (fast shutdown) for ``outage_s`` during a 200-job burst on 2
     workers: no job lost, stuck, run twice or misreported; results computed while it was
     down are written with their real outcome when it is back."""
@@ -229,8 +251,7 @@ def test_sqlite_store_locked_during_burst(queue_env: Any, sqlite_url: str) -> No
     holder: dict[str, sqlite3.Connection] = {}
 
     def lock() -> None:
-        conn = sqlite3.connect(path, timeout=30, isolation_level=None,
-                               check_same_thread=False)
+        conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
         conn.execute("BEGIN EXCLUSIVE")
         holder["conn"] = conn
 
@@ -249,8 +270,9 @@ def test_sqlite_store_locked_during_burst(queue_env: Any, sqlite_url: str) -> No
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_poison_items_are_set_aside(queue_env: Any, tmp_path: Path,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_poison_items_are_set_aside(
+    queue_env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from worker.protocol import TASK_NAME
 
     q = queue_env(code_concurrency=1)
@@ -262,8 +284,7 @@ def test_poison_items_are_set_aside(queue_env: Any, tmp_path: Path,
     r.lpush("code.run", "not a kombu message")
     r.lpush("code.run", json.dumps({"a": 1}))
     r.lpush("code.test", b"\xff\xfe binary")
-    q.client.app.send_task("studio.no_such_task", args=["x"], queue="code.run",
-                           ignore_result=True)
+    q.client.app.send_task("studio.no_such_task", args=["x"], queue="code.run", ignore_result=True)
     q.client.app.send_task(TASK_NAME, args=[1, 2], queue="code.run", ignore_result=True)
     job = q.client.submit(WORK, "python", {"n": 21})
     rec = q.client.wait(job, 60)
@@ -274,8 +295,10 @@ def test_poison_items_are_set_aside(queue_env: Any, tmp_path: Path,
     run_dead = [json.loads(x) for x in r.lrange("studio:dead:code.run", 0, -1)]
     test_dead = [json.loads(x) for x in r.lrange("studio:dead:code.test", 0, -1)]
     reasons = sorted(d["reason"].split(":")[0] for d in run_dead)
-    print(f"\ndead letters: code.run {reasons}, code.test "
-          f"{[d['reason'].split(':')[0] for d in test_dead]}")
+    print(
+        f"\ndead letters: code.run {reasons}, code.test "
+        f"{[d['reason'].split(':')[0] for d in test_dead]}"
+    )
     assert len(run_dead) == 4 and len(test_dead) == 1, (run_dead, test_dead, w.tail())
     assert any("not a kombu message" in d["item"] for d in run_dead)
     assert any(d["reason"].startswith("bad arguments") for d in run_dead)
@@ -286,8 +309,11 @@ def test_poison_items_are_set_aside(queue_env: Any, tmp_path: Path,
     assert "Unrecoverable" not in log
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("studio_code_dead_letters_total{"))
+    total = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("studio_code_dead_letters_total{")
+    )
     assert total == 5, [x for x in text.splitlines() if "dead_letters" in x]
 
 
@@ -395,10 +421,10 @@ def test_warm_shutdown_acks_ended_jobs(queue_env: Any) -> None:
     q = queue_env(code_concurrency=2)
     w = q.start_worker("w1", 2)
     run = q.client.submit(WORK.replace("0.2", "2"), "python", {"n": 1})
-    test = q.client.submit(WORK.replace("0.2", "2"), "python", {"n": 2}, kind="test",
-                           user="ann")
-    wait_for(lambda: all(q.client.status(j).status == "running" for j in (run, test)), 30,
-             "both running")
+    test = q.client.submit(WORK.replace("0.2", "2"), "python", {"n": 2}, kind="test", user="ann")
+    wait_for(
+        lambda: all(q.client.status(j).status == "running" for j in (run, test)), 30, "both running"
+    )
     w.stop(timeout_s=60)
     recs = q.client.store.get_many([run, test])
     assert [recs[j].status for j in (run, test)] == ["succeeded", "succeeded"], recs
@@ -406,7 +432,8 @@ def test_warm_shutdown_acks_ended_jobs(queue_env: Any) -> None:
     left = {k: r.llen(k) for k in ("code.run", "code.test")}
     unacked = r.hlen("unacked")
     assert left == {"code.run": 0, "code.test": 0} and unacked == 0, (
-        f"messages of ended jobs left: queues {left}, unacked {unacked}")
+        f"messages of ended jobs left: queues {left}, unacked {unacked}"
+    )
 
 
 # --- a worker that stops because of an error ---------------------------------------------
@@ -420,9 +447,14 @@ def test_cli_worker_that_fails_exits_nonzero(redis_server: Any, tmp_path: Path) 
     from tests.conftest import run_cli
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-    env.update({"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_REDIS_URL": redis_server.url,
-                "STUDIO_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/x",
-                "STUDIO_DATA_DIR": str(tmp_path)})
+    env.update(
+        {
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_REDIS_URL": redis_server.url,
+            "STUDIO_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/x",
+            "STUDIO_DATA_DIR": str(tmp_path),
+        }
+    )
     proc = run_cli("worker", "-c", "1", "--hostname", "failing@%h", env=env, timeout=90)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr[-2000:])

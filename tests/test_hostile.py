@@ -52,13 +52,17 @@ class Case:
 
 def nested_py(depth: int, kind: str = "list") -> str:
     inner = "o = [o]" if kind == "list" else "o = {'k': o}"
-    return (f"def main(state):\n    o = 1\n    for _ in range({depth}):\n        {inner}\n"
-            "    return o\n")
+    return (
+        f"def main(state):\n    o = 1\n    for _ in range({depth}):\n        {inner}\n"
+        "    return o\n"
+    )
 
 
 def nested_ts(depth: int) -> str:
-    return (f"export function main() {{\n  let o: unknown = 1;\n  for (let i = 0; i < {depth}; "
-            "i++) o = [o];\n  return o;\n}\n")
+    return (
+        f"export function main() {{\n  let o: unknown = 1;\n  for (let i = 0; i < {depth}; "
+        "i++) o = [o];\n  return o;\n}\n"
+    )
 
 
 def nested_value(depth: int) -> Any:
@@ -71,8 +75,7 @@ def nested_value(depth: int) -> Any:
 def py_forge(frame: bytes) -> str:
     """Python code that writes ``frame`` to the runner's result fd (3: the runner's dup of
     stdout, its first fd) and ends the process before the runner writes its own."""
-    return ("import os\ndef main(state):\n"
-            f"    os.write(3, {frame!r})\n    os._exit(0)\n")
+    return f"import os\ndef main(state):\n    os.write(3, {frame!r})\n    os._exit(0)\n"
 
 
 def syscall_case(name: str, nr: int, *args: int) -> Case:
@@ -103,8 +106,9 @@ def socket_case(name: str, family: int, kind: int, expected: str) -> Case:
 
 def ts_denied(name: str, body: str) -> Case:
     code = f"export async function main() {{\n  {body}\n  return 'not refused';\n}}\n"
-    return Case(f"ts-{name}", "typescript", code, FAILED, E.CODE_ERROR, says="no permission",
-                runtimes=BOTH)
+    return Case(
+        f"ts-{name}", "typescript", code, FAILED, E.CODE_ERROR, says="no permission", runtimes=BOTH
+    )
 
 
 def message_has_no_surrogate(r: CodeResult) -> None:
@@ -124,144 +128,498 @@ TOO_DEEP = f"deeper than {OUTPUT_MAX_DEPTH} levels"
 
 CASES: list[Case] = [
     # --- Python: what main returns or raises (runtime-independent) -----------------------
-    Case("py-surrogate-return", "python", "def main(s):\n    return 'a\\ud800b'\n",
-         FAILED, E.CODE_OUTPUT_INVALID, says=SURROGATE, runtimes=BOTH),
-    Case("py-surrogate-key", "python", "def main(s):\n    return {'\\udc00': 1}\n",
-         FAILED, E.CODE_OUTPUT_INVALID, says=SURROGATE, runtimes=BOTH),
-    Case("py-surrogate-in-exception", "python",
-         "def main(s):\n    raise ValueError('x\\ud800y')\n", FAILED, E.CODE_ERROR,
-         says="ValueError: x\ufffdy", runtimes=BOTH, check=message_has_no_surrogate),
-    Case("py-deep-300", "python", nested_py(300), FAILED, E.CODE_OUTPUT_INVALID,
-         says=TOO_DEEP, runtimes=BOTH),
-    Case("py-deep-2000-dicts", "python", nested_py(2000, "dict"), FAILED,
-         E.CODE_OUTPUT_INVALID, says=TOO_DEEP, runtimes=BOTH),
-    Case("py-deep-200000", "python", nested_py(200_000), FAILED, E.CODE_OUTPUT_INVALID,
-         says=TOO_DEEP, runtimes=BOTH),
-    Case("py-depth-at-the-limit", "python", nested_py(OUTPUT_MAX_DEPTH - 1), OK,
-         output=nested_value(OUTPUT_MAX_DEPTH - 1), runtimes=BOTH),
-    Case("py-cycle", "python", "def main(s):\n    l = []\n    l.append(l)\n    return l\n",
-         FAILED, E.CODE_OUTPUT_INVALID, says=TOO_DEEP, runtimes=BOTH),
-    Case("py-nul-in-output", "python", "def main(s):\n    return {'a\\x00': 'b\\x00c'}\n",
-         OK, output={"a\x00": "b\x00c"}, runtimes=BOTH),
-    Case("py-nul-in-exception", "python", "def main(s):\n    raise ValueError('a\\x00b')\n",
-         FAILED, E.CODE_ERROR, says="ValueError: a", runtimes=BOTH),
-    Case("py-huge-int", "python", "def main(s):\n    return 10 ** 100000\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says="digits", runtimes=BOTH),
-    Case("py-huge-int-past-the-digit-limit", "python",
-         "import sys\ndef main(s):\n    sys.set_int_max_str_digits(0)\n    return 10 ** 100000\n",
-         FAILED, E.CODE_OUTPUT_INVALID, says="digits", runtimes=BOTH),
-    Case("py-long-int-within-the-limit", "python", "def main(s):\n    return 10 ** 4000\n",
-         OK, output=10**4000, runtimes=BOTH),
-    Case("py-nan", "python", "def main(s):\n    return {'x': float('nan')}\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says="not JSON", runtimes=BOTH),
-    Case("py-infinity", "python", "def main(s):\n    return [float('-inf')]\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says="not JSON", runtimes=BOTH),
-    Case("py-over-the-output-limit", "python",
-         f"def main(s):\n    return 'x' * {OUTPUT_MAX + 1}\n", FAILED, E.CODE_OUTPUT_INVALID,
-         says="more than the limit", runtimes=BOTH),
-    Case("py-huge-exception-message", "python",
-         "def main(s):\n    raise ValueError('x' * 200000)\n", FAILED, E.CODE_ERROR,
-         runtimes=BOTH, check=message_is_cut),
-    Case("py-object", "python", "def main(s):\n    return object()\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says="not JSON", runtimes=BOTH),
-    Case("py-bytes", "python", "def main(s):\n    return b'\\xff'\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says="not JSON", runtimes=BOTH),
-    Case("py-replaces-json-dumps", "python",
-         "import json\ndef main(s):\n    json.dumps = lambda *a, **k: '\"forged\"'\n"
-         "    return {'real': True}\n", OK, output={"real": True}, runtimes=BOTH),
-    Case("py-str-of-exception-raises", "python",
-         "class E(Exception):\n    def __str__(self):\n        raise RuntimeError('no')\n"
-         "def main(s):\n    raise E()\n", FAILED, E.CODE_ERROR, runtimes=BOTH),
-    Case("py-getattr-raises-on-await-check", "python",
-         "class O:\n    def __getattr__(self, n):\n        raise RuntimeError('gotcha')\n"
-         "def main(s):\n    return O()\n", FAILED, E.CODE_ERROR, says="gotcha", runtimes=BOTH),
-    Case("py-list-whose-iteration-raises", "python",
-         "class L(list):\n    def __iter__(self):\n        raise RuntimeError('no')\n"
-         "def main(s):\n    return L([1])\n", FAILED, E.CODE_OUTPUT_INVALID,
-         says="could not be read", runtimes=BOTH),
-    Case("py-closes-result-fd", "python",
-         "import os\ndef main(s):\n    os.close(3)\n    return 1\n", FAILED, E.CODE_ERROR,
-         says="ended the process", runtimes=BOTH),
-    Case("py-deep-state", "python", "def main(s):\n    return 1\n", INVALID, E.CODE_INVALID,
-         says="nested too deep", state="[" * 50_000 + "]" * 50_000, runtimes=BOTH),
-    Case("py-prints-nul-and-bad-utf8", "python",
-         "import sys\ndef main(s):\n    print('a\\x00b')\n"
-         "    sys.stderr.buffer.write(b'\\xed\\xa0\\x80\\xff')\n    return 1\n",
-         OK, output=1, runtimes=BOTH),
+    Case(
+        "py-surrogate-return",
+        "python",
+        "def main(s):\n    return 'a\\ud800b'\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=SURROGATE,
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-surrogate-key",
+        "python",
+        "def main(s):\n    return {'\\udc00': 1}\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=SURROGATE,
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-surrogate-in-exception",
+        "python",
+        "def main(s):\n    raise ValueError('x\\ud800y')\n",
+        FAILED,
+        E.CODE_ERROR,
+        says="ValueError: x\ufffdy",
+        runtimes=BOTH,
+        check=message_has_no_surrogate,
+    ),
+    Case(
+        "py-deep-300",
+        "python",
+        nested_py(300),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=TOO_DEEP,
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-deep-2000-dicts",
+        "python",
+        nested_py(2000, "dict"),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=TOO_DEEP,
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-deep-200000",
+        "python",
+        nested_py(200_000),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=TOO_DEEP,
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-depth-at-the-limit",
+        "python",
+        nested_py(OUTPUT_MAX_DEPTH - 1),
+        OK,
+        output=nested_value(OUTPUT_MAX_DEPTH - 1),
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-cycle",
+        "python",
+        "def main(s):\n    l = []\n    l.append(l)\n    return l\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=TOO_DEEP,
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-nul-in-output",
+        "python",
+        "def main(s):\n    return {'a\\x00': 'b\\x00c'}\n",
+        OK,
+        output={"a\x00": "b\x00c"},
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-nul-in-exception",
+        "python",
+        "def main(s):\n    raise ValueError('a\\x00b')\n",
+        FAILED,
+        E.CODE_ERROR,
+        says="ValueError: a",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-huge-int",
+        "python",
+        "def main(s):\n    return 10 ** 100000\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="digits",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-huge-int-past-the-digit-limit",
+        "python",
+        "import sys\ndef main(s):\n    sys.set_int_max_str_digits(0)\n    return 10 ** 100000\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="digits",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-long-int-within-the-limit",
+        "python",
+        "def main(s):\n    return 10 ** 4000\n",
+        OK,
+        output=10**4000,
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-nan",
+        "python",
+        "def main(s):\n    return {'x': float('nan')}\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="not JSON",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-infinity",
+        "python",
+        "def main(s):\n    return [float('-inf')]\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="not JSON",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-over-the-output-limit",
+        "python",
+        f"def main(s):\n    return 'x' * {OUTPUT_MAX + 1}\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="more than the limit",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-huge-exception-message",
+        "python",
+        "def main(s):\n    raise ValueError('x' * 200000)\n",
+        FAILED,
+        E.CODE_ERROR,
+        runtimes=BOTH,
+        check=message_is_cut,
+    ),
+    Case(
+        "py-object",
+        "python",
+        "def main(s):\n    return object()\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="not JSON",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-bytes",
+        "python",
+        "def main(s):\n    return b'\\xff'\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="not JSON",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-replaces-json-dumps",
+        "python",
+        "import json\ndef main(s):\n    json.dumps = lambda *a, **k: '\"forged\"'\n"
+        "    return {'real': True}\n",
+        OK,
+        output={"real": True},
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-str-of-exception-raises",
+        "python",
+        "class E(Exception):\n    def __str__(self):\n        raise RuntimeError('no')\n"
+        "def main(s):\n    raise E()\n",
+        FAILED,
+        E.CODE_ERROR,
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-getattr-raises-on-await-check",
+        "python",
+        "class O:\n    def __getattr__(self, n):\n        raise RuntimeError('gotcha')\n"
+        "def main(s):\n    return O()\n",
+        FAILED,
+        E.CODE_ERROR,
+        says="gotcha",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-list-whose-iteration-raises",
+        "python",
+        "class L(list):\n    def __iter__(self):\n        raise RuntimeError('no')\n"
+        "def main(s):\n    return L([1])\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="could not be read",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-closes-result-fd",
+        "python",
+        "import os\ndef main(s):\n    os.close(3)\n    return 1\n",
+        FAILED,
+        E.CODE_ERROR,
+        says="ended the process",
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-deep-state",
+        "python",
+        "def main(s):\n    return 1\n",
+        INVALID,
+        E.CODE_INVALID,
+        says="nested too deep",
+        state="[" * 50_000 + "]" * 50_000,
+        runtimes=BOTH,
+    ),
+    Case(
+        "py-prints-nul-and-bad-utf8",
+        "python",
+        "import sys\ndef main(s):\n    print('a\\x00b')\n"
+        "    sys.stderr.buffer.write(b'\\xed\\xa0\\x80\\xff')\n    return 1\n",
+        OK,
+        output=1,
+        runtimes=BOTH,
+    ),
     # --- Python: what lands on the result channel itself (the host's reading) ------------
-    Case("forge-200000-deep-frame", "python",
-         py_forge(b'{"ok": true, "output": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"),
-         FAILED, E.CODE_OUTPUT_INVALID, says=TOO_DEEP, runtimes=BOTH),
-    Case("forge-300-deep-frame", "python",
-         py_forge(b'{"ok": true, "output": ' + b"[" * 300 + b"]" * 300 + b"}"),
-         FAILED, E.CODE_OUTPUT_INVALID, says=TOO_DEEP, runtimes=BOTH),
-    Case("forge-invalid-utf8", "python", py_forge(b'{"ok": true, "output": "\xff\xfe"}'),
-         FAILED, E.CODE_OUTPUT_INVALID, says="not UTF-8", runtimes=BOTH),
-    Case("forge-nan", "python", py_forge(b'{"ok": true, "output": [NaN]}'), FAILED,
-         E.CODE_OUTPUT_INVALID, says="NaN", runtimes=BOTH),
-    Case("forge-huge-int", "python",
-         py_forge(b'{"ok": true, "output": ' + b"9" * 5000 + b"}"), FAILED,
-         E.CODE_OUTPUT_INVALID, says="digits", runtimes=BOTH),
-    Case("forge-surrogate-output", "python", py_forge(b'{"ok": true, "output": "\\ud800"}'),
-         FAILED, E.CODE_OUTPUT_INVALID, says=SURROGATE, runtimes=BOTH),
-    Case("forge-infrastructure-code", "python",
-         py_forge(b'{"ok": false, "error": {"code": "RUNTIME_UNAVAILABLE", "message": "x"}}'),
-         FAILED, E.CODE_ERROR, says="x", runtimes=BOTH),
-    Case("forge-surrogate-message", "python",
-         py_forge(b'{"ok": false, "error": {"code": "CODE_ERROR", "message": "a\\udfffb"}}'),
-         FAILED, E.CODE_ERROR, says="a\ufffdb", runtimes=BOTH, check=message_has_no_surrogate),
-    Case("forge-message-not-text", "python",
-         py_forge(b'{"ok": false, "error": {"code": "CODE_ERROR", "message": [[[1]]]}}'),
-         FAILED, E.CODE_ERROR, says="no message", runtimes=BOTH),
-    Case("forge-ok-not-boolean", "python", py_forge(b'{"ok": "yes", "output": 1}'), FAILED,
-         E.CODE_OUTPUT_INVALID, says="not the runner's reply", runtimes=BOTH),
-    Case("forge-nul-bytes", "python", py_forge(b"\x00\x00\x00"), FAILED,
-         E.CODE_OUTPUT_INVALID, says="not the runner's JSON", runtimes=BOTH),
+    Case(
+        "forge-200000-deep-frame",
+        "python",
+        py_forge(b'{"ok": true, "output": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=TOO_DEEP,
+        runtimes=BOTH,
+    ),
+    Case(
+        "forge-300-deep-frame",
+        "python",
+        py_forge(b'{"ok": true, "output": ' + b"[" * 300 + b"]" * 300 + b"}"),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=TOO_DEEP,
+        runtimes=BOTH,
+    ),
+    Case(
+        "forge-invalid-utf8",
+        "python",
+        py_forge(b'{"ok": true, "output": "\xff\xfe"}'),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="not UTF-8",
+        runtimes=BOTH,
+    ),
+    Case(
+        "forge-nan",
+        "python",
+        py_forge(b'{"ok": true, "output": [NaN]}'),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="NaN",
+        runtimes=BOTH,
+    ),
+    Case(
+        "forge-huge-int",
+        "python",
+        py_forge(b'{"ok": true, "output": ' + b"9" * 5000 + b"}"),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="digits",
+        runtimes=BOTH,
+    ),
+    Case(
+        "forge-surrogate-output",
+        "python",
+        py_forge(b'{"ok": true, "output": "\\ud800"}'),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=SURROGATE,
+        runtimes=BOTH,
+    ),
+    Case(
+        "forge-infrastructure-code",
+        "python",
+        py_forge(b'{"ok": false, "error": {"code": "RUNTIME_UNAVAILABLE", "message": "x"}}'),
+        FAILED,
+        E.CODE_ERROR,
+        says="x",
+        runtimes=BOTH,
+    ),
+    Case(
+        "forge-surrogate-message",
+        "python",
+        py_forge(b'{"ok": false, "error": {"code": "CODE_ERROR", "message": "a\\udfffb"}}'),
+        FAILED,
+        E.CODE_ERROR,
+        says="a\ufffdb",
+        runtimes=BOTH,
+        check=message_has_no_surrogate,
+    ),
+    Case(
+        "forge-message-not-text",
+        "python",
+        py_forge(b'{"ok": false, "error": {"code": "CODE_ERROR", "message": [[[1]]]}}'),
+        FAILED,
+        E.CODE_ERROR,
+        says="no message",
+        runtimes=BOTH,
+    ),
+    Case(
+        "forge-ok-not-boolean",
+        "python",
+        py_forge(b'{"ok": "yes", "output": 1}'),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="not the runner's reply",
+        runtimes=BOTH,
+    ),
+    Case(
+        "forge-nul-bytes",
+        "python",
+        py_forge(b"\x00\x00\x00"),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="not the runner's JSON",
+        runtimes=BOTH,
+    ),
     # --- TypeScript: what main returns or throws --------------------------------------
-    Case("ts-surrogate-return", "typescript", "export function main() { return 'a\\ud800b'; }\n",
-         FAILED, E.CODE_OUTPUT_INVALID, says=SURROGATE, runtimes=BOTH),
-    Case("ts-surrogate-key", "typescript",
-         "export function main() { return { ['\\udc00']: 1 }; }\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says=SURROGATE, runtimes=BOTH),
-    Case("ts-escaped-backslash-is-not-a-surrogate", "typescript",
-         "export function main() { return '\\\\ud800'; }\n", OK, output="\\ud800",
-         runtimes=BOTH),
-    Case("ts-surrogate-pair-is-fine", "typescript",
-         "export function main() { return '\\ud83d\\ude00'; }\n", OK, output="\U0001f600",
-         runtimes=BOTH),
-    Case("ts-throw-stack-surrogate", "typescript",
-         "export function main() { throw { stack: 'x\\ud800y' }; }\n", FAILED, E.CODE_ERROR,
-         says="x\ufffdy", runtimes=BOTH, check=message_has_no_surrogate),
-    Case("ts-throw-error-surrogate", "typescript",
-         "export function main() { throw new Error('a\\ud800'); }\n", FAILED, E.CODE_ERROR,
-         says="Error: a\ufffd", runtimes=BOTH, check=message_has_no_surrogate),
-    Case("ts-deep-300", "typescript", nested_ts(300), FAILED, E.CODE_OUTPUT_INVALID,
-         says=TOO_DEEP, runtimes=BOTH),
-    Case("ts-deep-2000", "typescript", nested_ts(2000), FAILED, E.CODE_OUTPUT_INVALID,
-         says=TOO_DEEP, runtimes=BOTH),
-    Case("ts-deep-200000", "typescript", nested_ts(200_000), FAILED, E.CODE_OUTPUT_INVALID,
-         says=f"deeper than {OUTPUT_MAX_DEPTH}", runtimes=BOTH),
-    Case("ts-depth-at-the-limit", "typescript", nested_ts(OUTPUT_MAX_DEPTH - 1), OK,
-         output=nested_value(OUTPUT_MAX_DEPTH - 1), runtimes=BOTH),
-    Case("ts-recursive-tojson", "typescript",
-         "export function main() { const o: any = {}; o.toJSON = () => [o]; return o; }\n",
-         FAILED, E.CODE_OUTPUT_INVALID, says="deeper than", runtimes=BOTH),
-    Case("ts-nan", "typescript", "export function main() { return { x: NaN }; }\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says="NaN or Infinity", runtimes=BOTH),
-    Case("ts-infinity-nested", "typescript",
-         "export function main() { return [[{ y: -Infinity }]]; }\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says="NaN or Infinity", runtimes=BOTH),
-    Case("ts-bigint", "typescript", "export function main() { return 10n ** 100n; }\n",
-         FAILED, E.CODE_OUTPUT_INVALID, says="BigInt", runtimes=BOTH),
-    Case("ts-nul-in-output", "typescript", "export function main() { return 'a\\u0000b'; }\n",
-         OK, output="a\x00b", runtimes=BOTH),
-    Case("ts-over-the-output-limit", "typescript",
-         f"export function main() {{ return 'x'.repeat({OUTPUT_MAX + 1}); }}\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says="more than the limit", runtimes=BOTH),
-    Case("ts-huge-error-message", "typescript",
-         "export function main() { throw new Error('x'.repeat(200000)); }\n", FAILED,
-         E.CODE_ERROR, runtimes=BOTH, check=message_is_cut),
-    Case("ts-species-reads-the-frame", "typescript", """\
+    Case(
+        "ts-surrogate-return",
+        "typescript",
+        "export function main() { return 'a\\ud800b'; }\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=SURROGATE,
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-surrogate-key",
+        "typescript",
+        "export function main() { return { ['\\udc00']: 1 }; }\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=SURROGATE,
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-escaped-backslash-is-not-a-surrogate",
+        "typescript",
+        "export function main() { return '\\\\ud800'; }\n",
+        OK,
+        output="\\ud800",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-surrogate-pair-is-fine",
+        "typescript",
+        "export function main() { return '\\ud83d\\ude00'; }\n",
+        OK,
+        output="\U0001f600",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-throw-stack-surrogate",
+        "typescript",
+        "export function main() { throw { stack: 'x\\ud800y' }; }\n",
+        FAILED,
+        E.CODE_ERROR,
+        says="x\ufffdy",
+        runtimes=BOTH,
+        check=message_has_no_surrogate,
+    ),
+    Case(
+        "ts-throw-error-surrogate",
+        "typescript",
+        "export function main() { throw new Error('a\\ud800'); }\n",
+        FAILED,
+        E.CODE_ERROR,
+        says="Error: a\ufffd",
+        runtimes=BOTH,
+        check=message_has_no_surrogate,
+    ),
+    Case(
+        "ts-deep-300",
+        "typescript",
+        nested_ts(300),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=TOO_DEEP,
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-deep-2000",
+        "typescript",
+        nested_ts(2000),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=TOO_DEEP,
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-deep-200000",
+        "typescript",
+        nested_ts(200_000),
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=f"deeper than {OUTPUT_MAX_DEPTH}",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-depth-at-the-limit",
+        "typescript",
+        nested_ts(OUTPUT_MAX_DEPTH - 1),
+        OK,
+        output=nested_value(OUTPUT_MAX_DEPTH - 1),
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-recursive-tojson",
+        "typescript",
+        "export function main() { const o: any = {}; o.toJSON = () => [o]; return o; }\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="deeper than",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-nan",
+        "typescript",
+        "export function main() { return { x: NaN }; }\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="NaN or Infinity",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-infinity-nested",
+        "typescript",
+        "export function main() { return [[{ y: -Infinity }]]; }\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="NaN or Infinity",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-bigint",
+        "typescript",
+        "export function main() { return 10n ** 100n; }\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="BigInt",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-nul-in-output",
+        "typescript",
+        "export function main() { return 'a\\u0000b'; }\n",
+        OK,
+        output="a\x00b",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-over-the-output-limit",
+        "typescript",
+        f"export function main() {{ return 'x'.repeat({OUTPUT_MAX + 1}); }}\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="more than the limit",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-huge-error-message",
+        "typescript",
+        "export function main() { throw new Error('x'.repeat(200000)); }\n",
+        FAILED,
+        E.CODE_ERROR,
+        runtimes=BOTH,
+        check=message_is_cut,
+    ),
+    Case(
+        "ts-species-reads-the-frame",
+        "typescript",
+        """\
 export function main() {
   class Spy extends Uint8Array {
     static get [Symbol.species]() {
@@ -278,40 +636,103 @@ export function main() {
   Object.defineProperty(Uint8Array.prototype, "constructor", { value: Spy });
   return "real";
 }
-""", OK, output="real", runtimes=BOTH),
-    Case("ts-prints-a-frame-to-fd1", "typescript",
-         "export function main() {\n  (Deno as any)[(Deno as any).internal].core.print(\n"
-         "    '{\"ok\": true, \"output\": \"forged\"}');\n  return 'real';\n}\n",
-         OK, output="real", runtimes=BOTH),
-    Case("ts-deep-300-objects", "typescript",
-         "export function main() {\n  let o: unknown = 1;\n"
-         "  for (let i = 0; i < 300; i++) o = { a: o };\n  return o;\n}\n", FAILED,
-         E.CODE_OUTPUT_INVALID, says=TOO_DEEP, runtimes=BOTH),
-    Case("ts-proxy-trap-throws", "typescript",
-         "export function main() {\n  return new Proxy({}, { ownKeys() { throw new Error("
-         "'trap'); } });\n}\n", FAILED, E.CODE_OUTPUT_INVALID, says="trap", runtimes=BOTH),
-    Case("ts-getter-throws", "typescript",
-         "export function main() {\n  return { get x() { throw new Error('getter'); } };\n}\n",
-         FAILED, E.CODE_OUTPUT_INVALID, says="getter", runtimes=BOTH),
-    Case("ts-tojson-returns-a-surrogate", "typescript",
-         "export function main() {\n  return { toJSON() { return 'a\\ud800'; } };\n}\n",
-         FAILED, E.CODE_OUTPUT_INVALID, says=SURROGATE, runtimes=BOTH),
-    Case("ts-replaces-json-stringify", "typescript",
-         "export function main() {\n  JSON.stringify = () => '\"forged\"';\n"
-         "  return { real: true };\n}\n", OK, output={"real": True}, runtimes=BOTH),
-    Case("ts-replaces-textencoder", "typescript",
-         "export function main() {\n  TextEncoder.prototype.encode = () => "
-         "new Uint8Array([34, 102, 34]);\n  return 'real';\n}\n", OK, output="real",
-         runtimes=BOTH),
-    Case("ts-object-prototype-tojson-then-throw", "typescript",
-         "export function main() {\n  (Object.prototype as any).toJSON = () => 'forged';\n"
-         "  throw new Error('the real error');\n}\n", FAILED, E.CODE_ERROR,
-         says="the real error", runtimes=BOTH),
-    Case("ts-claims-deno-had-no-threads", "typescript",
-         "export function main() {\n  console.error('unable to create worker threads');\n"
-         "  Deno.exit(1);\n}\n", FAILED, E.CODE_ERROR, runtimes=BOTH),
-    Case("ts-exits", "typescript", "export function main() { Deno.exit(0); }\n", FAILED,
-         E.CODE_ERROR, runtimes=BOTH),
+""",
+        OK,
+        output="real",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-prints-a-frame-to-fd1",
+        "typescript",
+        "export function main() {\n  (Deno as any)[(Deno as any).internal].core.print(\n"
+        '    \'{"ok": true, "output": "forged"}\');\n  return \'real\';\n}\n',
+        OK,
+        output="real",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-deep-300-objects",
+        "typescript",
+        "export function main() {\n  let o: unknown = 1;\n"
+        "  for (let i = 0; i < 300; i++) o = { a: o };\n  return o;\n}\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=TOO_DEEP,
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-proxy-trap-throws",
+        "typescript",
+        "export function main() {\n  return new Proxy({}, { ownKeys() { throw new Error("
+        "'trap'); } });\n}\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="trap",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-getter-throws",
+        "typescript",
+        "export function main() {\n  return { get x() { throw new Error('getter'); } };\n}\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says="getter",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-tojson-returns-a-surrogate",
+        "typescript",
+        "export function main() {\n  return { toJSON() { return 'a\\ud800'; } };\n}\n",
+        FAILED,
+        E.CODE_OUTPUT_INVALID,
+        says=SURROGATE,
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-replaces-json-stringify",
+        "typescript",
+        "export function main() {\n  JSON.stringify = () => '\"forged\"';\n"
+        "  return { real: true };\n}\n",
+        OK,
+        output={"real": True},
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-replaces-textencoder",
+        "typescript",
+        "export function main() {\n  TextEncoder.prototype.encode = () => "
+        "new Uint8Array([34, 102, 34]);\n  return 'real';\n}\n",
+        OK,
+        output="real",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-object-prototype-tojson-then-throw",
+        "typescript",
+        "export function main() {\n  (Object.prototype as any).toJSON = () => 'forged';\n"
+        "  throw new Error('the real error');\n}\n",
+        FAILED,
+        E.CODE_ERROR,
+        says="the real error",
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-claims-deno-had-no-threads",
+        "typescript",
+        "export function main() {\n  console.error('unable to create worker threads');\n"
+        "  Deno.exit(1);\n}\n",
+        FAILED,
+        E.CODE_ERROR,
+        runtimes=BOTH,
+    ),
+    Case(
+        "ts-exits",
+        "typescript",
+        "export function main() { Deno.exit(0); }\n",
+        FAILED,
+        E.CODE_ERROR,
+        runtimes=BOTH,
+    ),
     # --- TypeScript: what Deno's permissions refuse (no raw syscalls without FFI) ---------
     ts_denied("connect-loopback", "await Deno.connect({ hostname: '127.0.0.1', port: 9 });"),
     ts_denied("listen", "Deno.listen({ hostname: '127.0.0.1', port: 0 });"),
@@ -345,41 +766,82 @@ export function main() {
     socket_case("inet6", 10, 2, "EPERM"),
     socket_case("alg", 38, 5, "EPERM"),
     socket_case("unix-is-allowed", 1, 1, "ok"),
-    Case("seccomp-asyncio-still-works", "python",
-         "import asyncio\nasync def main(s):\n    await asyncio.sleep(0)\n    return 'ok'\n",
-         OK, output="ok"),
+    Case(
+        "seccomp-asyncio-still-works",
+        "python",
+        "import asyncio\nasync def main(s):\n    await asyncio.sleep(0)\n    return 'ok'\n",
+        OK,
+        output="ok",
+    ),
     # --- the rest of the sandbox, from inside (docker) ---------------------------------
-    Case("docker-write-root", "python",
-         "import errno\ndef main(s):\n    try:\n        open('/etc/x', 'w')\n"
-         "    except OSError as e:\n        return errno.errorcode[e.errno]\n", OK,
-         output="EROFS"),
-    Case("docker-setuid-root", "python",
-         "import os, errno\ndef main(s):\n    try:\n        os.setuid(0)\n"
-         "    except OSError as e:\n        return errno.errorcode[e.errno]\n", OK,
-         output="EPERM"),
-    Case("docker-mknod", "python",
-         "import os, stat, errno\ndef main(s):\n    try:\n"
-         "        os.mknod('/tmp/x', stat.S_IFCHR | 0o600, os.makedev(1, 3))\n"
-         "    except OSError as e:\n        return errno.errorcode[e.errno]\n", OK,
-         output="EPERM"),
-    Case("docker-exec-from-tmp", "python",
-         "import os, errno\ndef main(s):\n    p = '/tmp/x.sh'\n"
-         "    open(p, 'w').write('#!/bin/sh\\necho hi\\n')\n    os.chmod(p, 0o755)\n"
-         "    try:\n        os.execv(p, [p])\n    except OSError as e:\n"
-         "        return errno.errorcode[e.errno]\n", OK, output="EACCES"),
-    Case("docker-only-loopback", "python",
-         "def main(s):\n    return [l.split(':')[0].strip() for l in "
-         "open('/proc/net/dev').readlines()[2:]]\n", OK, output=["lo"]),
+    Case(
+        "docker-write-root",
+        "python",
+        "import errno\ndef main(s):\n    try:\n        open('/etc/x', 'w')\n"
+        "    except OSError as e:\n        return errno.errorcode[e.errno]\n",
+        OK,
+        output="EROFS",
+    ),
+    Case(
+        "docker-setuid-root",
+        "python",
+        "import os, errno\ndef main(s):\n    try:\n        os.setuid(0)\n"
+        "    except OSError as e:\n        return errno.errorcode[e.errno]\n",
+        OK,
+        output="EPERM",
+    ),
+    Case(
+        "docker-mknod",
+        "python",
+        "import os, stat, errno\ndef main(s):\n    try:\n"
+        "        os.mknod('/tmp/x', stat.S_IFCHR | 0o600, os.makedev(1, 3))\n"
+        "    except OSError as e:\n        return errno.errorcode[e.errno]\n",
+        OK,
+        output="EPERM",
+    ),
+    Case(
+        "docker-exec-from-tmp",
+        "python",
+        "import os, errno\ndef main(s):\n    p = '/tmp/x.sh'\n"
+        "    open(p, 'w').write('#!/bin/sh\\necho hi\\n')\n    os.chmod(p, 0o755)\n"
+        "    try:\n        os.execv(p, [p])\n    except OSError as e:\n"
+        "        return errno.errorcode[e.errno]\n",
+        OK,
+        output="EACCES",
+    ),
+    Case(
+        "docker-only-loopback",
+        "python",
+        "def main(s):\n    return [l.split(':')[0].strip() for l in "
+        "open('/proc/net/dev').readlines()[2:]]\n",
+        OK,
+        output=["lo"],
+    ),
     # --- subprocess runtime: what holds today (another branch is changing it) ----------
-    Case("subprocess-not-root", "python",
-         "import os\ndef main(s):\n    return os.getuid() != 0 and os.geteuid() != 0\n", OK,
-         output=True, runtimes=SUBPROCESS),
-    Case("subprocess-own-session", "python",
-         "import os\ndef main(s):\n    return os.getsid(0) == os.getpid()\n", OK, output=True,
-         runtimes=SUBPROCESS),
-    Case("subprocess-empty-environment", "python",
-         "import os\ndef main(s):\n    return sorted(k for k in os.environ if k != 'LC_CTYPE')\n",
-         OK, output=[], runtimes=SUBPROCESS),
+    Case(
+        "subprocess-not-root",
+        "python",
+        "import os\ndef main(s):\n    return os.getuid() != 0 and os.geteuid() != 0\n",
+        OK,
+        output=True,
+        runtimes=SUBPROCESS,
+    ),
+    Case(
+        "subprocess-own-session",
+        "python",
+        "import os\ndef main(s):\n    return os.getsid(0) == os.getpid()\n",
+        OK,
+        output=True,
+        runtimes=SUBPROCESS,
+    ),
+    Case(
+        "subprocess-empty-environment",
+        "python",
+        "import os\ndef main(s):\n    return sorted(k for k in os.environ if k != 'LC_CTYPE')\n",
+        OK,
+        output=[],
+        runtimes=SUBPROCESS,
+    ),
 ]
 
 NAMES = [c.name for c in CASES]
@@ -391,8 +853,14 @@ def _cases(runtime: str) -> list[Case]:
 
 
 def _job(case: Case, runtime: str) -> CodeJob:
-    return CodeJob(job_id=f"hostile-{runtime}-{case.name}", language=case.language,  # type: ignore[arg-type]
-                   code=case.code, state_json=case.state, timeout_s=20, user="hostile")
+    return CodeJob(
+        job_id=f"hostile-{runtime}-{case.name}",
+        language=case.language,  # type: ignore[arg-type]
+        code=case.code,
+        state_json=case.state,
+        timeout_s=20,
+        user="hostile",
+    )
 
 
 Results = dict[str, tuple[CodeJob, CodeResult]]
@@ -407,13 +875,17 @@ def _run_all(executor: Executor, runtime: str) -> Results:
 
 
 @pytest.fixture(scope="module")
-def docker_results(docker_client: Any, python_image: str, ts_image: str,
-                   tmp_path_factory: pytest.TempPathFactory) -> Results:
+def docker_results(
+    docker_client: Any, python_image: str, ts_image: str, tmp_path_factory: pytest.TempPathFactory
+) -> Results:
     from executor.settings import load_settings
 
     settings = load_settings(
-        enable_code_nodes=True, data_dir=tmp_path_factory.mktemp("hostile-docker"),
-        code_runtime="docker", code_image=python_image, code_ts_image=ts_image,
+        enable_code_nodes=True,
+        data_dir=tmp_path_factory.mktemp("hostile-docker"),
+        code_runtime="docker",
+        code_image=python_image,
+        code_ts_image=ts_image,
         code_output_max_bytes=OUTPUT_MAX,
     )
     return _run_all(Executor(settings), "docker")
@@ -425,16 +897,19 @@ def subprocess_results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     from executor.settings import load_settings
 
     settings = load_settings(
-        enable_code_nodes=True, data_dir=tmp_path_factory.mktemp("hostile-subprocess"),
-        code_runtime="subprocess", code_output_max_bytes=OUTPUT_MAX,
+        enable_code_nodes=True,
+        data_dir=tmp_path_factory.mktemp("hostile-subprocess"),
+        code_runtime="subprocess",
+        code_output_max_bytes=OUTPUT_MAX,
     )
     require(shutil.which(deno_binary(settings)) is not None, "no deno binary: pip install deno")
     return _run_all(Executor(settings), "subprocess")
 
 
 def _assert_case(case: Case, r: CodeResult) -> None:
-    detail = (f"{case.name}: {r.status} {r.error} output={str(r.output)[:200]!r} "
-              f"logs={r.logs[-500:]!r}")
+    detail = (
+        f"{case.name}: {r.status} {r.error} output={str(r.output)[:200]!r} logs={r.logs[-500:]!r}"
+    )
     assert r.status is case.status, detail
     if case.error is None:
         assert r.error is None, detail
@@ -447,8 +922,11 @@ def _assert_case(case: Case, r: CodeResult) -> None:
     if case.check is not None:
         case.check(r)
     # never an infrastructure code, and always storable/renderable text
-    assert r.error is None or r.error.code not in (E.RUNTIME_UNAVAILABLE, E.RATE_LIMITED,
-                                                    E.CODE_NODES_DISABLED), detail
+    assert r.error is None or r.error.code not in (
+        E.RUNTIME_UNAVAILABLE,
+        E.RATE_LIMITED,
+        E.CODE_NODES_DISABLED,
+    ), detail
     json.dumps(r.cli_dict(), ensure_ascii=False).encode("utf-8")
 
 
@@ -484,8 +962,9 @@ def _hand_made() -> list[CodeResult]:
         CodeResult(job_id="made-surrogate", status=OK, output={"k": "a\ud800"}, **base),
         CodeResult(job_id="made-nan", status=OK, output=[float("nan")], **base),
         CodeResult(job_id="made-object", status=OK, output=object(), **base),
-        CodeResult(job_id="made-bad-message", status=FAILED, error=err,
-                   logs="x\x00y\udcff", **base),
+        CodeResult(
+            job_id="made-bad-message", status=FAILED, error=err, logs="x\x00y\udcff", **base
+        ),
     ]
 
 
@@ -495,9 +974,10 @@ async def _get_all(app: Any, job_ids: list[str]) -> dict[str, Any]:
 
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
-        return {job_id: await http.get(f"/api/runs/{job_id}",
-                                       headers={"X-Studio-User": "hostile"})
-                for job_id in job_ids}
+        return {
+            job_id: await http.get(f"/api/runs/{job_id}", headers={"X-Studio-User": "hostile"})
+            for job_id in job_ids
+        }
 
 
 def _store_and_read(url: str, results: list[tuple[CodeJob, CodeResult]]) -> None:
@@ -521,8 +1001,9 @@ def _store_and_read(url: str, results: list[tuple[CodeJob, CodeResult]]) -> None
 
         first = results[0][0].job_id
         with store._write() as conn:  # type: ignore[attr-defined]
-            conn.execute(update(jobs).where(jobs.c.job_id == first)
-                         .values(output='{"old":"a\\ud800b"}'))
+            conn.execute(
+                update(jobs).where(jobs.c.job_id == first).values(output='{"old":"a\\ud800b"}')
+            )
         app = create_app(settings, client=client)
         responses = asyncio.run(_get_all(app, [job.job_id for job, _ in results]))
         for job, result in results:
@@ -535,8 +1016,9 @@ def _store_and_read(url: str, results: list[tuple[CodeJob, CodeResult]]) -> None
                 continue
             if result.error is not None or body["status"] != result.status.value:
                 # refused by the store itself (hand-made) or by the executor
-                assert body["error"]["code"] in {c.value for c in (
-                    E.CODE_OUTPUT_INVALID, E.CODE_ERROR, E.CODE_INVALID)}, body
+                assert body["error"]["code"] in {
+                    c.value for c in (E.CODE_OUTPUT_INVALID, E.CODE_ERROR, E.CODE_INVALID)
+                }, body
                 assert body["error"]["message"], body
             if result.error is not None:
                 assert body["error"]["code"] == result.error.code.value
@@ -556,35 +1038,59 @@ def _all_results(docker_results, subprocess_results) -> list[tuple[CodeJob, Code
 
 @pytest.mark.docker
 def test_every_hostile_result_is_stored_and_read_back_sqlite(
-        tmp_path, docker_results, subprocess_results) -> None:
-    _store_and_read(f"sqlite:///{tmp_path / 'runs.db'}",
-                    _all_results(docker_results, subprocess_results))
+    tmp_path, docker_results, subprocess_results
+) -> None:
+    _store_and_read(
+        f"sqlite:///{tmp_path / 'runs.db'}", _all_results(docker_results, subprocess_results)
+    )
 
 
 @pytest.mark.docker
 @pytest.mark.postgres
 def test_every_hostile_result_is_stored_and_read_back_postgresql(
-        pg_schema_url, docker_results, subprocess_results) -> None:
+    pg_schema_url, docker_results, subprocess_results
+) -> None:
     _store_and_read(pg_schema_url, _all_results(docker_results, subprocess_results))
 
 
 @pytest.mark.docker
-@pytest.mark.parametrize("name,suffix,code,error", [
-    ("py-deep-300", ".py", nested_py(300), "CODE_OUTPUT_INVALID"),
-    ("ts-surrogate", ".ts", "export function main() { return 'a\\ud800b'; }\n",
-     "CODE_OUTPUT_INVALID"),
-    ("ts-throw-stack-surrogate", ".ts",
-     "export function main() { throw { stack: 'x\\ud800y' }; }\n", "CODE_ERROR"),
-])
-def test_the_cli_prints_its_one_json_object(name, suffix, code, error, tmp_path,
-                                            python_image, ts_image) -> None:
+@pytest.mark.parametrize(
+    "name,suffix,code,error",
+    [
+        ("py-deep-300", ".py", nested_py(300), "CODE_OUTPUT_INVALID"),
+        (
+            "ts-surrogate",
+            ".ts",
+            "export function main() { return 'a\\ud800b'; }\n",
+            "CODE_OUTPUT_INVALID",
+        ),
+        (
+            "ts-throw-stack-surrogate",
+            ".ts",
+            "export function main() { throw { stack: 'x\\ud800y' }; }\n",
+            "CODE_ERROR",
+        ),
+    ],
+)
+def test_the_cli_prints_its_one_json_object(
+    name, suffix, code, error, tmp_path, python_image, ts_image
+) -> None:
     src = tmp_path / f"node{suffix}"
     src.write_text(code, encoding="utf-8")
     language = "python" if suffix == ".py" else "typescript"
-    proc = run_cli("run", str(src), "--language", language, env={
-        "STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "docker",
-        "STUDIO_CODE_IMAGE": python_image, "STUDIO_CODE_TS_IMAGE": ts_image,
-        "STUDIO_DATA_DIR": str(tmp_path)})
+    proc = run_cli(
+        "run",
+        str(src),
+        "--language",
+        language,
+        env={
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_CODE_RUNTIME": "docker",
+            "STUDIO_CODE_IMAGE": python_image,
+            "STUDIO_CODE_TS_IMAGE": ts_image,
+            "STUDIO_DATA_DIR": str(tmp_path),
+        },
+    )
     out = json.loads(proc.stdout)  # exactly one JSON object
     assert out["error"]["code"] == error, (proc.stdout[-1000:], proc.stderr[-2000:])
     assert out["status"] == "failed"
@@ -593,21 +1099,24 @@ def test_the_cli_prints_its_one_json_object(name, suffix, code, error, tmp_path,
 # --- the host's reading, without a sandbox (fast) -------------------------------------------
 
 
-@pytest.mark.parametrize("data,says", [
-    (b'{"ok": true, "output": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", TOO_DEEP),
-    (b'{"ok": true, "output": ' + b'{"a":' * 101 + b"1" + b"}" * 101 + b"}", TOO_DEEP),
-    (b'{"ok": true, "output": "\\ud800"}', SURROGATE),
-    (b'{"ok": true, "output": {"\\uDFFF": 1}}', SURROGATE),
-    (b'{"ok": true, "output": Infinity}', "Infinity"),
-    (b'{"ok": true, "output": -Infinity}', "Infinity"),
-    (b'{"ok": true, "output": ' + b"1" * 5000 + b"}", "digits"),
-    (b'{"ok": true, "output": "\xc3"}', "not UTF-8"),
-    (b'{"ok": true, "output": "\xed\xa0\x80"}', "not UTF-8"),  # an encoded surrogate
-    (b'{"ok": 1}', "not the runner's reply"),
-    (b"[1, 2]", "not the runner's reply"),
-    (b'{"ok": true', "not the runner's JSON"),
-    (b"x" * 2000, "more than the limit"),
-])
+@pytest.mark.parametrize(
+    "data,says",
+    [
+        (b'{"ok": true, "output": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", TOO_DEEP),
+        (b'{"ok": true, "output": ' + b'{"a":' * 101 + b"1" + b"}" * 101 + b"}", TOO_DEEP),
+        (b'{"ok": true, "output": "\\ud800"}', SURROGATE),
+        (b'{"ok": true, "output": {"\\uDFFF": 1}}', SURROGATE),
+        (b'{"ok": true, "output": Infinity}', "Infinity"),
+        (b'{"ok": true, "output": -Infinity}', "Infinity"),
+        (b'{"ok": true, "output": ' + b"1" * 5000 + b"}", "digits"),
+        (b'{"ok": true, "output": "\xc3"}', "not UTF-8"),
+        (b'{"ok": true, "output": "\xed\xa0\x80"}', "not UTF-8"),  # an encoded surrogate
+        (b'{"ok": 1}', "not the runner's reply"),
+        (b"[1, 2]", "not the runner's reply"),
+        (b'{"ok": true', "not the runner's JSON"),
+        (b"x" * 2000, "more than the limit"),
+    ],
+)
 def test_the_host_refuses_what_no_route_could_render(data: bytes, says: str) -> None:
     from executor.outputs import OutputInvalid, parse_reply
 
@@ -619,36 +1128,56 @@ def test_the_host_refuses_what_no_route_could_render(data: bytes, says: str) -> 
 def test_the_host_keeps_what_is_fine() -> None:
     from executor.outputs import parse_reply
 
-    assert parse_reply(b'{"ok": true, "output": "\\ud83d\\ude00 a\\u0000b \\\\ud800"}',
-                       max_bytes=1000) == {"ok": True, "output": "\U0001f600 a\x00b \\ud800"}
+    assert parse_reply(
+        b'{"ok": true, "output": "\\ud83d\\ude00 a\\u0000b \\\\ud800"}', max_bytes=1000
+    ) == {"ok": True, "output": "\U0001f600 a\x00b \\ud800"}
     deep = b"[" * OUTPUT_MAX_DEPTH + b"]" * OUTPUT_MAX_DEPTH
     assert parse_reply(b'{"ok": true, "output": ' + deep + b"}", max_bytes=1000)["ok"] is True
     # an error's message is the node's own text: kept (made safe by the executor)
-    reply = parse_reply(b'{"ok": false, "error": {"code": "CODE_ERROR", "message": "\\ud800"}}',
-                        max_bytes=1000)
+    reply = parse_reply(
+        b'{"ok": false, "error": {"code": "CODE_ERROR", "message": "\\ud800"}}', max_bytes=1000
+    )
     assert reply["error"]["message"] == "\ud800"
 
 
 @pytest.mark.docker
 def test_meta_shows_the_seccomp_profile_and_both_languages_are_ready_under_it(
-        make_settings, python_image: str, ts_image: str) -> None:
+    make_settings, python_image: str, ts_image: str
+) -> None:
     import hashlib
 
     from executor.meta import runtime_meta
     from executor.runtimes.seccomp import PROFILE_PATH
 
-    ex = Executor(make_settings(code_runtime="docker", code_image=python_image,
-                                code_ts_image=ts_image))
+    ex = Executor(
+        make_settings(code_runtime="docker", code_image=python_image, code_ts_image=ts_image)
+    )
     meta = runtime_meta(ex, fresh=True)
     assert meta["seccomp"]["sha256"] == hashlib.sha256(PROFILE_PATH.read_bytes()).hexdigest()
     # the readiness probes ran the test programs under the profile
     assert [(lang["name"], lang["ready"]) for lang in meta["languages"]] == [
-        ("python", True), ("typescript", True)], meta["languages"]
+        ("python", True),
+        ("typescript", True),
+    ], meta["languages"]
     profile = json.loads(PROFILE_PATH.read_text(encoding="utf-8"))
-    allowed = {n for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ALLOW"
-               for n in rule["names"]}
-    assert not allowed & {"io_uring_setup", "userfaultfd", "keyctl", "bpf", "ptrace",
-                          "unshare", "setns", "mount", "perf_event_open", "socketcall"}
+    allowed = {
+        n
+        for rule in profile["syscalls"]
+        if rule["action"] == "SCMP_ACT_ALLOW"
+        for n in rule["names"]
+    }
+    assert not allowed & {
+        "io_uring_setup",
+        "userfaultfd",
+        "keyctl",
+        "bpf",
+        "ptrace",
+        "unshare",
+        "setns",
+        "mount",
+        "perf_event_open",
+        "socketcall",
+    }
 
 
 def test_the_shipped_profile_is_what_derive_makes_of_mobys_default() -> None:
@@ -660,7 +1189,12 @@ def test_the_shipped_profile_is_what_derive_makes_of_mobys_default() -> None:
 
     root = Path(__file__).resolve().parent.parent
     made = subprocess.run(
-        [sys.executable, str(root / "docker/seccomp/derive.py"),
-         str(root / "docker/seccomp/moby-default.json")],
-        capture_output=True, check=True).stdout
+        [
+            sys.executable,
+            str(root / "docker/seccomp/derive.py"),
+            str(root / "docker/seccomp/moby-default.json"),
+        ],
+        capture_output=True,
+        check=True,
+    ).stdout
     assert made == PROFILE_PATH.read_bytes(), "regenerate executor/runtimes/seccomp.json"

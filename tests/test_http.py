@@ -46,7 +46,11 @@ class StudioProc:
         self.log = log
         self._fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            argv, env=env, cwd=ROOT, stdout=self._fh, stderr=subprocess.STDOUT,
+            argv,
+            env=env,
+            cwd=ROOT,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
@@ -91,31 +95,57 @@ class StudioProc:
 
 def studio_env(redis_url: str, database_url: str, image: str, **extra: Any) -> dict[str, str]:
     """The STUDIO_* environment an operator would give the API and the workers."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("STUDIO_") and k != "PROMETHEUS_MULTIPROC_DIR"}
-    env.update({
-        "STUDIO_ENABLE_CODE_NODES": "1",
-        "STUDIO_CODE_RUNTIME": "docker",
-        "STUDIO_CODE_IMAGE": image,
-        "STUDIO_CODE_LANGUAGES": "python",
-        "STUDIO_REDIS_URL": redis_url,
-        "STUDIO_DATABASE_URL": database_url,
-        "STUDIO_CODE_MAX_SECONDS": "15",
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-    })
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("STUDIO_") and k != "PROMETHEUS_MULTIPROC_DIR"
+    }
+    env.update(
+        {
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_CODE_RUNTIME": "docker",
+            "STUDIO_CODE_IMAGE": image,
+            "STUDIO_CODE_LANGUAGES": "python",
+            "STUDIO_REDIS_URL": redis_url,
+            "STUDIO_DATABASE_URL": database_url,
+            "STUDIO_CODE_MAX_SECONDS": "15",
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
-def start_worker(env: dict[str, str], log: Path, *, name: str | None = None,
-                 concurrency: int = 2, ready_timeout: float = 60.0) -> StudioProc:
+def start_worker(
+    env: dict[str, str],
+    log: Path,
+    *,
+    name: str | None = None,
+    concurrency: int = 2,
+    ready_timeout: float = 60.0,
+) -> StudioProc:
     """``celery -A worker worker --pool prefork -c N -Q code.test,code.run``, ready."""
     name = name or f"w{uuid.uuid4().hex[:6]}"
     w = StudioProc(
-        [str(BIN / "celery"), "-A", "worker", "worker", "--pool", "prefork",
-         "-c", str(concurrency), "-Q", "code.test,code.run", "-n", f"{name}@%h",
-         "--loglevel", "INFO"],
-        env, log)
+        [
+            str(BIN / "celery"),
+            "-A",
+            "worker",
+            "worker",
+            "--pool",
+            "prefork",
+            "-c",
+            str(concurrency),
+            "-Q",
+            "code.test,code.run",
+            "-n",
+            f"{name}@%h",
+            "--loglevel",
+            "INFO",
+        ],
+        env,
+        log,
+    )
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if " ready." in w.output():
@@ -146,8 +176,9 @@ def wait_http(url: str, timeout: float = 30.0, proc: StudioProc | None = None) -
 def start_api(env: dict[str, str], log: Path) -> tuple[StudioProc, str]:
     """``studio-code serve`` on a free loopback port; returns it and its base URL."""
     port = free_port()
-    api = StudioProc([str(BIN / "studio-code"), "serve", "--host", "127.0.0.1",
-                      "--port", str(port)], env, log)
+    api = StudioProc(
+        [str(BIN / "studio-code"), "serve", "--host", "127.0.0.1", "--port", str(port)], env, log
+    )
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/healthz/live", proc=api)
     return api, base
@@ -172,8 +203,9 @@ class Stack:
             h[ADMIN] = "1"
         return h
 
-    def poll(self, job_id: str, user: str, *, until: set[str] | None = None,
-             timeout: float = 60.0) -> dict[str, Any]:
+    def poll(
+        self, job_id: str, user: str, *, until: set[str] | None = None, timeout: float = 60.0
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         body: dict[str, Any] = {}
         while time.monotonic() < deadline:
@@ -187,8 +219,9 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, docker_client: Any,
-          python_image: str) -> Iterator[Stack]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
+) -> Iterator[Stack]:
     require(shutil.which("redis-server") is not None, "redis-server is not installed")
     tmp = tmp_path_factory.mktemp("http")
     redis = RedisServer(tmp)
@@ -233,13 +266,15 @@ def test_a_call_without_the_user_header_is_401(stack: Stack) -> None:
 
 
 def test_workflow_validation_of_a_code_node(stack: Stack) -> None:
-    r = stack.http.post("/api/code/nodes/check", json={"language": "python"},
-                        headers={USER: _user()})
+    r = stack.http.post(
+        "/api/code/nodes/check", json={"language": "python"}, headers={USER: _user()}
+    )
     assert r.status_code == 200, r.text
     assert r.json() == {"ok": True, "language": "python"}
     # this stack offers python only (STUDIO_CODE_LANGUAGES=python)
-    r = stack.http.post("/api/code/nodes/check", json={"language": "typescript"},
-                        headers={USER: _user()})
+    r = stack.http.post(
+        "/api/code/nodes/check", json={"language": "typescript"}, headers={USER: _user()}
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "CODE_INVALID"
     assert "not offered here" in r.json()["error"]["message"]
@@ -260,8 +295,9 @@ def test_meta_reports_python_ready(stack: Stack) -> None:
 
 def test_validate_returns_code_invalid_with_the_reason(stack: Stack) -> None:
     h = stack.as_user(_user())
-    r = stack.http.post("/api/code/validate", json={"code": "def main(state:\n  return 1\n"},
-                        headers=h)
+    r = stack.http.post(
+        "/api/code/validate", json={"code": "def main(state:\n  return 1\n"}, headers=h
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "CODE_INVALID"
@@ -272,8 +308,9 @@ def test_validate_returns_code_invalid_with_the_reason(stack: Stack) -> None:
     assert r.status_code == 400
     assert "main" in r.json()["error"]["message"]
 
-    r = stack.http.post("/api/code/validate", json={"code": OK_CODE, "language": "python"},
-                        headers=h)
+    r = stack.http.post(
+        "/api/code/validate", json={"code": OK_CODE, "language": "python"}, headers=h
+    )
     assert r.status_code == 200, r.text
     assert r.json() == {"ok": True, "language": "python", "problems": []}
 
@@ -283,8 +320,9 @@ def test_a_malformed_body_is_a_json_error_not_a_500(stack: Stack) -> None:
     r = stack.http.post("/api/runs", json={"code": OK_CODE, "language": "cobol"}, headers=h)
     assert r.status_code == 422
     assert r.json()["error"]["code"] == "REQUEST_INVALID"
-    r = stack.http.post("/api/runs", content=b"{not json", headers={
-        **h, "content-type": "application/json"})
+    r = stack.http.post(
+        "/api/runs", content=b"{not json", headers={**h, "content-type": "application/json"}
+    )
     assert r.status_code == 422
     r = stack.http.post("/api/runs", json={"code": OK_CODE, "timeout_s": -1}, headers=h)
     assert r.status_code == 422
@@ -295,8 +333,9 @@ def test_a_malformed_body_is_a_json_error_not_a_500(stack: Stack) -> None:
 
 def test_submit_then_poll_gives_the_result(stack: Stack) -> None:
     user = _user()
-    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": {"n": 21}},
-                        headers=stack.as_user(user))
+    r = stack.http.post(
+        "/api/runs", json={"code": OK_CODE, "state": {"n": 21}}, headers=stack.as_user(user)
+    )
     assert r.status_code == 202, r.text
     run = r.json()
     assert run["status"] in ("queued", "running", "succeeded")
@@ -362,8 +401,10 @@ def test_another_users_run_is_hidden_but_an_admin_sees_it(stack: Stack) -> None:
     # exactly what an unknown id answers: existence is not revealed
     unknown = stack.http.get("/api/runs/" + uuid.uuid4().hex, headers=stack.as_user(other))
     assert unknown.status_code == 404
-    assert unknown.json()["error"]["message"].split("'")[0] == \
-        r.json()["error"]["message"].split("'")[0]
+    assert (
+        unknown.json()["error"]["message"].split("'")[0]
+        == r.json()["error"]["message"].split("'")[0]
+    )
 
     r = stack.http.get(f"/api/runs/{job_id}", headers=stack.as_user(other, admin=True))
     assert r.status_code == 200 and r.json()["user"] == owner
@@ -396,16 +437,18 @@ def test_the_21st_test_call_in_a_minute_is_429_with_retry_after(stack: Stack) ->
     h = stack.as_user(user)
 
     def call(_: int) -> httpx.Response:
-        return stack.http.post("/api/code/test", json={"code": OK_CODE, "state": {"n": 1}},
-                               headers=h)
+        return stack.http.post(
+            "/api/code/test", json={"code": OK_CODE, "state": {"n": 1}}, headers=h
+        )
 
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         first = list(pool.map(call, range(20)))
     # the window is one minute: the 21st call must come within it to prove anything
     assert time.monotonic() - t0 < 50, "20 test calls took most of a minute"
-    assert [r.status_code for r in first] == [200] * 20, [r.text for r in first if
-                                                          r.status_code != 200][:1]
+    assert [r.status_code for r in first] == [200] * 20, [
+        r.text for r in first if r.status_code != 200
+    ][:1]
     assert all(r.json()["status"] == "succeeded" for r in first)
 
     r = call(21)
@@ -422,8 +465,11 @@ def test_the_21st_test_call_in_a_minute_is_429_with_retry_after(stack: Stack) ->
 
     text = stack.http.get("/metrics").text
     fam = {f.name: f for f in text_string_to_metric_families(text)}
-    refused = [s.value for s in fam["studio_code_rate_limited"].samples
-               if s.name == "studio_code_rate_limited_total"]
+    refused = [
+        s.value
+        for s in fam["studio_code_rate_limited"].samples
+        if s.name == "studio_code_rate_limited_total"
+    ]
     assert refused and refused[0] >= 1
 
 
@@ -435,15 +481,20 @@ def test_ready_is_200_with_every_dependency_up(stack: Stack) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     assert {k: body[k] for k in ("ok", "checks")} == {
-        "ok": True, "checks": {"redis": None, "run_store": None, "docker": None}}
+        "ok": True,
+        "checks": {"redis": None, "run_store": None, "docker": None},
+    }
     # the live workers per queue: the stack's one worker, -c 2 (one slot kept for tests)
-    assert body["workers"] == {"code.test": {"serving": 1, "slots": 1, "paused": []},
-                               "code.run": {"serving": 1, "slots": 1, "paused": []}}
+    assert body["workers"] == {
+        "code.test": {"serving": 1, "slots": 1, "paused": []},
+        "code.run": {"serving": 1, "slots": 1, "paused": []},
+    }
 
 
 @pytest.mark.parametrize("down", ["redis", "run_store", "docker"])
-def test_ready_is_503_while_a_dependency_is_unreachable(tmp_path: Path, python_image: str,
-                                                        redis_server: Any, down: str) -> None:
+def test_ready_is_503_while_a_dependency_is_unreachable(
+    tmp_path: Path, python_image: str, redis_server: Any, down: str
+) -> None:
     redis_url = redis_server.url
     db = f"sqlite:///{tmp_path / 'runs.db'}"
     extra: dict[str, str] = {}
@@ -461,20 +512,28 @@ def test_ready_is_503_while_a_dependency_is_unreachable(tmp_path: Path, python_i
         checks = r.json()["checks"]
         assert checks[down], checks
         assert all(v is None for k, v in checks.items() if k != down), checks
-        assert {"redis": "STUDIO_REDIS_URL", "run_store": "STUDIO_DATABASE_URL",
-                "docker": "docker.sock"}[down] in checks[down]
+        assert {
+            "redis": "STUDIO_REDIS_URL",
+            "run_store": "STUDIO_DATABASE_URL",
+            "docker": "docker.sock",
+        }[down] in checks[down]
         assert httpx.get(f"{base}/healthz/live").status_code == 200
         if down == "docker":
             # workflow validation of a Code node says why it cannot run, and how to fix it
-            r = httpx.post(f"{base}/api/code/nodes/check", json={"language": "python"},
-                           headers={USER: "u"}, timeout=30)
+            r = httpx.post(
+                f"{base}/api/code/nodes/check",
+                json={"language": "python"},
+                headers={USER: "u"},
+                timeout=30,
+            )
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "RUNTIME_UNAVAILABLE"
             assert "Docker is not reachable" in r.json()["error"]["message"]
         else:
             # a submit says so in the error body (503), not a 500
-            r = httpx.post(f"{base}/api/code/test", json={"code": OK_CODE},
-                           headers={USER: "u"}, timeout=30)
+            r = httpx.post(
+                f"{base}/api/code/test", json={"code": OK_CODE}, headers={USER: "u"}, timeout=30
+            )
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "RUNTIME_UNAVAILABLE"
     finally:
@@ -491,10 +550,15 @@ def test_ready_is_503_while_a_dependency_is_unreachable(tmp_path: Path, python_i
 def test_openapi_has_the_routes_and_models(stack: Stack) -> None:
     spec = stack.http.get("/openapi.json").json()
     assert set(spec["paths"]) == {
-        "/api/meta/runtime", "/api/code/validate", "/api/code/nodes/check", "/api/code/test",
+        "/api/meta/runtime",
+        "/api/code/validate",
+        "/api/code/nodes/check",
+        "/api/code/test",
         "/api/runs",
-        "/api/runs/{job_id}", "/api/runs/{job_id}/cancel",
-        "/api/runs/{job_id}/logs"}  # api_client.routes_runs
+        "/api/runs/{job_id}",
+        "/api/runs/{job_id}/cancel",
+        "/api/runs/{job_id}/logs",
+    }  # api_client.routes_runs
     schemas = spec["components"]["schemas"]
     for name in ("RunBody", "CodeBody", "RunView", "ErrorBody", "RuntimeMeta"):
         assert name in schemas
@@ -519,13 +583,19 @@ def fuzz_for_server_errors(base: str, headers: dict[str, str]) -> None:
     ran: dict[str, int] = {}
 
     def fuzz(operation: Any) -> None:
-        strategy = (operation.as_strategy(GenerationMode.POSITIVE)
-                    | operation.as_strategy(GenerationMode.NEGATIVE))
+        strategy = operation.as_strategy(GenerationMode.POSITIVE) | operation.as_strategy(
+            GenerationMode.NEGATIVE
+        )
 
         @given(case=strategy)
-        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
-                  phases=[Phase.explicit, Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=25,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         def check(case: Any) -> None:
             response = case.call(base_url=base, headers=headers, timeout=60)
             ran[operation.label] = ran.get(operation.label, 0) + 1

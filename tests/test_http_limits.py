@@ -95,8 +95,7 @@ def test_loopback_and_the_bind_refusal(make_settings: Any) -> None:
     assert bind_refusal(make_settings(api_token="t" * 32), "0.0.0.0") is None
 
 
-def test_the_token_setting_is_checked_and_never_echoed(make_settings: Any,
-                                                       tmp_path: Path) -> None:
+def test_the_token_setting_is_checked_and_never_echoed(make_settings: Any, tmp_path: Path) -> None:
     from executor.errors import SettingsError
 
     with pytest.raises(SettingsError) as e:
@@ -121,25 +120,32 @@ def test_serve_refuses_a_non_loopback_address_without_a_token() -> None:
     assert "Uvicorn running" not in r.stderr  # refused before binding anything
 
 
-@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres",
-                                                            marks=pytest.mark.postgres)])
-def test_statuses_reads_what_a_waiter_needs_in_one_query(backend: str, tmp_path: Path,
-                                                         request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_statuses_reads_what_a_waiter_needs_in_one_query(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """What async waits re-read every second: the status of many jobs, unknown ids left out."""
     from executor.models import CodeJob, Status
     from executor.store import open_store
 
-    url = (f"sqlite:///{tmp_path / 'runs.db'}" if backend == "sqlite"
-           else request.getfixturevalue("pg_schema_url"))
+    url = (
+        f"sqlite:///{tmp_path / 'runs.db'}"
+        if backend == "sqlite"
+        else request.getfixturevalue("pg_schema_url")
+    )
     with open_store(url) as store:
-        jobs = [CodeJob(code=OK_CODE, state_json=json.dumps({"big": "x" * 1000}))
-                for _ in range(3)]
+        jobs = [CodeJob(code=OK_CODE, state_json=json.dumps({"big": "x" * 1000})) for _ in range(3)]
         for job in jobs:
             store.create(job, code_runtime="docker")
         store.request_cancel(jobs[1].job_id)
         got = store.statuses([j.job_id for j in jobs] + ["unknown"])
-        assert got == {jobs[0].job_id: Status.QUEUED, jobs[1].job_id: Status.CANCELLED,
-                       jobs[2].job_id: Status.QUEUED}
+        assert got == {
+            jobs[0].job_id: Status.QUEUED,
+            jobs[1].job_id: Status.CANCELLED,
+            jobs[2].job_id: Status.QUEUED,
+        }
 
 
 def test_a_failed_wait_raises_its_own_error_and_a_disconnect_ends_it() -> None:
@@ -225,18 +231,25 @@ def _status_and_body(raw: bytes) -> tuple[int, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, docker_client: Any,
-          python_image: str) -> Iterator[Stack]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
+) -> Iterator[Stack]:
     require(shutil.which("redis-server") is not None, "redis-server is not installed")
     tmp = tmp_path_factory.mktemp("http-limits")
     redis = RedisServer(tmp)
     redis.start()
     token = secrets.token_hex(24)
     db = tmp / "runs.db"
-    env = studio_env(redis.url, f"sqlite:///{db}", python_image,
-                     STUDIO_API_TOKEN=token, STUDIO_API_ALLOWED_HOSTS=EXTRA_HOST,
-                     STUDIO_CODE_TEST_PER_MINUTE=1000, STUDIO_CODE_TEST_IN_FLIGHT=IN_FLIGHT,
-                     STUDIO_API_BODY_MAX_BYTES=BODY_MAX)
+    env = studio_env(
+        redis.url,
+        f"sqlite:///{db}",
+        python_image,
+        STUDIO_API_TOKEN=token,
+        STUDIO_API_ALLOWED_HOSTS=EXTRA_HOST,
+        STUDIO_CODE_TEST_PER_MINUTE=1000,
+        STUDIO_CODE_TEST_IN_FLIGHT=IN_FLIGHT,
+        STUDIO_API_BODY_MAX_BYTES=BODY_MAX,
+    )
     worker = start_worker(env, tmp / "worker.log", concurrency=1)
     api = None
     try:
@@ -257,18 +270,37 @@ def stack(tmp_path_factory: pytest.TempPathFactory, docker_client: Any,
 @pytest.mark.docker
 @pytest.mark.redis
 def test_the_token_is_required_on_every_route_but_liveness(stack: Stack) -> None:
-    routes = [("GET", "/api/meta/runtime"), ("POST", "/api/code/validate"),
-              ("POST", "/api/code/test"), ("POST", "/api/runs"), ("GET", "/api/runs/x"),
-              ("POST", "/api/runs/x/cancel"), ("GET", "/healthz/ready"), ("GET", "/metrics"),
-              ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")]
-    wrong = [None, "Bearer " + "x" * 48, f"Basic {stack.token}", f"Bearer {stack.token}x",
-             stack.token, f"Bearer {stack.token[:-1]}"]
+    routes = [
+        ("GET", "/api/meta/runtime"),
+        ("POST", "/api/code/validate"),
+        ("POST", "/api/code/test"),
+        ("POST", "/api/runs"),
+        ("GET", "/api/runs/x"),
+        ("POST", "/api/runs/x/cancel"),
+        ("GET", "/healthz/ready"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/no/such/route"),
+    ]
+    wrong = [
+        None,
+        "Bearer " + "x" * 48,
+        f"Basic {stack.token}",
+        f"Bearer {stack.token}x",
+        stack.token,
+        f"Bearer {stack.token[:-1]}",
+    ]
     with httpx.Client(base_url=stack.base, timeout=30) as bare:
         for method, path in routes:
             for auth in wrong:
                 headers = {USER: _user(), **({"Authorization": auth} if auth else {})}
-                r = bare.request(method, path, headers=headers,
-                                 json={"code": OK_CODE} if method == "POST" else None)
+                r = bare.request(
+                    method,
+                    path,
+                    headers=headers,
+                    json={"code": OK_CODE} if method == "POST" else None,
+                )
                 message = _error(r, 401, "UNAUTHENTICATED")
                 assert "Bearer" in message and r.headers["WWW-Authenticate"] == "Bearer"
         # liveness needs no token; the scheme is case-insensitive; with the token all is well
@@ -280,8 +312,11 @@ def test_the_token_is_required_on_every_route_but_liveness(stack: Stack) -> None
     from prometheus_client.parser import text_string_to_metric_families
 
     fam = {f.name: f for f in text_string_to_metric_families(stack.http.get("/metrics").text)}
-    refused = {s.labels["code"]: s.value for s in fam["studio_code_http_refused"].samples
-               if s.name == "studio_code_http_refused_total"}
+    refused = {
+        s.labels["code"]: s.value
+        for s in fam["studio_code_http_refused"].samples
+        if s.name == "studio_code_http_refused_total"
+    }
     assert refused["UNAUTHENTICATED"] >= len(routes) * len(wrong), refused
 
 
@@ -292,14 +327,27 @@ def test_the_token_is_required_on_every_route_but_liveness(stack: Stack) -> None
 @pytest.mark.redis
 def test_a_rebound_host_is_refused_before_anything_runs(stack: Stack) -> None:
     user = _user()
-    for host in ("attacker.example", f"attacker.example:{stack.port}", "127.0.0.1.nip.io",
-                 "localhost.attacker.example", "", "0.0.0.0"):
-        r = stack.http.post("/api/runs", json={"code": OK_CODE},
-                            headers={**stack.h(user), "Host": host})
+    for host in (
+        "attacker.example",
+        f"attacker.example:{stack.port}",
+        "127.0.0.1.nip.io",
+        "localhost.attacker.example",
+        "",
+        "0.0.0.0",
+    ):
+        r = stack.http.post(
+            "/api/runs", json={"code": OK_CODE}, headers={**stack.h(user), "Host": host}
+        )
         assert "attacker" not in _error(r, 400, "HOST_NOT_ALLOWED") or host
     assert stack.job_ids({user}) == [], "a refused Host still queued a run"
-    for host in (f"localhost:{stack.port}", f"127.0.0.1:{stack.port}", f"[::1]:{stack.port}",
-                 "LOCALHOST", EXTRA_HOST, f"{EXTRA_HOST.upper()}:{stack.port}"):
+    for host in (
+        f"localhost:{stack.port}",
+        f"127.0.0.1:{stack.port}",
+        f"[::1]:{stack.port}",
+        "LOCALHOST",
+        EXTRA_HOST,
+        f"{EXTRA_HOST.upper()}:{stack.port}",
+    ):
         r = stack.http.get("/api/meta/runtime", headers={"Host": host})
         assert r.status_code == 200, (host, r.text)
     # liveness answers any Host (a Kubernetes probe sends the pod's IP)
@@ -326,7 +374,8 @@ def test_an_identity_header_sent_twice_is_refused(stack: Stack) -> None:
     raw = stack.raw(
         f"POST /api/runs HTTP/1.1\r\nHost: localhost\r\nHost: attacker.example\r\n"
         f"Authorization: Bearer {stack.token}\r\n{USER}: {user}\r\nContent-Type: "
-        "application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}".encode())
+        "application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}".encode()
+    )
     assert raw.startswith(b"HTTP/1.1 400 "), raw[:300]
     assert stack.job_ids({user}) == []
 
@@ -345,12 +394,15 @@ def _rss_kb(pid: int) -> int:
 @pytest.mark.redis
 def test_a_body_over_the_cap_is_413_before_it_is_read(stack: Stack) -> None:
     user = _user()
-    head = (f"POST /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-            f"{stack.token}\r\n{USER}: {user}\r\nContent-Type: application/json\r\n")
+    head = (
+        f"POST /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+        f"{stack.token}\r\n{USER}: {user}\r\nContent-Type: application/json\r\n"
+    )
     # Content-Length says 100 MB and not a byte follows: the answer comes anyway, at once
     t0 = time.monotonic()
-    status, body = _status_and_body(stack.raw(
-        (head + "Content-Length: 100000000\r\n\r\n").encode(), timeout=10))
+    status, body = _status_and_body(
+        stack.raw((head + "Content-Length: 100000000\r\n\r\n").encode(), timeout=10)
+    )
     assert (status, body["error"]["code"]) == (413, "REQUEST_TOO_LARGE"), body
     assert str(BODY_MAX) in body["error"]["message"]
     assert time.monotonic() - t0 < 5
@@ -360,20 +412,23 @@ def test_a_body_over_the_cap_is_413_before_it_is_read(stack: Stack) -> None:
     rss0 = _rss_kb(stack.api.pid)
     chunk = b"x" * 65536
     stream = (f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n") * 1600  # 100 MiB
-    status, body = _status_and_body(stack.raw(
-        (head + "Transfer-Encoding: chunked\r\n\r\n").encode(), then=stream, timeout=30))
+    status, body = _status_and_body(
+        stack.raw((head + "Transfer-Encoding: chunked\r\n\r\n").encode(), then=stream, timeout=30)
+    )
     assert (status, body["error"]["code"]) == (413, "REQUEST_TOO_LARGE"), body
     assert _rss_kb(stack.api.pid) - rss0 < 30 * 1024, "the API kept the body"
     assert stack.job_ids({user}) == []
 
     # under the cap it runs; each route has its own cap (a language check takes 64 KiB)
     state = {"blob": "y" * (BODY_MAX // 2)}
-    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": state},
-                        headers=stack.h(user))
+    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": state}, headers=stack.h(user))
     assert r.status_code == 202, r.text
     stack.cancel_all({user})
-    r = stack.http.post("/api/code/nodes/check", content=b" " * 70_000 + b'{"language": "py"}',
-                        headers={**stack.h(user), "Content-Type": "application/json"})
+    r = stack.http.post(
+        "/api/code/nodes/check",
+        content=b" " * 70_000 + b'{"language": "py"}',
+        headers={**stack.h(user), "Content-Type": "application/json"},
+    )
     _error(r, 413, "REQUEST_TOO_LARGE")
 
 
@@ -383,19 +438,21 @@ def test_json_nested_too_deep_is_refused_before_it_is_parsed(stack: Stack) -> No
     user = _user()
     # 100,000 deep (the stdlib parser would raise RecursionError on it)
     deep = b'{"code": "x", "state": {"v": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
-    r = stack.http.post("/api/runs", content=deep,
-                        headers={**stack.h(user), "Content-Type": "application/json"})
+    r = stack.http.post(
+        "/api/runs", content=deep, headers={**stack.h(user), "Content-Type": "application/json"}
+    )
     assert "STUDIO_API_JSON_MAX_DEPTH=64" in _error(r, 400, "REQUEST_TOO_DEEP")
     # the body, the state and 62 arrays: 64 levels, the limit, pass; one more does not
-    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": {"v": _nested(62)}},
-                        headers=stack.h(user))
+    r = stack.http.post(
+        "/api/runs", json={"code": OK_CODE, "state": {"v": _nested(62)}}, headers=stack.h(user)
+    )
     assert r.status_code == 202, r.text
-    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": {"v": _nested(63)}},
-                        headers=stack.h(user))
+    r = stack.http.post(
+        "/api/runs", json={"code": OK_CODE, "state": {"v": _nested(63)}}, headers=stack.h(user)
+    )
     _error(r, 400, "REQUEST_TOO_DEEP")
     # a body sent with no Content-Type is parsed as JSON by the framework: checked too
-    r = stack.http.post("/api/code/validate", content=b"[" * 70 + b"]" * 70,
-                        headers=stack.h(user))
+    r = stack.http.post("/api/code/validate", content=b"[" * 70 + b"]" * 70, headers=stack.h(user))
     _error(r, 400, "REQUEST_TOO_DEEP")
     stack.cancel_all({user})
 
@@ -410,12 +467,19 @@ def test_every_framework_error_has_the_shape(stack: Stack) -> None:
     _error(stack.http.delete("/api/runs/abc", headers=h), 405, "METHOD_NOT_ALLOWED")
     _error(stack.http.post("/api/runs", json={"code": 1}, headers=h), 422, "REQUEST_INVALID")
     _error(stack.http.post("/api/runs", json=None, headers=h), 422, "REQUEST_INVALID")
-    _error(stack.http.post("/api/runs", content=b"{not json",
-                           headers={**h, "Content-Type": "application/json"}),
-           422, "REQUEST_INVALID")
+    _error(
+        stack.http.post(
+            "/api/runs", content=b"{not json", headers={**h, "Content-Type": "application/json"}
+        ),
+        422,
+        "REQUEST_INVALID",
+    )
     # not UTF-8: the framework cannot decode it
-    r = stack.http.post("/api/runs", content=b'{"code": "\xff\xfe"}',
-                        headers={**h, "Content-Type": "application/json"})
+    r = stack.http.post(
+        "/api/runs",
+        content=b'{"code": "\xff\xfe"}',
+        headers={**h, "Content-Type": "application/json"},
+    )
     assert r.status_code in (400, 422), r.text
     assert r.json()["error"]["code"] == "REQUEST_INVALID"
 
@@ -429,16 +493,23 @@ def test_schemathesis_finds_no_server_error_behind_the_token_and_limits(stack: S
 # --- waiting: the in-flight cap and 200 waiting calls ---------------------------------------
 
 
-async def _fire(stack: Stack, calls: list[tuple[str, dict[str, Any]]],
-                stop: asyncio.Event, results: list[Any], answered: list[int]) -> None:
+async def _fire(
+    stack: Stack,
+    calls: list[tuple[str, dict[str, Any]]],
+    stop: asyncio.Event,
+    results: list[Any],
+    answered: list[int],
+) -> None:
     """Send every call at once and keep them open until they all answer or ``stop`` is
     set (then the rest disconnect)."""
     limits = httpx.Limits(max_connections=len(calls) + 10)
-    async with httpx.AsyncClient(base_url=stack.base, headers=stack.auth, limits=limits,
-                                 timeout=120) as client:
-        tasks = [asyncio.ensure_future(client.post("/api/code/test", json=body,
-                                                   headers={USER: user}))
-                 for user, body in calls]
+    async with httpx.AsyncClient(
+        base_url=stack.base, headers=stack.auth, limits=limits, timeout=120
+    ) as client:
+        tasks = [
+            asyncio.ensure_future(client.post("/api/code/test", json=body, headers={USER: user}))
+            for user, body in calls
+        ]
         for t in tasks:
             t.add_done_callback(lambda _: answered.append(1))
         stopper = asyncio.ensure_future(stop.wait())
@@ -465,8 +536,8 @@ class Burst:
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()  # bound to the loop that first waits on it
         self._thread = threading.Thread(
-            target=self._loop.run_until_complete,
-            args=(self._run(stack, calls),), daemon=True)
+            target=self._loop.run_until_complete, args=(self._run(stack, calls),), daemon=True
+        )
         self._thread.start()
 
     async def _run(self, stack: Stack, calls: list[tuple[str, dict[str, Any]]]) -> None:
@@ -536,8 +607,10 @@ def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
         deadline = time.monotonic() + 5
         with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=10) as c:
             while time.monotonic() < deadline:
-                for path, h in (("/healthz/live", {}),
-                                (f"/api/runs/{probe_id}", stack.h("prober"))):
+                for path, h in (
+                    ("/healthz/live", {}),
+                    (f"/api/runs/{probe_id}", stack.h("prober")),
+                ):
                     probes += 1
                     try:
                         r = c.get(path, headers=h)
@@ -558,8 +631,9 @@ def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
     assert probes > 20
     answers = [r for r in burst.results if isinstance(r, httpx.Response)]
     assert len(answers) == 200, [r for r in burst.results if not isinstance(r, httpx.Response)][:3]
-    assert {r.status_code for r in answers} == {200}, [r.text for r in answers
-                                                       if r.status_code != 200][:2]
+    assert {r.status_code for r in answers} == {200}, [
+        r.text for r in answers if r.status_code != 200
+    ][:2]
     assert {r.json()["status"] for r in answers} == {"cancelled"}
 
 
@@ -567,7 +641,8 @@ def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
 
 
 def test_the_router_mounted_in_another_app_keeps_its_limits_and_leaves_the_rest(
-        make_settings: Any) -> None:
+    make_settings: Any,
+) -> None:
     """A studio app of its own with the router and RequestLimits(router_only=True): the
     router's paths are bounded (Host, depth, size, repeated headers) and answer in the error
     shape; the studio's own route is untouched (any Host, any body)."""
@@ -590,8 +665,9 @@ def test_the_router_mounted_in_another_app_keeps_its_limits_and_leaves_the_rest(
     studio.router.add_route("/studio/own", own, methods=["POST"])  # the studio's own route
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(studio, host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(studio, host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -602,18 +678,30 @@ def test_the_router_mounted_in_another_app_keeps_its_limits_and_leaves_the_rest(
             h = {USER: "u1"}
             r = c.post("/api/code/validate", json={"code": OK_CODE}, headers=h)
             assert r.status_code == 200, r.text
-            _error(c.post("/api/code/validate", json={"code": "def main(:"}, headers=h),
-                   400, "CODE_INVALID")
-            _error(c.post("/api/code/validate", json={"code": 1}, headers=h),
-                   422, "REQUEST_INVALID")
-            _error(c.post("/api/code/validate", content=b"[" * 100 + b"]" * 100, headers=h),
-                   400, "REQUEST_TOO_DEEP")
-            _error(c.post("/api/runs", json={"code": "x" * 5000}, headers=h),
-                   413, "REQUEST_TOO_LARGE")
-            _error(c.post("/api/runs", json={"code": OK_CODE},
-                          headers=[(USER, "a"), (USER, "b")]), 400, "HEADER_REPEATED")
-            _error(c.get("/api/runs/x", headers={**h, "Host": "evil.example"}),
-                   400, "HOST_NOT_ALLOWED")
+            _error(
+                c.post("/api/code/validate", json={"code": "def main(:"}, headers=h),
+                400,
+                "CODE_INVALID",
+            )
+            _error(
+                c.post("/api/code/validate", json={"code": 1}, headers=h), 422, "REQUEST_INVALID"
+            )
+            _error(
+                c.post("/api/code/validate", content=b"[" * 100 + b"]" * 100, headers=h),
+                400,
+                "REQUEST_TOO_DEEP",
+            )
+            _error(
+                c.post("/api/runs", json={"code": "x" * 5000}, headers=h), 413, "REQUEST_TOO_LARGE"
+            )
+            _error(
+                c.post("/api/runs", json={"code": OK_CODE}, headers=[(USER, "a"), (USER, "b")]),
+                400,
+                "HEADER_REPEATED",
+            )
+            _error(
+                c.get("/api/runs/x", headers={**h, "Host": "evil.example"}), 400, "HOST_NOT_ALLOWED"
+            )
             # the studio's own route: not the router's business
             r = c.post("/studio/own", content=b"[" * 10_000, headers={"Host": "evil.example"})
             assert r.json() == {"bytes": 10_000}

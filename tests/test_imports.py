@@ -17,8 +17,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("sqlalchemy", "redis", "celery", "kombu", "docker", "requests", "tree_sitter")
 #: the queue and the run store, which `studio-code run` (no queue) must not load
-QUEUE_AND_STORE = ("sqlalchemy", "redis", "celery", "kombu", "psycopg", "executor.store",
-                   "worker", "api_client.client")
+QUEUE_AND_STORE = (
+    "sqlalchemy",
+    "redis",
+    "celery",
+    "kombu",
+    "psycopg",
+    "executor.store",
+    "worker",
+    "api_client.client",
+)
 
 
 def loaded_after(script: str, env: dict[str, str] | None = None) -> set[str]:
@@ -29,7 +37,11 @@ def loaded_after(script: str, env: dict[str, str] | None = None) -> set[str]:
         _sys.__stdout__.write("\\n@@MODULES@@" + _json.dumps(sorted(_sys.modules)) + "\\n")
     """)
     proc = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120,
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -41,8 +53,10 @@ def loaded_of(modules: set[str], wanted: tuple[str, ...]) -> list[str]:
     return sorted(m for m in modules if m in wanted)
 
 
-@pytest.mark.parametrize("module", ["api_client.cli", "worker.protocol", "api_client",
-                                    "executor.settings", "executor.inputs"])
+@pytest.mark.parametrize(
+    "module",
+    ["api_client.cli", "worker.protocol", "api_client", "executor.settings", "executor.inputs"],
+)
 def test_importing_loads_nothing_heavy(module):
     assert loaded_of(loaded_after(f"import {module}"), HEAVY) == []
 
@@ -90,10 +104,13 @@ def test_validate_of_a_python_file_loads_nothing_heavy(tmp_path):
 def test_run_loads_no_queue_and_no_store(tmp_path):
     node = tmp_path / "node.py"
     node.write_text("def main(state):\n    return state['n'] + 1\n")
-    mods = loaded_after(f"""
+    mods = loaded_after(
+        f"""
         from api_client.cli import main
         assert main(["run", {str(node)!r}, "--state", '{{"n": 1}}']) == 0
-    """, env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "subprocess"})
+    """,
+        env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "subprocess"},
+    )
     assert "executor.service" in mods  # it did run
     assert loaded_of(mods, QUEUE_AND_STORE) == []
 

@@ -47,27 +47,40 @@ def test_a_good_state_passes_untouched_and_a_value_is_serialised() -> None:
     assert json.loads(state_json({"a": [1, "é"]}, max_bytes=MAX)) == {"a": [1, "é"]}
 
 
-@pytest.mark.parametrize(("value", "says"), [
-    ({"x": float("nan")}, "cannot be sent as JSON"),
-    ({"x": {1, 2}}, "cannot be sent as JSON"),
-    ([1, 2], "is an array, not a JSON object"),
-    (b"\xff", "is not UTF-8 text"),
-    ({"blob": "x" * MAX}, "more than STUDIO_CODE_STATE_MAX_BYTES"),
-])
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ({"x": float("nan")}, "cannot be sent as JSON"),
+        ({"x": {1, 2}}, "cannot be sent as JSON"),
+        ([1, 2], "is an array, not a JSON object"),
+        (b"\xff", "is not UTF-8 text"),
+        ({"blob": "x" * MAX}, "more than STUDIO_CODE_STATE_MAX_BYTES"),
+    ],
+)
 def test_a_bad_state_value_is_refused(value: Any, says: str) -> None:
     with pytest.raises(CodeInvalid, match=says):
         state_json(value, max_bytes=MAX)
 
 
-@pytest.mark.parametrize(("value", "seconds"), [
-    (None, 30.0), (5, 5.0), (2.5, 2.5), ("2.5", 2.5), (" 7 ", 7.0), (1e9, 30.0), ("1e9", 30.0),
-])
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (None, 30.0),
+        (5, 5.0),
+        (2.5, 2.5),
+        ("2.5", 2.5),
+        (" 7 ", 7.0),
+        (1e9, 30.0),
+        ("1e9", 30.0),
+    ],
+)
 def test_a_timeout_is_above_zero_and_capped(value: Any, seconds: float) -> None:
     assert timeout_s(value, max_seconds=30) == seconds
 
 
-@pytest.mark.parametrize("value", [0, -1, "-1", "0", "abc", "", "nan", "inf",
-                                   float("nan"), float("inf"), True])
+@pytest.mark.parametrize(
+    "value", [0, -1, "-1", "0", "abc", "", "nan", "inf", float("nan"), float("inf"), True]
+)
 def test_a_bad_timeout_is_refused(value: Any) -> None:
     with pytest.raises(CodeInvalid) as e:
         timeout_s(value, max_seconds=30, source="--timeout")
@@ -75,19 +88,24 @@ def test_a_bad_timeout_is_refused(value: Any) -> None:
     assert "STUDIO_CODE_MAX_SECONDS=30" in e.value.message
 
 
-def test_the_cli_and_the_client_refuse_the_same_states(make_settings: Any,
-                                                       tmp_path: Path) -> None:
+def test_the_cli_and_the_client_refuse_the_same_states(make_settings: Any, tmp_path: Path) -> None:
     """`studio-code run --state` used to accept {"x": NaN} while CodeClient.submit refused
     it: one rule now, so every bad state gets the same sentence from both."""
     from api_client import CodeClient
 
     node = tmp_path / "node.py"
     node.write_text("def main(state):\n    return state\n")
-    env = {"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "subprocess",
-           "STUDIO_CODE_STATE_MAX_BYTES": str(MAX)}
-    settings = make_settings(redis_url="redis://127.0.0.1:1/0", code_runtime="subprocess",
-                             code_state_max_bytes=MAX,
-                             database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    env = {
+        "STUDIO_ENABLE_CODE_NODES": "1",
+        "STUDIO_CODE_RUNTIME": "subprocess",
+        "STUDIO_CODE_STATE_MAX_BYTES": str(MAX),
+    }
+    settings = make_settings(
+        redis_url="redis://127.0.0.1:1/0",
+        code_runtime="subprocess",
+        code_state_max_bytes=MAX,
+        database_url=f"sqlite:///{tmp_path / 'db.sqlite'}",
+    )
     with CodeClient(settings) as client:
         for text, says in BAD_STATES[:1] + BAD_STATES[4:6] + BAD_STATES[-1:]:
             with pytest.raises(CodeInvalid) as e:
@@ -95,10 +113,14 @@ def test_the_cli_and_the_client_refuse_the_same_states(make_settings: Any,
             proc = run_cli("run", str(node), "--state", text, env=env)
             out = json.loads(proc.stdout)
             assert (proc.returncode, out["status"], out["error"]["code"]) == (
-                1, "invalid", "CODE_INVALID"), text
+                1,
+                "invalid",
+                "CODE_INVALID",
+            ), text
             assert says in out["error"]["message"] and says in e.value.message
-            assert out["error"]["message"].removeprefix("--state") == \
-                e.value.message.removeprefix("The state"), text
+            assert out["error"]["message"].removeprefix("--state") == e.value.message.removeprefix(
+                "The state"
+            ), text
         for bad in (0, -1):
             with pytest.raises(CodeInvalid, match="is not a timeout"):
                 client.submit(node.read_text(), "python", {}, timeout_s=bad)

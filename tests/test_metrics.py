@@ -38,14 +38,18 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def total(samples: dict[Any, float], name: str, **labels: str) -> float:
     """Sum of ``name``'s samples whose labels include ``labels``."""
-    return sum(v for (n, ls), v in samples.items()
-               if n == name and all(dict(ls).get(k) == val for k, val in labels.items()))
+    return sum(
+        v
+        for (n, ls), v in samples.items()
+        if n == name and all(dict(ls).get(k) == val for k, val in labels.items())
+    )
 
 
 @pytest.mark.docker
 @pytest.mark.redis
-def test_scraped_counts_equal_the_jobs_run(tmp_path: Path, redis_server: Any,
-                                           python_image: str, docker_client: Any) -> None:
+def test_scraped_counts_equal_the_jobs_run(
+    tmp_path: Path, redis_server: Any, python_image: str, docker_client: Any
+) -> None:
     from api_client.client import CodeClient
     from executor.settings import load_settings
 
@@ -55,14 +59,25 @@ def test_scraped_counts_equal_the_jobs_run(tmp_path: Path, redis_server: Any,
     stale.write_bytes(b"left by a previous run")  # the worker must empty the dir at start
     port = free_port()
     db = f"sqlite:///{tmp_path / 'runs.db'}"
-    env = studio_env(redis_server.url, db, python_image, PROMETHEUS_MULTIPROC_DIR=prom,
-                     STUDIO_METRICS_PORT=port, STUDIO_CODE_MEMORY="64m")
+    env = studio_env(
+        redis_server.url,
+        db,
+        python_image,
+        PROMETHEUS_MULTIPROC_DIR=prom,
+        STUDIO_METRICS_PORT=port,
+        STUDIO_CODE_MEMORY="64m",
+    )
     worker = start_worker(env, tmp_path / "worker.log")
     metrics_url = f"http://127.0.0.1:{port}/metrics"
     settings = load_settings(
-        enable_code_nodes=True, redis_url=redis_server.url, database_url=db,
-        code_image=python_image, code_languages="python", code_max_seconds=15,
-        code_memory="64m")
+        enable_code_nodes=True,
+        redis_url=redis_server.url,
+        database_url=db,
+        code_image=python_image,
+        code_languages="python",
+        code_max_seconds=15,
+        code_memory="64m",
+    )
     client = CodeClient(settings)
     try:
         assert not stale.exists(), "the worker did not empty PROMETHEUS_MULTIPROC_DIR"
@@ -75,8 +90,10 @@ def test_scraped_counts_equal_the_jobs_run(tmp_path: Path, redis_server: Any,
             + [("timed_out", SLEEP_CODE, 1.0)] * 2
             + [("failed", OOM_CODE, None)]
         )
-        ids = {client.submit(code, "python", {"s": 30}, timeout_s=t, user="m"): want
-               for want, code, t in plan}
+        ids = {
+            client.submit(code, "python", {"s": 30}, timeout_s=t, user="m"): want
+            for want, code, t in plan
+        }
 
         # one more, cancelled while its sandbox runs
         cancel_id = client.submit(SLEEP_CODE, "python", {"s": 60}, user="m")
@@ -102,12 +119,12 @@ def test_scraped_counts_equal_the_jobs_run(tmp_path: Path, redis_server: Any,
         assert seen == want
         jobs = len(ids)
         assert total(samples, "studio_code_jobs_total") == jobs
-        assert total(samples, "studio_code_jobs_total", language="python",
-                     runtime="docker") == jobs
-        errors = {c: total(samples, "studio_code_job_errors_total", code=c)
-                  for c in ("CODE_ERROR", "CODE_TIMEOUT", "CODE_MEMORY", "CODE_CANCELLED")}
-        assert errors == {"CODE_ERROR": 2, "CODE_TIMEOUT": 2, "CODE_MEMORY": 1,
-                          "CODE_CANCELLED": 1}
+        assert total(samples, "studio_code_jobs_total", language="python", runtime="docker") == jobs
+        errors = {
+            c: total(samples, "studio_code_job_errors_total", code=c)
+            for c in ("CODE_ERROR", "CODE_TIMEOUT", "CODE_MEMORY", "CODE_CANCELLED")
+        }
+        assert errors == {"CODE_ERROR": 2, "CODE_TIMEOUT": 2, "CODE_MEMORY": 1, "CODE_CANCELLED": 1}
         assert total(samples, "studio_code_oom_total") == 1
         assert total(samples, "studio_code_timeouts_total") == 2
         assert total(samples, "studio_code_cancellations_total", stage="running") == 1
@@ -138,20 +155,31 @@ def test_scraped_counts_equal_the_jobs_run(tmp_path: Path, redis_server: Any,
 
 @pytest.mark.docker
 @pytest.mark.redis
-def test_a_running_sandbox_shows_in_the_gauge(tmp_path: Path, redis_server: Any,
-                                              python_image: str, docker_client: Any) -> None:
+def test_a_running_sandbox_shows_in_the_gauge(
+    tmp_path: Path, redis_server: Any, python_image: str, docker_client: Any
+) -> None:
     from api_client.client import CodeClient
     from executor.settings import load_settings
 
     port = free_port()
     db = f"sqlite:///{tmp_path / 'runs.db'}"
-    env = studio_env(redis_server.url, db, python_image,
-                     PROMETHEUS_MULTIPROC_DIR=tmp_path / "prom", STUDIO_METRICS_PORT=port,
-                     STUDIO_METRICS_READY_INTERVAL_S=0)
+    env = studio_env(
+        redis_server.url,
+        db,
+        python_image,
+        PROMETHEUS_MULTIPROC_DIR=tmp_path / "prom",
+        STUDIO_METRICS_PORT=port,
+        STUDIO_METRICS_READY_INTERVAL_S=0,
+    )
     # 3 processes: 2 for workflow runs + the one kept for editor test calls
     worker = start_worker(env, tmp_path / "worker.log", concurrency=3)
-    settings = load_settings(enable_code_nodes=True, redis_url=redis_server.url,
-                             database_url=db, code_image=python_image, code_languages="python")
+    settings = load_settings(
+        enable_code_nodes=True,
+        redis_url=redis_server.url,
+        database_url=db,
+        code_image=python_image,
+        code_languages="python",
+    )
     client = CodeClient(settings)
     try:
         ids = [client.submit(SLEEP_CODE, "python", {"s": 60}, user="g") for _ in range(2)]
@@ -204,11 +232,18 @@ def test_metric_names_follow_the_conventions() -> None:
 
     families = _families(registry) + _families(api_registry)
     names = {f.name for f in families}
-    for wanted in ("studio_code_jobs", "studio_code_queue_wait_seconds",
-                   "studio_code_sandbox_start_seconds", "studio_code_run_seconds",
-                   "studio_code_sandboxes_running", "studio_code_cancellations",
-                   "studio_code_cancel_latency_seconds", "studio_code_oom",
-                   "studio_code_timeouts", "studio_code_rate_limited"):
+    for wanted in (
+        "studio_code_jobs",
+        "studio_code_queue_wait_seconds",
+        "studio_code_sandbox_start_seconds",
+        "studio_code_run_seconds",
+        "studio_code_sandboxes_running",
+        "studio_code_cancellations",
+        "studio_code_cancel_latency_seconds",
+        "studio_code_oom",
+        "studio_code_timeouts",
+        "studio_code_rate_limited",
+    ):
         assert wanted in names, (wanted, names)
     for f in families:
         assert f.name.startswith("studio_code_"), f.name
@@ -219,8 +254,9 @@ def test_metric_names_follow_the_conventions() -> None:
                 assert s.name.endswith(("_total", "_created")), s.name
             if f.type == "histogram":
                 assert f.name.endswith("_seconds"), f.name
-    assert {s.labels.get("status") for f in families if f.name == "studio_code_jobs"
-            for s in f.samples} >= {"succeeded"}
+    assert {
+        s.labels.get("status") for f in families if f.name == "studio_code_jobs" for s in f.samples
+    } >= {"succeeded"}
 
 
 def test_the_dashboard_queries_only_metrics_that_exist() -> None:
@@ -234,16 +270,25 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
     assert exprs
     used = {m for e in exprs for m in re.findall(r"\bstudio_code_[a-z_]+", e)}
     exposed = {
-        "studio_code_jobs_total", "studio_code_job_errors_total",
-        "studio_code_queue_wait_seconds_bucket", "studio_code_sandbox_start_seconds_bucket",
-        "studio_code_run_seconds_bucket", "studio_code_sandboxes_running",
-        "studio_code_cancellations_total", "studio_code_cancel_latency_seconds_bucket",
-        "studio_code_oom_total", "studio_code_timeouts_total",
-        "studio_code_rate_limited_total", "studio_code_language_ready",
+        "studio_code_jobs_total",
+        "studio_code_job_errors_total",
+        "studio_code_queue_wait_seconds_bucket",
+        "studio_code_sandbox_start_seconds_bucket",
+        "studio_code_run_seconds_bucket",
+        "studio_code_sandboxes_running",
+        "studio_code_cancellations_total",
+        "studio_code_cancel_latency_seconds_bucket",
+        "studio_code_oom_total",
+        "studio_code_timeouts_total",
+        "studio_code_rate_limited_total",
+        "studio_code_language_ready",
         # autoscaling and API signals (worker.autoscale, api_client.http_metrics)
-        "studio_code_queue_backlog", "studio_code_queue_oldest_seconds",
-        "studio_code_worker_slots", "studio_code_worker_up",
-        "studio_code_http_requests_total", "studio_code_http_request_duration_seconds_bucket",
+        "studio_code_queue_backlog",
+        "studio_code_queue_oldest_seconds",
+        "studio_code_worker_slots",
+        "studio_code_worker_up",
+        "studio_code_http_requests_total",
+        "studio_code_http_request_duration_seconds_bucket",
     }
     assert used <= exposed, used - exposed
     assert exposed <= used, exposed - used

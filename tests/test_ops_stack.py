@@ -60,8 +60,7 @@ class EventLog:
 
     def _run(self) -> None:
         with self.app.connection() as conn:
-            self._receiver = self.app.events.Receiver(
-                conn, handlers={"*": self.events.append})
+            self._receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
             self._ready.set()
             self._receiver.capture(limit=None, timeout=None, wakeup=False)
 
@@ -83,8 +82,16 @@ class EventLog:
 
 
 class Ops:
-    def __init__(self, base: str, worker: StudioProc, api: StudioProc, redis: RedisServer,
-                 env: dict[str, str], metrics_port: int, events: EventLog) -> None:
+    def __init__(
+        self,
+        base: str,
+        worker: StudioProc,
+        api: StudioProc,
+        redis: RedisServer,
+        env: dict[str, str],
+        metrics_port: int,
+        events: EventLog,
+    ) -> None:
         self.base, self.worker, self.api, self.redis = base, worker, api, redis
         self.env, self.metrics_port, self.events = env, metrics_port, events
         self.http = httpx.Client(base_url=base, timeout=60)
@@ -100,8 +107,9 @@ class Ops:
         assert r.status_code == 200, r.text
         return dict(r.json())
 
-    def until(self, job_id: str, user: str, statuses: set[str],
-              timeout: float = 60) -> dict[str, Any]:
+    def until(
+        self, job_id: str, user: str, statuses: set[str], timeout: float = 60
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         body: dict[str, Any] = {}
         while time.monotonic() < deadline:
@@ -113,24 +121,48 @@ class Ops:
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory: pytest.TempPathFactory, docker_client: Any,
-        python_image: str) -> Iterator[Ops]:
+def ops(
+    tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
+) -> Iterator[Ops]:
     require(shutil.which("redis-server") is not None, "redis-server is not installed")
     tmp = tmp_path_factory.mktemp("ops")
     redis = RedisServer(tmp)
     redis.start()
     port = free_port()
     (tmp / "prom").mkdir()
-    env = studio_env(redis.url, f"sqlite:///{tmp / 'runs.db'}", python_image,
-                     STUDIO_METRICS_PORT=port, PROMETHEUS_MULTIPROC_DIR=tmp / "prom",
-                     STUDIO_METRICS_READY_INTERVAL_S=0, STUDIO_CODE_MAX_MEMORY="512m",
-                     STUDIO_CODE_MAX_CPUS=1)
+    env = studio_env(
+        redis.url,
+        f"sqlite:///{tmp / 'runs.db'}",
+        python_image,
+        STUDIO_METRICS_PORT=port,
+        PROMETHEUS_MULTIPROC_DIR=tmp / "prom",
+        STUDIO_METRICS_READY_INTERVAL_S=0,
+        STUDIO_CODE_MAX_MEMORY="512m",
+        STUDIO_CODE_MAX_CPUS=1,
+    )
     events = EventLog(redis.url)
     name = f"ops{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
     worker = StudioProc(
-        [str(BIN / "celery"), "-A", "worker", "worker", "--pool", "prefork", "-c", "3",
-         "-Q", "code.test,code.run", "-n", name, "-E",
-         "--loglevel", "INFO"], env, tmp / "worker.log")
+        [
+            str(BIN / "celery"),
+            "-A",
+            "worker",
+            "worker",
+            "--pool",
+            "prefork",
+            "-c",
+            "3",
+            "-Q",
+            "code.test,code.run",
+            "-n",
+            name,
+            "-E",
+            "--loglevel",
+            "INFO",
+        ],
+        env,
+        tmp / "worker.log",
+    )
     api_env = {k: v for k, v in env.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     api = None
     try:
@@ -198,20 +230,24 @@ def test_run_history_over_http_and_cli(ops: Ops) -> None:
     assert r.status_code == 403 and r.json()["error"]["code"] == "FORBIDDEN"
     r = ops.http.get("/api/runs", params={"user": bob}, headers={USER: "root", ADMIN: "1"})
     assert [x["job_id"] for x in r.json()["runs"]] == [b_ok]
-    everyone = ops.http.get("/api/runs", params={"limit": 200},
-                            headers={USER: "root", ADMIN: "1"}).json()["runs"]
+    everyone = ops.http.get(
+        "/api/runs", params={"limit": 200}, headers={USER: "root", ADMIN: "1"}
+    ).json()["runs"]
     assert {a_bad, b_ok, *a_ok} <= {x["job_id"] for x in everyone}
     # bad input: a clear 422, never a 500
-    for params in ({"cursor": "not-a-cursor"}, {"limit": 0}, {"status": "done"},
-                   {"since": "yesterday"}):
+    for params in (
+        {"cursor": "not-a-cursor"},
+        {"limit": 0},
+        {"status": "done"},
+        {"since": "yesterday"},
+    ):
         r = ops.http.get("/api/runs", params=params, headers={USER: alice})
         assert r.status_code == 422, (params, r.text)
         assert r.json()["error"]["code"] == "REQUEST_INVALID"
     assert ops.http.get("/api/runs").status_code == 401
 
     # the CLI reads the same store: one JSON object
-    out = run_cli("runs", "--user", alice, "--status", "succeeded", "--limit", "2",
-                  env=ops.env)
+    out = run_cli("runs", "--user", alice, "--status", "succeeded", "--limit", "2", env=ops.env)
     assert out.returncode == 0, out.stderr
     page = json.loads(out.stdout)
     assert [x["job_id"] for x in page["runs"]] == list(reversed(a_ok))[:2]
@@ -230,8 +266,9 @@ def test_celery_events_show_failed_and_revoked(ops: Ops, docker_client: Any) -> 
     slow = ops.submit(user, SLEEP_CODE, state={"s": 60})
     assert "task-succeeded" in ops.events.wait_for(ok, "task-succeeded")
     bad_events = ops.events.wait_for(bad, "task-failed")
-    failed_event = next(e for e in ops.events.events
-                        if e.get("uuid") == bad and e["type"] == "task-failed")
+    failed_event = next(
+        e for e in ops.events.events if e.get("uuid") == bad and e["type"] == "task-failed"
+    )
     assert "NodeFailed" in failed_event["exception"] and "CODE_ERROR" in failed_event["exception"]
     assert "task-succeeded" not in bad_events and "task-retried" not in bad_events
 
@@ -248,8 +285,9 @@ def test_celery_events_show_failed_and_revoked(ops: Ops, docker_client: Any) -> 
     assert ops.run(ok, user)["status"] == "succeeded"
 
 
-def test_revoke_terminate_as_flower_sends_it_ends_the_run_cancelled(ops: Ops,
-                                                             docker_client: Any) -> None:
+def test_revoke_terminate_as_flower_sends_it_ends_the_run_cancelled(
+    ops: Ops, docker_client: Any
+) -> None:
     user = _user()
     job = ops.submit(user, SLEEP_CODE, state={"s": 60})
     ops.until(job, user, {"running"})
@@ -281,9 +319,24 @@ def test_revoke_terminate_as_flower_sends_it_ends_the_run_cancelled(ops: Ops,
 
 
 def test_inspect_active_queues_lists_code_test(ops: Ops) -> None:
-    out = subprocess.run([str(BIN / "celery"), "-A", "worker", "inspect", "active_queues",
-                          "--json", "--timeout", "5", "-d", ops.worker_name], env=ops.env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            str(BIN / "celery"),
+            "-A",
+            "worker",
+            "inspect",
+            "active_queues",
+            "--json",
+            "--timeout",
+            "5",
+            "-d",
+            ops.worker_name,
+        ],
+        env=ops.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     replies = json.loads(out.stdout)
     names = {q["name"] for reply in replies.values() for q in reply}
@@ -312,8 +365,9 @@ def _promtool(text: str) -> None:
     if promtool is None:
         require(not IN_CI, "promtool is not installed (Debian package prometheus)")
         return
-    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -323,14 +377,17 @@ def test_both_metrics_endpoints_have_every_series_and_pass_promtool(ops: Ops) ->
     # present from the start, whatever ran before in this module
     for language in ("python", "typescript"):
         assert _get(w, "studio_code_sandboxes_running", language=language) is not None
-        assert _get(w, "studio_code_timeouts_total", language=language,
-                    runtime="docker") is not None
+        assert (
+            _get(w, "studio_code_timeouts_total", language=language, runtime="docker") is not None
+        )
     assert _get(w, "studio_code_worker_up", queue="code.run") == 1.0
     assert _get(w, "studio_code_worker_up", queue="code.test") == 1.0
-    run_slots = [_get(w, "studio_code_worker_slots", queue="code.run", state=s)
-                 for s in ("busy", "idle")]
-    test_slots = [_get(w, "studio_code_worker_slots", queue="code.test", state=s)
-                  for s in ("busy", "idle")]
+    run_slots = [
+        _get(w, "studio_code_worker_slots", queue="code.run", state=s) for s in ("busy", "idle")
+    ]
+    test_slots = [
+        _get(w, "studio_code_worker_slots", queue="code.test", state=s) for s in ("busy", "idle")
+    ]
     # -c 3 with one test slot: two processes for runs, one for tests, all idle now
     assert run_slots == [0.0, 2.0] and test_slots == [0.0, 1.0], (run_slots, test_slots)
     _promtool(worker_text)
@@ -339,13 +396,25 @@ def test_both_metrics_endpoints_have_every_series_and_pass_promtool(ops: Ops) ->
     ops.http.get("/api/runs", headers={USER: user})
     api_text = ops.http.get("/metrics").text
     a = _samples(api_text)
-    assert (_get(a, "studio_code_http_requests_total", method="GET", route="/api/runs",
-                 status="2xx") or 0) >= 1
+    assert (
+        _get(a, "studio_code_http_requests_total", method="GET", route="/api/runs", status="2xx")
+        or 0
+    ) >= 1
     # a route nobody called yet is there at 0
-    assert _get(a, "studio_code_http_requests_total", method="POST", route="/api/code/test",
-                status="5xx") == 0.0
-    assert _get(a, "studio_code_http_request_duration_seconds_count", method="GET",
-                route="/api/runs") is not None
+    assert (
+        _get(
+            a,
+            "studio_code_http_requests_total",
+            method="POST",
+            route="/api/code/test",
+            status="5xx",
+        )
+        == 0.0
+    )
+    assert (
+        _get(a, "studio_code_http_request_duration_seconds_count", method="GET", route="/api/runs")
+        is not None
+    )
     assert _get(a, "studio_code_queue_backlog", queue="code.run") == 0.0
     assert _get(a, "studio_code_queue_oldest_seconds", queue="code.test") == 0.0
     _promtool(api_text)
@@ -363,8 +432,9 @@ def test_a_busy_slot_shows_while_a_node_runs(ops: Ops) -> None:
     ops.until(job, user, {"cancelled"})
 
 
-def test_backlog_and_oldest_wait_with_no_worker(redis_server: Any, tmp_path: Path,
-                                                make_settings: Any) -> None:
+def test_backlog_and_oldest_wait_with_no_worker(
+    redis_server: Any, tmp_path: Path, make_settings: Any
+) -> None:
     """Jobs sent through the real client to a Redis no worker reads: LLEN of the queue's
     list and the oldest queued job's age, as the API's collector reports them."""
     import redis
@@ -373,9 +443,12 @@ def test_backlog_and_oldest_wait_with_no_worker(redis_server: Any, tmp_path: Pat
     from worker.autoscale import QueueCollector
 
     # no worker on purpose: the client must queue anyway instead of refusing (issue 8)
-    settings = make_settings(redis_url=redis_server.url, code_runtime="subprocess",
-                             database_url=f"sqlite:///{tmp_path / 'r.db'}",
-                             queue_require_worker=False)
+    settings = make_settings(
+        redis_url=redis_server.url,
+        code_runtime="subprocess",
+        database_url=f"sqlite:///{tmp_path / 'r.db'}",
+        queue_require_worker=False,
+    )
     with CodeClient(settings) as client:
         for _ in range(3):
             client.submit(OK_CODE, kind="run")
@@ -383,8 +456,7 @@ def test_backlog_and_oldest_wait_with_no_worker(redis_server: Any, tmp_path: Pat
         time.sleep(1.1)
         r = redis.Redis.from_url(redis_server.url)
         fams = {f.name: f for f in QueueCollector(r, lambda: client.store).collect()}
-        got = {(s.name, s.labels["queue"]): s.value
-               for f in fams.values() for s in f.samples}
+        got = {(s.name, s.labels["queue"]): s.value for f in fams.values() for s in f.samples}
         assert got[("studio_code_queue_backlog", "code.run")] == 3
         assert got[("studio_code_queue_backlog", "code.test")] == 1
         assert got[("studio_code_queue_oldest_seconds", "code.run")] >= 1.0
@@ -434,21 +506,27 @@ def test_a_node_asks_for_its_own_limits_up_to_the_caps(ops: Ops) -> None:
     assert _cpu_share(body["output"]) == 0.5
 
     # over a cap: CODE_INVALID naming the cap, at save time and at submit
-    for extra, cap in [({"memory": "1g"}, "STUDIO_CODE_MAX_MEMORY=512m"),
-                       ({"cpus": 2}, "STUDIO_CODE_MAX_CPUS=1"),
-                       ({"timeout_s": 60}, "STUDIO_CODE_MAX_SECONDS=15"),
-                       ({"memory": "lots"}, "512m")]:
-        r = ops.http.post("/api/code/validate", json={"code": OK_CODE, **extra},
-                          headers={USER: user})
+    for extra, cap in [
+        ({"memory": "1g"}, "STUDIO_CODE_MAX_MEMORY=512m"),
+        ({"cpus": 2}, "STUDIO_CODE_MAX_CPUS=1"),
+        ({"timeout_s": 60}, "STUDIO_CODE_MAX_SECONDS=15"),
+        ({"memory": "lots"}, "512m"),
+    ]:
+        r = ops.http.post(
+            "/api/code/validate", json={"code": OK_CODE, **extra}, headers={USER: user}
+        )
         assert r.status_code == 400, (extra, r.text)
-        assert r.json()["error"]["code"] == "CODE_INVALID" and cap in r.json()["error"][
-            "message"], r.text
+        assert (
+            r.json()["error"]["code"] == "CODE_INVALID" and cap in r.json()["error"]["message"]
+        ), r.text
     for extra in ({"memory": "1g"}, {"cpus": 2}):
         r = ops.http.post("/api/runs", json={"code": OK_CODE, **extra}, headers={USER: user})
         assert r.status_code == 400 and "STUDIO_CODE_MAX_" in r.json()["error"]["message"]
-    r = ops.http.post("/api/code/validate", json={"code": OK_CODE, "memory": "512m",
-                                                  "cpus": 1, "timeout_s": 15},
-                      headers={USER: user})
+    r = ops.http.post(
+        "/api/code/validate",
+        json={"code": OK_CODE, "memory": "512m", "cpus": 1, "timeout_s": 15},
+        headers={USER: user},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -465,13 +543,19 @@ PRINT_THEN_WORK = (
 )
 
 
-def _sse(ops: Ops, job_id: str, user: str, headers: dict[str, str] | None = None,
-         on_event: Any = None) -> list[tuple[str, str, str | None]]:
+def _sse(
+    ops: Ops, job_id: str, user: str, headers: dict[str, str] | None = None, on_event: Any = None
+) -> list[tuple[str, str, str | None]]:
     """Read the SSE stream to its end: [(event, data, id)]."""
     out: list[tuple[str, str, str | None]] = []
     event, data, eid = "message", [], None
-    with ops.http.stream("GET", f"/api/runs/{job_id}/logs", params={"follow": 1},
-                         headers={USER: user, **(headers or {})}, timeout=60) as r:
+    with ops.http.stream(
+        "GET",
+        f"/api/runs/{job_id}/logs",
+        params={"follow": 1},
+        headers={USER: user, **(headers or {})},
+        timeout=60,
+    ) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -517,15 +601,21 @@ def test_live_logs_arrive_while_the_node_runs(ops: Ops) -> None:
     # without follow: the stored logs as JSON; another user's run: 404
     r = ops.http.get(f"/api/runs/{job}/logs", headers={USER: user})
     assert r.json()["logs"] == stored and r.json()["finished"] is True
-    assert ops.http.get(f"/api/runs/{job}/logs", params={"follow": 1},
-                        headers={USER: _user()}).status_code == 404
+    assert (
+        ops.http.get(
+            f"/api/runs/{job}/logs", params={"follow": 1}, headers={USER: _user()}
+        ).status_code
+        == 404
+    )
 
 
 def test_live_logs_keep_the_cap_and_the_mark(ops: Ops) -> None:
     user = _user()
-    flood = ("import sys\ndef main(state):\n"
-             "    for i in range(3000):\n        print('x' * 60, i, flush=True)\n"
-             "    return 1\n")
+    flood = (
+        "import sys\ndef main(state):\n"
+        "    for i in range(3000):\n        print('x' * 60, i, flush=True)\n"
+        "    return 1\n"
+    )
     job = ops.submit(user, flood)
     events = _sse(ops, job, user)
     body = ops.run(job, user)

@@ -34,7 +34,7 @@ LABEL_POOL = "studio.pool"
 
 #: reports (and prints to the logs, for runs that end without a result) the id of the
 #: container it runs in, and whether anything ran in this container before it
-WHOAMI = r'''
+WHOAMI = r"""
 import os, re, time
 
 def cid():
@@ -59,7 +59,7 @@ def main(state):
         while True:
             hog.append(bytearray(1 << 20))
     return {"cid": me, "reused": reused}
-'''
+"""
 
 
 def cid_in_logs(logs: str) -> str:
@@ -108,7 +108,8 @@ def test_each_pre_started_container_gets_exactly_one_job(pooled: Any, docker_cli
     # Followed as they happen, from before the pool is filled (the engine keeps only its
     # last 256 events for a later query).
     stream = docker_client.api.events(
-        decode=True, filters={"type": "container", "label": f"{LABEL_POOL}={owner_id()}"})
+        decode=True, filters={"type": "container", "label": f"{LABEL_POOL}={owner_id()}"}
+    )
     events: list[dict] = []
     reader = threading.Thread(target=lambda: events.extend(stream), daemon=True)
     reader.start()
@@ -166,18 +167,21 @@ def test_idle_containers_past_the_bound_are_replaced(pooled: Any, docker_client:
     assert len(first) == 1
 
     def replaced() -> bool:
-        now = {c["Id"] for c in pool_containers(docker_client, owner)
-               if c["State"] == "running"}
-        return bool(now) and not (now & first) and not any(
-            c["Id"] in first for c in pool_containers(docker_client, owner))
+        now = {c["Id"] for c in pool_containers(docker_client, owner) if c["State"] == "running"}
+        return (
+            bool(now)
+            and not (now & first)
+            and not any(c["Id"] in first for c in pool_containers(docker_client, owner))
+        )
 
     wait_for(replaced, 20, "the idle container replaced", interval_s=0.2)
     r = ex.run(CodeJob(code=WHOAMI))
     assert start_detail(r.trace) == "pool" and r.output["cid"] not in first
 
 
-def test_a_new_image_id_drains_the_pool(pooled: Any, docker_client: Any, python_image: str,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_image_id_drains_the_pool(
+    pooled: Any, docker_client: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import executor.runtimes.pool as pool_module
 
     monkeypatch.setattr(pool_module, "IMAGE_CHECK_S", 0.0)
@@ -189,7 +193,9 @@ def test_a_new_image_id_drains_the_pool(pooled: Any, docker_client: Any, python_
         old = pool_containers(docker_client, owner)[0]
         rebuilt, _ = docker_client.images.build(
             fileobj=io.BytesIO(f"FROM {python_image}\nLABEL studio.test=pool-drain\n".encode()),
-            tag=tag, rm=True)
+            tag=tag,
+            rm=True,
+        )
         assert rebuilt.id != old["ImageID"]
 
         def on_new_image() -> bool:
@@ -208,7 +214,8 @@ def test_a_new_image_id_drains_the_pool(pooled: Any, docker_client: Any, python_
 
 
 def test_close_removes_idle_and_the_reaper_those_of_a_dead_owner(
-        pooled: Any, make_settings: Any, python_image: str, docker_client: Any) -> None:
+    pooled: Any, make_settings: Any, python_image: str, docker_client: Any
+) -> None:
     from executor.runtimes.docker import DockerRuntime
 
     ex = pooled()
@@ -229,8 +236,9 @@ def test_close_removes_idle_and_the_reaper_those_of_a_dead_owner(
         "print(ex.runtime.pool.owner, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -9, proc.stderr
     dead = proc.stdout.strip()
     left = pool_containers(docker_client, dead)
@@ -264,8 +272,7 @@ def test_pool_metrics_count_hits_and_misses_and_show_idle() -> None:
         return REGISTRY.get_sample_value(name, {"language": "typescript"}) or 0.0
 
     hits0, misses0 = value("studio_code_pool_hits_total"), value("studio_code_pool_misses_total")
-    stats = {"languages": {"typescript": {"idle": 1, "hits": 3, "misses": 1,
-                                          "oldest_idle_s": 4.5}}}
+    stats = {"languages": {"typescript": {"idle": 1, "hits": 3, "misses": 1, "oldest_idle_s": 4.5}}}
     record_pool(stats)
     record_pool(stats)  # cumulative figures: seen twice, counted once
     assert value("studio_code_pool_hits_total") - hits0 == 3
@@ -280,23 +287,31 @@ def test_pool_metrics_count_hits_and_misses_and_show_idle() -> None:
 @pytest.mark.redis
 @pytest.mark.timeout(240)
 def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_nothing(
-        queue_env: Any, docker_client: Any, make_settings: Any) -> None:  # noqa: F811
-    q: QueueEnv = queue_env(code_concurrency=1, code_memory="64m", code_languages="python",
-                            queue_test_slots=0)
+    queue_env: Any,  # noqa: F811 - the fixture imported above
+    docker_client: Any,
+    make_settings: Any,
+) -> None:
+    q: QueueEnv = queue_env(
+        code_concurrency=1, code_memory="64m", code_languages="python", queue_test_slots=0
+    )
     w = q.start_worker("pool1", 1)
     [slot] = children(w.pid)
     owner = f"{os.uname().nodename}:{slot}"
     wait_for(lambda: pool_containers(docker_client, owner), 60, "the slot's idle sandbox")
 
     def name_gone(job_id: str) -> bool:
-        return not docker_client.api.containers(all=True,
-                                                filters={"name": f"studio-code-{job_id}"})
+        return not docker_client.api.containers(all=True, filters={"name": f"studio-code-{job_id}"})
 
     seen: list[str] = []
     # cancel
     spin = q.client.submit(WHOAMI, "python", {"mode": "spin"})
-    wait_for(lambda: docker_client.api.containers(
-        filters={"name": f"studio-code-{spin}", "status": "running"}), 60, "the spin running")
+    wait_for(
+        lambda: docker_client.api.containers(
+            filters={"name": f"studio-code-{spin}", "status": "running"}
+        ),
+        60,
+        "the spin running",
+    )
     time.sleep(0.3)
     assert q.client.cancel(spin) in ("cancelling", "cancelled")
     rec = q.client.wait(spin, 30)
@@ -344,7 +359,8 @@ def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_not
 
 
 def test_an_oci_runtime_the_engine_does_not_know_is_not_ready_and_says_so(
-        make_settings: Any, python_image: str) -> None:
+    make_settings: Any, python_image: str
+) -> None:
     from executor.languages import get_language
     from executor.service import Executor
 

@@ -13,8 +13,11 @@ from tests.conftest import require
 
 @pytest.fixture(params=["docker", "docker-pool", "subprocess"])
 def executor(request):
-    name = {"docker": "docker_executor", "docker-pool": "docker_pool_executor",
-            "subprocess": "subprocess_executor"}[request.param]
+    name = {
+        "docker": "docker_executor",
+        "docker-pool": "docker_pool_executor",
+        "subprocess": "subprocess_executor",
+    }[request.param]
     return request.getfixturevalue(name)
 
 
@@ -59,9 +62,11 @@ def test_pydantic_and_dateutil_are_importable(executor):
     )
     r = run(executor, code)
     if executor.settings.code_runtime == "subprocess":
-        require(r.status is Status.SUCCEEDED,
-                "the subprocess interpreter has no pydantic/dateutil (apt-get install "
-                "python3-pydantic python3-dateutil)")
+        require(
+            r.status is Status.SUCCEEDED,
+            "the subprocess interpreter has no pydantic/dateutil (apt-get install "
+            "python3-pydantic python3-dateutil)",
+        )
     assert r.output == [3, 2026]
 
 
@@ -79,18 +84,43 @@ def test_a_user_exception_reports_the_users_line_numbers(executor):
 @pytest.mark.parametrize(
     ("code", "state", "status", "error", "says"),
     [
-        ("def main(state):\n    return {1, 2}\n", "{}", "failed", "CODE_OUTPUT_INVALID",
-         "not JSON"),
-        ("def main(state):\n    return float('nan')\n", "{}", "failed", "CODE_OUTPUT_INVALID",
-         "not JSON"),
+        (
+            "def main(state):\n    return {1, 2}\n",
+            "{}",
+            "failed",
+            "CODE_OUTPUT_INVALID",
+            "not JSON",
+        ),
+        (
+            "def main(state):\n    return float('nan')\n",
+            "{}",
+            "failed",
+            "CODE_OUTPUT_INVALID",
+            "not JSON",
+        ),
         ("def main(state)\n    return 1\n", "{}", "invalid", "CODE_INVALID", "line 1"),
         ("def run(state):\n    return 1\n", "{}", "invalid", "CODE_INVALID", "def main(state)"),
-        ("import sys\ndef main(state):\n    sys.exit(3)\n", "{}", "failed", "CODE_ERROR",
-         "sys.exit(3)"),
-        ("import os\ndef main(state):\n    os._exit(0)\n", "{}", "failed", "CODE_ERROR",
-         "exit status 0"),
-        ("def main(state):\n    return 1\n", "{not json", "invalid", "CODE_INVALID",
-         "state is not valid JSON"),
+        (
+            "import sys\ndef main(state):\n    sys.exit(3)\n",
+            "{}",
+            "failed",
+            "CODE_ERROR",
+            "sys.exit(3)",
+        ),
+        (
+            "import os\ndef main(state):\n    os._exit(0)\n",
+            "{}",
+            "failed",
+            "CODE_ERROR",
+            "exit status 0",
+        ),
+        (
+            "def main(state):\n    return 1\n",
+            "{not json",
+            "invalid",
+            "CODE_INVALID",
+            "state is not valid JSON",
+        ),
         ("main = 3\n", "{}", "invalid", "CODE_INVALID", "def main(state)"),
     ],
     ids=["set", "nan", "syntax", "no-main", "sys-exit", "os-exit", "bad-state", "main-not-fn"],
@@ -103,8 +133,11 @@ def test_each_failure_has_a_code_and_a_sentence(executor, code, state, status, e
 
 
 def test_unicode_round_trips(executor):
-    r = run(executor, "def main(state):\n    print('ünï')\n    return state\n",
-            json.dumps({"s": "日本語 ✓"}))
+    r = run(
+        executor,
+        "def main(state):\n    print('ünï')\n    return state\n",
+        json.dumps({"s": "日本語 ✓"}),
+    )
     assert r.output == {"s": "日本語 ✓"} and "ünï" in r.logs
 
 
@@ -120,8 +153,12 @@ def test_output_larger_than_the_limit_is_refused(make_settings, request):
 
 @pytest.mark.parametrize(
     "forged",
-    ['{"ok": false, "error": "x"}', '{"ok": false, "error": {"code": "RATE_LIMITED"}}',
-     '[1, 2]', '{"ok": true'],
+    [
+        '{"ok": false, "error": "x"}',
+        '{"ok": false, "error": {"code": "RATE_LIMITED"}}',
+        "[1, 2]",
+        '{"ok": true',
+    ],
     ids=["error-not-a-dict", "foreign-code", "not-an-object", "truncated"],
 )
 def test_code_writing_to_the_result_channel_cannot_break_the_executor(executor, forged):

@@ -40,16 +40,24 @@ def test_packages_default_equals_the_requirements_file() -> None:
 def test_build_sh_maps_the_requirements_to_debian_names(tmp_path: Path) -> None:
     req = tmp_path / "requirements.txt"
     req.write_text("pydantic\npython-dateutil  # dates\nPyYAML\nrequests\n")
-    out = subprocess.run([str(ROOT / "docker" / "build.sh"), "--debian-packages"],
-                         capture_output=True, text=True, timeout=30,
-                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-                              "STUDIO_PY_REQUIREMENTS": str(req)})
+    out = subprocess.run(
+        [str(ROOT / "docker" / "build.sh"), "--debian-packages"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "STUDIO_PY_REQUIREMENTS": str(req)},
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("python3,python3-pydantic,python3-dateutil,python3-yaml,"
-                                  "python3-requests")
+    assert out.stdout.strip() == (
+        "python3,python3-pydantic,python3-dateutil,python3-yaml,python3-requests"
+    )
     # the real list
-    out = subprocess.run([str(ROOT / "docker" / "build.sh"), "--debian-packages"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [str(ROOT / "docker" / "build.sh"), "--debian-packages"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.stdout.strip() == "python3,python3-pydantic,python3-dateutil"
 
 
@@ -66,8 +74,7 @@ def test_the_image_records_what_it_can_import(python_image: str) -> None:
 
 
 @pytest.mark.docker
-def test_validate_refuses_an_import_the_image_lacks(make_settings: Any,
-                                                    python_image: str) -> None:
+def test_validate_refuses_an_import_the_image_lacks(make_settings: Any, python_image: str) -> None:
     from executor.service import Executor
 
     ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
@@ -76,25 +83,34 @@ def test_validate_refuses_an_import_the_image_lacks(make_settings: Any,
     assert problem.line == 2
     assert "`requests`" in problem.message and "pydantic" in problem.message
     assert "python-dateutil (import dateutil)" in problem.message
-    ok = ("import json, asyncio\nimport pydantic\nfrom dateutil import parser\n"
-          "try:\n    import orjson\nexcept ImportError:\n    orjson = None\n"
-          "from . import nothing_relative_is_checked\n"
-          "def main(state):\n    import typing_extensions\n    return 1\n")
+    ok = (
+        "import json, asyncio\nimport pydantic\nfrom dateutil import parser\n"
+        "try:\n    import orjson\nexcept ImportError:\n    orjson = None\n"
+        "from . import nothing_relative_is_checked\n"
+        "def main(state):\n    import typing_extensions\n    return 1\n"
+    )
     assert ex.check_code(ok, "python") == []
     # the same through the CLI, as a save would show it: ONE JSON object, CODE_INVALID
     node = Path(ex.settings.data_dir) / "node.py"
     node.write_text(bad)
-    out = run_cli("validate", str(node), env={
-        "STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "docker",
-        "STUDIO_CODE_IMAGE": python_image})
+    out = run_cli(
+        "validate",
+        str(node),
+        env={
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_CODE_RUNTIME": "docker",
+            "STUDIO_CODE_IMAGE": python_image,
+        },
+    )
     body = json.loads(out.stdout)
     assert out.returncode == 1 and body["error"]["code"] == "CODE_INVALID"
     assert "requests" in body["error"]["message"]
 
 
 @pytest.mark.docker
-def test_readiness_imports_every_listed_package(make_settings: Any, python_image: str,
-                                                docker_client: Any) -> None:
+def test_readiness_imports_every_listed_package(
+    make_settings: Any, python_image: str, docker_client: Any
+) -> None:
     from executor.service import Executor
 
     ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
@@ -103,8 +119,14 @@ def test_readiness_imports_every_listed_package(make_settings: Any, python_image
     tag = f"studio-code-test-broken:{uuid.uuid4().hex[:8]}"
     c = docker_client.containers.create(python_image, command=["true"])
     try:
-        data = json.dumps({"python": "3", "stdlib": [], "modules": ["ghost_pkg"],
-                           "packages": {"ghost": ["ghost_pkg"]}}).encode()
+        data = json.dumps(
+            {
+                "python": "3",
+                "stdlib": [],
+                "modules": ["ghost_pkg"],
+                "packages": {"ghost": ["ghost_pkg"]},
+            }
+        ).encode()
         import io
         import tarfile
 

@@ -134,45 +134,76 @@ class WorkerProc:
 class QueueEnv:
     """A redis-server, a run store, a client and the workers of one test."""
 
-    def __init__(self, redis_url: str, database_url: str, tmp: Path,
-                 make_settings: Callable[..., Any], **overrides: Any) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        database_url: str,
+        tmp: Path,
+        make_settings: Callable[..., Any],
+        **overrides: Any,
+    ) -> None:
         from api_client import CodeClient
 
         self.tmp = tmp
         self.redis_url = redis_url
         self.database_url = database_url
         self.overrides = {"code_concurrency": 2, **overrides}
-        self.settings = make_settings(redis_url=redis_url, database_url=database_url,
-                                      **self.overrides)
+        self.settings = make_settings(
+            redis_url=redis_url, database_url=database_url, **self.overrides
+        )
         self.client = CodeClient(self.settings)
         self.workers: list[WorkerProc] = []
 
     def env(self, **extra: Any) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-        env.update({
-            "STUDIO_ENABLE_CODE_NODES": "1",
-            "STUDIO_REDIS_URL": self.redis_url,
-            "STUDIO_DATABASE_URL": self.database_url,
-            "STUDIO_DATA_DIR": str(self.tmp),
-            "STUDIO_CODE_IMAGE": self.settings.code_image,
-        })
+        env.update(
+            {
+                "STUDIO_ENABLE_CODE_NODES": "1",
+                "STUDIO_REDIS_URL": self.redis_url,
+                "STUDIO_DATABASE_URL": self.database_url,
+                "STUDIO_DATA_DIR": str(self.tmp),
+                "STUDIO_CODE_IMAGE": self.settings.code_image,
+            }
+        )
         for key, value in {**self.overrides, **extra}.items():
             env[f"STUDIO_{key.upper()}"] = str(value)
         return env
 
-    def start_worker(self, name: str, concurrency: int = 2, *, cli: bool = False,
-                     ready_timeout_s: float = 60.0, **extra_env: Any) -> WorkerProc:
+    def start_worker(
+        self,
+        name: str,
+        concurrency: int = 2,
+        *,
+        cli: bool = False,
+        ready_timeout_s: float = 60.0,
+        **extra_env: Any,
+    ) -> WorkerProc:
         log = self.tmp / f"{name}.log"
-        common = ["--pool", "prefork", "-c", str(concurrency), "-Q", "code.test,code.run",
-                  "--hostname", f"{name}@%h", "--loglevel", "INFO"]
+        common = [
+            "--pool",
+            "prefork",
+            "-c",
+            str(concurrency),
+            "-Q",
+            "code.test,code.run",
+            "--hostname",
+            f"{name}@%h",
+            "--loglevel",
+            "INFO",
+        ]
         if cli:
             cmd = [str(STUDIO_CODE), "worker", *common]
         else:
             cmd = [str(CELERY), "-A", "worker", "worker", *common]
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env(**extra_env), stdout=out
-                                    if not cli else subprocess.PIPE, stderr=out,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=self.env(**extra_env),
+                stdout=out if not cli else subprocess.PIPE,
+                stderr=out,
+                start_new_session=True,
+            )
         worker = WorkerProc(name, proc, log)
         self.workers.append(worker)
         self.wait_ready(worker, ready_timeout_s)
@@ -223,8 +254,9 @@ def containers_of(docker_client: Any, job_id: str, *, running: bool = False) -> 
     return docker_client.api.containers(all=not running, filters=filters)
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str,
-             interval_s: float = 0.02) -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02
+) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -251,15 +283,22 @@ def sqlite_url(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def queue_env(redis_server: Any, sqlite_url: str, tmp_path: Path, make_settings: Any,
-              python_image: str) -> Iterator[Callable[..., QueueEnv]]:
+def queue_env(
+    redis_server: Any, sqlite_url: str, tmp_path: Path, make_settings: Any, python_image: str
+) -> Iterator[Callable[..., QueueEnv]]:
     """Factory: ``queue_env(**settings_overrides)`` -> QueueEnv on the test's redis-server
     and SQLite store (closed, workers stopped, at the end)."""
     made: list[QueueEnv] = []
 
     def make(database_url: str = sqlite_url, **overrides: Any) -> QueueEnv:
-        env = QueueEnv(redis_server.url, database_url, tmp_path, make_settings,
-                       code_image=python_image, **overrides)
+        env = QueueEnv(
+            redis_server.url,
+            database_url,
+            tmp_path,
+            make_settings,
+            code_image=python_image,
+            **overrides,
+        )
         made.append(env)
         return env
 
@@ -277,8 +316,9 @@ def queue_env(redis_server: Any, sqlite_url: str, tmp_path: Path, make_settings:
 def test_submit_result_lands_in_the_store(queue_env: Any, database_url: str) -> None:
     q = queue_env(database_url=database_url)
     w = q.start_worker("w1", 1)
-    ok = q.client.submit("def main(state):\n    print('hi')\n    return state['n'] * 2\n",
-                         "python", {"n": 21})
+    ok = q.client.submit(
+        "def main(state):\n    print('hi')\n    return state['n'] * 2\n", "python", {"n": 21}
+    )
     bad = q.client.submit("def main(state):\n    raise ValueError('nope')\n", "python", "{}")
     test = q.client.submit(TRIVIAL, "python", {"n": 4}, kind="test", user="ann")
     rec = q.client.wait(ok, 60)
@@ -313,8 +353,11 @@ def test_test_call_never_waits_behind_runs(queue_env: Any, docker_client: Any) -
     assert len(children(w.pid)) == 4, "3 run slots + 1 test slot = STUDIO_CODE_CONCURRENCY"
     runs = [q.client.submit(sleeper(6), "python", {}) for _ in range(4)]
     since = int(time.time()) - 1
-    wait_for(lambda: sum(bool(containers_of(docker_client, j, running=True))
-                         for j in runs) == 3, 30, "3 runs running")
+    wait_for(
+        lambda: sum(bool(containers_of(docker_client, j, running=True)) for j in runs) == 3,
+        30,
+        "3 runs running",
+    )
     t0 = time.monotonic()
     test = q.client.submit(TRIVIAL, "python", {"n": 5}, kind="test", user="ann")
     rec = q.client.wait(test, 30)
@@ -332,12 +375,22 @@ def test_test_call_never_waits_behind_runs(queue_env: Any, docker_client: Any) -
     sentinel = q.client.submit(TRIVIAL, "python", {"n": 1})  # FIFO: after the 4th message
     assert q.client.wait(sentinel, 30).status == "succeeded"
     until = int(time.time()) + 1
-    events = list(docker_client.api.events(
-        since=since, until=until, decode=True,
-        filters={"type": "container", "label": [f"{LABEL_JOB}={fourth}"]}))
-    events += list(docker_client.api.events(  # a pre-started one would be renamed to it
-        since=since, until=until, decode=True,
-        filters={"type": "container", "container": [f"studio-code-{fourth}"]}))
+    events = list(
+        docker_client.api.events(
+            since=since,
+            until=until,
+            decode=True,
+            filters={"type": "container", "label": [f"{LABEL_JOB}={fourth}"]},
+        )
+    )
+    events += list(
+        docker_client.api.events(  # a pre-started one would be renamed to it
+            since=since,
+            until=until,
+            decode=True,
+            filters={"type": "container", "container": [f"studio-code-{fourth}"]},
+        )
+    )
     assert events == [], "a job cancelled while queued must never get a container"
     cancelled = q.client.status(fourth)
     assert cancelled.status == "cancelled" and cancelled.started_at is None
@@ -405,10 +458,13 @@ def test_200_jobs_over_two_workers_each_once(queue_env: Any, docker_client: Any)
         sampler.join(5)
     took = time.monotonic() - t0
     by_worker = Counter((r.worker or "").split("@")[0] for r in recs.values())
-    print(f"\n200 jobs in {took:.1f} s ({200 / took:.1f}/s); by worker {dict(by_worker)}; "
-          f"peak containers per worker {dict(peak)} over {samples} samples")
+    print(
+        f"\n200 jobs in {took:.1f} s ({200 / took:.1f}/s); by worker {dict(by_worker)}; "
+        f"peak containers per worker {dict(peak)} over {samples} samples"
+    )
     assert all(r.status == "succeeded" for r in recs.values()), Counter(
-        r.status for r in recs.values())
+        r.status for r in recs.values()
+    )
     assert all(recs[j].output == 2 * i for j, i in jobs.items())
     assert all(r.attempts == 1 for r in recs.values())
     assert all(q.done_count(j) == 1 for j in jobs), "each job's task body ended exactly once"
@@ -436,8 +492,10 @@ def test_cancel_running_job_from_another_process(queue_env: Any, docker_client: 
     assert json.loads(proc.stdout) == {"job_id": job, "status": "cancelling", "error": None}
     wait_for(lambda: not containers_of(docker_client, job), 10, "the sandbox gone", 0.005)
     gone = time.monotonic()
-    print(f"\ncancel from another process: container gone {(gone - t0) * 1000:.0f} ms after "
-          f"the CLI started, {(gone - t_cli) * 1000:.0f} ms after it exited")
+    print(
+        f"\ncancel from another process: container gone {(gone - t0) * 1000:.0f} ms after "
+        f"the CLI started, {(gone - t_cli) * 1000:.0f} ms after it exited"
+    )
     rec = q.client.wait(job, 30)
     assert rec.status == "cancelled", (rec, w.tail())
     assert rec.error and rec.error.code == "CODE_CANCELLED"
@@ -465,8 +523,7 @@ def test_cancel_without_revoke_still_stops_the_job(queue_env: Any, docker_client
         assert q.client.store.request_cancel(job) == "cancelling"
         if how == "flag":
             q.client.redis.set(cancel_key(job), "1", ex=60)
-        wait_for(lambda j=job: not containers_of(docker_client, j), 10, "the sandbox gone",
-                 0.005)
+        wait_for(lambda j=job: not containers_of(docker_client, j), 10, "the sandbox gone", 0.005)
         print(f"\nno revoke, {how}: sandbox gone in {(time.monotonic() - t0) * 1000:.0f} ms")
         rec = q.client.wait(job, 30)
         assert rec.status == "cancelled", (rec, w.tail())
@@ -475,8 +532,7 @@ def test_cancel_without_revoke_still_stops_the_job(queue_env: Any, docker_client
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_stray_cancel_signal_does_not_kill_the_next_job(queue_env: Any,
-                                                        docker_client: Any) -> None:
+def test_stray_cancel_signal_does_not_kill_the_next_job(queue_env: Any, docker_client: Any) -> None:
     """The terminate race: Celery signals the PID that took a job, which may be running
     another job by then. That signal must not stop the other job."""
     from worker.protocol import CANCEL_SIGNAL
@@ -495,8 +551,7 @@ def test_stray_cancel_signal_does_not_kill_the_next_job(queue_env: Any,
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_backstop_kills_when_the_pool_process_cannot(queue_env: Any,
-                                                     docker_client: Any) -> None:
+def test_backstop_kills_when_the_pool_process_cannot(queue_env: Any, docker_client: Any) -> None:
     """The pool process running the job is frozen (SIGSTOP): the worker's main process
     (task_revoked) removes the sandbox by label and ends the job cancelled."""
     q = queue_env(code_concurrency=1)
@@ -511,8 +566,10 @@ def test_backstop_kills_when_the_pool_process_cannot(queue_env: Any,
         wait_for(lambda: not containers_of(docker_client, job), 15, "the backstop's kill", 0.02)
         gone = time.monotonic() - t0
         rec = q.client.wait(job, 30)
-        print(f"\nbackstop: sandbox gone {gone:.1f} s, job {rec.status} "
-              f"{time.monotonic() - t0:.1f} s after the cancel")
+        print(
+            f"\nbackstop: sandbox gone {gone:.1f} s, job {rec.status} "
+            f"{time.monotonic() - t0:.1f} s after the cancel"
+        )
         assert rec.status == "cancelled", (rec, w.tail())
         assert "backstop" in w.tail(200)
     finally:
@@ -541,13 +598,18 @@ def test_worker_sigkill_mid_job(queue_env: Any, docker_client: Any) -> None:
     assert containers_of(docker_client, job), "the sandbox outlives its worker"
     t0 = time.monotonic()
     w2 = q.start_worker("w2", 1)
-    wait_for(lambda: not docker_client.api.containers(all=True, filters={"id": orphan}), 20,
-             "the reaper to remove the orphan", 0.05)
-    print(f"\norphan sandbox gone {time.monotonic() - t0:.1f} s after the new worker was "
-          "launched")
+    wait_for(
+        lambda: not docker_client.api.containers(all=True, filters={"id": orphan}),
+        20,
+        "the reaper to remove the orphan",
+        0.05,
+    )
+    print(f"\norphan sandbox gone {time.monotonic() - t0:.1f} s after the new worker was launched")
     rec = q.client.wait(job, 60)
-    print(f"job after the crash: {rec.status}, attempts {rec.attempts}, "
-          f"error {rec.error and rec.error.message}")
+    print(
+        f"job after the crash: {rec.status}, attempts {rec.attempts}, "
+        f"error {rec.error and rec.error.message}"
+    )
     assert rec.finished, w2.tail()
     if rec.status == "succeeded":
         assert rec.output == "ok" and rec.attempts == 2
@@ -580,12 +642,17 @@ def test_redis_restart_loses_no_queued_job(queue_env: Any, redis_server: Any) ->
 
 
 @pytest.mark.redis
-def test_rate_limit_counts_across_clients(redis_server: Any, sqlite_url: str,
-                                          make_settings: Any) -> None:
+def test_rate_limit_counts_across_clients(
+    redis_server: Any, sqlite_url: str, make_settings: Any
+) -> None:
     from api_client import CodeClient, RateLimited
 
-    settings = make_settings(redis_url=redis_server.url, database_url=sqlite_url,
-                             code_test_per_minute=20, queue_require_worker=False)
+    settings = make_settings(
+        redis_url=redis_server.url,
+        database_url=sqlite_url,
+        code_test_per_minute=20,
+        queue_require_worker=False,
+    )
     with CodeClient(settings) as a, CodeClient(settings) as b:
         for i in range(20):
             (a if i % 2 else b).submit(TRIVIAL, "python", {}, kind="test", user="ann")
@@ -603,13 +670,17 @@ def test_rate_limit_counts_across_clients(redis_server: Any, sqlite_url: str,
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_run_inline_caps_sandboxes_per_process(redis_server: Any, sqlite_url: str,
-                                               make_settings: Any, python_image: str,
-                                               docker_client: Any) -> None:
+def test_run_inline_caps_sandboxes_per_process(
+    redis_server: Any, sqlite_url: str, make_settings: Any, python_image: str, docker_client: Any
+) -> None:
     from api_client import CodeClient
 
-    settings = make_settings(redis_url=redis_server.url, database_url=sqlite_url,
-                             code_concurrency=2, code_image=python_image)
+    settings = make_settings(
+        redis_url=redis_server.url,
+        database_url=sqlite_url,
+        code_concurrency=2,
+        code_image=python_image,
+    )
     me = f"{HOST}:{os.getpid()}"
     peak = 0
     stop = threading.Event()
@@ -617,8 +688,11 @@ def test_run_inline_caps_sandboxes_per_process(redis_server: Any, sqlite_url: st
     def sample() -> None:
         nonlocal peak
         while not stop.is_set():
-            n = len(docker_client.api.containers(
-                all=True, filters={"label": [LABEL_JOB, f"{LABEL_OWNER}={me}"]}))
+            n = len(
+                docker_client.api.containers(
+                    all=True, filters={"label": [LABEL_JOB, f"{LABEL_OWNER}={me}"]}
+                )
+            )
             peak = max(peak, n)
             stop.wait(0.03)
 
@@ -626,9 +700,12 @@ def test_run_inline_caps_sandboxes_per_process(redis_server: Any, sqlite_url: st
     sampler.start()
     with CodeClient(settings) as client, ThreadPoolExecutor(5) as pool:
         try:
-            results = list(pool.map(
-                lambda i: client.run_inline(sleeper(1, f"r{i}"), "python", {}, user="ann"),
-                range(5)))
+            results = list(
+                pool.map(
+                    lambda i: client.run_inline(sleeper(1, f"r{i}"), "python", {}, user="ann"),
+                    range(5),
+                )
+            )
         finally:
             stop.set()
             sampler.join(5)
@@ -667,15 +744,17 @@ def test_submit_refuses_bad_input_before_queueing(make_settings: Any, tmp_path: 
         with pytest.raises(RuntimeUnavailable, match="Redis"):
             client.submit(TRIVIAL, "python", {})
         assert sum(client.store.counts_by_status().values()) == 0
-    unchecked = make_settings(redis_url="redis://127.0.0.1:1/0", database_url=url,
-                              queue_require_worker=False)
+    unchecked = make_settings(
+        redis_url="redis://127.0.0.1:1/0", database_url=url, queue_require_worker=False
+    )
     with CodeClient(unchecked) as client:
         with pytest.raises(RuntimeUnavailable, match="Redis"):
             client.submit(TRIVIAL, "python", {})
         counts = client.store.counts_by_status()
         assert counts["failed"] == 1 and counts["queued"] == 0
-    off = make_settings(enable_code_nodes=False, redis_url="redis://127.0.0.1:1/0",
-                        database_url=url)
+    off = make_settings(
+        enable_code_nodes=False, redis_url="redis://127.0.0.1:1/0", database_url=url
+    )
     with CodeClient(off) as client, pytest.raises(CodeNodesDisabled):
         client.submit(TRIVIAL, "python", {})
 

@@ -32,15 +32,30 @@ def _rows(n: int, *, start: datetime, step_s: float = 1.0, **fixed: Any) -> list
     for i in range(n):
         at = start + timedelta(seconds=i * step_s)
         row = {
-            "job_id": uuid.uuid4().hex, "status": "succeeded", "kind": "run",
-            "user": f"user{i % 3}", "language": "python" if i % 2 else "typescript",
-            "code": "def main(state):\n    return state\n" * 4, "state_json": '{"n": 1}',
-            "timeout_s": 30.0, "code_runtime": "docker", "runtime": "docker",
-            "output": '{"n": 1}', "error": None, "logs": "printed\n" * 8,
-            "logs_truncated": False, "warnings": "[]", "trace": "[]", "exit_code": 0,
-            "duration_ms": 12.5, "queued_at": at, "started_at": at,
-            "finished_at": at + timedelta(seconds=1), "started_ts": at.timestamp(),
-            "worker": "w@host:1", "attempts": 1,
+            "job_id": uuid.uuid4().hex,
+            "status": "succeeded",
+            "kind": "run",
+            "user": f"user{i % 3}",
+            "language": "python" if i % 2 else "typescript",
+            "code": "def main(state):\n    return state\n" * 4,
+            "state_json": '{"n": 1}',
+            "timeout_s": 30.0,
+            "code_runtime": "docker",
+            "runtime": "docker",
+            "output": '{"n": 1}',
+            "error": None,
+            "logs": "printed\n" * 8,
+            "logs_truncated": False,
+            "warnings": "[]",
+            "trace": "[]",
+            "exit_code": 0,
+            "duration_ms": 12.5,
+            "queued_at": at,
+            "started_at": at,
+            "finished_at": at + timedelta(seconds=1),
+            "started_ts": at.timestamp(),
+            "worker": "w@host:1",
+            "attempts": 1,
         }
         row.update(fixed)
         out.append(row)
@@ -81,9 +96,11 @@ def test_list_filters_and_pages_newest_first(store_url: str) -> None:
                 break
             before = decode_cursor(encode_cursor(page[-1]))
         assert len(seen) == len(set(seen)) == 46
-        expected = sorted(rows + [{"job_id": job.job_id, "queued_at": store.get(job.job_id)
-                                   .queued_at}],  # type: ignore[union-attr]
-                          key=lambda r: (r["queued_at"], r["job_id"]), reverse=True)
+        expected = sorted(
+            rows + [{"job_id": job.job_id, "queued_at": store.get(job.job_id).queued_at}],  # type: ignore[union-attr]
+            key=lambda r: (r["queued_at"], r["job_id"]),
+            reverse=True,
+        )
         assert seen == [r["job_id"] for r in expected]
 
         mine = store.list_runs(RunFilter(user="user1"), limit=100)
@@ -95,8 +112,12 @@ def test_list_filters_and_pages_newest_first(store_url: str) -> None:
         assert [r.job_id for r in sub] == [rows[4]["job_id"]]
         ts = store.list_runs(RunFilter(language="typescript", user="user0"), limit=100)
         assert {(r.language, r.user) for r in ts} == {("typescript", "user0")}
-        window = store.list_runs(RunFilter(since=now - timedelta(minutes=59, seconds=30),
-                                           until=now - timedelta(minutes=57, seconds=30)))
+        window = store.list_runs(
+            RunFilter(
+                since=now - timedelta(minutes=59, seconds=30),
+                until=now - timedelta(minutes=57, seconds=30),
+            )
+        )
         assert [r.job_id for r in window] == [rows[2]["job_id"], rows[1]["job_id"]]
         queued = store.list_runs(RunFilter(status=(Status.QUEUED,)))
         assert [r.job_id for r in queued] == [job.job_id]
@@ -117,11 +138,14 @@ def test_the_list_uses_its_index_on_sqlite(tmp_path: Path) -> None:
         _insert(store, _rows(2000, start=datetime.now(UTC) - timedelta(days=1)))
         with store.engine.connect() as conn:
             conn.exec_driver_sql("ANALYZE")
-            for where, index in [(RunFilter(), "ix_code_jobs_queued"),
-                                 (RunFilter(user="user1"), "ix_code_jobs_user_queued")]:
+            for where, index in [
+                (RunFilter(), "ix_code_jobs_queued"),
+                (RunFilter(user="user1"), "ix_code_jobs_user_queued"),
+            ]:
                 stmt = store_list_stmt(where)
-                plan = " ".join(str(r[-1]) for r in conn.execute(
-                    text("EXPLAIN QUERY PLAN " + stmt)))
+                plan = " ".join(
+                    str(r[-1]) for r in conn.execute(text("EXPLAIN QUERY PLAN " + stmt))
+                )
                 assert index in plan, plan
                 assert "TEMP B-TREE" not in plan, plan  # no sort: the index gives the order
 
@@ -143,8 +167,12 @@ def test_an_older_database_gets_the_new_columns_and_indexes(store_url: str) -> N
     # The table as the previous release made it: no pruned_at, no history indexes.
     with _store(store_url) as store:
         with store.engine.begin() as conn:
-            for name in ("ix_code_jobs_queued", "ix_code_jobs_user_queued",
-                         "ix_code_jobs_finished", "ix_code_jobs_prune"):
+            for name in (
+                "ix_code_jobs_queued",
+                "ix_code_jobs_user_queued",
+                "ix_code_jobs_finished",
+                "ix_code_jobs_prune",
+            ):
                 conn.exec_driver_sql(f"DROP INDEX {name}")
             for column in ("pruned_at", "memory_bytes", "cpus"):
                 conn.exec_driver_sql(f"ALTER TABLE code_jobs DROP COLUMN {column}")
@@ -155,8 +183,12 @@ def test_an_older_database_gets_the_new_columns_and_indexes(store_url: str) -> N
             cols = {c["name"] for c in inspect(conn).get_columns("code_jobs")}
             indexes = {i["name"] for i in inspect(conn).get_indexes("code_jobs")}
         assert {"pruned_at", "memory_bytes", "cpus"} <= cols
-        assert {"ix_code_jobs_queued", "ix_code_jobs_user_queued", "ix_code_jobs_finished",
-                "ix_code_jobs_prune"} <= indexes
+        assert {
+            "ix_code_jobs_queued",
+            "ix_code_jobs_user_queued",
+            "ix_code_jobs_finished",
+            "ix_code_jobs_prune",
+        } <= indexes
         job = CodeJob(code="x", memory_bytes=64 * 1024**2, cpus=0.25)
         store.create(job, code_runtime="docker")
         rec = store.get(job.job_id)
@@ -176,8 +208,7 @@ def test_retention_on_100000_rows_in_bounded_batches(store_url: str) -> None:
     from worker.retention import apply_retention
 
     now = datetime.now(UTC)
-    settings = load_settings(runs_keep_days=30, runs_payload_keep_days=7,
-                             retention_batch_rows=5000)
+    settings = load_settings(runs_keep_days=30, runs_payload_keep_days=7, retention_batch_rows=5000)
     with _store(store_url) as store:
         old = _rows(60_000, start=now - timedelta(days=40), step_s=1)
         mid = _rows(30_000, start=now - timedelta(days=10), step_s=1)
@@ -210,13 +241,20 @@ def test_retention_on_100000_rows_in_bounded_batches(store_url: str) -> None:
         counts = store.counts_by_status()
         assert counts["succeeded"] == 40_000 and counts["running"] == 5
         with store.engine.connect() as conn:
-            left_old = conn.execute(text(
-                "SELECT count(*) FROM code_jobs WHERE finished_at < :t"),
-                {"t": (now - timedelta(days=30)).replace(tzinfo=None)
-                 if store.dialect == "sqlite" else now - timedelta(days=30)}).scalar()
-            cleared = conn.execute(text(
-                "SELECT count(*) FROM code_jobs WHERE pruned_at IS NOT NULL AND code = '' "
-                "AND output IS NULL AND logs = '' AND state_json = '{}'")).scalar()
+            left_old = conn.execute(
+                text("SELECT count(*) FROM code_jobs WHERE finished_at < :t"),
+                {
+                    "t": (now - timedelta(days=30)).replace(tzinfo=None)
+                    if store.dialect == "sqlite"
+                    else now - timedelta(days=30)
+                },
+            ).scalar()
+            cleared = conn.execute(
+                text(
+                    "SELECT count(*) FROM code_jobs WHERE pruned_at IS NOT NULL AND code = '' "
+                    "AND output IS NULL AND logs = '' AND state_json = '{}'"
+                )
+            ).scalar()
         assert left_old == 0
         assert cleared == 30_000
         rec = store.get(mid[0]["job_id"])
@@ -249,9 +287,17 @@ def test_finish_and_list_agree(tmp_path: Path) -> None:
         job = CodeJob(code="x", user="a")
         store.create(job, code_runtime="subprocess")
         store.claim(job.job_id, "w")
-        store.finish(CodeResult(job_id=job.job_id, language="python", status=Status.SUCCEEDED,
-                                runtime="subprocess", code_runtime="subprocess",
-                                duration_ms=3.0), worker="w")
+        store.finish(
+            CodeResult(
+                job_id=job.job_id,
+                language="python",
+                status=Status.SUCCEEDED,
+                runtime="subprocess",
+                code_runtime="subprocess",
+                duration_ms=3.0,
+            ),
+            worker="w",
+        )
         [row] = store.list_runs(RunFilter(user="a"))
         assert row.status is Status.SUCCEEDED and row.code_runtime == "subprocess"
         assert row.finished and row.finished_at is not None and row.duration_ms == 3.0

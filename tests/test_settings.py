@@ -46,13 +46,21 @@ def test_defaults_are_the_specifications():
 
 def test_every_variable_is_read_from_the_environment(monkeypatch):
     env = {
-        "STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "subprocess",
-        "STUDIO_CODE_IMAGE": "mine:2", "STUDIO_CODE_PACKAGES": "numpy, pandas",
-        "STUDIO_CODE_MEMORY": "1g", "STUDIO_CODE_CPUS": "1.5", "STUDIO_CODE_PIDS": "128",
-        "STUDIO_CODE_MAX_SECONDS": "10", "STUDIO_CODE_CONCURRENCY": "8",
-        "STUDIO_CODE_TEST_PER_MINUTE": "5", "STUDIO_CODE_LANGUAGES": "python",
-        "STUDIO_CODE_TS_IMAGE": "ts:9", "STUDIO_CODE_TS_PACKAGES": "npm:zod@3",
-        "STUDIO_DENO": "/opt/deno", "STUDIO_CODE_TS_DENO_DIR": "/var/cache/deno",
+        "STUDIO_ENABLE_CODE_NODES": "1",
+        "STUDIO_CODE_RUNTIME": "subprocess",
+        "STUDIO_CODE_IMAGE": "mine:2",
+        "STUDIO_CODE_PACKAGES": "numpy, pandas",
+        "STUDIO_CODE_MEMORY": "1g",
+        "STUDIO_CODE_CPUS": "1.5",
+        "STUDIO_CODE_PIDS": "128",
+        "STUDIO_CODE_MAX_SECONDS": "10",
+        "STUDIO_CODE_CONCURRENCY": "8",
+        "STUDIO_CODE_TEST_PER_MINUTE": "5",
+        "STUDIO_CODE_LANGUAGES": "python",
+        "STUDIO_CODE_TS_IMAGE": "ts:9",
+        "STUDIO_CODE_TS_PACKAGES": "npm:zod@3",
+        "STUDIO_DENO": "/opt/deno",
+        "STUDIO_CODE_TS_DENO_DIR": "/var/cache/deno",
     }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -81,8 +89,7 @@ def test_every_variable_is_read_from_the_environment(monkeypatch):
         ("STUDIO_CODE_TS_PACKAGES", "npm:zod", "entry 'npm:zod' is not pinned"),
     ],
 )
-def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch, name, value,
-                                                                    says):
+def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch, name, value, says):
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingsError) as e:
         load_settings()
@@ -134,18 +141,22 @@ def test_a_misspelled_variable_is_named_with_the_closest_known_one(monkeypatch, 
 
     from executor.settings import unknown_variables
 
-    env = {"STUDIO_CODE_MEMROY": "1g", "STUDIO_REDIS": "redis://x", "STUDIO_NOTHING_LIKE": "1",
-           "STUDIO_CODE_MEMORY": "1g", "STUDIO_METRICS_PORT": "9808", "OTHER_CODE_MEMROY": "1"}
+    env = {
+        "STUDIO_CODE_MEMROY": "1g",
+        "STUDIO_REDIS": "redis://x",
+        "STUDIO_NOTHING_LIKE": "1",
+        "STUDIO_CODE_MEMORY": "1g",
+        "STUDIO_METRICS_PORT": "9808",
+        "OTHER_CODE_MEMROY": "1",
+    }
     assert unknown_variables(env) == [
         "STUDIO_CODE_MEMROY is not a studio-code setting and is ignored: did you mean "
         "STUDIO_CODE_MEMORY?",
         "STUDIO_NOTHING_LIKE is not a studio-code setting and is ignored: see the "
         "configuration table in the README for the variables there are.",
-        "STUDIO_REDIS is not a studio-code setting and is ignored: did you mean "
-        "STUDIO_REDIS_URL?",
+        "STUDIO_REDIS is not a studio-code setting and is ignored: did you mean STUDIO_REDIS_URL?",
     ]
     monkeypatch.setenv("STUDIO_CODE_CONCURENCY", "8")
     with caplog.at_level(logging.WARNING, logger="studio_code.settings"):
         assert load_settings().code_concurrency == 4  # ignored, as before, but now said
-    assert any("did you mean STUDIO_CODE_CONCURRENCY?" in r.getMessage()
-               for r in caplog.records)
+    assert any("did you mean STUDIO_CODE_CONCURRENCY?" in r.getMessage() for r in caplog.records)

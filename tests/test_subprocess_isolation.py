@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 DENIED = {"EACCES", "EPERM"}
 
 #: shared by the programs: try one thing, report "ok" or the errno's name
-PRELUDE = r'''
+PRELUDE = r"""
 import ctypes, errno, os, signal, sys, time, json
 
 def attempt(fn):
@@ -75,12 +75,11 @@ def probe(pid, kill):
     if kill:
         r["sigkill"] = attempt(lambda: os.kill(pid, signal.SIGKILL))
     return r
-'''
+"""
 
 
 def run(executor: Executor, code: str, state: Any = None, timeout_s: float = 20) -> CodeResult:
-    return executor.run(CodeJob(code=code, state_json=json.dumps(state or {}),
-                                timeout_s=timeout_s))
+    return executor.run(CodeJob(code=code, state_json=json.dumps(state or {}), timeout_s=timeout_s))
 
 
 def uid_of(pid: int) -> int | None:
@@ -232,30 +231,58 @@ def _ipc_gone(r: CodeResult) -> None:
 
 
 CASES = [
-    Case("own uid, no groups, no_new_privs", PRELUDE + r'''
+    Case(
+        "own uid, no groups, no_new_privs",
+        PRELUDE
+        + r"""
 def main(state):
     st = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
     return {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
             "no_new_privs": st["NoNewPrivs"].strip(),
             "setuid0": attempt(lambda: os.setuid(0))}
-''', _own_uid),
-    Case("server environ unreadable", PRELUDE + r'''
+""",
+        _own_uid,
+    ),
+    Case(
+        "server environ unreadable",
+        PRELUDE
+        + r"""
 def main(state):
     return {"ppid": os.getppid(), "result": attempt(lambda: read(f"/proc/{os.getppid()}/environ"))}
-''', _server("environ")),
-    Case("server memory unreadable", PRELUDE + r'''
+""",
+        _server("environ"),
+    ),
+    Case(
+        "server memory unreadable",
+        PRELUDE
+        + r"""
 def main(state):
     return {"ppid": os.getppid(), "result": attempt(lambda: open_only(f"/proc/{os.getppid()}/mem"))}
-''', _server("mem")),
-    Case("server not traceable", PRELUDE + r'''
+""",
+        _server("mem"),
+    ),
+    Case(
+        "server not traceable",
+        PRELUDE
+        + r"""
 def main(state):
     return {"ppid": os.getppid(), "result": attempt(lambda: seize(os.getppid()))}
-''', _server("ptrace")),
-    Case("server not signalable (signal 0)", PRELUDE + r'''
+""",
+        _server("ptrace"),
+    ),
+    Case(
+        "server not signalable (signal 0)",
+        PRELUDE
+        + r"""
 def main(state):
     return {"ppid": os.getppid(), "result": attempt(lambda: os.kill(os.getppid(), 0))}
-''', _server("signal0")),
-    Case("setsid() grandchild gone at the end", PRELUDE + r'''
+""",
+        _server("signal0"),
+    ),
+    Case(
+        "setsid() grandchild gone at the end",
+        PRELUDE
+        + r"""
 def main(state):
     r, w = os.pipe()
     if os.fork() == 0:
@@ -277,10 +304,20 @@ def main(state):
         while True:
             pass
     return pid
-''', _setsid_gone),
-    Case("setsid() grandchild gone after a timeout", "", _setsid_gone_after_timeout,
-         state=lambda ctx: {"spin": True}, timeout_s=2),
-    Case("cannot leave its cgroup", PRELUDE + r'''
+""",
+        _setsid_gone,
+    ),
+    Case(
+        "setsid() grandchild gone after a timeout",
+        "",
+        _setsid_gone_after_timeout,
+        state=lambda ctx: {"spin": True},
+        timeout_s=2,
+    ),
+    Case(
+        "cannot leave its cgroup",
+        PRELUDE
+        + r"""
 def main(state):
     text = open("/proc/self/cgroup").read()
     tries = {}
@@ -299,8 +336,13 @@ def main(state):
                     f.write(str(os.getpid()))
             tries[target] = attempt(move)
     return {"cgroup": text, "tries": tries}
-''', _escape_cgroup),
-    Case("files in /tmp, /dev/shm, /var/tmp gone", PRELUDE + r'''
+""",
+        _escape_cgroup,
+    ),
+    Case(
+        "files in /tmp, /dev/shm, /var/tmp gone",
+        PRELUDE
+        + r"""
 import socket
 def main(state):
     t = state["token"]
@@ -326,9 +368,18 @@ def main(state):
     open(p, "w").write("x")
     made.append(p)
     return {"made": made}
-''', _files_gone, state=lambda ctx: {"token": ctx["token"], "victim": str(ctx["victim"]),
-                                     "shared": str(ctx["shared"])}),
-    Case("a 200-deep tree in /tmp gone", PRELUDE + r'''
+""",
+        _files_gone,
+        state=lambda ctx: {
+            "token": ctx["token"],
+            "victim": str(ctx["victim"]),
+            "shared": str(ctx["shared"]),
+        },
+    ),
+    Case(
+        "a 200-deep tree in /tmp gone",
+        PRELUDE
+        + r"""
 def main(state):
     base = f"/tmp/iso-deep-{state['token']}"
     os.mkdir(base)
@@ -341,8 +392,14 @@ def main(state):
     open("leaf", "w").write("x")
     os.chdir("/")
     return {"base": base, "depth": depth}
-''', _deep_tree_gone, state=lambda ctx: {"token": ctx["token"]}),
-    Case("5 x 60 MB in /dev/shm under 256 MB", PRELUDE + r'''
+""",
+        _deep_tree_gone,
+        state=lambda ctx: {"token": ctx["token"]},
+    ),
+    Case(
+        "5 x 60 MB in /dev/shm under 256 MB",
+        PRELUDE
+        + r"""
 def main(state):
     chunk = b"x" * (1 << 20)
     written = 0
@@ -355,8 +412,15 @@ def main(state):
     except OSError as e:
         return {"written_mb": written, "error": errno.errorcode.get(e.errno)}
     return {"written_mb": written, "error": None}
-''', _shm_charged, state=lambda ctx: {"token": ctx["token"]}, settings={"code_memory": "256m"}),
-    Case("4 processes x 100 MB under 256 MB", PRELUDE + r'''
+""",
+        _shm_charged,
+        state=lambda ctx: {"token": ctx["token"]},
+        settings={"code_memory": "256m"},
+    ),
+    Case(
+        "4 processes x 100 MB under 256 MB",
+        PRELUDE
+        + r"""
 def main(state):
     kids = []
     for _ in range(4):
@@ -367,27 +431,48 @@ def main(state):
             os._exit(len(block) > 0 and 0)
         kids.append(pid)
     return [os.waitpid(k, 0)[1] for k in kids]
-''', _processes_share_memory_limit, settings={"code_memory": "256m"}),
-    Case("fork bomb stops at its own uid's nproc", FORK_BOMB, _fork_bomb,
-         settings={"code_pids": 16}),
-    Case("the cgroup's pids.max is STUDIO_CODE_PIDS", PRELUDE + r'''
+""",
+        _processes_share_memory_limit,
+        settings={"code_memory": "256m"},
+    ),
+    Case(
+        "fork bomb stops at its own uid's nproc", FORK_BOMB, _fork_bomb, settings={"code_pids": 16}
+    ),
+    Case(
+        "the cgroup's pids.max is STUDIO_CODE_PIDS",
+        PRELUDE
+        + r"""
 def main(state):
     line = [l for l in open("/proc/self/cgroup").read().splitlines() if ":pids:" in l
             or l.startswith("0::")][0]
     path = line.split(":", 2)[2]
     mount = "/sys/fs/cgroup/pids" if ":pids:" in line else "/sys/fs/cgroup"
     return {"pids_max": open(f"{mount}{path}/pids.max").read().strip()}
-''', _pids_of_group, settings={"code_pids": 24}),
+""",
+        _pids_of_group,
+        settings={"code_pids": 24},
+    ),
 ]
-CASES.append(Case("System V IPC objects gone", PRELUDE + r'''
+CASES.append(
+    Case(
+        "System V IPC objects gone",
+        PRELUDE
+        + r"""
 def main(state):
     libc = ctypes.CDLL(None, use_errno=True)
     ids = {"shm": libc.shmget(0, 1 << 20, 0o1000 | 0o666),   # IPC_PRIVATE, IPC_CREAT
            "sem": libc.semget(0, 1, 0o1000 | 0o666),
            "msg": libc.msgget(0, 0o1000 | 0o666)}
     return ids
-''', lambda r, ctx: _ipc_gone(r)))
-CASES.append(Case("cannot raise its own limits", PRELUDE + r'''
+""",
+        lambda r, ctx: _ipc_gone(r),
+    )
+)
+CASES.append(
+    Case(
+        "cannot raise its own limits",
+        PRELUDE
+        + r"""
 import resource
 def main(state):
     line = [l for l in open("/proc/self/cgroup").read().splitlines() if ":memory:" in l
@@ -405,21 +490,32 @@ def main(state):
         except ValueError:  # Python's word for the kernel's EPERM here
             raise PermissionError(errno.EPERM, "not allowed to raise maximum limit")
     return {"cgroup_memory": attempt(raise_memory), "nproc": attempt(raise_nproc)}
-''', lambda r, ctx: _all_denied(r, {"cgroup_memory", "nproc"})))
-CASES.append(Case("cannot touch the uid leases", PRELUDE + r'''
+""",
+        lambda r, ctx: _all_denied(r, {"cgroup_memory", "nproc"}),
+    )
+)
+CASES.append(
+    Case(
+        "cannot touch the uid leases",
+        PRELUDE
+        + r"""
 def main(state):
     lock = f"/run/studio-code/uids/{os.getuid()}.lock"
     return {"list": attempt(lambda: os.listdir("/run/studio-code/uids")),
             "open": attempt(lambda: open_only(lock)),
             "create": attempt(lambda: open("/run/studio-code/uids/999999.lock", "w"))}
-''', lambda r, ctx: _all_denied(r, {"list", "open", "create"})))
+""",
+        lambda r, ctx: _all_denied(r, {"list", "open", "create"}),
+    )
+)
 CASES[6].code = CASES[5].code  # the same program, left spinning until its timeout
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_hostile_program(case: Case, make_settings, shared: Path) -> None:  # type: ignore[no-untyped-def]
-    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python",
-                                **case.settings))
+    ex = Executor(
+        make_settings(code_runtime="subprocess", code_languages="python", **case.settings)
+    )
     assert getattr(ex.runtime, "isolation", {}).get("cgroup"), "no cgroup on this host"
     token = uuid.uuid4().hex[:10]
     victim = shared / "victim"
@@ -428,8 +524,14 @@ def test_hostile_program(case: Case, make_settings, shared: Path) -> None:  # ty
     keep.write_text("the test's own")
     root_tmp = Path(f"/tmp/iso-root-{token}")
     root_tmp.write_text("the test's own")
-    ctx = {"token": token, "victim": victim, "keep": keep, "shared": shared,
-           "root_tmp": root_tmp, "uids": ex.settings.subprocess_uids}
+    ctx = {
+        "token": token,
+        "victim": victim,
+        "keep": keep,
+        "shared": shared,
+        "root_tmp": root_tmp,
+        "uids": ex.settings.subprocess_uids,
+    }
     try:
         r = run(ex, case.code, case.state(ctx), timeout_s=case.timeout_s)
         case.check(r, ctx)
@@ -439,7 +541,9 @@ def test_hostile_program(case: Case, make_settings, shared: Path) -> None:  # ty
 
 # --- two concurrent runs and a Docker sandbox ---------------------------------------------
 
-PAIR = PRELUDE + r'''
+PAIR = (
+    PRELUDE
+    + r"""
 def main(state):
     d, me = state["dir"], state["name"]
     with open(f"{d}/{me}.tmp", "w") as f:
@@ -459,7 +563,8 @@ def main(state):
             break
         time.sleep(0.01)
     return {"pid": os.getpid(), "uid": os.getuid(), "targets": targets, "report": report}
-'''
+"""
+)
 
 SLEEPER = "import time\ndef main(state):\n    time.sleep(6)\n    return 'alive'\n"
 
@@ -475,7 +580,10 @@ def _wait_for(what: Callable[[], Any], timeout_s: float, message: str) -> Any:
 
 
 def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
-    iso: Executor, docker_executor: Executor, docker_client, shared: Path  # type: ignore[no-untyped-def]
+    iso: Executor,
+    docker_executor: Executor,
+    docker_client,
+    shared: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     results: dict[str, CodeResult] = {}
 
@@ -488,12 +596,14 @@ def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
     threads = [start("docker", docker_executor, sleeper)]
     for me, other in (("a", "b"), ("b", "a")):
         state = {"dir": str(shared), "name": me, "other": other}
-        threads.append(start(me, iso, CodeJob(code=PAIR, state_json=json.dumps(state),
-                                                timeout_s=30)))
+        threads.append(
+            start(me, iso, CodeJob(code=PAIR, state_json=json.dumps(state), timeout_s=30))
+        )
 
     def container_pid() -> int:
         for c in docker_client.api.containers(
-                filters={"label": f"studio.job_id={sleeper.job_id}", "status": "running"}):
+            filters={"label": f"studio.job_id={sleeper.job_id}", "status": "running"}
+        ):
             pid = docker_client.api.inspect_container(c["Id"])["State"]["Pid"]
             if pid:
                 return int(pid)
@@ -502,15 +612,22 @@ def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
     docker_pid = _wait_for(container_pid, 60, "the Docker sandbox did not start")
     pids = {}
     for me in ("a", "b"):
-        pids[me] = _wait_for(lambda me=me: (shared / f"{me}.pid").exists() and
-                             int((shared / f"{me}.pid").read_text()), 30, f"run {me} did not start")
+        pids[me] = _wait_for(
+            lambda me=me: (
+                (shared / f"{me}.pid").exists() and int((shared / f"{me}.pid").read_text())
+            ),
+            30,
+            f"run {me} did not start",
+        )
     # what each run is told is a process this test started: a run (our child, under a run
     # uid) and the sandbox (under the Docker sandboxes' uid)
     uids = iso.settings.subprocess_uids
     for me in ("a", "b"):
         assert uid_of(pids[me]) in uids
-        assert int(Path(f"/proc/{pids[me]}/stat").read_text().rsplit(") ", 1)[1].split()[1]) \
+        assert (
+            int(Path(f"/proc/{pids[me]}/stat").read_text().rsplit(") ", 1)[1].split()[1])
             == os.getpid()
+        )
     assert uid_of(pids["a"]) != uid_of(pids["b"])
     docker_uid = uid_of(docker_pid)
     assert docker_uid is not None and docker_uid not in uids
@@ -530,14 +647,16 @@ def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
             assert set(got) == {"environ", "mem", "cwd", "ptrace", "signal0", "sigkill"}
             assert set(got.values()) <= DENIED, (me, target, got)
     for me, other in (("a", "b"), ("b", "a")):  # each probed only what it was told
-        assert results[me].output["targets"] == {"peer": results[other].output["pid"],
-                                                 "docker": docker_pid}
+        assert results[me].output["targets"] == {
+            "peer": results[other].output["pid"],
+            "docker": docker_pid,
+        }
     # both runs and the sandbox lived through the attacks and ended on their own
     assert results["a"].output["uid"] != results["b"].output["uid"]
     assert results["docker"].status is Status.SUCCEEDED and results["docker"].output == "alive"
 
 
-HOLDER = r'''
+HOLDER = r"""
 import os, time
 def main(state):
     kids = []
@@ -553,9 +672,9 @@ def main(state):
             break
         time.sleep(0.01)
     return {"held": len(kids), "kids": kids, "uid": os.getuid()}
-'''
+"""
 
-FORKER = r'''
+FORKER = r"""
 import os
 def main(state):
     n = 0
@@ -570,20 +689,24 @@ def main(state):
     for _ in range(n):
         os.wait()
     return {"forked": n, "error": None}
-'''
+"""
 
 
 def test_one_run_holding_many_processes_does_not_stop_a_concurrent_run(
-    make_settings, shared: Path  # type: ignore[no-untyped-def]
+    make_settings,
+    shared: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     # 60 sleeping processes of one run under STUDIO_CODE_PIDS=64; the same uid for both
     # would leave the second run 3 forks; its own uid leaves it all 64
-    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python",
-                                code_pids=64))
+    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python", code_pids=64))
     holding, release = shared / "holding", shared / "release"
     results: dict[str, CodeResult] = {}
-    t = threading.Thread(target=lambda: results.__setitem__("holder", run(
-        ex, HOLDER, {"n": 60, "holding": str(holding), "release": str(release)}, 30)))
+    t = threading.Thread(
+        target=lambda: results.__setitem__(
+            "holder",
+            run(ex, HOLDER, {"n": 60, "holding": str(holding), "release": str(release)}, 30),
+        )
+    )
     t.start()
     try:
         _wait_for(holding.exists, 30, "the holder did not start its processes")
@@ -601,7 +724,7 @@ def test_one_run_holding_many_processes_does_not_stop_a_concurrent_run(
 
 def test_the_next_run_does_not_find_what_a_run_left(iso: Executor) -> None:
     token = uuid.uuid4().hex[:10]
-    writer = r'''
+    writer = r"""
 import os
 def main(state):
     for d in ("/tmp", "/dev/shm", "/var/tmp"):
@@ -609,8 +732,8 @@ def main(state):
             f.write("secret")
         os.chmod(f"{d}/iso-next-{state['t']}", 0o644)
     return "written"
-'''
-    reader = r'''
+"""
+    reader = r"""
 import errno
 def main(state):
     seen = {}
@@ -620,7 +743,7 @@ def main(state):
         except OSError as e:
             seen[d] = errno.errorcode[e.errno]
     return seen
-'''
+"""
     assert run(iso, writer, {"t": token}).output == "written"
     seen = run(iso, reader, {"t": token})
     assert seen.output == {"/tmp": "ENOENT", "/dev/shm": "ENOENT", "/var/tmp": "ENOENT"}
@@ -635,14 +758,19 @@ def test_uid_leases_never_collide_across_processes(tmp_path: Path) -> None:
 
     ids = range(300000, 300002)
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time\n"
-         "from pathlib import Path\n"
-         "from executor.runtimes.uids import UidPool\n"
-         f"lease = UidPool(range(300000, 300002), Path({str(tmp_path)!r})).acquire()\n"
-         "print(lease.uid, flush=True)\n"
-         "time.sleep(60)\n"],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from executor.runtimes.uids import UidPool\n"
+            f"lease = UidPool(range(300000, 300002), Path({str(tmp_path)!r})).acquire()\n"
+            "print(lease.uid, flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
     )
     try:
         assert holder.stdout is not None
@@ -663,12 +791,15 @@ def test_uid_leases_never_collide_across_processes(tmp_path: Path) -> None:
     assert not pool.acquire().was_dirty
 
 
-@pytest.mark.parametrize("value, sentence", [
-    ("1000-1001", "uid 1000 is the account"),
-    ("65000-66000", "a range without uid 65534"),
-    ("200000", "a uid range FIRST-LAST"),
-    ("5-10", "1000 <= FIRST"),
-])
+@pytest.mark.parametrize(
+    "value, sentence",
+    [
+        ("1000-1001", "uid 1000 is the account"),
+        ("65000-66000", "a range without uid 65534"),
+        ("200000", "a uid range FIRST-LAST"),
+        ("5-10", "1000 <= FIRST"),
+    ],
+)
 def test_a_bad_uid_range_stops_start_up_with_a_sentence(value: str, sentence: str) -> None:
     from executor.errors import SettingsError
     from executor.settings import load_settings
@@ -697,8 +828,11 @@ def test_meta_says_what_holds(iso: Executor) -> None:
 
 
 def test_without_a_cgroup_the_run_still_ends_whole_and_meta_says_so(make_settings) -> None:  # type: ignore[no-untyped-def]
-    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python",
-                                code_subprocess_cgroup="off"))
+    ex = Executor(
+        make_settings(
+            code_runtime="subprocess", code_languages="python", code_subprocess_cgroup="off"
+        )
+    )
     iso = ex.runtime.isolation  # type: ignore[union-attr]
     assert iso["cgroup"] is None and iso["cgroup_reason"] == "STUDIO_CODE_SUBPROCESS_CGROUP=off"
     assert any("/dev/shm" in s for s in iso["does_not_hold"])
@@ -762,8 +896,13 @@ def test_a_non_root_server_claims_what_a_run_can_really_do(shared: Path) -> None
     marker = uuid.uuid4().hex
     server = subprocess.run(
         [python, "-c", NON_ROOT_SERVER, str(shared), marker],
-        user=300123, group=300123, extra_groups=[], cwd=shared, capture_output=True,
-        text=True, timeout=120,
+        user=300123,
+        group=300123,
+        extra_groups=[],
+        cwd=shared,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PYTHONPATH": f"{root}:{site}", "STUDIO_ISO_MARKER": marker, "PATH": "/usr/bin:/bin"},
     )
     assert server.returncode == 0, server.stderr[-3000:]
@@ -800,15 +939,19 @@ def test_a_dead_workers_uid_is_scrubbed_before_its_next_run(make_settings) -> No
     from executor.runtimes.uids import LOCK_DIR, MARK_BUSY
 
     uid = 300500
-    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python",
-                                code_subprocess_uids=f"{uid}-{uid}"))
+    ex = Executor(
+        make_settings(
+            code_runtime="subprocess", code_languages="python", code_subprocess_uids=f"{uid}-{uid}"
+        )
+    )
     LOCK_DIR.mkdir(parents=True, exist_ok=True)
     (LOCK_DIR / f"{uid}.lock").write_bytes(MARK_BUSY)
     stale = Path(f"/tmp/iso-stale-{uuid.uuid4().hex[:10]}")
     stale.write_text("left by a dead run")
     os.chown(stale, uid, uid)
-    left = subprocess.Popen(["/bin/sleep", "120"], user=uid, group=uid, extra_groups=[],
-                            start_new_session=True)
+    left = subprocess.Popen(
+        ["/bin/sleep", "120"], user=uid, group=uid, extra_groups=[], start_new_session=True
+    )
     try:
         r = run(ex, "import os\ndef main(state):\n    return os.getuid()\n")
         assert r.status is Status.SUCCEEDED and r.output == uid

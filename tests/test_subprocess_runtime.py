@@ -18,7 +18,7 @@ from executor.models import CodeJob, Status
 from executor.service import Executor
 from tests.conftest import FORK_BOMB
 
-PROBE = r'''
+PROBE = r"""
 import os, resource
 
 def main(state):
@@ -32,7 +32,7 @@ def main(state):
         "own_session": os.getsid(0) == os.getpid(),
         "limits": {n: list(resource.getrlimit(getattr(resource, n))) for n in names},
     }
-'''
+"""
 
 
 def run(executor, code, state="{}", timeout_s=20):
@@ -145,10 +145,10 @@ def test_every_place_says_it_runs_on_the_host(make_settings, caplog):
 
     sink = LogAuditSink()
     with caplog.at_level(logging.WARNING, logger="studio_code"):
-        ex = Executor(make_settings(code_runtime="subprocess", code_languages="python"),
-                      audit=sink)
-    assert any("NOT in a sandbox" in r.getMessage() for r in caplog.records
-               if r.name == "studio_code")  # the start-up WARNING
+        ex = Executor(make_settings(code_runtime="subprocess", code_languages="python"), audit=sink)
+    assert any(
+        "NOT in a sandbox" in r.getMessage() for r in caplog.records if r.name == "studio_code"
+    )  # the start-up WARNING
     first = run(ex, "def main(state):\n    return 1\n")
     second = run(ex, "def main(state):\n    return 2\n")
     for r in (first, second):

@@ -57,13 +57,30 @@ class SecondEngine:
         assert dockerd is not None
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [dockerd, "--config-file", str(self.root / "daemon.json"),
-                 "--data-root", str(self.root / "data"), "--exec-root", str(self.root / "exec"),
-                 "--host", self.host, "--pidfile", str(self.pidfile),
-                 "--bridge=none", "--iptables=false", "--ip6tables=false",
-                 "--containerd-namespace", "studio-engine2",
-                 "--containerd-plugins-namespace", "studio-engine2-plugins"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    dockerd,
+                    "--config-file",
+                    str(self.root / "daemon.json"),
+                    "--data-root",
+                    str(self.root / "data"),
+                    "--exec-root",
+                    str(self.root / "exec"),
+                    "--host",
+                    self.host,
+                    "--pidfile",
+                    str(self.pidfile),
+                    "--bridge=none",
+                    "--iptables=false",
+                    "--ip6tables=false",
+                    "--containerd-namespace",
+                    "studio-engine2",
+                    "--containerd-plugins-namespace",
+                    "studio-engine2-plugins",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -74,16 +91,26 @@ class SecondEngine:
         require(False, f"the second dockerd did not start:\n{self.log.read_text()[-3000:]}")
 
     def docker(self, *args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run(["docker", "-H", self.host, *args], capture_output=True, text=True,
-                             timeout=kw.pop("timeout", 120), **kw)
+        out = subprocess.run(
+            ["docker", "-H", self.host, *args],
+            capture_output=True,
+            text=True,
+            timeout=kw.pop("timeout", 120),
+            **kw,
+        )
         if check:
             assert out.returncode == 0, out.stderr
         return out
 
     def load(self, *images: str) -> None:
         save = subprocess.Popen(["docker", "save", *images], stdout=subprocess.PIPE)
-        load = subprocess.run(["docker", "-H", self.host, "load", "-q"], stdin=save.stdout,
-                              capture_output=True, text=True, timeout=300)
+        load = subprocess.run(
+            ["docker", "-H", self.host, "load", "-q"],
+            stdin=save.stdout,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert save.stdout is not None
         save.stdout.close()
         assert save.wait(60) == 0 and load.returncode == 0, load.stderr
@@ -103,8 +130,11 @@ class SecondEngine:
                 self.proc.wait(10)
 
     def remove(self) -> None:
-        mounted = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-                   if line.split()[1].startswith(str(self.root))]
+        mounted = [
+            line.split()[1]
+            for line in Path("/proc/mounts").read_text().splitlines()
+            if line.split()[1].startswith(str(self.root))
+        ]
         if mounted:  # never rm -rf through a live mount
             pytest.fail(f"the second engine left mounts: {mounted}")
         shutil.rmtree(self.root, ignore_errors=True)
@@ -144,18 +174,41 @@ class PostgresServer:
         shutil.chown(self.dir, "postgres", "postgres")
         data = self.dir / "data"
         as_pg = ["runuser", "-u", "postgres", "--"]
-        init = subprocess.run([*as_pg, str(self.bin / "initdb"), "-D", str(data), "-A", "trust",
-                               "-U", "postgres"], capture_output=True, text=True, timeout=120)
+        init = subprocess.run(
+            [*as_pg, str(self.bin / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert init.returncode == 0, init.stderr
         self.proc = subprocess.Popen(
-            [*as_pg, str(self.bin / "postgres"), "-D", str(data), "-p", str(self.port),
-             "-c", "listen_addresses=127.0.0.1", "-k", str(self.dir), "-c", "fsync=off"],
-            stdout=subprocess.DEVNULL, stderr=open(self.dir / "log", "wb"),  # noqa: SIM115
-            start_new_session=True)
+            [
+                *as_pg,
+                str(self.bin / "postgres"),
+                "-D",
+                str(data),
+                "-p",
+                str(self.port),
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-k",
+                str(self.dir),
+                "-c",
+                "fsync=off",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.dir / "log", "wb"),  # noqa: SIM115
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            ok = subprocess.run([str(self.bin / "pg_isready"), "-h", "127.0.0.1", "-p",
-                                 str(self.port), "-q"], timeout=10).returncode == 0
+            ok = (
+                subprocess.run(
+                    [str(self.bin / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-q"],
+                    timeout=10,
+                ).returncode
+                == 0
+            )
             if ok:
                 return
             time.sleep(0.2)
@@ -183,19 +236,25 @@ def own_postgres() -> Iterator[PostgresServer]:
         pg.stop()
 
 
-
 def job_sandboxes(engine: Any) -> list[str]:
     """Job ids of the sandboxes running on ``engine``: a sandbox is named
     studio-code-<job id> (a pre-started one is renamed so when a job takes it; labels
     cannot change, so its studio.job_id label is never set)."""
     out = engine.docker("ps", "--format", "{{.Names}}").stdout.split()
-    return [n.removeprefix("studio-code-") for n in out
-            if n.startswith("studio-code-") and not n.startswith("studio-code-pool-")]
+    return [
+        n.removeprefix("studio-code-")
+        for n in out
+        if n.startswith("studio-code-") and not n.startswith("studio-code-pool-")
+    ]
+
 
 def start_worker(env: dict[str, str], docker_host: str, name: str, log: Path) -> StudioProc:
     """``studio-code worker`` on the engine at ``docker_host`` (not waited for)."""
-    return StudioProc([str(BIN / "studio-code"), "worker", "-c", "3", "-n", f"{name}@%h",
-                       "--loglevel", "INFO"], {**env, "DOCKER_HOST": docker_host}, log)
+    return StudioProc(
+        [str(BIN / "studio-code"), "worker", "-c", "3", "-n", f"{name}@%h", "--loglevel", "INFO"],
+        {**env, "DOCKER_HOST": docker_host},
+        log,
+    )
 
 
 def wait_ready(*workers: StudioProc) -> None:
@@ -213,26 +272,46 @@ def wait_ready(*workers: StudioProc) -> None:
 
 
 def test_two_engines_share_jobs_and_a_lost_engine_loses_no_job(
-        tmp_path: Path, docker_client: Any, python_image: str, engine2: SecondEngine,
-        redis_server: Any, own_postgres: PostgresServer) -> None:
+    tmp_path: Path,
+    docker_client: Any,
+    python_image: str,
+    engine2: SecondEngine,
+    redis_server: Any,
+    own_postgres: PostgresServer,
+) -> None:
     from api_client.client import CodeClient
     from executor.settings import load_settings
 
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("STUDIO_", "DOCKER_")) and k != "PROMETHEUS_MULTIPROC_DIR"}
-    env.update({"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "docker",
-                "STUDIO_CODE_IMAGE": python_image, "STUDIO_CODE_LANGUAGES": "python",
-                "STUDIO_REDIS_URL": redis_server.url, "STUDIO_DATABASE_URL": own_postgres.url,
-                "STUDIO_CODE_MAX_SECONDS": "15",
-                "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STUDIO_", "DOCKER_")) and k != "PROMETHEUS_MULTIPROC_DIR"
+    }
+    env.update(
+        {
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_CODE_RUNTIME": "docker",
+            "STUDIO_CODE_IMAGE": python_image,
+            "STUDIO_CODE_LANGUAGES": "python",
+            "STUDIO_REDIS_URL": redis_server.url,
+            "STUDIO_DATABASE_URL": own_postgres.url,
+            "STUDIO_CODE_MAX_SECONDS": "15",
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+    )
     tag = uuid.uuid4().hex[:4]
     names = {"e1": f"e1-{tag}", "e2": f"e2-{tag}"}
     w1 = start_worker(env, "unix:///var/run/docker.sock", names["e1"], tmp_path / "e1.log")
     w2 = start_worker(env, engine2.host, names["e2"], tmp_path / "e2.log")
     wait_ready(w1, w2)
-    settings = load_settings(enable_code_nodes=True, redis_url=redis_server.url,
-                             database_url=own_postgres.url, code_image=python_image,
-                             code_languages="python", code_max_seconds=15)
+    settings = load_settings(
+        enable_code_nodes=True,
+        redis_url=redis_server.url,
+        database_url=own_postgres.url,
+        code_image=python_image,
+        code_languages="python",
+        code_max_seconds=15,
+    )
     client = CodeClient(settings)
 
     def engine_of(worker: str | None) -> str:
@@ -257,8 +336,7 @@ def test_two_engines_share_jobs_and_a_lost_engine_loses_no_job(
         assert all(engine_of(client.status(j).worker) == "e2" for j in seen_on_e2)
 
         # 2. the second engine goes away while jobs run on both
-        second = [client.submit(WORK, "python", {"i": i, "s": 2.0}, user="two")
-                  for i in range(24)]
+        second = [client.submit(WORK, "python", {"i": i, "s": 2.0}, user="two") for i in range(24)]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             running_e2 = job_sandboxes(engine2)
@@ -279,8 +357,7 @@ def test_two_engines_share_jobs_and_a_lost_engine_loses_no_job(
             if r.status.value == "succeeded":
                 assert r.output == i, r
                 if engine == "e2":  # only what had started before its engine was gone
-                    assert r.started_at is not None and r.started_at.timestamp() <= \
-                        stopped_at, r
+                    assert r.started_at is not None and r.started_at.timestamp() <= stopped_at, r
                 outcomes[f"succeeded on {engine}"] += 1
             else:
                 assert r.status.value == "failed", r

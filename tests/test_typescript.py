@@ -58,7 +58,11 @@ def deno_cache(deno_bin: str) -> Iterator[str]:
     try:
         proc = subprocess.run(
             [deno_bin, "cache", "--no-config", "--no-lock", str(DEPS_TS)],
-            env=env, cwd=root, capture_output=True, text=True, timeout=240,
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         require(
             proc.returncode == 0,
@@ -89,13 +93,16 @@ def make_executor(
     def make(**overrides: object) -> Executor:
         if runtime.startswith("docker"):
             base: dict[str, object] = {
-                "code_runtime": "docker", "code_ts_image": request.getfixturevalue("ts_image"),
+                "code_runtime": "docker",
+                "code_ts_image": request.getfixturevalue("ts_image"),
             }
             if runtime == "docker-pool":
                 base["code_languages"] = "typescript"
         else:
-            base = {"code_runtime": "subprocess",
-                    "code_ts_deno_dir": request.getfixturevalue("deno_cache")}
+            base = {
+                "code_runtime": "subprocess",
+                "code_ts_deno_dir": request.getfixturevalue("deno_cache"),
+            }
         ex = Executor(make_settings(**{**base, **overrides}))
         made.append(ex)
         if runtime == "docker-pool" and "typescript" in ex.settings.languages:
@@ -206,15 +213,23 @@ def test_console_and_stdout_are_logs_never_the_result(executor):
     )
     r = run(executor, code)
     assert (r.status, r.output) == (Status.SUCCEEDED, {"result": "value"}), r.error
-    for line in ("log line { a: 1 }", "info line", "debug line", "warn line", "error line",
-                 "cell", "Deno.stdout line", "process.stdout line"):
+    for line in (
+        "log line { a: 1 }",
+        "info line",
+        "debug line",
+        "warn line",
+        "error line",
+        "cell",
+        "Deno.stdout line",
+        "process.stdout line",
+    ):
         assert line in r.logs
     assert "forged" not in r.logs  # fd 1 is not the logs; the executor ignores it
 
 
 def test_code_that_swaps_globals_cannot_forge_the_result(executor):
     code = (
-        "const forged = '{\"ok\": true, \"output\": \"forged\"}';\n"
+        'const forged = \'{"ok": true, "output": "forged"}\';\n'
         "JSON.stringify = () => forged;\n"
         "(Object.prototype as any).toJSON = function () { return 'forged'; };\n"
         "(String.prototype as any).replace = () => 'forged';\n"
@@ -358,12 +373,16 @@ SECRET_NAME = "STUDIO_TEST_FAKE_SECRET"
 REFUSALS = {
     "read-file": ('Deno.readTextFileSync("/etc/passwd")', 'Requires read access to "/etc/passwd"'),
     "read-env": (f'Deno.env.get("{SECRET_NAME}")', f'Requires env access to "{SECRET_NAME}"'),
-    "fetch-loopback": ('await fetch("http://127.0.0.1:{port}/")',
-                       'Requires net access to "127.0.0.1:{port}"'),
+    "fetch-loopback": (
+        'await fetch("http://127.0.0.1:{port}/")',
+        'Requires net access to "127.0.0.1:{port}"',
+    ),
     # An absolute path: Deno looks a bare name up on PATH BEFORE its permission check, and the
     # subprocess child has no PATH (see the bare-name test below).
-    "start-process": ('new Deno.Command("/usr/bin/id").outputSync()',
-                      'Requires run access to "/usr/bin/id"'),
+    "start-process": (
+        'new Deno.Command("/usr/bin/id").outputSync()',
+        'Requires run access to "/usr/bin/id"',
+    ),
 }
 
 
@@ -506,16 +525,25 @@ def test_four_concurrent_runs_start_under_the_process_limit(make_executor):
 
 @pytest.mark.skipif(os.getuid() != 0, reason="the sandbox user is nobody only for a root server")
 def test_subprocess_deno_and_cache_are_usable_by_nobody(deno_bin, deno_cache, make_settings):
-    proc = subprocess.run([deno_bin, "--version"], user=NOBODY, group=NOBODY, extra_groups=[],
-                          capture_output=True, text=True, env={}, cwd="/")
+    proc = subprocess.run(
+        [deno_bin, "--version"],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        env={},
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr
     # A cache nobody cannot reach: a clear sentence, not Deno's bare "Permission denied".
     private = Path(tempfile.mkdtemp(prefix="studio-ts-private-", dir="/tmp"))
     try:
         private.chmod(0o700)
         (private / "deno-dir").symlink_to(deno_cache)
-        ex = Executor(make_settings(code_runtime="subprocess",
-                                    code_ts_deno_dir=str(private / "deno-dir")))
+        ex = Executor(
+            make_settings(code_runtime="subprocess", code_ts_deno_dir=str(private / "deno-dir"))
+        )
         r = run(ex, 'import { z } from "npm:zod@3";\nexport default () => z.string().parse("x");\n')
         assert r.error.code == "CODE_ERROR"
         assert r.error.message.startswith("The sandbox user cannot read the Deno cache")
@@ -608,6 +636,7 @@ def test_cli_run_and_validate_a_ts_file(runtime, request, tmp_path):
     out = _one_json(proc)
     assert proc.returncode == 1 and out["ok"] is False and out["language"] == "typescript"
     assert out["error"]["code"] == "CODE_INVALID"
-    assert out["problems"][0]["line"] == 1 and "npm:lodash is not an allowed package" in (
-        out["problems"][0]["message"]
+    assert (
+        out["problems"][0]["line"] == 1
+        and "npm:lodash is not an allowed package" in (out["problems"][0]["message"])
     )

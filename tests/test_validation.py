@@ -48,8 +48,9 @@ def test_readiness_means_the_test_program_ran(make_settings, docker_client):
         info = tarfile.TarInfo("README")
         info.size = 5
         tar.addfile(info, io.BytesIO(b"empty"))
-    image = docker_client.api.import_image_from_data(buf.getvalue(),
-                                                     repository="studio-code-empty", tag="1")
+    image = docker_client.api.import_image_from_data(
+        buf.getvalue(), repository="studio-code-empty", tag="1"
+    )
     assert image
     try:
         from executor.languages import get_language

@@ -73,7 +73,10 @@ def make_app(settings: Settings) -> Celery:
         # fail_stuck ends its job.
         task_time_limit=settings.code_max_seconds + 3 * KILL_GRACE_S + 60,
         task_publish_retry_policy={
-            "max_retries": 3, "interval_start": 0, "interval_step": 0.5, "interval_max": 2,
+            "max_retries": 3,
+            "interval_start": 0,
+            "interval_step": 0.5,
+            "interval_max": 2,
         },
         worker_send_task_events=False,
         task_send_sent_event=False,
@@ -94,7 +97,10 @@ def worker_app(settings: Settings) -> Celery:
             "STUDIO_QUEUE_VISIBILITY_TIMEOUT_S=%g is shorter than STUDIO_CODE_MAX_SECONDS=%g "
             "+ the %g s kill grace: a job that runs that long is handed to another worker "
             "and runs twice. Raise it (or set 0 for the default).",
-            vis, settings.code_max_seconds, KILL_GRACE_S)
+            vis,
+            settings.code_max_seconds,
+            KILL_GRACE_S,
+        )
 
     tasks.register(app)
     # Items that are not kombu messages are set aside, not fatal (worker.poison).

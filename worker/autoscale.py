@@ -59,14 +59,16 @@ class QueueCollector(Collector):
         return GaugeMetricFamily(
             f"{PREFIX}_queue_backlog",
             "Messages waiting in the queue's Redis lists (LLEN), not yet taken by a worker.",
-            labels=["queue"])
+            labels=["queue"],
+        )
 
     @staticmethod
     def _oldest_family() -> GaugeMetricFamily:
         return GaugeMetricFamily(
             f"{PREFIX}_queue_oldest_seconds",
             "Age of the oldest job still queued in the run store (0 when none waits).",
-            labels=["queue"])
+            labels=["queue"],
+        )
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         backlog = self._backlog_family()
@@ -78,7 +80,7 @@ class QueueCollector(Collector):
             lengths = pipe.execute()
             n = len(PRIORITY_STEPS) + 1
             for i, queue in enumerate(QUEUES):
-                backlog.add_metric([queue], float(sum(lengths[i * n:(i + 1) * n])))
+                backlog.add_metric([queue], float(sum(lengths[i * n : (i + 1) * n])))
         except Exception as e:  # noqa: BLE001 - a scrape never fails for a dependency
             log.warning("queue backlog unreadable: %s", e)
         oldest = self._oldest_family()
@@ -87,8 +89,9 @@ class QueueCollector(Collector):
             now = datetime.now(UTC)
             for queue in QUEUES:
                 at = store.oldest_queued_at(KIND_OF[queue])
-                oldest.add_metric([queue], 0.0 if at is None else
-                                  max(0.0, (now - at).total_seconds()))
+                oldest.add_metric(
+                    [queue], 0.0 if at is None else max(0.0, (now - at).total_seconds())
+                )
         except Exception as e:  # noqa: BLE001
             log.warning("oldest queued job unreadable: %s", e)
         return [backlog, oldest]
@@ -137,11 +140,14 @@ class SlotsCollector(Collector):
         up = GaugeMetricFamily(
             f"{PREFIX}_worker_up",
             "1 for each queue this worker consumes, once ready; sum over workers = live "
-            "workers per queue.", labels=["queue"])
+            "workers per queue.",
+            labels=["queue"],
+        )
         slots = GaugeMetricFamily(
             f"{PREFIX}_worker_slots",
             "This worker's pool processes that can take a job of the queue, by state.",
-            labels=["queue", "state"])
+            labels=["queue", "state"],
+        )
         table: dict[str, tuple[int, int]] = {}
         if consumer is not None:
             try:
@@ -159,4 +165,3 @@ class SlotsCollector(Collector):
 
 #: the worker's collector: its metrics server serves it, worker_ready gives it the consumer
 SLOTS = SlotsCollector()
-

@@ -62,8 +62,9 @@ class CancelWatch:
             try:
                 hit = bool(self.client.exists(self.key))
             except redis.RedisError as e:
-                log.warning("cancel flag of job %s unreadable (%s): using the run store",
-                            self.job_id, e)
+                log.warning(
+                    "cancel flag of job %s unreadable (%s): using the run store", self.job_id, e
+                )
                 self._redis_ok_after = now + REDIS_RETRY_S
                 read_store = True
         if not hit and read_store:

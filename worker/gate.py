@@ -98,8 +98,11 @@ class Gate:
             closed = bool(self._reasons)
         _write(0, 1.0 if closed else 0.0)
         if reason is not None and before is None:
-            log.error("not taking jobs: %s. Messages stay in the queue for other workers; "
-                      "this worker resumes by itself when it answers again.", reason)
+            log.error(
+                "not taking jobs: %s. Messages stay in the queue for other workers; "
+                "this worker resumes by itself when it answers again.",
+                reason,
+            )
         elif reason is None and before is not None:
             log.warning("taking jobs again: %s is back", kind.replace("_", " "))
 
@@ -136,8 +139,17 @@ def is_store_outage(e: BaseException) -> bool:
     which waiting would not cure."""
     from sqlalchemy import exc
 
-    if isinstance(e, (exc.OperationalError, exc.InterfaceError, exc.DisconnectionError,
-                      exc.TimeoutError, ConnectionError, TimeoutError)):
+    if isinstance(
+        e,
+        (
+            exc.OperationalError,
+            exc.InterfaceError,
+            exc.DisconnectionError,
+            exc.TimeoutError,
+            ConnectionError,
+            TimeoutError,
+        ),
+    ):
         return True
     return isinstance(e, exc.DBAPIError) and bool(e.connection_invalidated)
 
@@ -156,8 +168,10 @@ def store_write_problem(store: Any) -> str | None:
         return None
     except Exception as e:  # noqa: BLE001 - any failure means "cannot write"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return (f"the run store {name} cannot be written ({first}): check the database "
-                "(STUDIO_DATABASE_URL)")
+        return (
+            f"the run store {name} cannot be written ({first}): check the database "
+            "(STUDIO_DATABASE_URL)"
+        )
 
 
 def _sqlite_write_probe(engine: Any) -> None:
@@ -257,8 +271,10 @@ class GateWatch:
                 self._store = self._open_store()
             except Exception as e:  # noqa: BLE001
                 first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-                return (f"the run store cannot be opened ({first}): check the database "
-                        "(STUDIO_DATABASE_URL)")
+                return (
+                    f"the run store cannot be opened ({first}): check the database "
+                    "(STUDIO_DATABASE_URL)"
+                )
         return store_write_problem(self._store)
 
 

@@ -21,7 +21,8 @@ def dependency_problems(settings: Settings, *, store: Any = None) -> dict[str, s
         import redis
 
         client = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=3, socket_connect_timeout=3)
+            settings.redis_url, socket_timeout=3, socket_connect_timeout=3
+        )
         try:
             client.ping()
         finally:

@@ -104,8 +104,13 @@ class WorkerInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "nodename": self.nodename, "slots": self.slots, "state": self.state,
-            "reason": self.reason, "host": self.host, "pid": self.pid, "store": self.store,
+            "nodename": self.nodename,
+            "slots": self.slots,
+            "state": self.state,
+            "reason": self.reason,
+            "host": self.host,
+            "pid": self.pid,
+            "store": self.store,
             "store_id": self.store_id,
         }
 
@@ -114,11 +119,17 @@ class WorkerInfo:
         try:
             d = json.loads(raw)
             return cls(
-                nodename=str(d["nodename"]), queue=queue, slots=int(d.get("slots") or 0),
-                state=str(d.get("state") or SERVING), reason=d.get("reason") or None,
-                host=str(d.get("host") or ""), pid=int(d.get("pid") or 0),
-                store=str(d.get("store") or ""), store_id=str(d.get("store_id") or ""),
-                seen_at=float(d.get("seen_at") or 0), expires_at=float(d.get("expires_at") or 0),
+                nodename=str(d["nodename"]),
+                queue=queue,
+                slots=int(d.get("slots") or 0),
+                state=str(d.get("state") or SERVING),
+                reason=d.get("reason") or None,
+                host=str(d.get("host") or ""),
+                pid=int(d.get("pid") or 0),
+                store=str(d.get("store") or ""),
+                store_id=str(d.get("store_id") or ""),
+                seen_at=float(d.get("seen_at") or 0),
+                expires_at=float(d.get("expires_at") or 0),
             )
         except (ValueError, TypeError, KeyError):
             return None
@@ -153,8 +164,9 @@ def summary(live: dict[str, list[WorkerInfo]]) -> dict[str, dict[str, Any]]:
         out[queue] = {
             "serving": len(serving),
             "slots": sum(i.slots for i in serving),
-            "paused": [{"nodename": i.nodename, "reason": i.reason} for i in infos
-                       if not i.serving],
+            "paused": [
+                {"nodename": i.nodename, "reason": i.reason} for i in infos if not i.serving
+            ],
         }
     return out
 
@@ -172,9 +184,16 @@ class Heartbeat:
     it raises counts as a reason too (a worker that cannot tell is not counted)."""
 
     def __init__(
-        self, redis_url: str, nodename: str, slots: dict[str, int], *, interval_s: float,
-        ttl_s: float, not_serving_reason: Callable[[], str | None] = _never,
-        store: str = "", store_id: Callable[[], str] | str = "",
+        self,
+        redis_url: str,
+        nodename: str,
+        slots: dict[str, int],
+        *,
+        interval_s: float,
+        ttl_s: float,
+        not_serving_reason: Callable[[], str | None] = _never,
+        store: str = "",
+        store_id: Callable[[], str] | str = "",
     ) -> None:
         self.nodename = nodename
         self.slots = dict(slots)
@@ -208,20 +227,33 @@ class Heartbeat:
         """Announce once on every queue; returns the state announced."""
         reason = self._reason()
         state = SERVING if reason is None else PAUSED
-        base = {"nodename": self.nodename, "state": state, "reason": reason,
-                "host": socket.gethostname(), "pid": os.getpid(), "store": self.store,
-                "store_id": self._identity()}
+        base = {
+            "nodename": self.nodename,
+            "state": state,
+            "reason": reason,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "store": self.store,
+            "store_id": self._identity(),
+        }
         queues = sorted(self.slots)
         entries = [json.dumps({**base, "queue": q, "slots": self.slots[q]}) for q in queues]
-        self._beat(keys=[workers_key(q) for q in queues],
-                   args=[self.nodename, self.ttl_s, *entries])
+        self._beat(
+            keys=[workers_key(q) for q in queues], args=[self.nodename, self.ttl_s, *entries]
+        )
         if state != self.state:
             if state == SERVING:
-                log.info("heartbeat: %s serves %s", self.nodename,
-                         ", ".join(f"{q} ({self.slots[q]} slots)" for q in queues))
+                log.info(
+                    "heartbeat: %s serves %s",
+                    self.nodename,
+                    ", ".join(f"{q} ({self.slots[q]} slots)" for q in queues),
+                )
             else:
-                log.error("heartbeat: %s is not serving (the API refuses jobs it alone would "
-                          "take): %s", self.nodename, reason)
+                log.error(
+                    "heartbeat: %s is not serving (the API refuses jobs it alone would take): %s",
+                    self.nodename,
+                    reason,
+                )
             self.state = state
         return state
 
@@ -231,8 +263,7 @@ class Heartbeat:
             self.beat()
         except redis.RedisError as e:
             log.warning("heartbeat: could not announce %s yet: %s", self.nodename, e)
-        self._thread = threading.Thread(target=self._loop, name="studio-heartbeat",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="studio-heartbeat", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
@@ -259,8 +290,9 @@ class Heartbeat:
                 pipe.hdel(workers_key(queue), self.nodename)
             pipe.execute()
         except redis.RedisError as e:
-            log.warning("heartbeat: could not withdraw %s (it expires by itself): %s",
-                        self.nodename, e)
+            log.warning(
+                "heartbeat: could not withdraw %s (it expires by itself): %s", self.nodename, e
+            )
         self.redis.close()
 
 
@@ -306,9 +338,13 @@ class HeartbeatStep(bootsteps.StartStopStep):
 
         reason = getattr(c.app, "studio_not_serving_reason", None) or _never
         self.heartbeat = Heartbeat(
-            settings.redis_url, c.hostname, queue_slots(c.app, c.controller),
-            interval_s=settings.queue_heartbeat_interval_s, ttl_s=heartbeat_ttl_s(settings),
-            not_serving_reason=reason, store=describe_url(settings.sqlalchemy_url),
+            settings.redis_url,
+            c.hostname,
+            queue_slots(c.app, c.controller),
+            interval_s=settings.queue_heartbeat_interval_s,
+            ttl_s=heartbeat_ttl_s(settings),
+            not_serving_reason=reason,
+            store=describe_url(settings.sqlalchemy_url),
             # read by the janitor when it opened the store (no second connection here, and
             # nothing that could hang the beat while the store is down)
             store_id=lambda: str(getattr(c.controller, "studio_store_id", "") or ""),

@@ -139,8 +139,10 @@ class Janitor:
             if not self.store.is_cancel_requested(job_id):
                 return  # not our cancel (a revoke by hand): the job keeps running
             if self.runtime is not None and self.runtime.kill(job_id):
-                log.warning("backstop: removed the sandbox of cancelled job %s (its pool "
-                            "process had not)", job_id)
+                log.warning(
+                    "backstop: removed the sandbox of cancelled job %s (its pool process had not)",
+                    job_id,
+                )
             deadline = time.monotonic() + KILL_GRACE_S
             while time.monotonic() < deadline:
                 rec = self.store.get(job_id)
@@ -153,9 +155,14 @@ class Janitor:
             if rec.worker and not rec.worker.startswith(f"{self.nodename}:"):
                 return  # another worker holds it; its own backstop or fail_stuck ends it
             self.store.finish(
-                CodeResult.ended(job_id, rec.language, Status.CANCELLED,
-                                 ErrorCode.CODE_CANCELLED, "Cancelled while running.",
-                                 runtime=self.settings.code_runtime),
+                CodeResult.ended(
+                    job_id,
+                    rec.language,
+                    Status.CANCELLED,
+                    ErrorCode.CODE_CANCELLED,
+                    "Cancelled while running.",
+                    runtime=self.settings.code_runtime,
+                ),
                 worker=f"{self.nodename}:backstop",
             )
             log.warning("backstop: ended cancelled job %s (its pool process did not)", job_id)
@@ -170,8 +177,12 @@ def guard_terminate(pool: Any, store: RunStore | None = None) -> None:
     original = pool.terminate_job
 
     def terminate_job(pid: int, signal: Any = None) -> Any:
-        if (signal is not None and int(signal) != int(CANCEL_SIGNAL) and store is not None
-                and cancel_on_terminate(store, pid, int(signal))):
+        if (
+            signal is not None
+            and int(signal) != int(CANCEL_SIGNAL)
+            and store is not None
+            and cancel_on_terminate(store, pid, int(signal))
+        ):
             return None
         if signal is not None and int(signal) == int(CANCEL_SIGNAL):
             try:

@@ -43,8 +43,7 @@ class LivePublisher:
         self.key = logs_key(job_id)
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._failed = False
-        self._thread = threading.Thread(target=self._loop, name="studio-live-logs",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="studio-live-logs", daemon=True)
         self._thread.start()
 
     def write(self, piece: bytes) -> None:
@@ -60,8 +59,7 @@ class LivePublisher:
             pipe.execute()
         except Exception as e:  # noqa: BLE001 - the live view is best effort
             self._failed = True
-            log.warning("live logs of %s not published (%s); the stored logs are kept",
-                        self.key, e)
+            log.warning("live logs of %s not published (%s); the stored logs are kept", self.key, e)
 
     def _loop(self) -> None:
         while True:

@@ -64,39 +64,67 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> WorkerMetric
     lr = ("language", "runtime")
     return WorkerMetrics(
         jobs=Counter(
-            f"{PREFIX}_jobs", "Code-node jobs finished by this worker, by outcome.",
-            [*lr, "status"], registry=registry),
+            f"{PREFIX}_jobs",
+            "Code-node jobs finished by this worker, by outcome.",
+            [*lr, "status"],
+            registry=registry,
+        ),
         errors=Counter(
-            f"{PREFIX}_job_errors", "Finished jobs by error code (CODE_ERROR, CODE_TIMEOUT...).",
-            [*lr, "code"], registry=registry),
+            f"{PREFIX}_job_errors",
+            "Finished jobs by error code (CODE_ERROR, CODE_TIMEOUT...).",
+            [*lr, "code"],
+            registry=registry,
+        ),
         queue_wait=Histogram(
             f"{PREFIX}_queue_wait_seconds",
             "From submit (queued_at in the run store) to a worker slot taking the job.",
-            ["queue"], buckets=QUEUE_WAIT_BUCKETS, registry=registry),
+            ["queue"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=registry,
+        ),
         sandbox_start=Histogram(
             f"{PREFIX}_sandbox_start_seconds",
             "Creating and starting one sandbox (container or child process).",
-            lr, buckets=START_BUCKETS, registry=registry),
+            lr,
+            buckets=START_BUCKETS,
+            registry=registry,
+        ),
         run=Histogram(
-            f"{PREFIX}_run_seconds", "The user's code running in its sandbox.",
-            lr, buckets=RUN_BUCKETS, registry=registry),
+            f"{PREFIX}_run_seconds",
+            "The user's code running in its sandbox.",
+            lr,
+            buckets=RUN_BUCKETS,
+            registry=registry,
+        ),
         sandboxes_running=Gauge(
-            f"{PREFIX}_sandboxes_running", "Sandboxes running now on this worker.",
-            ["language"], multiprocess_mode="livesum", registry=registry),
+            f"{PREFIX}_sandboxes_running",
+            "Sandboxes running now on this worker.",
+            ["language"],
+            multiprocess_mode="livesum",
+            registry=registry,
+        ),
         cancellations=Counter(
             f"{PREFIX}_cancellations",
             "Cancels carried out: stage=running killed a sandbox, stage=queued skipped a job "
             "cancelled before it started.",
-            ["stage"], registry=registry),
+            ["stage"],
+            registry=registry,
+        ),
         cancel_latency=Histogram(
             f"{PREFIX}_cancel_latency_seconds",
             "From the worker learning of a cancel to the sandbox being gone.",
-            buckets=CANCEL_BUCKETS, registry=registry),
+            buckets=CANCEL_BUCKETS,
+            registry=registry,
+        ),
         oom=Counter(
-            f"{PREFIX}_oom", "Jobs stopped for using more than STUDIO_CODE_MEMORY.",
-            lr, registry=registry),
+            f"{PREFIX}_oom",
+            "Jobs stopped for using more than STUDIO_CODE_MEMORY.",
+            lr,
+            registry=registry,
+        ),
         timeouts=Counter(
-            f"{PREFIX}_timeouts", "Jobs stopped at their timeout.", lr, registry=registry),
+            f"{PREFIX}_timeouts", "Jobs stopped at their timeout.", lr, registry=registry
+        ),
     )
 
 
@@ -155,8 +183,13 @@ def touch_series(settings: Settings) -> None:
         m.sandboxes_running.labels(language)
         m.timeouts.labels(language, runtime)
         m.oom.labels(language, runtime)
-        for status in (Status.SUCCEEDED, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED,
-                       Status.INVALID):
+        for status in (
+            Status.SUCCEEDED,
+            Status.FAILED,
+            Status.TIMED_OUT,
+            Status.CANCELLED,
+            Status.INVALID,
+        ):
             m.jobs.labels(language, runtime, status.value)
     for stage in ("running", "queued"):
         m.cancellations.labels(stage)
@@ -198,20 +231,32 @@ class PoolMetrics:
 def build_pool_metrics(registry: CollectorRegistry | None = REGISTRY) -> PoolMetrics:
     return PoolMetrics(
         idle=Gauge(
-            f"{PREFIX}_pool_idle", "Pre-started sandboxes waiting for a job on this worker.",
-            ["language"], multiprocess_mode="livesum", registry=registry),
+            f"{PREFIX}_pool_idle",
+            "Pre-started sandboxes waiting for a job on this worker.",
+            ["language"],
+            multiprocess_mode="livesum",
+            registry=registry,
+        ),
         idle_age=Gauge(
             f"{PREFIX}_pool_idle_age_seconds",
             "Age of the oldest pre-started sandbox waiting for a job (at the last update, "
             "every few seconds).",
-            ["language"], multiprocess_mode="livemax", registry=registry),
+            ["language"],
+            multiprocess_mode="livemax",
+            registry=registry,
+        ),
         hits=Counter(
-            f"{PREFIX}_pool_hits", "Jobs that took a pre-started sandbox.",
-            ["language"], registry=registry),
+            f"{PREFIX}_pool_hits",
+            "Jobs that took a pre-started sandbox.",
+            ["language"],
+            registry=registry,
+        ),
         misses=Counter(
             f"{PREFIX}_pool_misses",
             "Jobs that started a sandbox cold (pool empty, or limits other than the pool's).",
-            ["language"], registry=registry),
+            ["language"],
+            registry=registry,
+        ),
     )
 
 
@@ -251,7 +296,8 @@ def _dead_letters() -> Counter:
         f"{PREFIX}_dead_letters",
         "Queue items set aside in studio:dead:<queue> because the worker could not use them "
         "(undecodable, not a task message, unknown task, bad arguments).",
-        ["queue", "reason"])
+        ["queue", "reason"],
+    )
 
 
 def record_dead_letter(queue: str, reason: str) -> None:

@@ -68,7 +68,9 @@ def reset_multiprocess_dir() -> None:
         log.warning(
             "%s is set but prometheus_client was imported before it was: this process keeps "
             "its metrics in memory. Set %s in the environment that starts the worker.",
-            MULTIPROC_ENV, MULTIPROC_ENV)
+            MULTIPROC_ENV,
+            MULTIPROC_ENV,
+        )
 
 
 def process_dead(pid: int) -> None:
@@ -103,7 +105,8 @@ class ReadinessCollector(Collector):
         g = GaugeMetricFamily(
             f"{PREFIX}_language_ready",
             "1 when the language's test program ran in the runtime at the last probe.",
-            labels=["language"])
+            labels=["language"],
+        )
         for name in KNOWN_LANGUAGES:
             g.add_metric([name], 1.0 if self._ready.get(name) else 0.0)
         return g
@@ -168,7 +171,11 @@ class MetricsServer:
     process."""
 
     def __init__(
-        self, settings: Settings, *, port: int, host: str = "127.0.0.1",
+        self,
+        settings: Settings,
+        *,
+        port: int,
+        host: str = "127.0.0.1",
         ready_interval_s: float = 30.0,
     ) -> None:
         self.settings = settings
@@ -185,8 +192,9 @@ class MetricsServer:
         self._metrics_app = make_wsgi_app(self.registry)
         self._store: Any = None
         self._store_lock = threading.Lock()
-        self._httpd = make_server(host, port, self._app, ThreadingWSGIServer,
-                                  handler_class=_QuietHandler)
+        self._httpd = make_server(
+            host, port, self._app, ThreadingWSGIServer, handler_class=_QuietHandler
+        )
         self._thread: threading.Thread | None = None
 
     @property
@@ -203,8 +211,11 @@ class MetricsServer:
                 except Exception:  # noqa: BLE001 - reported by the check below
                     self._store = None
             store = self._store
-        checks = dependency_problems(self.settings, store=store) if store else \
-            dependency_problems(self.settings)
+        checks = (
+            dependency_problems(self.settings, store=store)
+            if store
+            else dependency_problems(self.settings)
+        )
         checks.update(gate_checks())
         return all(v is None for v in checks.values()), checks
 
@@ -213,9 +224,10 @@ class MetricsServer:
         if path in ("/healthz", "/healthz/ready"):
             ok, checks = self._health()
             body = json.dumps({"ok": ok, "checks": checks}).encode()
-            start_response("200 OK" if ok else "503 Service Unavailable",
-                           [("Content-Type", "application/json"),
-                            ("Content-Length", str(len(body)))])
+            start_response(
+                "200 OK" if ok else "503 Service Unavailable",
+                [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
+            )
             return [body]
         if path in ("/metrics", "/"):
             return self._metrics_app(environ, start_response)
@@ -224,7 +236,8 @@ class MetricsServer:
 
     def start(self) -> MetricsServer:
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="studio-metrics", daemon=True)
+            target=self._httpd.serve_forever, name="studio-metrics", daemon=True
+        )
         self._thread.start()
         self.readiness.start()
         log.info("metrics on http://%s:%s/metrics", self._httpd.server_name, self.port)
@@ -253,8 +266,11 @@ def start_metrics_server(settings: Settings) -> MetricsServer | None:
     with _server_lock:
         if _server is None:
             _server = MetricsServer(
-                settings, port=settings.metrics_port, host=settings.metrics_host,
-                ready_interval_s=settings.metrics_ready_interval_s).start()
+                settings,
+                port=settings.metrics_port,
+                host=settings.metrics_host,
+                ready_interval_s=settings.metrics_ready_interval_s,
+            ).start()
         return _server
 
 

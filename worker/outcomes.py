@@ -67,8 +67,9 @@ def cancel_on_terminate(store: RunStore, pid: int, signum: int) -> bool:
     runs no job of ours (Celery then does what it was asked)."""
     from celery.worker.state import active_requests
 
-    job_id = next((r.id for r in list(active_requests)
-                   if r.worker_pid == pid and r.name == TASK_NAME), None)
+    job_id = next(
+        (r.id for r in list(active_requests) if r.worker_pid == pid and r.name == TASK_NAME), None
+    )
     if job_id is None:
         return False
     try:
@@ -77,8 +78,7 @@ def cancel_on_terminate(store: RunStore, pid: int, signum: int) -> bool:
         log.exception("job %s: recording the terminate as a cancel failed", job_id)
     if signum == 9:
         return False
-    log.warning("job %s: revoke with terminate (signal %s) carried out as a cancel", job_id,
-                signum)
+    log.warning("job %s: revoke with terminate (signal %s) carried out as a cancel", job_id, signum)
     try:
         os.kill(pid, int(CANCEL_SIGNAL))
     except ProcessLookupError:
@@ -94,7 +94,8 @@ def active_queues(state: Any) -> list[dict[str, Any]]:
     if consumer.task_consumer:
         queues = [dict(q.as_dict(recurse=True)) for q in consumer.task_consumer.queues]
     if int(getattr(consumer.controller, "studio_test_slots", 0) or 0) and not any(
-            q.get("name") == QUEUE_TEST for q in queues):
+        q.get("name") == QUEUE_TEST for q in queues
+    ):
         queues.append(dict(consumer.app.amqp.queues[QUEUE_TEST].as_dict(recurse=True)))
     return queues
 

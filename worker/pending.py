@@ -79,8 +79,11 @@ def write_one(store: Any, client: redis.Redis, job_id: str) -> bool | None:
     forget(client, job_id)
     if wrote:  # the one writer that won announces the end (two flushers may race)
         announce(client, job_id)
-        log.warning("job %s: wrote its result (%s), kept in Redis while the run store was "
-                    "down", job_id, result.status.value)
+        log.warning(
+            "job %s: wrote its result (%s), kept in Redis while the run store was down",
+            job_id,
+            result.status.value,
+        )
         _count(result)
     return wrote
 
@@ -98,13 +101,20 @@ def flush(store: Any, client: redis.Redis) -> int:
 
             if is_store_outage(e):
                 raise  # the store went away again: the rest waits for the next flush
-            log.error("job %s: its parked result cannot be written (%s); it stays in Redis "
-                      "until STUDIO_QUEUE_PENDING_TTL_S", job_id, e)
+            log.error(
+                "job %s: its parked result cannot be written (%s); it stays in Redis "
+                "until STUDIO_QUEUE_PENDING_TTL_S",
+                job_id,
+                e,
+            )
             continue
         if outcome is None:
             client.srem(PENDING_SET, job_id)
-            log.error("job %s: its parked result expired (STUDIO_QUEUE_PENDING_TTL_S) before "
-                      "the run store was back; the reaper ends it", job_id)
+            log.error(
+                "job %s: its parked result expired (STUDIO_QUEUE_PENDING_TTL_S) before "
+                "the run store was back; the reaper ends it",
+                job_id,
+            )
         elif outcome:
             written += 1
     return written
@@ -123,8 +133,7 @@ class Flusher:
     """``flush`` with a Redis client of its own, for the main process's gate and reaper."""
 
     def __init__(self, redis_url: str) -> None:
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=5,
-                                           socket_connect_timeout=3)
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=3)
 
     def __call__(self, store: Any) -> int:
         return flush(store, self.client)

@@ -55,8 +55,13 @@ def dead_letter(client: Any, queue: str, reason: str, item: Any) -> None:
     """Set ``item`` aside in ``studio:dead:<queue>``, log it at ERROR and count it. Never
     raises: a dead letter that cannot be stored is still logged."""
     text = _text(item)
-    log.error("poison message on %s set aside in %s: %s; item: %.300s", queue,
-              dead_key(queue), reason, text)
+    log.error(
+        "poison message on %s set aside in %s: %s; item: %.300s",
+        queue,
+        dead_key(queue),
+        reason,
+        text,
+    )
     try:
         entry = json.dumps({"at": time.time(), "queue": queue, "reason": reason, "item": text})
         pipe = client.pipeline()
@@ -76,8 +81,12 @@ def dead_letter(client: Any, queue: str, reason: str, item: Any) -> None:
 def dead_letter_task(client: Any, request: Any, args: Any, kwargs: Any) -> None:
     """Our task was sent with arguments that are not one job id."""
     queue = ((getattr(request, "delivery_info", None) or {}).get("routing_key")) or "code.run"
-    dead_letter(client, queue, "bad arguments: the task takes one job id",
-                {"id": getattr(request, "id", None), "args": args, "kwargs": kwargs})
+    dead_letter(
+        client,
+        queue,
+        "bad arguments: the task takes one job id",
+        {"id": getattr(request, "id", None), "args": args, "kwargs": kwargs},
+    )
 
 
 def valid_payload(payload: Any) -> bool:
@@ -108,8 +117,7 @@ class Channel(kombu_redis.Channel):
             self._poison(queue, f"undecodable: {type(e).__name__}: {e}", item)
             return None
         if not valid_payload(payload):
-            self._poison(queue, "not a kombu message: no properties.delivery_tag or body",
-                         item)
+            self._poison(queue, "not a kombu message: no properties.delivery_tag or body", item)
             return None
         return payload
 
@@ -117,8 +125,7 @@ class Channel(kombu_redis.Channel):
         # kombu's own, with _decode_item instead of loads (kept in step with kombu 5.x)
         try:
             try:
-                dest__item = self.client.parse_response(self.client.connection, "BRPOP",
-                                                        **options)
+                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise

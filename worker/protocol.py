@@ -140,6 +140,8 @@ def queue_of(kind: str) -> str:
 def never_taken_message(settings: Settings, queue: str) -> str:
     """Why a job that waited past its queue's bound ended failed."""
     name = "STUDIO_QUEUE_TEST_MAX_WAIT_S" if queue == QUEUE_TEST else "STUDIO_QUEUE_RUN_MAX_WAIT_S"
-    return (f"No worker took this job within {max_wait_s(settings, queue):g} s ({name}) on "
-            f"queue {queue}: start a worker (`studio-code worker`) or check the running ones "
-            "(their logs, GET /healthz/ready), then run it again.")
+    return (
+        f"No worker took this job within {max_wait_s(settings, queue):g} s ({name}) on "
+        f"queue {queue}: start a worker (`studio-code worker`) or check the running ones "
+        "(their logs, GET /healthz/ready), then run it again."
+    )

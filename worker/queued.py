@@ -102,8 +102,9 @@ class QueuedSweep:
         self.store = store
         self.app = app
         self.nodename = nodename
-        self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=10,
-                                          socket_connect_timeout=5)
+        self.redis = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=10, socket_connect_timeout=5
+        )
 
     def close(self) -> None:
         self.redis.close()
@@ -139,9 +140,14 @@ class QueuedSweep:
             if old:
                 done = self.store.fail_queued(old, never_taken_message(self.settings, queue))
                 if done:
-                    log.error("queued sweep: %d job(s) waited in %s longer than %g s and "
-                              "ended failed (no worker took them): %s", len(done), queue,
-                              bound, ", ".join(done[:20]))
+                    log.error(
+                        "queued sweep: %d job(s) waited in %s longer than %g s and "
+                        "ended failed (no worker took them): %s",
+                        len(done),
+                        queue,
+                        bound,
+                        ", ".join(done[:20]),
+                    )
                 ended += done
         return ended
 
@@ -151,8 +157,11 @@ class QueuedSweep:
             return []
         present = broker_job_ids(self.redis)
         if present is None:
-            log.warning("queued sweep: more than %d messages queued; lost messages are not "
-                        "looked for (the queue-wait bounds still end old jobs)", MAX_SCAN)
+            log.warning(
+                "queued sweep: more than %d messages queued; lost messages are not "
+                "looked for (the queue-wait bounds still end old jobs)",
+                MAX_SCAN,
+            )
             return []
         missing = {c.job_id: c for c in candidates if c.job_id not in present}
         if not missing:
@@ -165,11 +174,20 @@ class QueuedSweep:
             if rec.status != "queued":
                 continue
             queue = queue_of(missing[job_id].kind)
-            self.app.send_task(TASK_NAME, args=(job_id,), task_id=job_id, queue=queue,
-                               ignore_result=True,
-                               headers=job_headers(self.store.store_id, self.store.describe()))
+            self.app.send_task(
+                TASK_NAME,
+                args=(job_id,),
+                task_id=job_id,
+                queue=queue,
+                ignore_result=True,
+                headers=job_headers(self.store.store_id, self.store.describe()),
+            )
             resent.append(job_id)
         if resent:
-            log.error("queued sweep: %d queued job(s) had no message in the queues nor held "
-                      "by a worker (lost); sent again: %s", len(resent), ", ".join(resent[:20]))
+            log.error(
+                "queued sweep: %d queued job(s) had no message in the queues nor held "
+                "by a worker (lost); sent again: %s",
+                len(resent),
+                ", ".join(resent[:20]),
+            )
         return sorted(resent)

@@ -20,8 +20,9 @@ log = logging.getLogger("studio_code.worker")
 MAX_BATCHES_PER_SWEEP = 20
 
 
-def cutoffs(settings: Settings, now: datetime | None = None) -> tuple[datetime | None,
-                                                                      datetime | None]:
+def cutoffs(
+    settings: Settings, now: datetime | None = None
+) -> tuple[datetime | None, datetime | None]:
     """(runs_before, payloads_before) for ``now``; None where the setting is 0 (keep)."""
     now = now or datetime.now(UTC)
     runs = now - timedelta(days=settings.runs_keep_days) if settings.runs_keep_days else None
@@ -33,21 +34,29 @@ def cutoffs(settings: Settings, now: datetime | None = None) -> tuple[datetime |
     return runs, payloads
 
 
-def apply_retention(store: RunStore, settings: Settings,
-                    now: datetime | None = None) -> PruneReport | None:
+def apply_retention(
+    store: RunStore, settings: Settings, now: datetime | None = None
+) -> PruneReport | None:
     """One bounded retention pass; None when both settings are 0 or the pass failed (it is
     logged and tried again at the next sweep)."""
     runs_before, payloads_before = cutoffs(settings, now)
     if runs_before is None and payloads_before is None:
         return None
     try:
-        report = store.prune(runs_before=runs_before, payloads_before=payloads_before,
-                             batch=settings.retention_batch_rows,
-                             max_batches=MAX_BATCHES_PER_SWEEP)
+        report = store.prune(
+            runs_before=runs_before,
+            payloads_before=payloads_before,
+            batch=settings.retention_batch_rows,
+            max_batches=MAX_BATCHES_PER_SWEEP,
+        )
     except Exception:  # noqa: BLE001 - retention must never stop the reaper
         log.exception("retention pass failed (tried again at the next sweep)")
         return None
     if report.deleted or report.payloads_cleared:
-        log.info("retention: %d runs deleted, %d payloads cleared in %d batches",
-                 report.deleted, report.payloads_cleared, report.batches)
+        log.info(
+            "retention: %d runs deleted, %d payloads cleared in %d batches",
+            report.deleted,
+            report.payloads_cleared,
+            report.batches,
+        )
     return report

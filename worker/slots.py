@@ -48,8 +48,11 @@ def reserved_test_slots(app: Celery, autoscale: Any = None) -> int:
     if not wanted or QUEUE_TEST not in names or names == {QUEUE_TEST}:
         return 0
     if autoscale:
-        log.warning("--autoscale: no pool processes are kept for %s; it is read first, but "
-                    "a test call may wait for a slot", QUEUE_TEST)
+        log.warning(
+            "--autoscale: no pool processes are kept for %s; it is read first, but "
+            "a test call may wait for a slot",
+            QUEUE_TEST,
+        )
         return 0
     return int(wanted)
 
@@ -65,8 +68,13 @@ class ReserveTestSlots(bootsteps.Step):
         # process. So the test slots come OUT of the pool, never on top of it, and a pool
         # too small to split keeps one consumer (code.test read first).
         if slots and int(w.concurrency) <= slots:
-            log.warning("concurrency %s is too small to keep %s process(es) for %s; it is "
-                        "read first instead", w.concurrency, slots, QUEUE_TEST)
+            log.warning(
+                "concurrency %s is too small to keep %s process(es) for %s; it is "
+                "read first instead",
+                w.concurrency,
+                slots,
+                QUEUE_TEST,
+            )
             slots = 0
         w.studio_test_slots = slots
         super().__init__(w, **kwargs)

@@ -94,8 +94,9 @@ class ProcessState:
             pipe.expire(done_key(job_id), DONE_TTL_S)
             pipe.execute()
         except redis.RedisError as e:
-            log.warning("could not announce the end of job %s (waiters poll the store): %s",
-                        job_id, e)
+            log.warning(
+                "could not announce the end of job %s (waiters poll the store): %s", job_id, e
+            )
 
     def close(self) -> None:
         self.executor.close()  # idle pre-started sandboxes go with the process
@@ -215,8 +216,7 @@ def _hand_back(why: str) -> NoReturn:
     raise Reject(why, requeue=True)
 
 
-def _run(state: ProcessState, job_id: str, worker: str, queue: str,
-         request: Any = None) -> str:
+def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any = None) -> str:
     if gate.closed_in_child():
         _hand_back(f"job {job_id} handed back: {gate.RUN_STORE} or runtime unavailable here")
     try:
@@ -247,15 +247,24 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str,
         return "skipped"
     if rec.problems:
         log.error("job %s: its row cannot be read: %s", job_id, "; ".join(rec.problems))
-        result = _result(rec, state.settings, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE,
-                         unrunnable.unreadable_message(rec))
+        result = _result(
+            rec,
+            state.settings,
+            Status.FAILED,
+            ErrorCode.RUNTIME_UNAVAILABLE,
+            unrunnable.unreadable_message(rec),
+        )
         return _finish(state, result, rec, worker, queue)
     if rec.attempts > MAX_ATTEMPTS:
         result = _result(
-            rec, state.settings, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE,
+            rec,
+            state.settings,
+            Status.FAILED,
+            ErrorCode.RUNTIME_UNAVAILABLE,
             f"The job was started {rec.attempts - 1} times and each time its worker stopped "
             "before it ended, so it was not started again: check the workers' logs (memory, "
-            "crashes), then run it again.")
+            "crashes), then run it again.",
+        )
         return _finish(state, result, rec, worker, queue)
     job = rec.to_job()
     watch = state.watch(job_id)
@@ -263,16 +272,28 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str,
     state.take_signal()  # a signal that came before this job was meant for another one
     try:
         if watch():
-            result = _result(rec, state.settings, Status.CANCELLED, ErrorCode.CODE_CANCELLED,
-                             "Cancelled before its sandbox started.")
+            result = _result(
+                rec,
+                state.settings,
+                Status.CANCELLED,
+                ErrorCode.CODE_CANCELLED,
+                "Cancelled before its sandbox started.",
+            )
         else:
-            with _metrics_context(metrics.sandbox_running, job.language), \
-                    publishing(state.redis, job_id):  # live logs, flushed before finish
+            with (
+                _metrics_context(metrics.sandbox_running, job.language),
+                publishing(state.redis, job_id),
+            ):  # live logs, flushed before finish
                 result = state.executor.run(job, should_cancel=watch)
     except Exception as e:  # noqa: BLE001 - the executor never raises for the job itself
         log.exception("job %s: the worker failed around the executor", job_id)
-        result = _result(rec, state.settings, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE,
-                         f"The worker failed to run the job ({e}); run it again.")
+        result = _result(
+            rec,
+            state.settings,
+            Status.FAILED,
+            ErrorCode.RUNTIME_UNAVAILABLE,
+            f"The worker failed to run the job ({e}); run it again.",
+        )
     finally:
         state.current_job = None
     if watch.cancelled_at is not None:
@@ -282,8 +303,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str,
     return _finish(state, result, rec, worker, queue)
 
 
-def _runtime_down_before_start(state: ProcessState, result: CodeResult,
-                               rec: JobRecord) -> bool:
+def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: JobRecord) -> bool:
     """True when the runtime failed the job before its sandbox started and cannot run its
     language here now (Docker unreachable, image missing): the job is handed back for
     another worker instead of failed, while it has attempts left (MAX_ATTEMPTS bounds it:
@@ -295,20 +315,21 @@ def _runtime_down_before_start(state: ProcessState, result: CodeResult,
     if rec.attempts >= MAX_ATTEMPTS or state.executor.runtime is None:
         return False
     try:
-        reason = state.executor.runtime.unavailable_reason(
-            state.executor.language(rec.language))
+        reason = state.executor.runtime.unavailable_reason(state.executor.language(rec.language))
     except Exception as e:  # noqa: BLE001
         reason = str(e)
     if reason is None:
         return False
     gate.report(gate.RUNTIME, reason)
-    log.error("job %s handed back (attempt %d of %d): %s", rec.job_id, rec.attempts,
-              MAX_ATTEMPTS, reason)
+    log.error(
+        "job %s handed back (attempt %d of %d): %s", rec.job_id, rec.attempts, MAX_ATTEMPTS, reason
+    )
     return True
 
 
-def _finish(state: ProcessState, result: CodeResult, rec: JobRecord, worker: str,
-            queue: str) -> str:
+def _finish(
+    state: ProcessState, result: CodeResult, rec: JobRecord, worker: str, queue: str
+) -> str:
     """Store the result; while the store cannot take it, park it in Redis (written by the
     main process when the store is back). Never drops a result that was computed."""
     wrote: bool | None = None
@@ -348,9 +369,13 @@ def _park(state: ProcessState, result: CodeResult, worker: str) -> None:
     while True:
         try:
             pending.park(state.redis, result, worker, ttl)
-            log.error("job %s: the run store is unreachable; its result (%s) is kept in Redis "
-                      "for up to %d s and written when the store is back", result.job_id,
-                      result.status.value, ttl)
+            log.error(
+                "job %s: the run store is unreachable; its result (%s) is kept in Redis "
+                "for up to %d s and written when the store is back",
+                result.job_id,
+                result.status.value,
+                ttl,
+            )
             return
         except redis.RedisError as e:
             try:
@@ -359,8 +384,12 @@ def _park(state: ProcessState, result: CodeResult, worker: str) -> None:
             except Exception:  # noqa: BLE001
                 pass
             if time.monotonic() > deadline:
-                log.error("job %s: neither the run store nor Redis takes its result (%s); "
-                          "the job will be handed out again", result.job_id, e)
+                log.error(
+                    "job %s: neither the run store nor Redis takes its result (%s); "
+                    "the job will be handed out again",
+                    result.job_id,
+                    e,
+                )
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
@@ -374,10 +403,12 @@ def _cancelled_before_start(state: ProcessState, job_id: str) -> bool:
     return rec is not None and rec.status is Status.CANCELLED and rec.started_at is None
 
 
-def _result(rec: JobRecord, settings: Settings, status: Status, code: ErrorCode,
-            message: str) -> CodeResult:
-    return CodeResult.ended(rec.job_id, rec.language, status, code, message,
-                            runtime=settings.code_runtime)
+def _result(
+    rec: JobRecord, settings: Settings, status: Status, code: ErrorCode, message: str
+) -> CodeResult:
+    return CodeResult.ended(
+        rec.job_id, rec.language, status, code, message, runtime=settings.code_runtime
+    )
 
 
 # --- metrics, never allowed to break a job --------------------------------------------------
@@ -390,8 +421,9 @@ def _metrics(hook: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         log.warning("metrics hook %s failed: %s", hook.__name__, e)
 
 
-def _metrics_context(hook: Callable[..., AbstractContextManager[Any]],
-                     *args: Any) -> AbstractContextManager[Any]:
+def _metrics_context(
+    hook: Callable[..., AbstractContextManager[Any]], *args: Any
+) -> AbstractContextManager[Any]:
     try:
         return hook(*args)
     except Exception as e:  # noqa: BLE001

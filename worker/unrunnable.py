@@ -24,8 +24,9 @@ from worker.protocol import DONE_TTL_S, HEADER_STORE_ID, HEADER_STORE_URL, notic
 log = logging.getLogger("studio_code.worker")
 
 
-def unknown_job(store: RunStore, client: redis.Redis, job_id: str, request: Any,
-                worker: str) -> bool:
+def unknown_job(
+    store: RunStore, client: redis.Redis, job_id: str, request: Any, worker: str
+) -> bool:
     """When ``job_id`` is not in ``store``: log at ERROR, leave the notice, return True."""
     try:
         if store.get(job_id) is not None:
@@ -39,12 +40,15 @@ def unknown_job(store: RunStore, client: redis.Redis, job_id: str, request: Any,
         f"The worker {worker} received this job but its run store ({mine}, store id "
         f"{mine_id}) has no such job; the API that queued it uses {theirs} (store id "
         f"{theirs_id}). Give the API and every worker the same STUDIO_DATABASE_URL (or "
-        "STUDIO_DATA_DIR), then run it again.")
+        "STUDIO_DATA_DIR), then run it again."
+    )
     log.error("job %s is not in this worker's run store: %s", job_id, message)
     try:
-        client.set(notice_key(job_id),
-                   json.dumps({"code": str(ErrorCode.RUNTIME_UNAVAILABLE), "message": message}),
-                   ex=DONE_TTL_S)
+        client.set(
+            notice_key(job_id),
+            json.dumps({"code": str(ErrorCode.RUNTIME_UNAVAILABLE), "message": message}),
+            ex=DONE_TTL_S,
+        )
     except redis.RedisError as e:
         log.warning("could not leave the notice of job %s: %s", job_id, e)
     return True
@@ -52,6 +56,9 @@ def unknown_job(store: RunStore, client: redis.Redis, job_id: str, request: Any,
 
 def unreadable_message(rec: JobRecord) -> str:
     """Why a job whose row could not be read was not run."""
-    return ("The run store's row of this job cannot be read (" + "; ".join(rec.problems)
-            + "), so it was not run: a worker older than the API that queued it, or a "
-            "damaged row. Update the workers, then run it again.")
+    return (
+        "The run store's row of this job cannot be read ("
+        + "; ".join(rec.problems)
+        + "), so it was not run: a worker older than the API that queued it, or a "
+        "damaged row. Update the workers, then run it again."
+    )

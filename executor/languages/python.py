@@ -58,8 +58,11 @@ class Python(Language):
             return [Problem(e.lineno or 0, f"SyntaxError: {e.msg}")]
         if not any(_binds_main(node) for node in tree.body):
             return [
-                Problem(0, "The code defines no main(state) function: add `def main(state):` "
-                        "returning the node's output.")
+                Problem(
+                    0,
+                    "The code defines no main(state) function: add `def main(state):` "
+                    "returning the node's output.",
+                )
             ]
         return _unavailable_imports(tree, settings)
 
@@ -95,9 +98,17 @@ def _unavailable_imports(tree: ast.Module, settings: Settings) -> list[Problem]:
         if not available.allows(module):
             listed = ", ".join(
                 f"{pkg} (import {', '.join(mods)})" if [pkg] != mods else pkg
-                for pkg, mods in sorted(available.packages.items()))
-            problems.append(Problem(line, (
-                f"`{module}` cannot be imported in the sandbox image {settings.code_image}: it "
-                f"is not in its standard library nor among its packages: {listed}. Use one of "
-                "those, or ask an admin to add the package to the image (docker/README.md).")))
+                for pkg, mods in sorted(available.packages.items())
+            )
+            problems.append(
+                Problem(
+                    line,
+                    (
+                        f"`{module}` cannot be imported in the sandbox image "
+                        f"{settings.code_image}: it is not in its standard library nor among "
+                        f"its packages: {listed}. Use one of those, or ask an admin to add the "
+                        "package to the image (docker/README.md)."
+                    ),
+                )
+            )
     return problems

@@ -74,14 +74,15 @@ def read_image_modules(image: str) -> ImageModules | None:
                 assert member is not None
                 data = json.loads(member.read())
             found = ImageModules(
-                image=image, stdlib=frozenset(data["stdlib"]),
+                image=image,
+                stdlib=frozenset(data["stdlib"]),
                 packages={k: list(v) for k, v in data["packages"].items()},
-                modules=frozenset(data["modules"]))
+                modules=frozenset(data["modules"]),
+            )
         finally:
             api.remove_container(cid, force=True)
     except Exception as e:  # noqa: BLE001 - an image built before the file existed
-        log.info("no %s in %s (%s): imports are not checked at save time", MODULES_PATH,
-                 image, e)
+        log.info("no %s in %s (%s): imports are not checked at save time", MODULES_PATH, image, e)
     with _lock:
         _cache[image_id] = found
     return found

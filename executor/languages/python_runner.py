@@ -82,8 +82,10 @@ def _user_traceback(exc):
 
 def _fail(fd, code, message):
     if _len(message) > MESSAGE_MAX_CHARS:
-        message = (message[:MESSAGE_MAX_CHARS]
-                   + f"\n[cut: {_len(message) - MESSAGE_MAX_CHARS} more characters]")
+        message = (
+            message[:MESSAGE_MAX_CHARS]
+            + f"\n[cut: {_len(message) - MESSAGE_MAX_CHARS} more characters]"
+        )
     _emit(fd, {"ok": False, "error": {"code": code, "message": message}})
     return 0
 
@@ -101,8 +103,11 @@ def _run(result_fd, output_max_bytes):
     except ValueError as e:
         return _fail(result_fd, "CODE_INVALID", f"The state is not valid JSON: {e}.")
     except RecursionError:
-        return _fail(result_fd, "CODE_INVALID", "The state is nested too deep for Python to "
-                     "read: send a flatter state.")
+        return _fail(
+            result_fd,
+            "CODE_INVALID",
+            "The state is nested too deep for Python to read: send a flatter state.",
+        )
     del state_raw
 
     import linecache  # small; lets tracebacks show the user's source lines

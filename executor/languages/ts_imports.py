@@ -373,9 +373,7 @@ def _exports_entry_point(statement: tree_sitter.Node) -> bool:
         exported = specifier.child_by_field_name("alias") or specifier.child_by_field_name("name")
         if exported is None:
             continue
-        exported_name = (
-            _string_value(exported) if exported.type == "string" else _text(exported)
-        )
+        exported_name = _string_value(exported) if exported.type == "string" else _text(exported)
         if exported_name in ("main", "default"):
             return True
     return False

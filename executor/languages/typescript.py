@@ -211,8 +211,10 @@ class TypeScript(Language):
             raw.exit_code in _SIGTRAP_EXITS and raw.logs_truncated
         ):
             # V8's fatal heap exhaustion; the executor words CODE_MEMORY itself.
-            return CodeErrorInfo(code=ErrorCode.CODE_MEMORY,
-                                 message="V8 reached its heap limit (--max-old-space-size).")
+            return CodeErrorInfo(
+                code=ErrorCode.CODE_MEMORY,
+                message="V8 reached its heap limit (--max-old-space-size).",
+            )
         if _NO_THREADS in logs:
             # Deno's own failure before the runner ran is the operator's to fix; the same
             # words after the runner started came from the node (console.error) or its own
@@ -272,6 +274,7 @@ def _cache_messages(settings: Settings, in_container: bool) -> dict[str, str]:
     uid = str(sandbox_ids()[0])
     return {
         "missingPackage": MISSING_PACKAGE_SUBPROCESS.replace("{deno_dir}", deno_dir),
-        "cacheUnreadable": CACHE_UNREADABLE_SUBPROCESS.replace("{deno_dir}", deno_dir)
-        .replace("{uid}", uid),
+        "cacheUnreadable": CACHE_UNREADABLE_SUBPROCESS.replace("{deno_dir}", deno_dir).replace(
+            "{uid}", uid
+        ),
     }

@@ -28,8 +28,7 @@ def owner_id() -> str:
 #: Set by a caller (the worker) around a run: a runtime hands it to its logs buffer, which
 #: passes each kept piece on as it comes (live logs). Same cap as the stored logs, since
 #: only what the buffer keeps is passed on. It must be quick and never raise.
-LOG_TAP: ContextVar[Callable[[bytes], None] | None] = ContextVar("studio_log_tap",
-                                                                 default=None)
+LOG_TAP: ContextVar[Callable[[bytes], None] | None] = ContextVar("studio_log_tap", default=None)
 
 
 def pid_alive(pid: int) -> bool:
@@ -53,8 +52,9 @@ def owner_dead(owner: str, host: str | None = None) -> bool:
     """True when ``owner`` (host:pid, see owner_id) is a process of THIS host that is gone;
     another host's owner is never judged dead from here."""
     owner_host, _, pid = owner.rpartition(":")
-    return owner_host == (host or socket.gethostname()) and pid.isdigit() and \
-        not pid_alive(int(pid))
+    return (
+        owner_host == (host or socket.gethostname()) and pid.isdigit() and not pid_alive(int(pid))
+    )
 
 
 class BoundedBuffer:

@@ -217,15 +217,17 @@ def _locate(setting: str) -> CgroupParent:
                 _mkdir(d)
         return CgroupParent(1, dirs)
     if v2 is None:
-        raise CgroupError("neither the cgroup v1 memory and pids hierarchies nor cgroup v2 "
-                          "are mounted")
+        raise CgroupError(
+            "neither the cgroup v1 memory and pids hierarchies nor cgroup v2 are mounted"
+        )
     root, mount = v2
     base = Path(mount) / (setting if explicit else _relative(own_v2 or "/", root)).lstrip("/")
     available = _read(base / "cgroup.controllers").split()
     missing = [c for c in CONTROLLERS if c not in available]
     if missing:
-        raise CgroupError(f"cgroup v2 at {base} does not offer the {', '.join(missing)} "
-                          "controller(s)")
+        raise CgroupError(
+            f"cgroup v2 at {base} does not offer the {', '.join(missing)} controller(s)"
+        )
     _enable(base)
     if explicit:
         return CgroupParent(2, {"": base})
@@ -243,9 +245,13 @@ def _enable(d: Path) -> None:
     try:
         _write(d / "cgroup.subtree_control", " ".join(f"+{c}" for c in todo))
     except OSError as e:
-        hint = (" (the kernel refuses while that cgroup holds processes itself: set "
-                "STUDIO_CODE_SUBPROCESS_CGROUP to a cgroup made for the server, e.g. with "
-                "systemd Delegate=yes)" if e.errno == errno.EBUSY else "")
+        hint = (
+            " (the kernel refuses while that cgroup holds processes itself: set "
+            "STUDIO_CODE_SUBPROCESS_CGROUP to a cgroup made for the server, e.g. with "
+            "systemd Delegate=yes)"
+            if e.errno == errno.EBUSY
+            else ""
+        )
         raise CgroupError(f"could not enable {', '.join(todo)} in {d}: {e}{hint}") from e
 
 
@@ -258,7 +264,7 @@ def _mkdir(d: Path) -> None:
 
 def _relative(path: str, root: str) -> str:
     if root != "/" and (path == root or path.startswith(root + "/")):
-        return path[len(root):] or "/"
+        return path[len(root) :] or "/"
     return path
 
 

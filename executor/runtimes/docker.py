@@ -127,8 +127,9 @@ class DockerRuntime(Runtime):
 
     # --- what it can do (the Runtime interface) ---------------------------------------
 
-    def prepare(self, languages: list[Language], limits: Limits,
-                observe: PoolObserver | None = None) -> None:
+    def prepare(
+        self, languages: list[Language], limits: Limits, observe: PoolObserver | None = None
+    ) -> None:
         try:
             _ = self.api  # connect now, not in the first job
         except RuntimeUnavailable as e:
@@ -188,8 +189,9 @@ class DockerRuntime(Runtime):
             name = (c.get("Names") or ["?"])[0].lstrip("/")
             what = labels.get(LABEL_JOB) or f"pool:{name}"
             why = "its owner process is gone" if orphan else "it is past its deadline"
-            log.warning("reaper: removed the sandbox %s (%s, owner %s)", what, why,
-                        labels.get(LABEL_OWNER))
+            log.warning(
+                "reaper: removed the sandbox %s (%s, owner %s)", what, why, labels.get(LABEL_OWNER)
+            )
             reaped.append(what)
         return reaped
 
@@ -348,8 +350,7 @@ class DockerRuntime(Runtime):
                 self._remove(api, cid)
                 return
             except (APIError, requests.exceptions.RequestException) as e:
-                log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12],
-                            attempt + 1, e)
+                log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12], attempt + 1, e)
                 time.sleep(0.2 * (attempt + 1))
 
     @staticmethod

@@ -83,8 +83,6 @@ IMAGE_CHECK_S = 10.0
 BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0)
 
 
-
-
 @dataclass
 class Pooled:
     """One pre-started container, waiting on stdin."""
@@ -117,8 +115,13 @@ def _shape(policy: dict[str, Any]) -> dict[str, Any]:
 class SandboxPool:
     """The pre-started containers of one process (one per ``DockerRuntime``)."""
 
-    def __init__(self, runtime: DockerRuntime, languages: list[Language], limits: Limits,
-                 observe: PoolObserver | None = None) -> None:
+    def __init__(
+        self,
+        runtime: DockerRuntime,
+        languages: list[Language],
+        limits: Limits,
+        observe: PoolObserver | None = None,
+    ) -> None:
         self.runtime = runtime
         self.settings = runtime.settings
         self.size = self.settings.code_prewarm
@@ -209,15 +212,13 @@ class SandboxPool:
                             return None
                         q.popleft()
                         if not p.fresh():
-                            log.warning("pre-started sandbox %s was not fresh; removed",
-                                        p.name)
+                            log.warning("pre-started sandbox %s was not fresh; removed", p.name)
                             self._retire.append(p)
                             continue
                         self.hits[name] += 1
                         return p
                     left = deadline - time.monotonic()
-                    if self._starting[name] > self._waiting[name] and left > 0 and \
-                            not self._stop:
+                    if self._starting[name] > self._waiting[name] and left > 0 and not self._stop:
                         self._waiting[name] += 1
                         try:
                             self._cond.wait(left)
@@ -234,8 +235,16 @@ class SandboxPool:
         with self._cond:
             return self._taken.get(job_id)
 
-    def run(self, p: Pooled, job: CodeJob, language: Language, limits: Limits,
-            should_cancel: CancelCheck | None, *, t0: float | None = None) -> RawRun:
+    def run(
+        self,
+        p: Pooled,
+        job: CodeJob,
+        language: Language,
+        limits: Limits,
+        should_cancel: CancelCheck | None,
+        *,
+        t0: float | None = None,
+    ) -> RawRun:
         """Give ``job`` to the taken container ``p``: its one and only job. ``t0``: when the
         job asked for a sandbox (its start_ms counts a wait in ``take`` too)."""
         runtime = self.runtime
@@ -255,15 +264,22 @@ class SandboxPool:
             logs = _Logs(limits.log_max_bytes, mark.encode("utf-8"), tap=LOG_TAP.get())
 
             def complete() -> bool:
-                return logs.at_end and not out.truncated and _complete(language, job,
-                                                                     out.getvalue())
+                return (
+                    logs.at_end and not out.truncated and _complete(language, job, out.getvalue())
+                )
 
             deadline = started + limits.timeout_s
             ending = _pump(p.raw, out, logs, deadline, should_cancel, complete)
             logs.flush_tap()
-            raw = RawRun(exit_code=None, stdout=out.getvalue(), stdout_truncated=out.truncated,
-                         logs=logs.without_mark(), logs_total=logs.total_without_mark,
-                         pooled=True, start_ms=(started - t0) * 1000)
+            raw = RawRun(
+                exit_code=None,
+                stdout=out.getvalue(),
+                stdout_truncated=out.truncated,
+                logs=logs.without_mark(),
+                logs_total=logs.total_without_mark,
+                pooled=True,
+                start_ms=(started - t0) * 1000,
+            )
             if ending == "done" or (ending == "eof" and complete()):
                 # The runner wrote its whole result, then the end-of-logs mark after every
                 # log byte it wrote: the answer is complete. It exits 0 right after (its
@@ -337,8 +353,7 @@ class SandboxPool:
                         "starting": self._starting[name],
                         "hits": self.hits[name],
                         "misses": self.misses[name],
-                        "oldest_idle_s": round(max((now - p.created for p in q), default=0.0),
-                                               3),
+                        "oldest_idle_s": round(max((now - p.created for p in q), default=0.0), 3),
                     }
                     for name, q in self._idle.items()
                 },
@@ -358,8 +373,12 @@ class SandboxPool:
         next_tick = 0.0
         while True:
             with self._cond:
-                while not self._stop and not self._retire and self._wanted() is None and \
-                        time.monotonic() < next_tick:
+                while (
+                    not self._stop
+                    and not self._retire
+                    and self._wanted() is None
+                    and time.monotonic() < next_tick
+                ):
                     self._cond.wait(max(0.01, min(next_tick - time.monotonic(), TICK_S)))
                 if self._stop and not self._retire:
                     return
@@ -397,8 +416,14 @@ class SandboxPool:
             # Said once, then every 10th time: a missing image must not flood the log (its
             # jobs start cold and report the problem themselves).
             level = logging.WARNING if self._failures[name] % 10 == 1 else logging.DEBUG
-            log.log(level, "could not pre-start a %s sandbox (failure %d, retrying in %g s): "
-                    "%s", name, self._failures[name], delay, e)
+            log.log(
+                level,
+                "could not pre-start a %s sandbox (failure %d, retrying in %g s): %s",
+                name,
+                self._failures[name],
+                delay,
+                e,
+            )
         with self._cond:
             self._starting[name] -= 1
             if made is not None:
@@ -412,34 +437,55 @@ class SandboxPool:
 
     def _create(self, language: Language) -> Pooled:
         api = self.runtime.api
-        placeholder = CodeJob(job_id=f"pool-{uuid.uuid4().hex[:12]}", language=language.name,  # type: ignore[arg-type]
-                              code="")
+        placeholder = CodeJob(
+            job_id=f"pool-{uuid.uuid4().hex[:12]}",
+            language=language.name,  # type: ignore[arg-type]
+            code="",
+        )
         policy = sandbox_policy(self.settings, language, placeholder, self.limits, self.owner)
         shape = _shape(policy)
         labels = dict(policy["labels"])
         labels.pop(LABEL_JOB, None)
         labels[LABEL_POOL] = self.owner
         # Any reaper may remove it after: idle at most max_idle_s (+ a tick), then one job.
-        labels[LABEL_DEADLINE] = str(int(time.time() + self.max_idle_s + TICK_S +
-                                         self.settings.code_max_seconds + KILL_GRACE_S))
-        args = {**policy, "labels": labels,
-                "host_config": api.create_host_config(**policy["host_config"])}
+        labels[LABEL_DEADLINE] = str(
+            int(
+                time.time()
+                + self.max_idle_s
+                + TICK_S
+                + self.settings.code_max_seconds
+                + KILL_GRACE_S
+            )
+        )
+        args = {
+            **policy,
+            "labels": labels,
+            "host_config": api.create_host_config(**policy["host_config"]),
+        }
         name = f"studio-code-pool-{uuid.uuid4().hex[:12]}"
         image_id = self._image_id(language, fresh=True)
         cid = api.create_container(name=name, **args)["Id"]
         sock = None
         try:
-            sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1,
-                                                  "stream": 1})
+            sock = api.attach_socket(
+                cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+            )
             api.start(cid)
         except BaseException:
             if sock is not None:
                 _close_sock(sock)
             self.runtime._remove_surely(api, cid)
             raise
-        return Pooled(cid=cid, name=name, language=language.name, shape=shape, sock=sock,
-                      raw=getattr(sock, "_sock", sock), image_id=image_id,
-                      created=time.monotonic())
+        return Pooled(
+            cid=cid,
+            name=name,
+            language=language.name,
+            shape=shape,
+            sock=sock,
+            raw=getattr(sock, "_sock", sock),
+            image_id=image_id,
+            created=time.monotonic(),
+        )
 
     def _image_id(self, language: Language, *, fresh: bool = False) -> str:
         if fresh or language.name not in self._image_ids:
@@ -466,8 +512,7 @@ class SandboxPool:
                     if now - p.created > self.max_idle_s:
                         self._retire.append(p)
                     elif name in current and p.image_id != current[name]:
-                        log.info("image of %s changed: replacing its pre-started sandbox",
-                                 name)
+                        log.info("image of %s changed: replacing its pre-started sandbox", name)
                         self._retire.append(p)
                     else:
                         keep.append(p)
@@ -501,8 +546,7 @@ class _Logs(BoundedBuffer):
     """The logs, watching for the runner's end-of-logs mark (which may arrive past the
     kept bytes of a print flood) and keeping it out of what the user sees."""
 
-    def __init__(self, limit: int, mark: bytes,
-                 tap: Callable[[bytes], None] | None = None) -> None:
+    def __init__(self, limit: int, mark: bytes, tap: Callable[[bytes], None] | None = None) -> None:
         super().__init__(limit)  # no tap of its own: the mark must never reach live logs
         self.mark = mark
         self.tail = b""
@@ -513,7 +557,7 @@ class _Logs(BoundedBuffer):
     def write(self, data: bytes) -> None:
         before = self.kept
         super().write(data)
-        self.tail = (self.tail + data)[-len(self.mark):]
+        self.tail = (self.tail + data)[-len(self.mark) :]
         self.seen = self.seen or self.tail == self.mark
         if self.live_tap is None:
             return
@@ -529,7 +573,7 @@ class _Logs(BoundedBuffer):
                 break
         if len(self.held) > keep:
             self._pass_on(self.held[: len(self.held) - keep])
-            self.held = self.held[len(self.held) - keep:]
+            self.held = self.held[len(self.held) - keep :]
 
     def flush_tap(self) -> None:
         """Pass on what is held (without the mark): at the end of the logs, or of the run."""
@@ -553,7 +597,7 @@ class _Logs(BoundedBuffer):
     def without_mark(self) -> bytes:
         kept = self.getvalue()
         at = kept.rfind(self.mark) if self.seen else -1
-        return kept if at < 0 else kept[:at] + kept[at + len(self.mark):]
+        return kept if at < 0 else kept[:at] + kept[at + len(self.mark) :]
 
     @property
     def total_without_mark(self) -> int:
@@ -562,8 +606,7 @@ class _Logs(BoundedBuffer):
 
 def _complete(language: Language, job: CodeJob, stdout: bytes) -> bool:
     """The runner's whole result is in ``stdout``: its JSON parses to the runner's object."""
-    probe = RawRun(exit_code=None, stdout=stdout, stdout_truncated=False, logs=b"",
-                   logs_total=0)
+    probe = RawRun(exit_code=None, stdout=stdout, stdout_truncated=False, logs=b"", logs_total=0)
     frame = language.result_bytes(job, probe)
     if not frame:
         return False

@@ -107,8 +107,7 @@ class SubprocessRuntime(Runtime):
         if linux:
             self._cgroups, self._cgroup_note = find_parent(settings.code_subprocess_cgroup)
         self._seq = 0
-        self.isolation = isolation_report(settings, self._uids, self._cgroups,
-                                          self._cgroup_note)
+        self.isolation = isolation_report(settings, self._uids, self._cgroups, self._cgroup_note)
         log.warning(isolation_warning(self.isolation))
 
     def unavailable_reason(self, language: Language) -> str | None:
@@ -250,8 +249,11 @@ class SubprocessRuntime(Runtime):
         try:
             return self._cgroups.create(name, limits.memory_bytes, limits.pids)
         except CgroupError as e:
-            log.warning("subprocess run without a cgroup (%s): memory in /dev/shm and tmpfs "
-                        "is not counted, and only its session and uid are killed at the end", e)
+            log.warning(
+                "subprocess run without a cgroup (%s): memory in /dev/shm and tmpfs "
+                "is not counted, and only its session and uid are killed at the end",
+                e,
+            )
             return None
 
     def _end(self, group: RunCgroup | None, lease: UidLease | None) -> None:
@@ -261,8 +263,10 @@ class SubprocessRuntime(Runtime):
             remove_owned_files(lease.uid)
             remove_owned_ipc(lease.uid)
         if group is not None and not group.remove():
-            log.warning("could not remove the run cgroup %s (the next run of the same uid "
-                        "removes it)", group.dirs)
+            log.warning(
+                "could not remove the run cgroup %s (the next run of the same uid removes it)",
+                group.dirs,
+            )
 
     def kill(self, job_id: str) -> bool:
         with self._lock:
@@ -294,45 +298,64 @@ def isolation_report(
             f"{settings.code_subprocess_uids} and no supplementary group: it "
             "cannot read the memory or environment (/proc/<pid>/mem, environ) of another run "
             "or of the server, cannot signal them or a Docker sandbox, and its process limit "
-            "(RLIMIT_NPROC) is its own.")
-        holds.append(f"Every file a run's uid leaves in {swept}, and every System V IPC "
-                     "object (shared memory, semaphores, message queues) it owns, is removed "
-                     "after the run.")
-        holds.append("The end of a run kills every process of its uid, including a "
-                     "grandchild that called setsid().")
-        lacks.append("A run can read every file readable by all users (check that the "
-                     "database and secret.key are not) and use the network; what it leaves "
-                     "outside those folders (a file in another world-writable folder, an "
-                     "abstract Unix socket while it runs) is not looked for.")
+            "(RLIMIT_NPROC) is its own."
+        )
+        holds.append(
+            f"Every file a run's uid leaves in {swept}, and every System V IPC "
+            "object (shared memory, semaphores, message queues) it owns, is removed "
+            "after the run."
+        )
+        holds.append(
+            "The end of a run kills every process of its uid, including a "
+            "grandchild that called setsid()."
+        )
+        lacks.append(
+            "A run can read every file readable by all users (check that the "
+            "database and secret.key are not) and use the network; what it leaves "
+            "outside those folders (a file in another world-writable folder, an "
+            "abstract Unix socket while it runs) is not looked for."
+        )
     elif os.getuid() == 0:
-        lacks.append("Not Linux: every run runs as nobody, shared with every other run and "
-                     "the Docker sandboxes (they can read and signal each other), and its "
-                     "files are not removed.")
+        lacks.append(
+            "Not Linux: every run runs as nobody, shared with every other run and "
+            "the Docker sandboxes (they can read and signal each other), and its "
+            "files are not removed."
+        )
     else:
         server = f"uid {os.getuid()}"
-        mem = ("and memory (/proc/<ppid>/mem: ptrace is not restricted by Yama here)"
-               if _ptrace_scope() == 0 else
-               "(its memory is kept from it by Yama's ptrace_scope, its environment is not)")
+        mem = (
+            "and memory (/proc/<ppid>/mem: ptrace is not restricted by Yama here)"
+            if _ptrace_scope() == 0
+            else "(its memory is kept from it by Yama's ptrace_scope, its environment is not)"
+        )
         lacks.append(
             f"The server is not root, so every run runs as the server's own {server}: a run "
             f"can read the server's own environment (/proc/<ppid>/environ) {mem}, and those "
             "of concurrent runs; signal the server, its other children and concurrent "
             "runs; read and write every file the server can; and share the RLIMIT_NPROC "
-            "count of every process of that user.")
-        lacks.append(f"Files a run leaves in {swept} are not removed (they cannot be told "
-                     "from the server user's own).")
+            "count of every process of that user."
+        )
+        lacks.append(
+            f"Files a run leaves in {swept} are not removed (they cannot be told "
+            "from the server user's own)."
+        )
     if cgroups is not None:
         holds.append(
             f"Each run has its own {cgroups.describe()}: memory, /dev/shm and tmpfs pages "
             "included, and processes are capped for the whole run, and its end kills "
-            "everything in the cgroup (a grandchild that called setsid() too).")
+            "everything in the cgroup (a grandchild that called setsid() too)."
+        )
     else:
         lacks.append(
             f"No cgroup per run ({cgroup_note}): memory is capped per process only, so "
             "pages written to /dev/shm or a tmpfs are not counted against "
-            "STUDIO_CODE_MEMORY" + (
-                "." if uids is not None else
-                ", and a grandchild that called setsid() survives the end of the run."))
+            "STUDIO_CODE_MEMORY"
+            + (
+                "."
+                if uids is not None
+                else ", and a grandchild that called setsid() survives the end of the run."
+            )
+        )
     return {
         "separate_uids": uids is not None,
         "uids": settings.code_subprocess_uids if uids is not None else None,

@@ -68,19 +68,25 @@ def uid_range_problem(ids: range, reserved: Iterable[int]) -> str | None:
     (its files would be readable by a run, and removed after it). None when it is fine."""
     for uid in sorted(set(reserved)):
         if uid in ids:
-            return (f"a range without uid {uid} (root, nobody, the server's own uid and the "
-                    "Docker sandboxes' uid are never given to a run)")
+            return (
+                f"a range without uid {uid} (root, nobody, the server's own uid and the "
+                "Docker sandboxes' uid are never given to a run)"
+            )
     import grp
     import pwd
 
     for p in pwd.getpwall():
         if p.pw_uid in ids:
-            return (f"a range that no account uses (uid {p.pw_uid} is the account "
-                    f"{p.pw_name!r} on this host)")
+            return (
+                f"a range that no account uses (uid {p.pw_uid} is the account "
+                f"{p.pw_name!r} on this host)"
+            )
     for g in grp.getgrall():
         if g.gr_gid in ids:
-            return (f"a range that no group uses (gid {g.gr_gid} is the group {g.gr_name!r} "
-                    "on this host)")
+            return (
+                f"a range that no group uses (gid {g.gr_gid} is the group {g.gr_name!r} "
+                "on this host)"
+            )
     return None
 
 
@@ -163,8 +169,15 @@ def kill_uid(uid: int, gid: int) -> None:
         # preexec hook, which runs after the drop, sends the signal and exits. No kill(1)
         # binary and its dialect of options; no Python fork() in a threaded process.
         helper = subprocess.Popen(
-            [sys.executable], user=uid, group=gid, extra_groups=[], env={}, close_fds=True,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [sys.executable],
+            user=uid,
+            group=gid,
+            extra_groups=[],
+            env={},
+            close_fds=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             preexec_fn=_kill_all_of_my_uid,
         )
         if helper.wait(timeout=10) == 0:
@@ -206,9 +219,7 @@ def pids_of_uid(uid: int) -> list[int]:
                 status = f.read()
         except OSError:
             continue
-        fields = dict(
-            line.split(b":", 1) for line in status.splitlines() if b":" in line
-        )
+        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
         try:
             real_uid = int(fields[b"Uid"].split()[0])
         except (KeyError, IndexError, ValueError):
@@ -239,8 +250,11 @@ def remove_owned_files(uid: int, roots: Iterable[str] = SWEPT_DIRS) -> int:
             # directories parked at the top of ``root`` by a walk that went too deep
             done: set[str] = set()
             while True:
-                parked = [n for n in os.listdir(fd)
-                          if n.startswith(f"{SWEEP_PARKING}{uid}-") and n not in done]
+                parked = [
+                    n
+                    for n in os.listdir(fd)
+                    if n.startswith(f"{SWEEP_PARKING}{uid}-") and n not in done
+                ]
                 if not parked:
                     break
                 for name in parked:
@@ -283,18 +297,23 @@ def _sweep(root_fd: int, dir_fd: int, uid: int, dev: int, depth: int) -> int:
 
 
 def _sweep_dir(
-    root_fd: int, parent_fd: int, name: str, uid: int, dev: int, depth: int,
+    root_fd: int,
+    parent_fd: int,
+    name: str,
+    uid: int,
+    dev: int,
+    depth: int,
     expected: os.stat_result | None = None,
 ) -> int:
     try:
-        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      dir_fd=parent_fd)
+        sub = os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd
+        )
     except OSError:
         return 0
     try:
         st = os.fstat(sub)
-        if expected is not None and (st.st_ino, st.st_dev) != (expected.st_ino,
-                                                                expected.st_dev):
+        if expected is not None and (st.st_ino, st.st_dev) != (expected.st_ino, expected.st_dev):
             return 0  # swapped between the look and the open: leave it
         if st.st_dev != dev:
             return 0

@@ -99,8 +99,9 @@ class JobRecord(BaseModel):
             return None
         # every field of CodeResult from the record's own field of the same name
         fields = {name: getattr(self, name) for name in CodeResult.model_fields}
-        fields.update(runtime=self.runtime or self.code_runtime,
-                      duration_ms=self.duration_ms or 0.0)
+        fields.update(
+            runtime=self.runtime or self.code_runtime, duration_ms=self.duration_ms or 0.0
+        )
         return CodeResult.model_validate(fields)
 
 
@@ -110,6 +111,8 @@ class QueuedJob(NamedTuple):
     job_id: str
     kind: str
     queued_at: datetime
+
+
 class RunSummary(BaseModel):
     """One run as the history lists it: no code, state, output or logs (those stay in
     ``get``). Datetimes are timezone-aware UTC."""
@@ -197,11 +200,15 @@ class RunStore(ABC):
         """The status of each known job among ``job_ids``: what a waiter re-reads every
         second, so backends answer it without loading code, state or output."""
         return {job_id: rec.status for job_id, rec in self.get_many(job_ids).items()}
+
     def get_summary(self, job_id: str) -> RunSummary | None:
         """The job without its code, state, output or logs; None if unknown."""
         rec = self.get(job_id)
-        return None if rec is None else RunSummary(**rec.model_dump(
-            include=set(RunSummary.model_fields)))
+        return (
+            None
+            if rec is None
+            else RunSummary(**rec.model_dump(include=set(RunSummary.model_fields)))
+        )
 
     @abstractmethod
     def claim(self, job_id: str, worker: str) -> JobRecord | None:
@@ -227,7 +234,11 @@ class RunStore(ABC):
 
     @abstractmethod
     def fail_stuck(
-        self, older_than_s: float, reason: str = WORKER_STOPPED, *, default_timeout_s: float = 30.0,
+        self,
+        older_than_s: float,
+        reason: str = WORKER_STOPPED,
+        *,
+        default_timeout_s: float = 30.0,
         keep: Collection[str] = (),
     ) -> list[str]:
         """Running/cancelling jobs whose started_at + timeout_s + older_than_s has passed end
@@ -287,8 +298,9 @@ class RunStore(ABC):
         """Where the store is, for logs and errors (a URL without its password)."""
         return repr(self)
 
-    def list_queued(self, older_than_s: float, *, kind: str | None = None,
-                    limit: int = 1000) -> list[QueuedJob]:
+    def list_queued(
+        self, older_than_s: float, *, kind: str | None = None, limit: int = 1000
+    ) -> list[QueuedJob]:
         """Jobs ``queued`` for more than ``older_than_s`` seconds (of ``kind`` if given),
         oldest first."""
         raise NotImplementedError

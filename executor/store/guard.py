@@ -42,7 +42,8 @@ def outage(where: str, e: BaseException) -> StoreUnavailable:
     """The StoreUnavailable that says ``where`` (a URL without password) failed and why."""
     return StoreUnavailable(
         f"The run store at {where} is not reachable ({_reason(e)}): check that it is up and "
-        "writable, and that STUDIO_DATABASE_URL (or STUDIO_DATA_DIR) points at it.")
+        "writable, and that STUDIO_DATABASE_URL (or STUDIO_DATA_DIR) points at it."
+    )
 
 
 class GuardedStore:
@@ -90,8 +91,9 @@ class GuardedStore:
         return f"GuardedStore({self._store!r})"
 
 
-def open_guarded(url: str, *, create: bool = True,
-                 opener: Callable[..., RunStore] | None = None) -> RunStore:
+def open_guarded(
+    url: str, *, create: bool = True, opener: Callable[..., RunStore] | None = None
+) -> RunStore:
     """``open_store(url)`` behind a GuardedStore; an outage while opening raises
     StoreUnavailable too."""
     from executor.store import open_store

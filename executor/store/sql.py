@@ -377,7 +377,9 @@ _ALLOWED = {
 }
 #: an unreadable column's value where the record has no default of its own
 _TOLERANT_DEFAULTS: dict[str, Any] = {
-    "status": Status.FAILED, "queued_at": datetime.fromtimestamp(0, UTC)}
+    "status": Status.FAILED,
+    "queued_at": datetime.fromtimestamp(0, UTC),
+}
 
 
 def _record_tolerant(row: Row[Any]) -> JobRecord:
@@ -392,8 +394,9 @@ def _record_tolerant(row: Row[Any]) -> JobRecord:
             if isinstance(value, Exception):
                 raise value
             parsed = parse(value)
-            JobRecord.model_validate({"job_id": "x", "status": "failed",
-                                      "queued_at": datetime.now(UTC), name: parsed})
+            JobRecord.model_validate(
+                {"job_id": "x", "status": "failed", "queued_at": datetime.now(UTC), name: parsed}
+            )
             fields[name] = parsed
         except Exception:  # noqa: BLE001
             shown = "unreadable" if isinstance(value, Exception) else _short(value)
@@ -412,20 +415,30 @@ def _record_tolerant(row: Row[Any]) -> JobRecord:
     def trace_of(v: Any) -> Any:
         return [TraceRow.model_validate(t) for t in json.loads(v)]
 
-    parse = {"status": Status, "output": json_or_none, "error": error_of,
-             "logs_truncated": bool, "warnings": json.loads, "trace": trace_of}
+    parse = {
+        "status": Status,
+        "output": json_or_none,
+        "error": error_of,
+        "logs_truncated": bool,
+        "warnings": json.loads,
+        "trace": trace_of,
+    }
     job_id = _raw(row, "job_id")
     fields["job_id"] = str(job_id) if not isinstance(job_id, Exception) else "?"
     for name in _RECORD_COLUMNS:
         if name != "job_id":
             own = JobRecord.model_fields[name].get_default(call_default_factory=True)
-            take(name, parse.get(name, same), _TOLERANT_DEFAULTS.get(name, own),
-                 _ALLOWED.get(name, "readable"))
+            take(
+                name,
+                parse.get(name, same),
+                _TOLERANT_DEFAULTS.get(name, own),
+                _ALLOWED.get(name, "readable"),
+            )
     if problems and fields.get("error") is None:
         fields["error"] = CodeErrorInfo(
             code=ErrorCode.RUNTIME_UNAVAILABLE,
-            message="The run store's row of this job cannot be read: "
-            + "; ".join(problems) + ".")
+            message="The run store's row of this job cannot be read: " + "; ".join(problems) + ".",
+        )
     return JobRecord(**fields, problems=problems)
 
 
@@ -438,7 +451,8 @@ def _summary(row: Any) -> RunSummary:
     fields = {name: m[name] for name in RunSummary.model_fields}
     fields.update(
         status=Status(m["status"]),
-        error=None if m["error"] is None else CodeErrorInfo.model_validate_json(m["error"]))
+        error=None if m["error"] is None else CodeErrorInfo.model_validate_json(m["error"]),
+    )
     return RunSummary(**fields)
 
 
@@ -474,7 +488,8 @@ class SqlRunStore(RunStore):
                 raise StoreUnavailable(
                     f"There is no run store at {self.describe()} (no such file): nothing "
                     "was ever submitted to it. Point STUDIO_DATABASE_URL (or "
-                    "STUDIO_DATA_DIR) at the store the API and the workers use.")
+                    "STUDIO_DATA_DIR) at the store the API and the workers use."
+                )
         self._engine = self._make_engine(self.url, create=create_tables)
         self._closed = False
         self._store_id: str | None = None
@@ -625,8 +640,11 @@ class SqlRunStore(RunStore):
         out: dict[str, Status] = {}
         with self._read() as conn:
             for i in range(0, len(ids), _CHUNK):
-                rows = conn.execute(select(jobs.c.job_id, jobs.c.status)
-                                    .where(jobs.c.job_id.in_(ids[i : i + _CHUNK])))
+                rows = conn.execute(
+                    select(jobs.c.job_id, jobs.c.status).where(
+                        jobs.c.job_id.in_(ids[i : i + _CHUNK])
+                    )
+                )
                 out.update({job_id: Status(status) for job_id, status in rows})
         return out
 
@@ -734,7 +752,11 @@ class SqlRunStore(RunStore):
             return conn.execute(stmt).rowcount == 1
 
     def fail_stuck(
-        self, older_than_s: float, reason: str = WORKER_STOPPED, *, default_timeout_s: float = 30.0,
+        self,
+        older_than_s: float,
+        reason: str = WORKER_STOPPED,
+        *,
+        default_timeout_s: float = 30.0,
         keep: Collection[str] = (),
     ) -> list[str]:
         now = _utcnow()
@@ -785,8 +807,9 @@ class SqlRunStore(RunStore):
                     changed.append(job_id)
         return sorted(changed)
 
-    def list_queued(self, older_than_s: float, *, kind: str | None = None,
-                    limit: int = 1000) -> list[QueuedJob]:
+    def list_queued(
+        self, older_than_s: float, *, kind: str | None = None, limit: int = 1000
+    ) -> list[QueuedJob]:
         cutoff = datetime.fromtimestamp(_utcnow().timestamp() - older_than_s, UTC)
         stmt = (
             select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at)
@@ -802,8 +825,12 @@ class SqlRunStore(RunStore):
     def fail_queued(self, job_ids: Iterable[str], message: str) -> list[str]:
         ids = list(dict.fromkeys(job_ids))
         error = CodeErrorInfo(code=ErrorCode.RUNTIME_UNAVAILABLE, message=message)
-        values = {"status": Status.FAILED.value, "error": _error_json(error), "output": None,
-                  "finished_at": _utcnow()}
+        values = {
+            "status": Status.FAILED.value,
+            "error": _error_json(error),
+            "output": None,
+            "finished_at": _utcnow(),
+        }
         changed: list[str] = []
         for i in range(0, len(ids), _CHUNK):
             chunk = ids[i : i + _CHUNK]
@@ -814,8 +841,9 @@ class SqlRunStore(RunStore):
                     changed += conn.execute(stmt.returning(jobs.c.job_id)).scalars().all()
                     continue
                 for job_id in conn.execute(select(jobs.c.job_id).where(still_queued)).scalars():
-                    one = update(jobs).where(jobs.c.job_id == job_id,
-                                             jobs.c.status == Status.QUEUED.value)
+                    one = update(jobs).where(
+                        jobs.c.job_id == job_id, jobs.c.status == Status.QUEUED.value
+                    )
                     if conn.execute(one.values(values)).rowcount == 1:
                         changed.append(job_id)
         return sorted(changed)
@@ -906,6 +934,7 @@ class SqlRunStore(RunStore):
             return total
 
         if runs_before is not None:
+
             def delete_batch() -> Any:
                 ids = (
                     select(jobs.c.job_id)
@@ -916,6 +945,7 @@ class SqlRunStore(RunStore):
 
             report.deleted = run_batches(delete_batch)
         if payloads_before is not None:
+
             def clear_batch() -> Any:
                 ids = (
                     select(jobs.c.job_id)
@@ -929,8 +959,7 @@ class SqlRunStore(RunStore):
                 return (
                     update(jobs)
                     .where(jobs.c.job_id.in_(ids.scalar_subquery()))
-                    .values(code="", state_json="{}", output=None, logs="",
-                            pruned_at=_utcnow())
+                    .values(code="", state_json="{}", output=None, logs="", pruned_at=_utcnow())
                 )
 
             report.payloads_cleared = run_batches(clear_batch)
