@@ -43,8 +43,9 @@ bench: install image ## benchmarks: executor vs raw floors, side by side in one 
 soak: install image ## chaos soak: jobs over 2 workers while workers, Redis, the store are killed (SOAK_ARGS=--jobs 1000)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.soak $(SOAK_ARGS)
 
-lint: install ## ruff and mypy
+lint: install ## ruff (lint and format) and mypy
 	$(VENV)/bin/ruff check executor worker api_client tests bench
+	$(VENV)/bin/ruff format --check executor worker api_client tests bench
 	$(VENV)/bin/mypy executor worker api_client
 
 worker: install ## a Celery worker on this machine (STUDIO_REDIS_URL, STUDIO_DATABASE_URL)
