@@ -164,8 +164,11 @@ class TypeScript(Language):
         env = {"NO_COLOR": "1", "DENO_NO_UPDATE_CHECK": "1"}
         if in_container:
             return {"HOME": "/tmp", "DENO_DIR": IMAGE_DENO_DIR, **env}
-        if settings.code_ts_deno_dir:
-            env["DENO_DIR"] = settings.code_ts_deno_dir
+        # Without STUDIO_CODE_TS_DENO_DIR no package may be imported anyway: an empty cache
+        # in the run's own folder (the child's cwd; Deno resolves a relative DENO_DIR against
+        # it) is all it needs. Without one, a run's own uid (no passwd entry, so no home)
+        # leaves Deno nowhere to place its cache and it refuses to start.
+        env["DENO_DIR"] = settings.code_ts_deno_dir or ".deno"
         # Deno caches the JavaScript it transpiles from TypeScript in DENO_DIR/gen. On the
         # image's read-only /deno-dir the write fails at once (EROFS), but on a host cache the
         # sandbox user cannot write (or with no DENO_DIR, nobody's /nonexistent home) Deno

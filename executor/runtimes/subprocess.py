@@ -156,11 +156,6 @@ class SubprocessRuntime(Runtime):
         policy = rlimits(limits, address_space=address_space)
         argv = language.command(self.settings, limits, in_container=False)
         env = language.environment(self.settings, in_container=False)
-        if language.name == "typescript" and "DENO_DIR" not in env:
-            # A uid of its own has no passwd entry, so no home: Deno cannot place its cache
-            # and refuses to start. Without STUDIO_CODE_TS_DENO_DIR no package may be imported
-            # anyway; an empty cache in the run's own folder is all it needs.
-            env["DENO_DIR"] = os.path.join(workdir, ".deno")
         t0 = time.monotonic()
         try:
             child = subprocess.Popen(
