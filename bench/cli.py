@@ -20,8 +20,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import interleave
-from bench.core import row
+from bench.common import interleave, row
 from executor.models import CodeJob
 from executor.service import Executor
 from executor.settings import load_settings

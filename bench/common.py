@@ -56,3 +56,18 @@ def raw_container(api: Any, policy: dict[str, Any], stdin: bytes) -> int:
         return status
     finally:
         api.remove_container(cid, force=True)
+
+
+def row(name: str, a: list[float], b: list[float] | None, goal: str | None = "") -> str:
+    """One table row: ``a``'s p50 / p95, the floor ``b``'s, their ratio and delta at p50, and
+    the goal (``goal=None``: a table without a goal column)."""
+    a50, a95 = pct(a, 50), pct(a, 95)
+    if b is None:
+        cells = f"| {name} | {a50:.1f} / {a95:.1f} | | |"
+    else:
+        b50, b95 = pct(b, 50), pct(b, 95)
+        cells = (
+            f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
+            f"{a50 / b50:.2f}x, {a50 - b50:+.1f} ms |"
+        )
+    return cells if goal is None else f"{cells} {goal} |"

@@ -12,21 +12,13 @@ import os
 import subprocess
 from collections.abc import Callable
 
-from bench.common import interleave, pct
+from bench.common import interleave, row
 from executor.languages import get_language
 from executor.models import CodeJob
 from executor.service import Executor
 from executor.settings import load_settings
 
 TRIVIAL = "def main(state):\n    return 1\n"
-
-
-def row(name: str, a: list[float], b: list[float]) -> str:
-    a50, a95, b50, b95 = pct(a, 50), pct(a, 95), pct(b, 50), pct(b, 95)
-    return (
-        f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
-        f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms |"
-    )
 
 
 def main() -> None:
@@ -67,9 +59,9 @@ def main() -> None:
     a, b, c = interleave(n, [via(full), via(no_cgroup), bare_runner])
     print("| what | p50 / p95 | floor p50 / p95 | ratio, delta |")
     print("|---|---|---|---|")
-    print(row("own uid + cgroup vs the runner spawned bare", a, c))
-    print(row("own uid, no cgroup vs the runner spawned bare", b, c))
-    print(row("own uid + cgroup vs own uid, no cgroup", a, b))
+    print(row("own uid + cgroup vs the runner spawned bare", a, c, None))
+    print(row("own uid, no cgroup vs the runner spawned bare", b, c, None))
+    print(row("own uid + cgroup vs own uid, no cgroup", a, b, None))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import argparse
 import json
 from collections.abc import Callable
 
-from bench.common import interleave, pct, raw_container
+from bench.common import interleave, raw_container, row
 from executor.languages import get_language
 from executor.models import CodeJob
 from executor.outputs import parse_reply
@@ -23,14 +23,6 @@ from executor.service import Executor
 from executor.settings import load_settings
 
 TRIVIAL = "def main(state):\n    return 1\n"
-
-
-def row(name: str, a: list[float], b: list[float], goal: str) -> str:
-    a50, a95, b50, b95 = pct(a, 50), pct(a, 95), pct(b, 50), pct(b, 95)
-    return (
-        f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
-        f"{a50 / b50:.2f}x, +{a50 - b50:.1f} ms | {goal} |"
-    )
 
 
 def container(ex: Executor, *, own_profile: bool) -> Callable[[], object]:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import interleave, pct
+from bench.common import interleave, row
 from bench.core import raw_docker_floor
 from bench.typescript import EXPECTED, STATE, docker_sdk
 from bench.typescript import TRIVIAL as TS_TRIVIAL
@@ -28,17 +28,6 @@ from executor.service import Executor
 from executor.settings import load_settings
 
 PY_TRIVIAL = "def main(state):\n    return 1\n"
-
-
-def row(name: str, a: list[float], b: list[float] | None, goal: str = "") -> str:
-    a50, a95 = pct(a, 50), pct(a, 95)
-    if b is None:
-        return f"| {name} | {a50:.1f} / {a95:.1f} | | | {goal} |"
-    b50, b95 = pct(b, 50), pct(b, 95)
-    return (
-        f"| {name} | {a50:.1f} / {a95:.1f} | {b50:.1f} / {b95:.1f} | "
-        f"{a50 / b50:.2f}x, {a50 - b50:+.1f} ms | {goal} |"
-    )
 
 
 def via(ex: Executor, language: str, details: list[str]) -> Callable[[], object]:
