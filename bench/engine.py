@@ -7,10 +7,13 @@ cgroup of its own, with ``--cgroup-parent`` putting its containers in another: t
 dockerd, its containerd, every shim and every runc/crun call, and of the sandboxes
 themselves, is read from those two cgroups, so the machine's other work is not counted.
 The sandbox images are copied in with ``docker save | docker -H … load``; the engine is
-stopped by its pid at the end.
+stopped by its pid at the end. On a hybrid cgroup host (v1 controllers and a cgroup2
+hierarchy at /sys/fs/cgroup/unified, which crun refuses) the engine runs in a mount
+namespace of its own without that cgroup2 mount, for both runtimes alike.
 
     python -m bench.engine [--n 15]                      # the benchmark
     python -m bench.engine --pytest tests/test_docker_isolation.py   # tests under crun
+    python -m bench.engine --crun /path/to/crun           # a crun other than PATH's
 """
 
 from __future__ import annotations
@@ -29,19 +32,22 @@ from pathlib import Path
 from bench.common import interleave, pct
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+UNIFIED = "/sys/fs/cgroup/unified"
 
 
 class OwnEngine:
     """A dockerd of this process's own, with crun registered."""
 
-    def __init__(self) -> None:
+    def __init__(self, crun: str | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="studio-bench-engine-", dir="/var/tmp"))
         self.host = f"unix://{self.dir / 'docker.sock'}"
         tag = f"studio-bench-{os.getpid()}"
         self.cg_engine = CPUACCT / f"{tag}-engine"
         self.cg_parent = f"/{tag}-sandboxes"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.crun = shutil.which("crun")
+        # crun: a crun binary (or a wrapper script) other than the one on PATH, e.g. a newer
+        # release unpacked into a directory of its own.
+        self.crun = crun or shutil.which("crun")
 
     def start(self) -> OwnEngine:
         import docker
@@ -65,8 +71,26 @@ class OwnEngine:
         ]
         if self.crun:
             args += ["--add-runtime", f"crun={self.crun}"]
-        # The shell joins the cgroup, then becomes dockerd: containerd, shims and runc
-        # inherit it.
+        if os.path.ismount(UNIFIED):
+            # A hybrid host (cgroup v1 controllers plus a cgroup2 hierarchy at
+            # /sys/fs/cgroup/unified): crun refuses it ("cgroups in hybrid mode not
+            # supported, drop all controllers from cgroupv2") while that hierarchy lists a
+            # controller. So this engine runs in a mount namespace of its own without that
+            # mount: crun (and runc, measured alike) sees plain cgroup v1. The host's mounts
+            # and the shared engine are untouched.
+            args = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f'umount {UNIFIED} && exec "$@"',
+                "sh",
+                *args,
+            ]
+        # The shell joins the cgroup, then becomes dockerd (unshare and a second shell exec
+        # in place, so the pid stays dockerd's): containerd, shims and runc inherit it.
         script = f'echo $$ > {self.cg_engine}/cgroup.procs && exec "$@"'
         with open(self.dir / "dockerd.log", "wb") as log:
             self.proc = subprocess.Popen(
@@ -225,14 +249,14 @@ def _self_cpu_ms() -> float:
     return (r.ru_utime + r.ru_stime) * 1000
 
 
-def main(n: int = 15, pytest_args: list[str] | None = None) -> int:
+def main(n: int = 15, pytest_args: list[str] | None = None, crun: str | None = None) -> int:
     if os.geteuid() != 0 or not shutil.which("dockerd") or not CPUACCT.exists():
         print("bench.engine: skipped (needs root, dockerd and cgroup v1 cpuacct)")
         return 0
     from executor.settings import load_settings
 
     settings = load_settings()
-    engine = OwnEngine()
+    engine = OwnEngine(crun)
     saved = os.environ.get("DOCKER_HOST")
 
     def stop_on_term(signum: int, frame: object) -> None:
@@ -266,6 +290,7 @@ def main(n: int = 15, pytest_args: list[str] | None = None) -> int:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.engine")
     p.add_argument("--n", type=int, default=15)
+    p.add_argument("--crun", help="the crun binary or wrapper to register (default: PATH's)")
     p.add_argument(
         "--pytest",
         nargs=argparse.REMAINDER,
@@ -273,4 +298,4 @@ if __name__ == "__main__":
         "own engine with STUDIO_CODE_OCI_RUNTIME=crun",
     )
     a = p.parse_args()
-    raise SystemExit(main(a.n, a.pytest))
+    raise SystemExit(main(a.n, a.pytest, a.crun))
