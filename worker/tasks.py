@@ -187,16 +187,20 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
         return "dead-letter"
     worker = f"{request.hostname}:{os.getpid()}"
     queue = (request.delivery_info or {}).get("routing_key") or QUEUE_RUN
-    try:
-        outcome = _run(state, job_id, worker, queue, request)
-    except Reject:
-        raise  # handed back: the job has not ended, nothing to announce
-    except BaseException:
-        state.notify_done(job_id)  # the waiter re-reads the store (the reaper ends the job)
-        raise
-    if outcome in ("parked", "parked-duplicate"):
-        return outcome  # a parked result is announced by whoever writes it
-    state.notify_done(job_id)
+    # From claim to done notice the runtime's own upkeep (a pre-started sandbox's
+    # replacement, the used one's removal) waits: it starts as soon as the caller can have
+    # its answer.
+    with state.executor.on_path():
+        try:
+            outcome = _run(state, job_id, worker, queue, request)
+        except Reject:
+            raise  # handed back: the job has not ended, nothing to announce
+        except BaseException:
+            state.notify_done(job_id)  # the waiter re-reads the store (the reaper ends it)
+            raise
+        if outcome in ("parked", "parked-duplicate"):
+            return outcome  # a parked result is announced by whoever writes it
+        state.notify_done(job_id)
     report_outcome(state.store, job_id)  # failed: NodeFailed, cancelled: Ignore (Celery's view)
     return outcome
 

@@ -43,7 +43,8 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +139,8 @@ class SandboxPool:
         self._retire: deque[Pooled | str] = deque()
         self._taken: dict[str, str] = {}
         self._removing = 0
+        #: jobs of this process on their caller's path (see on_path): no upkeep meanwhile
+        self._on_path = 0
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self._cond = threading.Condition()
@@ -189,6 +192,24 @@ class SandboxPool:
                         return True
             time.sleep(0.02)
         return False
+
+    @contextmanager
+    def on_path(self) -> Iterator[None]:
+        """While a job is on its caller's path (a worker: claim -> result stored -> done
+        notice), the pool's thread starts no replacement and removes nothing: measured on
+        2 cores, a replacement's start (~135 ms of runc, shim, dockerd CPU, and this
+        process's GIL for the SDK) running beside the job's last steps added 20-40 ms to
+        the caller's wait. The pool catches up when the block ends; the process cannot take
+        another job before that anyway. Work already under way goes on (a job that finds
+        the pool empty waits for a container that is starting, as always)."""
+        with self._cond:
+            self._on_path += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._on_path -= 1
+                self._cond.notify_all()
 
     # --- take and run ---------------------------------------------------------------------
 
@@ -373,11 +394,13 @@ class SandboxPool:
         next_tick = 0.0
         while True:
             with self._cond:
-                while (
-                    not self._stop
-                    and not self._retire
-                    and self._wanted() is None
-                    and time.monotonic() < next_tick
+                while not self._stop and (
+                    self._on_path
+                    or (
+                        not self._retire
+                        and self._wanted() is None
+                        and time.monotonic() < next_tick
+                    )
                 ):
                     self._cond.wait(max(0.01, min(next_tick - time.monotonic(), TICK_S)))
                 if self._stop and not self._retire:
