@@ -347,7 +347,7 @@ class CodeClient:
         its queue's bound (STUDIO_QUEUE_*_MAX_WAIT_S), or one a worker on another run store
         received (its notice in Redis), is ended failed here, so it never waits forever
         even when no worker is left to sweep."""
-        rec = self.store.get(job_id)
+        rec = self.store.get(job_id, inputs=False)
         if rec is None:
             raise JobNotFound(job_id, self.store.describe())
         if rec.status is Status.QUEUED:
@@ -374,7 +374,7 @@ class CodeClient:
             return rec
         if self.store.fail_queued([rec.job_id], message):
             log.warning("job %s ended failed while queued: %s", rec.job_id, message)
-        return self.store.get(rec.job_id) or rec
+        return self.store.get(rec.job_id, inputs=False) or rec
 
     def wait(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
         """The job once it has finished, or as it is after ``timeout_s`` (check
@@ -535,7 +535,7 @@ class CodeClient:
             self._blocking,
             job_id,
             lambda: self.store.get_summary(job_id),
-            lambda: self.store.get(job_id),
+            lambda: self.store.get(job_id, inputs=False),
             timeout_s=timeout_s,
         )
 
