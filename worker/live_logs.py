@@ -46,11 +46,17 @@ class LivePublisher:
         # Started by the first piece: most nodes print nothing, and a thread per job (its
         # start and join) was a measurable part of the queue's own overhead.
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
 
     def write(self, piece: bytes) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="studio-live-logs", daemon=True)
-            self._thread.start()
+            with self._starting:  # a runtime may read stdout and stderr on two threads
+                if self._thread is None:
+                    thread = threading.Thread(
+                        target=self._loop, name="studio-live-logs", daemon=True
+                    )
+                    thread.start()
+                    self._thread = thread
         self._q.put(piece)
 
     def _send(self, fields: dict[str, Any]) -> None:
