@@ -343,7 +343,8 @@ class CodeClient:
         return job.job_id
 
     def status(self, job_id: str) -> JobRecord:
-        """The job as the run store holds it; raises JobNotFound. A job still queued past
+        """The job as the run store holds it, without its code and state (``store.get``
+        reads those); raises JobNotFound. A job still queued past
         its queue's bound (STUDIO_QUEUE_*_MAX_WAIT_S), or one a worker on another run store
         received (its notice in Redis), is ended failed here, so it never waits forever
         even when no worker is left to sweep."""
