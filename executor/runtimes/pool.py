@@ -96,6 +96,8 @@ class Pooled:
     raw: Any
     image_id: str
     created: float  # monotonic
+    #: its rename to its job's name, once taken (joined before its removal)
+    renamer: _Renamer | None = None
 
     def fresh(self) -> bool:
         """Still running and silent: its runner writes nothing before its job, and a
@@ -274,8 +276,14 @@ class SandboxPool:
         with self._cond:
             self._taken[job.job_id] = p.cid
         handed_off = False
+        # The container takes its job's name (so any process finds it by name: a cancel's
+        # backstop, `docker ps`) while the job already runs, and the answer does not wait
+        # for it: the rename is a daemon round trip of 10-40 ms (more on a busy engine),
+        # half of a pooled job's latency when it came first. Until it lands this process
+        # finds the container by id (taken_by), a dead owner's reaper by its pool label;
+        # its removal waits for it (_drain_retired).
+        renamer = p.renamer = _Renamer(self, p, job.job_id)
         try:
-            self._rename(p, job.job_id)
             started = time.monotonic()
             mark = f"\x1estudio-end:{secrets.token_hex(16)}\x1e"
             payload = language.stdin_payload(job, end_mark=mark)
@@ -330,6 +338,7 @@ class SandboxPool:
             with self._cond:
                 self._taken.pop(job.job_id, None)
             if not handed_off:
+                renamer.join()
                 _close(p)
                 runtime._remove_surely(api, p.cid)
 
@@ -397,9 +406,7 @@ class SandboxPool:
                 while not self._stop and (
                     self._on_path
                     or (
-                        not self._retire
-                        and self._wanted() is None
-                        and time.monotonic() < next_tick
+                        not self._retire and self._wanted() is None and time.monotonic() < next_tick
                     )
                 ):
                     self._cond.wait(max(0.01, min(next_tick - time.monotonic(), TICK_S)))
@@ -552,6 +559,8 @@ class SandboxPool:
                 self._removing += 1
             cid = item if isinstance(item, str) else item.cid
             if not isinstance(item, str):
+                if item.renamer is not None:
+                    item.renamer.join()
                 _close(item)
             try:
                 api = api or self.runtime.api
@@ -563,6 +572,39 @@ class SandboxPool:
                     self._removing -= 1
             if one:
                 return
+
+
+class _Renamer:
+    """``SandboxPool._rename`` on a thread of its own, joined before the job's answer (a
+    failure is logged: the job ran all the same; only finding it by name was missed)."""
+
+    JOIN_S = 30.0
+
+    def __init__(self, pool: SandboxPool, p: Pooled, job_id: str) -> None:
+        self.pool, self.p, self.job_id = pool, p, job_id
+        self.error: BaseException | None = None
+        self._joined = False
+        self._thread = threading.Thread(target=self._run, name="studio-pool-rename", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.pool._rename(self.p, self.job_id)
+        except BaseException as e:  # noqa: BLE001 - reported by join()
+            self.error = e
+
+    def join(self) -> None:
+        if self._joined:
+            return
+        self._joined = True
+        self._thread.join(self.JOIN_S)
+        if self.error is not None or self._thread.is_alive():
+            log.warning(
+                "pre-started sandbox %s of job %s kept its pool name: %s",
+                self.p.name,
+                self.job_id,
+                self.error or "the rename did not answer",
+            )
 
 
 class _Logs(BoundedBuffer):
