@@ -166,6 +166,12 @@ def state_of(size: int) -> dict[str, str]:
     return {"pad": "s" * max(0, size - 11)}
 
 
+#: the pause before each overhead sample: the worker is settled (its pools full, no
+#: replacement starting, no removal running), so the row measures the queue and not the
+#: upkeep of the job before (which a pool process does after each job)
+SETTLE_S = 0.5
+
+
 def overhead(client: Any, n: int, state: Any = None) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {
         "overhead": [],
@@ -175,6 +181,7 @@ def overhead(client: Any, n: int, state: Any = None) -> dict[str, list[float]]:
         "run": [],
     }
     while len(out["overhead"]) < n:
+        time.sleep(SETTLE_S)
         t0 = time.time()
         p0 = time.perf_counter()
         job_id = client.submit(TRIVIAL, "python", {} if state is None else state)
@@ -399,7 +406,7 @@ def main() -> None:
         print("|---|---|---|---|")
         print(
             f"| queue overhead: submit→result in the caller − executor duration_ms "
-            f"(n={args.n}, one at a time) | {ms(ov['overhead'], 50)} | "
+            f"(n={args.n}, one at a time, {SETTLE_S} s apart) | {ms(ov['overhead'], 50)} | "
             f"p95 {ms(ov['overhead'], 95)} | ≤ 5 ms |"
         )
         for label, o in (("1 KB", ov_1k), ("10 MB", ov_10m)):
