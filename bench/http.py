@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import pct
-from bench.queue import ROOT, Redis, free_port
+from bench.queue import ROOT, SETTLE_S, Redis, free_port
 
 SLEEP = "import time\n\ndef main(state):\n    time.sleep(60)\n    return 1\n"
 TRIVIAL = "def main(state):\n    return 1\n"
@@ -40,12 +40,14 @@ def cpu_s(pid: int) -> float:
 
 
 def test_call_overhead(base: str, auth: dict[str, str], n: int) -> tuple[list[float], list[float]]:
-    """n editor test calls one at a time: (wall ms, wall − the run's duration_ms)."""
+    """n editor test calls one at a time, SETTLE_S apart: (wall ms, wall − the run's
+    duration_ms)."""
     import httpx
 
     walls, over = [], []
     with httpx.Client(base_url=base, headers={**auth, "X-Studio-User": "bench"}) as c:
         while len(walls) < n:
+            time.sleep(SETTLE_S)  # each call on a settled worker (see bench.queue)
             t0 = time.perf_counter()
             r = c.post("/api/code/test", json={"code": TRIVIAL}, timeout=60)
             wall = (time.perf_counter() - t0) * 1000
@@ -211,12 +213,18 @@ def main() -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the API did not start: see {tmp / 'api.log'}")
             time.sleep(0.2)
-        r = httpx.post(
-            f"{base}/api/runs",
-            json={"code": TRIVIAL},
-            timeout=30,
-            headers={**auth, "X-Studio-User": "bench"},
-        )
+        while True:  # the worker's first heartbeat: until then the API refuses (503)
+            r = httpx.post(
+                f"{base}/api/runs",
+                json={"code": TRIVIAL},
+                timeout=30,
+                headers={**auth, "X-Studio-User": "bench"},
+            )
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        if r.status_code != 202:
+            raise RuntimeError(f"POST /api/runs answered {r.status_code}: {r.text[:300]}")
         run_id = r.json()["job_id"]
         test_call_overhead(base, auth, 5)  # warm-up: the API's clients, the worker's slot
         call_wall, call_over = test_call_overhead(base, auth, min(args.n, 60))
@@ -282,7 +290,8 @@ def main() -> None:
             "of a core | | |"
         )
         print(
-            f"| POST /api/code/test, trivial node, one at a time (n={len(call_wall)}): whole "
+            f"| POST /api/code/test, trivial node, one at a time, {SETTLE_S} s apart "
+            f"(n={len(call_wall)}): whole "
             f"call | {pct(call_wall, 50):.1f} / {pct(call_wall, 99):.1f} ms | | | |"
         )
         print(
