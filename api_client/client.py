@@ -343,11 +343,12 @@ class CodeClient:
         return job.job_id
 
     def status(self, job_id: str) -> JobRecord:
-        """The job as the run store holds it; raises JobNotFound. A job still queued past
+        """The job as the run store holds it, without its code and state (``store.get``
+        reads those); raises JobNotFound. A job still queued past
         its queue's bound (STUDIO_QUEUE_*_MAX_WAIT_S), or one a worker on another run store
         received (its notice in Redis), is ended failed here, so it never waits forever
         even when no worker is left to sweep."""
-        rec = self.store.get(job_id)
+        rec = self.store.get(job_id, inputs=False)
         if rec is None:
             raise JobNotFound(job_id, self.store.describe())
         if rec.status is Status.QUEUED:
@@ -374,7 +375,7 @@ class CodeClient:
             return rec
         if self.store.fail_queued([rec.job_id], message):
             log.warning("job %s ended failed while queued: %s", rec.job_id, message)
-        return self.store.get(rec.job_id) or rec
+        return self.store.get(rec.job_id, inputs=False) or rec
 
     def wait(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
         """The job once it has finished, or as it is after ``timeout_s`` (check
@@ -453,8 +454,22 @@ class CodeClient:
         key = done_key(job_id)
         woke = False
         next_settle = time.monotonic() + SETTLE_EVERY_S
+        first = True
         while True:
-            status = await reads.get(job_id)
+            # A new wait reads at once, the worker's done notice reads the whole record at
+            # once; only the re-reads after a quiet slice wait for the coalescing window (its
+            # 20 ms, twice on every call's path, were most of a test call's own overhead).
+            if woke:
+                rec = await loop.run_in_executor(self._readers, self.status, job_id)
+                if rec.finished or deadline - time.monotonic() <= 0:
+                    return rec
+                status: Status | None = rec.status
+            elif first:
+                found = await loop.run_in_executor(self._readers, self.store.statuses, [job_id])
+                status = found.get(job_id)
+            else:
+                status = await reads.get(job_id)
+            first = False
             left = deadline - time.monotonic()
             if status is None or status.finished or left <= 0:
                 return await loop.run_in_executor(self._readers, self.status, job_id)
@@ -535,7 +550,7 @@ class CodeClient:
             self._blocking,
             job_id,
             lambda: self.store.get_summary(job_id),
-            lambda: self.store.get(job_id),
+            lambda: self.store.get(job_id, inputs=False),
             timeout_s=timeout_s,
         )
 

@@ -159,7 +159,7 @@ async def get_run_logs(
                 client,
                 job_id,
                 lambda: store.get_summary(job_id),
-                lambda: store.get(job_id),
+                lambda: store.get(job_id, inputs=False),
                 last_id=last_id,
             ):
                 yield ServerSentEvent(data=e.data, event=e.event, id=e.id)

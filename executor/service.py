@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,6 +267,11 @@ class Executor:
         """Remove the runtime's idle pre-started sandboxes (a stopping process)."""
         if self.runtime is not None:
             self.runtime.close()
+
+    def on_path(self) -> AbstractContextManager[None]:
+        """The block is one job's path to its caller: the runtime's background work (its
+        pool's replacements and removals) waits until it ends (``Runtime.on_path``)."""
+        return self.runtime.on_path() if self.runtime is not None else nullcontext()
 
     # --- one call ----------------------------------------------------------------------
 

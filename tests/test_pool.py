@@ -160,6 +160,28 @@ def test_other_limits_start_cold_a_nodes_own_timeout_does_not(pooled: Any) -> No
     assert after["idle"] == 1, "the pooled container stays for a job that matches"
 
 
+def test_no_upkeep_while_a_job_is_on_its_callers_path(pooled: Any, docker_client: Any) -> None:
+    """Inside ``on_path`` (a worker: claim to done notice) the pool starts no replacement
+    and removes nothing; when the block ends it does both."""
+    ex = pooled()
+    pool = ex.runtime.pool
+    owner = pool.owner
+    with ex.on_path():
+        r = ex.run(CodeJob(code=WHOAMI, timeout_s=20))
+        assert r.status is Status.SUCCEEDED and start_detail(r.trace) == "pool"
+        used = r.output["cid"]
+        time.sleep(1.5)  # what the thread would have done by now, it must not have
+        stats = pool.stats()["languages"]["python"]
+        assert stats["idle"] == 0 and stats["starting"] == 0, stats
+        ids = {c["Id"] for c in pool_containers(docker_client, owner)}
+        assert ids == {used}, "no replacement yet, and the used sandbox not removed yet"
+    assert pool.wait_settled(60)
+    left = {c["Id"] for c in pool_containers(docker_client, owner)}
+    assert used not in left and len(left) == 1, "replaced and removed once the block ended"
+    again = ex.run(CodeJob(code=WHOAMI, timeout_s=20))
+    assert start_detail(again.trace) == "pool" and again.output["cid"] in left
+
+
 def test_idle_containers_past_the_bound_are_replaced(pooled: Any, docker_client: Any) -> None:
     ex = pooled(code_prewarm_max_idle_s=1)
     owner = ex.runtime.pool.owner

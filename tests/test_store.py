@@ -374,6 +374,111 @@ def test_ten_megabyte_state_round_trips(store: RunStore) -> None:
     assert claimed is not None and claimed.state_json == state
 
 
+def test_code_and_state_live_outside_the_row_the_queue_updates(store: RunStore) -> None:
+    """claim and finish update code_jobs; a job's code and state are in code_job_inputs, so
+    neither update copies them (SQLite rewrites a whole row per UPDATE), and the reads that
+    do not need them (status, wait, views: inputs=False) do not load them."""
+    assert isinstance(store, SqlRunStore)
+    state = json.dumps({"pad": "s" * MB})
+    job_id = _new(store, state_json=state)
+
+    def raw() -> tuple[Any, ...]:
+        with store.engine.connect() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT j.code, j.state_json, i.code, i.state_json FROM code_jobs j "
+                    "LEFT JOIN code_job_inputs i ON i.job_id = j.job_id WHERE j.job_id = :j"
+                ),
+                {"j": job_id},
+            ).one()
+        return tuple(row)
+
+    assert raw() == ("", "{}", _job().code, state)
+    light = store.get(job_id, inputs=False)
+    assert light is not None and light.code == "" and light.state_json == "{}"
+    assert light.status is Status.QUEUED
+    claimed = store.claim(job_id, "w1")
+    assert claimed is not None and claimed.state_json == state and claimed.code == _job().code
+    assert claimed.status is Status.RUNNING and claimed.attempts == 1 and claimed.worker == "w1"
+    assert store.finish(_result(job_id), worker="w1") is True
+    assert raw() == ("", "{}", _job().code, state)
+    full = store.get(job_id)
+    assert full is not None and full.state_json == state and full.output == {"ok": True}
+    many = store.get_many([job_id], inputs=False)
+    assert many[job_id].state_json == "{}" and many[job_id].status is Status.SUCCEEDED
+
+
+def test_a_row_made_before_the_inputs_table_is_claimed_with_its_own_code_and_state(
+    store: RunStore,
+) -> None:
+    """A store made by an older release holds code and state in code_jobs, with no row in
+    code_job_inputs: its queued jobs still run with them."""
+    assert isinstance(store, SqlRunStore)
+    job_id = _new(store)
+    code = "def main(state):\n    return state['legacy']\n"
+    with store.engine.begin() as conn:
+        conn.execute(text("DELETE FROM code_job_inputs WHERE job_id = :j"), {"j": job_id})
+        conn.execute(
+            text("UPDATE code_jobs SET code = :c, state_json = :s WHERE job_id = :j"),
+            {"c": code, "s": '{"legacy": 1}', "j": job_id},
+        )
+    rec = store.get(job_id)
+    assert rec is not None and rec.code == code and rec.state_json == '{"legacy": 1}'
+    claimed = store.claim(job_id, "w1")
+    assert claimed is not None and claimed.code == code and claimed.state_json == '{"legacy": 1}'
+    assert claimed.to_job().code == code
+
+
+def test_finish_with_outcome_says_what_was_stored(store: RunStore) -> None:
+    """What a worker reports to Celery without reading the row back: the status the job
+    really ended with (a cancel while running wins; a refused output makes it failed)."""
+    plain = _running(store)
+    ended = store.finish_with_outcome(_result(plain), worker="w1")
+    assert ended is not None and ended.status is Status.SUCCEEDED and ended.error is None
+    assert store.finish_with_outcome(_result(plain), worker="w1") is None
+    cancelling = _running(store)
+    assert store.request_cancel(cancelling) is Status.CANCELLING
+    ended = store.finish_with_outcome(_result(cancelling), worker="w1")
+    assert ended is not None and ended.status is Status.CANCELLED
+    assert ended.error == CANCELLED_WHILE_RUNNING
+    refused = _running(store)
+    ended = store.finish_with_outcome(_result(refused, output={"s": "x\udfff"}), worker="w1")
+    assert ended is not None and ended.status is Status.FAILED
+    assert ended.error is not None and ended.error.code is ErrorCode.CODE_OUTPUT_INVALID
+    assert store.finish_with_outcome(_result("nope"), worker="w1") is None
+
+
+def test_retention_removes_code_and_state_with_the_run(store: RunStore) -> None:
+    assert isinstance(store, SqlRunStore)
+    cleared, deleted, recent = (_running(store, state_json='{"n": 1}') for _ in range(3))
+    for job_id in (cleared, deleted, recent):
+        assert store.finish(_result(job_id), worker="w1")
+    later = datetime.now(UTC) + timedelta(seconds=1)
+    with store.engine.begin() as conn:  # only `deleted` is old enough to go entirely
+        conn.execute(
+            text("UPDATE code_jobs SET finished_at = :t WHERE job_id = :j"),
+            {"t": datetime(2000, 1, 1), "j": deleted},
+        )
+        conn.execute(
+            text("UPDATE code_jobs SET finished_at = :t WHERE job_id = :j"),
+            {"t": datetime(2001, 1, 1), "j": cleared},
+        )
+    report = store.prune(runs_before=datetime(2000, 6, 1, tzinfo=UTC), payloads_before=later)
+    assert report.deleted == 1
+    with store.engine.connect() as conn:
+        left = set(conn.execute(text("SELECT job_id FROM code_job_inputs")).scalars())
+    assert left == set()  # recent: its payload was cleared too (payloads_before=later)
+    assert store.get(deleted) is None
+    rec = store.get(cleared)
+    assert rec is not None and rec.code == "" and rec.state_json == "{}"
+    assert rec.pruned_at is not None
+    fresh = _running(store, state_json='{"n": 2}')
+    assert store.finish(_result(fresh), worker="w1")
+    store.prune(runs_before=datetime(2000, 6, 1, tzinfo=UTC), payloads_before=None)
+    rec = store.get(fresh)
+    assert rec is not None and rec.state_json == '{"n": 2}'  # not old enough: untouched
+
+
 # --- fail_stuck --------------------------------------------------------------------------
 
 

@@ -145,11 +145,11 @@ class Janitor:
                 )
             deadline = time.monotonic() + KILL_GRACE_S
             while time.monotonic() < deadline:
-                rec = self.store.get(job_id)
+                rec = self.store.get(job_id, inputs=False)
                 if rec is None or rec.finished:
                     return
                 time.sleep(0.5)
-            rec = self.store.get(job_id)
+            rec = self.store.get(job_id, inputs=False)
             if rec is None or rec.finished:
                 return
             if rec.worker and not rec.worker.startswith(f"{self.nodename}:"):

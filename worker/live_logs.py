@@ -43,10 +43,20 @@ class LivePublisher:
         self.key = logs_key(job_id)
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._failed = False
-        self._thread = threading.Thread(target=self._loop, name="studio-live-logs", daemon=True)
-        self._thread.start()
+        # Started by the first piece: most nodes print nothing, and a thread per job (its
+        # start and join) was a measurable part of the queue's own overhead.
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
 
     def write(self, piece: bytes) -> None:
+        if self._thread is None:
+            with self._starting:  # a runtime may read stdout and stderr on two threads
+                if self._thread is None:
+                    thread = threading.Thread(
+                        target=self._loop, name="studio-live-logs", daemon=True
+                    )
+                    thread.start()
+                    self._thread = thread
         self._q.put(piece)
 
     def _send(self, fields: dict[str, Any]) -> None:
@@ -84,6 +94,9 @@ class LivePublisher:
                 return
 
     def close(self, timeout_s: float = 2.0) -> None:
+        if self._thread is None:  # nothing was printed: only the end mark
+            self._send({"end": "1"})
+            return
         self._q.put(_STOP)
         self._thread.join(timeout_s)
 

@@ -27,7 +27,7 @@ from typing import Any
 from celery.exceptions import Ignore
 
 from executor.models import Status
-from executor.store import RunStore
+from executor.store import Ended, RunStore, RunSummary
 from worker.protocol import CANCEL_SIGNAL, QUEUE_TEST, TASK_NAME
 
 log = logging.getLogger("studio_code.worker")
@@ -39,14 +39,17 @@ class NodeFailed(Exception):  # noqa: N818 - the name Flower shows as the failur
     """Raised to Celery (only) when a job's stored outcome is failed, timed_out or invalid."""
 
 
-def report_outcome(store: RunStore, job_id: str) -> None:
-    """Raise what Celery should see for the job's stored outcome (see the module doc).
+def report_outcome(store: RunStore, job_id: str, ended: Ended | None = None) -> None:
+    """Raise what Celery should see for the job's stored outcome (see the module doc):
+    ``ended`` when this process wrote it (no read then), else read from the store.
     Returns for a success, an open job, an unknown one, or an unreadable store."""
-    try:
-        run = store.get_summary(job_id)
-    except Exception as e:  # noqa: BLE001 - never turn a store hiccup into a task failure
-        log.warning("job %s: outcome for Celery's events unknown (%s)", job_id, e)
-        return
+    run: Ended | RunSummary | None = ended
+    if run is None:
+        try:
+            run = store.get_summary(job_id)
+        except Exception as e:  # noqa: BLE001 - never turn a store hiccup into a task failure
+            log.warning("job %s: outcome for Celery's events unknown (%s)", job_id, e)
+            return
     if run is None:
         return
     if run.status in FAILED_STATUSES:

@@ -168,7 +168,7 @@ class QueuedSweep:
             return []
         time.sleep(CONFIRM_AFTER_S)
         present = broker_job_ids(self.redis) or set()
-        still = self.store.get_many(j for j in missing if j not in present)
+        still = self.store.get_many((j for j in missing if j not in present), inputs=False)
         resent = []
         for job_id, rec in still.items():
             if rec.status != "queued":

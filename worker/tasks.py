@@ -31,7 +31,7 @@ from executor.errors import ErrorCode
 from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
-from executor.store import JobRecord, RunStore, open_store
+from executor.store import Ended, JobRecord, RunStore, open_store
 from worker import gate, metrics, pending, poison, unrunnable
 from worker.cancel import CancelWatch
 from worker.live_logs import publishing
@@ -68,6 +68,8 @@ class ProcessState:
         )
         self.pid = os.getpid()
         self.current_job: str | None = None
+        #: (job id, what its finish wrote) of the last result this process stored
+        self.ended: tuple[str, Ended] | None = None
         self._signalled = False
 
     def on_cancel_signal(self, signum: int, frame: Any) -> None:
@@ -187,17 +189,24 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
         return "dead-letter"
     worker = f"{request.hostname}:{os.getpid()}"
     queue = (request.delivery_info or {}).get("routing_key") or QUEUE_RUN
-    try:
-        outcome = _run(state, job_id, worker, queue, request)
-    except Reject:
-        raise  # handed back: the job has not ended, nothing to announce
-    except BaseException:
-        state.notify_done(job_id)  # the waiter re-reads the store (the reaper ends the job)
-        raise
-    if outcome in ("parked", "parked-duplicate"):
-        return outcome  # a parked result is announced by whoever writes it
-    state.notify_done(job_id)
-    report_outcome(state.store, job_id)  # failed: NodeFailed, cancelled: Ignore (Celery's view)
+    # From claim to done notice the runtime's own upkeep (a pre-started sandbox's
+    # replacement, the used one's removal) waits: it starts as soon as the caller can have
+    # its answer.
+    with state.executor.on_path():
+        try:
+            outcome = _run(state, job_id, worker, queue, request)
+        except Reject:
+            raise  # handed back: the job has not ended, nothing to announce
+        except BaseException:
+            state.notify_done(job_id)  # the waiter re-reads the store (the reaper ends it)
+            raise
+        if outcome in ("parked", "parked-duplicate"):
+            return outcome  # a parked result is announced by whoever writes it
+        state.notify_done(job_id)
+    ended = state.ended[1] if state.ended is not None and state.ended[0] == job_id else None
+    state.ended = None
+    # failed: NodeFailed, cancelled: Ignore (Celery's view)
+    report_outcome(state.store, job_id, ended)
     return outcome
 
 
@@ -332,11 +341,11 @@ def _finish(
 ) -> str:
     """Store the result; while the store cannot take it, park it in Redis (written by the
     main process when the store is back). Never drops a result that was computed."""
-    wrote: bool | None = None
+    wrote: Ended | None | bool = None  # None: not stored (yet)
     error: Exception | None = None
     for delay in (*FINISH_RETRIES_S, None):
         try:
-            wrote = state.store.finish(result, worker=worker)
+            wrote = state.store.finish_with_outcome(result, worker=worker) or False
             break
         except Exception as e:
             error = e
@@ -350,8 +359,9 @@ def _finish(
         gate.report(gate.RUN_STORE, f"finish of job {rec.job_id} failed: {error}")
         _park(state, result, worker)
         return "parked"
-    if not wrote:
+    if not isinstance(wrote, Ended):
         return "duplicate"
+    state.ended = (rec.job_id, wrote)
     wait_s = None
     if rec.started_at is not None:
         wait_s = (rec.started_at - rec.queued_at).total_seconds()
@@ -379,8 +389,8 @@ def _park(state: ProcessState, result: CodeResult, worker: str) -> None:
             return
         except redis.RedisError as e:
             try:
-                if state.store.finish(result, worker=worker) is not None:
-                    return
+                state.store.finish(result, worker=worker)
+                return  # stored now (or the job had ended already)
             except Exception:  # noqa: BLE001
                 pass
             if time.monotonic() > deadline:
@@ -397,7 +407,7 @@ def _park(state: ProcessState, result: CodeResult, worker: str) -> None:
 
 def _cancelled_before_start(state: ProcessState, job_id: str) -> bool:
     try:
-        rec = state.store.get(job_id)
+        rec = state.store.get(job_id, inputs=False)
     except Exception:  # noqa: BLE001
         return False
     return rec is not None and rec.status is Status.CANCELLED and rec.started_at is None

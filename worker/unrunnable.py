@@ -29,7 +29,7 @@ def unknown_job(
 ) -> bool:
     """When ``job_id`` is not in ``store``: log at ERROR, leave the notice, return True."""
     try:
-        if store.get(job_id) is not None:
+        if store.get(job_id, inputs=False) is not None:
             return False
         mine, mine_id = store.describe(), store.store_id
     except Exception:  # noqa: BLE001 - the store is down: not this case

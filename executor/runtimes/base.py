@@ -6,6 +6,7 @@ import os
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from typing import Any
 
@@ -143,6 +144,13 @@ class Runtime(ABC):
         """Pre-started sandboxes of this process (size, hits, misses, idle age per
         language), or None when this runtime keeps no pool."""
         return None
+
+    def on_path(self) -> AbstractContextManager[None]:
+        """A job is on its caller's path for the duration of the block (a worker: from its
+        claim to its done notice): the runtime defers its own background work (starting
+        replacements, removing used sandboxes) until the block ends, so that work never
+        competes with the job for this process or the machine's CPUs."""
+        return nullcontext()
 
     @abstractmethod
     def run(

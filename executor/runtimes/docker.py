@@ -12,6 +12,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import docker
@@ -161,6 +162,9 @@ class DockerRuntime(Runtime):
 
     def pool_stats(self) -> dict[str, Any] | None:
         return self.pool.stats() if self.pool is not None else None
+
+    def on_path(self) -> AbstractContextManager[None]:
+        return self.pool.on_path() if self.pool is not None else nullcontext()
 
     def reap(self) -> list[str]:
         """Remove sandboxes (used or pre-started) whose owner on this host is dead, or

@@ -20,6 +20,7 @@ import binascii
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
 from typing import Any, NamedTuple, Self
@@ -139,6 +140,14 @@ class RunSummary(BaseModel):
         return self.status.finished
 
 
+@dataclass(frozen=True)
+class Ended:
+    """What ``finish_with_outcome`` wrote: the job's final status and error."""
+
+    status: Status
+    error: CodeErrorInfo | None
+
+
 class RunFilter(BaseModel):
     """What ``list_runs`` keeps: every given field must match (None: any)."""
 
@@ -184,14 +193,15 @@ class RunStore(ABC):
         Returns True when this call inserted the row."""
 
     @abstractmethod
-    def get(self, job_id: str) -> JobRecord | None:
-        """The job, or None if unknown."""
+    def get(self, job_id: str, *, inputs: bool = True) -> JobRecord | None:
+        """The job, or None if unknown. ``inputs=False``: without its code and state (the
+        record holds "" and "{}"), which callers that show or wait for a job never need."""
 
-    def get_many(self, job_ids: Iterable[str]) -> dict[str, JobRecord]:
+    def get_many(self, job_ids: Iterable[str], *, inputs: bool = True) -> dict[str, JobRecord]:
         """The known jobs among ``job_ids``, by id."""
         out: dict[str, JobRecord] = {}
         for job_id in job_ids:
-            rec = self.get(job_id)
+            rec = self.get(job_id, inputs=inputs)
             if rec is not None:
                 out[job_id] = rec
         return out
@@ -199,11 +209,11 @@ class RunStore(ABC):
     def statuses(self, job_ids: Iterable[str]) -> dict[str, Status]:
         """The status of each known job among ``job_ids``: what a waiter re-reads every
         second, so backends answer it without loading code, state or output."""
-        return {job_id: rec.status for job_id, rec in self.get_many(job_ids).items()}
+        return {job_id: rec.status for job_id, rec in self.get_many(job_ids, inputs=False).items()}
 
     def get_summary(self, job_id: str) -> RunSummary | None:
         """The job without its code, state, output or logs; None if unknown."""
-        rec = self.get(job_id)
+        rec = self.get(job_id, inputs=False)
         return (
             None
             if rec is None
@@ -231,6 +241,15 @@ class RunStore(ABC):
         """Write the result once, while the job is queued, running or cancelling; a
         cancelling job ends ``cancelled`` whatever the result says. True when this call
         wrote it; False (nothing changed) for a finished or unknown job."""
+
+    def finish_with_outcome(self, result: CodeResult, *, worker: str) -> Ended | None:
+        """``finish``, telling what the job ended with (a cancelling job ends cancelled, an
+        output the store refuses makes it failed): None when nothing was written. A worker
+        reports that to Celery without reading the row back."""
+        if not self.finish(result, worker=worker):
+            return None
+        run = self.get_summary(result.job_id)
+        return None if run is None else Ended(run.status, run.error)
 
     @abstractmethod
     def fail_stuck(
