@@ -12,7 +12,6 @@ reads (a misspelling) is logged as a warning at start-up, naming the closest kno
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import re
@@ -23,10 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from executor.deferred_import import on_first_use
 from executor.errors import SettingsError
 from executor.packages import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
+
+with on_first_use("asyncio"):  # pydantic_settings uses it only in CliApp.run (not here)
+    from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger("studio_code.settings")
 
@@ -568,6 +570,8 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     for name in sorted(environ):
         if not name.startswith("STUDIO_") or name in known:
             continue
+        import difflib  # only for a misspelling
+
         # compared without the common prefix, which would make every name look close
         close = difflib.get_close_matches(name[7:], sorted(k[7:] for k in known), n=1, cutoff=0.7)
         hint = (
