@@ -729,5 +729,25 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+#: one-shot commands that leave no thread, child, connection or atexit hook behind
+NO_TEARDOWN = ("run", "validate")
+
+
+def entry() -> NoReturn:
+    """The ``studio-code`` console script: ``main()``; then ``run`` and ``validate`` exit
+    without the interpreter's teardown, which frees every module and pydantic object one by
+    one (tens of milliseconds, more than some of the work) where the kernel frees the
+    process at once. Their output is flushed first; they hold nothing that needs closing."""
+    code = main()
+    if sys.argv[1:2] and sys.argv[1] in NO_TEARDOWN:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            sys.exit(code)  # the usual exit reports it (a closed pipe, a closed stream)
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
