@@ -101,6 +101,45 @@ def test_validate_of_a_python_file_loads_nothing_heavy(tmp_path):
     assert loaded_of(mods, HEAVY) == []
 
 
+@pytest.mark.parametrize("runtime", ["docker", "subprocess"])
+def test_validate_loads_no_runtime_nor_asyncio(tmp_path, runtime):
+    """Settings load without asyncio (pydantic_settings imports it for CliApp.run only) and
+    without the runtimes (the uid range is checked in executor.settings)."""
+    node = tmp_path / "node.py"
+    node.write_text("def main(state):\n    return 1\n")
+    mods = loaded_after(
+        f"""
+        from api_client.cli import main
+        assert main(["validate", {str(node)!r}]) == 0
+    """,
+        env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": runtime},
+    )
+    assert "pydantic_settings" in mods  # the settings were loaded, by pydantic-settings
+    assert loaded_of(mods, ("asyncio", "executor.runtimes", "ctypes")) == []
+
+
+def test_asyncio_left_out_of_pydantic_settings_still_works_when_used():
+    """The stand-in pydantic_settings.main holds imports the real asyncio on first use, and
+    every other importer gets the real module."""
+    mods = loaded_after("""
+        import sys
+        import executor.settings
+        import pydantic_settings.main as m
+        assert "asyncio" not in sys.modules
+        try:
+            m.asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise SystemExit("get_running_loop() outside a loop did not raise")
+        import asyncio
+        assert sys.modules["asyncio"] is asyncio and type(asyncio).__name__ == "module"
+        assert m.asyncio.run is asyncio.run
+        assert asyncio.run(asyncio.sleep(0, "ok")) == "ok"
+    """)
+    assert "asyncio" in mods
+
+
 def test_run_loads_no_queue_and_no_store(tmp_path):
     node = tmp_path / "node.py"
     node.write_text("def main(state):\n    return state['n'] + 1\n")
