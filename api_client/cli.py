@@ -734,12 +734,17 @@ NO_TEARDOWN = ("run", "validate")
 
 
 def entry() -> NoReturn:
-    """The ``studio-code`` console script: ``main()``; then ``run`` and ``validate`` exit
-    without the interpreter's teardown, which frees every module and pydantic object one by
-    one (tens of milliseconds, more than some of the work) where the kernel frees the
-    process at once. Their output is flushed first; they hold nothing that needs closing."""
+    """The ``studio-code`` console script: ``main()``. ``run`` and ``validate`` run without
+    cyclic garbage collection (a short process that makes few cycles: its passes would walk
+    every pydantic object for nothing) and exit without the interpreter's teardown, which
+    frees every module and object one by one (tens of milliseconds, more than some of the
+    work) where the kernel frees the process at once. Their output is flushed first; they
+    hold nothing that needs closing."""
+    one_shot = len(sys.argv) > 1 and sys.argv[1] in NO_TEARDOWN
+    if one_shot:
+        gc.disable()
     code = main()
-    if sys.argv[1:2] and sys.argv[1] in NO_TEARDOWN:
+    if one_shot:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
