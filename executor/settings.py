@@ -27,7 +27,8 @@ from executor.deferred_import import on_first_use
 from executor.errors import SettingsError
 from executor.packages import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
 
-with on_first_use("asyncio"):  # pydantic_settings uses it only in CliApp.run (not here)
+# Neither is used here: asyncio only by CliApp.run, entry_points only to look for plugins.
+with on_first_use("asyncio"), on_first_use("importlib.metadata", functions=("entry_points",)):
     from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger("studio_code.settings")

@@ -115,7 +115,8 @@ def test_validate_loads_no_runtime_nor_asyncio(tmp_path, runtime):
         env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": runtime},
     )
     assert "pydantic_settings" in mods  # the settings were loaded, by pydantic-settings
-    assert loaded_of(mods, ("asyncio", "executor.runtimes", "ctypes")) == []
+    unused = ("asyncio", "importlib.metadata", "executor.runtimes", "ctypes")
+    assert loaded_of(mods, unused) == []
 
 
 def test_asyncio_left_out_of_pydantic_settings_still_works_when_used():
@@ -138,6 +139,27 @@ def test_asyncio_left_out_of_pydantic_settings_still_works_when_used():
         assert asyncio.run(asyncio.sleep(0, "ok")) == "ok"
     """)
     assert "asyncio" in mods
+
+
+def test_pydantic_still_looks_for_plugins_unless_they_are_turned_off():
+    """pydantic's plugin loader got a deferred entry_points: a process that does not turn
+    plugins off (the API, a worker) still scans for them, with the real importlib.metadata;
+    the CLI's one-shot commands turn them off and never import it."""
+    mods = loaded_after(
+        """
+        import os, sys
+        assert os.environ["PYDANTIC_DISABLE_PLUGINS"] == ""  # plugins on
+        from executor.settings import load_settings
+        load_settings()
+        import importlib, importlib.metadata
+        assert sys.modules["importlib.metadata"] is importlib.metadata
+        assert type(importlib.metadata).__name__ == "module"
+        from pydantic.plugin import _loader
+        assert list(_loader.get_plugins()) == []  # none installed; the scan ran
+    """,
+        env={"PYDANTIC_DISABLE_PLUGINS": ""},
+    )
+    assert "importlib.metadata" in mods
 
 
 def test_run_loads_no_queue_and_no_store(tmp_path):
