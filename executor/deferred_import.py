@@ -3,7 +3,8 @@
 ``pydantic_settings.main`` does ``import asyncio`` (about 30 ms: asyncio pulls in ssl,
 socket, subprocess...) for ``CliApp.run`` alone, which nothing here calls; pydantic's plugin
 loader does ``from importlib.metadata import entry_points`` (about 20 ms: email, zipfile,
-csv...) and calls it only when plugins are not turned off (PYDANTIC_DISABLE_PLUGINS).
+csv...) and calls it only when plugins are not turned off (PYDANTIC_DISABLE_PLUGINS); its
+env-file source does ``from dotenv import dotenv_values`` and calls it only for an env_file.
 Inside ``on_first_use(...)`` such an import binds a stand-in: a module object that imports
 the real module the first time one of its attributes is read, and hands the attribute over;
 the ``functions`` it is given are small functions that import the real module when called.

@@ -27,8 +27,13 @@ from executor.deferred_import import on_first_use
 from executor.errors import SettingsError
 from executor.packages import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
 
-# Neither is used here: asyncio only by CliApp.run, entry_points only to look for plugins.
-with on_first_use("asyncio"), on_first_use("importlib.metadata", functions=("entry_points",)):
+# None is used here: asyncio only by CliApp.run, entry_points only to look for plugins,
+# dotenv_values only to read an env_file (Settings has none).
+with (
+    on_first_use("asyncio"),
+    on_first_use("importlib.metadata", functions=("entry_points",)),
+    on_first_use("dotenv", functions=("dotenv_values",)),
+):
     from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger("studio_code.settings")

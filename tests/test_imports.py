@@ -115,7 +115,7 @@ def test_validate_loads_no_runtime_nor_asyncio(tmp_path, runtime):
         env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": runtime},
     )
     assert "pydantic_settings" in mods  # the settings were loaded, by pydantic-settings
-    unused = ("asyncio", "importlib.metadata", "executor.runtimes", "ctypes")
+    unused = ("asyncio", "importlib.metadata", "dotenv", "executor.runtimes", "ctypes")
     assert loaded_of(mods, unused) == []
 
 
@@ -139,6 +139,19 @@ def test_asyncio_left_out_of_pydantic_settings_still_works_when_used():
         assert asyncio.run(asyncio.sleep(0, "ok")) == "ok"
     """)
     assert "asyncio" in mods
+
+
+def test_an_env_file_is_still_read_with_dotenv_loaded_on_first_use(tmp_path):
+    env_file = tmp_path / "studio.env"
+    env_file.write_text("STUDIO_CODE_CPUS=2\n")
+    mods = loaded_after(f"""
+        import sys
+        from executor.settings import Settings
+        assert "dotenv" not in sys.modules
+        assert Settings(_env_file={str(env_file)!r}).code_cpus == 2.0
+        assert type(sys.modules["dotenv"]).__name__ == "module"
+    """)
+    assert "dotenv" in mods
 
 
 def test_pydantic_still_looks_for_plugins_unless_they_are_turned_off():
