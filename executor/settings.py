@@ -12,21 +12,29 @@ reads (a misspelling) is logged as a warning at start-up, naming the closest kno
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from executor.deferred_import import on_first_use
 from executor.errors import SettingsError
 from executor.packages import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
+
+# None is used here: asyncio only by CliApp.run, entry_points only to look for plugins,
+# dotenv_values only to read an env_file (Settings has none).
+with (
+    on_first_use("asyncio"),
+    on_first_use("importlib.metadata", functions=("entry_points",)),
+    on_first_use("dotenv", functions=("dotenv_values",)),
+):
+    from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger("studio_code.settings")
 
@@ -45,6 +53,47 @@ def parse_size(value: str) -> int:
     if not m:
         raise ValueError("not a size")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_uid_range(text: str) -> range:
+    """'200000-200999' -> range(200000, 201000). Raises ValueError with what is allowed."""
+    first, sep, last = text.strip().partition("-")
+    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+        raise ValueError("a uid range FIRST-LAST, such as 200000-200999")
+    lo, hi = int(first), int(last)
+    if not 1000 <= lo <= hi < 2**31 - 1:
+        raise ValueError("a uid range FIRST-LAST with 1000 <= FIRST <= LAST < 2147483647")
+    if hi - lo + 1 > 65536:
+        raise ValueError("a uid range of at most 65536 uids")
+    return range(lo, hi + 1)
+
+
+def uid_range_problem(ids: range, reserved: Iterable[int]) -> str | None:
+    """Why ``ids`` may not be handed to runs: a reserved uid (root, nobody, the Docker
+    sandboxes' uid, the server's own) or a uid/gid an account or group of this host uses
+    (its files would be readable by a run, and removed after it). None when it is fine."""
+    for uid in sorted(set(reserved)):
+        if uid in ids:
+            return (
+                f"a range without uid {uid} (root, nobody, the server's own uid and the "
+                "Docker sandboxes' uid are never given to a run)"
+            )
+    import grp
+    import pwd
+
+    for p in pwd.getpwall():
+        if p.pw_uid in ids:
+            return (
+                f"a range that no account uses (uid {p.pw_uid} is the account "
+                f"{p.pw_name!r} on this host)"
+            )
+    for g in grp.getgrall():
+        if g.gr_gid in ids:
+            return (
+                f"a range that no group uses (gid {g.gr_gid} is the group {g.gr_name!r} "
+                "on this host)"
+            )
+    return None
 
 
 class Settings(BaseSettings):
@@ -356,8 +405,6 @@ class Settings(BaseSettings):
     @field_validator("code_subprocess_uids")
     @classmethod
     def _subprocess_uids(cls, v: str, info: ValidationInfo) -> str:
-        from executor.runtimes.uids import parse_uid_range, uid_range_problem
-
         ids = parse_uid_range(v)  # its ValueError says what is allowed
         if info.data.get("code_runtime") == "subprocess" and os.getuid() == 0:
             problem = uid_range_problem(ids, {0, NOBODY, *sandbox_ids()})
@@ -472,8 +519,6 @@ class Settings(BaseSettings):
 
     @property
     def subprocess_uids(self) -> range:
-        from executor.runtimes.uids import parse_uid_range
-
         return parse_uid_range(self.code_subprocess_uids)
 
     @property
@@ -531,6 +576,8 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     for name in sorted(environ):
         if not name.startswith("STUDIO_") or name in known:
             continue
+        import difflib  # only for a misspelling
+
         # compared without the common prefix, which would make every name look close
         close = difflib.get_close_matches(name[7:], sorted(k[7:] for k in known), n=1, cutoff=0.7)
         hint = (

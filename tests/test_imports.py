@@ -101,6 +101,80 @@ def test_validate_of_a_python_file_loads_nothing_heavy(tmp_path):
     assert loaded_of(mods, HEAVY) == []
 
 
+@pytest.mark.parametrize("runtime", ["docker", "subprocess"])
+def test_validate_loads_no_runtime_nor_asyncio(tmp_path, runtime):
+    """Settings load without asyncio (pydantic_settings imports it for CliApp.run only) and
+    without the runtimes (the uid range is checked in executor.settings)."""
+    node = tmp_path / "node.py"
+    node.write_text("def main(state):\n    return 1\n")
+    mods = loaded_after(
+        f"""
+        from api_client.cli import main
+        assert main(["validate", {str(node)!r}]) == 0
+    """,
+        env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": runtime},
+    )
+    assert "pydantic_settings" in mods  # the settings were loaded, by pydantic-settings
+    unused = ("asyncio", "importlib.metadata", "dotenv", "executor.runtimes", "ctypes")
+    assert loaded_of(mods, unused) == []
+
+
+def test_asyncio_left_out_of_pydantic_settings_still_works_when_used():
+    """The stand-in pydantic_settings.main holds imports the real asyncio on first use, and
+    every other importer gets the real module."""
+    mods = loaded_after("""
+        import sys
+        import executor.settings
+        import pydantic_settings.main as m
+        assert "asyncio" not in sys.modules
+        try:
+            m.asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise SystemExit("get_running_loop() outside a loop did not raise")
+        import asyncio
+        assert sys.modules["asyncio"] is asyncio and type(asyncio).__name__ == "module"
+        assert m.asyncio.run is asyncio.run
+        assert asyncio.run(asyncio.sleep(0, "ok")) == "ok"
+    """)
+    assert "asyncio" in mods
+
+
+def test_an_env_file_is_still_read_with_dotenv_loaded_on_first_use(tmp_path):
+    env_file = tmp_path / "studio.env"
+    env_file.write_text("STUDIO_CODE_CPUS=2\n")
+    mods = loaded_after(f"""
+        import sys
+        from executor.settings import Settings
+        assert "dotenv" not in sys.modules
+        assert Settings(_env_file={str(env_file)!r}).code_cpus == 2.0
+        assert type(sys.modules["dotenv"]).__name__ == "module"
+    """)
+    assert "dotenv" in mods
+
+
+def test_pydantic_still_looks_for_plugins_unless_they_are_turned_off():
+    """pydantic's plugin loader got a deferred entry_points: a process that does not turn
+    plugins off (the API, a worker) still scans for them, with the real importlib.metadata;
+    the CLI's one-shot commands turn them off and never import it."""
+    mods = loaded_after(
+        """
+        import os, sys
+        assert os.environ["PYDANTIC_DISABLE_PLUGINS"] == ""  # plugins on
+        from executor.settings import load_settings
+        load_settings()
+        import importlib, importlib.metadata
+        assert sys.modules["importlib.metadata"] is importlib.metadata
+        assert type(importlib.metadata).__name__ == "module"
+        from pydantic.plugin import _loader
+        assert list(_loader.get_plugins()) == []  # none installed; the scan ran
+    """,
+        env={"PYDANTIC_DISABLE_PLUGINS": ""},
+    )
+    assert "importlib.metadata" in mods
+
+
 def test_run_loads_no_queue_and_no_store(tmp_path):
     node = tmp_path / "node.py"
     node.write_text("def main(state):\n    return state['n'] + 1\n")

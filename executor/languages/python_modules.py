@@ -13,10 +13,8 @@ the check of imports is skipped (readiness still imports every listed package).
 from __future__ import annotations
 
 import ast
-import io
 import json
 import logging
-import tarfile
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +62,9 @@ def read_image_modules(image: str) -> ImageModules | None:
     with _lock:
         if image_id in _cache:
             return _cache[image_id]
+    import io
+    import tarfile
+
     found: ImageModules | None = None
     try:
         cid = api.create_container(image, command=["true"], network_disabled=True)["Id"]

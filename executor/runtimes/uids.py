@@ -49,47 +49,6 @@ SWEEP_PARKING = ".studio-code-sweep-"
 MARK_BUSY, MARK_CLEAN = b"busy \n", b"clean\n"
 
 
-def parse_uid_range(text: str) -> range:
-    """'200000-200999' -> range(200000, 201000). Raises ValueError with what is allowed."""
-    first, sep, last = text.strip().partition("-")
-    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
-        raise ValueError("a uid range FIRST-LAST, such as 200000-200999")
-    lo, hi = int(first), int(last)
-    if not 1000 <= lo <= hi < 2**31 - 1:
-        raise ValueError("a uid range FIRST-LAST with 1000 <= FIRST <= LAST < 2147483647")
-    if hi - lo + 1 > 65536:
-        raise ValueError("a uid range of at most 65536 uids")
-    return range(lo, hi + 1)
-
-
-def uid_range_problem(ids: range, reserved: Iterable[int]) -> str | None:
-    """Why ``ids`` may not be handed to runs: a reserved uid (root, nobody, the Docker
-    sandboxes' uid, the server's own) or a uid/gid an account or group of this host uses
-    (its files would be readable by a run, and removed after it). None when it is fine."""
-    for uid in sorted(set(reserved)):
-        if uid in ids:
-            return (
-                f"a range without uid {uid} (root, nobody, the server's own uid and the "
-                "Docker sandboxes' uid are never given to a run)"
-            )
-    import grp
-    import pwd
-
-    for p in pwd.getpwall():
-        if p.pw_uid in ids:
-            return (
-                f"a range that no account uses (uid {p.pw_uid} is the account "
-                f"{p.pw_name!r} on this host)"
-            )
-    for g in grp.getgrall():
-        if g.gr_gid in ids:
-            return (
-                f"a range that no group uses (gid {g.gr_gid} is the group {g.gr_name!r} "
-                "on this host)"
-            )
-    return None
-
-
 @dataclass
 class UidLease:
     """One uid held by this process for one run (gid is the same number)."""
