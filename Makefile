@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[http,dev]'
+	@# as a regular (non-editable) pip install does: the CLI then starts without compiling
+	@# the project's modules (a later edit is recompiled in memory, never run stale)
+	$(PY) -m compileall -q executor worker api_client >/dev/null
 	@touch $@
 
 install: $(STAMP) ## create .venv with the project, Deno and the test tools
