@@ -494,7 +494,9 @@ class Deployment:
         labels = [f"com.docker.compose.project={self.project}"]
         if service:
             labels.append(f"com.docker.compose.service={service}")
-        return docker_client.containers.list(all=True, filters={"label": labels})
+        return docker_client.containers.list(
+            all=True, filters={"label": labels}, ignore_removed=True
+        )
 
 
 def _wait(what: str, check: Any, timeout: float, step: float = 0.2, describe: Any = None) -> Any:

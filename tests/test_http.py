@@ -186,7 +186,10 @@ def start_api(env: dict[str, str], log: Path) -> tuple[StudioProc, str]:
 
 def containers_of(docker_client: Any, job_id: str) -> list[Any]:
     # by name: a pre-started sandbox gets its job's name when taken (its labels are fixed)
-    return docker_client.containers.list(all=True, filters={"name": f"^/studio-code-{job_id}$"})
+    # ignore_removed: a sandbox removed between the list and its inspect is gone, not an error
+    return docker_client.containers.list(
+        all=True, filters={"name": f"^/studio-code-{job_id}$"}, ignore_removed=True
+    )
 
 
 # --- the stack ---------------------------------------------------------------------------

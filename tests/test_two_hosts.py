@@ -378,8 +378,10 @@ def test_two_engines_share_jobs_and_a_lost_engine_loses_no_job(
         for j in first + second:
             while True:
                 left = docker_client.containers.list(
-                    all=True, filters={"label": f"{LABEL_JOB}={j}"}
-                ) + docker_client.containers.list(all=True, filters={"name": f"studio-code-{j}"})
+                    all=True, filters={"label": f"{LABEL_JOB}={j}"}, ignore_removed=True
+                ) + docker_client.containers.list(
+                    all=True, filters={"name": f"studio-code-{j}"}, ignore_removed=True
+                )
                 if not left or time.monotonic() > removal_deadline:
                     break
                 time.sleep(0.2)

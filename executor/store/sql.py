@@ -1089,8 +1089,13 @@ class SqlRunStore(RunStore):
             # executescript steps the pragma to its end; execute() frees one page only.
             # The pages freed are those this bounded pass deleted, so this stays short.
             cur.executescript("PRAGMA incremental_vacuum;")
-            cur.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            cur.fetchall()
+            # (busy, frames, checkpointed): busy when another checkpoint runs at that moment
+            # (a process's _Checkpointer): it is short, so try again a few times.
+            for _ in range(20):
+                busy = cur.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()[0][0]
+                if not busy:
+                    break
+                time.sleep(0.1)
             cur.close()
         except sqlite3.OperationalError as e:
             log.warning("SQLite space not given back this time: %s", e)
