@@ -473,9 +473,10 @@ class CodeClient:
             left = deadline - time.monotonic()
             if status is None or status.finished or left <= 0:
                 return await loop.run_in_executor(self._readers, self.status, job_id)
-            if status is Status.QUEUED and (woke or time.monotonic() >= next_settle):
+            if status is Status.QUEUED and not woke and time.monotonic() >= next_settle:
                 # still queued: past its queue's bound, or a worker on another store left a
-                # notice (status() ends it failed then, as wait() does)
+                # notice (status() ends it failed then, as wait() does; after a notice the
+                # read above was status() already)
                 next_settle = time.monotonic() + SETTLE_EVERY_S
                 rec = await loop.run_in_executor(self._readers, self.status, job_id)
                 if rec.finished:
