@@ -202,11 +202,47 @@ def floor_sample(client: Any) -> float:
     return took
 
 
+class StateFloor:
+    """The floor a state's size adds to any queue that keeps it durably: serialise it
+    (``json.dumps``, as ``submit`` does with a Python value), write it in one SQLite
+    transaction (WAL, synchronous=NORMAL, as the run store) and read it back (as the
+    worker's claim does). Raw ``sqlite3``, no store code; one file beside the store."""
+
+    def __init__(self, path: Path) -> None:
+        import sqlite3
+
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = NORMAL")
+        self.db.execute("CREATE TABLE s (id TEXT PRIMARY KEY, state TEXT NOT NULL)")
+
+    def sample(self, state: Any) -> float:
+        import json
+
+        key = uuid.uuid4().hex
+        t0 = time.perf_counter()
+        text = json.dumps(state, ensure_ascii=False, allow_nan=False)
+        self.db.execute("BEGIN IMMEDIATE")
+        self.db.execute("INSERT INTO s VALUES (?, ?)", (key, text))
+        self.db.execute("COMMIT")
+        self.db.execute("SELECT state FROM s WHERE id = ?", (key,)).fetchone()
+        took = (time.perf_counter() - t0) * 1000
+        self.db.execute("DELETE FROM s")
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return took
+
+
 def overhead(
-    client: Any, n: int, state: Any = None, *, floor: bool = False
+    client: Any,
+    n: int,
+    state: Any = None,
+    *,
+    floor: bool = False,
+    state_floor: StateFloor | None = None,
 ) -> dict[str, list[float]]:
     """The queue's overhead, one job at a time; with ``floor``, each sample is followed by
-    one of the floor (an empty Celery task and its notice), so both see the same noise."""
+    one of the floor (an empty Celery task and its notice), and with ``state_floor`` by one
+    of the state's own floor, so both sides see the same noise."""
     out: dict[str, list[float]] = {
         "overhead": [],
         "stored": [],
@@ -214,6 +250,7 @@ def overhead(
         "pickup": [],
         "run": [],
         "floor": [],
+        "state_floor": [],
     }
     while len(out["overhead"]) < n:
         time.sleep(SETTLE_S)
@@ -234,6 +271,9 @@ def overhead(
         if floor:
             time.sleep(SETTLE_S / 5)
             out["floor"].append(floor_sample(client))
+        if state_floor is not None:
+            time.sleep(SETTLE_S / 5)
+            out["state_floor"].append(state_floor.sample(state))
     return out
 
 
@@ -426,7 +466,13 @@ def main() -> None:
         ov = overhead(client, args.n, floor=True)
         # the same with a state of 1 KB and of 10 MB (the queue must not grow with it)
         ov_1k = overhead(client, args.n, state_of(1024))
-        ov_10m = overhead(client, args.big, state_of(10 * 1024 * 1024))
+        ov_10m = overhead(
+            client,
+            args.big,
+            state_of(10 * 1024 * 1024),
+            floor=True,
+            state_floor=StateFloor(tmp / "state-floor.db"),
+        )
         e2e_pool, e2e_cold = e2e_interleaved([client, client_cold], args.n)
         gone, ended = cancel_latency(client, api, args.cancels)
         queue_rates, raw_rates, ex_rates, cold_rates = [], [], [], []
@@ -463,6 +509,13 @@ def main() -> None:
                 f"| … … of which submit() (state check, store row + send) | "
                 f"{ms(o['submit'], 50)} | p95 {ms(o['submit'], 95)} | |"
             )
+            if o["state_floor"]:
+                both = [f + s for f, s in zip(o["floor"], o["state_floor"], strict=True)]
+                print(
+                    f"| … … its floor, interleaved: the empty Celery task + json.dumps of the "
+                    f"state + one SQLite INSERT and SELECT of it (raw sqlite3) | "
+                    f"{ms(both, 50)} | p95 {ms(both, 95)} | |"
+                )
         print(
             f"| … the floor, interleaved with the first row: an EMPTY Celery task on the same "
             f"Redis (same app and options, 1 prefork process), send → its done notice seen by "

@@ -91,7 +91,8 @@ class ProcessState:
     def notify_done(self, job_id: str) -> None:
         """Wake ``CodeClient.wait``: one item per time the task body ended for the job."""
         try:
-            pipe = self.redis.pipeline()
+            # one round trip, no MULTI/EXEC: the TTL only bounds a forgotten list
+            pipe = self.redis.pipeline(transaction=False)
             pipe.rpush(done_key(job_id), "1")
             pipe.expire(done_key(job_id), DONE_TTL_S)
             pipe.execute()
