@@ -205,8 +205,9 @@ def floor_sample(client: Any) -> float:
 class StateFloor:
     """The floor a state's size adds to any queue that keeps it durably: serialise it
     (``json.dumps``, as ``submit`` does with a Python value), write it in one SQLite
-    transaction (WAL, synchronous=NORMAL, as the run store) and read it back (as the
-    worker's claim does). Raw ``sqlite3``, no store code; one file beside the store."""
+    transaction (WAL, synchronous=NORMAL, as the run store) and read it back through
+    another connection (as the worker's claim does). Raw ``sqlite3``, no store code; one
+    file beside the store."""
 
     def __init__(self, path: Path) -> None:
         import sqlite3
@@ -215,6 +216,8 @@ class StateFloor:
         self.db.execute("PRAGMA journal_mode = WAL")
         self.db.execute("PRAGMA synchronous = NORMAL")
         self.db.execute("CREATE TABLE s (id TEXT PRIMARY KEY, state TEXT NOT NULL)")
+        # read through a connection of its own, as the worker (another process) reads it
+        self.reader = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
 
     def sample(self, state: Any) -> float:
         import json
@@ -225,7 +228,7 @@ class StateFloor:
         self.db.execute("BEGIN IMMEDIATE")
         self.db.execute("INSERT INTO s VALUES (?, ?)", (key, text))
         self.db.execute("COMMIT")
-        self.db.execute("SELECT state FROM s WHERE id = ?", (key,)).fetchone()
+        self.reader.execute("SELECT state FROM s WHERE id = ?", (key,)).fetchone()
         took = (time.perf_counter() - t0) * 1000
         self.db.execute("DELETE FROM s")
         self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
