@@ -2,7 +2,9 @@
 ``--slots`` run slots), the real client, Docker, a SQLite run store. No assertions.
 
 * queue overhead: submit -> result back in the caller (``wait``), minus the executor's own
-  ``duration_ms`` (sandbox create -> run -> remove), one job at a time;
+  ``duration_ms`` (sandbox create -> run -> remove), one job at a time; beside it its
+  floor: an empty Celery task on the same Redis and app (``bench.celery_floor``), send ->
+  done notice seen, which no queue built on Celery and Redis can go under;
 * cancel latency: ``cancel()`` -> the container is gone (polled by label every ~2 ms);
 * throughput of trivial nodes at N slots vs N threads running the raw Docker SDK floor
   (create -> attach -> start -> stdin -> read -> wait -> remove, same image, same
@@ -102,21 +104,30 @@ def tree(pid: int) -> list[int]:
 
 
 class Worker:
-    def __init__(self, env: dict[str, str], slots: int, log: Path, client: Any) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        slots: int,
+        log: Path,
+        client: Any,
+        *,
+        app: str = "worker",
+        queues: str = "code.test,code.run",
+    ) -> None:
         self.node = f"bench-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 [
                     str(Path(sys.executable).with_name("celery")),
                     "-A",
-                    "worker",
+                    app,
                     "worker",
                     "--pool",
                     "prefork",
                     "-c",
                     str(slots),
                     "-Q",
-                    "code.test,code.run",
+                    queues,
                     "--hostname",
                     self.node,
                     "--loglevel",
@@ -172,13 +183,77 @@ def state_of(size: int) -> dict[str, str]:
 SETTLE_S = 0.5
 
 
-def overhead(client: Any, n: int, state: Any = None) -> dict[str, list[float]]:
+#: the queue the floor's empty task goes to (``bench.celery_floor``'s worker reads only it)
+FLOOR_QUEUE = "bench.floor"
+
+
+def floor_sample(client: Any) -> float:
+    """One round trip of the floor: send the empty task, wait for its done notice (BLPOP,
+    as ``wait`` blocks on the real one); ms."""
+    from bench.celery_floor import TASK
+
+    key = f"bench:floor:{uuid.uuid4().hex}"
+    t0 = time.perf_counter()
+    client.app.send_task(TASK, args=(key,), queue=FLOOR_QUEUE, ignore_result=True)
+    if client.redis.blpop([key], 10) is None:
+        raise RuntimeError("the floor worker did not answer in 10 s")
+    took = (time.perf_counter() - t0) * 1000
+    client.redis.delete(key)
+    return took
+
+
+class StateFloor:
+    """The floor a state's size adds to any queue that keeps it durably: serialise it
+    (``json.dumps``, as ``submit`` does with a Python value), write it in one SQLite
+    transaction (WAL, synchronous=NORMAL, as the run store) and read it back through
+    another connection (as the worker's claim does). Raw ``sqlite3``, no store code; one
+    file beside the store."""
+
+    def __init__(self, path: Path) -> None:
+        import sqlite3
+
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = NORMAL")
+        self.db.execute("CREATE TABLE s (id TEXT PRIMARY KEY, state TEXT NOT NULL)")
+        # read through a connection of its own, as the worker (another process) reads it
+        self.reader = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+    def sample(self, state: Any) -> float:
+        import json
+
+        key = uuid.uuid4().hex
+        t0 = time.perf_counter()
+        text = json.dumps(state, ensure_ascii=False, allow_nan=False)
+        self.db.execute("BEGIN IMMEDIATE")
+        self.db.execute("INSERT INTO s VALUES (?, ?)", (key, text))
+        self.db.execute("COMMIT")
+        self.reader.execute("SELECT state FROM s WHERE id = ?", (key,)).fetchone()
+        took = (time.perf_counter() - t0) * 1000
+        self.db.execute("DELETE FROM s")
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return took
+
+
+def overhead(
+    client: Any,
+    n: int,
+    state: Any = None,
+    *,
+    floor: bool = False,
+    state_floor: StateFloor | None = None,
+) -> dict[str, list[float]]:
+    """The queue's overhead, one job at a time; with ``floor``, each sample is followed by
+    one of the floor (an empty Celery task and its notice), and with ``state_floor`` by one
+    of the state's own floor, so both sides see the same noise."""
     out: dict[str, list[float]] = {
         "overhead": [],
         "stored": [],
         "submit": [],
         "pickup": [],
         "run": [],
+        "floor": [],
+        "state_floor": [],
     }
     while len(out["overhead"]) < n:
         time.sleep(SETTLE_S)
@@ -196,6 +271,12 @@ def overhead(client: Any, n: int, state: Any = None) -> dict[str, list[float]]:
         out["submit"].append((p1 - p0) * 1000)
         out["pickup"].append((rec.started_at.timestamp() - t0) * 1000 - out["submit"][-1])
         out["run"].append(rec.duration_ms or 0)
+        if floor:
+            time.sleep(SETTLE_S / 5)
+            out["floor"].append(floor_sample(client))
+        if state_floor is not None:
+            time.sleep(SETTLE_S / 5)
+            out["state_floor"].append(state_floor.sample(state))
     return out
 
 
@@ -335,7 +416,7 @@ def main() -> None:
     tmp_cold = tmp / "cold"
     tmp_cold.mkdir()
     redis_cold = Redis(tmp_cold)
-    worker = worker_cold = None
+    worker = worker_cold = floor_worker = None
     client = client_cold = None
     try:
         db = args.database_url or f"sqlite:///{tmp / 'studio-code.db'}"
@@ -373,16 +454,28 @@ def main() -> None:
         }
         client_cold = CodeClient(settings_cold)
         worker_cold = Worker(env_cold, args.slots, tmp_cold / "worker.log", client_cold)
+        # The floor: an empty task on the same Redis, through its own 1-process worker.
+        floor_worker = Worker(
+            env, 1, tmp / "floor.log", client, app="bench.celery_floor", queues=FLOOR_QUEUE
+        )
         api = docker.from_env(timeout=60).api
         for c in (client, client_cold):
             for _ in range(5):  # warm-up: every pool process, the engine, the store
                 c.wait(c.submit(TRIVIAL, "python", {}), 60)
         raw_throughput(settings, api, args.slots, 2 * args.slots)
 
-        ov = overhead(client, args.n)
+        for _ in range(3):
+            floor_sample(client)  # warm-up
+        ov = overhead(client, args.n, floor=True)
         # the same with a state of 1 KB and of 10 MB (the queue must not grow with it)
         ov_1k = overhead(client, args.n, state_of(1024))
-        ov_10m = overhead(client, args.big, state_of(10 * 1024 * 1024))
+        ov_10m = overhead(
+            client,
+            args.big,
+            state_of(10 * 1024 * 1024),
+            floor=True,
+            state_floor=StateFloor(tmp / "state-floor.db"),
+        )
         e2e_pool, e2e_cold = e2e_interleaved([client, client_cold], args.n)
         gone, ended = cancel_latency(client, api, args.cancels)
         queue_rates, raw_rates, ex_rates, cold_rates = [], [], [], []
@@ -419,6 +512,19 @@ def main() -> None:
                 f"| … … of which submit() (state check, store row + send) | "
                 f"{ms(o['submit'], 50)} | p95 {ms(o['submit'], 95)} | |"
             )
+            if o["state_floor"]:
+                both = [f + s for f, s in zip(o["floor"], o["state_floor"], strict=True)]
+                print(
+                    f"| … … its floor, interleaved: the empty Celery task + json.dumps of the "
+                    f"state + one SQLite INSERT and SELECT of it (raw sqlite3) | "
+                    f"{ms(both, 50)} | p95 {ms(both, 95)} | |"
+                )
+        print(
+            f"| … the floor, interleaved with the first row: an EMPTY Celery task on the same "
+            f"Redis (same app and options, 1 prefork process), send → its done notice seen by "
+            f"the caller (n={len(ov['floor'])}) | {ms(ov['floor'], 50)} | "
+            f"p95 {ms(ov['floor'], 95)} | |"
+        )
         print(
             f"| queue overhead to the STORED result: submit→finished_at − duration_ms | "
             f"{ms(ov['stored'], 50)} | p95 {ms(ov['stored'], 95)} | ≤ 5 ms |"
@@ -482,7 +588,7 @@ def main() -> None:
         for c in (client, client_cold):
             if c is not None:
                 c.close()
-        for w in (worker, worker_cold):
+        for w in (worker, worker_cold, floor_worker):
             if w is not None:
                 w.stop()
         redis.stop()

@@ -69,18 +69,25 @@ def state_json(value: Any, *, max_bytes: int, source: str = "The state") -> str:
 def check_state_size(text: str, *, max_bytes: int, source: str = "The state") -> None:
     """Raises CodeInvalid when the state JSON is larger than STUDIO_CODE_STATE_MAX_BYTES or
     holds a lone surrogate (not valid Unicode, so it could never reach the sandbox)."""
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise CodeInvalid(
-            f"{source} holds a lone surrogate, which is not valid Unicode: send the state as "
-            "well-formed UTF-8 JSON."
-        ) from None
+    if text.isascii():  # one flag of the str, no pass over it: a byte per character
+        size = len(text)
+    else:
+        size = _utf8_size(text, source)
     if size > max_bytes:
         raise CodeInvalid(
             f"{source} is {size} bytes, more than STUDIO_CODE_STATE_MAX_BYTES={max_bytes}: "
             "pass less data to the node."
         )
+
+
+def _utf8_size(text: str, source: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise CodeInvalid(
+            f"{source} holds a lone surrogate, which is not valid Unicode: send the state as "
+            "well-formed UTF-8 JSON."
+        ) from None
 
 
 def timeout_s(value: float | str | None, *, max_seconds: float, source: str = "timeout_s") -> float:

@@ -34,7 +34,13 @@ from executor.models import (
     TraceRow,
 )
 from executor.outputs import MESSAGE_MAX_CHARS, OutputInvalid, parse_reply, safe_text
-from executor.runtimes.base import CancelCheck, PoolObserver, Runtime, owner_id
+from executor.runtimes.base import (
+    CancelCheck,
+    CancelledBeforeStart,
+    PoolObserver,
+    Runtime,
+    owner_id,
+)
 from executor.settings import KNOWN_RUNTIMES, Settings
 
 log = logging.getLogger("studio_code")
@@ -309,23 +315,22 @@ class Executor:
     ) -> CodeResult:
         assert self.runtime is not None
         t0 = time.monotonic()
-        while not self._slots.acquire(timeout=0.1):
-            if should_cancel is not None and should_cancel():
-                return self._result(
-                    job,
-                    Status.CANCELLED,
-                    error=ErrorCode.CODE_CANCELLED,
-                    message="Cancelled before it started.",
-                    t0=t0,
-                )
         try:
-            if not probe:
-                self._audit_first_subprocess_call(job)
-            raw = self.runtime.run(job, language, limits, should_cancel=should_cancel)
+            while not self._slots.acquire(timeout=0.1):
+                if should_cancel is not None and should_cancel():
+                    raise CancelledBeforeStart("Cancelled before it started.")
+            try:
+                if not probe:
+                    self._audit_first_subprocess_call(job)
+                raw = self.runtime.run(job, language, limits, should_cancel=should_cancel)
+            finally:
+                self._slots.release()
+        except CancelledBeforeStart as e:
+            return self._result(
+                job, Status.CANCELLED, error=ErrorCode.CODE_CANCELLED, message=str(e), t0=t0
+            )
         except StudioCodeError as e:
             return self._result(job, Status.FAILED, error=e.code, message=e.message, t0=t0)
-        finally:
-            self._slots.release()
         return self._read(job, language, limits, raw, t0)
 
     def _audit_first_subprocess_call(self, job: CodeJob) -> None:

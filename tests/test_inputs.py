@@ -45,6 +45,11 @@ def test_a_good_state_passes_untouched_and_a_value_is_serialised() -> None:
     assert state_json(text.encode(), max_bytes=MAX) == text
     assert state_json(None, max_bytes=MAX) == "{}"
     assert json.loads(state_json({"a": [1, "é"]}, max_bytes=MAX)) == {"a": [1, "é"]}
+    # exactly at the limit passes, ASCII or not (the size is UTF-8 bytes)
+    for pad in ("x" * (MAX - 11), "é" * ((MAX - 11) // 2) + "x" * ((MAX - 11) % 2)):
+        text = json.dumps({"pad": pad}, ensure_ascii=False)
+        assert len(text.encode()) == MAX
+        assert state_json(text, max_bytes=MAX) == text
 
 
 @pytest.mark.parametrize(
@@ -55,6 +60,9 @@ def test_a_good_state_passes_untouched_and_a_value_is_serialised() -> None:
         ([1, 2], "is an array, not a JSON object"),
         (b"\xff", "is not UTF-8 text"),
         ({"blob": "x" * MAX}, "more than STUDIO_CODE_STATE_MAX_BYTES"),
+        # the size is UTF-8 bytes, not characters: 400 "é" are 800 bytes + the rest
+        ({"blob": "é" * 400 + "x" * 300}, "more than STUDIO_CODE_STATE_MAX_BYTES"),
+        ({"x": "\ud800"}, "holds a lone surrogate"),
     ],
 )
 def test_a_bad_state_value_is_refused(value: Any, says: str) -> None:

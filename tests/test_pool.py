@@ -182,6 +182,74 @@ def test_no_upkeep_while_a_job_is_on_its_callers_path(pooled: Any, docker_client
     assert start_detail(again.trace) == "pool" and again.output["cid"] in left
 
 
+def _created_for(docker_client: Any, job_id: str, since: float) -> list[dict]:
+    """Docker's create events, since ``since``, of a container labelled with ``job_id``."""
+    events = docker_client.api.events(
+        since=int(since) - 1,
+        until=int(time.time()) + 1,
+        filters={"type": "container", "event": "create", "label": f"studio.job_id={job_id}"},
+        decode=True,
+    )
+    return list(events)
+
+
+class _CancelAfter:
+    """A ``should_cancel`` that says yes from its ``n``-th call on; counts its calls."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls >= self.n
+
+
+def test_a_job_cancelled_before_its_sandbox_starts_makes_none(
+    pooled: Any, docker_executor: Any, docker_client: Any
+) -> None:
+    """A job cancelled while it waits for a pre-started sandbox that is still starting, or
+    before a cold one is created, ends cancelled at once: it takes nothing from the pool,
+    no container is created for it (Docker's events say so), and the pool is unchanged."""
+    from executor.runtimes.pool import CANCEL_POLL_S, WAIT_FOR_STARTING_S
+
+    since = time.time()
+    # the events query finds a job's container: one that runs has exactly one create
+    ran = docker_executor.run(CodeJob(code=WHOAMI, timeout_s=20))
+    assert ran.status is Status.SUCCEEDED, ran.error
+    # cold: no pool
+    job = CodeJob(code=WHOAMI, timeout_s=20)
+    r = docker_executor.run(job, should_cancel=lambda: True)
+    assert r.status is Status.CANCELLED and r.error.code == "CODE_CANCELLED", r.error
+    assert r.error.message == "Cancelled before its sandbox started."
+
+    # pooled: the idle one is taken, and a replacement is "starting" (the pool's own count,
+    # raised here inside on_path, so that no real start can end the wait first)
+    ex = pooled()
+    pool = ex.runtime.pool
+    with ex.on_path():
+        first = ex.run(CodeJob(code=WHOAMI, timeout_s=20))
+        assert start_detail(first.trace) == "pool"
+        with pool._cond:
+            pool._starting["python"] += 1
+        try:
+            waiting = CodeJob(code=WHOAMI, timeout_s=20)
+            watch = _CancelAfter(3)  # two slices of waiting, then cancelled
+            r2 = ex.run(waiting, should_cancel=watch)
+        finally:
+            with pool._cond:
+                pool._starting["python"] -= 1
+        stats = pool.stats()["languages"]["python"]
+    assert r2.status is Status.CANCELLED, r2.error
+    assert r2.error.message == "Cancelled before its sandbox started."
+    assert watch.calls == 3, "asked every slice while it waited, then stopped"
+    assert 3 * CANCEL_POLL_S < WAIT_FOR_STARTING_S  # it did not wait the whole bound
+    assert stats["hits"] == 1 and stats["misses"] == 0, "a cancelled wait is not a miss"
+    time.sleep(1)  # events are written as they happen; leave the engine a moment
+    assert _created_for(docker_client, job.job_id, since) == []
+    assert _created_for(docker_client, waiting.job_id, since) == []
+    assert len(_created_for(docker_client, ran.job_id, since)) == 1
+
+
 def test_idle_containers_past_the_bound_are_replaced(pooled: Any, docker_client: Any) -> None:
     ex = pooled(code_prewarm_max_idle_s=1)
     owner = ex.runtime.pool.owner

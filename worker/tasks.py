@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import redis
 from celery import Celery, Task, current_app, signals
@@ -68,8 +68,6 @@ class ProcessState:
         )
         self.pid = os.getpid()
         self.current_job: str | None = None
-        #: (job id, what its finish wrote) of the last result this process stored
-        self.ended: tuple[str, Ended] | None = None
         self._signalled = False
 
     def on_cancel_signal(self, signum: int, frame: Any) -> None:
@@ -91,7 +89,8 @@ class ProcessState:
     def notify_done(self, job_id: str) -> None:
         """Wake ``CodeClient.wait``: one item per time the task body ended for the job."""
         try:
-            pipe = self.redis.pipeline()
+            # one round trip, no MULTI/EXEC: the TTL only bounds a forgotten list
+            pipe = self.redis.pipeline(transaction=False)
             pipe.rpush(done_key(job_id), "1")
             pipe.expire(done_key(job_id), DONE_TTL_S)
             pipe.execute()
@@ -104,6 +103,15 @@ class ProcessState:
         self.executor.close()  # idle pre-started sandboxes go with the process
         self.store.close()
         self.redis.close()
+
+
+class Outcome(NamedTuple):
+    """What one run of the task body did: ``name`` for the worker's log (see run_job) and,
+    when this run stored the job's result, what that finish wrote (``report_outcome`` tells
+    Celery from it, without reading the row back)."""
+
+    name: str
+    ended: Ended | None = None
 
 
 _state: ProcessState | None = None
@@ -194,7 +202,7 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     # its answer.
     with state.executor.on_path():
         try:
-            outcome = _run(state, job_id, worker, queue, request)
+            outcome, ended = _run(state, job_id, worker, queue, request)
         except Reject:
             raise  # handed back: the job has not ended, nothing to announce
         except BaseException:
@@ -203,8 +211,6 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
         if outcome in ("parked", "parked-duplicate"):
             return outcome  # a parked result is announced by whoever writes it
         state.notify_done(job_id)
-    ended = state.ended[1] if state.ended is not None and state.ended[0] == job_id else None
-    state.ended = None
     # failed: NodeFailed, cancelled: Ignore (Celery's view)
     report_outcome(state.store, job_id, ended)
     return outcome
@@ -225,7 +231,7 @@ def _hand_back(why: str) -> NoReturn:
     raise Reject(why, requeue=True)
 
 
-def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any = None) -> str:
+def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any = None) -> Outcome:
     if gate.closed_in_child():
         _hand_back(f"job {job_id} handed back: {gate.RUN_STORE} or runtime unavailable here")
     try:
@@ -239,7 +245,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         gate.report(gate.RUN_STORE, str(e))  # the result stays parked
         _hand_back(f"job {job_id}: its parked result waits for the run store")
     if written is not None:
-        return "finished" if written else "parked-duplicate"
+        return Outcome("finished" if written else "parked-duplicate")
     try:
         rec = state.store.claim(job_id, worker)
     except Exception as e:
@@ -252,8 +258,8 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         if _cancelled_before_start(state, job_id):
             _metrics(metrics.record_cancel, stage="queued")
         elif unrunnable.unknown_job(state.store, state.redis, job_id, request, worker):
-            return "unknown"
-        return "skipped"
+            return Outcome("unknown")
+        return Outcome("skipped")
     if rec.problems:
         log.error("job %s: its row cannot be read: %s", job_id, "; ".join(rec.problems))
         result = _result(
@@ -338,7 +344,7 @@ def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: Job
 
 def _finish(
     state: ProcessState, result: CodeResult, rec: JobRecord, worker: str, queue: str
-) -> str:
+) -> Outcome:
     """Store the result; while the store cannot take it, park it in Redis (written by the
     main process when the store is back). Never drops a result that was computed."""
     wrote: Ended | None | bool = None  # None: not stored (yet)
@@ -358,15 +364,14 @@ def _finish(
     if wrote is None:
         gate.report(gate.RUN_STORE, f"finish of job {rec.job_id} failed: {error}")
         _park(state, result, worker)
-        return "parked"
+        return Outcome("parked")
     if not isinstance(wrote, Ended):
-        return "duplicate"
-    state.ended = (rec.job_id, wrote)
+        return Outcome("duplicate")
     wait_s = None
     if rec.started_at is not None:
         wait_s = (rec.started_at - rec.queued_at).total_seconds()
     _metrics(metrics.record_result, result, wait_s, queue=queue)
-    return "finished"
+    return Outcome("finished", wrote)
 
 
 def _park(state: ProcessState, result: CodeResult, worker: str) -> None:

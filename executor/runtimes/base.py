@@ -21,6 +21,15 @@ PoolObserver = Callable[[dict[str, Any]], None]
 POLL_S = 0.05
 
 
+class CancelledBeforeStart(Exception):
+    """Raised by a runtime's ``run`` when ``should_cancel`` said yes before any sandbox was
+    made for the job (while it waited for a pre-started one, or before a cold create):
+    nothing was started, nothing is left to kill."""
+
+    def __init__(self, message: str = "Cancelled before its sandbox started.") -> None:
+        super().__init__(message)
+
+
 def owner_id() -> str:
     """Who started a sandbox: host and pid, so a restarted worker can reap what it left."""
     return f"{socket.gethostname()}:{os.getpid()}"

@@ -28,6 +28,7 @@ from executor.runtimes.base import (
     POLL_S,
     BoundedBuffer,
     CancelCheck,
+    CancelledBeforeStart,
     PoolObserver,
     Runtime,
     owner_dead,
@@ -254,9 +255,12 @@ class DockerRuntime(Runtime):
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
         if self.pool is not None:
             asked = time.monotonic()
-            pooled = self.pool.take(language, policy)
+            pooled = self.pool.take(language, policy, should_cancel)
             if pooled is not None:
                 return self.pool.run(pooled, job, language, limits, should_cancel, t0=asked)
+        if should_cancel is not None and should_cancel():
+            # e.g. cancelled while it waited for a pre-started one: make nothing
+            raise CancelledBeforeStart()
         policy["host_config"] = api.create_host_config(**policy["host_config"])
         t0 = time.monotonic()
         cid = self._create(api, policy, job.job_id)

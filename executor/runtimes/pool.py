@@ -57,6 +57,7 @@ from executor.runtimes.base import (
     LOG_TAP,
     BoundedBuffer,
     CancelCheck,
+    CancelledBeforeStart,
     PoolObserver,
     owner_id,
 )
@@ -79,6 +80,8 @@ log = logging.getLogger("studio_code")
 #: how long a job waits for a container already starting before it starts a cold one: a
 #: start in flight is never slower than a new one, so a short wait only saves CPU
 WAIT_FOR_STARTING_S = 3.0
+#: how often a job waiting for a starting container asks whether it was cancelled
+CANCEL_POLL_S = 0.1
 TICK_S = 2.0  # idle-bound checks; the image id is checked every IMAGE_CHECK_S
 IMAGE_CHECK_S = 10.0
 BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0)
@@ -215,9 +218,16 @@ class SandboxPool:
 
     # --- take and run ---------------------------------------------------------------------
 
-    def take(self, language: Language, policy: dict[str, Any]) -> Pooled | None:
+    def take(
+        self,
+        language: Language,
+        policy: dict[str, Any],
+        should_cancel: CancelCheck | None = None,
+    ) -> Pooled | None:
         """A fresh container for a job with create arguments ``policy``, or None (a miss:
-        start a cold one)."""
+        start a cold one). While it waits for one that is starting, it asks
+        ``should_cancel`` every CANCEL_POLL_S: a cancelled job raises CancelledBeforeStart
+        (it takes nothing, and no cold one is started for it)."""
         name = language.name
         shape = _shape(policy)
         deadline = time.monotonic() + WAIT_FOR_STARTING_S
@@ -242,9 +252,11 @@ class SandboxPool:
                         return p
                     left = deadline - time.monotonic()
                     if self._starting[name] > self._waiting[name] and left > 0 and not self._stop:
+                        if should_cancel is not None and self._asked_to_cancel(should_cancel):
+                            raise CancelledBeforeStart()
                         self._waiting[name] += 1
                         try:
-                            self._cond.wait(left)
+                            self._cond.wait(min(left, CANCEL_POLL_S))
                         finally:
                             self._waiting[name] -= 1
                         continue
@@ -252,6 +264,15 @@ class SandboxPool:
                     return None
             finally:
                 self._cond.notify_all()  # the thread starts a replacement
+
+    def _asked_to_cancel(self, should_cancel: CancelCheck) -> bool:
+        """``should_cancel()`` without the pool's lock (it may read Redis or the store: the
+        pool's thread must not wait for that); called and returned with the lock held."""
+        self._cond.release()
+        try:
+            return bool(should_cancel())
+        finally:
+            self._cond.acquire()
 
     def taken_by(self, job_id: str) -> str | None:
         """The container id a running job of this process took from the pool."""
