@@ -4,15 +4,18 @@ FAILS it when CI=true."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.services import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -197,72 +200,12 @@ def subprocess_executor(make_settings):  # type: ignore[no-untyped-def]
 # --- Redis and PostgreSQL ---------------------------------------------------------------
 
 
-class RedisServer:
-    """A redis-server of the test's own on a free loopback port; it can be stopped and
-    started again, with AOF as deploy/compose.yaml runs it (appendfsync everysec: what it
-    acknowledged more than a second ago survives even a SIGKILL)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                shutil.which("redis-server") or "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.workdir),
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--maxmemory-policy",
-                "noeviction",
-                "--daemonize",
-                "no",
-                "--logfile",
-                str(self.workdir / "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self, *, kill: bool = False) -> None:
-        """SIGTERM (Redis flushes and exits) or, with kill, SIGKILL (a crash)."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill() if kill else self.proc.terminate()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    require(shutil.which("redis-server") is not None, "redis-server is not installed")
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
+    from tests.services import start_redis  # tests.services imports this module
+
+    with start_redis(tmp_path) as server:
+        yield server
 
 
 POSTGRES_URL = os.environ.get(
