@@ -10,15 +10,20 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 
-if TYPE_CHECKING:
-    from tests.services import RedisServer
+# ROOT, IN_CI, require and free_port are imported from here by many tests, RedisServer by
+# bench/soak.py too.
+from tests.services import (  # noqa: F401
+    IN_CI,
+    ROOT,
+    RedisServer,
+    free_port,
+    require,
+    start_redis,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-IN_CI = os.environ.get("CI", "").lower() == "true"
 LABEL_JOB = "studio.job_id"
 #: on every sandbox, used or pre-started (a pre-started one has no job id label yet)
 LABEL_OWNER = "studio.owner"
@@ -42,21 +47,6 @@ FORK_BOMB = (
     "            return {'forked': n, 'error': e.strerror}\n"
     "    return {'forked': n, 'error': None}\n"
 )
-
-
-def require(ok: bool, what: str) -> None:
-    """Skip (laptop) or fail (CI=true) when a service the test needs is missing."""
-    if ok:
-        return
-    if IN_CI:
-        pytest.fail(f"{what} (CI=true: a missing service fails the suite)")
-    pytest.skip(what)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- Docker ---------------------------------------------------------------------------
@@ -202,8 +192,6 @@ def subprocess_executor(make_settings):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    from tests.services import start_redis  # tests.services imports this module
-
     with start_redis(tmp_path) as server:
         yield server
 
