@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-# ROOT, IN_CI, require and free_port are imported from here by many tests, RedisServer by
-# bench/soak.py too.
+# ROOT, IN_CI, require and free_port are imported from here by many tests; RedisServer and
+# start_redis are used by this file's fixtures (their home is tests/services.py).
 from tests.services import (  # noqa: F401
     IN_CI,
     ROOT,

@@ -20,7 +20,6 @@ import pytest
 
 from tests.conftest import run_cli
 from tests.services import HOST, CeleryWorker, alive, children
-from tests.services import process_tree  # noqa: F401 - bench/soak.py imports it from here
 
 LABEL_JOB = "studio.job_id"
 LABEL_OWNER = "studio.owner"
