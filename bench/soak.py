@@ -30,9 +30,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import RedisServer  # noqa: E402 - test helpers, reused
+from tests.services import RedisServer, alive, process_tree  # noqa: E402 - test helpers, reused
 from tests.test_faults import PgCluster  # noqa: E402
-from tests.test_queue import alive, process_tree  # noqa: E402
 
 CELERY = Path(sys.executable).with_name("celery")
 TRIVIAL = "def main(state):\n    return state['n'] * 2\n"

@@ -4,7 +4,6 @@ FAILS it when CI=true."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,8 +13,17 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-IN_CI = os.environ.get("CI", "").lower() == "true"
+# ROOT, IN_CI, require and free_port are imported from here by many tests; RedisServer and
+# start_redis are used by this file's fixtures (their home is tests/services.py).
+from tests.services import (  # noqa: F401
+    IN_CI,
+    ROOT,
+    RedisServer,
+    free_port,
+    require,
+    start_redis,
+)
+
 LABEL_JOB = "studio.job_id"
 #: on every sandbox, used or pre-started (a pre-started one has no job id label yet)
 LABEL_OWNER = "studio.owner"
@@ -39,21 +47,6 @@ FORK_BOMB = (
     "            return {'forked': n, 'error': e.strerror}\n"
     "    return {'forked': n, 'error': None}\n"
 )
-
-
-def require(ok: bool, what: str) -> None:
-    """Skip (laptop) or fail (CI=true) when a service the test needs is missing."""
-    if ok:
-        return
-    if IN_CI:
-        pytest.fail(f"{what} (CI=true: a missing service fails the suite)")
-    pytest.skip(what)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- Docker ---------------------------------------------------------------------------
@@ -197,72 +190,10 @@ def subprocess_executor(make_settings):  # type: ignore[no-untyped-def]
 # --- Redis and PostgreSQL ---------------------------------------------------------------
 
 
-class RedisServer:
-    """A redis-server of the test's own on a free loopback port; it can be stopped and
-    started again, with AOF as deploy/compose.yaml runs it (appendfsync everysec: what it
-    acknowledged more than a second ago survives even a SIGKILL)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                shutil.which("redis-server") or "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.workdir),
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--maxmemory-policy",
-                "noeviction",
-                "--daemonize",
-                "no",
-                "--logfile",
-                str(self.workdir / "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self, *, kill: bool = False) -> None:
-        """SIGTERM (Redis flushes and exits) or, with kill, SIGKILL (a crash)."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill() if kill else self.proc.terminate()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    require(shutil.which("redis-server") is not None, "redis-server is not installed")
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
+    with start_redis(tmp_path) as server:
+        yield server
 
 
 POSTGRES_URL = os.environ.get(

@@ -32,7 +32,8 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, require
-from tests.test_http import containers_of, start_worker, studio_env
+from tests.services import start_worker
+from tests.test_http import containers_of, studio_env
 
 COMPOSE_FILE = ROOT / "deploy" / "compose.yaml"
 

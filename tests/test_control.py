@@ -29,7 +29,8 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.test_http import BIN, USER, StudioProc, start_api, start_worker, studio_env
+from tests.services import ApiServer, CeleryWorker, Service, start_worker
+from tests.test_http import USER, studio_env
 
 pytestmark = [pytest.mark.redis]
 
@@ -71,9 +72,9 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
 
 
 @pytest.fixture
-def procs() -> Iterator[list[StudioProc]]:
+def procs() -> Iterator[list[Service]]:
     """Processes of the test, stopped (by pid) at the end."""
-    started: list[StudioProc] = []
+    started: list[Service] = []
     yield started
     for p in started:
         p.stop(30)
@@ -147,7 +148,7 @@ def test_a_paused_worker_does_not_count_and_says_why(
 
 
 def test_heartbeat_comes_and_goes_with_worker_processes(
-    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[StudioProc]
+    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[Service]
 ) -> None:
     from api_client import RuntimeUnavailable
 
@@ -186,7 +187,7 @@ def test_heartbeat_comes_and_goes_with_worker_processes(
 
 
 def test_queued_sweep_resends_a_lost_message_and_ends_overdue_jobs(
-    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[StudioProc]
+    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[Service]
 ) -> None:
     from executor.models import CodeJob
     from executor.store import open_store
@@ -209,25 +210,8 @@ def test_queued_sweep_resends_a_lost_message_and_ends_overdue_jobs(
             assert store.create(lost, code_runtime="subprocess")
         # An editor test call no worker serves: it may wait 3 s, then it ends failed.
         orphan = client.submit(TRIVIAL, "python", {}, kind="test", user="ann")
-        w = StudioProc(
-            [
-                str(BIN / "celery"),
-                "-A",
-                "worker",
-                "worker",
-                "--pool",
-                "prefork",
-                "-c",
-                "1",
-                "-Q",
-                "code.run",
-                "-n",
-                "sweep@%h",
-                "--loglevel",
-                "INFO",
-            ],
-            env,
-            tmp_path / "sweep.log",
+        w = CeleryWorker(
+            env, tmp_path / "sweep.log", name="sweep", concurrency=1, queues="code.run"
         )
         procs.append(w)
         rec = client.wait(lost.job_id, 30)
@@ -266,7 +250,7 @@ def test_a_job_past_its_wait_bound_ends_even_with_no_worker_left(
 
 
 def test_api_and_worker_on_different_stores(
-    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[StudioProc]
+    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[Service]
 ) -> None:
     from api_client import RuntimeUnavailable
 
@@ -352,7 +336,7 @@ def test_default_store_does_not_depend_on_the_current_folder(
 
 
 def test_an_unreadable_row_fails_cleanly_and_get_answers_200(
-    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[StudioProc]
+    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[Service]
 ) -> None:
     from sqlalchemy import text
 
@@ -364,8 +348,9 @@ def test_an_unreadable_row_fails_cleanly_and_get_answers_200(
     env = env_for(redis_server.url, db)
     w = start_worker(env, tmp_path / "w.log", name="rows")
     procs.append(w)
-    api, base = start_api(env, tmp_path / "api.log")
+    api = ApiServer(env, tmp_path / "api.log")
     procs.append(api)
+    base = api.base
     h = {USER: "ann"}
     with client_for(make_settings, redis_server.url, db) as client:
         assert f"run store: {db}" in api.output()
@@ -498,7 +483,7 @@ def test_an_unreachable_store_is_runtime_unavailable_naming_it(
     tmp_path: Path,
     make_settings: Any,
     pg_schema_url: str,
-    procs: list[StudioProc],
+    procs: list[Service],
 ) -> None:
     from sqlalchemy.engine import make_url
 
@@ -535,8 +520,9 @@ def test_an_unreachable_store_is_runtime_unavailable_naming_it(
         # the HTTP API: 503 naming the store when it goes down under a running API, and
         # when it is down from the start
         env = env_for(redis_server.url, url)
-        api, base = start_api(env, tmp_path / "api.log")
+        api = ApiServer(env, tmp_path / "api.log")
         procs.append(api)
+        base = api.base
         h = {USER: "ann"}
         assert httpx.get(f"{base}/api/meta/runtime", timeout=30).json()["store"]["url"] == shown
         relay.cut()
@@ -547,8 +533,9 @@ def test_an_unreachable_store_is_runtime_unavailable_naming_it(
             assert err["code"] == "RUNTIME_UNAVAILABLE" and shown in err["message"], err
             assert "s3cret" not in r.text
         api.stop(20)
-        api, base = start_api(env, tmp_path / "api2.log")
+        api = ApiServer(env, tmp_path / "api2.log")
         procs.append(api)
+        base = api.base
         r = httpx.post(f"{base}/api/runs", json={"code": TRIVIAL}, headers=h, timeout=30)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "RUNTIME_UNAVAILABLE"
@@ -629,7 +616,7 @@ def test_jobs_consumed_while_the_store_was_down_are_sent_again(
     tmp_path: Path,
     make_settings: Any,
     pg_schema_url: str,
-    procs: list[StudioProc],
+    procs: list[Service],
 ) -> None:
     """The worker's store goes away (the API's does not): the worker takes the messages,
     cannot claim them, and they are gone from Redis. Once the store is back, the queued

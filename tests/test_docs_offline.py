@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from tests.conftest import require
-from tests.test_http import start_api, studio_env
+from tests.services import ApiServer
+from tests.test_http import studio_env
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -110,7 +111,8 @@ def test_docs_and_redoc_render_offline_in_chromium(tmp_path: Path) -> None:
     assert chromium is not None
     # the docs need no service: an unreachable Redis and an empty store are enough
     env = studio_env("redis://127.0.0.1:1/0", f"sqlite:///{tmp_path / 'r.db'}", "none")
-    api, base = start_api(env, tmp_path / "api.log")
+    api = ApiServer(env, tmp_path / "api.log")
+    base = api.base
     try:
         for page, must_show in [("docs", 'data-path="/api/runs"'), ("redoc", "list_runs")]:
             netlog = tmp_path / f"{page}.json"

@@ -425,7 +425,7 @@ def test_warm_shutdown_acks_ended_jobs(queue_env: Any) -> None:
     wait_for(
         lambda: all(q.client.status(j).status == "running" for j in (run, test)), 30, "both running"
     )
-    w.stop(timeout_s=60)
+    w.stop(60)
     recs = q.client.store.get_many([run, test])
     assert [recs[j].status for j in (run, test)] == ["succeeded", "succeeded"], recs
     r = q.client.redis

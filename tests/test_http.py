@@ -2,18 +2,14 @@
 port, a real Celery worker process (prefork), a real redis-server, real Docker sandboxes,
 a SQLite run store; requests with httpx, and schemathesis against the served OpenAPI.
 
-The process helpers here (``StudioProc``, ``start_worker``, ``start_api``) are shared by
-test_metrics.py and test_compose.py."""
+The processes are started and stopped with tests/services.py; ``studio_env`` here is the
+environment other tests give them too."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ROOT, RedisServer, free_port, require
+from tests.conftest import free_port
+from tests.services import BIN, ApiServer, CeleryWorker, RedisServer, start_redis, start_worker
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
-BIN = Path(sys.executable).parent
 USER = "X-Studio-User"
 ADMIN = "X-Studio-Admin"
 
@@ -36,61 +32,7 @@ SLEEP_CODE = "import time\n\ndef main(state):\n    time.sleep(state.get('s', 60)
 RAISE_CODE = "def main(state):\n    raise ValueError('boom from the node')\n"
 
 
-# --- processes ---------------------------------------------------------------------------
-
-
-class StudioProc:
-    """A process this test started (own session, output to a log file); stopped by pid."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self.log = log
-        self._fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=ROOT,
-            stdout=self._fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.proc.pid, sig)
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM (a worker's warm shutdown), then SIGKILL of its own process group."""
-        code = None
-        if self.alive():
-            self.signal(signal.SIGTERM)
-            code = self.wait(timeout)
-            if code is None:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                code = self.wait(10)
-        else:
-            code = self.proc.returncode
-        if not self._fh.closed:
-            self._fh.close()
-        return code
+# --- the environment of the API and the workers --------------------------------------------
 
 
 def studio_env(redis_url: str, database_url: str, image: str, **extra: Any) -> dict[str, str]:
@@ -116,74 +58,6 @@ def studio_env(redis_url: str, database_url: str, image: str, **extra: Any) -> d
     return env
 
 
-def start_worker(
-    env: dict[str, str],
-    log: Path,
-    *,
-    name: str | None = None,
-    concurrency: int = 2,
-    ready_timeout: float = 60.0,
-) -> StudioProc:
-    """``celery -A worker worker --pool prefork -c N -Q code.test,code.run``, ready."""
-    name = name or f"w{uuid.uuid4().hex[:6]}"
-    w = StudioProc(
-        [
-            str(BIN / "celery"),
-            "-A",
-            "worker",
-            "worker",
-            "--pool",
-            "prefork",
-            "-c",
-            str(concurrency),
-            "-Q",
-            "code.test,code.run",
-            "-n",
-            f"{name}@%h",
-            "--loglevel",
-            "INFO",
-        ],
-        env,
-        log,
-    )
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if " ready." in w.output():
-            return w
-        if not w.alive():
-            break
-        time.sleep(0.2)
-    out = w.output()
-    w.stop(10)
-    pytest.fail(f"the worker did not become ready:\n{out[-4000:]}")
-
-
-def wait_http(url: str, timeout: float = 30.0, proc: StudioProc | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc is not None and not proc.alive():
-            break
-        time.sleep(0.1)
-    out = proc.output()[-4000:] if proc else ""
-    pytest.fail(f"{url} did not answer:\n{out}")
-
-
-def start_api(env: dict[str, str], log: Path) -> tuple[StudioProc, str]:
-    """``studio-code serve`` on a free loopback port; returns it and its base URL."""
-    port = free_port()
-    api = StudioProc(
-        [str(BIN / "studio-code"), "serve", "--host", "127.0.0.1", "--port", str(port)], env, log
-    )
-    base = f"http://127.0.0.1:{port}"
-    wait_http(f"{base}/healthz/live", proc=api)
-    return api, base
-
-
 def containers_of(docker_client: Any, job_id: str) -> list[Any]:
     # by name: a pre-started sandbox gets its job's name when taken (its labels are fixed)
     # ignore_removed: a sandbox removed between the list and its inspect is gone, not an error
@@ -196,7 +70,7 @@ def containers_of(docker_client: Any, job_id: str) -> list[Any]:
 
 
 class Stack:
-    def __init__(self, base: str, api: StudioProc, worker: StudioProc, redis: RedisServer):
+    def __init__(self, base: str, api: ApiServer, worker: CeleryWorker, redis: RedisServer):
         self.base, self.api, self.worker, self.redis = base, api, worker, redis
         self.http = httpx.Client(base_url=base, timeout=90)
 
@@ -225,23 +99,16 @@ class Stack:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
 ) -> Iterator[Stack]:
-    require(shutil.which("redis-server") is not None, "redis-server is not installed")
     tmp = tmp_path_factory.mktemp("http")
-    redis = RedisServer(tmp)
-    redis.start()
-    env = studio_env(redis.url, f"sqlite:///{tmp / 'runs.db'}", python_image)
-    worker = start_worker(env, tmp / "worker.log")
-    api = None
-    try:
-        api, base = start_api(env, tmp / "api.log")
-        s = Stack(base, api, worker, redis)
-        yield s
-        s.http.close()
-    finally:
-        if api is not None:
-            api.stop(20)
-        worker.stop(60)
-        redis.stop()
+    with start_redis(tmp) as redis:
+        env = studio_env(redis.url, f"sqlite:///{tmp / 'runs.db'}", python_image)
+        with (
+            start_worker(env, tmp / "worker.log") as worker,
+            ApiServer(env, tmp / "api.log") as api,
+        ):
+            s = Stack(api.base, api, worker, redis)
+            yield s
+            s.http.close()
 
 
 def _user() -> str:
@@ -508,7 +375,8 @@ def test_ready_is_503_while_a_dependency_is_unreachable(
     else:
         extra["DOCKER_HOST"] = f"unix://{tmp_path / 'no-docker.sock'}"
     env = studio_env(redis_url, db, python_image, **extra)
-    api, base = start_api(env, tmp_path / "api.log")
+    api = ApiServer(env, tmp_path / "api.log")
+    base = api.base
     try:
         r = httpx.get(f"{base}/healthz/ready", timeout=30)
         assert r.status_code == 503, r.text

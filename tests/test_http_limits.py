@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import shutil
 import socket
 import sqlite3
 import threading
@@ -28,16 +27,9 @@ import httpx
 import pytest
 
 from api_client.limits import bind_refusal, is_loopback, json_depth_over
-from tests.conftest import RedisServer, free_port, require, run_cli
-from tests.test_http import (
-    OK_CODE,
-    SLEEP_CODE,
-    StudioProc,
-    fuzz_for_server_errors,
-    start_api,
-    start_worker,
-    studio_env,
-)
+from tests.conftest import free_port, run_cli
+from tests.services import ApiServer, start_redis, start_worker
+from tests.test_http import OK_CODE, SLEEP_CODE, fuzz_for_server_errors, studio_env
 
 USER = "X-Studio-User"
 ADMIN = "X-Studio-Admin"
@@ -184,7 +176,7 @@ def test_a_failed_wait_raises_its_own_error_and_a_disconnect_ends_it() -> None:
 
 
 class Stack:
-    def __init__(self, base: str, port: int, token: str, db: Path, api: StudioProc) -> None:
+    def __init__(self, base: str, port: int, token: str, db: Path, api: ApiServer) -> None:
         self.base, self.port, self.token, self.db, self.api = base, port, token, db, api
         self.auth = {"Authorization": f"Bearer {token}"}
         self.http = httpx.Client(base_url=base, timeout=30, headers=self.auth)
@@ -234,34 +226,27 @@ def _status_and_body(raw: bytes) -> tuple[int, dict[str, Any]]:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
 ) -> Iterator[Stack]:
-    require(shutil.which("redis-server") is not None, "redis-server is not installed")
     tmp = tmp_path_factory.mktemp("http-limits")
-    redis = RedisServer(tmp)
-    redis.start()
     token = secrets.token_hex(24)
     db = tmp / "runs.db"
-    env = studio_env(
-        redis.url,
-        f"sqlite:///{db}",
-        python_image,
-        STUDIO_API_TOKEN=token,
-        STUDIO_API_ALLOWED_HOSTS=EXTRA_HOST,
-        STUDIO_CODE_TEST_PER_MINUTE=1000,
-        STUDIO_CODE_TEST_IN_FLIGHT=IN_FLIGHT,
-        STUDIO_API_BODY_MAX_BYTES=BODY_MAX,
-    )
-    worker = start_worker(env, tmp / "worker.log", concurrency=1)
-    api = None
-    try:
-        api, base = start_api(env, tmp / "api.log")
-        s = Stack(base, int(base.rsplit(":", 1)[1]), token, db, api)
-        yield s
-        s.http.close()
-    finally:
-        if api is not None:
-            api.stop(20)
-        worker.stop(60)
-        redis.stop()
+    with start_redis(tmp) as redis:
+        env = studio_env(
+            redis.url,
+            f"sqlite:///{db}",
+            python_image,
+            STUDIO_API_TOKEN=token,
+            STUDIO_API_ALLOWED_HOSTS=EXTRA_HOST,
+            STUDIO_CODE_TEST_PER_MINUTE=1000,
+            STUDIO_CODE_TEST_IN_FLIGHT=IN_FLIGHT,
+            STUDIO_API_BODY_MAX_BYTES=BODY_MAX,
+        )
+        with (
+            start_worker(env, tmp / "worker.log", concurrency=1),
+            ApiServer(env, tmp / "api.log") as api,
+        ):
+            s = Stack(api.base, api.port, token, db, api)
+            yield s
+            s.http.close()
 
 
 # --- the shared secret -----------------------------------------------------------------------

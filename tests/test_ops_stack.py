@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -27,19 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import IN_CI, RedisServer, free_port, require, run_cli
-from tests.test_http import (
-    ADMIN,
-    BIN,
-    OK_CODE,
-    RAISE_CODE,
-    SLEEP_CODE,
-    USER,
-    StudioProc,
-    containers_of,
-    start_api,
-    studio_env,
-)
+from tests.conftest import IN_CI, free_port, require, run_cli
+from tests.services import BIN, ApiServer, CeleryWorker, RedisServer, start_redis
+from tests.test_http import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER, containers_of, studio_env
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
@@ -85,8 +74,8 @@ class Ops:
     def __init__(
         self,
         base: str,
-        worker: StudioProc,
-        api: StudioProc,
+        worker: CeleryWorker,
+        api: ApiServer,
         redis: RedisServer,
         env: dict[str, str],
         metrics_port: int,
@@ -124,63 +113,38 @@ class Ops:
 def ops(
     tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
 ) -> Iterator[Ops]:
-    require(shutil.which("redis-server") is not None, "redis-server is not installed")
     tmp = tmp_path_factory.mktemp("ops")
-    redis = RedisServer(tmp)
-    redis.start()
     port = free_port()
     (tmp / "prom").mkdir()
-    env = studio_env(
-        redis.url,
-        f"sqlite:///{tmp / 'runs.db'}",
-        python_image,
-        STUDIO_METRICS_PORT=port,
-        PROMETHEUS_MULTIPROC_DIR=tmp / "prom",
-        STUDIO_METRICS_READY_INTERVAL_S=0,
-        STUDIO_CODE_MAX_MEMORY="512m",
-        STUDIO_CODE_MAX_CPUS=1,
-    )
-    events = EventLog(redis.url)
-    name = f"ops{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
-    worker = StudioProc(
-        [
-            str(BIN / "celery"),
-            "-A",
-            "worker",
-            "worker",
-            "--pool",
-            "prefork",
-            "-c",
-            "3",
-            "-Q",
-            "code.test,code.run",
-            "-n",
-            name,
-            "-E",
-            "--loglevel",
-            "INFO",
-        ],
-        env,
-        tmp / "worker.log",
-    )
-    api_env = {k: v for k, v in env.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    api = None
-    try:
-        deadline = time.monotonic() + 60
-        while " ready." not in worker.output():
-            assert worker.alive() and time.monotonic() < deadline, worker.output()[-3000:]
-            time.sleep(0.2)
-        api, base = start_api(api_env, tmp / "api.log")
-        o = Ops(base, worker, api, redis, env, port, events)
-        o.worker_name = name
-        yield o
-        o.http.close()
-    finally:
-        events.stop()
-        if api is not None:
-            api.stop(20)
-        worker.stop(60)
-        redis.stop()
+    with start_redis(tmp) as redis:
+        env = studio_env(
+            redis.url,
+            f"sqlite:///{tmp / 'runs.db'}",
+            python_image,
+            STUDIO_METRICS_PORT=port,
+            PROMETHEUS_MULTIPROC_DIR=tmp / "prom",
+            STUDIO_METRICS_READY_INTERVAL_S=0,
+            STUDIO_CODE_MAX_MEMORY="512m",
+            STUDIO_CODE_MAX_CPUS=1,
+        )
+        events = EventLog(redis.url)
+        try:
+            with CeleryWorker(
+                env,
+                tmp / "worker.log",
+                name=f"ops{uuid.uuid4().hex[:6]}",
+                concurrency=3,
+                extra_args=["-E"],
+            ) as worker:
+                worker.wait_ready(60)
+                api_env = {k: v for k, v in env.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+                with ApiServer(api_env, tmp / "api.log") as api:
+                    o = Ops(api.base, worker, api, redis, env, port, events)
+                    o.worker_name = worker.node
+                    yield o
+                    o.http.close()
+        finally:
+            events.stop()
 
 
 def _user() -> str:

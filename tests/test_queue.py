@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -21,13 +18,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli
+from tests.services import HOST, CeleryWorker, alive, children
 
 LABEL_JOB = "studio.job_id"
 LABEL_OWNER = "studio.owner"
-HOST = socket.gethostname()
-CELERY = Path(sys.executable).with_name("celery")
-STUDIO_CODE = Path(sys.executable).with_name("studio-code")
 
 TRIVIAL = "def main(state):\n    return state.get('n', 0) * 2\n"
 SPIN = "def main(state):\n    while True:\n        pass\n"
@@ -38,97 +33,6 @@ def sleeper(seconds: float, out: str = "slept") -> str:
 
 
 # --- processes ------------------------------------------------------------------------------
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            out += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, read from /proc."""
-    seen, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.append(p)
-        todo += children(p)
-    return seen
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-class WorkerProc:
-    """One ``celery -A worker worker`` (or ``studio-code worker``) process of a test."""
-
-    def __init__(self, name: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.name = name
-        self.node = f"{name}@{HOST}"
-        self.proc = proc
-        self.log = log
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def tree(self) -> list[int]:
-        return process_tree(self.pid)
-
-    def tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def kill_hard(self) -> list[int]:
-        """SIGKILL the main process and every child, by pid (from the process tree)."""
-        pids = self.tree()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=10)
-        return pids
-
-    def stop(self, timeout_s: float = 25.0) -> None:
-        """Warm shutdown (SIGTERM to the main process), then SIGKILL what is left."""
-        if self.proc.poll() is not None:
-            return
-        pids = self.tree()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        for pid in pids:
-            if alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=10)
 
 
 class QueueEnv:
@@ -152,7 +56,7 @@ class QueueEnv:
             redis_url=redis_url, database_url=database_url, **self.overrides
         )
         self.client = CodeClient(self.settings)
-        self.workers: list[WorkerProc] = []
+        self.workers: list[CeleryWorker] = []
 
     def env(self, **extra: Any) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
@@ -177,47 +81,19 @@ class QueueEnv:
         cli: bool = False,
         ready_timeout_s: float = 60.0,
         **extra_env: Any,
-    ) -> WorkerProc:
-        log = self.tmp / f"{name}.log"
-        common = [
-            "--pool",
-            "prefork",
-            "-c",
-            str(concurrency),
-            "-Q",
-            "code.test,code.run",
-            "--hostname",
-            f"{name}@%h",
-            "--loglevel",
-            "INFO",
-        ]
-        if cli:
-            cmd = [str(STUDIO_CODE), "worker", *common]
-        else:
-            cmd = [str(CELERY), "-A", "worker", "worker", *common]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env=self.env(**extra_env),
-                stdout=out if not cli else subprocess.PIPE,
-                stderr=out,
-                start_new_session=True,
-            )
-        worker = WorkerProc(name, proc, log)
+    ) -> CeleryWorker:
+        worker = CeleryWorker(
+            self.env(**extra_env),
+            self.tmp / f"{name}.log",
+            name=name,
+            concurrency=concurrency,
+            cli=cli,
+            capture_stdout=cli,
+            stop_timeout=25,
+        )
         self.workers.append(worker)
-        self.wait_ready(worker, ready_timeout_s)
+        worker.wait_ready(ready_timeout_s, app=self.client.app)
         return worker
-
-    def wait_ready(self, worker: WorkerProc, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if worker.proc.poll() is not None:
-                raise AssertionError(f"worker {worker.name} exited:\n{worker.tail()}")
-            replies = self.client.app.control.ping(destination=[worker.node], timeout=0.5)
-            if any(worker.node in r for r in replies or []):
-                return
-        raise AssertionError(f"worker {worker.name} did not answer ping:\n{worker.tail()}")
 
     def close(self) -> None:
         for w in self.workers:

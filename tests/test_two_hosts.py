@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import LABEL_JOB, free_port, require
-from tests.test_http import BIN, StudioProc
+from tests.services import BIN, Service
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.redis, pytest.mark.postgres]
 
@@ -248,16 +248,16 @@ def job_sandboxes(engine: Any) -> list[str]:
     ]
 
 
-def start_worker(env: dict[str, str], docker_host: str, name: str, log: Path) -> StudioProc:
+def start_worker(env: dict[str, str], docker_host: str, name: str, log: Path) -> Service:
     """``studio-code worker`` on the engine at ``docker_host`` (not waited for)."""
-    return StudioProc(
+    return Service(
         [str(BIN / "studio-code"), "worker", "-c", "3", "-n", f"{name}@%h", "--loglevel", "INFO"],
         {**env, "DOCKER_HOST": docker_host},
         log,
     )
 
 
-def wait_ready(*workers: StudioProc) -> None:
+def wait_ready(*workers: Service) -> None:
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if all(" ready." in w.output() for w in workers):

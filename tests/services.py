@@ -1,0 +1,383 @@
+"""The real services tests start and stop: a redis-server, Celery workers (``celery -A worker
+worker`` or ``studio-code worker``) and the API (``studio-code serve``).
+
+Each is a process of the test's own, on loopback, with its output in a log file; it is
+stopped by pid (SIGTERM, then SIGKILL of what is left of its process tree and group), never
+by name. Every class is also a context manager that stops it at the end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+BIN = Path(sys.executable).parent
+HOST = socket.gethostname()
+
+
+def require(ok: bool, what: str) -> None:
+    """Skip (laptop) or fail (CI=true) when a service the test needs is missing."""
+    if ok:
+        return
+    if IN_CI:
+        pytest.fail(f"{what} (CI=true: a missing service fails the suite)")
+    pytest.skip(what)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- processes by pid ----------------------------------------------------------------------
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, read from /proc."""
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.append(p)
+        todo += children(p)
+    return seen
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _kill(pids: Sequence[int]) -> None:
+    for pid in pids:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class StopsOnExit:
+    """``with`` it: ``stop()`` at the end, whatever happened."""
+
+    def stop(self) -> object:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class Service(StopsOnExit):
+    """A process this test started (its own session, output to a log file, or stdout to a
+    pipe with ``capture_stdout``); stopped by pid."""
+
+    #: how long ``stop()`` waits for a clean exit after SIGTERM before SIGKILL
+    stop_timeout = 60.0
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        log: Path,
+        *,
+        capture_stdout: bool = False,
+        stop_timeout: float | None = None,
+    ) -> None:
+        self.log = log
+        if stop_timeout is not None:
+            self.stop_timeout = stop_timeout
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE if capture_stdout else out,
+                stderr=out,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.output().splitlines()[-n:])
+
+    def tree(self) -> list[int]:
+        return process_tree(self.pid)
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill_hard(self) -> list[int]:
+        """SIGKILL the main process and every child, by pid (from the process tree)."""
+        pids = self.tree()
+        _kill(pids)
+        self.proc.wait(timeout=10)
+        return pids
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM (a worker's warm shutdown), then SIGKILL of what is left: the processes
+        of its tree as it was before the SIGTERM, and its own process group. Returns its
+        exit code (None when it could not be reaped)."""
+        if not self.alive():
+            return self.proc.returncode
+        pids = self.tree()
+        self.signal(signal.SIGTERM)
+        code = self.wait(self.stop_timeout if timeout is None else timeout)
+        _kill(pids)
+        if code is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            code = self.wait(10)
+        return code
+
+
+# --- Redis ----------------------------------------------------------------------------------
+
+
+class RedisServer(StopsOnExit):
+    """A redis-server of the test's own on a free loopback port; it can be stopped and
+    started again, with AOF as deploy/compose.yaml runs it (appendfsync everysec: what it
+    acknowledged more than a second ago survives even a SIGKILL)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.workdir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                "noeviction",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.workdir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self, *, kill: bool = False) -> None:
+        """SIGTERM (Redis flushes and exits) or, with kill, SIGKILL (a crash)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+def start_redis(workdir: Path) -> RedisServer:
+    """A started RedisServer in ``workdir``; a missing redis-server skips (fails under CI)."""
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    server = RedisServer(workdir)
+    server.start()
+    return server
+
+
+# --- Celery workers -------------------------------------------------------------------------
+
+
+class CeleryWorker(Service):
+    """``celery -A worker worker --pool prefork -c N -Q <queues> -n <name>@%h`` (or, with
+    ``cli``, ``studio-code worker`` with the same options); ``extra_args`` go last.
+    Not waited for: see ``wait_ready``."""
+
+    def __init__(
+        self,
+        env: dict[str, str],
+        log: Path,
+        *,
+        name: str | None = None,
+        concurrency: int = 2,
+        queues: str = "code.test,code.run",
+        pool: str = "prefork",
+        extra_args: Sequence[str] = (),
+        cli: bool = False,
+        capture_stdout: bool = False,
+        stop_timeout: float | None = None,
+    ) -> None:
+        self.name = name or f"w{uuid.uuid4().hex[:6]}"
+        #: the node name Celery gives it (``%h`` is this host's name)
+        self.node = f"{self.name}@{HOST}"
+        options = [
+            "--pool",
+            pool,
+            "-c",
+            str(concurrency),
+            "-Q",
+            queues,
+            "-n",
+            f"{self.name}@%h",
+            "--loglevel",
+            "INFO",
+            *extra_args,
+        ]
+        if cli:
+            argv = [str(BIN / "studio-code"), "worker", *options]
+        else:
+            argv = [str(BIN / "celery"), "-A", "worker", "worker", *options]
+        super().__init__(argv, env, log, capture_stdout=capture_stdout, stop_timeout=stop_timeout)
+
+    def wait_ready(self, timeout: float = 60.0, *, app: Any = None) -> CeleryWorker:
+        """Until it is ready: it answers ``app``'s ping when a Celery app is given, else its
+        log says `` ready.``. A worker that exits or stays unready fails the test (stopped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if app is not None:
+                replies = app.control.ping(destination=[self.node], timeout=0.5)
+                if any(self.node in r for r in replies or []):
+                    return self
+            elif " ready." in self.output():
+                return self
+            if not self.alive():
+                break
+            if app is None:
+                time.sleep(0.2)
+        if not self.alive():
+            how = "exited"
+        else:
+            how = "did not answer ping" if app is not None else "did not say it is ready"
+        out = self.output()[-4000:]
+        self.stop(10)
+        pytest.fail(f"the worker {self.name} {how}:\n{out}")
+
+
+def start_worker(
+    env: dict[str, str],
+    log: Path,
+    *,
+    ready_timeout: float = 60.0,
+    **options: Any,
+) -> CeleryWorker:
+    """A CeleryWorker (``options`` as CeleryWorker takes them) whose log says it is ready."""
+    return CeleryWorker(env, log, **options).wait_ready(ready_timeout)
+
+
+# --- the API --------------------------------------------------------------------------------
+
+
+def wait_http(url: str, timeout: float = 30.0, proc: Service | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and not proc.alive():
+            break
+        time.sleep(0.1)
+    out = proc.output()[-4000:] if proc else ""
+    pytest.fail(f"{url} did not answer:\n{out}")
+
+
+class ApiServer(Service):
+    """``studio-code serve`` on a free loopback port, answering ``/healthz/live``."""
+
+    stop_timeout = 20.0
+
+    def __init__(self, env: dict[str, str], log: Path, *, ready_timeout: float = 30.0) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        super().__init__(
+            [str(BIN / "studio-code"), "serve", "--host", "127.0.0.1", "--port", str(self.port)],
+            env,
+            log,
+        )
+        try:
+            wait_http(f"{self.base}/healthz/live", ready_timeout, proc=self)
+        except BaseException:
+            self.stop()
+            raise
