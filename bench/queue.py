@@ -18,10 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,136 +28,44 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import pct, raw_container
+from tests.services import CeleryWorker, RedisServer
 
-ROOT = Path(__file__).resolve().parent.parent
 TRIVIAL = "def main(state):\n    return 1\n"
 SPIN = "def main(state):\n    while True:\n        pass\n"
 LABEL_JOB = "studio.job_id"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# --- the services it starts and stops: the tests' own (tests/services.py) -------------------
 
 
-# --- the services it starts and stops -----------------------------------------------------
+def start_redis(workdir: Path) -> RedisServer:
+    redis = RedisServer(workdir)
+    redis.start()
+    return redis
 
 
-class Redis:
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [
-                shutil.which("redis-server") or "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(workdir),
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--daemonize",
-                "no",
-                "--logfile",
-                str(workdir / "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-
-
-def tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo += [int(x) for x in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return out
-
-
-class Worker:
-    def __init__(
-        self,
-        env: dict[str, str],
-        slots: int,
-        log: Path,
-        client: Any,
-        *,
-        app: str = "worker",
-        queues: str = "code.test,code.run",
-    ) -> None:
-        self.node = f"bench-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [
-                    str(Path(sys.executable).with_name("celery")),
-                    "-A",
-                    app,
-                    "worker",
-                    "--pool",
-                    "prefork",
-                    "-c",
-                    str(slots),
-                    "-Q",
-                    queues,
-                    "--hostname",
-                    self.node,
-                    "--loglevel",
-                    "WARNING",
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=out,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the worker exited: see {log}")
-            if any(self.node in r for r in client.app.control.ping([self.node], timeout=0.5)):
-                return
-        raise RuntimeError(f"the worker did not answer ping: see {log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        pids = tree(self.proc.pid)
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=10)
+def start_worker(
+    env: dict[str, str],
+    slots: int,
+    log: Path,
+    client: Any,
+    *,
+    app: str = "worker",
+    queues: str = "code.test,code.run",
+) -> CeleryWorker:
+    """A prefork worker of ``slots`` processes, ready when it answers ``client``'s ping;
+    stopped as the tests stop theirs (SIGTERM, then SIGKILL of its tree, by pid)."""
+    worker = CeleryWorker(
+        env,
+        log,
+        name=f"bench-{uuid.uuid4().hex[:6]}",
+        concurrency=slots,
+        queues=queues,
+        app=app,
+        loglevel="WARNING",
+        stop_timeout=30,
+    )
+    return worker.wait_ready(60, app=client.app)
 
 
 # --- what it measures ------------------------------------------------------------------------
@@ -412,10 +316,10 @@ def main() -> None:
     from executor.settings import load_settings
 
     tmp = Path(tempfile.mkdtemp(prefix="studio-bench-queue-"))
-    redis = Redis(tmp)
+    redis = start_redis(tmp)
     tmp_cold = tmp / "cold"
     tmp_cold.mkdir()
-    redis_cold = Redis(tmp_cold)
+    redis_cold = start_redis(tmp_cold)
     worker = worker_cold = floor_worker = None
     client = client_cold = None
     try:
@@ -437,7 +341,7 @@ def main() -> None:
             STUDIO_QUEUE_TEST_SLOTS="0",
         )
         client = CodeClient(settings)
-        worker = Worker(env, args.slots, tmp / "worker.log", client)
+        worker = start_worker(env, args.slots, tmp / "worker.log", client)
         # The same worker with no pre-started sandboxes, on its own Redis and store.
         db_cold = f"sqlite:///{tmp_cold / 'studio-code.db'}"
         settings_cold = load_settings(
@@ -453,9 +357,9 @@ def main() -> None:
             "STUDIO_CODE_PREWARM": "0",
         }
         client_cold = CodeClient(settings_cold)
-        worker_cold = Worker(env_cold, args.slots, tmp_cold / "worker.log", client_cold)
+        worker_cold = start_worker(env_cold, args.slots, tmp_cold / "worker.log", client_cold)
         # The floor: an empty task on the same Redis, through its own 1-process worker.
-        floor_worker = Worker(
+        floor_worker = start_worker(
             env, 1, tmp / "floor.log", client, app="bench.celery_floor", queues=FLOOR_QUEUE
         )
         api = docker.from_env(timeout=60).api

@@ -270,8 +270,9 @@ def start_redis(workdir: Path) -> RedisServer:
 
 
 class CeleryWorker(Service):
-    """``celery -A worker worker --pool prefork -c N -Q <queues> -n <name>@%h`` (or, with
-    ``cli``, ``studio-code worker`` with the same options); ``extra_args`` go last.
+    """``celery -A <app> worker --pool prefork -c N -Q <queues> -n <name>@%h`` (``app``: the
+    studio's ``worker`` unless a bench gives its own), or, with ``cli``, ``studio-code
+    worker`` with the same options; ``extra_args`` go last.
     Not waited for: see ``wait_ready``."""
 
     def __init__(
@@ -287,6 +288,8 @@ class CeleryWorker(Service):
         cli: bool = False,
         capture_stdout: bool = False,
         stop_timeout: float | None = None,
+        app: str = "worker",
+        loglevel: str = "INFO",
     ) -> None:
         self.name = name or f"w{uuid.uuid4().hex[:6]}"
         #: the node name Celery gives it (``%h`` is this host's name)
@@ -301,13 +304,13 @@ class CeleryWorker(Service):
             "-n",
             f"{self.name}@%h",
             "--loglevel",
-            "INFO",
+            loglevel,
             *extra_args,
         ]
         if cli:
             argv = [str(BIN / "studio-code"), "worker", *options]
         else:
-            argv = [str(BIN / "celery"), "-A", "worker", "worker", *options]
+            argv = [str(BIN / "celery"), "-A", app, "worker", *options]
         super().__init__(argv, env, log, capture_stdout=capture_stdout, stop_timeout=stop_timeout)
 
     def wait_ready(self, timeout: float = 60.0, *, app: Any = None) -> CeleryWorker:
