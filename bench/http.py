@@ -145,6 +145,8 @@ def main() -> None:
     per_user = max(1, args.calls // args.users)
     env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
     env.update(
+        # this checkout's code, not the one the venv's editable install points at
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         STUDIO_ENABLE_CODE_NODES="1",
         STUDIO_REDIS_URL=redis.url,
         STUDIO_DATABASE_URL=f"sqlite:///{db}",
