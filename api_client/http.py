@@ -292,6 +292,11 @@ class Services:
                 self._client = CodeClient(self.settings)
             return self._client
 
+    @property
+    def opened(self) -> Any:
+        """The client once made (None before): for the event loop, which must not open it."""
+        return self._client
+
     def close(self) -> None:
         client, self._client = self._client, None
         close = getattr(client, "close", None)
@@ -422,7 +427,7 @@ async def test_code(
     timeout plus a margin, with the run so far (202)."""
     s = services.settings
     # the first call of a process opens the run store: never on the event loop
-    client = await run_in_threadpool(lambda: services.client)
+    client = services.opened or await run_in_threadpool(lambda: services.client)
     wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + TEST_WAIT_MARGIN_S
     aredis = client.async_redis
     slot = await services.in_flight.acquire(aredis, who.user, wait_s + 5)
@@ -439,7 +444,7 @@ async def test_code(
                 cpus=body.cpus,
             )
         )
-        rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s))
+        rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s, submitted=True))
     finally:
         await services.in_flight.release(aredis, slot)
     if rec is None:  # nobody is listening; the run goes on and GET /api/runs/{id} has it
