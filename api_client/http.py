@@ -53,7 +53,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Path, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Header, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -419,7 +419,12 @@ def check_node(body: LanguageBody, who: CallerDep, services: ServicesDep) -> Nod
     },
 )
 async def test_code(
-    body: RunBody, who: CallerDep, services: ServicesDep, request: Request, response: Response
+    body: RunBody,
+    who: CallerDep,
+    services: ServicesDep,
+    request: Request,
+    response: Response,
+    background: BackgroundTasks,
 ) -> Any:
     """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute and
     STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
@@ -445,8 +450,12 @@ async def test_code(
             )
         )
         rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s, submitted=True))
-    finally:
+    except BaseException:
         await services.in_flight.release(aredis, slot)
+        raise
+    # the slot goes back as the answer goes out (not after Redis confirms it: that round
+    # trip is off the call's path); the request ends once it is back
+    background.add_task(services.in_flight.release_now(aredis, slot))
     if rec is None:  # nobody is listening; the run goes on and GET /api/runs/{id} has it
         return _error_response(499, "CLIENT_GONE", "The caller went away before the result.")
     if not rec.status.finished:

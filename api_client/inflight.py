@@ -10,8 +10,10 @@ call that ends (answered, failed, or its caller went away) removes its own membe
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,9 @@ from executor.errors import RateLimited, RuntimeUnavailable
 
 #: Retry-After of a refused call: a test call usually ends within seconds
 RETRY_AFTER_S = 2
+
+#: releases under way (a task the loop holds only weakly must be held here)
+_RELEASING: set[asyncio.Task[None]] = set()
 
 _ACQUIRE_LUA = """
 local key = KEYS[1]
@@ -91,3 +96,16 @@ class InFlight:
                 await aredis.zrem(slot.key, slot.token)
             except redis.RedisError:
                 pass
+
+    def release_now(self, aredis: Any, slot: Slot) -> Callable[[], Awaitable[None]]:
+        """Start giving the slot back at once, without waiting for Redis's answer (so a
+        call's answer need not wait for that round trip); returns what waits until it is
+        back, for the request's background task (the request ends only then)."""
+        task = asyncio.ensure_future(self.release(aredis, slot))
+        _RELEASING.add(task)
+        task.add_done_callback(_RELEASING.discard)
+
+        async def released() -> None:
+            await asyncio.shield(task)
+
+        return released
