@@ -45,6 +45,7 @@ STUDIO_API_TOKEN is set, body caps, JSON depth) and leaves the studio's routes a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -467,30 +468,33 @@ async def _unless_disconnected(
     request: Request, wait: Coroutine[Any, Any, JobRecord]
 ) -> JobRecord | None:
     """``wait``'s result, or None as soon as the caller disconnects (the wait is cancelled,
-    so the caller's in-flight slot is given back at once)."""
-    import anyio
+    so the caller's in-flight slot is given back at once). What ``wait`` raises comes out
+    as itself (a 503, a 404). The watch is a task of its own that cancels this one on a
+    disconnect; once the wait is over it is cancelled, not waited for (nothing of it is
+    left to run), so the answer does not wait a turn of the loop for it."""
+    this = asyncio.current_task()
+    assert this is not None
+    gone = False
 
-    result: JobRecord | None = None
-    error: Exception | None = None
-    async with anyio.create_task_group() as tg:
-
-        async def watch() -> None:
-            try:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-            except Exception:  # noqa: BLE001 - cannot tell: keep waiting for the result
-                return
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(watch)
+    async def watch() -> None:
+        nonlocal gone
         try:
-            result = await wait
-        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
-            error = e
-        tg.cancel_scope.cancel()
-    if error is not None:  # as itself (a 503, a 404), not wrapped in an ExceptionGroup
-        raise error
-    return result
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - cannot tell: keep waiting for the result
+            return
+        gone = True
+        this.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await wait
+    except asyncio.CancelledError:
+        if gone and this.uncancel() == 0:  # our own cancel and nobody else's
+            return None
+        raise
+    finally:
+        watcher.cancel()
 
 
 @router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"], responses=ERRORS)

@@ -5,7 +5,8 @@ Each waiting call is one member of a sorted set per user, scored with the time i
 up waiting. Taking a slot first drops members whose time has passed, so a slot held by
 an API process that died is freed when that call would have stopped waiting anyway; a
 call that ends (answered, failed, or its caller went away) removes its own member at once
-(``release`` runs even while its task is being cancelled).
+(``release`` runs even while its task is being cancelled; ``release_now`` sends the removal
+as the answer goes out, and the request ends once Redis has it).
 """
 
 from __future__ import annotations
