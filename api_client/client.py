@@ -434,13 +434,19 @@ class CodeClient:
             self._aredis_loop = loop
         return self._aredis
 
-    async def wait_async(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
+    async def wait_async(
+        self, job_id: str, timeout_s: float | None = None, *, submitted: bool = False
+    ) -> JobRecord:
         """``wait`` for an event loop: holds no thread while it waits. BLMOVE on the done
         notice through redis.asyncio; the job's status is re-read at least every second,
         the re-reads of every waiting call of this process coalesced into one small query
         (status only: no code, state or output) on one of WAIT_READ_THREADS threads of
         their own, so waits never take the threads sync routes run on. The whole record
-        is read once, at the end."""
+        is read once, at the end.
+
+        ``submitted=True``: the caller has just submitted the job, so it is queued and its
+        end leaves a done notice (kept DONE_TTL_S) that BLMOVE finds even if it came first:
+        the wait starts on the notice, without the first status read."""
         if timeout_s is None:
             timeout_s = visibility_timeout_s(self.settings)
         loop = asyncio.get_running_loop()
@@ -454,11 +460,12 @@ class CodeClient:
         key = done_key(job_id)
         woke = False
         next_settle = time.monotonic() + SETTLE_EVERY_S
-        first = True
+        first = not submitted
         while True:
-            # A new wait reads at once, the worker's done notice reads the whole record at
-            # once; only the re-reads after a quiet slice wait for the coalescing window (its
-            # 20 ms, twice on every call's path, were most of a test call's own overhead).
+            # A new wait reads at once (a just-submitted one goes straight to the notice),
+            # the worker's done notice reads the whole record at once; only the re-reads
+            # after a quiet slice wait for the coalescing window (its 20 ms, twice on every
+            # call's path, were most of a test call's own overhead).
             if woke:
                 rec = await loop.run_in_executor(self._readers, self.status, job_id)
                 if rec.finished or deadline - time.monotonic() <= 0:
@@ -467,9 +474,11 @@ class CodeClient:
             elif first:
                 found = await loop.run_in_executor(self._readers, self.store.statuses, [job_id])
                 status = found.get(job_id)
+            elif submitted:  # queued a moment ago: straight to the notice
+                status = Status.QUEUED
             else:
                 status = await reads.get(job_id)
-            first = False
+            first = submitted = False
             left = deadline - time.monotonic()
             if status is None or status.finished or left <= 0:
                 return await loop.run_in_executor(self._readers, self.status, job_id)

@@ -45,6 +45,7 @@ STUDIO_API_TOKEN is set, body caps, JSON depth) and leaves the studio's routes a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -53,7 +54,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Path, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Header, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -292,6 +293,11 @@ class Services:
                 self._client = CodeClient(self.settings)
             return self._client
 
+    @property
+    def opened(self) -> Any:
+        """The client once made (None before): for the event loop, which must not open it."""
+        return self._client
+
     def close(self) -> None:
         client, self._client = self._client, None
         close = getattr(client, "close", None)
@@ -414,7 +420,12 @@ def check_node(body: LanguageBody, who: CallerDep, services: ServicesDep) -> Nod
     },
 )
 async def test_code(
-    body: RunBody, who: CallerDep, services: ServicesDep, request: Request, response: Response
+    body: RunBody,
+    who: CallerDep,
+    services: ServicesDep,
+    request: Request,
+    response: Response,
+    background: BackgroundTasks,
 ) -> Any:
     """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute and
     STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
@@ -422,7 +433,7 @@ async def test_code(
     timeout plus a margin, with the run so far (202)."""
     s = services.settings
     # the first call of a process opens the run store: never on the event loop
-    client = await run_in_threadpool(lambda: services.client)
+    client = services.opened or await run_in_threadpool(lambda: services.client)
     wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + TEST_WAIT_MARGIN_S
     aredis = client.async_redis
     slot = await services.in_flight.acquire(aredis, who.user, wait_s + 5)
@@ -439,9 +450,13 @@ async def test_code(
                 cpus=body.cpus,
             )
         )
-        rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s))
-    finally:
+        rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s, submitted=True))
+    except BaseException:
         await services.in_flight.release(aredis, slot)
+        raise
+    # the slot goes back as the answer goes out (not after Redis confirms it: that round
+    # trip is off the call's path); the request ends once it is back
+    background.add_task(services.in_flight.release_now(aredis, slot))
     if rec is None:  # nobody is listening; the run goes on and GET /api/runs/{id} has it
         return _error_response(499, "CLIENT_GONE", "The caller went away before the result.")
     if not rec.status.finished:
@@ -453,30 +468,33 @@ async def _unless_disconnected(
     request: Request, wait: Coroutine[Any, Any, JobRecord]
 ) -> JobRecord | None:
     """``wait``'s result, or None as soon as the caller disconnects (the wait is cancelled,
-    so the caller's in-flight slot is given back at once)."""
-    import anyio
+    so the caller's in-flight slot is given back at once). What ``wait`` raises comes out
+    as itself (a 503, a 404). The watch is a task of its own that cancels this one on a
+    disconnect; once the wait is over it is cancelled, not waited for (nothing of it is
+    left to run), so the answer does not wait a turn of the loop for it."""
+    this = asyncio.current_task()
+    assert this is not None
+    gone = False
 
-    result: JobRecord | None = None
-    error: Exception | None = None
-    async with anyio.create_task_group() as tg:
-
-        async def watch() -> None:
-            try:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-            except Exception:  # noqa: BLE001 - cannot tell: keep waiting for the result
-                return
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(watch)
+    async def watch() -> None:
+        nonlocal gone
         try:
-            result = await wait
-        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
-            error = e
-        tg.cancel_scope.cancel()
-    if error is not None:  # as itself (a 503, a 404), not wrapped in an ExceptionGroup
-        raise error
-    return result
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - cannot tell: keep waiting for the result
+            return
+        gone = True
+        this.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await wait
+    except asyncio.CancelledError:
+        if gone and this.uncancel() == 0:  # our own cancel and nobody else's
+            return None
+        raise
+    finally:
+        watcher.cancel()
 
 
 @router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"], responses=ERRORS)

@@ -5,13 +5,16 @@ Each waiting call is one member of a sorted set per user, scored with the time i
 up waiting. Taking a slot first drops members whose time has passed, so a slot held by
 an API process that died is freed when that call would have stopped waiting anyway; a
 call that ends (answered, failed, or its caller went away) removes its own member at once
-(``release`` runs even while its task is being cancelled).
+(``release`` runs even while its task is being cancelled; ``release_now`` sends the removal
+as the answer goes out, and the request ends once Redis has it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +24,9 @@ from executor.errors import RateLimited, RuntimeUnavailable
 
 #: Retry-After of a refused call: a test call usually ends within seconds
 RETRY_AFTER_S = 2
+
+#: releases under way (a task the loop holds only weakly must be held here)
+_RELEASING: set[asyncio.Task[None]] = set()
 
 _ACQUIRE_LUA = """
 local key = KEYS[1]
@@ -91,3 +97,16 @@ class InFlight:
                 await aredis.zrem(slot.key, slot.token)
             except redis.RedisError:
                 pass
+
+    def release_now(self, aredis: Any, slot: Slot) -> Callable[[], Awaitable[None]]:
+        """Start giving the slot back at once, without waiting for Redis's answer (so a
+        call's answer need not wait for that round trip); returns what waits until it is
+        back, for the request's background task (the request ends only then)."""
+        task = asyncio.ensure_future(self.release(aredis, slot))
+        _RELEASING.add(task)
+        task.add_done_callback(_RELEASING.discard)
+
+        async def released() -> None:
+            await asyncio.shield(task)
+
+        return released

@@ -39,6 +39,15 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def unfinished_tests(db: Path) -> int:
+    """Editor test calls stored and not finished (queued or running)."""
+    with sqlite3.connect(db, timeout=30) as conn:
+        row = conn.execute(
+            "SELECT COUNT(*) FROM code_jobs WHERE kind = 'test' AND status IN ('queued', 'running')"
+        ).fetchone()
+    return int(row[0])
+
+
 def test_call_overhead(base: str, auth: dict[str, str], n: int) -> tuple[list[float], list[float]]:
     """n editor test calls one at a time, SETTLE_S apart: (wall ms, wall − the run's
     duration_ms)."""
@@ -145,6 +154,8 @@ def main() -> None:
     per_user = max(1, args.calls // args.users)
     env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
     env.update(
+        # this checkout's code, not the one the venv's editable install points at
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         STUDIO_ENABLE_CODE_NODES="1",
         STUDIO_REDIS_URL=redis.url,
         STUDIO_DATABASE_URL=f"sqlite:///{db}",
@@ -238,8 +249,10 @@ def main() -> None:
         t0 = time.monotonic()
         burst = Burst(base, auth, users, per_user)
         waiting = 0
-        while time.monotonic() - t0 < 180:  # every call admitted and waiting in the API
-            waiting = sum(int(rc.zcard(f"studio:inflight:test:{u}")) for u in users)
+        while time.monotonic() - t0 < 180:  # every call admitted, submitted and waiting
+            # a slot is taken before the submit: waiting means its job is stored too
+            slots = sum(int(rc.zcard(f"studio:inflight:test:{u}")) for u in users)
+            waiting = min(slots, unfinished_tests(db))
             if waiting >= len(users) * per_user:
                 break
             time.sleep(0.2)
