@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.common import interleave, pct
+
+if TYPE_CHECKING:
+    from tests.services import ApiServer
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get(
@@ -101,45 +101,19 @@ def raw_page(url: str) -> Any:
     return lambda: conn2.execute(sql).fetchall()
 
 
-def start_api(
-    url: str, tmp: Path, redis_url: str = "redis://127.0.0.1:1/0"
-) -> tuple[subprocess.Popen[bytes], str]:
-    """``studio-code serve`` on the store at ``url``; the history needs no Redis (the
-    default points nowhere), live logs do."""
-    import httpx
+def start_api(url: str, tmp: Path, redis_url: str = "redis://127.0.0.1:1/0") -> ApiServer:
+    """``studio-code serve`` on the store at ``url`` (the tests' ApiServer, answering
+    /healthz/live); the history needs no Redis (the default points nowhere), live logs do."""
+    from tests.services import ApiServer
 
-    from bench.queue import free_port
-
-    port = free_port()
     env = {
         **os.environ,
         "STUDIO_DATABASE_URL": url,
         "STUDIO_ENABLE_CODE_NODES": "1",
         "STUDIO_REDIS_URL": redis_url,
     }
-    log = open(tmp / f"api-{port}.log", "wb")  # noqa: SIM115 - lives as long as the API
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).with_name("studio-code")),
-            "serve",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{base}/healthz/live", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("the API did not start")
+    log = tmp / f"api-{uuid.uuid4().hex[:8]}.log"
+    return ApiServer(env, log, ready_timeout=30, log_level="warning")
 
 
 def bench_store(name: str, url: str, rows: int, n: int, tmp: Path) -> None:
@@ -148,9 +122,9 @@ def bench_store(name: str, url: str, rows: int, n: int, tmp: Path) -> None:
     t0 = time.perf_counter()
     fill(url, rows)
     print(f"  {name}: {rows} runs written in {time.perf_counter() - t0:.1f} s", flush=True)
-    proc, base = start_api(url, tmp)
+    api = start_api(url, tmp)
     try:
-        http = httpx.Client(base_url=base, timeout=30)
+        http = httpx.Client(base_url=api.base, timeout=30)
         admin = {"X-Studio-User": "admin", "X-Studio-Admin": "1"}
         user = {"X-Studio-User": "user7"}
         deep = http.get("/api/runs", params={"limit": 200}, headers=admin).json()
@@ -185,8 +159,7 @@ def bench_store(name: str, url: str, rows: int, n: int, tmp: Path) -> None:
             )
         http.close()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+        api.stop()
 
 
 def main() -> None:

@@ -18,8 +18,6 @@ import os
 import secrets
 import shutil
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import pct
-from bench.queue import ROOT, SETTLE_S, Redis, free_port
+from bench.queue import SETTLE_S, start_redis
+from tests.services import ROOT, ApiServer, CeleryWorker
 
 SLEEP = "import time\n\ndef main(state):\n    time.sleep(60)\n    return 1\n"
 TRIVIAL = "def main(state):\n    return 1\n"
@@ -147,7 +146,7 @@ def main() -> None:
     import redis as redis_lib
 
     tmp = Path(tempfile.mkdtemp(prefix="studio-bench-http-"))
-    redis = Redis(tmp)
+    redis = start_redis(tmp)
     token = secrets.token_hex(24)
     auth = {"Authorization": f"Bearer {token}"}
     db = tmp / "runs.db"
@@ -166,64 +165,15 @@ def main() -> None:
         STUDIO_CODE_CONCURRENCY="1",
         STUDIO_QUEUE_TEST_SLOTS="1",
     )
-    bindir = Path(sys.executable).parent
-    procs: list[subprocess.Popen[bytes]] = []
+    worker = api = None
     burst = None
     try:
-        with open(tmp / "worker.log", "wb") as out:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        str(bindir / "celery"),
-                        "-A",
-                        "worker",
-                        "worker",
-                        "--pool",
-                        "prefork",
-                        "-c",
-                        "1",
-                        "-Q",
-                        "code.test,code.run",
-                        "--loglevel",
-                        "WARNING",
-                    ],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=out,
-                    stderr=out,
-                    start_new_session=True,
-                )
-            )
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        with open(tmp / "api.log", "wb") as out:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        str(bindir / "studio-code"),
-                        "serve",
-                        "--port",
-                        str(port),
-                        "--log-level",
-                        "warning",
-                    ],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=out,
-                    stderr=out,
-                    start_new_session=True,
-                )
-            )
+        worker = CeleryWorker(
+            env, tmp / "worker.log", concurrency=1, loglevel="WARNING", stop_timeout=30
+        )
+        api = ApiServer(env, tmp / "api.log", ready_timeout=60, log_level="warning")
+        base = api.base
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz/live", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the API did not start: see {tmp / 'api.log'}")
-            time.sleep(0.2)
         while True:  # the worker's first heartbeat: until then the API refuses (503)
             r = httpx.post(
                 f"{base}/api/runs",
@@ -240,7 +190,7 @@ def main() -> None:
         test_call_overhead(base, auth, 5)  # warm-up: the API's clients, the worker's slot
         call_wall, call_over = test_call_overhead(base, auth, min(args.n, 60))
 
-        api_pid = procs[-1].pid
+        api_pid = api.pid
         c0, t0 = cpu_s(api_pid), time.monotonic()
         idle_live, idle_run = probe(base, auth, run_id, args.n)
         idle_cpu = (cpu_s(api_pid) - c0) / (time.monotonic() - t0)
@@ -320,13 +270,9 @@ def main() -> None:
     finally:
         if burst is not None:
             burst.stop()
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)
+        for service in (api, worker):
+            if service is not None:
+                service.stop()
         redis.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench.common import pct
-from bench.queue import Redis, Worker
+from bench.queue import start_redis, start_worker
 
 PRINTER = (
     "import time\n"
@@ -82,7 +82,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="studio-bench-logs-") as d:
         tmp = Path(d)
-        redis = Redis(tmp)
+        redis = start_redis(tmp)
         db = f"sqlite:///{tmp / 'runs.db'}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
         env.update(
@@ -97,11 +97,11 @@ def main() -> None:
             enable_code_nodes=True, redis_url=redis.url, database_url=db, code_languages="python"
         )
         client = CodeClient(settings)
-        worker = Worker(env, 2, tmp / "worker.log", client)
-        proc = None
+        worker = start_worker(env, 2, tmp / "worker.log", client)
+        api = None
         try:
-            proc, base = start_api(db, tmp, redis.url)
-            http = httpx.Client(base_url=base, timeout=60)
+            api = start_api(db, tmp, redis.url)
+            http = httpx.Client(base_url=api.base, timeout=60)
             # the API builds its client (store, executor) on the first call: not timed
             http.get("/api/runs/warm-up/logs", headers={"X-Studio-User": "bench"})
             sse: list[tuple[float, str]] = []
@@ -133,11 +133,8 @@ def main() -> None:
                 print(f"  {label:44} {pct(ms, 50):8.2f} {pct(ms, 95):8.2f}", flush=True)
             http.close()
         finally:
-            if proc is not None:
-                import signal
-
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(20)
+            if api is not None:
+                api.stop()
             worker.stop()
             client.close()
             redis.stop()

@@ -371,14 +371,20 @@ class ApiServer(Service):
 
     stop_timeout = 20.0
 
-    def __init__(self, env: dict[str, str], log: Path, *, ready_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log: Path,
+        *,
+        ready_timeout: float = 30.0,
+        log_level: str | None = None,
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        super().__init__(
-            [str(BIN / "studio-code"), "serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            env,
-            log,
-        )
+        argv = [str(BIN / "studio-code"), "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        if log_level is not None:  # e.g. "warning": no access log line per request (benches)
+            argv += ["--log-level", log_level]
+        super().__init__(argv, env, log)
         try:
             wait_http(f"{self.base}/healthz/live", ready_timeout, proc=self)
         except BaseException:
