@@ -482,7 +482,7 @@ async def _fire(
     calls: list[tuple[str, dict[str, Any]]],
     stop: asyncio.Event,
     results: list[Any],
-    answered: list[int],
+    answered: list[str],
 ) -> None:
     """Send every call at once and keep them open until they all answer or ``stop`` is
     set (then the rest disconnect)."""
@@ -495,7 +495,7 @@ async def _fire(
             for user, body in calls
         ]
         for t in tasks:
-            t.add_done_callback(lambda _: answered.append(1))
+            t.add_done_callback(lambda t: answered.append(_how_it_ended(t)))
         stopper = asyncio.ensure_future(stop.wait())
         pending: set[asyncio.Future[Any]] = {*tasks, stopper}
         while not stopper.done() and not all(t.done() for t in tasks):
@@ -511,12 +511,25 @@ async def _fire(
         stopper.cancel()
 
 
+def _how_it_ended(task: asyncio.Future[Any]) -> str:
+    """A call's end in a few words, for a failure message: its status and error, or what
+    it raised."""
+    if task.cancelled():
+        return "cancelled"
+    e = task.exception()
+    if e is not None:
+        return f"{type(e).__name__}: {e}"
+    r = task.result()
+    return f"{r.status_code} {r.text[:200]}"
+
+
 class Burst:
     """``calls`` editor test calls held open from a thread of their own."""
 
     def __init__(self, stack: Stack, calls: list[tuple[str, dict[str, Any]]]) -> None:
         self.results: list[Any] = []
-        self.answered: list[int] = []  # one entry per call that has ended, as it ends
+        #: one entry per call that has ended, as it ends: how (``_how_it_ended``)
+        self.answered: list[str] = []
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()  # bound to the loop that first waits on it
         self._thread = threading.Thread(
@@ -535,13 +548,16 @@ class Burst:
         return not self._thread.is_alive()
 
 
-def _wait_for_jobs(stack: Stack, users: set[str], n: int, timeout: float) -> None:
+def _wait_for_jobs(
+    stack: Stack, users: set[str], n: int, timeout: float, burst: Burst | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if len(stack.job_ids(users)) >= n:
             return
         time.sleep(0.2)
-    pytest.fail(f"only {len(stack.job_ids(users))} of {n} test calls were submitted")
+    ended = f"; calls that had ended: {burst.answered[:5]}" if burst is not None else ""
+    pytest.fail(f"only {len(stack.job_ids(users))} of {n} test calls were submitted{ended}")
 
 
 @pytest.mark.docker
@@ -551,7 +567,7 @@ def test_the_in_flight_cap_is_429_and_a_disconnect_gives_the_slot_back(stack: St
     body = {"code": SLEEP_CODE, "state": {"s": 60}, "timeout_s": 15}
     burst = Burst(stack, [(user, body)] * IN_FLIGHT)
     try:
-        _wait_for_jobs(stack, {user}, IN_FLIGHT, 60)
+        _wait_for_jobs(stack, {user}, IN_FLIGHT, 60, burst)
         r = stack.http.post("/api/code/test", json=body, headers=stack.h(user))
         message = _error(r, 429, "RATE_LIMITED")
         assert f"STUDIO_CODE_TEST_IN_FLIGHT={IN_FLIGHT}" in message
@@ -586,7 +602,7 @@ def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
     failures: list[str] = []
     probes = 0
     try:
-        _wait_for_jobs(stack, set(users), 200, 120)
+        _wait_for_jobs(stack, set(users), 200, 120, burst)
         # every call is now waiting in the API; the API answers others meanwhile
         deadline = time.monotonic() + 5
         with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=10) as c:
