@@ -626,6 +626,64 @@ def test_forked_child_does_not_reuse_parent_connections(store: RunStore) -> None
     assert store.finish(_result(job_id), worker="child")
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("what", ["write", "checkpoint"])
+def test_a_fork_during_a_write_or_a_checkpoint_leaves_the_child_a_working_store(
+    tmp_path: Path, what: str
+) -> None:
+    """SQLite keeps its locks in process memory: a child forked while another thread of the
+    parent held a write transaction (or ran the WAL checkpoint) inherited that lock, and
+    every store it opened failed "database is locked" for its whole life (seen in a worker
+    whose prefork pool started beside the main process's first writes). The fork now waits
+    for the call in flight; the child's own store works, and the parent's call ended first."""
+    import threading
+    import time
+
+    from executor.store import sql
+
+    sqlite_url = f"sqlite:///{tmp_path / 'fork.db'}"
+    store = open_store(sqlite_url)
+    job_id = _new(store)
+    inside, ended = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        if what == "write":
+            ctx: Any = store._write()  # type: ignore[attr-defined]
+        else:  # the checkpoint thread's hold (the gate) around a raw connection's PRAGMA
+            ctx = sql._FORK_GATE.held()
+        with ctx:
+            if what == "checkpoint":
+                raw = store._engine.raw_connection()  # type: ignore[attr-defined]
+                raw.cursor().execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            inside.set()
+            time.sleep(0.5)
+            if what == "checkpoint":
+                raw.close()
+        ended.set()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(10)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            sql._SQLITE_BUSY_TIMEOUT_MS = 3000  # a poisoned child fails in 3 s, not 30
+            own = open_store(sqlite_url)
+            rec = own.claim(job_id, "child")
+            code = 0 if rec is not None and rec.worker == "child" else 2
+        finally:
+            os._exit(code)
+    ended_before_fork = ended.is_set()  # read at once in the parent: the fork waited
+    _, status = os.waitpid(pid, 0)
+    holder.join(10)
+    assert ended_before_fork, "the fork did not wait for the call in flight"
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's store was locked"
+    rec = store.get(job_id)
+    assert rec is not None and rec.worker == "child"
+    store.close()
+
+
 # --- many processes at once ----------------------------------------------------------------
 
 N_PROCS = 8

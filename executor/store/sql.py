@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Collection, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -613,7 +613,8 @@ class SqlRunStore(RunStore):
             if create_tables:
                 self._create_tables()
         except BaseException:
-            self._engine.dispose()
+            with self._gate():
+                self._engine.dispose()
             raise
 
     # engine & transactions ------------------------------------------------------------
@@ -646,17 +647,21 @@ class SqlRunStore(RunStore):
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        with self._engine.begin() as conn:
+        with self._gate(), self._engine.begin() as conn:
             yield conn
         if self._checkpoints is not None:
             self._checkpoints.wrote()
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        with self._engine.connect() as conn:
+        with self._gate(), self._engine.connect() as conn:
             conn.execution_options(**{_READ_ONLY: True})
             with conn.begin():
                 yield conn
+
+    def _gate(self) -> AbstractContextManager[None]:
+        """SQLite: no fork of this process while the call runs (``_ForkGate``)."""
+        return _FORK_GATE.held() if self.dialect == "sqlite" else nullcontext()
 
     def _create_tables(self) -> None:
         with self._write() as conn:
@@ -1083,6 +1088,10 @@ class SqlRunStore(RunStore):
         has auto_vacuum=INCREMENTAL; an older file keeps them for reuse) and the WAL is
         checkpointed and truncated. Both run outside a transaction; a busy reader only makes
         the checkpoint partial, never an error."""
+        with self._gate():
+            self._give_space_back_now()
+
+    def _give_space_back_now(self) -> None:
         raw = self._engine.raw_connection()
         try:
             cur = raw.cursor()
@@ -1115,7 +1124,8 @@ class SqlRunStore(RunStore):
             self._closed = True
             if self._checkpoints is not None:
                 self._checkpoints.close()
-            self._engine.dispose()
+            with self._gate():  # the last connection to close checkpoints
+                self._engine.dispose()
 
     def __repr__(self) -> str:
         return f"SqlRunStore({self.url.render_as_string(hide_password=True)!r})"
@@ -1170,6 +1180,68 @@ def _configure_sqlite(engine: Engine) -> None:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+class _ForkGate:
+    """No fork while this process is inside an SQLite call. SQLite keeps its file locks in
+    per-process memory: a child forked while the parent held a write transaction or ran a
+    checkpoint inherits that lock as "held by another connection of this process", and every
+    connection it opens then waits out busy_timeout and fails ("database is locked"), for
+    the child's whole life (seen: Celery's prefork pool started beside the main process's
+    first writes). So every store call holds the gate, and ``os.fork`` (registered below:
+    Celery's pool, ``subprocess`` with a ``preexec_fn``) waits until no call is inside it and
+    lets none start until the fork is done. A thread that forks from inside a call of its
+    own does not wait for itself."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._busy = 0
+        self._forking = False
+        self._mine = threading.local()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        depth = getattr(self._mine, "depth", 0)
+        with self._cond:
+            while self._forking and depth == 0:
+                self._cond.wait()
+            self._busy += 1
+        self._mine.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._mine.depth = depth
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        own = getattr(self._mine, "depth", 0)
+        self._cond.acquire()
+        self._forking = True
+        deadline = time.monotonic() + _FORK_WAIT_S
+        while self._busy > own and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
+        # forks with the lock held: no call starts or ends until after_in_parent
+
+    def after_in_parent(self) -> None:
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+    def after_in_child(self) -> None:
+        self.__init__()  # type: ignore[misc]  # the parent's calls are not the child's
+
+
+#: a fork waits at most this long for the calls in flight (a call is one transaction, bounded
+#: by busy_timeout; past this, the fork goes ahead as it did before the gate)
+_FORK_WAIT_S = 60.0
+_FORK_GATE = _ForkGate()
+os.register_at_fork(
+    before=_FORK_GATE.before_fork,
+    after_in_parent=_FORK_GATE.after_in_parent,
+    after_in_child=_FORK_GATE.after_in_child,
+)
+
+
 class _Checkpointer:
     """SQLite: copies the WAL into the database file (``PRAGMA wal_checkpoint(PASSIVE)``)
     from a thread of this process, ``_SQLITE_CHECKPOINT_AFTER_S`` after it wrote, instead
@@ -1204,14 +1276,15 @@ class _Checkpointer:
             time.sleep(_SQLITE_CHECKPOINT_AFTER_S)  # commits that come meanwhile: one pass
             due.clear()
             try:
-                raw = self.engine.raw_connection()
-                try:
-                    cur = raw.cursor()
-                    cur.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                    cur.fetchall()
-                    cur.close()
-                finally:
-                    raw.close()
+                with _FORK_GATE.held():
+                    raw = self.engine.raw_connection()
+                    try:
+                        cur = raw.cursor()
+                        cur.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                        cur.fetchall()
+                        cur.close()
+                    finally:
+                        raw.close()
             except Exception as e:  # noqa: BLE001 - the next pass (or a commit) does it
                 log.debug("SQLite WAL checkpoint skipped: %s", e)
 
