@@ -231,6 +231,7 @@ class SandboxPool:
         name = language.name
         shape = _shape(policy)
         deadline = time.monotonic() + WAIT_FOR_STARTING_S
+        asked = False  # should_cancel asked since the last wait
         with self._cond:
             try:
                 if name not in self._idle or self._stop:
@@ -252,13 +253,17 @@ class SandboxPool:
                         return p
                     left = deadline - time.monotonic()
                     if self._starting[name] > self._waiting[name] and left > 0 and not self._stop:
-                        if should_cancel is not None and self._asked_to_cancel(should_cancel):
-                            raise CancelledBeforeStart()
+                        if should_cancel is not None and not asked:
+                            if self._asked_to_cancel(should_cancel):
+                                raise CancelledBeforeStart()
+                            asked = True
+                            continue  # the lock was let go: look at the queue again first
                         self._waiting[name] += 1
                         try:
                             self._cond.wait(min(left, CANCEL_POLL_S))
                         finally:
                             self._waiting[name] -= 1
+                        asked = False
                         continue
                     self.misses[name] += 1
                     return None
