@@ -177,16 +177,21 @@ def store_write_problem(store: Any) -> str | None:
 def _sqlite_write_probe(engine: Any) -> None:
     import sqlite3
 
+    from executor.store.sql import no_fork_inside
+
     path = engine.url.database
     if not path or path == ":memory:":
         return
-    conn = sqlite3.connect(path, timeout=2.0, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")  # the write lock: fails when locked or read-only
-        conn.execute("CREATE TEMP TABLE IF NOT EXISTS studio_probe (x)")
-        conn.execute("ROLLBACK")
-    finally:
-        conn.close()
+    # It takes the write lock: a pool process forked meanwhile would inherit it for good
+    # (see executor/store/sql.py, _ForkGate), so no fork while it runs.
+    with no_fork_inside():
+        conn = sqlite3.connect(path, timeout=2.0, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # the write lock: fails when locked or read-only
+            conn.execute("CREATE TEMP TABLE IF NOT EXISTS studio_probe (x)")
+            conn.execute("ROLLBACK")
+        finally:
+            conn.close()
 
 
 def runtime_problem(executor: Any) -> str | None:

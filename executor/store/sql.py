@@ -1231,6 +1231,12 @@ class _ForkGate:
         self.__init__()  # type: ignore[misc]  # the parent's calls are not the child's
 
 
+def no_fork_inside() -> AbstractContextManager[None]:
+    """Hold it around SQLite work done outside the store (a raw ``sqlite3`` connection): this
+    process does not fork while it runs (``_ForkGate``)."""
+    return _FORK_GATE.held()
+
+
 #: a fork waits at most this long for the calls in flight (a call is one transaction, bounded
 #: by busy_timeout; past this, the fork goes ahead as it did before the gate)
 _FORK_WAIT_S = 60.0
