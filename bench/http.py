@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import pct
-from bench.queue import SETTLE_S, start_redis
-from tests.services import ROOT, ApiServer, CeleryWorker
+from bench.queue import SETTLE_S
+from tests.services import ROOT, ApiServer, CeleryWorker, start_redis
 
 SLEEP = "import time\n\ndef main(state):\n    time.sleep(60)\n    return 1\n"
 TRIVIAL = "def main(state):\n    return 1\n"

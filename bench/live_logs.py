@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from bench.common import pct
-from bench.queue import start_redis, start_worker
+from bench.queue import start_worker
+from tests.services import start_redis
 
 PRINTER = (
     "import time\n"

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import pct, raw_container
-from tests.services import CeleryWorker, RedisServer
+from tests.services import CeleryWorker, start_redis
 
 TRIVIAL = "def main(state):\n    return 1\n"
 SPIN = "def main(state):\n    while True:\n        pass\n"
@@ -36,12 +36,6 @@ LABEL_JOB = "studio.job_id"
 
 
 # --- the services it starts and stops: the tests' own (tests/services.py) -------------------
-
-
-def start_redis(workdir: Path) -> RedisServer:
-    redis = RedisServer(workdir)
-    redis.start()
-    return redis
 
 
 def start_worker(

@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.services import RedisServer, alive, process_tree  # noqa: E402 - test helpers, reused
+from tests.services import RedisServer, kill_pids, process_tree  # noqa: E402 - test helpers, reused
 from tests.test_faults import PgCluster  # noqa: E402
 
 CELERY = Path(sys.executable).with_name("celery")
@@ -82,12 +82,7 @@ class Worker:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         time.sleep(1)
-        for pid in tree:
-            if alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill_pids(tree)
         self.start()
 
     def kill_pool_process(self) -> bool:
@@ -107,12 +102,7 @@ class Worker:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             pass
-        for pid in tree:
-            if alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill_pids(tree)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,7 +85,8 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _kill(pids: Sequence[int]) -> None:
+def kill_pids(pids: Sequence[int]) -> None:
+    """SIGKILL each of ``pids`` still alive (pids this test or bench started)."""
     for pid in pids:
         if alive(pid):
             try:
@@ -173,7 +174,7 @@ class Service(StopsOnExit):
     def kill_hard(self) -> list[int]:
         """SIGKILL the main process and every child, by pid (from the process tree)."""
         pids = self.tree()
-        _kill(pids)
+        kill_pids(pids)
         self.proc.wait(timeout=10)
         return pids
 
@@ -186,7 +187,7 @@ class Service(StopsOnExit):
         pids = self.tree()
         self.signal(signal.SIGTERM)
         code = self.wait(self.stop_timeout if timeout is None else timeout)
-        _kill(pids)
+        kill_pids(pids)
         if code is None:
             try:
                 os.killpg(self.pid, signal.SIGKILL)

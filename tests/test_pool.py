@@ -210,8 +210,6 @@ def test_a_job_cancelled_before_its_sandbox_starts_makes_none(
     """A job cancelled while it waits for a pre-started sandbox that is still starting, or
     before a cold one is created, ends cancelled at once: it takes nothing from the pool,
     no container is created for it (Docker's events say so), and the pool is unchanged."""
-    from executor.runtimes.pool import CANCEL_POLL_S, WAIT_FOR_STARTING_S
-
     since = time.time()
     # the events query finds a job's container: one that runs has exactly one create
     ran = docker_executor.run(CodeJob(code=WHOAMI, timeout_s=20))
@@ -242,7 +240,6 @@ def test_a_job_cancelled_before_its_sandbox_starts_makes_none(
     assert r2.status is Status.CANCELLED, r2.error
     assert r2.error.message == "Cancelled before its sandbox started."
     assert watch.calls == 3, "asked every slice while it waited, then stopped"
-    assert 3 * CANCEL_POLL_S < WAIT_FOR_STARTING_S  # it did not wait the whole bound
     assert stats["hits"] == 1 and stats["misses"] == 0, "a cancelled wait is not a miss"
     time.sleep(1)  # events are written as they happen; leave the engine a moment
     assert _created_for(docker_client, job.job_id, since) == []

@@ -1089,27 +1089,24 @@ class SqlRunStore(RunStore):
         checkpointed and truncated. Both run outside a transaction; a busy reader only makes
         the checkpoint partial, never an error."""
         with self._gate():
-            self._give_space_back_now()
-
-    def _give_space_back_now(self) -> None:
-        raw = self._engine.raw_connection()
-        try:
-            cur = raw.cursor()
-            # executescript steps the pragma to its end; execute() frees one page only.
-            # The pages freed are those this bounded pass deleted, so this stays short.
-            cur.executescript("PRAGMA incremental_vacuum;")
-            # (busy, frames, checkpointed): busy when another checkpoint runs at that moment
-            # (a process's _Checkpointer): it is short, so try again a few times.
-            for _ in range(20):
-                busy = cur.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()[0][0]
-                if not busy:
-                    break
-                time.sleep(0.1)
-            cur.close()
-        except sqlite3.OperationalError as e:
-            log.warning("SQLite space not given back this time: %s", e)
-        finally:
-            raw.close()
+            raw = self._engine.raw_connection()
+            try:
+                cur = raw.cursor()
+                # executescript steps the pragma to its end; execute() frees one page only.
+                # The pages freed are those this bounded pass deleted, so this stays short.
+                cur.executescript("PRAGMA incremental_vacuum;")
+                # (busy, frames, checkpointed): busy when another checkpoint runs at that moment
+                # (a process's _Checkpointer): it is short, so try again a few times.
+                for _ in range(20):
+                    busy = cur.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()[0][0]
+                    if not busy:
+                        break
+                    time.sleep(0.1)
+                cur.close()
+            except sqlite3.OperationalError as e:
+                log.warning("SQLite space not given back this time: %s", e)
+            finally:
+                raw.close()
 
     def counts_by_status(self) -> dict[str, int]:
         stmt = select(jobs.c.status, func.count()).group_by(jobs.c.status)
