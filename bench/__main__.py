@@ -17,6 +17,7 @@ SECTIONS = [
     "bench.live_logs",
     "bench.pool",
     "bench.engine",
+    "bench.sockguard",
 ]
 
 if __name__ == "__main__":

@@ -401,18 +401,21 @@ REAL_DOCKER_HOST = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock
 
 class SockGuardProcess(Service):
     """``studio-code sockguard`` on a unix socket in ``workdir``, passing on to the real
-    engine; ``host`` is the DOCKER_HOST that goes through it. Every call it passes is logged
-    (``--log-requests``) beside its refusals: what a test asked of the engine."""
+    engine; ``host`` is the DOCKER_HOST that goes through it. With ``trace`` every call it
+    passes is logged (``--log-requests``) beside its refusals: what a test asked of the
+    engine."""
 
     stop_timeout = 10.0
 
-    def __init__(self, workdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, env: dict[str, str] | None = None, *, trace: bool = True
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.path = workdir / "guard.sock"
         self.host = f"unix://{self.path}"
         upstream = REAL_DOCKER_HOST.removeprefix("unix://")
         argv = [str(BIN / "studio-code"), "sockguard", "--listen", str(self.path)]
-        argv += ["--upstream", upstream, "--log-requests"]
+        argv += ["--upstream", upstream] + (["--log-requests"] if trace else [])
         base = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
         super().__init__(argv, {**base, **(env or {})}, workdir / "guard.log")
         deadline = time.monotonic() + 30
