@@ -17,7 +17,7 @@ from pathlib import Path
 
 import docker
 
-from bench.common import interleave, row
+from bench.common import interleave, row, timed
 from executor.models import CodeJob
 from executor.service import Executor
 from executor.settings import load_settings
@@ -28,7 +28,7 @@ TRIVIAL = "def main(state):\n    return 1\n"
 
 def executor(docker_host: str, *, pooled: bool) -> Executor:
     """An executor whose Docker client is on ``docker_host`` (connected now: the env is
-    read once, when the client is made)."""
+    read once, when the client is made); ``pooled``: one pre-started sandbox, filled."""
     saved = os.environ.get("DOCKER_HOST")
     os.environ["DOCKER_HOST"] = docker_host
     try:
@@ -57,6 +57,22 @@ def via(ex: Executor) -> Callable[[], object]:
     return run
 
 
+def pooled_pairs(n: int, a: Executor, b: Executor) -> tuple[list[float], list[float]]:
+    """Like ``interleave``, but each job is timed once both pools are settled (full, nothing
+    starting or being removed; the wait is not timed): a job that takes a pre-started
+    sandbox, not one that waits for, or competes with, a refill (on a loaded machine a
+    refill takes longer than a job, and would be what is measured)."""
+    out: tuple[list[float], list[float]] = ([], [])
+    pools = [ex.runtime.pool for ex in (a, b)]  # type: ignore[union-attr]
+    for i in range(n + 2):
+        for side, ex in enumerate((a, b)):
+            assert all(p is not None and p.wait_settled(120) for p in pools)
+            ms = timed(via(ex))
+            if i >= 2:  # warm-up
+                out[side].append(ms)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.sockguard")
     p.add_argument("--n", type=int, default=30)
@@ -81,7 +97,10 @@ def main() -> None:
                     executor(REAL_DOCKER_HOST, pooled=pooled),
                 )
                 try:
-                    g, b = interleave(n, [via(through), via(bare)])
+                    if pooled:
+                        g, b = pooled_pairs(n, through, bare)
+                    else:
+                        g, b = interleave(n, [via(through), via(bare)])
                 finally:
                     through.close()
                     bare.close()
