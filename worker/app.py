@@ -89,7 +89,7 @@ def worker_app(settings: Settings) -> Celery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker import gate, heartbeat, janitor, outcomes, poison, slots, tasks
+    from worker import gate_watch, heartbeat, janitor, outcomes, poison, slots, tasks
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -107,12 +107,12 @@ def worker_app(settings: Settings) -> Celery:
     app.conf.broker_transport = poison.TRANSPORT
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
-    app.steps["consumer"].add(gate.GateStep)
-    app.steps["worker"].add(gate.GateWatchStep)
+    app.steps["consumer"].add(gate_watch.GateStep)
+    app.steps["worker"].add(gate_watch.GateWatchStep)
     app.steps["worker"].add(janitor.JanitorStep)
     # Announces the worker per queue, "paused" with the gate's reason while the gate is
     # closed (its store or runtime is down), so the API refuses what no worker would take.
-    app.studio_not_serving_reason = gate.pause_reason  # type: ignore[attr-defined]
+    app.studio_not_serving_reason = gate_watch.pause_reason  # type: ignore[attr-defined]
     app.steps["consumer"].add(heartbeat.HeartbeatStep)
     tasks.connect_process_signals()
     outcomes.register_inspect_commands()

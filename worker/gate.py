@@ -1,26 +1,11 @@
-"""Why this worker is not taking messages now: one gate, opened and closed by the main process.
+"""The gate, as a pool process sees it: one page of shared memory the main process made
+before the pool forked (see worker.gate_watch, which opens and closes the gate).
 
-A worker steps aside while it cannot do a job's work:
-
-* **run_store**: the run store cannot be written (PostgreSQL down, SQLite locked or
-  unwritable). A job could not be claimed, nor its result stored.
-* **runtime**: no offered language can run here (Docker unreachable, every image missing).
-
-While the gate is closed the worker's consumers are cancelled (Celery's task consumer for
-``code.run`` and ``CodeTestConsumer`` for ``code.test``), so its messages stay in Redis for
-workers that can serve them; readiness (``/healthz``) answers 503 with the reason; the
-reason is logged at ERROR once when it starts and at WARNING when it ends.
-
-Who decides: a thread of the main process (``GateWatch``) probes the store (a write probe)
-and the runtime every STUDIO_QUEUE_PROBE_INTERVAL_S, and every second while closed or right
-after a pool process reported a failure (``report``, through a page of shared memory made
-before the pool forks). Consumers are only touched from the consumer's own event loop
-(``GateStep``: a timer tick), never from the thread. ``pause_reason()`` is the plain callable
-the rest of the worker (health, heartbeats) reads.
-
-A pool process that meets a closed gate (``closed_in_child``) or a failing store hands the
-message back (``Reject(requeue=True)``) before claiming, so the job is neither consumed nor
-counted as an attempt.
+A pool process reads whether the gate is closed (``closed_in_child``) and reports a failure
+it met (``report``): the main process then probes at once instead of at its next interval.
+A pool process that meets a closed gate or a failing store hands the message back
+(``Reject(requeue=True)``) before claiming, so the job is neither consumed nor counted as an
+attempt.
 """
 
 from __future__ import annotations
@@ -28,30 +13,19 @@ from __future__ import annotations
 import logging
 import mmap
 import struct
-import threading
 import time
-from collections.abc import Callable
-from typing import Any
-
-from celery import bootsteps
 
 log = logging.getLogger("studio_code.worker")
 
 RUN_STORE = "run_store"
 RUNTIME = "runtime"
-_KINDS = (RUN_STORE, RUNTIME)
-
-#: while closed, or after a report: how often the main process probes again
-FAST_PROBE_S = 1.0
-#: how often the event loop applies the gate to the consumers
-APPLY_EVERY_S = 0.25
-
+KINDS = (RUN_STORE, RUNTIME)
 
 # --- the page shared with the pool processes ----------------------------------------------
 
 # Layout: [closed flag: double][report time per kind: double...]. An anonymous mmap is
 # MAP_SHARED: made in the main process before the pool forks, every child sees one page.
-_FMT = "d" * (1 + len(_KINDS))
+_FMT = "d" * (1 + len(KINDS))
 _page = mmap.mmap(-1, mmap.PAGESIZE)
 
 
@@ -66,7 +40,7 @@ def _write(index: int, value: float) -> None:
 def report(kind: str, reason: str) -> None:
     """A pool process met ``kind`` failing: the main process probes it at once."""
     log.error("%s unavailable in pool process: %s", kind, reason)
-    _write(1 + _KINDS.index(kind), time.time())
+    _write(1 + KINDS.index(kind), time.time())
 
 
 def closed_in_child() -> bool:
@@ -74,63 +48,14 @@ def closed_in_child() -> bool:
     return _read()[0] > 0
 
 
-def _last_report(kind: str) -> float:
-    return _read()[1 + _KINDS.index(kind)]
+def last_report(kind: str) -> float:
+    """When a pool process last reported ``kind`` failing (read by the main process)."""
+    return _read()[1 + KINDS.index(kind)]
 
 
-# --- the gate (main process) ----------------------------------------------------------------
-
-
-class Gate:
-    """Reasons this worker is not taking messages, by kind. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._reasons: dict[str, str] = {}
-        self._lock = threading.Lock()
-
-    def set(self, kind: str, reason: str | None) -> None:
-        with self._lock:
-            before = self._reasons.get(kind)
-            if reason is None:
-                self._reasons.pop(kind, None)
-            else:
-                self._reasons[kind] = reason
-            closed = bool(self._reasons)
-        _write(0, 1.0 if closed else 0.0)
-        if reason is not None and before is None:
-            log.error(
-                "not taking jobs: %s. Messages stay in the queue for other workers; "
-                "this worker resumes by itself when it answers again.",
-                reason,
-            )
-        elif reason is None and before is not None:
-            log.warning("taking jobs again: %s is back", kind.replace("_", " "))
-
-    def reason(self) -> str | None:
-        with self._lock:
-            if not self._reasons:
-                return None
-            return "; ".join(self._reasons[k] for k in _KINDS if k in self._reasons)
-
-    def reasons(self) -> dict[str, str]:
-        with self._lock:
-            return dict(self._reasons)
-
-
-_gate = Gate()
-
-
-def gate() -> Gate:
-    return _gate
-
-
-def pause_reason() -> str | None:
-    """Why this worker is not taking messages now (None: it is). A plain callable for the
-    health endpoint and the worker's heartbeat."""
-    return _gate.reason()
-
-
-# --- probes -----------------------------------------------------------------------------------
+def set_closed(closed: bool) -> None:
+    """The main process's flag every pool process reads (``closed_in_child``)."""
+    _write(0, 1.0 if closed else 0.0)
 
 
 def is_store_outage(e: BaseException) -> bool:
@@ -152,233 +77,3 @@ def is_store_outage(e: BaseException) -> bool:
     ):
         return True
     return isinstance(e, exc.DBAPIError) and bool(e.connection_invalidated)
-
-
-def store_write_problem(store: Any) -> str | None:
-    """None when the run store takes a write now, else a sentence naming it. A write probe:
-    a store that answers reads but refuses writes (SQLite locked, read-only) is down too."""
-    name = repr(store)
-    try:
-        engine = store.engine
-        if engine.dialect.name == "sqlite":
-            _sqlite_write_probe(engine)
-        else:
-            with engine.connect() as conn:
-                conn.exec_driver_sql("SELECT 1")
-        return None
-    except Exception as e:  # noqa: BLE001 - any failure means "cannot write"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return (
-            f"the run store {name} cannot be written ({first}): check the database "
-            "(STUDIO_DATABASE_URL)"
-        )
-
-
-def _sqlite_write_probe(engine: Any) -> None:
-    import sqlite3
-
-    from executor.store.sql import no_fork_inside
-
-    path = engine.url.database
-    if not path or path == ":memory:":
-        return
-    # It takes the write lock: a pool process forked meanwhile would inherit it for good
-    # (see executor/store/sql.py, _ForkGate), so no fork while it runs.
-    with no_fork_inside():
-        conn = sqlite3.connect(path, timeout=2.0, isolation_level=None)
-        try:
-            conn.execute("BEGIN IMMEDIATE")  # the write lock: fails when locked or read-only
-            conn.execute("CREATE TEMP TABLE IF NOT EXISTS studio_probe (x)")
-            conn.execute("ROLLBACK")
-        finally:
-            conn.close()
-
-
-def runtime_problem(executor: Any) -> str | None:
-    """None when at least one offered language can run here, else why none can."""
-    if executor.disabled_reason() or executor.runtime is None:
-        return None  # jobs end INVALID/failed with their own message: nothing to wait for
-    reasons = []
-    for name in executor.settings.languages:
-        try:
-            reason = executor.runtime.unavailable_reason(executor.language(name))
-        except Exception as e:  # noqa: BLE001
-            reason = str(e)
-        if reason is None:
-            return None
-        reasons.append(reason)
-    if not reasons:
-        return None
-    return f"the {executor.runtime_name} runtime cannot run nodes: {reasons[0]}"
-
-
-class GateWatch:
-    """The main process's probing thread: closes and opens the gate, and writes the results
-    that pool processes parked while the store was down (``pending.flush``)."""
-
-    def __init__(self, settings: Any, *, flush: Callable[[Any], int] | None = None) -> None:
-        from executor.service import Executor
-        from executor.store import open_store
-
-        self.settings = settings
-        self.interval_s = float(getattr(settings, "queue_probe_interval_s", 5.0))
-        self._open_store = lambda: open_store(settings.sqlalchemy_url)
-        self._store: Any = None
-        self.executor = Executor(settings)
-        self.flush = flush
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._seen = {k: _last_report(k) for k in _KINDS}
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="studio-gate", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=15)
-            self._thread = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-
-    def _loop(self) -> None:
-        next_probe = 0.0
-        while not self._stop.is_set():
-            now = time.monotonic()
-            reported = any(_last_report(k) > self._seen[k] for k in _KINDS)
-            if reported or now >= next_probe:
-                self._seen = {k: _last_report(k) for k in _KINDS}
-                try:
-                    self.probe_once()
-                except Exception:  # noqa: BLE001 - keep probing
-                    log.exception("gate probe failed")
-                closed = _gate.reason() is not None
-                next_probe = time.monotonic() + (FAST_PROBE_S if closed else self.interval_s)
-            self._stop.wait(0.2)
-
-    def probe_once(self) -> dict[str, str | None]:
-        store_problem = self._probe_store()
-        _gate.set(RUN_STORE, store_problem)
-        if store_problem is None and self.flush is not None:
-            try:
-                self.flush(self._store)
-            except Exception as e:  # noqa: BLE001 - next probe tries again
-                log.error("could not write parked results yet: %s", e)
-        problem = runtime_problem(self.executor)
-        _gate.set(RUNTIME, problem)
-        return {RUN_STORE: store_problem, RUNTIME: problem}
-
-    def _probe_store(self) -> str | None:
-        if self._store is None:
-            try:
-                self._store = self._open_store()
-            except Exception as e:  # noqa: BLE001
-                first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-                return (
-                    f"the run store cannot be opened ({first}): check the database "
-                    "(STUDIO_DATABASE_URL)"
-                )
-        return store_write_problem(self._store)
-
-
-# --- applying the gate to the consumers (the consumer's event loop) --------------------------
-
-
-class GateStep(bootsteps.StartStopStep):
-    """Consumer step: every APPLY_EVERY_S, in the event loop, cancels this worker's task
-    consumers while the gate is closed and consumes again once it opens. Idempotent: after a
-    broker reconnect (new consumers, consuming) a closed gate cancels them again."""
-
-    label = "studio gate"
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def __init__(self, c: Any, **kwargs: Any) -> None:
-        self.paused = False
-        self._timer: Any = None
-        super().__init__(c, **kwargs)
-
-    def start(self, c: Any) -> None:
-        if self._timer is None:
-            self._timer = c.timer.call_repeatedly(APPLY_EVERY_S, self.apply, (c,), priority=0)
-
-    def stop(self, c: Any) -> None:
-        if self._timer is not None:
-            try:
-                self._timer.cancel()
-            except Exception:  # noqa: BLE001
-                pass
-            self._timer = None
-
-    def shutdown(self, c: Any) -> None:
-        self.stop(c)
-
-    @staticmethod
-    def _consumers(c: Any) -> list[Any]:
-        from worker.slots import CodeTestConsumer
-
-        out = [c.task_consumer] if getattr(c, "task_consumer", None) is not None else []
-        for step in getattr(c, "steps", []) or []:
-            if isinstance(step, CodeTestConsumer):
-                out += list(step.consumers or [])
-        return out
-
-    def apply(self, c: Any) -> None:
-        closed = _gate.reason() is not None
-        try:
-            consumers = self._consumers(c)
-            if closed:
-                for consumer in consumers:
-                    if getattr(consumer, "_active_tags", None):
-                        consumer.cancel()
-                if not self.paused:
-                    log.error("consumers paused: %s", _gate.reason())
-                self.paused = True
-            elif self.paused:
-                for consumer in consumers:
-                    if consumer.queues and not getattr(consumer, "_active_tags", None):
-                        consumer.consume()
-                self.paused = False
-                log.warning("consumers resumed")
-        except Exception:  # noqa: BLE001 - e.g. a broker blip: the next tick tries again
-            log.exception("could not apply the gate to the consumers")
-
-
-class GateWatchStep(bootsteps.StartStopStep):
-    """Worker step: runs ``GateWatch`` in the main process (with the parked-result flush)."""
-
-    label = "studio gate watch"
-
-    def __init__(self, w: Any, **kwargs: Any) -> None:
-        self.watch: GateWatch | None = None
-        self.flusher: Any = None
-        super().__init__(w, **kwargs)
-
-    def create(self, w: Any) -> None:
-        return None
-
-    def start(self, w: Any) -> None:
-        settings = getattr(w.app, "studio_settings", None)
-        if settings is None or self.watch is not None:
-            return
-        from worker.pending import Flusher
-
-        self.flusher = Flusher(settings.redis_url)
-        self.watch = GateWatch(settings, flush=self.flusher)
-        try:
-            self.watch.probe_once()  # a worker that starts with its store down waits
-        except Exception:  # noqa: BLE001
-            log.exception("first gate probe failed")
-        self.watch.start()
-
-    def stop(self, w: Any) -> None:
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
-        if self.flusher is not None:
-            self.flusher.close()
-            self.flusher = None
-
-    def shutdown(self, w: Any) -> None:
-        self.stop(w)

@@ -56,6 +56,6 @@ def dependency_problems(settings: Settings, *, store: Any = None) -> dict[str, s
 def gate_checks() -> dict[str, str | None]:
     """``paused``: why this worker is not taking jobs (run store unwritable, runtime down),
     None while it is. A paused worker's readiness answers 503 with this sentence."""
-    from worker.gate import pause_reason
+    from worker.gate_watch import pause_reason
 
     return {"paused": pause_reason()}
