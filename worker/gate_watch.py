@@ -148,7 +148,7 @@ def runtime_problem(executor: Any) -> str | None:
 
 class GateWatch:
     """The main process's probing thread: closes and opens the gate, and writes the results
-    that pool processes parked while the store was down (``pending.flush``)."""
+    that pool processes parked while the store was down (``flusher.flush``)."""
 
     def __init__(self, settings: Any, *, flush: Callable[[Any], int] | None = None) -> None:
         from executor.service import Executor
@@ -296,7 +296,7 @@ class GateWatchStep(bootsteps.StartStopStep):
         settings = getattr(w.app, "studio_settings", None)
         if settings is None or self.watch is not None:
             return
-        from worker.pending import Flusher
+        from worker.flusher import Flusher
 
         self.flusher = Flusher(settings.redis_url)
         self.watch = GateWatch(settings, flush=self.flusher)

@@ -107,7 +107,7 @@ class Janitor:
         return out
 
     def _flush_parked(self) -> None:
-        from worker.pending import Flusher
+        from worker.flusher import Flusher
 
         flusher = Flusher(self.settings.redis_url)
         try:

@@ -13,6 +13,9 @@ set ``studio:pending``; the job's message is then acknowledged. The code never r
 
 The promise: a store outage shorter than STUDIO_QUEUE_PENDING_TTL_S (default 7 days) loses
 no result, as long as Redis keeps its data (AOF, as deploy/compose.yaml runs it).
+
+This module is what a pool process does (park, look up, write one); the main process's flush
+of them all is worker.flusher.
 """
 
 from __future__ import annotations
@@ -88,38 +91,6 @@ def write_one(store: Any, client: redis.Redis, job_id: str) -> bool | None:
     return wrote
 
 
-def flush(store: Any, client: redis.Redis) -> int:
-    """Write every parked result the store does not have yet; returns how many were
-    written. Raises (leaving the rest parked) when the store fails."""
-    written = 0
-    for raw_id in client.sscan_iter(PENDING_SET, count=200):
-        job_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-        try:
-            outcome = write_one(store, client, job_id)
-        except Exception as e:
-            from worker.gate import is_store_outage
-
-            if is_store_outage(e):
-                raise  # the store went away again: the rest waits for the next flush
-            log.error(
-                "job %s: its parked result cannot be written (%s); it stays in Redis "
-                "until STUDIO_QUEUE_PENDING_TTL_S",
-                job_id,
-                e,
-            )
-            continue
-        if outcome is None:
-            client.srem(PENDING_SET, job_id)
-            log.error(
-                "job %s: its parked result expired (STUDIO_QUEUE_PENDING_TTL_S) before "
-                "the run store was back; the reaper ends it",
-                job_id,
-            )
-        elif outcome:
-            written += 1
-    return written
-
-
 def _count(result: CodeResult) -> None:
     try:
         from worker import metrics
@@ -127,16 +98,3 @@ def _count(result: CodeResult) -> None:
         metrics.record_result(result)
     except Exception as e:  # noqa: BLE001 - a metric is never worth a result
         log.warning("metrics for a parked result failed: %s", e)
-
-
-class Flusher:
-    """``flush`` with a Redis client of its own, for the main process's gate and reaper."""
-
-    def __init__(self, redis_url: str) -> None:
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=3)
-
-    def __call__(self, store: Any) -> int:
-        return flush(store, self.client)
-
-    def close(self) -> None:
-        self.client.close()
