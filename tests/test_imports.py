@@ -221,10 +221,11 @@ def test_a_pool_process_loads_no_metrics_server_and_moved_names_still_import():
     """worker.metrics (what pool processes record) loads neither the server nor the health
     checks; the names that moved out are still importable from it, on first use."""
     mods = loaded_after("import worker.metrics")
-    assert loaded_of(mods, ("worker.metrics_server", "worker.health")) == []
+    assert loaded_of(mods, ("worker.metrics.server", "worker.metrics.health")) == []
     loaded_after("""
         from worker.metrics import MetricsServer, connect_worker_signals, dependency_problems
-        from worker import health, metrics_server
+        from worker.metrics import health
+        from worker.metrics import server as metrics_server
         assert MetricsServer is metrics_server.MetricsServer
         assert connect_worker_signals is metrics_server.connect_worker_signals
         assert dependency_problems is health.dependency_problems

@@ -24,7 +24,7 @@ TASK_NAME = "studio.code.run_job"
 #: what ``revoke(terminate=True)`` sends to the pool process. Not SIGTERM: Celery may send it
 #: to a process that has already moved on to another job (it signals a pid, not a job), so
 #: the process must survive it and decide for itself; its handler only raises a flag that
-#: the running job checks against its OWN cancel flag (see worker.tasks).
+#: the running job checks against its OWN cancel flag (see worker.job.tasks).
 CANCEL_SIGNAL = signal.SIGUSR2
 CANCEL_SIGNAL_NAME = "SIGUSR2"
 
@@ -105,7 +105,7 @@ def workers_key(queue: str) -> str:
     "slots", "state" ("serving" | "paused"), "reason", "host", "pid", "store_id",
     "seen_at", "expires_at"}`` (times in Redis's clock, Unix seconds). A field whose
     ``expires_at`` has passed is a dead worker's (readers ignore and remove it); the whole
-    key expires when every worker of the queue is gone. See worker.heartbeat."""
+    key expires when every worker of the queue is gone. See worker.upkeep.heartbeat."""
     return f"{_PREFIX}:workers:{queue}"
 
 

@@ -15,7 +15,7 @@ The promise: a store outage shorter than STUDIO_QUEUE_PENDING_TTL_S (default 7 d
 no result, as long as Redis keeps its data (AOF, as deploy/compose.yaml runs it).
 
 This module is what a pool process does (park, look up, write one); the main process's flush
-of them all is worker.flusher.
+of them all is worker.upkeep.flusher.
 """
 
 from __future__ import annotations

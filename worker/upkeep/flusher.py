@@ -1,4 +1,4 @@
-"""The main process's side of parked results (see worker.pending): ``flush`` writes every
+"""The main process's side of parked results (see worker.job.pending): ``flush`` writes every
 result parked in Redis as soon as the run store answers again (called by the gate's probe and
 by the reaper before it fails jobs stuck ``running``).
 """
@@ -10,8 +10,8 @@ from typing import Any
 
 import redis
 
-from worker.gate import is_store_outage
-from worker.pending import PENDING_SET, write_one
+from worker.job.gate import is_store_outage
+from worker.job.pending import PENDING_SET, write_one
 
 log = logging.getLogger("studio_code.worker")
 

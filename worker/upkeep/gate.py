@@ -17,7 +17,7 @@ after a pool process reported a failure (``report``, through a page of shared me
 before the pool forks). Consumers are only touched from the consumer's own event loop
 (``GateStep``: a timer tick), never from the thread. ``pause_reason()`` is the plain callable
 the rest of the worker (health, heartbeats) reads. The pool processes' side (the shared
-page, ``report``, ``closed_in_child``) is worker.gate.
+page, ``report``, ``closed_in_child``) is worker.job.gate.
 """
 
 import logging
@@ -28,7 +28,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from worker.gate import KINDS, RUN_STORE, RUNTIME, last_report, set_closed
+from worker.job.gate import KINDS, RUN_STORE, RUNTIME, last_report, set_closed
 
 log = logging.getLogger("studio_code.worker")
 
@@ -250,7 +250,7 @@ class GateStep(bootsteps.StartStopStep):
 
     @staticmethod
     def _consumers(c: Any) -> list[Any]:
-        from worker.slots import CodeTestConsumer
+        from worker.glue.slots import CodeTestConsumer
 
         out = [c.task_consumer] if getattr(c, "task_consumer", None) is not None else []
         for step in getattr(c, "steps", []) or []:
@@ -296,7 +296,7 @@ class GateWatchStep(bootsteps.StartStopStep):
         settings = getattr(w.app, "studio_settings", None)
         if settings is None or self.watch is not None:
             return
-        from worker.flusher import Flusher
+        from worker.upkeep.flusher import Flusher
 
         self.flusher = Flusher(settings.redis_url)
         self.watch = GateWatch(settings, flush=self.flusher)

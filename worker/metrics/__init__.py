@@ -1,5 +1,5 @@
 """What a worker's processes record: the Prometheus metric objects and the hooks that fill
-them (one ``/metrics`` per worker host serves them: worker/metrics_server.py).
+them (one ``/metrics`` per worker host serves them: worker/metrics/server.py).
 
 Pool processes write their values to memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR``
 (prometheus-client's multiprocess mode); the worker's main process merges and serves them.
@@ -10,7 +10,7 @@ guard ``record_dead_letter``. No metric name starts with ``celery_``: that names
 to celery-exporter, which an operator may run beside this.
 
 Moved out (still importable from here): the server, readiness probes and multiprocess
-bookkeeping to ``worker.metrics_server``, the health checks to ``worker.health``; the
+bookkeeping to ``worker.metrics.server``, the health checks to ``worker.metrics.health``; the
 STUDIO_METRICS_* variables are fields of the one ``Settings``.
 """
 
@@ -287,7 +287,7 @@ def record_pool(stats: dict[str, Any] | None) -> None:
                 _pool_seen[(language, name)] = total
 
 
-# --- faults: dead letters and the gate (worker.poison, worker.gate) ------------------------
+# --- faults: dead letters and the gate (worker.glue.poison, worker.job.gate) ---------------
 
 
 @cache
@@ -308,17 +308,17 @@ def record_dead_letter(queue: str, reason: str) -> None:
 #: names that moved to the main process's module or the shared health checks, still
 #: importable from here (loaded on first use: a pool process never imports the server)
 _MOVED = {
-    "MULTIPROC_ENV": "worker.metrics_server",
-    "MetricsServer": "worker.metrics_server",
-    "ReadinessCollector": "worker.metrics_server",
-    "connect_worker_signals": "worker.metrics_server",
-    "multiprocess_dir": "worker.metrics_server",
-    "process_dead": "worker.metrics_server",
-    "reset_multiprocess_dir": "worker.metrics_server",
-    "start_metrics_server": "worker.metrics_server",
-    "stop_metrics_server": "worker.metrics_server",
-    "dependency_problems": "worker.health",
-    "gate_checks": "worker.health",
+    "MULTIPROC_ENV": "worker.metrics.server",
+    "MetricsServer": "worker.metrics.server",
+    "ReadinessCollector": "worker.metrics.server",
+    "connect_worker_signals": "worker.metrics.server",
+    "multiprocess_dir": "worker.metrics.server",
+    "process_dead": "worker.metrics.server",
+    "reset_multiprocess_dir": "worker.metrics.server",
+    "start_metrics_server": "worker.metrics.server",
+    "stop_metrics_server": "worker.metrics.server",
+    "dependency_problems": "worker.metrics.health",
+    "gate_checks": "worker.metrics.health",
 }
 
 

@@ -32,10 +32,12 @@ from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import gate, metrics, pending, poison, unrunnable
-from worker.cancel import CancelWatch
-from worker.live_logs import publishing
-from worker.outcomes import NodeFailed, report_outcome
+from worker import metrics
+from worker.glue import poison
+from worker.glue.outcomes import NodeFailed, report_outcome
+from worker.job import gate, pending, unrunnable
+from worker.job.cancel import CancelWatch
+from worker.job.live_logs import publishing
 from worker.protocol import (
     CANCEL_SIGNAL,
     DONE_TTL_S,

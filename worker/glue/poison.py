@@ -7,7 +7,7 @@ Where an item can go bad, and who catches it:
   message): kombu's Redis channel would raise in the worker's event loop and stop the worker.
   ``Transport`` (the worker's broker transport) checks each item it pops first;
 * a message whose body cannot be decoded, of an unknown task, or invalid for Celery:
-  ``StudioConsumer`` (worker.slots) sends it here instead of Celery's log-and-drop;
+  ``StudioConsumer`` (worker.glue.slots) sends it here instead of Celery's log-and-drop;
 * a message of our task with arguments that are not one job id: the task itself.
 
 The dead-letter list of queue Q is ``studio:dead:Q`` (e.g. ``studio:dead:code.run``): each
@@ -166,7 +166,7 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
-TRANSPORT = "worker.poison:Transport"
+TRANSPORT = "worker.glue.poison:Transport"
 
 
 # --- consumer-level hooks (StudioConsumer) ----------------------------------------------------

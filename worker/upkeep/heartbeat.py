@@ -298,9 +298,9 @@ class Heartbeat:
 
 def queue_slots(app: Any, worker: Any) -> dict[str, int]:
     """The slots this worker gives each queue it consumes: with test slots kept
-    (worker.slots), code.test gets those and code.run the rest of the pool; otherwise one
+    (worker.glue.slots), code.test gets those and code.run the rest of the pool; otherwise one
     consumer shares the whole pool between the queues."""
-    from worker.slots import consumed_queues
+    from worker.glue.slots import consumed_queues
 
     queues = consumed_queues(app)
     concurrency = int(getattr(worker, "concurrency", 0) or 0) or 1

@@ -51,13 +51,13 @@ def make_app(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         worker_concurrency=settings.code_concurrency,
         worker_pool="prefork",
-        worker_consumer="worker.slots:StudioConsumer",
+        worker_consumer="worker.glue.slots:StudioConsumer",
         broker_transport_options={
             # See visibility_timeout_s: longer than the longest wait inside a worker +
             # STUDIO_CODE_MAX_SECONDS + the kill grace, or a running job is handed out twice.
             "visibility_timeout": visibility_timeout_s(settings),
             # A worker that consumes both queues through ONE consumer (no test slots, see
-            # worker.slots) reads code.test before code.run instead of round robin.
+            # worker.glue.slots) reads code.test before code.run instead of round robin.
             "queue_order_strategy": "priority",
             # Messages of a dead worker come back within one sweep of the visibility timeout
             # (kombu's default sweeps every 100 s).
@@ -89,7 +89,10 @@ def worker_app(settings: Settings) -> Celery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker import gate_watch, heartbeat, janitor, outcomes, poison, slots, tasks
+    from worker.glue import outcomes, poison, slots
+    from worker.job import tasks
+    from worker.upkeep import gate as gate_watch
+    from worker.upkeep import heartbeat, janitor
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -103,7 +106,7 @@ def worker_app(settings: Settings) -> Celery:
         )
 
     tasks.register(app)
-    # Items that are not kombu messages are set aside, not fatal (worker.poison).
+    # Items that are not kombu messages are set aside, not fatal (worker.glue.poison).
     app.conf.broker_transport = poison.TRANSPORT
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
@@ -122,7 +125,7 @@ def worker_app(settings: Settings) -> Celery:
 
 def _connect_metrics(settings: Settings) -> None:
     try:
-        from worker import metrics_server
+        from worker.metrics import server as metrics_server
     except ImportError as e:  # prometheus-client missing: a worker still runs jobs
         log.warning("worker metrics are off: %s", e)
         return

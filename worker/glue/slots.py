@@ -29,7 +29,7 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.worker.consumer import Consumer
 
-from worker import poison
+from worker.glue import poison
 from worker.protocol import QUEUE_TEST
 
 log = logging.getLogger("studio_code.worker")
@@ -91,7 +91,7 @@ class StudioConsumer(Consumer):
             reserved = self.studio_test_slots * self.prefetch_multiplier
             self.initial_prefetch_count = max(self.prefetch_multiplier, initial - reserved)
 
-    # Poison messages: set aside in studio:dead:<queue> (worker.poison), never just dropped.
+    # Poison messages: set aside in studio:dead:<queue> (worker.glue.poison), never just dropped.
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         poison.on_bad_message(message, f"undecodable body: {type(exc).__name__}: {exc}")

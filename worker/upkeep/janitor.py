@@ -33,10 +33,10 @@ from executor.runtimes.constants import KILL_GRACE_S
 from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
-from worker.outcomes import cancel_on_terminate
+from worker.glue.outcomes import cancel_on_terminate
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
-from worker.queued import QueuedSweep
-from worker.retention import apply_retention
+from worker.upkeep.queued import QueuedSweep
+from worker.upkeep.retention import apply_retention
 
 log = logging.getLogger("studio_code.worker")
 
@@ -107,7 +107,7 @@ class Janitor:
         return out
 
     def _flush_parked(self) -> None:
-        from worker.flusher import Flusher
+        from worker.upkeep.flusher import Flusher
 
         flusher = Flusher(self.settings.redis_url)
         try:
@@ -173,7 +173,7 @@ class Janitor:
 def guard_terminate(pool: Any, store: RunStore | None = None) -> None:
     """Send the cancel signal without billiard's "terminated" bookkeeping (see above); with
     ``store``, any other terminate of a process running a job is carried out as a cancel
-    (worker.outcomes.cancel_on_terminate)."""
+    (worker.glue.outcomes.cancel_on_terminate)."""
     original = pool.terminate_job
 
     def terminate_job(pid: int, signal: Any = None) -> Any:
