@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from executor.store import JobRecord, RunSummary
-from worker.job.live_logs import logs_key
+from worker.protocol import logs_key
 
 BLOCK_MS = 500
 MARK = "\n[logs truncated:"

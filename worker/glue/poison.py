@@ -28,16 +28,12 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
+from worker.protocol import dead_key
+
 log = logging.getLogger("studio_code.worker")
 
-DEAD_PREFIX = "studio:dead:"
 DEAD_MAX = 10_000
 ITEM_MAX_CHARS = 64 * 1024
-
-
-def dead_key(queue: str) -> str:
-    """The dead-letter list of ``queue``."""
-    return f"{DEAD_PREFIX}{queue}"
 
 
 def _text(item: Any) -> str:

@@ -27,15 +27,9 @@ from typing import Any
 import redis
 
 from executor.models import CodeResult
-from worker.protocol import DONE_TTL_S, done_key
+from worker.protocol import DONE_TTL_S, PENDING_SET, done_key, pending_key
 
 log = logging.getLogger("studio_code.worker")
-
-PENDING_SET = "studio:pending"
-
-
-def pending_key(job_id: str) -> str:
-    return f"studio:pending:{job_id}"
 
 
 def park(client: redis.Redis, result: CodeResult, worker: str, ttl_s: int) -> None:

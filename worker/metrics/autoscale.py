@@ -25,21 +25,12 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from worker.protocol import QUEUE_RUN, QUEUE_TEST, QUEUES
+from worker.protocol import KOMBU_PRIORITY_STEPS, QUEUE_RUN, QUEUE_TEST, QUEUES, queue_lists
 
 log = logging.getLogger("studio_code.metrics")
 
 PREFIX = "studio_code"
-#: kombu's Redis transport keeps a queue's messages in a list named after the queue, one
-#: more list per priority step (queue + "\\x06\\x16" + step) when priorities are used.
-PRIORITY_SEP = "\x06\x16"
-PRIORITY_STEPS = (3, 6, 9)
 KIND_OF = {QUEUE_RUN: "run", QUEUE_TEST: "test"}
-
-
-def queue_keys(queue: str) -> list[str]:
-    """The Redis lists holding ``queue``'s waiting messages."""
-    return [queue, *(f"{queue}{PRIORITY_SEP}{p}" for p in PRIORITY_STEPS)]
 
 
 class QueueCollector(Collector):
@@ -75,10 +66,10 @@ class QueueCollector(Collector):
         try:
             pipe = self.redis.pipeline(transaction=False)
             for queue in QUEUES:
-                for key in queue_keys(queue):
+                for key in queue_lists(queue):
                     pipe.llen(key)
             lengths = pipe.execute()
-            n = len(PRIORITY_STEPS) + 1
+            n = len(KOMBU_PRIORITY_STEPS)
             for i, queue in enumerate(QUEUES):
                 backlog.add_metric([queue], float(sum(lengths[i * n : (i + 1) * n])))
         except Exception as e:  # noqa: BLE001 - a scrape never fails for a dependency

@@ -11,7 +11,8 @@ from typing import Any
 import redis
 
 from worker.job.gate import is_store_outage
-from worker.job.pending import PENDING_SET, write_one
+from worker.job.pending import write_one
+from worker.protocol import PENDING_SET
 
 log = logging.getLogger("studio_code.worker")
 

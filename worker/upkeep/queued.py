@@ -30,6 +30,7 @@ import redis
 from executor.settings import Settings
 from executor.store import RunStore
 from worker.protocol import (
+    KOMBU_UNACKED,
     QUEUE_TEST,
     QUEUES,
     SWEEP_LOCK_KEY,
@@ -37,22 +38,14 @@ from worker.protocol import (
     job_headers,
     max_wait_s,
     never_taken_message,
+    queue_lists,
     queue_of,
 )
 
 log = logging.getLogger("studio_code.worker")
 
-#: kombu's Redis transport: the list of each queue and priority, and the hash of messages
-#: delivered to a consumer and not yet acknowledged (transport options left at defaults)
-KOMBU_PRIORITY_SEP = "\x06\x16"
-KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
-KOMBU_UNACKED = "unacked"
 MAX_SCAN = 20_000
 CONFIRM_AFTER_S = 1.0
-
-
-def queue_lists(queue: str) -> list[str]:
-    return [queue if p == 0 else f"{queue}{KOMBU_PRIORITY_SEP}{p}" for p in KOMBU_PRIORITY_STEPS]
 
 
 def _message_id(raw: Any) -> str | None:
