@@ -2,14 +2,16 @@
 
 Queue names, the task name, EVERY ``studio:*`` Redis key (no other module spells one),
 kombu's Redis key layout (the lists a queue's messages wait in, the hash of the ones a worker
-holds), the signal a cancel sends and the timing rules
+holds), the one writer of a job's done notice, the signal a cancel sends and the timing rules
 derived from Settings. Both sides import THIS module, so they cannot drift apart; it imports
-nothing heavy (no Docker, no SQL, no Redis client).
+nothing heavy (no Docker, no SQL, no Redis client: the writers take one).
 """
 
 from __future__ import annotations
 
+import json
 import signal
+from typing import Any
 
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.settings import Settings
@@ -53,6 +55,16 @@ def rate_key(user: str) -> str:
 
 
 DONE_TTL_S = 600
+
+
+def announce_done(client: Any, job_id: str) -> None:
+    """THE done notice (every writer uses this one): wake ``CodeClient.wait`` with one item
+    per time the task body ended for the job (or a parked result was written). One round
+    trip, no MULTI/EXEC: the TTL only bounds a forgotten list. Raises redis.RedisError."""
+    pipe = client.pipeline(transaction=False)
+    pipe.rpush(done_key(job_id), "1")
+    pipe.expire(done_key(job_id), DONE_TTL_S)
+    pipe.execute()
 
 
 def visibility_timeout_s(settings: Settings) -> float:
@@ -121,6 +133,11 @@ def notice_key(job_id: str) -> str:
     (its run store has no such job: API and worker on different stores). The API's
     ``status``/``wait`` read it and end the job with that error in ITS store."""
     return f"{_PREFIX}:notice:{job_id}"
+
+
+def leave_notice(client: Any, job_id: str, code: str, message: str) -> None:
+    """Leave the notice of ``notice_key`` (kept DONE_TTL_S). Raises redis.RedisError."""
+    client.set(notice_key(job_id), json.dumps({"code": code, "message": message}), ex=DONE_TTL_S)
 
 
 #: a lock one worker holds while it sweeps the queued jobs (one sweep per interval for all)

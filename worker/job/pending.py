@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from executor.models import CodeResult
-from worker.protocol import DONE_TTL_S, PENDING_SET, done_key, pending_key
+from worker.protocol import PENDING_SET, announce_done, pending_key
 
 log = logging.getLogger("studio_code.worker")
 
@@ -57,14 +57,6 @@ def forget(client: redis.Redis, job_id: str) -> None:
     pipe.execute()
 
 
-def announce(client: redis.Redis, job_id: str) -> None:
-    """Wake ``CodeClient.wait`` (the done list, as the task does)."""
-    pipe = client.pipeline()
-    pipe.rpush(done_key(job_id), "1")
-    pipe.expire(done_key(job_id), DONE_TTL_S)
-    pipe.execute()
-
-
 def write_one(store: Any, client: redis.Redis, job_id: str) -> bool | None:
     """Write the parked result of ``job_id``: True when this call wrote it, False when the
     job had already ended, None when nothing is parked. Raises when the store is down."""
@@ -75,7 +67,7 @@ def write_one(store: Any, client: redis.Redis, job_id: str) -> bool | None:
     wrote = bool(store.finish(result, worker=worker))
     forget(client, job_id)
     if wrote:  # the one writer that won announces the end (two flushers may race)
-        announce(client, job_id)
+        announce_done(client, job_id)
         log.warning(
             "job %s: wrote its result (%s), kept in Redis while the run store was down",
             job_id,

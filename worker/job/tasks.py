@@ -40,11 +40,10 @@ from worker.job.cancel import CancelWatch
 from worker.job.live_logs import publishing
 from worker.protocol import (
     CANCEL_SIGNAL,
-    DONE_TTL_S,
     MAX_ATTEMPTS,
     QUEUE_RUN,
     TASK_NAME,
-    done_key,
+    announce_done,
 )
 
 log = logging.getLogger("studio_code.worker")
@@ -91,11 +90,7 @@ class ProcessState:
     def notify_done(self, job_id: str) -> None:
         """Wake ``CodeClient.wait``: one item per time the task body ended for the job."""
         try:
-            # one round trip, no MULTI/EXEC: the TTL only bounds a forgotten list
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.rpush(done_key(job_id), "1")
-            pipe.expire(done_key(job_id), DONE_TTL_S)
-            pipe.execute()
+            announce_done(self.redis, job_id)
         except redis.RedisError as e:
             log.warning(
                 "could not announce the end of job %s (waiters poll the store): %s", job_id, e
