@@ -12,11 +12,11 @@ import logging
 import threading
 from typing import Any
 
-from celery import Celery
 from kombu import Exchange, Queue
 
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.settings import Settings, load_settings
+from worker.context import StudioCelery
 from worker.protocol import (
     QUEUE_RUN,
     QUEUE_TEST,
@@ -27,9 +27,9 @@ from worker.protocol import (
 log = logging.getLogger("studio_code.worker")
 
 
-def make_app(settings: Settings) -> Celery:
+def make_app(settings: Settings) -> StudioCelery:
     """A Celery app configured for ``settings``: enough to send jobs and cancels."""
-    app = Celery("studio_code", set_as_current=False)
+    app = StudioCelery(settings, "studio_code", set_as_current=False)
     app.conf.update(
         broker_url=settings.redis_url,
         # Celery's result backend carries no data: the run store is the result. Every send
@@ -81,11 +81,10 @@ def make_app(settings: Settings) -> Celery:
         worker_send_task_events=False,
         task_send_sent_event=False,
     )
-    app.studio_settings = settings  # type: ignore[attr-defined]
     return app
 
 
-def worker_app(settings: Settings) -> Celery:
+def worker_app(settings: Settings) -> StudioCelery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
@@ -115,7 +114,7 @@ def worker_app(settings: Settings) -> Celery:
     app.steps["worker"].add(janitor.JanitorStep)
     # Announces the worker per queue, "paused" with the gate's reason while the gate is
     # closed (its store or runtime is down), so the API refuses what no worker would take.
-    app.studio_not_serving_reason = gate_watch.pause_reason  # type: ignore[attr-defined]
+    app.context.not_serving_reason = gate_watch.pause_reason
     app.steps["consumer"].add(heartbeat.HeartbeatStep)
     tasks.connect_process_signals()
     outcomes.register_inspect_commands()
@@ -132,11 +131,11 @@ def _connect_metrics(settings: Settings) -> None:
     metrics_server.connect_worker_signals(lambda: settings)
 
 
-_default: Celery | None = None
+_default: StudioCelery | None = None
 _default_lock = threading.Lock()
 
 
-def default_app() -> Celery:
+def default_app() -> StudioCelery:
     """The worker app of this process, from the environment (``celery -A worker``)."""
     global _default
     with _default_lock:

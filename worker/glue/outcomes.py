@@ -28,6 +28,7 @@ from celery.exceptions import Ignore
 
 from executor.models import Status
 from executor.store import Ended, RunStore, RunSummary
+from worker.context import context_of
 from worker.protocol import CANCEL_SIGNAL, QUEUE_TEST, TASK_NAME
 
 log = logging.getLogger("studio_code.worker")
@@ -96,9 +97,7 @@ def active_queues(state: Any) -> list[dict[str, Any]]:
     queues: list[dict[str, Any]] = []
     if consumer.task_consumer:
         queues = [dict(q.as_dict(recurse=True)) for q in consumer.task_consumer.queues]
-    if int(getattr(consumer.controller, "studio_test_slots", 0) or 0) and not any(
-        q.get("name") == QUEUE_TEST for q in queues
-    ):
+    if context_of(consumer.app).test_slots and not any(q.get("name") == QUEUE_TEST for q in queues):
         queues.append(dict(consumer.app.amqp.queues[QUEUE_TEST].as_dict(recurse=True)))
     return queues
 

@@ -33,6 +33,7 @@ from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
 from worker import metrics
+from worker.context import studio_app
 from worker.glue import poison
 from worker.glue.outcomes import NodeFailed, report_outcome
 from worker.job import gate, pending, unrunnable
@@ -121,8 +122,13 @@ def process_state(app: Celery) -> ProcessState:
     global _state
     with _state_lock:
         if _state is None or _state.pid != os.getpid():
-            settings: Settings = app.studio_settings  # type: ignore[attr-defined]
-            _state = ProcessState(settings)
+            ours = studio_app(app)
+            if ours is None:
+                raise RuntimeError(
+                    f"the task runs under {app!r}, not the studio's app: start workers with "
+                    "`studio-code worker` or `celery -A worker worker`"
+                )
+            _state = ProcessState(ours.settings)
             try:
                 signal.signal(CANCEL_SIGNAL, _state.on_cancel_signal)
             except ValueError:  # not the main thread (threads pool): polling still works
@@ -131,8 +137,8 @@ def process_state(app: Celery) -> ProcessState:
 
 
 def _on_process_init(**_: Any) -> None:
-    app = current_app._get_current_object()
-    if getattr(app, "studio_settings", None) is None:
+    app = studio_app(current_app._get_current_object())
+    if app is None:
         return
     state = process_state(app)
     try:

@@ -25,6 +25,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from worker.context import context_of
 from worker.protocol import KOMBU_PRIORITY_STEPS, QUEUE_RUN, QUEUE_TEST, QUEUES, queue_lists
 
 log = logging.getLogger("studio_code.metrics")
@@ -108,7 +109,7 @@ class SlotsCollector(Collector):
 
         controller = consumer.controller
         concurrency = int(controller.concurrency or 0)
-        test_slots = int(getattr(controller, "studio_test_slots", 0) or 0)
+        test_slots = context_of(consumer.app).test_slots
         queues = consumer.app.amqp.queues
         names = [q for q in QUEUES if q in set(queues.consume_from or queues)]
         busy_by_queue = {q: 0 for q in QUEUES}

@@ -28,6 +28,7 @@ from typing import Any
 
 from celery import bootsteps
 
+from worker.context import studio_app
 from worker.job.gate import KINDS, RUN_STORE, RUNTIME, last_report, set_closed
 
 log = logging.getLogger("studio_code.worker")
@@ -293,9 +294,10 @@ class GateWatchStep(bootsteps.StartStopStep):
         return None
 
     def start(self, w: Any) -> None:
-        settings = getattr(w.app, "studio_settings", None)
-        if settings is None or self.watch is not None:
+        app = studio_app(w.app)
+        if app is None or self.watch is not None:
             return
+        settings = app.settings
         from worker.upkeep.flusher import Flusher
 
         self.flusher = Flusher(settings.redis_url)

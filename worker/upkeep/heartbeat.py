@@ -27,7 +27,7 @@ from typing import Any
 import redis
 from celery import bootsteps
 
-from executor.settings import Settings
+from worker.context import context_of, studio_app
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, heartbeat_ttl_s, workers_key
 
 log = logging.getLogger("studio_code.worker")
@@ -304,7 +304,7 @@ def queue_slots(app: Any, worker: Any) -> dict[str, int]:
 
     queues = consumed_queues(app)
     concurrency = int(getattr(worker, "concurrency", 0) or 0) or 1
-    test_slots = int(getattr(worker, "studio_test_slots", 0) or 0)
+    test_slots = context_of(app).test_slots
     out = {}
     for queue in sorted(queues):
         if test_slots and queue == QUEUE_TEST:
@@ -320,8 +320,8 @@ class HeartbeatStep(bootsteps.StartStopStep):
     """Consumer step: announces the worker once its task consumer exists (and again after a
     broker reconnect), withdraws it when the consumer stops (warm shutdown included).
 
-    ``app.studio_not_serving_reason`` (a ``Callable[[], str | None]``), when set, says why
-    the worker should not count as serving (e.g. its runtime is unavailable)."""
+    The app's ``context.not_serving_reason`` says why the worker should not count as
+    serving (e.g. its runtime is unavailable)."""
 
     label = "studio heartbeat"
     requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -331,23 +331,23 @@ class HeartbeatStep(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
 
     def start(self, c: Any) -> None:
-        settings: Settings | None = getattr(c.app, "studio_settings", None)
-        if settings is None or self.heartbeat is not None:
+        app = studio_app(c.app)
+        if app is None or self.heartbeat is not None:
             return
+        settings, context = app.settings, app.context
         from executor.store.sql import describe_url
 
-        reason = getattr(c.app, "studio_not_serving_reason", None) or _never
         self.heartbeat = Heartbeat(
             settings.redis_url,
             c.hostname,
             queue_slots(c.app, c.controller),
             interval_s=settings.queue_heartbeat_interval_s,
             ttl_s=heartbeat_ttl_s(settings),
-            not_serving_reason=reason,
+            not_serving_reason=context.not_serving_reason,
             store=describe_url(settings.sqlalchemy_url),
             # read by the janitor when it opened the store (no second connection here, and
             # nothing that could hang the beat while the store is down)
-            store_id=lambda: str(getattr(c.controller, "studio_store_id", "") or ""),
+            store_id=lambda: context.store_id,
         )
         self.heartbeat.start()
 

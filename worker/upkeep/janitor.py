@@ -33,6 +33,7 @@ from executor.runtimes.constants import KILL_GRACE_S
 from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
+from worker.context import studio_app
 from worker.glue.outcomes import cancel_on_terminate
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
 from worker.upkeep.queued import QueuedSweep
@@ -209,11 +210,11 @@ class JanitorStep(bootsteps.StartStopStep):
         return None
 
     def start(self, w: Any) -> None:
-        settings = getattr(w.app, "studio_settings", None)
-        if settings is None:
+        app = studio_app(w.app)
+        if app is None:
             return
-        self.janitor = Janitor(settings, w.hostname, w.app)
-        w.studio_store_id = self.janitor.store.store_id  # announced by the heartbeat
+        self.janitor = Janitor(app.settings, w.hostname, app)
+        app.context.store_id = self.janitor.store.store_id  # announced by the heartbeat
         if w.pool is not None and hasattr(w.pool, "terminate_job"):
             guard_terminate(w.pool, self.janitor.store)
         signals.task_revoked.connect(self.janitor.on_revoked, weak=False)
