@@ -9,9 +9,10 @@ cancelled while queued; the pool's observer calls ``record_pool``, the poison-me
 guard ``record_dead_letter``. No metric name starts with ``celery_``: that namespace belongs
 to celery-exporter, which an operator may run beside this.
 
-Moved out (still importable from here): the server, readiness probes and multiprocess
-bookkeeping to ``worker.metrics.server``, the health checks to ``worker.metrics.health``; the
-STUDIO_METRICS_* variables are fields of the one ``Settings``.
+Beside it: the server, readiness probes and multiprocess bookkeeping (``worker.metrics.server``,
+main process only), the health checks (``worker.metrics.health``) and the autoscaling signals
+(``worker.metrics.autoscale``); the STUDIO_METRICS_* variables are fields of the one
+``Settings``.
 """
 
 from __future__ import annotations
@@ -303,28 +304,3 @@ def _dead_letters() -> Counter:
 def record_dead_letter(queue: str, reason: str) -> None:
     """One poison item set aside (``reason``: a short label such as 'undecodable')."""
     _dead_letters().labels(queue, reason).inc()
-
-
-#: names that moved to the main process's module or the shared health checks, still
-#: importable from here (loaded on first use: a pool process never imports the server)
-_MOVED = {
-    "MULTIPROC_ENV": "worker.metrics.server",
-    "MetricsServer": "worker.metrics.server",
-    "ReadinessCollector": "worker.metrics.server",
-    "connect_worker_signals": "worker.metrics.server",
-    "multiprocess_dir": "worker.metrics.server",
-    "process_dead": "worker.metrics.server",
-    "reset_multiprocess_dir": "worker.metrics.server",
-    "start_metrics_server": "worker.metrics.server",
-    "stop_metrics_server": "worker.metrics.server",
-    "dependency_problems": "worker.metrics.health",
-    "gate_checks": "worker.metrics.health",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
