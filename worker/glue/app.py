@@ -91,7 +91,7 @@ def worker_app(settings: Settings) -> StudioCelery:
     from worker.glue import outcomes, poison, slots
     from worker.job import tasks
     from worker.upkeep import gate as gate_watch
-    from worker.upkeep import heartbeat, janitor
+    from worker.upkeep import heartbeat, owner
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -110,8 +110,9 @@ def worker_app(settings: Settings) -> StudioCelery:
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
     app.steps["consumer"].add(gate_watch.GateStep)
-    app.steps["worker"].add(gate_watch.GateWatchStep)
-    app.steps["worker"].add(janitor.JanitorStep)
+    # The main process's loops, store, Redis client and runtime: the gate's probe, the
+    # janitor (reaper, revoke backstop, queued sweep, retention), the parked-result flush.
+    app.steps["worker"].add(owner.UpkeepStep)
     # Announces the worker per queue, "paused" with the gate's reason while the gate is
     # closed (its store or runtime is down), so the API refuses what no worker would take.
     app.context.not_serving_reason = gate_watch.pause_reason

@@ -48,13 +48,11 @@ def flush(store: Any, client: redis.Redis) -> int:
 
 
 class Flusher:
-    """``flush`` with a Redis client of its own, for the main process's gate and reaper."""
+    """``flush`` on one Redis client: the main process has ONE (worker.upkeep.owner), which
+    the gate's probe and the reaper both call."""
 
-    def __init__(self, redis_url: str) -> None:
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=3)
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
 
     def __call__(self, store: Any) -> int:
         return flush(store, self.client)
-
-    def close(self) -> None:
-        self.client.close()

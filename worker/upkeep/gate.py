@@ -28,7 +28,6 @@ from typing import Any
 
 from celery import bootsteps
 
-from worker.context import studio_app
 from worker.job.gate import KINDS, RUN_STORE, RUNTIME, last_report, set_closed
 
 log = logging.getLogger("studio_code.worker")
@@ -151,15 +150,25 @@ class GateWatch:
     """The main process's probing thread: closes and opens the gate, and writes the results
     that pool processes parked while the store was down (``flusher.flush``)."""
 
-    def __init__(self, settings: Any, *, flush: Callable[[Any], int] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Any,
+        *,
+        flush: Callable[[Any], int] | None = None,
+        store: Any = None,
+        executor: Any = None,
+    ) -> None:
+        """``store`` and ``executor``: the main process's (worker.upkeep.owner); without them
+        the watch opens its own store (on its first probe) and builds its own executor."""
         from executor.service import Executor
         from executor.store import open_store
 
         self.settings = settings
         self.interval_s = float(getattr(settings, "queue_probe_interval_s", 5.0))
         self._open_store = lambda: open_store(settings.sqlalchemy_url)
-        self._store: Any = None
-        self.executor = Executor(settings)
+        self._store: Any = store
+        self._owns_store = store is None
+        self.executor = executor if executor is not None else Executor(settings)
         self.flush = flush
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -174,7 +183,7 @@ class GateWatch:
         if self._thread is not None:
             self._thread.join(timeout=15)
             self._thread = None
-        if self._store is not None:
+        if self._store is not None and self._owns_store:
             self._store.close()
             self._store = None
 
@@ -278,43 +287,3 @@ class GateStep(bootsteps.StartStopStep):
                 log.warning("consumers resumed")
         except Exception:  # noqa: BLE001 - e.g. a broker blip: the next tick tries again
             log.exception("could not apply the gate to the consumers")
-
-
-class GateWatchStep(bootsteps.StartStopStep):
-    """Worker step: runs ``GateWatch`` in the main process (with the parked-result flush)."""
-
-    label = "studio gate watch"
-
-    def __init__(self, w: Any, **kwargs: Any) -> None:
-        self.watch: GateWatch | None = None
-        self.flusher: Any = None
-        super().__init__(w, **kwargs)
-
-    def create(self, w: Any) -> None:
-        return None
-
-    def start(self, w: Any) -> None:
-        app = studio_app(w.app)
-        if app is None or self.watch is not None:
-            return
-        settings = app.settings
-        from worker.upkeep.flusher import Flusher
-
-        self.flusher = Flusher(settings.redis_url)
-        self.watch = GateWatch(settings, flush=self.flusher)
-        try:
-            self.watch.probe_once()  # a worker that starts with its store down waits
-        except Exception:  # noqa: BLE001
-            log.exception("first gate probe failed")
-        self.watch.start()
-
-    def stop(self, w: Any) -> None:
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
-        if self.flusher is not None:
-            self.flusher.close()
-            self.flusher = None
-
-    def shutdown(self, w: Any) -> None:
-        self.stop(w)

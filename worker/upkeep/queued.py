@@ -90,17 +90,22 @@ def broker_job_ids(client: redis.Redis) -> set[str] | None:
 class QueuedSweep:
     """One worker's part in sweeping queued jobs; ``run`` is called by its janitor."""
 
-    def __init__(self, settings: Settings, store: RunStore, app: Any, nodename: str) -> None:
+    def __init__(
+        self, settings: Settings, store: RunStore, app: Any, nodename: str, *, client: Any = None
+    ) -> None:
+        """``client``: the main process's Redis client (worker.upkeep.owner), else its own."""
         self.settings = settings
         self.store = store
         self.app = app
         self.nodename = nodename
-        self.redis = redis.Redis.from_url(
+        self._owns_client = client is None
+        self.redis: redis.Redis = client or redis.Redis.from_url(
             settings.redis_url, socket_timeout=10, socket_connect_timeout=5
         )
 
     def close(self) -> None:
-        self.redis.close()
+        if self._owns_client:
+            self.redis.close()
 
     def _lock(self) -> bool:
         ttl_ms = max(500, int(self.settings.queue_reap_interval_s * 900))
