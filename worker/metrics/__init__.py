@@ -304,3 +304,18 @@ def _dead_letters() -> Counter:
 def record_dead_letter(queue: str, reason: str) -> None:
     """One poison item set aside (``reason``: a short label such as 'undecodable')."""
     _dead_letters().labels(queue, reason).inc()
+
+
+@cache
+def _loop_restarts() -> Counter:
+    return Counter(
+        f"{PREFIX}_worker_loop_restarts",
+        "Times a loop of the worker's main process (gate, janitor, heartbeat) raised out of "
+        "its body and was restarted (worker.upkeep.loop).",
+        ["loop"],
+    )
+
+
+def record_loop_restart(loop: str) -> None:
+    """One main-process loop restarted after it raised."""
+    _loop_restarts().labels(loop).inc()

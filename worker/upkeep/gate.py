@@ -29,6 +29,7 @@ from typing import Any
 from celery import bootsteps
 
 from worker.job.gate import KINDS, RUN_STORE, RUNTIME, last_report, set_closed
+from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
 
@@ -36,6 +37,8 @@ log = logging.getLogger("studio_code.worker")
 FAST_PROBE_S = 1.0
 #: how often the event loop applies the gate to the consumers
 APPLY_EVERY_S = 0.25
+
+
 # --- the gate (main process) ----------------------------------------------------------------
 
 
@@ -170,24 +173,21 @@ class GateWatch:
         self._owns_store = store is None
         self.executor = executor if executor is not None else Executor(settings)
         self.flush = flush
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # its thread: restarted when the loop raises (worker.upkeep.loop)
+        self._runner = Supervised("gate", self._loop)
+        self._stop = self._runner.stopping
         self._seen = {k: last_report(k) for k in KINDS}
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="studio-gate", daemon=True)
-        self._thread.start()
+        self._runner.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=15)
-            self._thread = None
+        self._runner.stop(15)
         if self._store is not None and self._owns_store:
             self._store.close()
             self._store = None
 
-    def _loop(self) -> None:
+    def _loop(self, stop: threading.Event) -> None:
         next_probe = 0.0
         while not self._stop.is_set():
             now = time.monotonic()

@@ -29,6 +29,7 @@ from celery import bootsteps
 
 from worker.context import context_of, studio_app
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, heartbeat_ttl_s, workers_key
+from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
 
@@ -204,8 +205,9 @@ class Heartbeat:
         self._store_id = store_id
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
         self._beat = self.redis.register_script(_BEAT_LUA)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # its thread: restarted when the loop raises (worker.upkeep.loop)
+        self._runner = Supervised("heartbeat", self._loop)
+        self._stop = self._runner.stopping
         self.state: str | None = None
         self._failing = False
 
@@ -263,10 +265,9 @@ class Heartbeat:
             self.beat()
         except redis.RedisError as e:
             log.warning("heartbeat: could not announce %s yet: %s", self.nodename, e)
-        self._thread = threading.Thread(target=self._loop, name="studio-heartbeat", daemon=True)
-        self._thread.start()
+        self._runner.start()
 
-    def _loop(self) -> None:
+    def _loop(self, stop: threading.Event) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.beat()
@@ -280,10 +281,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         """Stop beating and remove the announcements (the worker no longer counts)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._runner.stop(10)
         try:
             pipe = self.redis.pipeline()
             for queue in self.slots:

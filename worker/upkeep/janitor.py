@@ -38,6 +38,7 @@ from executor.store import RunStore, open_store
 from worker.glue.outcomes import cancel_on_terminate
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
 from worker.upkeep.flusher import Flusher
+from worker.upkeep.loop import Supervised
 from worker.upkeep.queued import QueuedSweep
 from worker.upkeep.retention import apply_retention
 
@@ -82,26 +83,23 @@ class Janitor:
             if app is not None
             else None
         )
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # its thread: restarted when the loop raises (worker.upkeep.loop)
+        self._runner = Supervised("reaper", self._loop)
+        self._stop = self._runner.stopping
 
     # --- reaper ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="studio-reaper", daemon=True)
-        self._thread.start()
+        self._runner.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        self._runner.stop(30)
         if self._own_redis is not None:
             self._own_redis.close()
         if self._owns_store:
             self.store.close()
 
-    def _loop(self) -> None:
+    def _loop(self, stop: threading.Event) -> None:
         while not self._stop.is_set():
             try:
                 self.sweep()
