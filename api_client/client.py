@@ -46,8 +46,7 @@ from executor.store import (
     encode_cursor,
 )
 from executor.store.guard import guard, open_guarded
-from worker.cancel import CancelWatch
-from worker.heartbeat import WorkerInfo, WorkerRegistry, summary
+from worker.job.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
     QUEUES,
@@ -63,6 +62,7 @@ from worker.protocol import (
     rate_key,
     visibility_timeout_s,
 )
+from worker.upkeep.heartbeat import WorkerInfo, WorkerRegistry, summary
 
 log = logging.getLogger("studio_code.api_client")
 
@@ -167,7 +167,7 @@ class CodeClient:
     def app(self) -> Any:
         """The client-side Celery app (made on first use)."""
         if self._app is None:
-            from worker.app import make_app
+            from worker.glue.app import make_app
 
             self._app = make_app(self.settings)
         return self._app

@@ -283,7 +283,7 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
         "studio_code_timeouts_total",
         "studio_code_rate_limited_total",
         "studio_code_language_ready",
-        # autoscaling and API signals (worker.autoscale, api_client.http_metrics)
+        # autoscaling and API signals (worker.metrics.autoscale, api_client.http_metrics)
         "studio_code_queue_backlog",
         "studio_code_queue_oldest_seconds",
         "studio_code_worker_slots",

@@ -205,7 +205,7 @@ def _sizes(path: Path) -> tuple[int, int]:
 
 def test_retention_on_100000_rows_in_bounded_batches(store_url: str) -> None:
     from executor.settings import load_settings
-    from worker.retention import apply_retention
+    from worker.upkeep.retention import apply_retention
 
     now = datetime.now(UTC)
     settings = load_settings(runs_keep_days=30, runs_payload_keep_days=7, retention_batch_rows=5000)
@@ -270,7 +270,7 @@ def test_retention_on_100000_rows_in_bounded_batches(store_url: str) -> None:
 
 def test_retention_zero_keeps_everything(tmp_path: Path) -> None:
     from executor.settings import load_settings
-    from worker.retention import apply_retention, cutoffs
+    from worker.upkeep.retention import apply_retention, cutoffs
 
     s = load_settings(runs_keep_days=0, runs_payload_keep_days=0)
     assert cutoffs(s) == (None, None)

@@ -2,7 +2,7 @@
 readiness probes, and the multiprocess bookkeeping that merges the pool's values.
 
 Celery's prefork pool runs tasks in child processes, so the metrics live in
-prometheus-client's *multiprocess* mode: every process writes its values (worker/metrics.py)
+prometheus-client's *multiprocess* mode: every process writes its values (worker.metrics)
 to memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR`` and the worker's main process serves
 them all, merged, from a small HTTP server (``MetricsServer``).
 
@@ -35,8 +35,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from executor.settings import KNOWN_LANGUAGES, Settings
-from worker.health import dependency_problems, gate_checks
 from worker.metrics import PREFIX, touch_series
+from worker.metrics.health import dependency_problems, gate_checks
 
 log = logging.getLogger("studio_code.metrics")
 
@@ -186,7 +186,7 @@ class MetricsServer:
             self.registry.register(_DefaultRegistry())
         self.readiness = ReadinessCollector(settings, ready_interval_s)
         self.registry.register(self.readiness)
-        from worker.autoscale import SLOTS
+        from worker.metrics.autoscale import SLOTS
 
         self.registry.register(SLOTS)
         self._metrics_app = make_wsgi_app(self.registry)
@@ -292,7 +292,7 @@ def connect_worker_signals(settings_factory: Callable[[], Settings]) -> None:
         reset_multiprocess_dir()
 
     def on_ready(sender: Any = None, **_: Any) -> None:
-        from worker.autoscale import SLOTS
+        from worker.metrics.autoscale import SLOTS
 
         SLOTS.consumer = sender  # worker_ready's sender is Celery's consumer
         try:

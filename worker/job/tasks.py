@@ -32,17 +32,19 @@ from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import gate, metrics, pending, poison, unrunnable
-from worker.cancel import CancelWatch
-from worker.live_logs import publishing
-from worker.outcomes import NodeFailed, report_outcome
+from worker import metrics
+from worker.context import studio_app
+from worker.glue import poison
+from worker.glue.outcomes import NodeFailed, report_outcome
+from worker.job import gate, pending, unrunnable
+from worker.job.cancel import CancelWatch
+from worker.job.live_logs import publishing
 from worker.protocol import (
     CANCEL_SIGNAL,
-    DONE_TTL_S,
     MAX_ATTEMPTS,
     QUEUE_RUN,
     TASK_NAME,
-    done_key,
+    announce_done,
 )
 
 log = logging.getLogger("studio_code.worker")
@@ -89,11 +91,7 @@ class ProcessState:
     def notify_done(self, job_id: str) -> None:
         """Wake ``CodeClient.wait``: one item per time the task body ended for the job."""
         try:
-            # one round trip, no MULTI/EXEC: the TTL only bounds a forgotten list
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.rpush(done_key(job_id), "1")
-            pipe.expire(done_key(job_id), DONE_TTL_S)
-            pipe.execute()
+            announce_done(self.redis, job_id)
         except redis.RedisError as e:
             log.warning(
                 "could not announce the end of job %s (waiters poll the store): %s", job_id, e
@@ -124,8 +122,13 @@ def process_state(app: Celery) -> ProcessState:
     global _state
     with _state_lock:
         if _state is None or _state.pid != os.getpid():
-            settings: Settings = app.studio_settings  # type: ignore[attr-defined]
-            _state = ProcessState(settings)
+            ours = studio_app(app)
+            if ours is None:
+                raise RuntimeError(
+                    f"the task runs under {app!r}, not the studio's app: start workers with "
+                    "`studio-code worker` or `celery -A worker worker`"
+                )
+            _state = ProcessState(ours.settings)
             try:
                 signal.signal(CANCEL_SIGNAL, _state.on_cancel_signal)
             except ValueError:  # not the main thread (threads pool): polling still works
@@ -134,8 +137,8 @@ def process_state(app: Celery) -> ProcessState:
 
 
 def _on_process_init(**_: Any) -> None:
-    app = current_app._get_current_object()
-    if getattr(app, "studio_settings", None) is None:
+    app = studio_app(current_app._get_current_object())
+    if app is None:
         return
     state = process_state(app)
     try:

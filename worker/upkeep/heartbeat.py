@@ -27,8 +27,9 @@ from typing import Any
 import redis
 from celery import bootsteps
 
-from executor.settings import Settings
+from worker.context import context_of, studio_app
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, heartbeat_ttl_s, workers_key
+from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
 
@@ -204,8 +205,9 @@ class Heartbeat:
         self._store_id = store_id
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
         self._beat = self.redis.register_script(_BEAT_LUA)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # its thread: restarted when the loop raises (worker.upkeep.loop)
+        self._runner = Supervised("heartbeat", self._loop)
+        self._stop = self._runner.stopping
         self.state: str | None = None
         self._failing = False
 
@@ -263,10 +265,9 @@ class Heartbeat:
             self.beat()
         except redis.RedisError as e:
             log.warning("heartbeat: could not announce %s yet: %s", self.nodename, e)
-        self._thread = threading.Thread(target=self._loop, name="studio-heartbeat", daemon=True)
-        self._thread.start()
+        self._runner.start()
 
-    def _loop(self) -> None:
+    def _loop(self, stop: threading.Event) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.beat()
@@ -280,10 +281,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         """Stop beating and remove the announcements (the worker no longer counts)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._runner.stop(10)
         try:
             pipe = self.redis.pipeline()
             for queue in self.slots:
@@ -298,13 +296,13 @@ class Heartbeat:
 
 def queue_slots(app: Any, worker: Any) -> dict[str, int]:
     """The slots this worker gives each queue it consumes: with test slots kept
-    (worker.slots), code.test gets those and code.run the rest of the pool; otherwise one
+    (worker.glue.slots), code.test gets those and code.run the rest of the pool; otherwise one
     consumer shares the whole pool between the queues."""
-    from worker.slots import consumed_queues
+    from worker.glue.slots import consumed_queues
 
     queues = consumed_queues(app)
     concurrency = int(getattr(worker, "concurrency", 0) or 0) or 1
-    test_slots = int(getattr(worker, "studio_test_slots", 0) or 0)
+    test_slots = context_of(app).test_slots
     out = {}
     for queue in sorted(queues):
         if test_slots and queue == QUEUE_TEST:
@@ -320,8 +318,8 @@ class HeartbeatStep(bootsteps.StartStopStep):
     """Consumer step: announces the worker once its task consumer exists (and again after a
     broker reconnect), withdraws it when the consumer stops (warm shutdown included).
 
-    ``app.studio_not_serving_reason`` (a ``Callable[[], str | None]``), when set, says why
-    the worker should not count as serving (e.g. its runtime is unavailable)."""
+    The app's ``context.not_serving_reason`` says why the worker should not count as
+    serving (e.g. its runtime is unavailable)."""
 
     label = "studio heartbeat"
     requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -331,23 +329,23 @@ class HeartbeatStep(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
 
     def start(self, c: Any) -> None:
-        settings: Settings | None = getattr(c.app, "studio_settings", None)
-        if settings is None or self.heartbeat is not None:
+        app = studio_app(c.app)
+        if app is None or self.heartbeat is not None:
             return
+        settings, context = app.settings, app.context
         from executor.store.sql import describe_url
 
-        reason = getattr(c.app, "studio_not_serving_reason", None) or _never
         self.heartbeat = Heartbeat(
             settings.redis_url,
             c.hostname,
             queue_slots(c.app, c.controller),
             interval_s=settings.queue_heartbeat_interval_s,
             ttl_s=heartbeat_ttl_s(settings),
-            not_serving_reason=reason,
+            not_serving_reason=context.not_serving_reason,
             store=describe_url(settings.sqlalchemy_url),
             # read by the janitor when it opened the store (no second connection here, and
             # nothing that could hang the beat while the store is down)
-            store_id=lambda: str(getattr(c.controller, "studio_store_id", "") or ""),
+            store_id=lambda: context.store_id,
         )
         self.heartbeat.start()
 

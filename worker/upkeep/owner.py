@@ -1,0 +1,104 @@
+"""The one owner of the worker's main-process upkeep: its one run store, one Redis client,
+one runtime (through one Executor) and one parked-result flusher, and the loops that use them:
+the gate's probe (worker.upkeep.gate) and the janitor (worker.upkeep.janitor: reaper, queued
+sweep, retention; its revoke backstop runs on Celery's ``task_revoked``).
+
+``UpkeepStep`` is the worker step that builds it once the pool runs and stops it at shutdown.
+The heartbeat stays a consumer step (it follows the broker connection: announced when the task
+consumer exists, withdrawn when it stops).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from celery import bootsteps, signals
+
+from executor.service import Executor
+from executor.settings import Settings
+from executor.store import RunStore, open_store
+from worker.context import studio_app
+from worker.upkeep.flusher import Flusher
+from worker.upkeep.gate import GateWatch
+from worker.upkeep.janitor import Janitor, guard_terminate
+
+log = logging.getLogger("studio_code.worker")
+
+
+class Upkeep:
+    """The main process's resources and loops (see the module doc)."""
+
+    def __init__(self, settings: Settings, nodename: str, app: Any) -> None:
+        self.settings = settings
+        self.redis = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=10, socket_connect_timeout=5
+        )
+        # Its runtime serves the gate's probe, the reaper and the revoke backstop; it is
+        # never prepared here (no pre-started sandboxes in the main process).
+        self.executor = Executor(settings)
+        self.store: RunStore = open_store(settings.sqlalchemy_url)
+        log.info("run store: %s (store id %s)", self.store.describe(), self.store.store_id)
+        self.flusher = Flusher(self.redis)
+        self.gate = GateWatch(
+            settings, flush=self.flusher, store=self.store, executor=self.executor
+        )
+        self.janitor = Janitor(
+            settings,
+            nodename,
+            app,
+            store=self.store,
+            runtime=self.executor.runtime,
+            redis_client=self.redis,
+            flush=self.flusher,
+        )
+
+    def start(self) -> None:
+        try:
+            self.gate.probe_once()  # a worker that starts with its store down waits
+        except Exception:  # noqa: BLE001
+            log.exception("first gate probe failed")
+        self.gate.start()
+        self.janitor.start()
+
+    def stop(self) -> None:
+        self.janitor.stop()
+        self.gate.stop()
+        self.store.close()
+        self.redis.close()
+
+
+class UpkeepStep(bootsteps.StartStopStep):
+    """Worker step: starts the main process's upkeep once the pool runs, stops it at
+    shutdown; the store id goes to the worker context (the heartbeat announces it)."""
+
+    label = "studio upkeep"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        self.upkeep: Upkeep | None = None
+        super().__init__(w, **kwargs)
+
+    def create(self, w: Any) -> None:
+        return None
+
+    def start(self, w: Any) -> None:
+        app = studio_app(w.app)
+        if app is None or self.upkeep is not None:
+            return
+        self.upkeep = Upkeep(app.settings, w.hostname, app)
+        app.context.store_id = self.upkeep.store.store_id
+        if w.pool is not None and hasattr(w.pool, "terminate_job"):
+            guard_terminate(w.pool, self.upkeep.store)
+        signals.task_revoked.connect(self.upkeep.janitor.on_revoked, weak=False)
+        self.upkeep.start()
+
+    def stop(self, w: Any) -> None:
+        if self.upkeep is not None:
+            signals.task_revoked.disconnect(self.upkeep.janitor.on_revoked)
+            self.upkeep.stop()
+            self.upkeep = None
+
+    def shutdown(self, w: Any) -> None:
+        self.stop(w)
