@@ -912,7 +912,13 @@ for t in threads:
     t.start()
 for t in threads:
     t.join()
+# what prometheus-client's process metrics read of a non-dumpable server: its own /proc/self
+from prometheus_client import CollectorRegistry, ProcessCollector
+registry = CollectorRegistry()
+ProcessCollector(registry=registry)
+own = {s.name: s.value for m in registry.collect() for s in m.samples}
 print(json.dumps({
+    "own_process_metrics": own,
     "server_pid": os.getpid(),
     "runs": {me: {"status": str(r.status), "output": r.output,
                   "error": r.error and r.error.message} for me, r in results.items()},
@@ -1011,6 +1017,9 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(mode: str, shared:
     assert marker not in stdout  # no run read the server's environment, nor its parent's
     seen = json.loads(stdout.strip().splitlines()[-1])
     assert seen["server_pid"] == server.pid
+    own = seen["own_process_metrics"]  # stat, limits and fd of its own, still readable
+    assert own["process_open_fds"] > 0 and own["process_max_fds"] > 0
+    assert own["process_resident_memory_bytes"] > 0
     iso = seen["isolation"]
     held, lacks = " ".join(iso["holds"]), " ".join(iso["does_not_hold"])
     namespaced = iso["namespaces"]
