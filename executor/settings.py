@@ -230,6 +230,12 @@ class Settings(BaseSettings):
         "and tmpfs pages, pids, one kill for all at the end). auto: under the server's own "
         "cgroup; a path such as /studio-code: a cgroup made for the server; off: none.",
     )
+    code_subprocess_namespaces: str = Field(
+        "auto",
+        description="Subprocess mode under a non-root server: auto starts each run in a user, "
+        "PID and mount namespace of its own (it cannot see, signal or trace the server or "
+        "other runs) when the kernel allows unprivileged user namespaces; off: never.",
+    )
 
     queue_require_worker: bool = Field(
         True,
@@ -418,6 +424,13 @@ class Settings(BaseSettings):
         if v in ("auto", "off") or (v.startswith("/") and ".." not in v.split("/")):
             return v
         raise ValueError("auto, off, or an absolute cgroup path such as /studio-code")
+
+    @field_validator("code_subprocess_namespaces")
+    @classmethod
+    def _subprocess_namespaces(cls, v: str) -> str:
+        if v in ("auto", "off"):
+            return v
+        raise ValueError("auto or off")
 
     @field_validator("api_token")
     @classmethod
