@@ -78,7 +78,11 @@ def is_store_outage(e: BaseException) -> bool:
             return _is_operator_fix(getattr(e, "orig", None))
         if isinstance(e, exc.DBAPIError) and e.connection_invalidated:
             return True
-        if isinstance(e, exc.OperationalError) and "sqlite3" in _mro(e.orig)[1]:
+        if (
+            isinstance(e, exc.OperationalError)
+            and e.orig is not None
+            and "sqlite3" in _mro(e.orig)[1]
+        ):
             return _is_sqlite_file_problem(e.orig)
         if isinstance(
             e,
