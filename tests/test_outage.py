@@ -258,3 +258,77 @@ def test_the_store_raises_store_unavailable_for_a_read_only_folder(
         assert store.get(job.job_id) is not None, "nothing lost: back once it is writable"
     finally:
         store.close()
+
+
+# --- the worker pauses and the API answers 503, alike ---------------------------------------
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(240)
+def test_a_read_only_store_folder_pauses_the_worker_and_the_api_answers_503(
+    read_only_dir: tuple[Path, Callable[[bool], None]], redis_server: Any, tmp_path: Path
+) -> None:
+    """The run store's folder is read-only when a worker and the API start (a volume
+    mounted ro, a full disk): the worker starts and pauses naming the store (it neither
+    fails jobs nor exits), the API answers 503 RUNTIME_UNAVAILABLE; once the folder is
+    writable again, the worker serves by itself and a job succeeds."""
+    import time
+
+    import httpx
+    import redis
+
+    from executor.store import open_store
+    from tests.services import ApiServer, start_worker
+    from worker.upkeep.heartbeat import WorkerRegistry
+    from tests.test_control import env_for, wait_for
+    from tests.test_http import USER
+
+    where, set_ro = read_only_dir
+    url = f"sqlite:///{where}/studio-code.db"
+    open_store(url).close()  # the store exists; then its folder turns read-only
+    env = env_for(redis_server.url, url, STUDIO_QUEUE_PROBE_INTERVAL_S="1")
+    h = {USER: "ann"}
+    code = "def main(state):\n    return state.get('n', 0) * 2\n"
+    set_ro(True)
+    worker = api = None
+    try:
+        worker = start_worker(env, tmp_path / "worker.log", concurrency=1)
+        api = ApiServer(env, tmp_path / "api.log")
+
+        registry = WorkerRegistry(redis.Redis.from_url(redis_server.url))
+
+        def paused() -> list[str]:
+            # what the worker announces (the API reads the same heartbeats)
+            run = registry.live()["code.run"]
+            assert [w.nodename for w in run] == [worker.node], run
+            return [str(w.reason) for w in run if not w.serving]
+
+        wait_for(lambda: registry.live()["code.run"], 30, "the worker's heartbeat")
+        reasons = wait_for(paused, 30, "the worker announced paused")
+        assert "run store" in reasons[0] and str(where) in reasons[0], reasons
+        r = httpx.post(f"{api.base}/api/runs", json={"code": code}, headers=h, timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "RUNTIME_UNAVAILABLE", r.text
+        time.sleep(2)
+        assert worker.alive(), worker.tail()
+        set_ro(False)
+        wait_for(lambda: not paused(), 30, "the worker serving again")
+        assert "Traceback" not in worker.output(), worker.tail()
+        r = httpx.post(
+            f"{api.base}/api/runs", json={"code": code, "state": {"n": 4}}, headers=h, timeout=30
+        )
+        assert r.status_code == 202, r.text
+        job = r.json()["job_id"]
+
+        def ended() -> dict[str, Any] | None:
+            got = httpx.get(f"{api.base}/api/runs/{job}", headers=h, timeout=10).json()
+            return got if got["status"] not in ("queued", "running") else None
+
+        done = wait_for(ended, 60, "the job after the outage")
+        assert done["status"] == "succeeded" and done["output"] == 8, done
+    finally:
+        set_ro(False)
+        if api is not None:
+            api.stop()
+        if worker is not None:
+            worker.stop(30)

@@ -141,7 +141,15 @@ def _on_process_init(**_: Any) -> None:
     app = studio_app(current_app._get_current_object())
     if app is None:
         return
-    state = process_state(app)
+    try:
+        state = process_state(app)
+    except Exception as e:
+        if not is_store_outage(e):
+            raise
+        # the first job tries again (and hands its message back while the store is down)
+        gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
+        log.warning("the run store could not be opened at process start: %s", e)
+        return
     try:
         # Connect now, not in the first job, and pre-start this slot's sandboxes.
         state.executor.prepare(observe=lambda stats: _metrics(metrics.record_pool, stats))
