@@ -44,8 +44,8 @@ from executor.store import (
     RunSummary,
     decode_cursor,
     encode_cursor,
+    open_store,
 )
-from executor.store.guard import guard, open_guarded
 from worker.job.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
@@ -141,9 +141,7 @@ class CodeClient:
         self.settings = settings
         self._own_store = store is None
         self.store: RunStore = (
-            guard(store)
-            if store is not None
-            else open_guarded(settings.sqlalchemy_url, create=create_store)
+            store if store is not None else open_store(settings.sqlalchemy_url, create=create_store)
         )
         log.info("run store: %s", self.store.describe())
         self.executor = Executor(settings, audit=self.store)

@@ -94,6 +94,7 @@ from executor.store.base import (
     RunStore,
     RunSummary,
 )
+from executor.store.guard import raise_store_outages
 
 log = logging.getLogger("studio_code.store")
 
@@ -582,6 +583,7 @@ def _add_missing_columns(conn: Connection) -> None:
 # --- the store ---------------------------------------------------------------------------
 
 
+@raise_store_outages
 class SqlRunStore(RunStore):
     """The run store in a SQL database reached through ``url`` (any SQLAlchemy URL; tested
     on SQLite files and PostgreSQL via psycopg 3). Creates its tables when missing.

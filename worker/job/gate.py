@@ -56,24 +56,3 @@ def last_report(kind: str) -> float:
 def set_closed(closed: bool) -> None:
     """The main process's flag every pool process reads (``closed_in_child``)."""
     _write(0, 1.0 if closed else 0.0)
-
-
-def is_store_outage(e: BaseException) -> bool:
-    """True for errors that mean "the store cannot be reached or written now" (connection
-    refused or lost, SQLite locked or read-only), False for errors of the data itself,
-    which waiting would not cure."""
-    from sqlalchemy import exc
-
-    if isinstance(
-        e,
-        (
-            exc.OperationalError,
-            exc.InterfaceError,
-            exc.DisconnectionError,
-            exc.TimeoutError,
-            ConnectionError,
-            TimeoutError,
-        ),
-    ):
-        return True
-    return isinstance(e, exc.DBAPIError) and bool(e.connection_invalidated)

@@ -29,6 +29,7 @@ from celery.exceptions import Reject
 
 from executor.errors import ErrorCode
 from executor.models import CodeResult, Status
+from executor.outage import is_store_outage
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
@@ -140,7 +141,15 @@ def _on_process_init(**_: Any) -> None:
     app = studio_app(current_app._get_current_object())
     if app is None:
         return
-    state = process_state(app)
+    try:
+        state = process_state(app)
+    except Exception as e:
+        if not is_store_outage(e):
+            raise
+        # the first job tries again (and hands its message back while the store is down)
+        gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
+        log.warning("the run store could not be opened at process start: %s", e)
+        return
     try:
         # Connect now, not in the first job, and pre-start this slot's sandboxes.
         state.executor.prepare(observe=lambda stats: _metrics(metrics.record_pool, stats))
@@ -190,7 +199,7 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     try:
         state = process_state(task.app)
     except Exception as e:
-        if not gate.is_store_outage(e):
+        if not is_store_outage(e):
             raise
         gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
         _hand_back(f"job {job_id}: this pool process could not start")
@@ -243,7 +252,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
         written = None
     except Exception as e:
-        if not gate.is_store_outage(e):
+        if not is_store_outage(e):
             raise
         gate.report(gate.RUN_STORE, str(e))  # the result stays parked
         _hand_back(f"job {job_id}: its parked result waits for the run store")
@@ -252,7 +261,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
     try:
         rec = state.store.claim(job_id, worker)
     except Exception as e:
-        if not gate.is_store_outage(e):
+        if not is_store_outage(e):
             raise  # not an outage (e.g. a row it cannot read): handing back would loop
         gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
         _hand_back(f"job {job_id}: the run store is unreachable")
@@ -359,7 +368,7 @@ def _finish(
         except Exception as e:
             error = e
             if delay is None:
-                if not gate.is_store_outage(e):
+                if not is_store_outage(e):
                     raise  # the result itself is refused: the reaper ends the job
                 break
             log.warning("job %s: storing the result failed (%s), retrying", rec.job_id, e)

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from worker.job.gate import is_store_outage
+from executor.outage import is_store_outage
 from worker.job.pending import write_one
 from worker.protocol import PENDING_SET
 

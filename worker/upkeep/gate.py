@@ -28,6 +28,7 @@ from typing import Any
 
 from celery import bootsteps
 
+from executor.errors import StoreUnavailable
 from worker.job.gate import KINDS, RUN_STORE, RUNTIME, last_report, set_closed
 from worker.upkeep.loop import Supervised
 
@@ -103,6 +104,8 @@ def store_write_problem(store: Any) -> str | None:
             with engine.connect() as conn:
                 conn.exec_driver_sql("SELECT 1")
         return None
+    except StoreUnavailable as e:  # the store said it: its sentence names the store
+        return e.message
     except Exception as e:  # noqa: BLE001 - any failure means "cannot write"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return (

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import redis
 
-from executor.errors import ErrorCode
+from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import CodeResult, Status
 from executor.runtimes.base import Runtime
 from executor.runtimes.constants import KILL_GRACE_S
@@ -103,6 +103,8 @@ class Janitor:
         while not self._stop.is_set():
             try:
                 self.sweep()
+            except StoreUnavailable as e:  # the gate says it (paused); no traceback a second
+                log.warning("reaper sweep waits for the run store: %s", e.message)
             except Exception:  # noqa: BLE001 - keep sweeping
                 log.exception("reaper sweep failed")
             self._stop.wait(self.settings.queue_reap_interval_s)
