@@ -27,8 +27,8 @@ pre-started container until it is taken.
   still needed). Anything else (no frame, a timeout, a cancel, OOM) is read and removed as
   for a cold container.
 * **Replace**: a replacement starts right after one is handed out, off the path. Idle
-  containers older than STUDIO_CODE_PREWARM_MAX_IDLE_S, or made from an image whose id
-  changed since, are removed and replaced.
+  containers older than STUDIO_CODE_PREWARM_MAX_IDLE_S, made from an image whose id
+  changed since, or dead (an engine restart kills them), are removed and replaced.
   ``close`` (a stopping worker process) removes the idle ones; the reaper removes those
   whose owner died: they carry ``studio.pool`` = owner and a ``studio.deadline`` of
   creation + the idle bound + the longest run + grace.
@@ -38,6 +38,9 @@ pre-started container until it is taken.
   have a thread of their own (a start never delays them), and a take waits for removals
   that fall behind (more than MAX_PENDING_REMOVALS), so a process has at most
   MAX_PENDING_REMOVALS + 1 ended sandboxes (and their attach sockets) at any moment.
+* **Engine away**: a removal that fails because the engine is away (a restart) is retried
+  until it succeeds or, at ``close``, for LEFTOVERS_AT_CLOSE_S
+  (``DockerRuntime.retry_leftovers``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from executor.runtimes.docker import (
     LABEL_DEADLINE,
     LABEL_JOB,
     LABEL_POOL,
+    LEFTOVERS_AT_CLOSE_S,
     _feed,
     _pump,
     container_name,
@@ -197,6 +201,8 @@ class SandboxPool:
                 thread.join(max(0.0, deadline - time.monotonic()))
         self._thread = self._remover = None
         self._drain_retired()  # whatever the threads left (never started, or timed out)
+        left = max(0.0, deadline - time.monotonic())
+        self.runtime.retry_leftovers(min(left, LEFTOVERS_AT_CLOSE_S))
 
     def wait_ready(self, timeout_s: float = 30.0) -> bool:
         """Block until every language has its idle containers (tests and benchmarks)."""
@@ -535,7 +541,8 @@ class SandboxPool:
         return None
 
     def _remove_loop(self) -> None:
-        """The remover: removes what is released, one at a time, as soon as it is."""
+        """The remover: removes what is released, one at a time, as soon as it is; every
+        TICK_S with nothing to do, retries removals the engine refused while it was away."""
         while True:
             with self._cond:
                 if not self._retire:
@@ -546,6 +553,8 @@ class SandboxPool:
             try:
                 if work:
                     self._drain_retired(one=True)
+                else:
+                    self.runtime.retry_leftovers()
             except Exception:  # noqa: BLE001 - the remover must live on
                 log.exception("sandbox pool remover")
 
@@ -646,7 +655,7 @@ class SandboxPool:
         return self._image_ids[language.name]
 
     def _maintain(self) -> None:
-        """Replace containers idle too long, or made from an image that was rebuilt."""
+        """Replace containers idle too long, dead, or made from an image that was rebuilt."""
         now = time.monotonic()
         check_images = now - self._images_checked >= IMAGE_CHECK_S
         current: dict[str, str] = {}
@@ -662,6 +671,9 @@ class SandboxPool:
                 keep: deque[Pooled] = deque()
                 for p in q:
                     if now - p.created > self.max_idle_s:
+                        self._retire.append(p)
+                    elif not p.fresh():
+                        log.warning("pre-started sandbox %s died idle; replacing it", p.name)
                         self._retire.append(p)
                     elif name in current and p.image_id != current[name]:
                         log.info("image of %s changed: replacing its pre-started sandbox", name)
