@@ -383,16 +383,20 @@ class DockerRuntime(Runtime):
                 todo = list(self._leftovers)
             if not todo:
                 return
+            away = False
             for cid in todo:
                 try:
                     self._remove(self.api, cid)
-                except (APIError, RuntimeUnavailable, requests.exceptions.RequestException):
-                    break  # still away: try again later
+                except (RuntimeUnavailable, requests.exceptions.RequestException):
+                    away = True  # still away: try again later
+                    break
+                except APIError:
+                    continue  # this one refused (the engine is up): the others go on
                 with self._lock:
                     self._leftovers.discard(cid)
                 log.info("removed sandbox %s, left over while the engine was away", cid[:12])
-            else:
-                continue  # all done: the loop's check returns
+            if not away and len(todo) > len(self._leftovers):
+                continue  # progress: once more for what came meanwhile (or to return)
             if time.monotonic() >= deadline:
                 with self._lock:
                     left = len(self._leftovers)
