@@ -118,6 +118,9 @@ class Pooled:
     created: float  # monotonic
     #: its rename to its job's name, once taken (joined before its removal)
     renamer: _Renamer | None = None
+    #: retired unused and still running (past the idle bound, or of an old image): not an
+    #: ended sandbox a take waits for
+    unused: bool = False
 
     def fresh(self) -> bool:
         """Still running and silent: its runner writes nothing before its job, and a
@@ -328,18 +331,24 @@ class SandboxPool:
         their removal, wait for the remover (at most REMOVAL_WAIT_S), asking
         ``should_cancel`` every CANCEL_POLL_S."""
         deadline = time.monotonic() + REMOVAL_WAIT_S
-        while len(self._retire) + self._removing > MAX_PENDING_REMOVALS and not self._stop:
+        while (pending := self._ended_pending()) > MAX_PENDING_REMOVALS and not self._stop:
             if time.monotonic() >= deadline:
                 log.warning(
                     "%d used sandboxes still wait for their removal after %g s; the job goes "
                     "on (is the Docker engine slow? docker info)",
-                    len(self._retire) + self._removing,
+                    pending,
                     REMOVAL_WAIT_S,
                 )
                 return
             if should_cancel is not None and self._asked_to_cancel(should_cancel):
                 raise CancelledBeforeStart()
             self._cond.wait(CANCEL_POLL_S)
+
+    def _ended_pending(self) -> int:
+        """Used or dead sandboxes released and not removed yet (the one being removed
+        counts, whatever it is); with the lock held."""
+        queued = sum(1 for x in self._retire if isinstance(x, str) or not x.unused)
+        return queued + self._removing
 
     def _asked_to_cancel(self, should_cancel: CancelCheck) -> bool:
         """``should_cancel()`` without the pool's lock (it may read Redis or the store: the
@@ -671,12 +680,14 @@ class SandboxPool:
                 keep: deque[Pooled] = deque()
                 for p in q:
                     if now - p.created > self.max_idle_s:
+                        p.unused = True
                         self._retire.append(p)
                     elif not p.fresh():
                         log.warning("pre-started sandbox %s died idle; replacing it", p.name)
                         self._retire.append(p)
                     elif name in current and p.image_id != current[name]:
                         log.info("image of %s changed: replacing its pre-started sandbox", name)
+                        p.unused = True
                         self._retire.append(p)
                     else:
                         keep.append(p)
