@@ -16,6 +16,7 @@ SECTIONS = [
     "bench.history",
     "bench.live_logs",
     "bench.pool",
+    "bench.upkeep",
     "bench.engine",
 ]
 

@@ -48,6 +48,9 @@ LABEL_LANGUAGE = "studio.language"
 #: (labels are fixed at create): it gets its job's name when taken, see executor/runtimes/pool.py
 LABEL_POOL = "studio.pool"
 TMPFS_SIZE = "64m"
+#: how long a stopping process keeps retrying removals that failed while the engine was away
+LEFTOVERS_AT_CLOSE_S = 15.0
+LEFTOVERS_RETRY_S = 0.5
 
 
 def sandbox_policy(
@@ -126,6 +129,8 @@ class DockerRuntime(Runtime):
         self._api: docker.APIClient | None = None
         self._lock = threading.Lock()
         self.pool: SandboxPool | None = None
+        #: sandboxes whose removal failed (the engine was away): retried, see retry_leftovers
+        self._leftovers: set[str] = set()
 
     # --- what it can do (the Runtime interface) ---------------------------------------
 
@@ -145,7 +150,9 @@ class DockerRuntime(Runtime):
     def close(self) -> None:
         pool, self.pool = self.pool, None
         if pool is not None:
-            pool.close()
+            pool.close()  # retries the leftovers too
+        else:
+            self.retry_leftovers(LEFTOVERS_AT_CLOSE_S)
         with self._lock:
             api, self._api = self._api, None
         if api is not None:
@@ -252,6 +259,8 @@ class DockerRuntime(Runtime):
         should_cancel: CancelCheck | None = None,
     ) -> RawRun:
         api = self.api
+        if self._leftovers and self.pool is None:  # the pool's remover retries them itself
+            self.retry_leftovers()
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
         if self.pool is not None:
             asked = time.monotonic()
@@ -351,8 +360,10 @@ class DockerRuntime(Runtime):
         return code, oom, "eof"
 
     def _remove_surely(self, api: docker.APIClient, cid: str) -> None:
-        """Remove in a ``finally``: retried, never raising. What still fails is left to the
-        reapers (its studio.deadline label says when anyone may remove it)."""
+        """Remove in a ``finally``: retried, never raising. What still fails (the engine is
+        away: a restart) is kept and retried later by ``retry_leftovers``, until this
+        process stops; after that the reapers (its studio.deadline label says when anyone
+        may remove it)."""
         for attempt in range(3):
             try:
                 self._remove(api, cid)
@@ -360,6 +371,43 @@ class DockerRuntime(Runtime):
             except (APIError, requests.exceptions.RequestException) as e:
                 log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12], attempt + 1, e)
                 time.sleep(0.2 * (attempt + 1))
+        with self._lock:
+            self._leftovers.add(cid)
+
+    def retry_leftovers(self, timeout_s: float = 0.0) -> None:
+        """Remove the sandboxes whose removal failed before; with ``timeout_s`` (a stopping
+        process), keep trying that long while the engine is away."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                todo = list(self._leftovers)
+            if not todo:
+                return
+            away = False
+            for cid in todo:
+                try:
+                    self._remove(self.api, cid)
+                except (RuntimeUnavailable, requests.exceptions.RequestException):
+                    away = True  # still away: try again later
+                    break
+                except APIError:
+                    continue  # this one refused (the engine is up): the others go on
+                with self._lock:
+                    self._leftovers.discard(cid)
+                log.info("removed sandbox %s, left over while the engine was away", cid[:12])
+            if not away and len(todo) > len(self._leftovers):
+                continue  # progress: once more for what came meanwhile (or to return)
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    left = len(self._leftovers)
+                if timeout_s > 0:
+                    log.warning(
+                        "%d sandboxes could not be removed (is the Docker engine up? docker "
+                        "info): the reapers remove them after their studio.deadline",
+                        left,
+                    )
+                return
+            time.sleep(LEFTOVERS_RETRY_S)
 
     @staticmethod
     def _remove(api: docker.APIClient, cid: str) -> bool:
