@@ -5,7 +5,6 @@ retention over 100,000 synthetic rows in bounded batches."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -16,14 +15,6 @@ from sqlalchemy import insert, inspect, text
 from executor.models import CodeJob, CodeResult, Status
 from executor.store import RunFilter, SqlRunStore, decode_cursor, encode_cursor, open_store
 from executor.store.sql import jobs
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'runs.db'}"
-    else:
-        yield request.getfixturevalue("pg_schema_url")
 
 
 def _rows(n: int, *, start: datetime, step_s: float = 1.0, **fixed: Any) -> list[dict]:

@@ -7,7 +7,6 @@ Each test gets its own schema (dropped afterwards). Unreachable: skipped, or fai
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import uuid
@@ -31,6 +30,7 @@ from executor.store import (
     SqlRunStore,
     open_store,
 )
+from tests.services import in_processes
 
 PG_URL = os.environ.get(
     "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -721,29 +721,10 @@ def _race(url: str, job_ids: list[str], worker: str, barrier: Any, out: Any) -> 
 def test_concurrent_processes_write_each_job_once(store_url: str) -> None:
     with open_store(store_url) as store:  # tables exist before the race starts
         job_ids = [f"race-{uuid.uuid4().hex}" for _ in range(N_JOBS)]
-        ctx = multiprocessing.get_context("spawn")
-        barrier = ctx.Barrier(N_PROCS)
-        out = ctx.Queue()
-        procs = [
-            ctx.Process(target=_race, args=(store_url, job_ids, f"w{n}", barrier, out))
-            for n in range(N_PROCS)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            reports = [out.get(timeout=240) for _ in procs]
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            out.close()
-            out.join_thread()
+        reports = in_processes(_race, [(store_url, job_ids, f"w{n}") for n in range(N_PROCS)])
 
         errors = [(w, err) for w, _, _, _, err in reports if err]
         assert errors == []
-        assert all(p.exitcode == 0 for p in procs)
 
         created = [j for _, c, _, _, _ in reports for j in c]
         assert sorted(created) == sorted(job_ids)  # each create won exactly once
