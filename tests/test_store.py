@@ -409,24 +409,28 @@ def test_code_and_state_live_outside_the_row_the_queue_updates(store: RunStore) 
 
 
 def test_a_row_made_before_the_inputs_table_is_claimed_with_its_own_code_and_state(
-    store: RunStore,
+    store_url: str,
 ) -> None:
     """A store made by an older release holds code and state in code_jobs, with no row in
-    code_job_inputs: its queued jobs still run with them."""
-    assert isinstance(store, SqlRunStore)
-    job_id = _new(store)
-    code = "def main(state):\n    return state['legacy']\n"
-    with store.engine.begin() as conn:
-        conn.execute(text("DELETE FROM code_job_inputs WHERE job_id = :j"), {"j": job_id})
-        conn.execute(
-            text("UPDATE code_jobs SET code = :c, state_json = :s WHERE job_id = :j"),
-            {"c": code, "s": '{"legacy": 1}', "j": job_id},
-        )
-    rec = store.get(job_id)
-    assert rec is not None and rec.code == code and rec.state_json == '{"legacy": 1}'
-    claimed = store.claim(job_id, "w1")
-    assert claimed is not None and claimed.code == code and claimed.state_json == '{"legacy": 1}'
-    assert claimed.to_job().code == code
+    code_job_inputs: its queued jobs still run with them (the migration at open moves them;
+    tests/test_store_migrations.py has the stores each older release made)."""
+    with open_store(store_url) as made:
+        assert isinstance(made, SqlRunStore)
+        job_id = _new(made)
+        code = "def main(state):\n    return state['legacy']\n"
+        with made.engine.begin() as conn:
+            conn.execute(text("DELETE FROM code_job_inputs WHERE job_id = :j"), {"j": job_id})
+            conn.execute(
+                text("UPDATE code_jobs SET code = :c, state_json = :s WHERE job_id = :j"),
+                {"c": code, "s": '{"legacy": 1}', "j": job_id},
+            )
+            conn.execute(text("DROP TABLE code_alembic_version"))  # made before migrations
+    with open_store(store_url) as store:
+        rec = store.get(job_id)
+        assert rec is not None and rec.code == code and rec.state_json == '{"legacy": 1}'
+        claimed = store.claim(job_id, "w1")
+        assert claimed is not None and claimed.code == code
+        assert claimed.state_json == '{"legacy": 1}' and claimed.to_job().code == code
 
 
 def test_finish_with_outcome_says_what_was_stored(store: RunStore) -> None:
