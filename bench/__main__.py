@@ -14,6 +14,7 @@ SECTIONS = [
     "bench.http",
     "bench.cli",
     "bench.history",
+    "bench.store_open",
     "bench.live_logs",
     "bench.pool",
     "bench.upkeep",

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -94,6 +94,35 @@ def kill_pids(pids: Sequence[int]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def in_processes(
+    target: Callable[..., None], args: Sequence[tuple[Any, ...]], timeout_s: float = 240
+) -> list[Any]:
+    """``target(*a, barrier, out)`` for each ``a`` of ``args``, each in a spawned process of
+    its own; ``barrier`` lets them all go at once and each puts one report on ``out``.
+    Returns the reports, as they came, once every process ended with status 0 (one still
+    running a minute after its report is killed)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(len(args))
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, barrier, out)) for a in args]
+    for p in procs:
+        p.start()
+    try:
+        reports = [out.get(timeout=timeout_s) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        out.close()
+        out.join_thread()
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return reports
 
 
 class StopsOnExit:

@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("sqlalchemy", "redis", "celery", "kombu", "docker", "requests", "tree_sitter")
+HEAVY = (
+    "sqlalchemy",
+    "alembic",
+    "redis",
+    "celery",
+    "kombu",
+    "docker",
+    "requests",
+    "tree_sitter",
+)
 #: the queue and the run store, which `studio-code run` (no queue) must not load
 QUEUE_AND_STORE = (
     "sqlalchemy",
