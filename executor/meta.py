@@ -45,6 +45,10 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         from executor.runtimes.subprocess import isolation_warning
 
         warnings.append(isolation_warning(isolation))
+    posture = runtime.engine_posture(fresh=fresh) if runtime is not None else None
+    engine_warning = posture.warning() if posture is not None else None
+    if engine_warning is not None:
+        warnings.append(engine_warning)
     from executor.store.sql import describe_url  # SQLAlchemy's URL parser; no driver
 
     return {
@@ -87,6 +91,14 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             else None
         ),
         "warnings": warnings,
+        # The Docker engine under the sandboxes and its known escapes, as this process sees
+        # it (None: no engine here, e.g. the API under Compose has no socket); the API adds
+        # each worker's own, from its heartbeat (docs/security.md, "The engine posture")
+        "engine": {
+            "this_process": posture.model_dump(mode="json") if posture is not None else None,
+            "refuse_vulnerable": s.code_engine_refuse_vulnerable,
+            "workers": None,
+        },
         "subprocess_isolation": isolation,
         # Pre-started sandboxes: the setting, and this process's own pool when it keeps one
         # (a worker's pool process; the API's process starts sandboxes cold).
