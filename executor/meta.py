@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from executor.runtimes.docker import TMPFS_SIZE
+from executor.runtimes.engine import sandbox_proof
 from executor.runtimes.seccomp import profile_sha256
 from executor.service import Executor
 from executor.settings import KNOWN_LANGUAGES, NOBODY, sandbox_ids
@@ -98,6 +99,13 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             "this_process": posture.model_dump(mode="json") if posture is not None else None,
             "refuse_vulnerable": s.code_engine_refuse_vulnerable,
             "workers": None,
+            # asked fresh (studio-code meta): what the kernel says from inside one sandbox
+            # (no_new_privs, a seccomp filter, capabilities, uid); None otherwise
+            "sandbox": (
+                sandbox_proof(executor)
+                if fresh and posture is not None and "python" in s.languages
+                else None
+            ),
         },
         "subprocess_isolation": isolation,
         # Pre-started sandboxes: the setting, and this process's own pool when it keeps one
