@@ -35,6 +35,7 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.constants import KILL_GRACE_S
+from executor.runtimes.engine import POSTURE_TTL_S
 from executor.runtimes.seccomp import profile_json
 from executor.settings import Settings, sandbox_ids
 
@@ -113,9 +114,6 @@ def container_name(job_id: str) -> str:
 if TYPE_CHECKING:
     from executor.runtimes.engine import EnginePosture
     from executor.runtimes.pool import SandboxPool
-
-#: how long a read of the engine's posture is believed (an engine upgrade restarts dockerd)
-POSTURE_TTL_S = 300.0
 
 
 class DockerRuntime(Runtime):

@@ -33,6 +33,8 @@ from executor.runtimes.escapes import (
 )
 
 Component = Literal["runc", "containerd", "docker"]
+#: how long a read of the engine's posture is believed (an engine upgrade restarts dockerd)
+POSTURE_TTL_S = 300.0
 DPKG_STATUS = Path("/var/lib/dpkg/status")
 #: the Debian packages of each component (Debian's own, and the Docker project's)
 PACKAGES = {
