@@ -176,6 +176,8 @@ def installed_packages(path: Path = DPKG_STATUS) -> dict[str, str]:
         return {}
     out = {}
     for para in text.split("\n\n"):
+        if para.partition("\n")[0].removeprefix("Package: ") not in wanted:
+            continue  # dpkg writes Package first: only a few paragraphs are read
         fields = dict(
             line.split(": ", 1) for line in para.splitlines() if ": " in line and line[0] != " "
         )
