@@ -326,3 +326,40 @@ def test_a_refusing_setting_makes_a_vulnerable_engine_not_ready(make_settings, p
                 assert a.cve in (ready.reason or "")
     else:
         assert ready.ready is True, ready.reason
+
+
+# --- the heartbeat carries it -------------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_the_heartbeat_carries_the_engine_through_redis(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A worker's engine goes through Redis's Lua (cjson) and back unchanged, an empty list
+    of advisories included (cjson writes [] back as {})."""
+    from worker.upkeep.heartbeat import Heartbeat, WorkerRegistry
+
+    fixed = posture_of(_version("1.2.8", "v1.2.8-0-g3f92552"), _info(), host_packages={})
+    engine: list[dict[str, object] | None] = [fixed.compact()]
+
+    def announce() -> dict[str, object] | None:
+        if engine[0] is None:
+            raise ConnectionError("the engine does not answer")
+        return engine[0]
+
+    beat = Heartbeat(
+        redis_server.url, "engine@test", {"code.run": 1}, interval_s=60, ttl_s=60, engine=announce
+    )
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_server.url)
+    try:
+        registry = WorkerRegistry(client)
+        beat.beat()
+        (info,) = registry.live(["code.run"])["code.run"]
+        assert info.engine == {**fixed.compact(), "advisories": []}
+        engine[0] = None  # an engine that fails to answer: announced without it, still serving
+        assert beat.beat() == "serving"
+        (info,) = registry.live(["code.run"])["code.run"]
+        assert info.engine is None
+    finally:
+        beat.stop()
+        client.close()
