@@ -203,7 +203,11 @@ class CodeClient:
         meta = runtime_meta(self.executor, fresh=fresh)
         meta["store"] = self.store_info()
         try:
-            meta["workers"] = summary(self.live_workers())
+            live = self.live_workers()
+            meta["workers"] = summary(live)
+            # each worker's engine, as its heartbeat announces it (None: it has none, or an
+            # older worker that does not announce it)
+            meta["engine"]["workers"] = {i.nodename: i.engine for q in live.values() for i in q}
         except redis.RedisError as e:
             meta["workers"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
         return meta

@@ -191,6 +191,13 @@ class Settings(BaseSettings):
         description="The OCI runtime Docker starts sandboxes with (a name `docker info` lists "
         "under Runtimes, e.g. crun). Empty: the engine's default (runc).",
     )
+    code_engine_refuse_vulnerable: bool = Field(
+        False,
+        description="Docker runtime: refuse to run (the runtime is not ready, naming the "
+        "advisories) while the engine's runc, containerd or dockerd has a known container "
+        "escape of executor/runtimes/known_escapes.toml. Off: a vulnerable engine is a "
+        "start-up WARNING and the studio_code_engine_vulnerable gauge, and runs go on.",
+    )
     database_url: str = Field(
         "", description="Run store URL (SQLAlchemy). Empty: a SQLite file in STUDIO_DATA_DIR."
     )

@@ -22,6 +22,10 @@ def _serving() -> str | None:
     return None
 
 
+def _no_engine() -> dict[str, Any] | None:
+    return None
+
+
 @dataclass
 class WorkerContext:
     """What a worker's steps share.
@@ -31,11 +35,14 @@ class WorkerContext:
       by the heartbeat;
     * ``not_serving_reason``: why the worker should not count as serving now (None: it
       does); the gate's ``pause_reason`` on a worker.
+    * ``engine``: the engine under its sandboxes as the heartbeat announces it (None: none,
+      or not read yet); the upkeep's ``EngineWatch.announcement`` on a worker.
     """
 
     test_slots: int = 0
     store_id: str = ""
     not_serving_reason: Callable[[], str | None] = field(default=_serving)
+    engine: Callable[[], dict[str, Any] | None] = field(default=_no_engine)
 
 
 class StudioCelery(Celery):

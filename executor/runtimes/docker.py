@@ -35,6 +35,7 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.constants import KILL_GRACE_S
+from executor.runtimes.engine import POSTURE_TTL_S
 from executor.runtimes.seccomp import profile_json
 from executor.settings import Settings, sandbox_ids
 
@@ -114,6 +115,7 @@ def container_name(job_id: str) -> str:
 
 
 if TYPE_CHECKING:
+    from executor.runtimes.engine import EnginePosture
     from executor.runtimes.pool import SandboxPool
 
 
@@ -131,6 +133,7 @@ class DockerRuntime(Runtime):
         self.pool: SandboxPool | None = None
         #: sandboxes whose removal failed (the engine was away): retried, see retry_leftovers
         self._leftovers: set[str] = set()
+        self._posture: tuple[float, EnginePosture] | None = None
 
     # --- what it can do (the Runtime interface) ---------------------------------------
 
@@ -170,6 +173,20 @@ class DockerRuntime(Runtime):
 
     def pool_stats(self) -> dict[str, Any] | None:
         return self.pool.stats() if self.pool is not None else None
+
+    def engine_posture(self, *, fresh: bool = False) -> EnginePosture | None:
+        cached = self._posture
+        if cached is not None and not fresh and time.monotonic() - cached[0] < POSTURE_TTL_S:
+            return cached[1]
+        from executor.runtimes.engine import read_posture
+
+        try:
+            posture = read_posture(self.api, oci_runtime=self.settings.code_oci_runtime)
+        except (DockerException, RuntimeUnavailable, OSError) as e:
+            log.debug("engine posture not read: %s", e)
+            return None
+        self._posture = (time.monotonic(), posture)
+        return posture
 
     def on_path(self) -> AbstractContextManager[None]:
         return self.pool.on_path() if self.pool is not None else nullcontext()
@@ -236,6 +253,10 @@ class DockerRuntime(Runtime):
                     '"runtimes" in /etc/docker/daemon.json, or leave the setting empty for '
                     "the engine's default."
                 )
+        if self.settings.code_engine_refuse_vulnerable:
+            refused = self._refused_engine()
+            if refused is not None:
+                return refused
         image = language.image(self.settings)
         try:
             self.api.inspect_image(image)
@@ -247,6 +268,22 @@ class DockerRuntime(Runtime):
         except DockerException as e:
             return _docker_down(e)
         return None
+
+    def _refused_engine(self) -> str | None:
+        posture = self.engine_posture()
+        if posture is None:
+            return (
+                "STUDIO_CODE_ENGINE_REFUSE_VULNERABLE is on and the Docker engine's versions "
+                "could not be read (docker version): check the engine, or turn the setting off."
+            )
+        if not posture.vulnerable:
+            return None
+        ids = ", ".join(f"{a.component} {a.cve}" for a in posture.advisories if a.applies)
+        return (
+            f"STUDIO_CODE_ENGINE_REFUSE_VULNERABLE is on and the Docker engine has known "
+            f"container escapes ({ids}): upgrade it (docs/security.md, 'The engine posture'), "
+            "or turn the setting off to run with a WARNING."
+        )
 
     # --- one call -----------------------------------------------------------------------
 

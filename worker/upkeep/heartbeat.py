@@ -5,10 +5,11 @@ once a job that no live worker would take, and an autoscaler can read live slots
 The announcements live in one Redis hash per queue (``protocol.workers_key``): field = the
 worker's nodename, value = JSON with the queue, the slots it gives that queue, its state
 (``serving``, or ``paused`` with the reason ``not_serving_reason`` gave), its host, pid and
-run store, and ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks
-disagree still agree on who is alive). A worker that stops cleanly removes its fields at
-once; a killed one stops counting ``heartbeat_ttl_s`` after its last beat (its field is
-removed by the next beat of any worker of that queue).
+run store, its engine (versions and known escapes, worker/upkeep/engine.py; null without one), and
+``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks disagree still agree
+on who is alive). A worker that stops cleanly removes its fields at once; a killed one stops
+counting ``heartbeat_ttl_s`` after its last beat (its field is removed by the next beat of
+any worker of that queue).
 
 Cost: one script call per beat (all queues of the worker), one per read (all queues asked).
 """
@@ -98,6 +99,7 @@ class WorkerInfo:
     store_id: str = ""
     seen_at: float = 0.0
     expires_at: float = 0.0
+    engine: dict[str, Any] | None = None
 
     @property
     def serving(self) -> bool:
@@ -113,6 +115,7 @@ class WorkerInfo:
             "pid": self.pid,
             "store": self.store,
             "store_id": self.store_id,
+            "engine": self.engine,
         }
 
     @classmethod
@@ -129,6 +132,7 @@ class WorkerInfo:
                 pid=int(d.get("pid") or 0),
                 store=str(d.get("store") or ""),
                 store_id=str(d.get("store_id") or ""),
+                engine=_engine(d.get("engine")),
                 seen_at=float(d.get("seen_at") or 0),
                 expires_at=float(d.get("expires_at") or 0),
             )
@@ -154,6 +158,13 @@ class WorkerRegistry:
         for queue in names:
             out.setdefault(queue, [])
         return out
+
+
+def _engine(raw: Any) -> dict[str, Any] | None:
+    if not isinstance(raw, dict):
+        return None
+    # Redis's cjson writes an empty list back as {}
+    return {**raw, "advisories": list(raw.get("advisories") or [])}
 
 
 def summary(live: dict[str, list[WorkerInfo]]) -> dict[str, dict[str, Any]]:
@@ -195,6 +206,7 @@ class Heartbeat:
         not_serving_reason: Callable[[], str | None] = _never,
         store: str = "",
         store_id: Callable[[], str] | str = "",
+        engine: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.nodename = nodename
         self.slots = dict(slots)
@@ -203,6 +215,7 @@ class Heartbeat:
         self.not_serving_reason = not_serving_reason
         self.store = store
         self._store_id = store_id
+        self._engine = engine
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
         self._beat = self.redis.register_script(_BEAT_LUA)
         # its thread: restarted when the loop raises (worker.upkeep.loop)
@@ -225,6 +238,14 @@ class Heartbeat:
                 return ""
         return self._store_id
 
+    def _engine_now(self) -> dict[str, Any] | None:
+        if self._engine is None:
+            return None
+        try:
+            return self._engine()
+        except Exception:  # noqa: BLE001 - the engine does not answer: announce without it
+            return None
+
     def beat(self) -> str:
         """Announce once on every queue; returns the state announced."""
         reason = self._reason()
@@ -237,6 +258,7 @@ class Heartbeat:
             "pid": os.getpid(),
             "store": self.store,
             "store_id": self._identity(),
+            "engine": self._engine_now(),
         }
         queues = sorted(self.slots)
         entries = [json.dumps({**base, "queue": q, "slots": self.slots[q]}) for q in queues]
@@ -346,6 +368,8 @@ class HeartbeatStep(bootsteps.StartStopStep):
             # read by the janitor when it opened the store (no second connection here, and
             # nothing that could hang the beat while the store is down)
             store_id=lambda: context.store_id,
+            # the upkeep's last read of the engine (worker.upkeep.engine): never waits for it
+            engine=lambda: context.engine(),
         )
         self.heartbeat.start()
 

@@ -1,7 +1,8 @@
 """The one owner of the worker's main-process upkeep: its one run store, one Redis client,
 one runtime (through one Executor) and one parked-result flusher, and the loops that use them:
 the gate's probe (worker.upkeep.gate) and the janitor (worker.upkeep.janitor: reaper, queued
-sweep, retention; its revoke backstop runs on Celery's ``task_revoked``).
+sweep, retention; its revoke backstop runs on Celery's ``task_revoked``); the engine's posture
+is read through the same runtime (worker.upkeep.engine).
 
 ``UpkeepStep`` is the worker step that builds it once the pool runs and stops it at shutdown.
 The heartbeat stays a consumer step (it follows the broker connection: announced when the task
@@ -25,6 +26,7 @@ from executor.service import Executor
 from executor.settings import Settings
 from executor.store import RunStore, open_store
 from worker.context import studio_app
+from worker.upkeep.engine import EngineWatch
 from worker.upkeep.flusher import Flusher
 from worker.upkeep.gate import GateWatch
 from worker.upkeep.janitor import Janitor, guard_terminate
@@ -116,6 +118,8 @@ class Upkeep:
         self.gate = GateWatch(
             settings, flush=self.flusher, store=self.store, executor=self.executor
         )
+        # the engine's posture, through the same runtime (the heartbeat announces it)
+        self.engine = EngineWatch(self.executor.runtime)
         self.janitor = Janitor(
             settings,
             nodename,
@@ -131,6 +135,7 @@ class Upkeep:
             self.gate.probe_once()  # a worker that starts with its store down waits
         except Exception:  # noqa: BLE001
             log.exception("first gate probe failed")
+        self.engine.posture()  # its WARNING, when an escape applies, is part of the start-up
         self.gate.start()
         self.janitor.start()
 
@@ -163,6 +168,7 @@ class UpkeepStep(bootsteps.StartStopStep):
         context = app.context
         self.upkeep.late_store.on_open = lambda store_id: setattr(context, "store_id", store_id)
         context.store_id = self.upkeep.store.store_id
+        context.engine = self.upkeep.engine.announcement
         if w.pool is not None and hasattr(w.pool, "terminate_job"):
             guard_terminate(w.pool, self.upkeep.store)
         signals.task_revoked.connect(self.upkeep.janitor.on_revoked, weak=False)
