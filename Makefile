@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The exact version of every package the venv and the app image install (`make lock` makes
+# it from pyproject.toml's ranges; docs/operations.md, "Upgrading dependencies").
+LOCK := requirements.lock
 # Compose: deploy/compose.sh picks the plugin or docker-compose, the network variant and
 # the env file. PROJECT names the deployment (a test uses its own).
 PROJECT ?= studio-code
@@ -11,7 +14,7 @@ COMPOSE := COMPOSE_PROJECT_NAME=$(PROJECT) deploy/compose.sh
 N ?= 4
 WORKERS ?= 1
 
-.PHONY: help host install image demo test bench soak lint worker up down scale clean
+.PHONY: help host install lock image demo test bench soak lint worker up down scale clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -19,16 +22,27 @@ help: ## this list
 host: ## install/start what this machine lacks (Docker engine, debootstrap, ...): scripts/host-setup.sh
 	@scripts/host-setup.sh
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[http,dev]'
+	$(PY) -m pip install -q -c $(LOCK) --upgrade pip
+	$(PY) -m pip install -q -c $(LOCK) -e '.[http,dev]'
 	@# as a regular (non-editable) pip install does: the CLI then starts without compiling
 	@# the project's modules (a later edit is recompiled in memory, never run stale)
 	$(PY) -m compileall -q executor worker api_client >/dev/null
 	@touch $@
 
-install: $(STAMP) ## create .venv with the project, Deno and the test tools
+install: $(STAMP) ## create .venv with the project, Deno and the test tools, at the versions of requirements.lock
+
+# Resolved for every Python the project supports (3.11 up, the app image's 3.12 and Debian's
+# 3.13 included) and every platform (--universal), with two names beside the project's:
+# pip (what the venv upgrades to) and hatchling (the app image's build backend). Pins that
+# still fit are kept; LOCK_ARGS=--upgrade takes the newest in range, or
+# LOCK_ARGS='--upgrade-package celery --upgrade-package kombu' only those.
+lock: ## re-resolve requirements.lock from pyproject.toml (LOCK_ARGS=--upgrade for the newest)
+	@test -x $(VENV)/bin/uv || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q -c $(LOCK) uv; }
+	printf 'pip\nhatchling\n' | $(VENV)/bin/uv pip compile --quiet --universal \
+	  --python-version 3.11 --extra http --extra dev --custom-compile-command 'make lock' \
+	  $(LOCK_ARGS) -o $(LOCK) pyproject.toml -
 
 image: $(STAMP) ## build studio-code:1 and studio-code-ts:1 (registry if reachable, else offline)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" docker/build.sh all

@@ -456,7 +456,7 @@ def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     """Run a Celery worker (``celery -A worker worker`` with this process's Settings). Its
     banner and logs go to stderr; ONE JSON object goes to stdout when it stops."""
-    from worker.app import worker_app
+    from worker.glue.app import worker_app
 
     extra = list(args.celery_args or [])
     if extra and extra[0] == "--":
@@ -779,6 +779,21 @@ def main(argv: list[str] | None = None) -> int:
         _print(out)
         return 1
     except Exception as e:  # noqa: BLE001 - still ONE JSON object; the traceback to stderr
+        from executor.outage import is_redis_outage
+
+        if is_redis_outage(e):
+            log.warning("studio-code %s: Redis is not reachable: %s", args.command, e)
+            _print(
+                _refusal(
+                    args.command,
+                    ErrorCode.RUNTIME_UNAVAILABLE,
+                    f"Redis is not reachable ({type(e).__name__}: {e}): check that it is up "
+                    "and that STUDIO_REDIS_URL points at it, then try again.",
+                    status="failed",
+                    runtime=settings.code_runtime,
+                )
+            )
+            return 1
         log.exception("studio-code %s failed", args.command)
         _print(
             _refusal(

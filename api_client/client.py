@@ -44,10 +44,9 @@ from executor.store import (
     RunSummary,
     decode_cursor,
     encode_cursor,
+    open_store,
 )
-from executor.store.guard import guard, open_guarded
-from worker.cancel import CancelWatch
-from worker.heartbeat import WorkerInfo, WorkerRegistry, summary
+from worker.job.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
     QUEUES,
@@ -63,6 +62,7 @@ from worker.protocol import (
     rate_key,
     visibility_timeout_s,
 )
+from worker.upkeep.heartbeat import WorkerInfo, WorkerRegistry, summary
 
 log = logging.getLogger("studio_code.api_client")
 
@@ -141,9 +141,7 @@ class CodeClient:
         self.settings = settings
         self._own_store = store is None
         self.store: RunStore = (
-            guard(store)
-            if store is not None
-            else open_guarded(settings.sqlalchemy_url, create=create_store)
+            store if store is not None else open_store(settings.sqlalchemy_url, create=create_store)
         )
         log.info("run store: %s", self.store.describe())
         self.executor = Executor(settings, audit=self.store)
@@ -167,7 +165,7 @@ class CodeClient:
     def app(self) -> Any:
         """The client-side Celery app (made on first use)."""
         if self._app is None:
-            from worker.app import make_app
+            from worker.glue.app import make_app
 
             self._app = make_app(self.settings)
         return self._app
@@ -205,7 +203,11 @@ class CodeClient:
         meta = runtime_meta(self.executor, fresh=fresh)
         meta["store"] = self.store_info()
         try:
-            meta["workers"] = summary(self.live_workers())
+            live = self.live_workers()
+            meta["workers"] = summary(live)
+            # each worker's engine, as its heartbeat announces it (None: it has none, or an
+            # older worker that does not announce it)
+            meta["engine"]["workers"] = {i.nodename: i.engine for q in live.values() for i in q}
         except redis.RedisError as e:
             meta["workers"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
         return meta

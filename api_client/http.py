@@ -92,6 +92,7 @@ from api_client.wire import (  # noqa: F401 - re-exported: every wire record imp
 from executor.errors import ErrorCode, RateLimited, SettingsError, StudioCodeError
 from executor.inputs import capped_timeout_s
 from executor.models import Status
+from executor.outage import is_outage
 from executor.settings import Settings
 from executor.store.base import JobRecord
 
@@ -169,16 +170,6 @@ def _from_http_exception(request: Request, e: StarletteHTTPException) -> JSONRes
     return _error_response(e.status_code, code, message, dict(e.headers or {}) or None)
 
 
-def _is_unreachable(e: BaseException) -> bool:
-    """Redis or the database went away: an infrastructure 503, not a bug (500)."""
-    names = {c.__name__ for c in type(e).__mro__}
-    modules = {c.__module__.split(".")[0] for c in type(e).__mro__}
-    return bool(
-        names & {"OperationalError", "ConnectionError", "TimeoutError", "InterfaceError"}
-        and modules & {"redis", "kombu", "sqlalchemy", "psycopg", "builtins", "celery"}
-    )
-
-
 class ErrorRoute(APIRoute):
     """Turns what a route raises into the JSON error body, inside the router, so the
     studio's own app needs no exception handler of ours when it mounts the router."""
@@ -198,7 +189,7 @@ class ErrorRoute(APIRoute):
             except StarletteHTTPException as e:
                 return _from_http_exception(request, e)
             except Exception as e:
-                if _is_unreachable(e):
+                if is_outage(e):
                     log.warning("dependency unreachable on %s: %s", request.url.path, e)
                     return _error_response(
                         503,
@@ -319,7 +310,7 @@ class Services:
             return None
 
     def health(self) -> dict[str, str | None]:
-        from worker.health import dependency_problems
+        from worker.metrics.health import dependency_problems
 
         try:
             store = getattr(self.client, "store", None)
@@ -331,7 +322,7 @@ class Services:
         """Live workers per queue (serving, slots, paused with reasons); None when Redis or
         the client cannot be reached (the checks say why)."""
         try:
-            from worker.heartbeat import summary
+            from worker.upkeep.heartbeat import summary
 
             return summary(self.client.live_workers())
         except Exception:  # noqa: BLE001 - readiness reports, never raises

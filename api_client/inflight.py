@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from executor.errors import RateLimited, RuntimeUnavailable
+from worker.protocol import in_flight_key
 
 #: Retry-After of a refused call: a test call usually ends within seconds
 RETRY_AFTER_S = 2
@@ -43,11 +44,6 @@ local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', key, tonumber(last[2]) - now + 1000)
 return 1
 """
-
-
-def in_flight_key(user: str) -> str:
-    """The sorted set of one user's editor test calls that are waiting for their result."""
-    return f"studio:inflight:test:{user or '-'}"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Live logs, the reader's side: follow a job's Redis stream (worker.live_logs) until the
+"""Live logs, the reader's side: follow a job's Redis stream (worker.job.live_logs) until the
 run store says the job has finished, then end with the stored outcome.
 
 ``follow`` (sync: ``CodeClient.follow_logs``, the CLI) and ``follow_async`` (the SSE route)
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from executor.store import JobRecord, RunSummary
-from worker.live_logs import logs_key
+from worker.protocol import logs_key
 
 BLOCK_MS = 500
 MARK = "\n[logs truncated:"

@@ -157,6 +157,12 @@ class RuntimeMeta(BaseModel):
     sandbox_user: dict[str, Any]
     warnings: list[str] = Field(default_factory=list)
     pool: dict[str, Any] | None = None
+    engine: dict[str, Any] | None = Field(
+        None,
+        description="The Docker engine under the sandboxes and its known container escapes: "
+        "this_process (the answering process's engine, null without one), workers (each live "
+        "worker's, from its heartbeat), refuse_vulnerable (STUDIO_CODE_ENGINE_REFUSE_VULNERABLE).",
+    )
 
 
 class Health(BaseModel):

@@ -14,8 +14,10 @@ SECTIONS = [
     "bench.http",
     "bench.cli",
     "bench.history",
+    "bench.store_open",
     "bench.live_logs",
     "bench.pool",
+    "bench.upkeep",
     "bench.engine",
     "bench.sockguard",
 ]

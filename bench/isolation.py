@@ -1,5 +1,7 @@
 """What keeping subprocess runs apart costs (issue 9): a trivial Python node with a uid and
 a cgroup of its own, with a uid but no cgroup, against the same runner spawned bare.
+Under a non-root server (issue 22): a run in namespaces of its own against one without
+(STUDIO_CODE_SUBPROCESS_NAMESPACES=off), and both against the runner spawned bare.
 Interleaved in one run, so each side sees the same machine noise.
 
     python -m bench.isolation [--n 30]
@@ -28,18 +30,18 @@ def main() -> None:
     full = Executor(
         load_settings(enable_code_nodes=True, code_runtime="subprocess", code_languages="python")
     )
-    no_cgroup = Executor(
+    # a root server: without its cgroup; a non-root one: without its namespaces
+    less = {"code_subprocess_cgroup" if os.getuid() == 0 else "code_subprocess_namespaces": "off"}
+    lesser = Executor(
         load_settings(
-            enable_code_nodes=True,
-            code_runtime="subprocess",
-            code_languages="python",
-            code_subprocess_cgroup="off",
+            enable_code_nodes=True, code_runtime="subprocess", code_languages="python", **less
         )
     )
     iso = full.runtime.isolation  # type: ignore[union-attr]
     print(
         f"# bench.isolation: n={n} per side, interleaved; p50 / p95 in ms; server uid "
-        f"{os.getuid()}, separate uids {iso['separate_uids']}, cgroup {iso['cgroup']}"
+        f"{os.getuid()}, separate uids {iso['separate_uids']}, cgroup {iso['cgroup']}, "
+        f"namespaces {iso['namespaces']} ({iso['namespaces_reason']})"
     )
 
     def via(ex: Executor) -> Callable[[], object]:
@@ -56,12 +58,17 @@ def main() -> None:
     def bare_runner() -> None:
         subprocess.run(argv, input=payload, capture_output=True, env={}, check=True)
 
-    a, b, c = interleave(n, [via(full), via(no_cgroup), bare_runner])
+    a, b, c = interleave(n, [via(full), via(lesser), bare_runner])
     print("| what | p50 / p95 | floor p50 / p95 | ratio, delta |")
     print("|---|---|---|---|")
-    print(row("own uid + cgroup vs the runner spawned bare", a, c, None))
-    print(row("own uid, no cgroup vs the runner spawned bare", b, c, None))
-    print(row("own uid + cgroup vs own uid, no cgroup", a, b, None))
+    if os.getuid() == 0:
+        print(row("own uid + cgroup vs the runner spawned bare", a, c, None))
+        print(row("own uid, no cgroup vs the runner spawned bare", b, c, None))
+        print(row("own uid + cgroup vs own uid, no cgroup", a, b, None))
+    else:
+        print(row("non-root, own namespaces vs the runner spawned bare", a, c, None))
+        print(row("non-root, no namespaces vs the runner spawned bare", b, c, None))
+        print(row("non-root, own namespaces vs no namespaces", a, b, None))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@
 #               studio-code-pybase:1      python3 + python3-venv: the app image's BASE
 #             The app image studio-code-app:1 is then `docker build -f deploy/Dockerfile
 #             --build-arg BASE=studio-code-pybase:1 --network host`: pip installs the
-#             project's dependencies from PyPI (or PIP_INDEX_URL, a mirror) inside the build.
+#             project's dependencies from PyPI (or PIP_INDEX_URL, a mirror) inside the build,
+#             at the versions of requirements.lock.
 # Default: registry when the image is present or `docker pull` gets it within
 # STUDIO_PULL_TIMEOUT seconds (20), else offline; decided per image.
 #
@@ -221,8 +222,8 @@ app() {
   # STUDIO_BUILD_CA_FILE.
   local ctx ca=${STUDIO_BUILD_CA_FILE:-${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}}
   ctx=$(mktemp -d "$TMP_ROOT/app.XXXXXX")
-  cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/executor" "$ROOT/worker" \
-    "$ROOT/api_client" "$ctx/"
+  cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/requirements.lock" "$ROOT/executor" \
+    "$ROOT/worker" "$ROOT/api_client" "$ctx/"
   find "$ctx" -name __pycache__ -prune -exec rm -rf {} +
   if [[ -r $ca ]]; then cp "$ca" "$ctx/build-ca.pem"; fi
   log "app: docker build -f deploy/Dockerfile --build-arg BASE=$base -> $APP_IMAGE"

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from executor.runtimes.docker import TMPFS_SIZE
+from executor.runtimes.engine import sandbox_proof
 from executor.runtimes.seccomp import profile_sha256
 from executor.service import Executor
 from executor.settings import KNOWN_LANGUAGES, NOBODY, sandbox_ids
@@ -45,6 +46,10 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         from executor.runtimes.subprocess import isolation_warning
 
         warnings.append(isolation_warning(isolation))
+    posture = runtime.engine_posture(fresh=fresh) if runtime is not None else None
+    engine_warning = posture.warning() if posture is not None else None
+    if engine_warning is not None:
+        warnings.append(engine_warning)
     from executor.store.sql import describe_url  # SQLAlchemy's URL parser; no driver
 
     return {
@@ -87,6 +92,21 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             else None
         ),
         "warnings": warnings,
+        # The Docker engine under the sandboxes and its known escapes, as this process sees
+        # it (None: no engine here, e.g. the API under Compose has no socket); the API adds
+        # each worker's own, from its heartbeat (docs/security.md, "The engine posture")
+        "engine": {
+            "this_process": posture.model_dump(mode="json") if posture is not None else None,
+            "refuse_vulnerable": s.code_engine_refuse_vulnerable,
+            "workers": None,
+            # asked fresh (studio-code meta): what the kernel says from inside one sandbox
+            # (no_new_privs, a seccomp filter, capabilities, uid); None otherwise
+            "sandbox": (
+                sandbox_proof(executor)
+                if fresh and posture is not None and "python" in s.languages
+                else None
+            ),
+        },
         "subprocess_isolation": isolation,
         # Pre-started sandboxes: the setting, and this process's own pool when it keeps one
         # (a worker's pool process; the API's process starts sandboxes cold).

@@ -191,6 +191,13 @@ class Settings(BaseSettings):
         description="The OCI runtime Docker starts sandboxes with (a name `docker info` lists "
         "under Runtimes, e.g. crun). Empty: the engine's default (runc).",
     )
+    code_engine_refuse_vulnerable: bool = Field(
+        False,
+        description="Docker runtime: refuse to run (the runtime is not ready, naming the "
+        "advisories) while the engine's runc, containerd or dockerd has a known container "
+        "escape of executor/runtimes/known_escapes.toml. Off: a vulnerable engine is a "
+        "start-up WARNING and the studio_code_engine_vulnerable gauge, and runs go on.",
+    )
     database_url: str = Field(
         "", description="Run store URL (SQLAlchemy). Empty: a SQLite file in STUDIO_DATA_DIR."
     )
@@ -229,6 +236,12 @@ class Settings(BaseSettings):
         description="Subprocess mode: where each run gets a cgroup (memory including /dev/shm "
         "and tmpfs pages, pids, one kill for all at the end). auto: under the server's own "
         "cgroup; a path such as /studio-code: a cgroup made for the server; off: none.",
+    )
+    code_subprocess_namespaces: str = Field(
+        "auto",
+        description="Subprocess mode under a non-root server: auto starts each run in a user, "
+        "PID and mount namespace of its own (it cannot see, signal or trace the server or "
+        "other runs) when the kernel allows unprivileged user namespaces; off: never.",
     )
 
     queue_require_worker: bool = Field(
@@ -418,6 +431,13 @@ class Settings(BaseSettings):
         if v in ("auto", "off") or (v.startswith("/") and ".." not in v.split("/")):
             return v
         raise ValueError("auto, off, or an absolute cgroup path such as /studio-code")
+
+    @field_validator("code_subprocess_namespaces")
+    @classmethod
+    def _subprocess_namespaces(cls, v: str) -> str:
+        if v in ("auto", "off"):
+            return v
+        raise ValueError("auto or off")
 
     @field_validator("api_token")
     @classmethod

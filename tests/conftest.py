@@ -270,6 +270,16 @@ def pg_schema_url(postgres_url: str) -> Iterator[str]:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty run store of the test's own: a SQLite file, or a PostgreSQL schema
+    (``pg_schema_url``). A module may define its own."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'runs.db'}"
+    else:
+        yield request.getfixturevalue("pg_schema_url")
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
     """Run the real `studio-code` console script; returns the CompletedProcess."""
     full_env = {**os.environ, **(env or {})}

@@ -15,7 +15,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -93,6 +94,35 @@ def kill_pids(pids: Sequence[int]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def in_processes(
+    target: Callable[..., None], args: Sequence[tuple[Any, ...]], timeout_s: float = 240
+) -> list[Any]:
+    """``target(*a, barrier, out)`` for each ``a`` of ``args``, each in a spawned process of
+    its own; ``barrier`` lets them all go at once and each puts one report on ``out``.
+    Returns the reports, as they came, once every process ended with status 0 (one still
+    running a minute after its report is killed)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(len(args))
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, barrier, out)) for a in args]
+    for p in procs:
+        p.start()
+    try:
+        reports = [out.get(timeout=timeout_s) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        out.close()
+        out.join_thread()
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return reports
 
 
 class StopsOnExit:
@@ -195,6 +225,22 @@ class Service(StopsOnExit):
                 pass
             code = self.wait(10)
         return code
+
+
+def tree_usage(pid: int) -> tuple[int, int, int]:
+    """Open fds, RSS (bytes) and threads of ``pid``'s process tree, from /proc."""
+    fds = rss = threads = 0
+    for p in process_tree(pid):
+        try:
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss += int(line.split()[1]) * 1024
+                elif line.startswith("Threads:"):
+                    threads += int(line.split()[1])
+        except OSError:
+            pass
+    return fds, rss, threads
 
 
 # --- Redis ----------------------------------------------------------------------------------
@@ -391,6 +437,83 @@ class ApiServer(Service):
         except BaseException:
             self.stop()
             raise
+
+
+# --- what a worker leaves while it works ------------------------------------------------------
+
+LABEL_OWNER = "studio.owner"
+#: a sandbox that ran and ended: what awaits its removal (a pre-started one waiting for its
+#: job is running; one being created for a cold job is "created", not used yet)
+ENDED = ("exited", "dead")
+
+
+def ended_sandboxes(api: Any, owners: set[str]) -> list[dict]:
+    """The sandboxes of ``owners`` (host:pid of a worker's pool processes: their
+    studio.owner label) that ended and are not removed yet, on the engine of ``api``."""
+    out = []
+    for status in ENDED:
+        for c in api.containers(all=True, filters={"label": LABEL_OWNER, "status": status}):
+            if (c.get("Labels") or {}).get(LABEL_OWNER) in owners:
+                out.append(c)
+    return out
+
+
+@dataclass
+class Backlog:
+    """What ``watch_backlog`` saw."""
+
+    records: dict[str, Any]
+    samples: int = 0
+    ended_max: int = 0
+    worst: list[str] = field(default_factory=list)  # the sandboxes of the worst sample
+    #: finished jobs -> the worker tree's (fds, RSS bytes, threads) when first reached
+    usage: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        first, last = min(self.usage), max(self.usage)
+        (f0, r0, t0), (f1, r1, t1) = self.usage[first], self.usage[last]
+        return (
+            f"ended-awaiting-removal max {self.ended_max} over {self.samples} samples; "
+            f"job {first} -> job {last}: fds {f0} -> {f1}, "
+            f"RSS {r0 / 2**20:.1f} -> {r1 / 2**20:.1f} MiB, threads {t0} -> {t1}"
+        )
+
+
+def watch_backlog(
+    api: Any,
+    store: Any,
+    job_ids: list[str],
+    worker: Service,
+    owners: set[str],
+    *,
+    marks: Sequence[int],
+    interval_s: float = 0.5,
+    timeout_s: float = 480.0,
+) -> Backlog:
+    """Until every one of ``job_ids`` is finished (in ``store``), sample every
+    ``interval_s``: the ended sandboxes of ``owners`` awaiting removal, and the worker's
+    fds/RSS/threads when the count of finished jobs first reaches each of ``marks``."""
+    seen = Backlog(records={})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ended = ended_sandboxes(api, owners)
+        seen.samples += 1
+        if len(ended) > seen.ended_max:
+            seen.ended_max = len(ended)
+            seen.worst = [f"{c['Names'][0]} {c['Status']}" for c in ended[:8]]
+        seen.records = store.get_many(job_ids)
+        done = sum(1 for r in seen.records.values() if r.finished)
+        for mark in marks:
+            if done >= mark and mark not in seen.usage:
+                seen.usage[mark] = tree_usage(worker.pid)
+        if done == len(job_ids):
+            return seen
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{len(job_ids) - done} of {len(job_ids)} jobs not finished after "
+                f"{timeout_s:g} s\n{worker.tail(40)}"
+            )
+        time.sleep(interval_s)
 
 
 # --- the Docker socket guard ------------------------------------------------------------------

@@ -116,6 +116,10 @@ def test_meta(python_image):
     assert python["packages"] == ["pydantic", "python-dateutil"]
     assert out["limits"]["memory"] == "256m" and out["limits"]["pids"] == 64
     assert "uid" in out["sandbox_user"]
+    # the engine, and (asked fresh) what the kernel applied inside a sandbox
+    assert out["engine"]["this_process"]["docker"]["version"]
+    assert out["engine"]["sandbox"]["no_new_privs"] is True, out["engine"]
+    assert out["engine"]["sandbox"]["seccomp_filter"] is True
 
 
 # --- every outcome is ONE JSON object of the documented shape (issue 11) --------------------

@@ -110,11 +110,11 @@ def test_submit_with_no_worker_is_refused_at_once(
 def test_a_paused_worker_does_not_count_and_says_why(
     redis_server: Any, tmp_path: Path, make_settings: Any
 ) -> None:
-    """The heartbeat itself (worker.heartbeat.Heartbeat) on a real Redis: while its
+    """The heartbeat itself (worker.upkeep.heartbeat.Heartbeat) on a real Redis: while its
     not_serving_reason gives a sentence, the worker is announced paused, the API refuses
     and quotes the reason; once it answers None again, submits pass."""
     from api_client import RuntimeUnavailable
-    from worker.heartbeat import Heartbeat
+    from worker.upkeep.heartbeat import Heartbeat
 
     reason: list[str | None] = ["Docker is not reachable at unix:///nowhere.sock"]
     beat = Heartbeat(
@@ -623,7 +623,7 @@ def test_jobs_consumed_while_the_store_was_down_are_sent_again(
     sweep finds rows with no message and sends them again; each job runs exactly once."""
     from sqlalchemy.engine import make_url
 
-    from worker.queued import broker_job_ids
+    from worker.upkeep.queued import broker_job_ids
 
     real = make_url(pg_schema_url)
     relay = Relay(real.port or 5432)

@@ -160,6 +160,37 @@ def test_meta_reports_python_ready(stack: Stack) -> None:
     assert meta["limits"]["test_per_minute"] == 20
 
 
+def test_meta_shows_the_engine_posture(stack: Stack, docker_client: Any) -> None:
+    """The engine under the sandboxes, over HTTP: the API process's own (it has the socket
+    here) and the worker's, from its heartbeat; the versions as the engine reports them."""
+    reported = docker_client.version()
+    runc = next(c["Version"] for c in reported["Components"] if c["Name"] == "runc")
+    meta = stack.http.get("/api/meta/runtime").json()
+    engine = meta["engine"]
+    assert engine["refuse_vulnerable"] is False
+    here = engine["this_process"]
+    assert here["docker"]["version"] == reported["Version"]
+    assert here["api_version"] == reported["ApiVersion"]
+    assert here["runc"]["version"] == runc
+    for field in ("containerd", "oci_runtime", "cgroup_version", "cgroup_driver", "seccomp"):
+        assert field in here, field
+    for field in ("userns_remap", "rootless", "advisories", "vulnerable"):
+        assert field in here, field
+    flagged = [a["cve"] for a in here["advisories"] if a["applies"]]
+    assert here["vulnerable"] is bool(flagged)
+    if flagged:  # said in the warnings too, with the way out, and in the worker's start-up log
+        assert any(all(cve in w for cve in flagged) for w in meta["warnings"]), meta["warnings"]
+        logged = [line for line in stack.worker.output().splitlines() if "escapes" in line]
+        assert logged and "WARNING" in logged[0], logged
+        assert all(cve in logged[0] for cve in flagged) and "upgrade" in logged[0].lower()
+    workers = engine["workers"]
+    assert workers, engine  # the stack's one worker
+    (announced,) = workers.values()
+    assert announced["docker"] == reported["Version"] and announced["runc"] == runc
+    assert announced["vulnerable"] is here["vulnerable"]
+    assert sorted(announced["advisories"]) == sorted(flagged)
+
+
 # --- validate ----------------------------------------------------------------------------
 
 

@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("sqlalchemy", "redis", "celery", "kombu", "docker", "requests", "tree_sitter")
+HEAVY = (
+    "sqlalchemy",
+    "alembic",
+    "redis",
+    "celery",
+    "kombu",
+    "docker",
+    "requests",
+    "tree_sitter",
+)
 #: the queue and the run store, which `studio-code run` (no queue) must not load
 QUEUE_AND_STORE = (
     "sqlalchemy",
@@ -211,24 +220,15 @@ def test_the_languages_never_import_the_runtimes():
             if not m.name.endswith("_runner"):
                 importlib.import_module(m.name)
         from executor.models import RawRun
-        from executor.runtimes.base import RawRun as Again  # re-exported: old imports work
-        assert RawRun is Again
     """)
     assert "executor.models" in mods
 
 
-def test_a_pool_process_loads_no_metrics_server_and_moved_names_still_import():
+def test_a_pool_process_loads_no_metrics_server():
     """worker.metrics (what pool processes record) loads neither the server nor the health
-    checks; the names that moved out are still importable from it, on first use."""
+    checks."""
     mods = loaded_after("import worker.metrics")
-    assert loaded_of(mods, ("worker.metrics_server", "worker.health")) == []
-    loaded_after("""
-        from worker.metrics import MetricsServer, connect_worker_signals, dependency_problems
-        from worker import health, metrics_server
-        assert MetricsServer is metrics_server.MetricsServer
-        assert connect_worker_signals is metrics_server.connect_worker_signals
-        assert dependency_problems is health.dependency_problems
-    """)
+    assert loaded_of(mods, ("worker.metrics.server", "worker.metrics.health")) == []
 
 
 def test_the_wire_records_load_without_the_routes():

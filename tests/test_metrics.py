@@ -146,6 +146,14 @@ def test_scraped_counts_equal_the_jobs_run(
             time.sleep(0.5)
             samples = scrape(metrics_url)
         assert total(samples, "studio_code_language_ready", language="typescript") == 0
+        # the engine's posture, from the same probe: 1 exactly when a known escape applies
+        from executor.runtimes.engine import read_posture
+
+        vulnerable = read_posture(docker_client.api).vulnerable
+        assert ("studio_code_engine_vulnerable", ()) in samples, sorted(samples)
+        assert samples[("studio_code_engine_vulnerable", ())] == (1.0 if vulnerable else 0.0)
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).json()
+        assert health["engine"]["vulnerable"] is vulnerable, health
 
         assert not any(n.startswith("celery_") for n, _ in samples)
     finally:
@@ -283,7 +291,8 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
         "studio_code_timeouts_total",
         "studio_code_rate_limited_total",
         "studio_code_language_ready",
-        # autoscaling and API signals (worker.autoscale, api_client.http_metrics)
+        "studio_code_engine_vulnerable",
+        # autoscaling and API signals (worker.metrics.autoscale, api_client.http_metrics)
         "studio_code_queue_backlog",
         "studio_code_queue_oldest_seconds",
         "studio_code_worker_slots",

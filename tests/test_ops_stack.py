@@ -403,7 +403,7 @@ def test_backlog_and_oldest_wait_with_no_worker(
     import redis
 
     from api_client.client import CodeClient
-    from worker.autoscale import QueueCollector
+    from worker.metrics.autoscale import QueueCollector
 
     # no worker on purpose: the client must queue anyway instead of refusing (issue 8)
     settings = make_settings(

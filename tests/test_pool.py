@@ -427,7 +427,7 @@ def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_not
     assert {c["Id"] for c in idle}.isdisjoint(seen)
     w.kill_hard()
     assert pool_containers(docker_client, owner), "the idle sandbox outlived its owner"
-    from worker.janitor import Janitor
+    from worker.upkeep.janitor import Janitor
 
     janitor = Janitor(q.settings, "reaper@test")
     try:

@@ -178,3 +178,61 @@ def test_code_writing_to_the_result_channel_cannot_break_the_executor(executor, 
     r = run(executor, code)
     assert r.status is Status.FAILED
     assert r.error.code in ("CODE_ERROR", "CODE_OUTPUT_INVALID")
+
+
+#: how many times each fork program runs: the bug it guards against was a race (the child's
+#: reply beside the parent's on the result channel, or in place of it), so one run proves little
+FORK_RUNS = 10
+
+FORK_PROGRAMS = {
+    # the child does not _exit: it returns from main too, with the same value
+    "child-returns-the-same": (
+        "import os\ndef main(state):\n    os.fork()\n    return {'n': state['n']}\n"
+    ),
+    # the child answers FIRST (the parent waits for it), with a value of its own
+    "child-returns-first": (
+        "import os\n"
+        "def main(state):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        print('child was here', flush=True)\n"
+        "        return {'n': -1, 'who': 'child'}\n"
+        "    os.waitpid(pid, 0)\n"
+        "    return {'n': state['n']}\n"
+    ),
+    # the child raises after the parent waited for it: its error is no result either
+    "child-raises-first": (
+        "import os\n"
+        "def main(state):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        raise ValueError('from the child')\n"
+        "    os.waitpid(pid, 0)\n"
+        "    return {'n': state['n']}\n"
+    ),
+    # a fork before main (at import), and an atexit hook the child would run at exit
+    "fork-at-import-with-atexit": (
+        "import atexit, os\n"
+        'atexit.register(lambda: os.write(3, b\'{"ok": true, "output": "atexit"}\'))\n'
+        "CHILD = os.fork() == 0\n"
+        "def main(state):\n"
+        "    if CHILD:\n"
+        "        return {'n': -1, 'who': 'child'}\n"
+        "    return {'n': state['n']}\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("program", list(FORK_PROGRAMS), ids=list(FORK_PROGRAMS))
+def test_only_the_process_that_started_main_answers(executor, program):
+    """A node that forks without _exit in the child: the child returns from main (or raises)
+    into the runner as well. Only the process that started main writes the result, so the
+    outcome is the parent's, every time (it was a race: succeeded, or CODE_OUTPUT_INVALID
+    blaming the code for writing to the runner's file descriptors, or the child's output)."""
+    outcomes = []
+    for i in range(FORK_RUNS):
+        r = run(executor, FORK_PROGRAMS[program], json.dumps({"n": i}))
+        outcomes.append((r.status, r.error and r.error.code, r.output))
+        if program == "child-returns-first":
+            assert "child was here" in r.logs  # the child's own logs are kept
+    assert outcomes == [(Status.SUCCEEDED, None, {"n": i}) for i in range(FORK_RUNS)]

@@ -5,7 +5,6 @@ retention over 100,000 synthetic rows in bounded batches."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,15 +14,7 @@ from sqlalchemy import insert, inspect, text
 
 from executor.models import CodeJob, CodeResult, Status
 from executor.store import RunFilter, SqlRunStore, decode_cursor, encode_cursor, open_store
-from executor.store.sql import jobs
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'runs.db'}"
-    else:
-        yield request.getfixturevalue("pg_schema_url")
+from executor.store.sql import job_inputs, jobs
 
 
 def _rows(n: int, *, start: datetime, step_s: float = 1.0, **fixed: Any) -> list[dict]:
@@ -63,9 +54,13 @@ def _rows(n: int, *, start: datetime, step_s: float = 1.0, **fixed: Any) -> list
 
 
 def _insert(store: SqlRunStore, rows: list[dict], chunk: int = 20_000) -> None:
+    """``rows`` as ``create`` lays them out: the code and state in code_job_inputs."""
+    inputs = [{k: r[k] for k in ("job_id", "code", "state_json")} for r in rows]
+    rows = [{**r, "code": "", "state_json": "{}"} for r in rows]
     with store.engine.begin() as conn:  # executemany: one statement, many parameter sets
         for i in range(0, len(rows), chunk):
             conn.execute(insert(jobs), rows[i : i + chunk])
+            conn.execute(insert(job_inputs), inputs[i : i + chunk])
 
 
 def _store(url: str) -> SqlRunStore:
@@ -164,9 +159,11 @@ def store_list_stmt(where: RunFilter) -> str:
 
 
 def test_an_older_database_gets_the_new_columns_and_indexes(store_url: str) -> None:
-    # The table as the previous release made it: no pruned_at, no history indexes.
+    # The table as an older release made it: no pruned_at, no history indexes, no
+    # migrations (tests/test_store_migrations.py has the stores each older release made).
     with _store(store_url) as store:
         with store.engine.begin() as conn:
+            conn.exec_driver_sql("DROP TABLE code_alembic_version")
             for name in (
                 "ix_code_jobs_queued",
                 "ix_code_jobs_user_queued",
@@ -205,7 +202,7 @@ def _sizes(path: Path) -> tuple[int, int]:
 
 def test_retention_on_100000_rows_in_bounded_batches(store_url: str) -> None:
     from executor.settings import load_settings
-    from worker.retention import apply_retention
+    from worker.upkeep.retention import apply_retention
 
     now = datetime.now(UTC)
     settings = load_settings(runs_keep_days=30, runs_payload_keep_days=7, retention_batch_rows=5000)
@@ -270,7 +267,7 @@ def test_retention_on_100000_rows_in_bounded_batches(store_url: str) -> None:
 
 def test_retention_zero_keeps_everything(tmp_path: Path) -> None:
     from executor.settings import load_settings
-    from worker.retention import apply_retention, cutoffs
+    from worker.upkeep.retention import apply_retention, cutoffs
 
     s = load_settings(runs_keep_days=0, runs_payload_keep_days=0)
     assert cutoffs(s) == (None, None)

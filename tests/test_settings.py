@@ -87,6 +87,7 @@ def test_every_variable_is_read_from_the_environment(monkeypatch):
         ("STUDIO_CODE_LANGUAGES", "python,cobol", "python, typescript"),
         ("STUDIO_ENABLE_CODE_NODES", "perhaps", "valid boolean"),
         ("STUDIO_CODE_TS_PACKAGES", "npm:zod", "entry 'npm:zod' is not pinned"),
+        ("STUDIO_CODE_SUBPROCESS_NAMESPACES", "yes", "use auto or off"),
     ],
 )
 def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch, name, value, says):

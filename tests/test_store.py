@@ -7,7 +7,6 @@ Each test gets its own schema (dropped afterwards). Unreachable: skipped, or fai
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import uuid
@@ -31,6 +30,7 @@ from executor.store import (
     SqlRunStore,
     open_store,
 )
+from tests.services import in_processes
 
 PG_URL = os.environ.get(
     "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -409,24 +409,28 @@ def test_code_and_state_live_outside_the_row_the_queue_updates(store: RunStore) 
 
 
 def test_a_row_made_before_the_inputs_table_is_claimed_with_its_own_code_and_state(
-    store: RunStore,
+    store_url: str,
 ) -> None:
     """A store made by an older release holds code and state in code_jobs, with no row in
-    code_job_inputs: its queued jobs still run with them."""
-    assert isinstance(store, SqlRunStore)
-    job_id = _new(store)
-    code = "def main(state):\n    return state['legacy']\n"
-    with store.engine.begin() as conn:
-        conn.execute(text("DELETE FROM code_job_inputs WHERE job_id = :j"), {"j": job_id})
-        conn.execute(
-            text("UPDATE code_jobs SET code = :c, state_json = :s WHERE job_id = :j"),
-            {"c": code, "s": '{"legacy": 1}', "j": job_id},
-        )
-    rec = store.get(job_id)
-    assert rec is not None and rec.code == code and rec.state_json == '{"legacy": 1}'
-    claimed = store.claim(job_id, "w1")
-    assert claimed is not None and claimed.code == code and claimed.state_json == '{"legacy": 1}'
-    assert claimed.to_job().code == code
+    code_job_inputs: its queued jobs still run with them (the migration at open moves them;
+    tests/test_store_migrations.py has the stores each older release made)."""
+    with open_store(store_url) as made:
+        assert isinstance(made, SqlRunStore)
+        job_id = _new(made)
+        code = "def main(state):\n    return state['legacy']\n"
+        with made.engine.begin() as conn:
+            conn.execute(text("DELETE FROM code_job_inputs WHERE job_id = :j"), {"j": job_id})
+            conn.execute(
+                text("UPDATE code_jobs SET code = :c, state_json = :s WHERE job_id = :j"),
+                {"c": code, "s": '{"legacy": 1}', "j": job_id},
+            )
+            conn.execute(text("DROP TABLE code_alembic_version"))  # made before migrations
+    with open_store(store_url) as store:
+        rec = store.get(job_id)
+        assert rec is not None and rec.code == code and rec.state_json == '{"legacy": 1}'
+        claimed = store.claim(job_id, "w1")
+        assert claimed is not None and claimed.code == code
+        assert claimed.state_json == '{"legacy": 1}' and claimed.to_job().code == code
 
 
 def test_finish_with_outcome_says_what_was_stored(store: RunStore) -> None:
@@ -721,29 +725,10 @@ def _race(url: str, job_ids: list[str], worker: str, barrier: Any, out: Any) -> 
 def test_concurrent_processes_write_each_job_once(store_url: str) -> None:
     with open_store(store_url) as store:  # tables exist before the race starts
         job_ids = [f"race-{uuid.uuid4().hex}" for _ in range(N_JOBS)]
-        ctx = multiprocessing.get_context("spawn")
-        barrier = ctx.Barrier(N_PROCS)
-        out = ctx.Queue()
-        procs = [
-            ctx.Process(target=_race, args=(store_url, job_ids, f"w{n}", barrier, out))
-            for n in range(N_PROCS)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            reports = [out.get(timeout=240) for _ in procs]
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            out.close()
-            out.join_thread()
+        reports = in_processes(_race, [(store_url, job_ids, f"w{n}") for n in range(N_PROCS)])
 
         errors = [(w, err) for w, _, _, _, err in reports if err]
         assert errors == []
-        assert all(p.exitcode == 0 for p in procs)
 
         created = [j for _, c, _, _, _ in reports for j in c]
         assert sorted(created) == sorted(job_ids)  # each create won exactly once

@@ -842,94 +842,313 @@ def test_without_a_cgroup_the_run_still_ends_whole_and_meta_says_so(make_setting
 
 # --- a server that is not root: what meta claims is what a run can do ---------------------
 
-NON_ROOT_SERVER = r'''
-import json, os, sys
-from executor.meta import runtime_meta
-from executor.models import CodeJob
-from executor.service import Executor
-from executor.settings import load_settings
+SERVER_UID = 300123  # no account, outside the run range
 
-code = """
-import errno, os, signal, subprocess, sys, time
+#: a run of the non-root server: starts a setsid() grandchild, says which pid namespace it
+#: is in, waits for the pids the test found (the server, the other run), then reports what
+#: it could do to each of them and to its parent, and what its /proc lists
+NON_ROOT_RUN = """
+import errno, json, os, signal, subprocess, sys, time
 def attempt(fn):
     try:
         return fn()
     except OSError as e:
         return errno.errorcode[e.errno]
+def environ(pid):
+    return open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")[:4000]
+def mem(pid):
+    os.close(os.open(f"/proc/{pid}/mem", os.O_RDONLY))
+    return "ok"
+def signal0(pid):
+    os.kill(pid, 0)
+    return "ok"
 def main(state):
-    ppid = os.getppid()
-    def environ():
-        return "marker" if b"STUDIO_ISO_MARKER=" + state["marker"].encode() in open(
-            f"/proc/{ppid}/environ", "rb").read() else "no marker"
-    def mem():
-        os.close(os.open(f"/proc/{ppid}/mem", os.O_RDONLY))
-        return "ok"
-    def signal0():
-        os.kill(ppid, 0)
-        return "ok"
-    # a grandchild in a session of its own: without a cgroup or a uid of the run's own,
-    # nothing finds it at the end of the run
+    d, me = state["dir"], state["name"]
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                              start_new_session=True)
+    ns = os.readlink("/proc/self/ns/pid")
+    with open(f"{d}/{me}.tmp", "w") as f:
+        json.dump({"ns": ns, "pid": os.getpid()}, f)
+    os.rename(f"{d}/{me}.tmp", f"{d}/{me}.ready")
+    for _ in range(3000):
+        if os.path.exists(f"{d}/{me}.go"):
+            break
+        time.sleep(0.01)
+    targets = json.load(open(f"{d}/{me}.go"))
+    targets["parent"] = os.getppid()
+    seen = {label: {"environ": attempt(lambda: environ(pid)), "mem": attempt(lambda: mem(pid)),
+                    "signal0": attempt(lambda: signal0(pid))}
+            for label, pid in targets.items()}
+    procs = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    open(f"{d}/{me}.done", "w").close()
+    for _ in range(3000):  # stay a target until the other run is done too
+        if os.path.exists(f"{d}/{state['other']}.done"):
+            break
+        time.sleep(0.01)
     nnp = [l for l in open("/proc/self/status") if l.startswith("NoNewPrivs:")][0]
-    return {"ppid": ppid, "environ": attempt(environ), "mem": attempt(mem),
-            "signal0": attempt(signal0), "grandchild": child.pid, "env": sorted(os.environ),
+    return {"pid": os.getpid(), "ppid": os.getppid(), "ns": ns, "targets": targets,
+            "seen": seen, "procs": procs, "grandchild": child.pid, "env": sorted(os.environ),
             "no_new_privs": nnp.split()[1]}
 """
+
+NON_ROOT_SERVER = r"""
+import json, os, sys, threading
+from executor.meta import runtime_meta
+from executor.models import CodeJob
+from executor.service import Executor
+from executor.settings import load_settings
+
+data_dir, shared, mode, CODE = sys.argv[1:5]
 ex = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
-                            code_languages="python", data_dir=sys.argv[1]))
-r = ex.run(CodeJob(code=code, state_json=json.dumps({"marker": sys.argv[2]}), timeout_s=20))
-print(json.dumps({"server_pid": os.getpid(), "status": str(r.status), "output": r.output,
-                  "error": r.error and r.error.message,
-                  "isolation": runtime_meta(ex)["subprocess_isolation"]}))
-'''
+                            code_languages="python", data_dir=data_dir,
+                            code_subprocess_namespaces=mode))
+results = {}
+def start(me, other):
+    state = {"dir": shared, "name": me, "other": other}
+    job = CodeJob(code=CODE, state_json=json.dumps(state), timeout_s=60)
+    results[me] = ex.run(job)
+threads = [threading.Thread(target=start, args=pair) for pair in (("a", "b"), ("b", "a"))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+# what prometheus-client's process metrics read of a non-dumpable server: its own /proc/self
+from prometheus_client import CollectorRegistry, ProcessCollector
+registry = CollectorRegistry()
+ProcessCollector(registry=registry)
+own = {s.name: s.value for m in registry.collect() for s in m.samples}
+print(json.dumps({
+    "own_process_metrics": own,
+    "server_pid": os.getpid(),
+    "runs": {me: {"status": str(r.status), "output": r.output,
+                  "error": r.error and r.error.message} for me, r in results.items()},
+    "isolation": runtime_meta(ex)["subprocess_isolation"],
+}))
+"""
 
 
-def test_a_non_root_server_claims_what_a_run_can_really_do(shared: Path) -> None:
-    """Run a server as an unprivileged uid (no account, outside the run range) and check
-    each claim of meta's does_not_hold from inside its run."""
+def _non_root_python(script: str, *args: str, **kw: Any) -> subprocess.Popen[str]:
+    """``script`` as a server of uid SERVER_UID (no supplementary group), with a secret in
+    its environment."""
     root = Path(__file__).resolve().parent.parent
-    site = next((root / ".venv" / "lib").glob("python3*/site-packages"))
-    python = "/usr/bin/python3"
-    if not os.path.exists(python):
+    venv = Path(sys.prefix)  # the tests' own virtualenv (a worktree has none of its own)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    if not os.path.exists("/usr/bin/python3"):
         pytest.skip("no /usr/bin/python3 for the unprivileged server")
-    marker = uuid.uuid4().hex
-    server = subprocess.run(
-        [python, "-c", NON_ROOT_SERVER, str(shared), marker],
-        user=300123,
-        group=300123,
+    env = {
+        "PYTHONPATH": f"{root}:{site}",
+        "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+        "STUDIO_ISO_MARKER": kw.pop("marker"),
+    }
+    return subprocess.Popen(
+        ["/usr/bin/python3", "-c", script, *args],
+        user=SERVER_UID,
+        group=SERVER_UID,
         extra_groups=[],
-        cwd=shared,
-        capture_output=True,
+        env=env,
         text=True,
-        timeout=120,
-        env={"PYTHONPATH": f"{root}:{site}", "STUDIO_ISO_MARKER": marker, "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
     )
-    assert server.returncode == 0, server.stderr[-3000:]
-    seen = json.loads(server.stdout.strip().splitlines()[-1])
-    out, iso = seen["output"], seen["isolation"]
-    assert seen["status"] == "succeeded", seen
+
+
+def _pid_namespace(pid: int) -> str | None:
     try:
-        assert out["ppid"] == seen["server_pid"]
-        lacks = " ".join(iso["does_not_hold"])
-        assert iso["separate_uids"] is False and iso["cgroup"] is None
-        # "can read the server's own environment (/proc/<ppid>/environ)": it did
-        assert "/proc/<ppid>/environ" in lacks and out["environ"] == "marker"
-        # memory: claimed readable exactly when it was
-        assert ("/proc/<ppid>/mem" in lacks) == (out["mem"] == "ok"), (lacks, out)
-        # "signal the server": signal 0 went through
-        assert "signal the server" in lacks and out["signal0"] == "ok"
-        # "a grandchild that called setsid() survives the end of the run": it did
-        assert "survives the end of the run" in lacks
-        assert uid_of(out["grandchild"]) == 300123
-        assert "are not removed" in lacks
-        # and what it says still holds: an empty environment, no_new_privs
-        held = " ".join(iso["holds"])
-        assert "empty environment" in held and set(out["env"]) <= {"LC_CTYPE"}
-        assert "no_new_privs" in held and out["no_new_privs"] == "1"
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _global_pid(candidates: list[int], ns: str, inner: int) -> int:
+    """Which of ``candidates`` is pid ``inner`` of pid namespace ``ns`` (as the run saw it)."""
+    for pid in candidates:
+        try:
+            nspid = Path(f"/proc/{pid}/status").read_text().split("NSpid:")[1].split("\n")[0]
+        except (OSError, IndexError):
+            continue
+        if _pid_namespace(pid) == ns and int(nspid.split()[-1]) == inner:
+            return pid
+    raise AssertionError(f"no process is pid {inner} of {ns} among {candidates}")
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_a_non_root_server_claims_what_its_runs_can_really_do(mode: str, shared: Path) -> None:
+    """A server of an unprivileged uid with a secret in its environment, two concurrent runs:
+    each reports from inside what it could do to the server, to its parent and to the other
+    run, and every claim of meta (holds / does_not_hold) is checked against it."""
+    from tests.services import kill_pids, process_tree
+
+    marker = uuid.uuid4().hex
+    server = _non_root_python(
+        NON_ROOT_SERVER,
+        *(str(shared), str(shared), mode, NON_ROOT_RUN),
+        marker=marker,
+        cwd=shared,
+        stdin=subprocess.DEVNULL,
+    )
+    grandchildren: list[int] = []
+    try:
+        ready = {}
+        for me in ("a", "b"):
+            path = shared / f"{me}.ready"
+            _wait_for(
+                lambda path=path: path.exists() or server.poll() is not None,
+                60,
+                f"run {me} did not start",
+            )
+            assert server.poll() is None, server.stderr.read()[-3000:] if server.stderr else ""
+            ready[me] = json.loads(path.read_text())
+        tree = process_tree(server.pid)
+        pids = {me: _global_pid(tree, r["ns"], r["pid"]) for me, r in ready.items()}
+        assert pids["a"] != pids["b"] and all(uid_of(p) == SERVER_UID for p in pids.values())
+        for me, other in (("a", "b"), ("b", "a")):
+            go = shared / f"{me}.go"
+            go.with_suffix(".tmp").write_text(
+                json.dumps({"server": server.pid, "peer": pids[other]})
+            )
+            go.with_suffix(".tmp").rename(go)
+        stdout, stderr = server.communicate(timeout=120)
     finally:
-        if uid_of(out["grandchild"]) == 300123:
-            os.kill(out["grandchild"], 9)  # ours: started by this test's run
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert server.returncode == 0, stderr[-3000:]
+    assert marker not in stdout  # no run read the server's environment, nor its parent's
+    seen = json.loads(stdout.strip().splitlines()[-1])
+    assert seen["server_pid"] == server.pid
+    own = seen["own_process_metrics"]  # stat, limits and fd of its own, still readable
+    assert own["process_open_fds"] > 0 and own["process_max_fds"] > 0
+    assert own["process_resident_memory_bytes"] > 0
+    iso = seen["isolation"]
+    held, lacks = " ".join(iso["holds"]), " ".join(iso["does_not_hold"])
+    namespaced = iso["namespaces"]
+    if mode == "off":
+        assert (
+            not namespaced and iso["namespaces_reason"] == "STUDIO_CODE_SUBPROCESS_NAMESPACES=off"
+        )
+    else:
+        from executor.runtimes.namespaces import refusing_knob
+
+        # this kernel allows unprivileged user namespaces unless a knob says otherwise
+        assert namespaced == (refusing_knob() is None), iso["namespaces_reason"]
+    assert iso["separate_uids"] is False and iso["server_dumpable"] is False
+    closed = DENIED | {"ENOENT", "ESRCH"}
+    try:
+        for me, other in (("a", "b"), ("b", "a")):
+            run_seen = seen["runs"][me]
+            assert run_seen["status"] == "succeeded", run_seen
+            out = run_seen["output"]
+            grandchildren.append(out["grandchild"])
+            assert out["targets"]["peer"] == pids[other]  # it probed the other run...
+            assert out["targets"]["server"] == server.pid  # ...and this server
+            got = out["seen"]
+            # not dumpable: the server's environment and memory are closed in both modes,
+            # and so are those of the run's parent (the server, or init: a copy of it)
+            assert "not dumpable" in held
+            for target in ("server", "parent"):
+                assert got[target]["environ"] in closed, (me, target, got[target])
+                assert got[target]["mem"] in closed, (me, target, got[target])
+            # signals and the host's processes: exactly what meta claims
+            signals_open = got["server"]["signal0"] == "ok"
+            assert ("signal the server" in lacks) == signals_open, (lacks, got)
+            assert (got["peer"]["signal0"] == "ok") == signals_open, got
+            sees_host = server.pid in out["procs"] or pids[other] in out["procs"]
+            assert ("see every process of the host" in lacks) == sees_host, (lacks, out)
+            if namespaced:
+                assert "namespace of its own" in held
+                assert got["server"]["signal0"] == got["peer"]["signal0"] == "ESRCH"
+                assert got["peer"]["environ"] in closed and got["peer"]["mem"] in closed
+                # its /proc lists its init, itself and its grandchild: nothing else
+                assert set(out["procs"]) == {1, out["pid"], out["grandchild"]}, out["procs"]
+                assert out["ppid"] == 1 and out["pid"] == 2
+            else:
+                assert out["ppid"] == server.pid
+                assert got["peer"]["environ"] not in closed  # same uid, dumpable
+            # a setsid() grandchild: gone with the run's namespace, or left (meta says so)
+            left = [p for p in process_tree(1) if _pid_namespace(p) == out["ns"]]
+            if namespaced:
+                assert not left, f"processes left in the run's pid namespace: {left}"
+                assert "survives the end of the run" not in lacks
+            else:
+                assert uid_of(out["grandchild"]) == SERVER_UID
+                assert "survives the end of the run" in lacks
+            # and what it says still holds: an empty environment, no_new_privs
+            assert "empty environment" in held and set(out["env"]) <= {"LC_CTYPE"}
+            assert "no_new_privs" in held and out["no_new_privs"] == "1"
+        assert "are not removed" in lacks
+    finally:
+        if not namespaced:  # ours: started by this test's runs, in the host's namespace
+            kill_pids([p for p in grandchildren if uid_of(p) == SERVER_UID])
+
+
+EXITS = r"""
+import json, sys
+from executor.models import CodeJob
+from executor.service import Executor
+from executor.settings import load_settings
+
+data_dir, mode, languages = sys.argv[1:4]
+ex = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
+                            code_languages=languages, data_dir=data_dir, code_memory="128m",
+                            code_subprocess_namespaces=mode))
+out = []
+for language, code in json.loads(sys.stdin.read()):
+    r = ex.run(CodeJob(code=code, language=language, timeout_s=10))
+    out.append([str(r.status), r.exit_code, r.error and str(r.error.code)])
+print(json.dumps({"namespaces": ex.runtime.isolation["namespaces"], "results": out}))
+"""
+
+#: program -> (status, exit code, error code) the server reports, the same in both modes
+ENDINGS = [
+    ("python", "import os\ndef main(state):\n    os._exit(7)\n", ["failed", 7, "CODE_ERROR"]),
+    (
+        "python",
+        "import os, signal\ndef main(state):\n    os.kill(os.getpid(), signal.SIGTERM)\n",
+        ["failed", -15, "CODE_ERROR"],
+    ),
+    ("python", "import os\ndef main(state):\n    os.abort()\n", ["failed", -6, "CODE_ERROR"]),
+    (  # its own RLIMIT_CPU lowered to 1 s: SIGXCPU, which the runtime calls a timeout
+        "python",
+        "import resource\ndef main(state):\n"
+        "    resource.setrlimit(resource.RLIMIT_CPU, (1, 5))\n    while True:\n        pass\n",
+        ["timed_out", -24, "CODE_TIMEOUT"],
+    ),
+    (
+        "python",
+        "def main(state):\n    return len(bytearray(512 * 1024 * 1024))\n",
+        ["failed", None, "CODE_MEMORY"],
+    ),
+    (  # ArrayBuffers V8's heap flag does not see: the runtime's RSS watch ends it
+        "typescript",
+        "export function main(state: unknown) {\n  const a = [];\n"
+        "  for (let i = 0; i < 64; i++) { const b = new Uint8Array(16 << 20); b.fill(1); "
+        "a.push(b); }\n  return a.length;\n}\n",
+        ["failed", None, "CODE_MEMORY"],
+    ),
+]
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_a_non_root_servers_runs_end_the_same_with_or_without_namespaces(
+    mode: str, shared: Path
+) -> None:
+    """Exit statuses, signal deaths (SIGXCPU of RLIMIT_CPU included) and both memory
+    limits, as the executor reports them: a run in namespaces is PID 2 under an init, so
+    nothing changes."""
+    cases = ENDINGS if (Path(sys.prefix) / "bin" / "deno").exists() else ENDINGS[:-1]
+    server = _non_root_python(
+        EXITS, str(shared), mode, "python,typescript", marker="x", cwd=shared, stdin=subprocess.PIPE
+    )
+    stdout, stderr = server.communicate(json.dumps([c[:2] for c in cases]), timeout=180)
+    assert server.returncode == 0, stderr[-3000:]
+    seen = json.loads(stdout.strip().splitlines()[-1])
+    assert seen["namespaces"] is (mode == "auto")
+    results = seen["results"]
+    for (language, code, want), got in zip(cases, results, strict=True):
+        if want[1] is None:  # the memory limits: the exit code is the runner's own word
+            got = [got[0], None, got[2]]
+        assert got == want, (language, code)
 
 
 def test_a_dead_workers_uid_is_scrubbed_before_its_next_run(make_settings) -> None:  # type: ignore[no-untyped-def]

@@ -175,3 +175,36 @@ def test_it_never_takes_over_by_itself(make_settings, monkeypatch):
     r = run(ex, "def main(state):\n    return 1\n")
     assert r.status is Status.FAILED and r.error.code == "RUNTIME_UNAVAILABLE"
     assert r.runtime == "docker"
+
+
+def test_a_kernel_that_refuses_user_namespaces_is_named_and_meta_says_what_still_holds(
+    make_settings, tmp_path, monkeypatch
+):
+    # The refusing kernel is faked (a knob file of tmp_path): this host allows them, and
+    # its real knobs are the machine's. tests/test_subprocess_isolation.py runs both real
+    # cases (namespaces, and none with STUDIO_CODE_SUBPROCESS_NAMESPACES=off) from inside.
+    from executor.runtimes import namespaces
+    from executor.runtimes import subprocess as runtime
+
+    knob = tmp_path / "user" / "max_user_namespaces"
+    knob.parent.mkdir()
+    knob.write_text("0\n")
+    monkeypatch.setattr(namespaces, "KNOBS", {str(knob): "0"})
+    reason = namespaces.probe()
+    assert reason is not None and "user.max_user_namespaces=0" in reason, reason
+    monkeypatch.setattr(runtime.os, "getuid", lambda: 300123)  # the report of a non-root server
+    report = runtime.isolation_report(
+        make_settings(code_runtime="subprocess"),
+        None,
+        None,
+        "off",
+        namespaces_note=reason,
+        undumpable=True,
+    )
+    held, lacks = " ".join(report["holds"]), " ".join(report["does_not_hold"])
+    assert report["namespaces"] is False and report["namespaces_reason"] == reason
+    assert "not dumpable" in held and "/proc/<server>/environ" in held  # still closed
+    assert "namespace of its own" not in held
+    assert reason in lacks and "signal the server" in lacks
+    assert "see every process of the host" in lacks
+    assert "survives the end of the run" in lacks

@@ -39,7 +39,9 @@ WORK = "import time\n\ndef main(state):\n    time.sleep(state['s'])\n    return 
 
 
 class SecondEngine:
-    """A dockerd of this test's own, stopped by its pid."""
+    """A dockerd of this test's own, stopped by its pid (and started again with the same
+    dirs: a restart). Its containerd is its own too: dockerd starts one under its
+    exec-root (there is no system containerd socket for it to use, see ``own_containerd``)."""
 
     def __init__(self) -> None:
         # a short path: a unix socket path has at most 107 bytes
@@ -55,7 +57,7 @@ class SecondEngine:
         dockerd = shutil.which("dockerd")
         require(dockerd is not None, "dockerd is not installed")
         assert dockerd is not None
-        with open(self.log, "wb") as log:
+        with open(self.log, "ab") as log:  # a restart appends
             self.proc = subprocess.Popen(
                 [
                     dockerd,
@@ -86,6 +88,7 @@ class SecondEngine:
             if self.proc.poll() is not None:
                 break
             if self.docker("version", check=False).returncode == 0:
+                require(self.own_containerd(), "the second dockerd uses another containerd")
                 return
             time.sleep(0.3)
         require(False, f"the second dockerd did not start:\n{self.log.read_text()[-3000:]}")
@@ -114,6 +117,10 @@ class SecondEngine:
         assert save.stdout is not None
         save.stdout.close()
         assert save.wait(60) == 0 and load.returncode == 0, load.stderr
+
+    def own_containerd(self) -> bool:
+        """Its containerd is the one it started under its own exec-root."""
+        return (self.root / "exec" / "containerd" / "containerd.sock").exists()
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -10,10 +10,11 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    # Celery's find_app tries ``worker.app`` first; that name is the submodule once it is
-    # imported, so Celery falls back to ``worker.celery``, which is the app.
+    # Celery's find_app tries ``worker.app`` first (not a name here: the app's module is
+    # worker.glue.app), then ``worker.celery``, which is the app. Hence no subpackage may be
+    # named ``app`` or ``celery``.
     if name == "celery":
-        from worker.app import default_app
+        from worker.glue.app import default_app
 
         return default_app()
     raise AttributeError(name)

@@ -1,13 +1,17 @@
 """The wire contract between ``api_client`` (the studio's API) and the workers.
 
-Queue names, the task name, the Redis keys both sides touch, the signal a cancel sends and
-the timing rules derived from Settings. Both sides import THIS module, so they cannot drift
-apart; it imports nothing heavy (no Docker, no SQL).
+Queue names, the task name, EVERY ``studio:*`` Redis key (no other module spells one),
+kombu's Redis key layout (the lists a queue's messages wait in, the hash of the ones a worker
+holds), the one writer of a job's done notice, the signal a cancel sends and the timing rules
+derived from Settings. Both sides import THIS module, so they cannot drift apart; it imports
+nothing heavy (no Docker, no SQL, no Redis client: the writers take one).
 """
 
 from __future__ import annotations
 
+import json
 import signal
+from typing import Any
 
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.settings import Settings
@@ -24,7 +28,7 @@ TASK_NAME = "studio.code.run_job"
 #: what ``revoke(terminate=True)`` sends to the pool process. Not SIGTERM: Celery may send it
 #: to a process that has already moved on to another job (it signals a pid, not a job), so
 #: the process must survive it and decide for itself; its handler only raises a flag that
-#: the running job checks against its OWN cancel flag (see worker.tasks).
+#: the running job checks against its OWN cancel flag (see worker.job.tasks).
 CANCEL_SIGNAL = signal.SIGUSR2
 CANCEL_SIGNAL_NAME = "SIGUSR2"
 
@@ -51,6 +55,16 @@ def rate_key(user: str) -> str:
 
 
 DONE_TTL_S = 600
+
+
+def announce_done(client: Any, job_id: str) -> None:
+    """THE done notice (every writer uses this one): wake ``CodeClient.wait`` with one item
+    per time the task body ended for the job (or a parked result was written). One round
+    trip, no MULTI/EXEC: the TTL only bounds a forgotten list. Raises redis.RedisError."""
+    pipe = client.pipeline(transaction=False)
+    pipe.rpush(done_key(job_id), "1")
+    pipe.expire(done_key(job_id), DONE_TTL_S)
+    pipe.execute()
 
 
 def visibility_timeout_s(settings: Settings) -> float:
@@ -105,7 +119,7 @@ def workers_key(queue: str) -> str:
     "slots", "state" ("serving" | "paused"), "reason", "host", "pid", "store_id",
     "seen_at", "expires_at"}`` (times in Redis's clock, Unix seconds). A field whose
     ``expires_at`` has passed is a dead worker's (readers ignore and remove it); the whole
-    key expires when every worker of the queue is gone. See worker.heartbeat."""
+    key expires when every worker of the queue is gone. See worker.upkeep.heartbeat."""
     return f"{_PREFIX}:workers:{queue}"
 
 
@@ -119,6 +133,11 @@ def notice_key(job_id: str) -> str:
     (its run store has no such job: API and worker on different stores). The API's
     ``status``/``wait`` read it and end the job with that error in ITS store."""
     return f"{_PREFIX}:notice:{job_id}"
+
+
+def leave_notice(client: Any, job_id: str, code: str, message: str) -> None:
+    """Leave the notice of ``notice_key`` (kept DONE_TTL_S). Raises redis.RedisError."""
+    client.set(notice_key(job_id), json.dumps({"code": code, "message": message}), ex=DONE_TTL_S)
 
 
 #: a lock one worker holds while it sweeps the queued jobs (one sweep per interval for all)
@@ -145,3 +164,60 @@ def never_taken_message(settings: Settings, queue: str) -> str:
         f"queue {queue}: start a worker (`studio-code worker`) or check the running ones "
         "(their logs, GET /healthz/ready), then run it again."
     )
+
+
+# --- the other studio:* keys ------------------------------------------------------------------
+
+
+def in_flight_key(user: str) -> str:
+    """The sorted set of one user's editor test calls that are waiting for their result
+    (api_client.inflight)."""
+    return f"{_PREFIX}:inflight:test:{user or '-'}"
+
+
+#: the set of job ids whose result is parked in Redis while the run store is down
+PENDING_SET = f"{_PREFIX}:pending"
+
+
+def pending_key(job_id: str) -> str:
+    """A parked result: JSON ``{"worker", "result"}`` (worker.job.pending), with a TTL of
+    STUDIO_QUEUE_PENDING_TTL_S."""
+    return f"{_PREFIX}:pending:{job_id}"
+
+
+#: a live-logs stream expires this long after its last entry
+LIVE_TTL_S = 600
+
+
+def logs_key(job_id: str) -> str:
+    """The live-logs stream of a running job: entries ``{"d": <bytes>}``, then
+    ``{"end": "1"}`` (worker.job.live_logs writes it, api_client.live_logs reads it)."""
+    return f"{_PREFIX}:logs:{job_id}"
+
+
+DEAD_PREFIX = f"{_PREFIX}:dead:"
+
+
+def dead_key(queue: str) -> str:
+    """The dead-letter list of ``queue`` (worker.glue.poison)."""
+    return f"{DEAD_PREFIX}{queue}"
+
+
+# --- kombu's Redis key layout (transport options at their defaults) --------------------------
+# Read from kombu's own source (kombu/transport/redis.py: Channel.sep, PRIORITY_STEPS,
+# _q_for_pri, unacked_key); tests/test_protocol.py fails loudly when a kombu release changes it.
+
+#: between a queue's name and a priority step in the name of that step's list
+KOMBU_PRIORITY_SEP = "\x06\x16"
+#: kombu's priority steps; step 0 is the bare queue name
+KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
+#: the hash of messages delivered to a consumer and not yet acknowledged: delivery tag ->
+#: JSON ``[payload, exchange, routing_key]``
+KOMBU_UNACKED = "unacked"
+#: the sorted set of those delivery tags by delivery time (kombu's restore sweep reads it)
+KOMBU_UNACKED_INDEX = "unacked_index"
+
+
+def queue_lists(queue: str) -> list[str]:
+    """The Redis lists holding ``queue``'s waiting messages, one per priority step."""
+    return [queue if p == 0 else f"{queue}{KOMBU_PRIORITY_SEP}{p}" for p in KOMBU_PRIORITY_STEPS]

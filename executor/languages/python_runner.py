@@ -27,6 +27,8 @@ MESSAGE_MAX_CHARS = 64 * 1024
 _dumps = json.dumps
 _loads = json.loads
 _os_write = os.write
+_getpid = os.getpid
+_exit = os._exit
 _isinstance = isinstance
 _len = len
 _str = str
@@ -39,6 +41,11 @@ _tuple = tuple
 #: process and its container to end (a pre-started sandbox answers at once)
 _END = b""
 
+#: the process that runs main: only it answers. A process the code forked (os.fork() with no
+#: _exit in the child) returns from main, or raises, into this runner too; its reply beside
+#: (or before) the parent's made the outcome a race between the two.
+_RUNNER_PID = _getpid()
+
 
 def _emit(fd, payload):
     # ASCII (lone surrogates escaped): writing a reply can never fail on the text it holds.
@@ -46,6 +53,11 @@ def _emit(fd, payload):
 
 
 def _write_all(fd, data):
+    # Every write of the runner (the result, the end-of-logs mark) comes here. A forked child
+    # that got back into the runner ends at once, writing nothing: no reply, no mark, no
+    # flush of buffered streams and no atexit hook (os._exit), so the outcome is the parent's.
+    if _getpid() != _RUNNER_PID:
+        _exit(0)
     view = memoryview(data)
     while view:
         n = _os_write(fd, view)
@@ -227,7 +239,7 @@ def _bootstrap():
             except OSError:
                 pass
     # Skip interpreter teardown: threads or atexit hooks the code left must not alter the result.
-    os._exit(0)
+    _exit(0)
 
 
 _bootstrap()

@@ -8,11 +8,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.settings import Settings
+
+if TYPE_CHECKING:
+    from executor.runtimes.engine import EnginePosture
 
 #: polled while a sandbox runs; True means "the job was cancelled: kill it now"
 CancelCheck = Callable[[], bool]
@@ -147,6 +150,11 @@ class Runtime(ABC):
 
     def image(self, language: Language) -> str | None:
         """The image ``language`` runs from in this runtime, or None (no images)."""
+        return None
+
+    def engine_posture(self, *, fresh: bool = False) -> EnginePosture | None:
+        """The engine under this runtime's sandboxes and its known escapes (cached; ``fresh``
+        asks again), or None when the runtime has no engine or it does not answer."""
         return None
 
     def pool_stats(self) -> dict[str, Any] | None:

@@ -35,6 +35,7 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.constants import KILL_GRACE_S
+from executor.runtimes.engine import POSTURE_TTL_S
 from executor.runtimes.seccomp import profile_json
 from executor.settings import Settings, sandbox_ids
 
@@ -48,6 +49,9 @@ LABEL_LANGUAGE = "studio.language"
 #: (labels are fixed at create): it gets its job's name when taken, see executor/runtimes/pool.py
 LABEL_POOL = "studio.pool"
 TMPFS_SIZE = "64m"
+#: how long a stopping process keeps retrying removals that failed while the engine was away
+LEFTOVERS_AT_CLOSE_S = 15.0
+LEFTOVERS_RETRY_S = 0.5
 
 
 def sandbox_policy(
@@ -111,6 +115,7 @@ def container_name(job_id: str) -> str:
 
 
 if TYPE_CHECKING:
+    from executor.runtimes.engine import EnginePosture
     from executor.runtimes.pool import SandboxPool
 
 
@@ -126,6 +131,9 @@ class DockerRuntime(Runtime):
         self._api: docker.APIClient | None = None
         self._lock = threading.Lock()
         self.pool: SandboxPool | None = None
+        #: sandboxes whose removal failed (the engine was away): retried, see retry_leftovers
+        self._leftovers: set[str] = set()
+        self._posture: tuple[float, EnginePosture] | None = None
 
     # --- what it can do (the Runtime interface) ---------------------------------------
 
@@ -145,7 +153,9 @@ class DockerRuntime(Runtime):
     def close(self) -> None:
         pool, self.pool = self.pool, None
         if pool is not None:
-            pool.close()
+            pool.close()  # retries the leftovers too
+        else:
+            self.retry_leftovers(LEFTOVERS_AT_CLOSE_S)
         with self._lock:
             api, self._api = self._api, None
         if api is not None:
@@ -163,6 +173,20 @@ class DockerRuntime(Runtime):
 
     def pool_stats(self) -> dict[str, Any] | None:
         return self.pool.stats() if self.pool is not None else None
+
+    def engine_posture(self, *, fresh: bool = False) -> EnginePosture | None:
+        cached = self._posture
+        if cached is not None and not fresh and time.monotonic() - cached[0] < POSTURE_TTL_S:
+            return cached[1]
+        from executor.runtimes.engine import read_posture
+
+        try:
+            posture = read_posture(self.api, oci_runtime=self.settings.code_oci_runtime)
+        except (DockerException, RuntimeUnavailable, OSError) as e:
+            log.debug("engine posture not read: %s", e)
+            return None
+        self._posture = (time.monotonic(), posture)
+        return posture
 
     def on_path(self) -> AbstractContextManager[None]:
         return self.pool.on_path() if self.pool is not None else nullcontext()
@@ -229,6 +253,10 @@ class DockerRuntime(Runtime):
                     '"runtimes" in /etc/docker/daemon.json, or leave the setting empty for '
                     "the engine's default."
                 )
+        if self.settings.code_engine_refuse_vulnerable:
+            refused = self._refused_engine()
+            if refused is not None:
+                return refused
         image = language.image(self.settings)
         try:
             self.api.inspect_image(image)
@@ -241,6 +269,22 @@ class DockerRuntime(Runtime):
             return _docker_down(e)
         return None
 
+    def _refused_engine(self) -> str | None:
+        posture = self.engine_posture()
+        if posture is None:
+            return (
+                "STUDIO_CODE_ENGINE_REFUSE_VULNERABLE is on and the Docker engine's versions "
+                "could not be read (docker version): check the engine, or turn the setting off."
+            )
+        if not posture.vulnerable:
+            return None
+        ids = ", ".join(f"{a.component} {a.cve}" for a in posture.advisories if a.applies)
+        return (
+            f"STUDIO_CODE_ENGINE_REFUSE_VULNERABLE is on and the Docker engine has known "
+            f"container escapes ({ids}): upgrade it (docs/security.md, 'The engine posture'), "
+            "or turn the setting off to run with a WARNING."
+        )
+
     # --- one call -----------------------------------------------------------------------
 
     def run(
@@ -252,6 +296,8 @@ class DockerRuntime(Runtime):
         should_cancel: CancelCheck | None = None,
     ) -> RawRun:
         api = self.api
+        if self._leftovers and self.pool is None:  # the pool's remover retries them itself
+            self.retry_leftovers()
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
         if self.pool is not None:
             asked = time.monotonic()
@@ -351,8 +397,10 @@ class DockerRuntime(Runtime):
         return code, oom, "eof"
 
     def _remove_surely(self, api: docker.APIClient, cid: str) -> None:
-        """Remove in a ``finally``: retried, never raising. What still fails is left to the
-        reapers (its studio.deadline label says when anyone may remove it)."""
+        """Remove in a ``finally``: retried, never raising. What still fails (the engine is
+        away: a restart) is kept and retried later by ``retry_leftovers``, until this
+        process stops; after that the reapers (its studio.deadline label says when anyone
+        may remove it)."""
         for attempt in range(3):
             try:
                 self._remove(api, cid)
@@ -360,6 +408,43 @@ class DockerRuntime(Runtime):
             except (APIError, requests.exceptions.RequestException) as e:
                 log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12], attempt + 1, e)
                 time.sleep(0.2 * (attempt + 1))
+        with self._lock:
+            self._leftovers.add(cid)
+
+    def retry_leftovers(self, timeout_s: float = 0.0) -> None:
+        """Remove the sandboxes whose removal failed before; with ``timeout_s`` (a stopping
+        process), keep trying that long while the engine is away."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                todo = list(self._leftovers)
+            if not todo:
+                return
+            away = False
+            for cid in todo:
+                try:
+                    self._remove(self.api, cid)
+                except (RuntimeUnavailable, requests.exceptions.RequestException):
+                    away = True  # still away: try again later
+                    break
+                except APIError:
+                    continue  # this one refused (the engine is up): the others go on
+                with self._lock:
+                    self._leftovers.discard(cid)
+                log.info("removed sandbox %s, left over while the engine was away", cid[:12])
+            if not away and len(todo) > len(self._leftovers):
+                continue  # progress: once more for what came meanwhile (or to return)
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    left = len(self._leftovers)
+                if timeout_s > 0:
+                    log.warning(
+                        "%d sandboxes could not be removed (is the Docker engine up? docker "
+                        "info): the reapers remove them after their studio.deadline",
+                        left,
+                    )
+                return
+            time.sleep(LEFTOVERS_RETRY_S)
 
     @staticmethod
     def _remove(api: docker.APIClient, cid: str) -> bool:

@@ -27,10 +27,20 @@ pre-started container until it is taken.
   still needed). Anything else (no frame, a timeout, a cancel, OOM) is read and removed as
   for a cold container.
 * **Replace**: a replacement starts right after one is handed out, off the path. Idle
-  containers older than STUDIO_CODE_PREWARM_MAX_IDLE_S, or made from an image whose id
-  changed since, are removed and replaced. ``close`` (a stopping worker process) removes
-  the idle ones; the reaper removes those whose owner died: they carry ``studio.pool`` =
-  owner and a ``studio.deadline`` of creation + the idle bound + the longest run + grace.
+  containers older than STUDIO_CODE_PREWARM_MAX_IDLE_S, made from an image whose id
+  changed since, or dead (an engine restart kills them), are removed and replaced.
+  ``close`` (a stopping worker process) removes the idle ones; the reaper removes those
+  whose owner died: they carry ``studio.pool`` = owner and a ``studio.deadline`` of
+  creation + the idle bound + the longest run + grace.
+* **Upkeep gets its turn** (``on_path``): a job's own upkeep (the removal of its used
+  sandbox, the start of its replacement) waits for the end of ITS path, never for another
+  job's: under a steady backlog a worker process is always on some job's path. Removals
+  have a thread of their own (a start never delays them), and a take waits for removals
+  that fall behind (more than MAX_PENDING_REMOVALS), so a process has at most
+  MAX_PENDING_REMOVALS + 1 ended sandboxes (and their attach sockets) at any moment.
+* **Engine away**: a removal that fails because the engine is away (a restart) is retried
+  until it succeeds or, at ``close``, for LEFTOVERS_AT_CLOSE_S
+  (``DockerRuntime.retry_leftovers``).
 """
 
 from __future__ import annotations
@@ -66,6 +76,7 @@ from executor.runtimes.docker import (
     LABEL_DEADLINE,
     LABEL_JOB,
     LABEL_POOL,
+    LEFTOVERS_AT_CLOSE_S,
     _feed,
     _pump,
     container_name,
@@ -85,6 +96,12 @@ CANCEL_POLL_S = 0.1
 TICK_S = 2.0  # idle-bound checks; the image id is checked every IMAGE_CHECK_S
 IMAGE_CHECK_S = 10.0
 BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0)
+#: removals released but not done at which a job's take waits for them first: with one job
+#: of a process at a time, it then has at most this many ended sandboxes plus its own
+MAX_PENDING_REMOVALS = 1
+#: the longest a take waits for removals that fell behind (an engine that slows down):
+#: then the job goes on all the same, and says so in the log
+REMOVAL_WAIT_S = 10.0
 
 
 @dataclass
@@ -101,6 +118,9 @@ class Pooled:
     created: float  # monotonic
     #: its rename to its job's name, once taken (joined before its removal)
     renamer: _Renamer | None = None
+    #: retired unused and still running (past the idle bound, or of an old image): not an
+    #: ended sandbox a take waits for
+    unused: bool = False
 
     def fresh(self) -> bool:
         """Still running and silent: its runner writes nothing before its job, and a
@@ -141,16 +161,22 @@ class SandboxPool:
         self._waiting: Counter[str] = Counter()
         self._failures: Counter[str] = Counter()
         self._retry_at: dict[str, float] = {}
+        #: released for removal (the remover thread's queue)
         self._retire: deque[Pooled | str] = deque()
         self._taken: dict[str, str] = {}
         self._removing = 0
-        #: jobs of this process on their caller's path (see on_path): no upkeep meanwhile
+        #: jobs of this process on their caller's path (see on_path): no upkeep of theirs
         self._on_path = 0
+        #: this thread's path: the sandboxes its job handed off (removed when it ends)
+        self._path = threading.local()
+        #: replacement starts reserved when a path ended (counted in _starting already)
+        self._reserved: deque[str] = deque()
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._remover: threading.Thread | None = None
         self._image_ids: dict[str, str] = {}
         self._images_checked = 0.0
 
@@ -159,6 +185,10 @@ class SandboxPool:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="studio-pool", daemon=True)
         self._thread.start()
+        self._remover = threading.Thread(
+            target=self._remove_loop, name="studio-pool-remove", daemon=True
+        )
+        self._remover.start()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop refilling, remove every idle container, wait for removals in flight."""
@@ -168,10 +198,14 @@ class SandboxPool:
                 self._retire.extend(q)
                 q.clear()
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
-        self._drain_retired()  # whatever the thread left (it never started, or timed out)
+        deadline = time.monotonic() + timeout_s
+        for thread in (self._thread, self._remover):
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        self._thread = self._remover = None
+        self._drain_retired()  # whatever the threads left (never started, or timed out)
+        left = max(0.0, deadline - time.monotonic())
+        self.runtime.retry_leftovers(min(left, LEFTOVERS_AT_CLOSE_S))
 
     def wait_ready(self, timeout_s: float = 30.0) -> bool:
         """Block until every language has its idle containers (tests and benchmarks)."""
@@ -189,24 +223,31 @@ class SandboxPool:
         that count a job's whole cost, its replacement and removal included)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with self._cond:
-                busy = self._retire or any(self._starting.values()) or self._removing
-            if not busy and self.wait_ready(max(0.0, deadline - time.monotonic())):
-                with self._cond:
-                    if not (self._retire or any(self._starting.values()) or self._removing):
-                        return True
+            if not self._busy() and self.wait_ready(max(0.0, deadline - time.monotonic())):
+                if not self._busy():
+                    return True
             time.sleep(0.02)
         return False
+
+    def _busy(self) -> bool:
+        with self._cond:
+            return bool(
+                self._retire or self._reserved or any(self._starting.values()) or self._removing
+            )
 
     @contextmanager
     def on_path(self) -> Iterator[None]:
         """While a job is on its caller's path (a worker: claim -> result stored -> done
-        notice), the pool's thread starts no replacement and removes nothing: measured on
-        2 cores, a replacement's start (~135 ms of runc, shim, dockerd CPU, and this
-        process's GIL for the SDK) running beside the job's last steps added 20-40 ms to
-        the caller's wait. The pool catches up when the block ends; the process cannot take
-        another job before that anyway. Work already under way goes on (a job that finds
-        the pool empty waits for a container that is starting, as always)."""
+        notice), its own upkeep waits: the sandbox it used is removed, and its replacement
+        started, when the block ends (measured on 2 cores, a replacement's start, ~135 ms
+        of runc, shim, dockerd CPU and this process's GIL for the SDK, running beside the
+        job's last steps added 20-40 ms to the caller's wait). Only its OWN: upkeep left by
+        a job whose path ended goes on while the next job runs, or a steady backlog, always
+        on some job's path, would never see it done. Work already under way goes on (a job
+        that finds the pool empty waits for a container that is starting, as always)."""
+        outer = getattr(self._path, "held", None) is not None  # nested: the outer one ends it
+        if not outer:
+            self._path.held = []
         with self._cond:
             self._on_path += 1
         try:
@@ -214,7 +255,21 @@ class SandboxPool:
         finally:
             with self._cond:
                 self._on_path -= 1
+                if not outer:
+                    self._retire.extend(self._path.held)
+                    self._path.held = None
+                    self._reserve_fills()
                 self._cond.notify_all()
+
+    def _reserve_fills(self) -> None:
+        """Count the replacements this pool lacks as starting now (with the lock held), so
+        a job that comes next waits for them instead of starting a cold one; the pool's
+        thread starts them whatever path is open by then."""
+        if self._stop:
+            return
+        while (lang := self._wanted()) is not None:
+            self._starting[lang] += 1
+            self._reserved.append(lang)
 
     # --- take and run ---------------------------------------------------------------------
 
@@ -237,6 +292,7 @@ class SandboxPool:
                 if name not in self._idle or self._stop:
                     self.misses[name] += 1
                     return None
+                self._wait_for_removals(should_cancel)
                 while True:
                     q = self._idle[name]
                     while q:
@@ -269,6 +325,30 @@ class SandboxPool:
                     return None
             finally:
                 self._cond.notify_all()  # the thread starts a replacement
+
+    def _wait_for_removals(self, should_cancel: CancelCheck | None) -> None:
+        """With the lock held: while more than MAX_PENDING_REMOVALS used sandboxes wait for
+        their removal, wait for the remover (at most REMOVAL_WAIT_S), asking
+        ``should_cancel`` every CANCEL_POLL_S."""
+        deadline = time.monotonic() + REMOVAL_WAIT_S
+        while (pending := self._ended_pending()) > MAX_PENDING_REMOVALS and not self._stop:
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "%d used sandboxes still wait for their removal after %g s; the job goes "
+                    "on (is the Docker engine slow? docker info)",
+                    pending,
+                    REMOVAL_WAIT_S,
+                )
+                return
+            if should_cancel is not None and self._asked_to_cancel(should_cancel):
+                raise CancelledBeforeStart()
+            self._cond.wait(CANCEL_POLL_S)
+
+    def _ended_pending(self) -> int:
+        """Used or dead sandboxes released and not removed yet (the one being removed
+        counts, whatever it is); with the lock held."""
+        queued = sum(1 for x in self._retire if isinstance(x, str) or not x.unused)
+        return queued + self._removing
 
     def _asked_to_cancel(self, should_cancel: CancelCheck) -> bool:
         """``should_cancel()`` without the pool's lock (it may read Redis or the store: the
@@ -391,9 +471,14 @@ class SandboxPool:
         api.rename(p.cid, name)
 
     def _hand_off(self, p: Pooled) -> None:
+        """``p`` answered its job: removed when the job's path ends (at once outside one)."""
+        held = getattr(self._path, "held", None)
         with self._cond:
-            self._retire.append(p)
-            self._cond.notify_all()
+            if held is not None and not self._stop:
+                held.append(p)
+            else:
+                self._retire.append(p)
+                self._cond.notify_all()
 
     # --- what it shows ----------------------------------------------------------------------
 
@@ -426,32 +511,61 @@ class SandboxPool:
     # --- the pool's thread: start, replace, remove ----------------------------------------
 
     def _loop(self) -> None:
+        """Starts: those reserved when a path ended, else (outside any path) what the pool
+        lacks; every TICK_S, ``_maintain``."""
         next_tick = 0.0
         while True:
             with self._cond:
-                while not self._stop and (
-                    self._on_path
-                    or (
-                        not self._retire and self._wanted() is None and time.monotonic() < next_tick
-                    )
-                ):
-                    self._cond.wait(max(0.01, min(next_tick - time.monotonic(), TICK_S)))
-                if self._stop and not self._retire:
+                lang = self._next_start(next_tick)
+                if lang is None and self._stop:
+                    while self._reserved:  # never started: not starting any more
+                        self._starting[self._reserved.popleft()] -= 1
+                    self._cond.notify_all()
                     return
-                lang = None if self._stop else self._wanted()
-                if lang is not None:
-                    self._starting[lang] += 1
             try:
                 if lang is not None:
-                    self._fill(lang)  # first: the next job waits for it, not for a removal
-                elif self._retire:
-                    self._drain_retired(one=True)
-                elif time.monotonic() >= next_tick:
+                    self._fill(lang)
+                else:
                     self._maintain()
                     next_tick = time.monotonic() + TICK_S
                     self._notify()
             except Exception:  # noqa: BLE001 - the pool thread must live on
                 log.exception("sandbox pool thread")
+
+    def _next_start(self, next_tick: float) -> str | None:
+        """With the lock held, wait for a start to make (its language, counted as
+        starting) or the next tick (None); None at once when stopping."""
+        while not self._stop:
+            if self._reserved:
+                return self._reserved.popleft()
+            if not self._on_path:
+                lang = self._wanted()
+                if lang is not None:
+                    self._starting[lang] += 1
+                    return lang
+            left = next_tick - time.monotonic()
+            if left <= 0:
+                return None
+            self._cond.wait(max(0.01, min(left, TICK_S)))
+        return None
+
+    def _remove_loop(self) -> None:
+        """The remover: removes what is released, one at a time, as soon as it is; every
+        TICK_S with nothing to do, retries removals the engine refused while it was away."""
+        while True:
+            with self._cond:
+                if not self._retire:
+                    if self._stop:
+                        return
+                    self._cond.wait(TICK_S)
+                work = bool(self._retire)
+            try:
+                if work:
+                    self._drain_retired(one=True)
+                else:
+                    self.runtime.retry_leftovers()
+            except Exception:  # noqa: BLE001 - the remover must live on
+                log.exception("sandbox pool remover")
 
     def _wanted(self) -> str | None:
         """A language that needs one more container now (not in back-off), or None."""
@@ -550,7 +664,7 @@ class SandboxPool:
         return self._image_ids[language.name]
 
     def _maintain(self) -> None:
-        """Replace containers idle too long, or made from an image that was rebuilt."""
+        """Replace containers idle too long, dead, or made from an image that was rebuilt."""
         now = time.monotonic()
         check_images = now - self._images_checked >= IMAGE_CHECK_S
         current: dict[str, str] = {}
@@ -566,9 +680,14 @@ class SandboxPool:
                 keep: deque[Pooled] = deque()
                 for p in q:
                     if now - p.created > self.max_idle_s:
+                        p.unused = True
+                        self._retire.append(p)
+                    elif not p.fresh():
+                        log.warning("pre-started sandbox %s died idle; replacing it", p.name)
                         self._retire.append(p)
                     elif name in current and p.image_id != current[name]:
                         log.info("image of %s changed: replacing its pre-started sandbox", name)
+                        p.unused = True
                         self._retire.append(p)
                     else:
                         keep.append(p)

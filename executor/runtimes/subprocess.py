@@ -17,6 +17,12 @@ on this host, and meta and the start-up warning repeat it):
   grandchild that called ``setsid()`` too), then removes what the uid left in ``/tmp``,
   ``/var/tmp``, ``/dev/shm`` (``uids.remove_owned_files``), then the cgroup.
 
+Under a non-root server (``namespaces``) the server is not dumpable, so a run cannot read
+its ``/proc`` files, and where the kernel allows unprivileged user namespaces
+(STUDIO_CODE_SUBPROCESS_NAMESPACES=auto) each run starts in a user, PID and mount namespace
+of its own: it cannot see, signal or trace the server, its other children or other runs,
+and the end of the run kills everything it started.
+
 It can still use the network and read any file its uid can read.
 """
 
@@ -41,6 +47,7 @@ from executor.audit import SUBPROCESS_RUNTIME_USED
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
+from executor.runtimes import namespaces
 from executor.runtimes.base import LOG_TAP, POLL_S, BoundedBuffer, CancelCheck, Runtime
 from executor.runtimes.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
 from executor.runtimes.uids import (
@@ -107,7 +114,19 @@ class SubprocessRuntime(Runtime):
         if linux:
             self._cgroups, self._cgroup_note = find_parent(settings.code_subprocess_cgroup)
         self._seq = 0
-        self.isolation = isolation_report(settings, self._uids, self._cgroups, self._cgroup_note)
+        # before the first run, in every process that starts runs (a Celery pool process
+        # inherits it from the worker's main process, and sets it again here)
+        undumpable = namespaces.make_undumpable()
+        self._namespaces_note = _namespaces_note(settings)
+        self._namespaces = self._namespaces_note is None
+        self.isolation = isolation_report(
+            settings,
+            self._uids,
+            self._cgroups,
+            self._cgroup_note,
+            namespaces_note=self._namespaces_note,
+            undumpable=undumpable,
+        )
         log.warning(isolation_warning(self.isolation))
 
     def unavailable_reason(self, language: Language) -> str | None:
@@ -167,7 +186,7 @@ class SubprocessRuntime(Runtime):
                 env=env,
                 start_new_session=True,
                 close_fds=True,
-                preexec_fn=_child_setup(policy, group, ids) if linux else None,
+                preexec_fn=_child_setup(policy, group, ids, self._namespaces) if linux else None,
                 # not Linux: no uid of its own, but never root (nobody, as before)
                 user=shared_ids[0] if shared_ids else None,
                 group=shared_ids[1] if shared_ids else None,
@@ -194,7 +213,9 @@ class SubprocessRuntime(Runtime):
         ending = "eof"
         try:
             rss_cap = None if address_space else limits.memory_bytes
-            ending = _wait(child, started + limits.timeout_s, should_cancel, rss_cap)
+            ending = _wait(
+                child, started + limits.timeout_s, should_cancel, rss_cap, self._namespaces
+            )
         finally:
             # Always: whatever the code started dies with it, in its session, its cgroup
             # (a setsid() grandchild too) and under its uid.
@@ -277,9 +298,14 @@ def isolation_report(
     uids: UidPool | None,
     cgroups: CgroupParent | None,
     cgroup_note: str,
+    *,
+    namespaces_note: str | None = "not asked for",
+    undumpable: bool = False,
 ) -> dict[str, Any]:
     """What keeps subprocess runs apart on this host, and what does not: meta's
-    ``subprocess_isolation`` and the start-up warning."""
+    ``subprocess_isolation`` and the start-up warning. ``namespaces_note`` is None when
+    each run gets namespaces of its own, else why not; ``undumpable``: the server is not
+    dumpable."""
     holds: list[str] = [
         "Each run starts with an empty environment, in a temporary folder of its own "
         "(removed afterwards), in a session of its own that the end of the run kills, with "
@@ -310,6 +336,10 @@ def isolation_report(
             "outside those folders (a file in another world-writable folder, an "
             "abstract Unix socket while it runs) is not looked for."
         )
+        lacks.append(
+            "A run sees every process of the host in /proc (their pids and command lines), "
+            "though it cannot signal or read those of other uids."
+        )
     elif os.getuid() == 0:
         lacks.append(
             "Not Linux: every run runs as nobody, shared with every other run and "
@@ -317,23 +347,7 @@ def isolation_report(
             "files are not removed."
         )
     else:
-        server = f"uid {os.getuid()}"
-        mem = (
-            "and memory (/proc/<ppid>/mem: ptrace is not restricted by Yama here)"
-            if _ptrace_scope() == 0
-            else "(its memory is kept from it by Yama's ptrace_scope, its environment is not)"
-        )
-        lacks.append(
-            f"The server is not root, so every run runs as the server's own {server}: a run "
-            f"can read the server's own environment (/proc/<ppid>/environ) {mem}, and those "
-            "of concurrent runs; signal the server, its other children and concurrent "
-            "runs; read and write every file the server can; and share the RLIMIT_NPROC "
-            "count of every process of that user."
-        )
-        lacks.append(
-            f"Files a run leaves in {swept} are not removed (they cannot be told "
-            "from the server user's own)."
-        )
+        _non_root(holds, lacks, namespaces_note, undumpable, swept)
     if cgroups is not None:
         holds.append(
             f"Each run has its own {cgroups.describe()}: memory, /dev/shm and tmpfs pages "
@@ -347,7 +361,7 @@ def isolation_report(
             "STUDIO_CODE_MEMORY"
             + (
                 "."
-                if uids is not None
+                if uids is not None or namespaces_note is None
                 else ", and a grandchild that called setsid() survives the end of the run."
             )
         )
@@ -356,9 +370,74 @@ def isolation_report(
         "uids": settings.code_subprocess_uids if uids is not None else None,
         "cgroup": cgroups.describe() if cgroups is not None else None,
         "cgroup_reason": None if cgroups is not None else cgroup_note,
+        "namespaces": namespaces_note is None,
+        "namespaces_reason": namespaces_note,
+        "server_dumpable": not undumpable,
         "holds": holds,
         "does_not_hold": lacks,
     }
+
+
+def _non_root(
+    holds: list[str], lacks: list[str], namespaces_note: str | None, undumpable: bool, swept: str
+) -> None:
+    """A non-root server's runs share its uid: what the kernel's other fences still hold."""
+    if undumpable:
+        holds.append(
+            "The server process is not dumpable (PR_SET_DUMPABLE 0): its /proc files belong "
+            "to root, so a run cannot read the server's environment or memory "
+            "(/proc/<server>/environ, mem) or ptrace it."
+        )
+    if namespaces_note is None:
+        holds.append(
+            "Each run starts in a user, PID and mount namespace of its own with a private "
+            "/proc: it keeps the server's uid but has no capability, sees only its own "
+            "processes, cannot signal, trace or read the server, its other children or "
+            "concurrent runs (none of their pids exists for it), and the end of the run "
+            "kills every process it started (a grandchild that called setsid() too)."
+        )
+    can = []
+    if not undumpable:
+        mem = (
+            "and memory (/proc/<ppid>/mem: ptrace is not restricted by Yama here)"
+            if _ptrace_scope() == 0
+            else "(its memory is kept from it by Yama's ptrace_scope, its environment is not)"
+        )
+        can.append(f"read the server's own environment (/proc/<ppid>/environ) {mem}")
+    if namespaces_note is not None:
+        peers = (
+            "environment and memory (/proc/<pid>/environ, mem)"
+            if _ptrace_scope() == 0
+            else "environment (/proc/<pid>/environ; Yama's ptrace_scope keeps their memory)"
+        )
+        can.append(
+            f"see every process of the host in /proc, signal the server, its other children "
+            f"and concurrent runs, and read the {peers} of concurrent runs (no namespaces per "
+            f"run: {namespaces_note})"
+        )
+    can.append("read and write every file the server can")
+    lacks.append(
+        f"The server is not root, so every run runs as the server's own uid {os.getuid()}: a "
+        f"run can {'; '.join(can)}; and it shares the RLIMIT_NPROC count of every process "
+        "of that user."
+    )
+    lacks.append(
+        f"Files a run leaves in {swept} are not removed (they cannot be told "
+        "from the server user's own)."
+    )
+
+
+def _namespaces_note(settings: Settings) -> str | None:
+    """None when each run starts in namespaces of its own, else why not (probed once)."""
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    if os.getuid() == 0:
+        # its runs have uids of their own; namespaces there would also take two processes
+        # of each run's RLIMIT_NPROC and pids.max (see namespaces.py)
+        return "the server is root: each run has a uid of its own instead"
+    if settings.code_subprocess_namespaces == "off":
+        return "STUDIO_CODE_SUBPROCESS_NAMESPACES=off"
+    return namespaces.probe()
 
 
 def isolation_warning(report: dict[str, Any]) -> str:
@@ -391,12 +470,15 @@ def _child_setup(
     policy: dict[int, tuple[int, int]],
     group: RunCgroup | None,
     ids: tuple[int, int] | None,
+    in_namespaces: bool = False,
 ):  # type: ignore[no-untyped-def]
     """What the child does between fork and exec, still as the server's user: join the
     run's cgroup (so nothing it starts is ever outside it), set its rlimits, then drop to
     the run's uid and gid with no supplementary group and no_new_privs (no setuid binary
     gives a uid back). Popen's own user= would drop the uid BEFORE this runs, and a
-    dropped uid may not write to the cgroup's files."""
+    dropped uid may not write to the cgroup's files. ``in_namespaces``: then enter the
+    run's namespaces (``namespaces.enter``), and only the runner sets the rlimits (the
+    relay and init are copies of the server, whose address space RLIMIT_AS may not fit)."""
     procs_files = group.procs_files if group is not None else []
 
     def setup() -> None:
@@ -407,8 +489,8 @@ def _child_setup(
                 os.write(fd, pid)
             finally:
                 os.close(fd)
-        for which, value in policy.items():
-            resource.setrlimit(which, value)
+        if not in_namespaces:
+            _set_rlimits()
         if ids is not None:
             uid, gid = ids
             os.setgroups([])
@@ -416,6 +498,13 @@ def _child_setup(
             os.setresuid(uid, uid, uid)
         if _prctl is not None:
             _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        if in_namespaces:
+            namespaces.enter()  # returns in the runner only
+            _set_rlimits()
+
+    def _set_rlimits() -> None:
+        for which, value in policy.items():
+            resource.setrlimit(which, value)
 
     return setup
 
@@ -425,6 +514,7 @@ def _wait(
     deadline: float,
     should_cancel: CancelCheck | None,
     rss_cap: int | None = None,
+    in_namespaces: bool = False,
 ) -> str:
     """Wait for the child's exit, the deadline, a cancel or (with ``rss_cap``) too much
     resident memory: "eof", "deadline", "cancel" or "memory".
@@ -434,12 +524,14 @@ def _wait(
     which cannot run under RLIMIT_AS or RLIMIT_DATA (V8 reserves gigabytes of address space
     up front): V8's heap flag caps JavaScript objects, and this watch, every 20 ms, caps
     what the heap flag does not see (ArrayBuffers); it may overshoot by what can be touched
-    in 20 ms."""
+    in 20 ms. ``in_namespaces``: the child is the relay, and the runner whose memory is
+    watched its grandchild (``namespaces``)."""
     try:
         pidfd = os.pidfd_open(child.pid)
     except (AttributeError, OSError):
         pidfd = None  # not Linux >= 5.3: poll
     step_max = RSS_POLL_S if rss_cap else POLL_S * 2
+    watched = None if in_namespaces else child.pid
     try:
         while child.poll() is None:
             now = time.monotonic()
@@ -447,8 +539,10 @@ def _wait(
                 return "deadline"
             if should_cancel is not None and should_cancel():
                 return "cancel"
-            if rss_cap is not None and _rss_bytes(child.pid) > rss_cap:
-                return "memory"
+            if rss_cap is not None:
+                watched = watched or namespaces.runner_pid(child.pid)
+                if watched is not None and _rss_bytes(watched) > rss_cap:
+                    return "memory"
             step = min(step_max, deadline - now)
             if pidfd is not None:
                 select.select([pidfd], [], [], step)

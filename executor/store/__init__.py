@@ -27,9 +27,10 @@ from executor.store.sql import SqlRunStore, describe_url
 
 
 def open_store(url: str, *, create: bool = True) -> RunStore:
-    """The run store at ``url`` (a SQLAlchemy URL), its tables created when missing. With
-    ``create=False`` nothing is created (no folder, no file, no table): a SQLite file that
-    does not exist raises StoreUnavailable naming it."""
+    """The run store at ``url`` (a SQLAlchemy URL), its schema made or brought to this
+    release's (``executor.store.migrations``). With ``create=False`` nothing is created or
+    changed (no folder, no file, no table): a SQLite file that does not exist raises
+    StoreUnavailable naming it."""
     return SqlRunStore(url, create_tables=create)
 
 

@@ -1,35 +1,23 @@
-"""A run store whose outages are said plainly: a driver error (connection refused, a
-read-only file, a pool timeout) becomes ``StoreUnavailable`` (RUNTIME_UNAVAILABLE) naming
-the store by its URL without the password, never a raw ``sqlalchemy.exc.OperationalError``.
+"""A run store says its outages plainly: a driver error that means "the store cannot be
+reached or written now" (connection refused, a read-only file, a pool timeout; the table in
+``executor.outage``) becomes ``StoreUnavailable`` (RUNTIME_UNAVAILABLE) naming the store by
+its URL without the password, never a raw ``sqlalchemy.exc.OperationalError``.
 
-What the API side (``api_client``) holds. A proxy, not a subclass: every method of the
-wrapped store (and any added later) passes through, each call's errors translated.
+``raise_store_outages`` is applied to the store class itself (``SqlRunStore``), so every
+caller (the worker, the API, the CLI) gets the same type for the same outage, and catches
+that type. Errors of the data or the query pass through unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar
 
 from executor.errors import StoreUnavailable
-from executor.store.base import RunStore
+from executor.outage import is_store_outage
 
-
-def is_store_outage(e: BaseException) -> bool:
-    """True for an error that means "the store cannot be reached or written", not a bug:
-    a refused or dropped connection, a locked, missing or read-only database file."""
-    from sqlalchemy import exc
-
-    if isinstance(e, exc.IntegrityError | exc.DataError):
-        return False
-    if isinstance(e, exc.DBAPIError | exc.DisconnectionError | exc.TimeoutError):
-        return True
-    names = {c.__name__ for c in type(e).__mro__}
-    modules = {c.__module__.split(".")[0] for c in type(e).__mro__}
-    if names & {"OperationalError", "InterfaceError"} and modules & {"sqlite3", "psycopg"}:
-        return True
-    return isinstance(e, OSError)
+T = TypeVar("T", bound=type)
 
 
 def _reason(e: BaseException) -> str:
@@ -46,72 +34,36 @@ def outage(where: str, e: BaseException) -> StoreUnavailable:
     )
 
 
-class GuardedStore:
-    """Wraps a RunStore; see the module docstring."""
-
-    def __init__(self, store: RunStore) -> None:
-        self._store = store
-        self._where = store.describe()
-
-    @property
-    def store_id(self) -> str:
+def _translating(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self._store.store_id
+            return fn(self, *args, **kwargs)
+        except StoreUnavailable:
+            raise
         except Exception as e:
             if is_store_outage(e):
-                raise outage(self._where, e) from e
+                raise outage(_where(self), e) from e
             raise
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._store, name)
-        if not callable(attr):
-            return attr
-        where = self._where
-
-        @functools.wraps(attr)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return attr(*args, **kwargs)
-            except StoreUnavailable:
-                raise
-            except Exception as e:
-                if is_store_outage(e):
-                    raise outage(where, e) from e
-                raise
-
-        return call
-
-    def __enter__(self) -> GuardedStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._store.close()
-
-    def __repr__(self) -> str:
-        return f"GuardedStore({self._store!r})"
+    return call
 
 
-def open_guarded(
-    url: str, *, create: bool = True, opener: Callable[..., RunStore] | None = None
-) -> RunStore:
-    """``open_store(url)`` behind a GuardedStore; an outage while opening raises
-    StoreUnavailable too."""
-    from executor.store import open_store
-    from executor.store.sql import describe_url
-
+def _where(store: Any) -> str:
     try:
-        store = (opener or open_store)(url, create=create)
-    except StoreUnavailable:
-        raise
-    except Exception as e:
-        if is_store_outage(e):
-            raise outage(describe_url(url), e) from e
-        raise
-    return guard(store)
+        return str(store.describe())
+    except Exception:  # noqa: BLE001 - __init__ failed before the URL was set
+        return "<the run store>"
 
 
-def guard(store: RunStore) -> RunStore:
-    """``store`` behind a GuardedStore (typed as the RunStore it stands for)."""
-    if isinstance(store, GuardedStore):
-        return cast(RunStore, store)
-    return cast(RunStore, GuardedStore(store))
+def raise_store_outages(cls: T) -> T:
+    """Class decorator: every public method and property of ``cls`` (and ``__init__``)
+    raises StoreUnavailable for an outage. ``describe()`` must not touch the database."""
+    for name, attr in list(vars(cls).items()):
+        if name == "describe" or (name.startswith("_") and name != "__init__"):
+            continue
+        if isinstance(attr, property) and attr.fget is not None:
+            setattr(cls, name, property(_translating(attr.fget), attr.fset, attr.fdel))
+        elif callable(attr) and not isinstance(attr, staticmethod | classmethod | type):
+            setattr(cls, name, _translating(attr))
+    return cls

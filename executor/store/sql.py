@@ -8,8 +8,10 @@ one of two racing writers matches. On SQLite every write transaction starts with
 busy_timeout), so writers are serialised and never hit SQLite's lock-upgrade deadlock; reads
 use a plain deferred ``BEGIN`` and, with WAL, never block or wait for writers.
 
-Lists and dicts are stored as JSON text so the schema is the same on both databases; tables
-are created when missing (``metadata.create_all``; no migrations).
+Lists and dicts are stored as JSON text so the schema is the same on both databases. The
+schema is made and changed by migrations (``executor/store/migrations``: Alembic revision
+files) when a store opens; ``metadata`` below is what the newest revision makes, and a test
+compares the two.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ from sqlalchemy import (
     exc,
     func,
     insert,
-    inspect,
     literal,
+    literal_column,
     select,
     text,
     update,
@@ -80,6 +82,7 @@ from executor.outputs import (
     safe_text,
     safe_value,
 )
+from executor.store import migrations
 from executor.store.base import (
     CANCELLED_BEFORE_START,
     CANCELLED_WHILE_RUNNING,
@@ -94,6 +97,7 @@ from executor.store.base import (
     RunStore,
     RunSummary,
 )
+from executor.store.guard import raise_store_outages
 
 log = logging.getLogger("studio_code.store")
 
@@ -103,7 +107,9 @@ _SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: pages; SQLite's default is 1000); below it, _Checkpointer does it off the commit's path
 _SQLITE_AUTOCHECKPOINT_PAGES = 16_384
 _SQLITE_CHECKPOINT_AFTER_S = 0.5
-_PG_CREATE_LOCK = 0x5374_7564_696F  # pg_advisory_xact_lock key serialising create_all
+#: pg_advisory_xact_lock key serialising schema changes at open (the releases before
+#: migrations take the same one around their create_all: a rolling upgrade is serialised too)
+_PG_SCHEMA_LOCK = 0x5374_7564_696F
 _CHUNK = 500  # ids per IN (...) in get_many
 
 
@@ -179,8 +185,8 @@ jobs = Table(
     Column("started_ts", Double, nullable=True),
     Column("worker", String, nullable=True),
     Column("attempts", Integer, nullable=False, default=0),
-    # Added after the first release: nullable, so an existing table gets them with ALTER
-    # TABLE ADD COLUMN when the store opens (_add_missing_columns).
+    # Added after the first release (a store made before migrations gets them from
+    # migrations/baseline.py).
     Column("pruned_at", UtcDateTime, nullable=True),  # retention cleared the payloads
     Column("memory_bytes", BigInteger, nullable=True),  # what the node asked for, if any
     Column("cpus", Double, nullable=True),
@@ -196,9 +202,9 @@ jobs = Table(
 #: A job's code and state, out of ``code_jobs``: the queue updates that row twice per job
 #: (claim, finish) and SQLite rewrites a whole row on every UPDATE, so a 10 MB state was
 #: copied twice per job; and the reads that need neither (status, wait, views) never touch
-#: them. Written once by ``create``, read once by ``claim``, removed by retention. Rows made
-#: before this table existed keep theirs in ``code_jobs.code``/``state_json`` (read from
-#: there when this table has no row); new rows hold "" and "{}" there.
+#: them. Written once by ``create``, read once by ``claim``, removed by retention (a job with
+#: no row here reads "" and "{}"). ``code_jobs.code``/``state_json`` hold "" and "{}": rows
+#: made before this table had theirs moved here by migrations/baseline.py.
 job_inputs = Table(
     "code_job_inputs",
     metadata,
@@ -328,18 +334,22 @@ def describe_url(url: str | URL) -> str:
 
 
 def _record(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord:
-    """The record of a ``code_jobs`` row; ``inputs``: its ``code_job_inputs`` row, whose code
-    and state win over the row's own (which only rows made before that table hold)."""
+    """The record of a ``code_jobs`` row (``_JOB_COLUMNS``); ``inputs``: its code and state
+    (its ``code_job_inputs`` row), None when not read or not there ("" and "{}")."""
     try:
         return _record_strict(row, inputs)
-    except Exception:  # noqa: BLE001 - one bad column must not make the row unreadable
+    except Exception:  # noqa: BLE001 - one bad value must not make the row unreadable
         return _record_tolerant(row, inputs)
 
 
-#: the columns of ``jobs`` that are fields of JobRecord, in the table's order (started_ts is
-#: not): both readers below go over them, so a column added to the table and the record is
-#: read without another line here
-_RECORD_COLUMNS = tuple(c.name for c in jobs.columns if c.name in JobRecord.model_fields)
+#: the inputs' columns: in ``job_inputs``; in ``code_jobs`` too, never read from there
+_INPUTS = ("code", "state_json")
+#: the columns of ``code_jobs`` that are fields of JobRecord, in the table's order (neither
+#: started_ts nor the inputs): both readers below go over them, so a column added to the
+#: table and the record is read without another line here
+_RECORD_COLUMNS = tuple(
+    c.name for c in jobs.columns if c.name in JobRecord.model_fields and c.name not in _INPUTS
+)
 
 
 _INSERT_INPUTS = insert(job_inputs)
@@ -366,7 +376,10 @@ _CLAIM = (
     )
 )
 
-_CLAIM_RETURNING = _CLAIM.returning(*jobs.columns)
+#: ``code_jobs`` without the inputs' columns (see ``job_inputs``)
+_JOB_COLUMNS = tuple(c for c in jobs.columns if c.name not in _INPUTS)
+
+_CLAIM_RETURNING = _CLAIM.returning(*_JOB_COLUMNS)
 
 _CANCELLING = jobs.c.status == Status.CANCELLING.value
 #: the result, once, on an open job; a job cancelled while it ran ends cancelled whatever it
@@ -400,34 +413,36 @@ _FINISH = (
 )
 _FINISH_RETURNING = _FINISH.returning(jobs.c.status, jobs.c.error)
 
-#: ``code_jobs`` without the inputs' legacy columns (see ``job_inputs``)
-_JOB_COLUMNS = tuple(c for c in jobs.columns if c.name not in ("code", "state_json"))
-
 
 def _select_jobs(*, inputs: bool) -> Any:
     """SELECT of whole records; without ``inputs``, code and state are not read (the record
-    holds "" and "{}"). With them: from ``job_inputs``, else (a row made before that
-    table) from ``code_jobs`` itself. (One job's record is read in two statements instead,
-    ``_read_inputs``: SQLite copies a 10 MB value once more through COALESCE.)"""
+    holds "" and "{}"); with them, from ``job_inputs`` (NULL: the job has no row there).
+    (One job's record is read in two statements instead, ``_read_inputs``.)"""
     if not inputs:
         return select(*_JOB_COLUMNS)
     joined = jobs.outerjoin(job_inputs, job_inputs.c.job_id == jobs.c.job_id)
     return select(
         *_JOB_COLUMNS,
-        func.coalesce(job_inputs.c.code, jobs.c.code).label("code"),
-        func.coalesce(job_inputs.c.state_json, jobs.c.state_json).label("state_json"),
+        job_inputs.c.job_id.label("inputs_of"),
+        job_inputs.c.code,
+        job_inputs.c.state_json,
     ).select_from(joined)
 
 
+def _joined_inputs(row: Row[Any]) -> Row[Any] | None:
+    """The inputs of a ``_select_jobs(inputs=True)`` row: the row itself, if the job has them."""
+    return row if row._mapping["inputs_of"] is not None else None
+
+
 def _read_inputs(conn: Connection, job_id: str) -> Any:
-    """The ``code_job_inputs`` row of ``job_id`` (None for a row made before that table)."""
+    """The ``code_job_inputs`` row of ``job_id`` (None: retention removed it)."""
     stmt = select(job_inputs.c.code, job_inputs.c.state_json).where(job_inputs.c.job_id == job_id)
     return conn.execute(stmt).first()
 
 
 def _record_strict(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord:
     m = row._mapping
-    fields = {name: m[name] for name in _RECORD_COLUMNS if name in m}
+    fields = {name: m[name] for name in _RECORD_COLUMNS}
     if inputs is not None:
         fields.update(code=inputs.code, state_json=inputs.state_json)
     fields.update(
@@ -497,8 +512,7 @@ def _record_tolerant(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord
     fields: dict[str, Any] = {}
 
     def take(name: str, parse: Any, default: Any, allowed: str) -> None:
-        own = inputs if inputs is not None and name in ("code", "state_json") else row
-        value = _raw(own, name)
+        value = _raw(inputs if name in _INPUTS and inputs is not None else row, name)
         try:
             if isinstance(value, Exception):
                 raise value
@@ -534,16 +548,16 @@ def _record_tolerant(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord
     }
     job_id = _raw(row, "job_id")
     fields["job_id"] = str(job_id) if not isinstance(job_id, Exception) else "?"
-    present = row._mapping.keys()
-    for name in _RECORD_COLUMNS:
-        if name != "job_id" and name in present:
-            own = JobRecord.model_fields[name].get_default(call_default_factory=True)
-            take(
-                name,
-                parse.get(name, same),
-                _TOLERANT_DEFAULTS.get(name, own),
-                _ALLOWED.get(name, "readable"),
-            )
+    for name in _RECORD_COLUMNS + (_INPUTS if inputs is not None else ()):
+        if name == "job_id":
+            continue
+        own = JobRecord.model_fields[name].get_default(call_default_factory=True)
+        take(
+            name,
+            parse.get(name, same),
+            _TOLERANT_DEFAULTS.get(name, own),
+            _ALLOWED.get(name, "readable"),
+        )
     if problems and fields.get("error") is None:
         fields["error"] = CodeErrorInfo(
             code=ErrorCode.RUNTIME_UNAVAILABLE,
@@ -566,25 +580,20 @@ def _summary(row: Any) -> RunSummary:
     return RunSummary(**fields)
 
 
-def _add_missing_columns(conn: Connection) -> None:
-    """ALTER TABLE ADD COLUMN for each nullable column of ``jobs`` the table lacks."""
-    have = {c["name"] for c in inspect(conn).get_columns(jobs.name)}
-    for column in jobs.columns:
-        if column.name in have:
-            continue
-        if not column.nullable:  # pragma: no cover - a schema change that needs a migration
-            raise RuntimeError(f"the run store lacks the NOT NULL column {column.name}")
-        name = conn.dialect.identifier_preparer.quote(column.name)
-        type_sql = column.type.compile(dialect=conn.dialect)
-        conn.exec_driver_sql(f"ALTER TABLE {jobs.name} ADD COLUMN {name} {type_sql}")
+def _no_such_table(e: exc.DBAPIError) -> bool:
+    """``e`` says a table is missing (SQLite's message; PostgreSQL's SQLSTATE 42P01)."""
+    return getattr(e.orig, "sqlstate", None) == "42P01" or "no such table" in str(e.orig)
 
 
 # --- the store ---------------------------------------------------------------------------
 
 
+@raise_store_outages
 class SqlRunStore(RunStore):
     """The run store in a SQL database reached through ``url`` (any SQLAlchemy URL; tested
-    on SQLite files and PostgreSQL via psycopg 3). Creates its tables when missing.
+    on SQLite files and PostgreSQL via psycopg 3). Brings its schema to this release's
+    (``executor.store.migrations``) when it opens, unless ``create_tables`` is False: then
+    it creates and changes nothing.
 
     One instance per process: it holds a connection pool. A connection opened before a
     fork is never reused by the child (it opens its own)."""
@@ -609,9 +618,11 @@ class SqlRunStore(RunStore):
         self._closed = False
         self._store_id: str | None = None
         self._insert_job: Any = None
+        #: the migration steps this open applied (``migrations.upgrade``); () at HEAD
+        self.schema_steps: tuple[str, ...] = ()
         try:
             if create_tables:
-                self._create_tables()
+                self._open_schema()
         except BaseException:
             with self._gate():
                 self._engine.dispose()
@@ -663,23 +674,54 @@ class SqlRunStore(RunStore):
         """SQLite: no fork of this process while the call runs (``_ForkGate``)."""
         return _FORK_GATE.held() if self.dialect == "sqlite" else nullcontext()
 
-    def _create_tables(self) -> None:
+    def _open_schema(self) -> None:
+        """The schema at this release's HEAD and the store's id known. At HEAD (or at a
+        newer release's revision) that is one read; else the migrations run under the
+        schema lock: the advisory lock on PostgreSQL, BEGIN IMMEDIATE on SQLite (many
+        workers may start at once; of their opens, one applies the revisions)."""
+        at, self._store_id = self._schema_version()
+        if self._store_id and at is not None:
+            if at == migrations.head():
+                return
+            if at not in migrations.revisions():
+                log.info(
+                    "run store %s is at schema revision %s, newer than this release's %s: "
+                    "used as it is (a newer release upgraded it)",
+                    self.describe(),
+                    at,
+                    migrations.head(),
+                )
+                return
         with self._write() as conn:
             if self.dialect == "postgresql":
-                # Many workers may start at once; CREATE TABLE races fail on PostgreSQL.
-                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_CREATE_LOCK})
-            metadata.create_all(conn, checkfirst=True)
-            # create_all makes a missing TABLE with its indexes, but leaves an existing
-            # table as it is: a store made by an older release gets the new columns and
-            # indexes here (both idempotent, and serialised by the lock above on
-            # PostgreSQL and by BEGIN IMMEDIATE on SQLite).
-            _add_missing_columns(conn)
-            for index in jobs.indexes:
-                index.create(conn, checkfirst=True)
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_SCHEMA_LOCK})
+            self.schema_steps = migrations.upgrade(conn)
             self._store_id = self._read_store_id(conn)
             if self._store_id is None:
                 self._store_id = uuid.uuid4().hex
                 conn.execute(insert(store_meta).values(key=_STORE_ID, value=self._store_id))
+        if self.schema_steps:
+            log.info(
+                "run store %s: schema brought to revision %s (%s)",
+                self.describe(),
+                migrations.head(),
+                ", ".join(self.schema_steps),
+            )
+
+    def _schema_version(self) -> tuple[str | None, str | None]:
+        """(the store's schema revision, its id) in one statement; (None, None) when it
+        has no version table (a new store, or one made before migrations)."""
+        version = f"SELECT version_num FROM {migrations.VERSION_TABLE}"
+        store_id = select(store_meta.c.value).where(store_meta.c.key == _STORE_ID)
+        both = select(literal_column(f"({version})"), store_id.scalar_subquery())
+        try:
+            with self._read() as conn:
+                row = conn.execute(both).one()
+        except (exc.OperationalError, exc.ProgrammingError) as e:
+            if not _no_such_table(e):
+                raise
+            return None, None
+        return row[0], row[1]
 
     @staticmethod
     def _read_store_id(conn: Connection) -> str | None:
@@ -744,8 +786,7 @@ class SqlRunStore(RunStore):
 
     def get(self, job_id: str, *, inputs: bool = True) -> JobRecord | None:
         with self._read() as conn:
-            columns = jobs.columns if inputs else _JOB_COLUMNS
-            row = conn.execute(select(*columns).where(jobs.c.job_id == job_id)).first()
+            row = conn.execute(select(*_JOB_COLUMNS).where(jobs.c.job_id == job_id)).first()
             own = _read_inputs(conn, job_id) if inputs and row is not None else None
         return None if row is None else _record(row, own)
 
@@ -762,7 +803,7 @@ class SqlRunStore(RunStore):
                 chunk = ids[i : i + _CHUNK]
                 stmt = _select_jobs(inputs=inputs).where(jobs.c.job_id.in_(chunk))
                 for row in conn.execute(stmt):
-                    rec = _record(row)
+                    rec = _record(row, _joined_inputs(row) if inputs else None)
                     out[rec.job_id] = rec
         return out
 
@@ -791,7 +832,7 @@ class SqlRunStore(RunStore):
                 if conn.execute(_CLAIM, params).rowcount != 1:
                     return None
                 # Same transaction: the row is still locked by us, so this is what we wrote.
-                row = conn.execute(select(jobs).where(jobs.c.job_id == job_id)).one()
+                row = conn.execute(select(*_JOB_COLUMNS).where(jobs.c.job_id == job_id)).one()
             # Its code and state: a second statement, not a subquery in the RETURNING (SQLite
             # buffers what RETURNING yields: a 10 MB state was copied twice more).
             own = _read_inputs(conn, job_id)

@@ -7,7 +7,7 @@ Where an item can go bad, and who catches it:
   message): kombu's Redis channel would raise in the worker's event loop and stop the worker.
   ``Transport`` (the worker's broker transport) checks each item it pops first;
 * a message whose body cannot be decoded, of an unknown task, or invalid for Celery:
-  ``StudioConsumer`` (worker.slots) sends it here instead of Celery's log-and-drop;
+  ``StudioConsumer`` (worker.glue.slots) sends it here instead of Celery's log-and-drop;
 * a message of our task with arguments that are not one job id: the task itself.
 
 The dead-letter list of queue Q is ``studio:dead:Q`` (e.g. ``studio:dead:code.run``): each
@@ -28,16 +28,12 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
+from worker.protocol import dead_key
+
 log = logging.getLogger("studio_code.worker")
 
-DEAD_PREFIX = "studio:dead:"
 DEAD_MAX = 10_000
 ITEM_MAX_CHARS = 64 * 1024
-
-
-def dead_key(queue: str) -> str:
-    """The dead-letter list of ``queue``."""
-    return f"{DEAD_PREFIX}{queue}"
 
 
 def _text(item: Any) -> str:
@@ -166,7 +162,7 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
-TRANSPORT = "worker.poison:Transport"
+TRANSPORT = "worker.glue.poison:Transport"
 
 
 # --- consumer-level hooks (StudioConsumer) ----------------------------------------------------

@@ -30,6 +30,7 @@ import redis
 from executor.settings import Settings
 from executor.store import RunStore
 from worker.protocol import (
+    KOMBU_UNACKED,
     QUEUE_TEST,
     QUEUES,
     SWEEP_LOCK_KEY,
@@ -37,22 +38,14 @@ from worker.protocol import (
     job_headers,
     max_wait_s,
     never_taken_message,
+    queue_lists,
     queue_of,
 )
 
 log = logging.getLogger("studio_code.worker")
 
-#: kombu's Redis transport: the list of each queue and priority, and the hash of messages
-#: delivered to a consumer and not yet acknowledged (transport options left at defaults)
-KOMBU_PRIORITY_SEP = "\x06\x16"
-KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
-KOMBU_UNACKED = "unacked"
 MAX_SCAN = 20_000
 CONFIRM_AFTER_S = 1.0
-
-
-def queue_lists(queue: str) -> list[str]:
-    return [queue if p == 0 else f"{queue}{KOMBU_PRIORITY_SEP}{p}" for p in KOMBU_PRIORITY_STEPS]
 
 
 def _message_id(raw: Any) -> str | None:
@@ -97,17 +90,22 @@ def broker_job_ids(client: redis.Redis) -> set[str] | None:
 class QueuedSweep:
     """One worker's part in sweeping queued jobs; ``run`` is called by its janitor."""
 
-    def __init__(self, settings: Settings, store: RunStore, app: Any, nodename: str) -> None:
+    def __init__(
+        self, settings: Settings, store: RunStore, app: Any, nodename: str, *, client: Any = None
+    ) -> None:
+        """``client``: the main process's Redis client (worker.upkeep.owner), else its own."""
         self.settings = settings
         self.store = store
         self.app = app
         self.nodename = nodename
-        self.redis = redis.Redis.from_url(
+        self._owns_client = client is None
+        self.redis: redis.Redis = client or redis.Redis.from_url(
             settings.redis_url, socket_timeout=10, socket_connect_timeout=5
         )
 
     def close(self) -> None:
-        self.redis.close()
+        if self._owns_client:
+            self.redis.close()
 
     def _lock(self) -> bool:
         ttl_ms = max(500, int(self.settings.queue_reap_interval_s * 900))

@@ -1,7 +1,7 @@
 """Health checks a worker and the API share: are the services a Code node needs reachable?
 
 ``dependency_problems`` backs the API's ``GET /healthz/ready`` and the worker's metrics
-server's ``/healthz`` (worker/metrics_server.py); ``gate_checks`` adds, on a worker, why it
+server's ``/healthz`` (worker/metrics/server.py); ``gate_checks`` adds, on a worker, why it
 is paused. Each check is None when fine, else a sentence that says what is wrong. Nothing
 heavy is imported until a check runs.
 """
@@ -56,6 +56,6 @@ def dependency_problems(settings: Settings, *, store: Any = None) -> dict[str, s
 def gate_checks() -> dict[str, str | None]:
     """``paused``: why this worker is not taking jobs (run store unwritable, runtime down),
     None while it is. A paused worker's readiness answers 503 with this sentence."""
-    from worker.gate import pause_reason
+    from worker.upkeep.gate import pause_reason
 
     return {"paused": pause_reason()}

@@ -2,7 +2,7 @@
 readiness probes, and the multiprocess bookkeeping that merges the pool's values.
 
 Celery's prefork pool runs tasks in child processes, so the metrics live in
-prometheus-client's *multiprocess* mode: every process writes its values (worker/metrics.py)
+prometheus-client's *multiprocess* mode: every process writes its values (worker.metrics)
 to memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR`` and the worker's main process serves
 them all, merged, from a small HTTP server (``MetricsServer``).
 
@@ -35,8 +35,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from executor.settings import KNOWN_LANGUAGES, Settings
-from worker.health import dependency_problems, gate_checks
 from worker.metrics import PREFIX, touch_series
+from worker.metrics.health import dependency_problems, gate_checks
 
 log = logging.getLogger("studio_code.metrics")
 
@@ -91,15 +91,28 @@ class ReadinessCollector(Collector):
         self.settings = settings
         self.interval_s = interval_s
         self._ready: dict[str, bool] = {}
+        #: the engine's posture at the last probe (EnginePosture.compact), None: not read
+        self.engine: dict[str, Any] | None = None
         self._executor: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
-        return [self._family()]
+        return [self._family(), self._engine_family()]
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        return [self._family()]
+        return [self._family(), self._engine_family()]
+
+    def _engine_family(self) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(
+            f"{PREFIX}_engine_vulnerable",
+            "1 when the Docker engine's runc, containerd or dockerd has a known container "
+            "escape (executor/runtimes/known_escapes.toml), 0 when none; absent when the "
+            "engine could not be read.",
+        )
+        if self.engine is not None:
+            g.add_metric([], 1.0 if self.engine["vulnerable"] else 0.0)
+        return g
 
     def _family(self) -> GaugeMetricFamily:
         g = GaugeMetricFamily(
@@ -117,6 +130,8 @@ class ReadinessCollector(Collector):
         if self._executor is None:  # one, kept: its Docker client is reused between probes
             self._executor = Executor(self.settings)
         executor = self._executor
+        posture = executor.runtime.engine_posture() if executor.runtime is not None else None
+        self.engine = posture.compact() if posture is not None else None
         out = {}
         for name in KNOWN_LANGUAGES:
             if name not in self.settings.languages or executor.disabled_reason():
@@ -186,7 +201,7 @@ class MetricsServer:
             self.registry.register(_DefaultRegistry())
         self.readiness = ReadinessCollector(settings, ready_interval_s)
         self.registry.register(self.readiness)
-        from worker.autoscale import SLOTS
+        from worker.metrics.autoscale import SLOTS
 
         self.registry.register(SLOTS)
         self._metrics_app = make_wsgi_app(self.registry)
@@ -223,7 +238,10 @@ class MetricsServer:
         path = environ.get("PATH_INFO", "")
         if path in ("/healthz", "/healthz/ready"):
             ok, checks = self._health()
-            body = json.dumps({"ok": ok, "checks": checks}).encode()
+            # the engine's posture is shown, never a check: a vulnerable engine is not a
+            # refusal unless STUDIO_CODE_ENGINE_REFUSE_VULNERABLE (then the gate says so)
+            engine = self.readiness.engine
+            body = json.dumps({"ok": ok, "checks": checks, "engine": engine}).encode()
             start_response(
                 "200 OK" if ok else "503 Service Unavailable",
                 [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
@@ -292,7 +310,7 @@ def connect_worker_signals(settings_factory: Callable[[], Settings]) -> None:
         reset_multiprocess_dir()
 
     def on_ready(sender: Any = None, **_: Any) -> None:
-        from worker.autoscale import SLOTS
+        from worker.metrics.autoscale import SLOTS
 
         SLOTS.consumer = sender  # worker_ready's sender is Celery's consumer
         try:

@@ -29,20 +29,23 @@ from celery.exceptions import Reject
 
 from executor.errors import ErrorCode
 from executor.models import CodeResult, Status
+from executor.outage import is_store_outage
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import gate, metrics, pending, poison, unrunnable
-from worker.cancel import CancelWatch
-from worker.live_logs import publishing
-from worker.outcomes import NodeFailed, report_outcome
+from worker import metrics
+from worker.context import studio_app
+from worker.glue import poison
+from worker.glue.outcomes import NodeFailed, report_outcome
+from worker.job import gate, pending, unrunnable
+from worker.job.cancel import CancelWatch
+from worker.job.live_logs import publishing
 from worker.protocol import (
     CANCEL_SIGNAL,
-    DONE_TTL_S,
     MAX_ATTEMPTS,
     QUEUE_RUN,
     TASK_NAME,
-    done_key,
+    announce_done,
 )
 
 log = logging.getLogger("studio_code.worker")
@@ -89,11 +92,7 @@ class ProcessState:
     def notify_done(self, job_id: str) -> None:
         """Wake ``CodeClient.wait``: one item per time the task body ended for the job."""
         try:
-            # one round trip, no MULTI/EXEC: the TTL only bounds a forgotten list
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.rpush(done_key(job_id), "1")
-            pipe.expire(done_key(job_id), DONE_TTL_S)
-            pipe.execute()
+            announce_done(self.redis, job_id)
         except redis.RedisError as e:
             log.warning(
                 "could not announce the end of job %s (waiters poll the store): %s", job_id, e
@@ -124,8 +123,13 @@ def process_state(app: Celery) -> ProcessState:
     global _state
     with _state_lock:
         if _state is None or _state.pid != os.getpid():
-            settings: Settings = app.studio_settings  # type: ignore[attr-defined]
-            _state = ProcessState(settings)
+            ours = studio_app(app)
+            if ours is None:
+                raise RuntimeError(
+                    f"the task runs under {app!r}, not the studio's app: start workers with "
+                    "`studio-code worker` or `celery -A worker worker`"
+                )
+            _state = ProcessState(ours.settings)
             try:
                 signal.signal(CANCEL_SIGNAL, _state.on_cancel_signal)
             except ValueError:  # not the main thread (threads pool): polling still works
@@ -134,10 +138,18 @@ def process_state(app: Celery) -> ProcessState:
 
 
 def _on_process_init(**_: Any) -> None:
-    app = current_app._get_current_object()
-    if getattr(app, "studio_settings", None) is None:
+    app = studio_app(current_app._get_current_object())
+    if app is None:
         return
-    state = process_state(app)
+    try:
+        state = process_state(app)
+    except Exception as e:
+        if not is_store_outage(e):
+            raise
+        # the first job tries again (and hands its message back while the store is down)
+        gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
+        log.warning("the run store could not be opened at process start: %s", e)
+        return
     try:
         # Connect now, not in the first job, and pre-start this slot's sandboxes.
         state.executor.prepare(observe=lambda stats: _metrics(metrics.record_pool, stats))
@@ -187,7 +199,7 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     try:
         state = process_state(task.app)
     except Exception as e:
-        if not gate.is_store_outage(e):
+        if not is_store_outage(e):
             raise
         gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
         _hand_back(f"job {job_id}: this pool process could not start")
@@ -240,7 +252,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
         written = None
     except Exception as e:
-        if not gate.is_store_outage(e):
+        if not is_store_outage(e):
             raise
         gate.report(gate.RUN_STORE, str(e))  # the result stays parked
         _hand_back(f"job {job_id}: its parked result waits for the run store")
@@ -249,7 +261,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
     try:
         rec = state.store.claim(job_id, worker)
     except Exception as e:
-        if not gate.is_store_outage(e):
+        if not is_store_outage(e):
             raise  # not an outage (e.g. a row it cannot read): handing back would loop
         gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
         _hand_back(f"job {job_id}: the run store is unreachable")
@@ -356,7 +368,7 @@ def _finish(
         except Exception as e:
             error = e
             if delay is None:
-                if not gate.is_store_outage(e):
+                if not is_store_outage(e):
                     raise  # the result itself is refused: the reaper ends the job
                 break
             log.warning("job %s: storing the result failed (%s), retrying", rec.job_id, e)

@@ -15,7 +15,7 @@ events, so a job's Celery outcome follows its stored one:
 
 Also here: a revoke with terminate from Flower or ``celery control revoke --terminate``
 (SIGTERM by default) becomes the product's cancel (``cancel_on_terminate``), and
-``inspect active_queues`` lists code.test, which its own consumer reads (worker.slots).
+``inspect active_queues`` lists code.test, which its own consumer reads (worker.glue.slots).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from celery.exceptions import Ignore
 
 from executor.models import Status
 from executor.store import Ended, RunStore, RunSummary
+from worker.context import context_of
 from worker.protocol import CANCEL_SIGNAL, QUEUE_TEST, TASK_NAME
 
 log = logging.getLogger("studio_code.worker")
@@ -91,14 +92,12 @@ def cancel_on_terminate(store: RunStore, pid: int, signum: int) -> bool:
 
 def active_queues(state: Any) -> list[dict[str, Any]]:
     """``inspect active_queues``: Celery's task consumer's queues, plus code.test when the
-    worker reads it on its own consumer (worker.slots.CodeTestConsumer)."""
+    worker reads it on its own consumer (worker.glue.slots.CodeTestConsumer)."""
     consumer = state.consumer
     queues: list[dict[str, Any]] = []
     if consumer.task_consumer:
         queues = [dict(q.as_dict(recurse=True)) for q in consumer.task_consumer.queues]
-    if int(getattr(consumer.controller, "studio_test_slots", 0) or 0) and not any(
-        q.get("name") == QUEUE_TEST for q in queues
-    ):
+    if context_of(consumer.app).test_slots and not any(q.get("name") == QUEUE_TEST for q in queues):
         queues.append(dict(consumer.app.amqp.queues[QUEUE_TEST].as_dict(recurse=True)))
     return queues
 

@@ -29,7 +29,8 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.worker.consumer import Consumer
 
-from worker import poison
+from worker.context import context_of, studio_app
+from worker.glue import poison
 from worker.protocol import QUEUE_TEST
 
 log = logging.getLogger("studio_code.worker")
@@ -42,8 +43,8 @@ def consumed_queues(app: Celery) -> set[str]:
 
 def reserved_test_slots(app: Celery, autoscale: Any = None) -> int:
     """Processes to keep for code.test on a worker of ``app`` (0: no split)."""
-    settings = getattr(app, "studio_settings", None)
-    wanted = settings.queue_test_slots if settings is not None else 0
+    ours = studio_app(app)
+    wanted = ours.settings.queue_test_slots if ours is not None else 0
     names = consumed_queues(app)
     if not wanted or QUEUE_TEST not in names or names == {QUEUE_TEST}:
         return 0
@@ -76,7 +77,7 @@ class ReserveTestSlots(bootsteps.Step):
                 QUEUE_TEST,
             )
             slots = 0
-        w.studio_test_slots = slots
+        context_of(w.app).test_slots = slots
         super().__init__(w, **kwargs)
 
 
@@ -85,13 +86,13 @@ class StudioConsumer(Consumer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.studio_test_slots = int(getattr(self.controller, "studio_test_slots", 0) or 0)
+        self.test_slots = context_of(self.app).test_slots
         initial: int = self.initial_prefetch_count  # type: ignore[has-type]
-        if self.studio_test_slots and initial:
-            reserved = self.studio_test_slots * self.prefetch_multiplier
+        if self.test_slots and initial:
+            reserved = self.test_slots * self.prefetch_multiplier
             self.initial_prefetch_count = max(self.prefetch_multiplier, initial - reserved)
 
-    # Poison messages: set aside in studio:dead:<queue> (worker.poison), never just dropped.
+    # Poison messages: set aside in studio:dead:<queue> (worker.glue.poison), never just dropped.
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         poison.on_bad_message(message, f"undecodable body: {type(exc).__name__}: {exc}")
@@ -108,7 +109,7 @@ class StudioConsumer(Consumer):
     @property
     def max_prefetch_count(self) -> int:
         # Celery restores the prefetch to this after a reconnect: the run slots, not the pool.
-        slots = getattr(self, "studio_test_slots", 0)
+        slots = context_of(self.app).test_slots
         return max(1, self.pool.num_processes - slots) * self.prefetch_multiplier
 
 
@@ -120,7 +121,7 @@ class CodeTestConsumer(bootsteps.ConsumerStep):
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
-        self.slots = int(getattr(c.controller, "studio_test_slots", 0) or 0)
+        self.slots = context_of(c.app).test_slots
         self.enabled = self.slots > 0
         self._c: Any = None
         super().__init__(c, **kwargs)

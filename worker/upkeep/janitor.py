@@ -23,20 +23,24 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
-from celery import bootsteps, signals
+import redis
 
-from executor.errors import ErrorCode
+from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import CodeResult, Status
+from executor.runtimes.base import Runtime
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
-from worker.outcomes import cancel_on_terminate
+from worker.glue.outcomes import cancel_on_terminate
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
-from worker.queued import QueuedSweep
-from worker.retention import apply_retention
+from worker.upkeep.flusher import Flusher
+from worker.upkeep.loop import Supervised
+from worker.upkeep.queued import QueuedSweep
+from worker.upkeep.retention import apply_retention
 
 log = logging.getLogger("studio_code.worker")
 
@@ -47,36 +51,60 @@ BACKSTOP_DELAY_S = 2.0
 class Janitor:
     """Reaper thread + revoke backstop of one worker (its main process)."""
 
-    def __init__(self, settings: Settings, nodename: str, app: Any = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        nodename: str,
+        app: Any = None,
+        *,
+        store: RunStore | None = None,
+        runtime: Runtime | None | Literal["own"] = "own",
+        redis_client: redis.Redis | None = None,
+        flush: Callable[[RunStore], int] | None = None,
+    ) -> None:
+        """``store``, ``runtime``, ``redis_client`` and ``flush``: the main process's
+        (worker.upkeep.owner); without them the janitor opens and closes its own."""
         self.settings = settings
         self.nodename = nodename
         self.host = socket.gethostname()
-        self.runtime = make_runtime(settings)
-        self.store: RunStore = open_store(settings.sqlalchemy_url)
-        log.info("run store: %s (store id %s)", self.store.describe(), self.store.store_id)
-        self.queued = QueuedSweep(settings, self.store, app, nodename) if app is not None else None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.runtime = make_runtime(settings) if runtime == "own" else runtime
+        self._owns_store = store is None
+        self.store: RunStore = store if store is not None else open_store(settings.sqlalchemy_url)
+        if self._owns_store:
+            log.info("run store: %s (store id %s)", self.store.describe(), self.store.store_id)
+        self._own_redis: redis.Redis | None = None
+        if redis_client is None:
+            redis_client = self._own_redis = redis.Redis.from_url(
+                settings.redis_url, socket_timeout=10, socket_connect_timeout=5
+            )
+        self.flush = flush if flush is not None else Flusher(redis_client)
+        self.queued = (
+            QueuedSweep(settings, self.store, app, nodename, client=redis_client)
+            if app is not None
+            else None
+        )
+        # its thread: restarted when the loop raises (worker.upkeep.loop)
+        self._runner = Supervised("reaper", self._loop)
+        self._stop = self._runner.stopping
 
     # --- reaper ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="studio-reaper", daemon=True)
-        self._thread.start()
+        self._runner.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
-        if self.queued is not None:
-            self.queued.close()
-        self.store.close()
+        self._runner.stop(30)
+        if self._own_redis is not None:
+            self._own_redis.close()
+        if self._owns_store:
+            self.store.close()
 
-    def _loop(self) -> None:
+    def _loop(self, stop: threading.Event) -> None:
         while not self._stop.is_set():
             try:
                 self.sweep()
+            except StoreUnavailable as e:  # the gate says it (paused); no traceback a second
+                log.warning("reaper sweep waits for the run store: %s", e.message)
             except Exception:  # noqa: BLE001 - keep sweeping
                 log.exception("reaper sweep failed")
             self._stop.wait(self.settings.queue_reap_interval_s)
@@ -107,15 +135,9 @@ class Janitor:
         return out
 
     def _flush_parked(self) -> None:
-        from worker.pending import Flusher
-
-        flusher = Flusher(self.settings.redis_url)
-        try:
-            written = flusher(self.store)
-            if written:
-                log.warning("reaper: wrote %d result(s) kept while the store was down", written)
-        finally:
-            flusher.close()
+        written = self.flush(self.store)
+        if written:
+            log.warning("reaper: wrote %d result(s) kept while the store was down", written)
 
     def reap_sandboxes(self) -> list[str]:
         """Remove sandboxes whose owner on this host is dead or whose deadline passed
@@ -173,7 +195,7 @@ class Janitor:
 def guard_terminate(pool: Any, store: RunStore | None = None) -> None:
     """Send the cancel signal without billiard's "terminated" bookkeeping (see above); with
     ``store``, any other terminate of a process running a job is carried out as a cancel
-    (worker.outcomes.cancel_on_terminate)."""
+    (worker.glue.outcomes.cancel_on_terminate)."""
     original = pool.terminate_job
 
     def terminate_job(pid: int, signal: Any = None) -> Any:
@@ -193,37 +215,3 @@ def guard_terminate(pool: Any, store: RunStore | None = None) -> None:
         return original(pid, signal)
 
     pool.terminate_job = terminate_job
-
-
-class JanitorStep(bootsteps.StartStopStep):
-    """Worker step: starts the janitor once the pool runs, stops it at shutdown."""
-
-    label = "studio janitor"
-    requires = ("celery.worker.components:Pool",)
-
-    def __init__(self, w: Any, **kwargs: Any) -> None:
-        self.janitor: Janitor | None = None
-        super().__init__(w, **kwargs)
-
-    def create(self, w: Any) -> None:
-        return None
-
-    def start(self, w: Any) -> None:
-        settings = getattr(w.app, "studio_settings", None)
-        if settings is None:
-            return
-        self.janitor = Janitor(settings, w.hostname, w.app)
-        w.studio_store_id = self.janitor.store.store_id  # announced by the heartbeat
-        if w.pool is not None and hasattr(w.pool, "terminate_job"):
-            guard_terminate(w.pool, self.janitor.store)
-        signals.task_revoked.connect(self.janitor.on_revoked, weak=False)
-        self.janitor.start()
-
-    def stop(self, w: Any) -> None:
-        if self.janitor is not None:
-            signals.task_revoked.disconnect(self.janitor.on_revoked)
-            self.janitor.stop()
-            self.janitor = None
-
-    def shutdown(self, w: Any) -> None:
-        self.stop(w)

@@ -16,18 +16,11 @@ and the runtime every STUDIO_QUEUE_PROBE_INTERVAL_S, and every second while clos
 after a pool process reported a failure (``report``, through a page of shared memory made
 before the pool forks). Consumers are only touched from the consumer's own event loop
 (``GateStep``: a timer tick), never from the thread. ``pause_reason()`` is the plain callable
-the rest of the worker (health, heartbeats) reads.
-
-A pool process that meets a closed gate (``closed_in_child``) or a failing store hands the
-message back (``Reject(requeue=True)``) before claiming, so the job is neither consumed nor
-counted as an attempt.
+the rest of the worker (health, heartbeats) reads. The pool processes' side (the shared
+page, ``report``, ``closed_in_child``) is worker.job.gate.
 """
 
-from __future__ import annotations
-
 import logging
-import mmap
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -35,47 +28,16 @@ from typing import Any
 
 from celery import bootsteps
 
-log = logging.getLogger("studio_code.worker")
+from executor.errors import StoreUnavailable
+from worker.job.gate import KINDS, RUN_STORE, RUNTIME, last_report, set_closed
+from worker.upkeep.loop import Supervised
 
-RUN_STORE = "run_store"
-RUNTIME = "runtime"
-_KINDS = (RUN_STORE, RUNTIME)
+log = logging.getLogger("studio_code.worker")
 
 #: while closed, or after a report: how often the main process probes again
 FAST_PROBE_S = 1.0
 #: how often the event loop applies the gate to the consumers
 APPLY_EVERY_S = 0.25
-
-
-# --- the page shared with the pool processes ----------------------------------------------
-
-# Layout: [closed flag: double][report time per kind: double...]. An anonymous mmap is
-# MAP_SHARED: made in the main process before the pool forks, every child sees one page.
-_FMT = "d" * (1 + len(_KINDS))
-_page = mmap.mmap(-1, mmap.PAGESIZE)
-
-
-def _read() -> tuple[float, ...]:
-    return struct.unpack_from(_FMT, _page, 0)
-
-
-def _write(index: int, value: float) -> None:
-    struct.pack_into("d", _page, index * 8, value)
-
-
-def report(kind: str, reason: str) -> None:
-    """A pool process met ``kind`` failing: the main process probes it at once."""
-    log.error("%s unavailable in pool process: %s", kind, reason)
-    _write(1 + _KINDS.index(kind), time.time())
-
-
-def closed_in_child() -> bool:
-    """True while the main process keeps the gate closed (read in a pool process)."""
-    return _read()[0] > 0
-
-
-def _last_report(kind: str) -> float:
-    return _read()[1 + _KINDS.index(kind)]
 
 
 # --- the gate (main process) ----------------------------------------------------------------
@@ -96,7 +58,7 @@ class Gate:
             else:
                 self._reasons[kind] = reason
             closed = bool(self._reasons)
-        _write(0, 1.0 if closed else 0.0)
+        set_closed(closed)
         if reason is not None and before is None:
             log.error(
                 "not taking jobs: %s. Messages stay in the queue for other workers; "
@@ -110,7 +72,7 @@ class Gate:
         with self._lock:
             if not self._reasons:
                 return None
-            return "; ".join(self._reasons[k] for k in _KINDS if k in self._reasons)
+            return "; ".join(self._reasons[k] for k in KINDS if k in self._reasons)
 
     def reasons(self) -> dict[str, str]:
         with self._lock:
@@ -130,30 +92,6 @@ def pause_reason() -> str | None:
     return _gate.reason()
 
 
-# --- probes -----------------------------------------------------------------------------------
-
-
-def is_store_outage(e: BaseException) -> bool:
-    """True for errors that mean "the store cannot be reached or written now" (connection
-    refused or lost, SQLite locked or read-only), False for errors of the data itself,
-    which waiting would not cure."""
-    from sqlalchemy import exc
-
-    if isinstance(
-        e,
-        (
-            exc.OperationalError,
-            exc.InterfaceError,
-            exc.DisconnectionError,
-            exc.TimeoutError,
-            ConnectionError,
-            TimeoutError,
-        ),
-    ):
-        return True
-    return isinstance(e, exc.DBAPIError) and bool(e.connection_invalidated)
-
-
 def store_write_problem(store: Any) -> str | None:
     """None when the run store takes a write now, else a sentence naming it. A write probe:
     a store that answers reads but refuses writes (SQLite locked, read-only) is down too."""
@@ -166,6 +104,8 @@ def store_write_problem(store: Any) -> str | None:
             with engine.connect() as conn:
                 conn.exec_driver_sql("SELECT 1")
         return None
+    except StoreUnavailable as e:  # the store said it: its sentence names the store
+        return e.message
     except Exception as e:  # noqa: BLE001 - any failure means "cannot write"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return (
@@ -214,42 +154,49 @@ def runtime_problem(executor: Any) -> str | None:
 
 class GateWatch:
     """The main process's probing thread: closes and opens the gate, and writes the results
-    that pool processes parked while the store was down (``pending.flush``)."""
+    that pool processes parked while the store was down (``flusher.flush``)."""
 
-    def __init__(self, settings: Any, *, flush: Callable[[Any], int] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Any,
+        *,
+        flush: Callable[[Any], int] | None = None,
+        store: Any = None,
+        executor: Any = None,
+    ) -> None:
+        """``store`` and ``executor``: the main process's (worker.upkeep.owner); without them
+        the watch opens its own store (on its first probe) and builds its own executor."""
         from executor.service import Executor
         from executor.store import open_store
 
         self.settings = settings
         self.interval_s = float(getattr(settings, "queue_probe_interval_s", 5.0))
         self._open_store = lambda: open_store(settings.sqlalchemy_url)
-        self._store: Any = None
-        self.executor = Executor(settings)
+        self._store: Any = store
+        self._owns_store = store is None
+        self.executor = executor if executor is not None else Executor(settings)
         self.flush = flush
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._seen = {k: _last_report(k) for k in _KINDS}
+        # its thread: restarted when the loop raises (worker.upkeep.loop)
+        self._runner = Supervised("gate", self._loop)
+        self._stop = self._runner.stopping
+        self._seen = {k: last_report(k) for k in KINDS}
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="studio-gate", daemon=True)
-        self._thread.start()
+        self._runner.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=15)
-            self._thread = None
-        if self._store is not None:
+        self._runner.stop(15)
+        if self._store is not None and self._owns_store:
             self._store.close()
             self._store = None
 
-    def _loop(self) -> None:
+    def _loop(self, stop: threading.Event) -> None:
         next_probe = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
-            reported = any(_last_report(k) > self._seen[k] for k in _KINDS)
+            reported = any(last_report(k) > self._seen[k] for k in KINDS)
             if reported or now >= next_probe:
-                self._seen = {k: _last_report(k) for k in _KINDS}
+                self._seen = {k: last_report(k) for k in KINDS}
                 try:
                     self.probe_once()
                 except Exception:  # noqa: BLE001 - keep probing
@@ -316,7 +263,7 @@ class GateStep(bootsteps.StartStopStep):
 
     @staticmethod
     def _consumers(c: Any) -> list[Any]:
-        from worker.slots import CodeTestConsumer
+        from worker.glue.slots import CodeTestConsumer
 
         out = [c.task_consumer] if getattr(c, "task_consumer", None) is not None else []
         for step in getattr(c, "steps", []) or []:
@@ -343,42 +290,3 @@ class GateStep(bootsteps.StartStopStep):
                 log.warning("consumers resumed")
         except Exception:  # noqa: BLE001 - e.g. a broker blip: the next tick tries again
             log.exception("could not apply the gate to the consumers")
-
-
-class GateWatchStep(bootsteps.StartStopStep):
-    """Worker step: runs ``GateWatch`` in the main process (with the parked-result flush)."""
-
-    label = "studio gate watch"
-
-    def __init__(self, w: Any, **kwargs: Any) -> None:
-        self.watch: GateWatch | None = None
-        self.flusher: Any = None
-        super().__init__(w, **kwargs)
-
-    def create(self, w: Any) -> None:
-        return None
-
-    def start(self, w: Any) -> None:
-        settings = getattr(w.app, "studio_settings", None)
-        if settings is None or self.watch is not None:
-            return
-        from worker.pending import Flusher
-
-        self.flusher = Flusher(settings.redis_url)
-        self.watch = GateWatch(settings, flush=self.flusher)
-        try:
-            self.watch.probe_once()  # a worker that starts with its store down waits
-        except Exception:  # noqa: BLE001
-            log.exception("first gate probe failed")
-        self.watch.start()
-
-    def stop(self, w: Any) -> None:
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
-        if self.flusher is not None:
-            self.flusher.close()
-            self.flusher = None
-
-    def shutdown(self, w: Any) -> None:
-        self.stop(w)

@@ -25,21 +25,13 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from worker.protocol import QUEUE_RUN, QUEUE_TEST, QUEUES
+from worker.context import context_of
+from worker.protocol import KOMBU_PRIORITY_STEPS, QUEUE_RUN, QUEUE_TEST, QUEUES, queue_lists
 
 log = logging.getLogger("studio_code.metrics")
 
 PREFIX = "studio_code"
-#: kombu's Redis transport keeps a queue's messages in a list named after the queue, one
-#: more list per priority step (queue + "\\x06\\x16" + step) when priorities are used.
-PRIORITY_SEP = "\x06\x16"
-PRIORITY_STEPS = (3, 6, 9)
 KIND_OF = {QUEUE_RUN: "run", QUEUE_TEST: "test"}
-
-
-def queue_keys(queue: str) -> list[str]:
-    """The Redis lists holding ``queue``'s waiting messages."""
-    return [queue, *(f"{queue}{PRIORITY_SEP}{p}" for p in PRIORITY_STEPS)]
 
 
 class QueueCollector(Collector):
@@ -75,10 +67,10 @@ class QueueCollector(Collector):
         try:
             pipe = self.redis.pipeline(transaction=False)
             for queue in QUEUES:
-                for key in queue_keys(queue):
+                for key in queue_lists(queue):
                     pipe.llen(key)
             lengths = pipe.execute()
-            n = len(PRIORITY_STEPS) + 1
+            n = len(KOMBU_PRIORITY_STEPS)
             for i, queue in enumerate(QUEUES):
                 backlog.add_metric([queue], float(sum(lengths[i * n : (i + 1) * n])))
         except Exception as e:  # noqa: BLE001 - a scrape never fails for a dependency
@@ -117,7 +109,7 @@ class SlotsCollector(Collector):
 
         controller = consumer.controller
         concurrency = int(controller.concurrency or 0)
-        test_slots = int(getattr(controller, "studio_test_slots", 0) or 0)
+        test_slots = context_of(consumer.app).test_slots
         queues = consumer.app.amqp.queues
         names = [q for q in QUEUES if q in set(queues.consume_from or queues)]
         busy_by_queue = {q: 0 for q in QUEUES}
@@ -129,7 +121,7 @@ class SlotsCollector(Collector):
                 busy_by_queue[key] += 1
         out = {}
         for q in names:
-            if test_slots:  # split pool (worker.slots): each queue has its own processes
+            if test_slots:  # split pool (worker.glue.slots): each queue has its own processes
                 total = test_slots if q == QUEUE_TEST else concurrency - test_slots
                 out[q] = (min(busy_by_queue[q], total), total)
             else:  # one pool, both queues: every process can take either

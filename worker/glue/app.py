@@ -12,11 +12,11 @@ import logging
 import threading
 from typing import Any
 
-from celery import Celery
 from kombu import Exchange, Queue
 
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.settings import Settings, load_settings
+from worker.context import StudioCelery
 from worker.protocol import (
     QUEUE_RUN,
     QUEUE_TEST,
@@ -27,9 +27,9 @@ from worker.protocol import (
 log = logging.getLogger("studio_code.worker")
 
 
-def make_app(settings: Settings) -> Celery:
+def make_app(settings: Settings) -> StudioCelery:
     """A Celery app configured for ``settings``: enough to send jobs and cancels."""
-    app = Celery("studio_code", set_as_current=False)
+    app = StudioCelery(settings, "studio_code", set_as_current=False)
     app.conf.update(
         broker_url=settings.redis_url,
         # Celery's result backend carries no data: the run store is the result. Every send
@@ -51,13 +51,13 @@ def make_app(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         worker_concurrency=settings.code_concurrency,
         worker_pool="prefork",
-        worker_consumer="worker.slots:StudioConsumer",
+        worker_consumer="worker.glue.slots:StudioConsumer",
         broker_transport_options={
             # See visibility_timeout_s: longer than the longest wait inside a worker +
             # STUDIO_CODE_MAX_SECONDS + the kill grace, or a running job is handed out twice.
             "visibility_timeout": visibility_timeout_s(settings),
             # A worker that consumes both queues through ONE consumer (no test slots, see
-            # worker.slots) reads code.test before code.run instead of round robin.
+            # worker.glue.slots) reads code.test before code.run instead of round robin.
             "queue_order_strategy": "priority",
             # Messages of a dead worker come back within one sweep of the visibility timeout
             # (kombu's default sweeps every 100 s).
@@ -81,15 +81,17 @@ def make_app(settings: Settings) -> Celery:
         worker_send_task_events=False,
         task_send_sent_event=False,
     )
-    app.studio_settings = settings  # type: ignore[attr-defined]
     return app
 
 
-def worker_app(settings: Settings) -> Celery:
+def worker_app(settings: Settings) -> StudioCelery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker import gate, heartbeat, janitor, outcomes, poison, slots, tasks
+    from worker.glue import outcomes, poison, slots
+    from worker.job import tasks
+    from worker.upkeep import gate as gate_watch
+    from worker.upkeep import heartbeat, owner
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -103,16 +105,17 @@ def worker_app(settings: Settings) -> Celery:
         )
 
     tasks.register(app)
-    # Items that are not kombu messages are set aside, not fatal (worker.poison).
+    # Items that are not kombu messages are set aside, not fatal (worker.glue.poison).
     app.conf.broker_transport = poison.TRANSPORT
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
-    app.steps["consumer"].add(gate.GateStep)
-    app.steps["worker"].add(gate.GateWatchStep)
-    app.steps["worker"].add(janitor.JanitorStep)
+    app.steps["consumer"].add(gate_watch.GateStep)
+    # The main process's loops, store, Redis client and runtime: the gate's probe, the
+    # janitor (reaper, revoke backstop, queued sweep, retention), the parked-result flush.
+    app.steps["worker"].add(owner.UpkeepStep)
     # Announces the worker per queue, "paused" with the gate's reason while the gate is
     # closed (its store or runtime is down), so the API refuses what no worker would take.
-    app.studio_not_serving_reason = gate.pause_reason  # type: ignore[attr-defined]
+    app.context.not_serving_reason = gate_watch.pause_reason
     app.steps["consumer"].add(heartbeat.HeartbeatStep)
     tasks.connect_process_signals()
     outcomes.register_inspect_commands()
@@ -122,18 +125,18 @@ def worker_app(settings: Settings) -> Celery:
 
 def _connect_metrics(settings: Settings) -> None:
     try:
-        from worker import metrics_server
+        from worker.metrics import server as metrics_server
     except ImportError as e:  # prometheus-client missing: a worker still runs jobs
         log.warning("worker metrics are off: %s", e)
         return
     metrics_server.connect_worker_signals(lambda: settings)
 
 
-_default: Celery | None = None
+_default: StudioCelery | None = None
 _default_lock = threading.Lock()
 
 
-def default_app() -> Celery:
+def default_app() -> StudioCelery:
     """The worker app of this process, from the environment (``celery -A worker``)."""
     global _default
     with _default_lock:

@@ -11,7 +11,6 @@ skipped or left ``running``:
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -19,7 +18,7 @@ import redis
 
 from executor.errors import ErrorCode
 from executor.store import JobRecord, RunStore
-from worker.protocol import DONE_TTL_S, HEADER_STORE_ID, HEADER_STORE_URL, notice_key
+from worker.protocol import HEADER_STORE_ID, HEADER_STORE_URL, leave_notice
 
 log = logging.getLogger("studio_code.worker")
 
@@ -44,11 +43,7 @@ def unknown_job(
     )
     log.error("job %s is not in this worker's run store: %s", job_id, message)
     try:
-        client.set(
-            notice_key(job_id),
-            json.dumps({"code": str(ErrorCode.RUNTIME_UNAVAILABLE), "message": message}),
-            ex=DONE_TTL_S,
-        )
+        leave_notice(client, job_id, str(ErrorCode.RUNTIME_UNAVAILABLE), message)
     except redis.RedisError as e:
         log.warning("could not leave the notice of job %s: %s", job_id, e)
     return True

@@ -13,6 +13,9 @@ set ``studio:pending``; the job's message is then acknowledged. The code never r
 
 The promise: a store outage shorter than STUDIO_QUEUE_PENDING_TTL_S (default 7 days) loses
 no result, as long as Redis keeps its data (AOF, as deploy/compose.yaml runs it).
+
+This module is what a pool process does (park, look up, write one); the main process's flush
+of them all is worker.upkeep.flusher.
 """
 
 from __future__ import annotations
@@ -24,15 +27,9 @@ from typing import Any
 import redis
 
 from executor.models import CodeResult
-from worker.protocol import DONE_TTL_S, done_key
+from worker.protocol import PENDING_SET, announce_done, pending_key
 
 log = logging.getLogger("studio_code.worker")
-
-PENDING_SET = "studio:pending"
-
-
-def pending_key(job_id: str) -> str:
-    return f"studio:pending:{job_id}"
 
 
 def park(client: redis.Redis, result: CodeResult, worker: str, ttl_s: int) -> None:
@@ -60,14 +57,6 @@ def forget(client: redis.Redis, job_id: str) -> None:
     pipe.execute()
 
 
-def announce(client: redis.Redis, job_id: str) -> None:
-    """Wake ``CodeClient.wait`` (the done list, as the task does)."""
-    pipe = client.pipeline()
-    pipe.rpush(done_key(job_id), "1")
-    pipe.expire(done_key(job_id), DONE_TTL_S)
-    pipe.execute()
-
-
 def write_one(store: Any, client: redis.Redis, job_id: str) -> bool | None:
     """Write the parked result of ``job_id``: True when this call wrote it, False when the
     job had already ended, None when nothing is parked. Raises when the store is down."""
@@ -78,7 +67,7 @@ def write_one(store: Any, client: redis.Redis, job_id: str) -> bool | None:
     wrote = bool(store.finish(result, worker=worker))
     forget(client, job_id)
     if wrote:  # the one writer that won announces the end (two flushers may race)
-        announce(client, job_id)
+        announce_done(client, job_id)
         log.warning(
             "job %s: wrote its result (%s), kept in Redis while the run store was down",
             job_id,
@@ -88,38 +77,6 @@ def write_one(store: Any, client: redis.Redis, job_id: str) -> bool | None:
     return wrote
 
 
-def flush(store: Any, client: redis.Redis) -> int:
-    """Write every parked result the store does not have yet; returns how many were
-    written. Raises (leaving the rest parked) when the store fails."""
-    written = 0
-    for raw_id in client.sscan_iter(PENDING_SET, count=200):
-        job_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-        try:
-            outcome = write_one(store, client, job_id)
-        except Exception as e:
-            from worker.gate import is_store_outage
-
-            if is_store_outage(e):
-                raise  # the store went away again: the rest waits for the next flush
-            log.error(
-                "job %s: its parked result cannot be written (%s); it stays in Redis "
-                "until STUDIO_QUEUE_PENDING_TTL_S",
-                job_id,
-                e,
-            )
-            continue
-        if outcome is None:
-            client.srem(PENDING_SET, job_id)
-            log.error(
-                "job %s: its parked result expired (STUDIO_QUEUE_PENDING_TTL_S) before "
-                "the run store was back; the reaper ends it",
-                job_id,
-            )
-        elif outcome:
-            written += 1
-    return written
-
-
 def _count(result: CodeResult) -> None:
     try:
         from worker import metrics
@@ -127,16 +84,3 @@ def _count(result: CodeResult) -> None:
         metrics.record_result(result)
     except Exception as e:  # noqa: BLE001 - a metric is never worth a result
         log.warning("metrics for a parked result failed: %s", e)
-
-
-class Flusher:
-    """``flush`` with a Redis client of its own, for the main process's gate and reaper."""
-
-    def __init__(self, redis_url: str) -> None:
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=3)
-
-    def __call__(self, store: Any) -> int:
-        return flush(store, self.client)
-
-    def close(self) -> None:
-        self.client.close()

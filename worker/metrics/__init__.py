@@ -1,5 +1,5 @@
 """What a worker's processes record: the Prometheus metric objects and the hooks that fill
-them (one ``/metrics`` per worker host serves them: worker/metrics_server.py).
+them (one ``/metrics`` per worker host serves them: worker/metrics/server.py).
 
 Pool processes write their values to memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR``
 (prometheus-client's multiprocess mode); the worker's main process merges and serves them.
@@ -9,9 +9,10 @@ cancelled while queued; the pool's observer calls ``record_pool``, the poison-me
 guard ``record_dead_letter``. No metric name starts with ``celery_``: that namespace belongs
 to celery-exporter, which an operator may run beside this.
 
-Moved out (still importable from here): the server, readiness probes and multiprocess
-bookkeeping to ``worker.metrics_server``, the health checks to ``worker.health``; the
-STUDIO_METRICS_* variables are fields of the one ``Settings``.
+Beside it: the server, readiness probes and multiprocess bookkeeping (``worker.metrics.server``,
+main process only), the health checks (``worker.metrics.health``) and the autoscaling signals
+(``worker.metrics.autoscale``); the STUDIO_METRICS_* variables are fields of the one
+``Settings``.
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def record_pool(stats: dict[str, Any] | None) -> None:
                 _pool_seen[(language, name)] = total
 
 
-# --- faults: dead letters and the gate (worker.poison, worker.gate) ------------------------
+# --- faults: dead letters and the gate (worker.glue.poison, worker.job.gate) ---------------
 
 
 @cache
@@ -305,26 +306,16 @@ def record_dead_letter(queue: str, reason: str) -> None:
     _dead_letters().labels(queue, reason).inc()
 
 
-#: names that moved to the main process's module or the shared health checks, still
-#: importable from here (loaded on first use: a pool process never imports the server)
-_MOVED = {
-    "MULTIPROC_ENV": "worker.metrics_server",
-    "MetricsServer": "worker.metrics_server",
-    "ReadinessCollector": "worker.metrics_server",
-    "connect_worker_signals": "worker.metrics_server",
-    "multiprocess_dir": "worker.metrics_server",
-    "process_dead": "worker.metrics_server",
-    "reset_multiprocess_dir": "worker.metrics_server",
-    "start_metrics_server": "worker.metrics_server",
-    "stop_metrics_server": "worker.metrics_server",
-    "dependency_problems": "worker.health",
-    "gate_checks": "worker.health",
-}
+@cache
+def _loop_restarts() -> Counter:
+    return Counter(
+        f"{PREFIX}_worker_loop_restarts",
+        "Times a loop of the worker's main process (gate, janitor, heartbeat) raised out of "
+        "its body and was restarted (worker.upkeep.loop).",
+        ["loop"],
+    )
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def record_loop_restart(loop: str) -> None:
+    """One main-process loop restarted after it raised."""
+    _loop_restarts().labels(loop).inc()

@@ -5,10 +5,11 @@ once a job that no live worker would take, and an autoscaler can read live slots
 The announcements live in one Redis hash per queue (``protocol.workers_key``): field = the
 worker's nodename, value = JSON with the queue, the slots it gives that queue, its state
 (``serving``, or ``paused`` with the reason ``not_serving_reason`` gave), its host, pid and
-run store, and ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks
-disagree still agree on who is alive). A worker that stops cleanly removes its fields at
-once; a killed one stops counting ``heartbeat_ttl_s`` after its last beat (its field is
-removed by the next beat of any worker of that queue).
+run store, its engine (versions and known escapes, worker/upkeep/engine.py; null without one), and
+``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks disagree still agree
+on who is alive). A worker that stops cleanly removes its fields at once; a killed one stops
+counting ``heartbeat_ttl_s`` after its last beat (its field is removed by the next beat of
+any worker of that queue).
 
 Cost: one script call per beat (all queues of the worker), one per read (all queues asked).
 """
@@ -27,8 +28,9 @@ from typing import Any
 import redis
 from celery import bootsteps
 
-from executor.settings import Settings
+from worker.context import context_of, studio_app
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, heartbeat_ttl_s, workers_key
+from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
 
@@ -97,6 +99,7 @@ class WorkerInfo:
     store_id: str = ""
     seen_at: float = 0.0
     expires_at: float = 0.0
+    engine: dict[str, Any] | None = None
 
     @property
     def serving(self) -> bool:
@@ -112,6 +115,7 @@ class WorkerInfo:
             "pid": self.pid,
             "store": self.store,
             "store_id": self.store_id,
+            "engine": self.engine,
         }
 
     @classmethod
@@ -128,6 +132,7 @@ class WorkerInfo:
                 pid=int(d.get("pid") or 0),
                 store=str(d.get("store") or ""),
                 store_id=str(d.get("store_id") or ""),
+                engine=_engine(d.get("engine")),
                 seen_at=float(d.get("seen_at") or 0),
                 expires_at=float(d.get("expires_at") or 0),
             )
@@ -153,6 +158,13 @@ class WorkerRegistry:
         for queue in names:
             out.setdefault(queue, [])
         return out
+
+
+def _engine(raw: Any) -> dict[str, Any] | None:
+    if not isinstance(raw, dict):
+        return None
+    # Redis's cjson writes an empty list back as {}
+    return {**raw, "advisories": list(raw.get("advisories") or [])}
 
 
 def summary(live: dict[str, list[WorkerInfo]]) -> dict[str, dict[str, Any]]:
@@ -194,6 +206,7 @@ class Heartbeat:
         not_serving_reason: Callable[[], str | None] = _never,
         store: str = "",
         store_id: Callable[[], str] | str = "",
+        engine: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.nodename = nodename
         self.slots = dict(slots)
@@ -202,10 +215,12 @@ class Heartbeat:
         self.not_serving_reason = not_serving_reason
         self.store = store
         self._store_id = store_id
+        self._engine = engine
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
         self._beat = self.redis.register_script(_BEAT_LUA)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # its thread: restarted when the loop raises (worker.upkeep.loop)
+        self._runner = Supervised("heartbeat", self._loop)
+        self._stop = self._runner.stopping
         self.state: str | None = None
         self._failing = False
 
@@ -223,6 +238,14 @@ class Heartbeat:
                 return ""
         return self._store_id
 
+    def _engine_now(self) -> dict[str, Any] | None:
+        if self._engine is None:
+            return None
+        try:
+            return self._engine()
+        except Exception:  # noqa: BLE001 - the engine does not answer: announce without it
+            return None
+
     def beat(self) -> str:
         """Announce once on every queue; returns the state announced."""
         reason = self._reason()
@@ -235,6 +258,7 @@ class Heartbeat:
             "pid": os.getpid(),
             "store": self.store,
             "store_id": self._identity(),
+            "engine": self._engine_now(),
         }
         queues = sorted(self.slots)
         entries = [json.dumps({**base, "queue": q, "slots": self.slots[q]}) for q in queues]
@@ -263,10 +287,9 @@ class Heartbeat:
             self.beat()
         except redis.RedisError as e:
             log.warning("heartbeat: could not announce %s yet: %s", self.nodename, e)
-        self._thread = threading.Thread(target=self._loop, name="studio-heartbeat", daemon=True)
-        self._thread.start()
+        self._runner.start()
 
-    def _loop(self) -> None:
+    def _loop(self, stop: threading.Event) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.beat()
@@ -280,10 +303,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         """Stop beating and remove the announcements (the worker no longer counts)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._runner.stop(10)
         try:
             pipe = self.redis.pipeline()
             for queue in self.slots:
@@ -298,13 +318,13 @@ class Heartbeat:
 
 def queue_slots(app: Any, worker: Any) -> dict[str, int]:
     """The slots this worker gives each queue it consumes: with test slots kept
-    (worker.slots), code.test gets those and code.run the rest of the pool; otherwise one
+    (worker.glue.slots), code.test gets those and code.run the rest of the pool; otherwise one
     consumer shares the whole pool between the queues."""
-    from worker.slots import consumed_queues
+    from worker.glue.slots import consumed_queues
 
     queues = consumed_queues(app)
     concurrency = int(getattr(worker, "concurrency", 0) or 0) or 1
-    test_slots = int(getattr(worker, "studio_test_slots", 0) or 0)
+    test_slots = context_of(app).test_slots
     out = {}
     for queue in sorted(queues):
         if test_slots and queue == QUEUE_TEST:
@@ -320,8 +340,8 @@ class HeartbeatStep(bootsteps.StartStopStep):
     """Consumer step: announces the worker once its task consumer exists (and again after a
     broker reconnect), withdraws it when the consumer stops (warm shutdown included).
 
-    ``app.studio_not_serving_reason`` (a ``Callable[[], str | None]``), when set, says why
-    the worker should not count as serving (e.g. its runtime is unavailable)."""
+    The app's ``context.not_serving_reason`` says why the worker should not count as
+    serving (e.g. its runtime is unavailable)."""
 
     label = "studio heartbeat"
     requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -331,23 +351,25 @@ class HeartbeatStep(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
 
     def start(self, c: Any) -> None:
-        settings: Settings | None = getattr(c.app, "studio_settings", None)
-        if settings is None or self.heartbeat is not None:
+        app = studio_app(c.app)
+        if app is None or self.heartbeat is not None:
             return
+        settings, context = app.settings, app.context
         from executor.store.sql import describe_url
 
-        reason = getattr(c.app, "studio_not_serving_reason", None) or _never
         self.heartbeat = Heartbeat(
             settings.redis_url,
             c.hostname,
             queue_slots(c.app, c.controller),
             interval_s=settings.queue_heartbeat_interval_s,
             ttl_s=heartbeat_ttl_s(settings),
-            not_serving_reason=reason,
+            not_serving_reason=context.not_serving_reason,
             store=describe_url(settings.sqlalchemy_url),
             # read by the janitor when it opened the store (no second connection here, and
             # nothing that could hang the beat while the store is down)
-            store_id=lambda: str(getattr(c.controller, "studio_store_id", "") or ""),
+            store_id=lambda: context.store_id,
+            # the upkeep's last read of the engine (worker.upkeep.engine): never waits for it
+            engine=lambda: context.engine(),
         )
         self.heartbeat.start()
 

@@ -23,16 +23,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from executor.runtimes.base import LOG_TAP
+from worker.protocol import LIVE_TTL_S, logs_key
 
 log = logging.getLogger("studio_code.worker")
 
-LIVE_TTL_S = 600
 MAX_ENTRIES = 10_000  # a safety cap (64 KiB of logs make far fewer entries)
 _STOP = object()
-
-
-def logs_key(job_id: str) -> str:
-    return f"studio:logs:{job_id}"
 
 
 class LivePublisher:
