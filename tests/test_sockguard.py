@@ -145,6 +145,10 @@ def test_exec_pull_and_calls_on_other_containers_are_refused(
         with pytest.raises(docker.errors.APIError) as info:
             api.exec_create(cid, ["sh"])
         assert info.value.status_code == 403 and "/exec" in str(info.value.explanation)
+        for unused in (api.kill, api.stop):  # nothing of the project calls them
+            with pytest.raises(docker.errors.APIError) as info:
+                unused(cid)
+            assert info.value.status_code == 403, unused
         assert api.inspect_container(cid)["Id"] == cid  # its own calls pass
     finally:
         api.remove_container(cid, force=True)
@@ -154,7 +158,7 @@ def test_exec_pull_and_calls_on_other_containers_are_refused(
     # a container that is not a sandbox (made on the engine itself, no studio labels)
     other = docker_client.api.create_container(python_image, ["true"], network_disabled=True)
     try:
-        for call in (api.start, api.inspect_container, api.kill, api.remove_container):
+        for call in (api.start, api.inspect_container, api.remove_container):
             with pytest.raises(docker.errors.APIError) as info:
                 call(other["Id"])
             assert info.value.status_code == 403, call
@@ -171,6 +175,8 @@ def test_exec_pull_and_calls_on_other_containers_are_refused(
         with pytest.raises(docker.errors.APIError) as info:
             refused_call()
         assert info.value.status_code == 403 and named in str(info.value.explanation)
+    events = api._get(api._url("/events"), params={"filters": '{"label": ["studio.owner"]}'})
+    assert events.status_code == 403 and "/events" in events.json()["message"]
     # a missing sandbox is the engine's 404 (the SDK's NotFound), not a refusal
     with pytest.raises(docker.errors.NotFound):
         api.remove_container(f"studio-code-missing-{uuid.uuid4().hex}", force=True)
