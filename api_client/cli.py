@@ -40,7 +40,7 @@ REQUEST_INVALID = "REQUEST_INVALID"
 #: commands whose refusals print the run's object
 JOB_COMMANDS = ("run", "submit")
 #: commands that run until stopped (every other one does one thing and exits)
-SERVICES = ("serve", "worker")
+SERVICES = ("serve", "worker", "sockguard")
 
 
 class UsageError(Exception):
@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     meta.set_defaults(handler=cmd_meta)
     _queue_commands(sub)
     _serve_command(sub)
+    _sockguard_command(sub)
     return p
 
 
@@ -647,6 +648,70 @@ def _serve_command(sub: Any) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     serve.set_defaults(handler=cmd_serve)
+
+
+# --- the Docker socket guard: sockguard ---------------------------------------------------
+
+
+def cmd_sockguard(args: argparse.Namespace, settings: Settings) -> int:
+    """Serve the socket guard (executor.runtimes.sockguard) until SIGTERM / Ctrl-C; its log
+    (each refusal and why) goes to stderr, ONE JSON object to stdout when it stops."""
+    import signal
+
+    from executor.runtimes.sockguard import Policy, SockGuard
+
+    if not os.path.exists(args.upstream):
+        _print(
+            _refusal(
+                "sockguard",
+                ErrorCode.RUNTIME_UNAVAILABLE,
+                f"The Docker socket {args.upstream} does not exist: start the Docker engine, "
+                "or mount its socket into this service and name it with --upstream.",
+                status="failed",
+            )
+        )
+        return 2
+    images = args.image or [settings.code_image, settings.code_ts_image]
+    guard = SockGuard(
+        Policy.from_settings(settings, images),
+        args.listen,
+        args.upstream,
+        mode=int(args.mode, 8),
+        trace=args.log_requests,
+    )
+    guard.bind()
+    signal.signal(signal.SIGTERM, lambda *_: guard.close())
+    try:
+        guard.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        guard.close()
+    _print({"command": "sockguard", "status": "stopped", "listen": args.listen})
+    return 0
+
+
+def _sockguard_command(sub: Any) -> None:
+    guard = sub.add_parser(
+        "sockguard",
+        help="serve a Docker socket that passes on only the calls sandboxes need "
+        "(give it to the workers instead of the engine's own)",
+    )
+    guard.add_argument("--listen", required=True, help="the unix socket path to serve")
+    guard.add_argument(
+        "--upstream", default="/var/run/docker.sock", help="the engine's socket (the real one)"
+    )
+    guard.add_argument(
+        "--image",
+        action="append",
+        help="a sandbox image a create may name (repeat it; default: STUDIO_CODE_IMAGE and "
+        "STUDIO_CODE_TS_IMAGE)",
+    )
+    guard.add_argument("--mode", default="660", help="the listening socket's mode (octal)")
+    guard.add_argument(
+        "--log-requests", action="store_true", help="log every call passed on, not only refusals"
+    )
+    guard.set_defaults(handler=cmd_sockguard)
 
 
 def _load_settings(command: str) -> Settings:

@@ -573,7 +573,7 @@ def sandbox_ids() -> tuple[int, int]:
 
 
 #: STUDIO_* variables read by something other than Settings: the image build
-#: (docker/build.sh). Not misspellings.
+#: (docker/build.sh) and the test suite (tests/conftest.py). Not misspellings.
 OTHER_VARIABLES = frozenset(
     {
         "STUDIO_BUILD_NETWORK",
@@ -583,6 +583,7 @@ OTHER_VARIABLES = frozenset(
         "STUDIO_PULL_TIMEOUT",
         "STUDIO_PY_BASE",
         "STUDIO_TS_BASE",
+        "STUDIO_TEST_THROUGH_SOCKGUARD",
     }
 )
 _warned: set[str] = set()

@@ -17,8 +17,10 @@ import pytest
 # start_redis are used by this file's fixtures (their home is tests/services.py).
 from tests.services import (  # noqa: F401
     IN_CI,
+    REAL_DOCKER_HOST,
     ROOT,
     RedisServer,
+    SockGuardProcess,
     free_port,
     require,
     start_redis,
@@ -52,11 +54,39 @@ FORK_BOMB = (
 # --- Docker ---------------------------------------------------------------------------
 
 
+#: STUDIO_TEST_THROUGH_SOCKGUARD=1: every executor and worker of the session reaches the
+#: engine through a socket guard (``studio-code sockguard``) started for the session; the
+#: tests' own checks (``docker_client``) still talk to the engine itself
+THROUGH_SOCKGUARD = os.environ.get("STUDIO_TEST_THROUGH_SOCKGUARD") == "1"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_sockguard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    if not THROUGH_SOCKGUARD:
+        yield
+        return
+    guard = SockGuardProcess(tmp_path_factory.mktemp("sockguard"))
+    saved = os.environ.get("DOCKER_HOST")
+    os.environ["DOCKER_HOST"] = guard.host
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DOCKER_HOST", None)
+        else:
+            os.environ["DOCKER_HOST"] = saved
+        guard.stop()
+        refused = guard.refusals()
+        print(f"\nsocket guard log: {guard.log} ({len(refused)} refusals)")
+        for line in refused:
+            print(f"  {line}")
+
+
 def _docker_client():  # type: ignore[no-untyped-def]
     try:
         import docker
 
-        client = docker.from_env(timeout=30)
+        client = docker.DockerClient(base_url=REAL_DOCKER_HOST, timeout=30)
         client.ping()
         return client
     except Exception:  # noqa: BLE001 - any failure means "no engine"

@@ -134,6 +134,7 @@ def test_compose_config_is_valid_and_has_every_service(config: dict[str, Any]) -
         "postgres",
         "api",
         "worker",
+        "sockguard",
         "prometheus",
         "sandbox-python",
         "sandbox-typescript",
@@ -148,7 +149,7 @@ def test_no_service_is_privileged(config: dict[str, Any]) -> None:
 
 
 def test_every_service_is_limited_and_rotates_its_logs(config: dict[str, Any]) -> None:
-    for name in ("redis", "postgres", "api", "worker", "prometheus"):
+    for name in ("redis", "postgres", "api", "worker", "sockguard", "prometheus"):
         svc = config["services"][name]
         assert svc.get("mem_limit"), f"{name} has no memory limit"
         assert float(svc.get("cpus", 0)) > 0, f"{name} has no CPU limit"
@@ -169,13 +170,38 @@ def test_no_password_or_group_is_defaulted(tmp_path: Path) -> None:
         assert "make up" in out.stderr, out.stderr
 
 
-def test_only_the_workers_get_the_docker_socket(config: dict[str, Any]) -> None:
+def test_only_the_socket_guard_gets_the_docker_socket(config: dict[str, Any]) -> None:
     for name, svc in config["services"].items():
         has = any("docker.sock" in (src or "") for src, _ in _mounts(svc))
-        assert has == (name == "worker"), f"{name}: socket mounted = {has}"
-    assert config["services"]["worker"]["group_add"] == ["4242"]
-    assert "group_add" not in config["services"]["api"]
+        assert has == (name == "sockguard"), f"{name}: engine socket mounted = {has}"
+    guard = config["services"]["sockguard"]
+    assert guard["group_add"] == ["4242"]
+    assert guard["command"][:2] == ["studio-code", "sockguard"]
+    listen = guard["command"][guard["command"].index("--listen") + 1]
+    assert guard["command"][guard["command"].index("--upstream") + 1] == "/var/run/docker.sock"
+    assert ("docker-guard", "/run/studio") in _mounts(guard) and listen.startswith("/run/studio/")
+    assert guard["network_mode"] == "none"  # it needs no network, on any engine
+    # it checks creates by the workers' own images and limits
+    for key in ("STUDIO_CODE_IMAGE", "STUDIO_CODE_TS_IMAGE", "STUDIO_CODE_MAX_SECONDS"):
+        assert guard["environment"][key] == config["services"]["worker"]["environment"][key]
+    for name in ("api", "worker"):
+        assert "group_add" not in config["services"][name], name
     assert config["services"]["api"]["environment"]["STUDIO_API_TOKEN"] == "tok"
+
+
+def test_the_api_docker_variant_gives_the_api_the_guard_not_the_engine(tmp_path: Path) -> None:
+    out = compose_config(
+        tmp_path,
+        COMPOSE_FILE,
+        BRIDGE_FILE,
+        ROOT / "deploy" / "compose.api-docker.yaml",
+        env={**SECRETS, "DOCKER_GID": "4242", "STATE_DIR": str(tmp_path)},
+    )
+    api = _parse(out)["services"]["api"]
+    assert _mounts(api) == [("docker-guard", "/run/studio")]
+    assert api["environment"]["DOCKER_HOST"] == "unix:///run/studio/docker.sock"
+    assert "group_add" not in api
+    assert {"redis", "postgres", "sockguard"} <= set(api["depends_on"])
 
 
 def test_hostnet_variant_binds_loopback_and_keeps_reaping_safe(hostnet: dict[str, Any]) -> None:
@@ -204,10 +230,13 @@ def _mounts(svc: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-def test_the_workers_start_sandboxes_through_the_docker_socket(config: dict[str, Any]) -> None:
+def test_the_workers_start_sandboxes_through_the_socket_guard(config: dict[str, Any]) -> None:
     worker = config["services"]["worker"]
-    assert ("/var/run/docker.sock", "/var/run/docker.sock") in _mounts(worker)
+    assert _mounts(worker) == [("docker-guard", "/run/studio")]
+    guard = config["services"]["sockguard"]["command"]
     env = worker["environment"]
+    assert env["DOCKER_HOST"] == f"unix://{guard[guard.index('--listen') + 1]}"
+    assert worker["depends_on"]["sockguard"]["condition"] == "service_healthy"
     assert env["STUDIO_CODE_RUNTIME"] == "docker"
     assert env["STUDIO_ENABLE_CODE_NODES"] == "1"
     assert env["STUDIO_DATABASE_URL"] == "postgresql+psycopg://studio:pg-pw@postgres:5432/studio"

@@ -14,12 +14,14 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from executor.models import CodeJob, Status
-from tests.conftest import ROOT
+from tests.conftest import ROOT, THROUGH_SOCKGUARD
+from tests.services import SockGuardProcess
 from tests.test_queue import (  # noqa: F401 - queue_env, sqlite_url: fixtures used by name
     QueueEnv,
     children,
@@ -267,13 +269,22 @@ def test_idle_containers_past_the_bound_are_replaced(pooled: Any, docker_client:
 
 
 def test_a_new_image_id_drains_the_pool(
-    pooled: Any, docker_client: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
+    pooled: Any,
+    docker_client: Any,
+    python_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     import executor.runtimes.pool as pool_module
 
     monkeypatch.setattr(pool_module, "IMAGE_CHECK_S", 0.0)
     tag = f"studio-code-pooltest-{os.getpid()}:1"  # our own tag: the shared ones stay as they are
     docker_client.images.get(python_image).tag(tag)
+    guard = None
+    if THROUGH_SOCKGUARD:  # a guard takes its workers' images: this one has the test's tag
+        guard = SockGuardProcess(tmp_path / "guard", env={"STUDIO_CODE_IMAGE": tag})
+        monkeypatch.setenv("DOCKER_HOST", guard.host)
+    ex = None
     try:
         ex = pooled(code_image=tag)
         owner = ex.runtime.pool.owner
@@ -292,8 +303,11 @@ def test_a_new_image_id_drains_the_pool(
         wait_for(on_new_image, 30, "the pool refilled from the new image", interval_s=0.2)
         r = ex.run(CodeJob(code=WHOAMI))
         assert start_detail(r.trace) == "pool" and r.output["cid"] != old["Id"]
-        ex.close()
     finally:
+        if ex is not None:
+            ex.close()  # before its guard goes
+        if guard is not None:
+            guard.stop()
         docker_client.images.remove(tag, noprune=False)
 
 

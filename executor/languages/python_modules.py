@@ -4,7 +4,9 @@ The image records it at build time in ``/usr/share/studio-code/modules.json``
 (docker/studio-code/record_modules.py): the image's standard library, each listed package's
 top-level modules, and every installed top-level module. The executor copies that file out
 of the image (a container created, never started, then removed) once per image id and
-process, so a save costs nothing after the first.
+process, so a save costs nothing after the first. That container is made in the sandboxes'
+own shape (``sandbox_policy``, labelled, with a deadline any reaper honours), so the socket
+guard (executor/runtimes/sockguard.py) passes its create and the read of this one file.
 
 No file (an image built before this), no Docker, or the subprocess runtime: ``None``, and
 the check of imports is skipped (readiness still imports every listed package).
@@ -67,7 +69,7 @@ def read_image_modules(image: str) -> ImageModules | None:
 
     found: ImageModules | None = None
     try:
-        cid = api.create_container(image, command=["true"], network_disabled=True)["Id"]
+        cid = api.create_container(**_never_started(api, image))["Id"]
         try:
             stream, _ = api.get_archive(cid, MODULES_PATH)
             with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
@@ -87,6 +89,37 @@ def read_image_modules(image: str) -> ImageModules | None:
     with _lock:
         _cache[image_id] = found
     return found
+
+
+def _never_started(api: Any, image: str) -> dict[str, Any]:
+    """The create arguments of the container the file is copied out of: a sandbox's (no
+    network, no mounts, every control of ``sandbox_policy``) running ``true``, never started."""
+    import uuid
+
+    from executor.languages import get_language
+    from executor.models import CodeJob, Limits
+    from executor.runtimes.base import owner_id
+    from executor.runtimes.docker import sandbox_policy
+    from executor.settings import load_settings
+
+    settings = load_settings()
+    limits = Limits(
+        memory_bytes=settings.memory_bytes,
+        cpus=settings.code_cpus,
+        pids=settings.code_pids,
+        timeout_s=1,
+        log_max_bytes=1,
+        output_max_bytes=1,
+    )
+    job = CodeJob(job_id=f"modules-{uuid.uuid4().hex[:12]}", code="")
+    policy = sandbox_policy(settings, get_language("python"), job, limits, owner_id())
+    return {
+        **policy,
+        "name": f"studio-code-{job.job_id}",
+        "image": image,
+        "command": ["true"],
+        "host_config": api.create_host_config(**policy["host_config"]),
+    }
 
 
 _IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}

@@ -1,0 +1,229 @@
+"""The socket guard (``studio-code sockguard``, executor/runtimes/sockguard.py) as a real
+process on a unix socket, in front of the real engine: what it refuses (403, its reason in
+the message and the guard's log) and that jobs, cold and pooled, run through it."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.services import SockGuardProcess
+
+pytestmark = pytest.mark.docker
+
+TRIVIAL = "def main(state):\n    return state['n'] + 1\n"
+
+
+@pytest.fixture(scope="module")
+def guard(tmp_path_factory: pytest.TempPathFactory, docker_client: Any) -> Iterator[Any]:
+    with SockGuardProcess(tmp_path_factory.mktemp("guard")) as g:
+        yield g
+
+
+@pytest.fixture
+def api(guard: Any) -> Iterator[Any]:
+    import docker
+
+    client = docker.APIClient(base_url=guard.host, timeout=30)
+    yield client
+    client.close()
+
+
+def sandbox_args(api: Any, image: str, **host: Any) -> dict[str, Any]:
+    """``sandbox_policy``'s create arguments (what a worker sends), ``host`` changed."""
+    from executor.languages import get_language
+    from executor.models import CodeJob
+    from executor.runtimes.base import owner_id
+    from executor.runtimes.docker import sandbox_policy
+    from executor.service import Executor
+    from executor.settings import load_settings
+
+    settings = load_settings(enable_code_nodes=True, code_runtime="docker", code_image=image)
+    limits = Executor(settings).limits()
+    policy = sandbox_policy(
+        settings, get_language("python"), CodeJob(code=TRIVIAL), limits, owner_id()
+    )
+    policy.pop("detach")
+    policy.pop("use_config_proxy")
+    policy["host_config"] = api.create_host_config(**{**policy["host_config"], **host})
+    return policy
+
+
+def refused(guard: Any, api: Any, docker_client: Any, args: dict[str, Any]) -> str:
+    """Create ``args`` through the guard: it must be refused (403) and nothing made."""
+    import docker
+
+    name = f"studio-code-guardtest-{uuid.uuid4().hex[:12]}"
+    with pytest.raises(docker.errors.APIError) as info:
+        api.create_container(name=name, **args)
+    assert info.value.status_code == 403, info.value
+    assert not docker_client.api.containers(all=True, filters={"name": name})
+    message = str(info.value.explanation)
+    assert message.startswith("sockguard:"), message
+    assert any(message.removeprefix("sockguard: ") in line for line in guard.refusals()), (
+        message,
+        guard.refusals()[-3:],
+    )
+    return message
+
+
+CASES = [
+    ({"privileged": True}, "Privileged"),
+    ({"binds": ["/:/host"]}, "Binds ['/:/host']"),
+    ({"pid_mode": "host"}, "PidMode 'host'"),
+    ({"network_mode": "host"}, "NetworkMode 'host'"),
+    ({"cap_add": ["SYS_ADMIN"]}, "CapAdd ['SYS_ADMIN']"),
+    ({"security_opt": ["no-new-privileges", "seccomp=unconfined"]}, "seccomp=unconfined"),
+    ({"security_opt": ["no-new-privileges"]}, "SecurityOpt"),
+    ({"mounts": [{"Type": "bind", "Source": "/", "Target": "/host"}]}, "Mounts"),
+    ({"devices": ["/dev/sda:/dev/sda:rwm"]}, "Devices"),
+    ({"ipc_mode": "host"}, "IpcMode 'host'"),
+    ({"userns_mode": "host"}, "UsernsMode 'host'"),
+    ({"read_only": False}, "ReadonlyRootfs"),
+    ({"cap_drop": []}, "CapDrop"),
+    ({"mem_limit": 64 << 30, "memswap_limit": 64 << 30}, "Memory"),
+]
+
+
+@pytest.mark.parametrize(("host", "named"), CASES, ids=[c[1].split()[0] for c in CASES])
+def test_a_create_outside_the_sandbox_policy_is_refused_naming_why(
+    guard: Any, api: Any, docker_client: Any, python_image: str, host: dict[str, Any], named: str
+) -> None:
+    message = refused(guard, api, docker_client, sandbox_args(api, python_image, **host))
+    assert named in message, message
+
+
+def test_an_image_outside_the_list_and_a_root_user_are_refused(
+    guard: Any, api: Any, docker_client: Any, python_image: str
+) -> None:
+    args = sandbox_args(api, python_image)
+    message = refused(guard, api, docker_client, {**args, "image": "debian:12"})
+    assert "image 'debian:12' is not one of the configured sandbox images" in message
+    message = refused(guard, api, docker_client, {**args, "user": "0:0"})
+    assert "User '0:0'" in message
+    message = refused(guard, api, docker_client, {**args, "labels": {}})
+    assert "studio.owner" in message
+
+
+def test_a_field_spelled_in_another_case_is_refused(
+    guard: Any, api: Any, docker_client: Any, python_image: str
+) -> None:
+    """The engine reads JSON keys case-insensitively: ``privileged`` is Privileged to it."""
+
+    args = sandbox_args(api, python_image)
+    body = dict(api.create_container_config(**args))
+    body["HostConfig"] = {**body["HostConfig"], "privileged": True}
+    name = f"studio-code-guardtest-{uuid.uuid4().hex[:12]}"
+    r = api._post(
+        api._url("/containers/create"),
+        params={"name": name},
+        data=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 403, r.text
+    assert "HostConfig.Privileged" in r.json()["message"]
+    body["HostConfig"] = {**args["host_config"], "PRIVILEGED": True, "Privileged": False}
+    r = api._post(api._url("/containers/create"), params={"name": name}, data=json.dumps(body))
+    assert r.status_code == 403 and "ambiguous" in r.json()["message"], r.text
+    assert not docker_client.api.containers(all=True, filters={"name": name})
+
+
+def test_exec_pull_and_calls_on_other_containers_are_refused(
+    guard: Any, api: Any, docker_client: Any, python_image: str
+) -> None:
+    import docker
+
+    # a sandbox made through the guard (never started): exec into it is refused
+    args = sandbox_args(api, python_image)
+    cid = api.create_container(name=f"studio-code-guardtest-{uuid.uuid4().hex[:12]}", **args)["Id"]
+    try:
+        with pytest.raises(docker.errors.APIError) as info:
+            api.exec_create(cid, ["sh"])
+        assert info.value.status_code == 403 and "/exec" in str(info.value.explanation)
+        for unused in (api.kill, api.stop):  # nothing of the project calls them
+            with pytest.raises(docker.errors.APIError) as info:
+                unused(cid)
+            assert info.value.status_code == 403, unused
+        assert api.inspect_container(cid)["Id"] == cid  # its own calls pass
+    finally:
+        api.remove_container(cid, force=True)
+    with pytest.raises(docker.errors.APIError) as info:
+        api.pull("alpine", tag="3")  # refused before any registry is asked
+    assert info.value.status_code == 403 and "/images/create" in str(info.value.explanation)
+    # a container that is not a sandbox (made on the engine itself, no studio labels)
+    other = docker_client.api.create_container(python_image, ["true"], network_disabled=True)
+    try:
+        for call in (api.start, api.inspect_container, api.remove_container):
+            with pytest.raises(docker.errors.APIError) as info:
+                call(other["Id"])
+            assert info.value.status_code == 403, call
+            assert "not a sandbox" in str(info.value.explanation)
+        assert docker_client.api.inspect_container(other["Id"])["State"]["Status"] == "created"
+    finally:
+        docker_client.api.remove_container(other["Id"], force=True)
+    for refused_call, named in (
+        (lambda: api.containers(all=True), "GET /containers/json"),
+        (lambda: api.volumes(), "/volumes"),
+        (lambda: api.networks(), "/networks"),
+        (lambda: api.inspect_image("debian:12"), "debian:12"),
+    ):
+        with pytest.raises(docker.errors.APIError) as info:
+            refused_call()
+        assert info.value.status_code == 403 and named in str(info.value.explanation)
+    events = api._get(api._url("/events"), params={"filters": '{"label": ["studio.owner"]}'})
+    assert events.status_code == 403 and "/events" in events.json()["message"]
+    # a missing sandbox is the engine's 404 (the SDK's NotFound), not a refusal
+    with pytest.raises(docker.errors.NotFound):
+        api.remove_container(f"studio-code-missing-{uuid.uuid4().hex}", force=True)
+
+
+def _executor(
+    monkeypatch: pytest.MonkeyPatch, guard: Any, make_settings: Any, image: str, **kw: Any
+) -> Any:
+    from executor.service import Executor
+
+    monkeypatch.setenv("DOCKER_HOST", guard.host)
+    return Executor(make_settings(code_runtime="docker", code_image=image, **kw))
+
+
+def test_a_job_runs_through_the_guard_cold_and_pooled(
+    guard: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    make_settings: Any,
+    python_image: str,
+    tmp_path: Path,
+) -> None:
+    from executor.models import CodeJob
+
+    before = len(guard.refusals())
+    cold = _executor(monkeypatch, guard, make_settings, python_image)
+    assert cold.runtime.unavailable_reason(cold.language("python")) is None
+    r = cold.run(CodeJob(code=TRIVIAL, state_json='{"n": 41}'))
+    assert r.status == "succeeded" and r.output == 42, r.error
+    cold.close()
+    pooled = _executor(
+        monkeypatch, guard, make_settings, python_image, code_languages="python", code_prewarm=1
+    )
+    pooled.prepare()
+    try:
+        assert pooled.runtime.pool is not None and pooled.runtime.pool.wait_ready(60)
+        for n in range(3):
+            r = pooled.run(CodeJob(code=TRIVIAL, state_json=json.dumps({"n": n})))
+            assert r.status == "succeeded" and r.output == n + 1, r.error
+        stats = pooled.runtime.pool.stats()["languages"]["python"]
+        assert stats["hits"] >= 1, stats
+        # the reaper's list and removals pass too (on a shared engine it may find the dead
+        # sandboxes of other sessions); this pool's idle sandboxes are not its to take
+        assert pooled.runtime.pool.wait_ready(60)
+        idle = {f"pool:{p.name}" for q in pooled.runtime.pool._idle.values() for p in q}
+        assert idle and not idle & set(pooled.runtime.reap())
+    finally:
+        pooled.close()
+    passed = guard.output()
+    assert "passed POST" in passed and "/rename?name=studio-code-" in passed
+    assert guard.refusals()[before:] == []
