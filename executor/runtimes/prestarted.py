@@ -42,13 +42,17 @@ from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import Limits
 from executor.runtimes import namespaces
-from executor.runtimes.base import PoolObserver
+from executor.runtimes.base import CancelCheck, CancelledBeforeStart, PoolObserver
 from executor.runtimes.cgroups import RunCgroup
 from executor.runtimes.uids import UidLease
 
 log = logging.getLogger("studio_code")
 
 TICK_S = 2.0  # idle-bound and liveness checks
+#: how long a job waits for a runner already starting before it starts a cold one
+WAIT_FOR_STARTING_S = 3.0
+#: how often a job waiting for a starting runner asks whether it was cancelled
+CANCEL_POLL_S = 0.1
 BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0)
 #: how long a hand-out waits for a runner in namespaces to be forked (it is, within ms)
 RUNNER_PID_WAIT_S = 1.0
@@ -181,6 +185,9 @@ class RunnerPool:
         #: runners handed out to jobs whose path has not ended: not replaced yet
         self._owed: Counter[str] = Counter()
         self._retire: deque[Runner] = deque()
+        #: replacement starts reserved when a path ended (counted in _starting already)
+        self._reserved: deque[str] = deque()
+        self._waiting: Counter[str] = Counter()
         self._failures: Counter[str] = Counter()
         self._retry_at: dict[str, float] = {}
         self.hits: Counter[str] = Counter()
@@ -235,19 +242,51 @@ class RunnerPool:
                 with self._cond:
                     for name in self._path.held:
                         self._owed[name] -= 1
+                        if not self._stop:  # a job coming next waits for it, not cold
+                            self._starting[name] += 1
+                            self._reserved.append(name)
                     self._path.held = None
                     self._cond.notify_all()
 
     # --- hand-out -------------------------------------------------------------------------
 
-    def take(self, language: Language, limits: Limits, cpu_s: int) -> Runner | None:
+    def take(
+        self,
+        language: Language,
+        limits: Limits,
+        cpu_s: int,
+        should_cancel: CancelCheck | None = None,
+    ) -> Runner | None:
         """A fresh runner for a job under ``limits``, its RLIMIT_CPU set, or None (a miss:
-        start a cold one). Call within ``on_path``."""
+        start a cold one). With none idle but one starting, it waits for that one (at most
+        WAIT_FOR_STARTING_S), asking ``should_cancel`` every CANCEL_POLL_S: a cancelled job
+        raises CancelledBeforeStart. Call within ``on_path``."""
         name = language.name
         key = self._key(language, limits)
+        deadline = time.monotonic() + WAIT_FOR_STARTING_S
         with self._cond:
             try:
                 q = self._idle.get(name)
+                if q is None:
+                    self.misses[name] += 1
+                    return None
+                while not q and self._starting[name] > self._waiting[name] and not self._stop:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    if should_cancel is not None:
+                        self._cond.release()  # it may read Redis or the store
+                        try:
+                            cancelled = should_cancel()
+                        finally:
+                            self._cond.acquire()
+                        if cancelled:
+                            raise CancelledBeforeStart()
+                    self._waiting[name] += 1
+                    try:
+                        self._cond.wait(min(left, CANCEL_POLL_S))
+                    finally:
+                        self._waiting[name] -= 1
                 while q and not self._stop:
                     r = q[0]
                     if r.key != key:  # other limits: this job goes cold
@@ -285,14 +324,16 @@ class RunnerPool:
                 while (
                     not self._stop
                     and not self._retire
+                    and not self._reserved
                     and self._wanted() is None
                     and time.monotonic() - checked < TICK_S
                 ):
                     self._cond.wait(TICK_S)
                 if self._stop:
                     return
-                name = self._wanted()
-                if name is not None:
+                if self._reserved:
+                    name: str | None = self._reserved.popleft()
+                elif (name := self._wanted()) is not None:
                     self._starting[name] += 1
             self._drain_retired()
             if time.monotonic() - checked >= TICK_S:

@@ -188,7 +188,9 @@ class SubprocessRuntime(Runtime):
         t0 = time.monotonic()
         pool = self.pool
         with pool.on_path() if pool is not None else nullcontext():
-            runner = pool.take(language, limits, _cpu_s(limits)) if pool is not None else None
+            runner = None
+            if pool is not None:
+                runner = pool.take(language, limits, _cpu_s(limits), should_cancel)
             if runner is None:
                 runner = self._start(language, limits, prestart=False)
             return self._serve(runner, job, language, limits, should_cancel, t0)
