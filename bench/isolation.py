@@ -2,7 +2,8 @@
 a cgroup of its own, with a uid but no cgroup, against the same runner spawned bare.
 Under a non-root server (issue 22): a run in namespaces of its own against one without
 (STUDIO_CODE_SUBPROCESS_NAMESPACES=off), and both against the runner spawned bare.
-Interleaved in one run, so each side sees the same machine noise.
+Issue 21: the same node with pre-started runners (STUDIO_CODE_PREWARM) against the runner
+spawned bare. Interleaved in one run, so each side sees the same machine noise.
 
     python -m bench.isolation [--n 30]
 """
@@ -37,6 +38,17 @@ def main() -> None:
             enable_code_nodes=True, code_runtime="subprocess", code_languages="python", **less
         )
     )
+    prestarted = Executor(
+        load_settings(
+            enable_code_nodes=True,
+            code_runtime="subprocess",
+            code_languages="python",
+            code_prewarm=1,
+        )
+    )
+    prestarted.prepare()
+    assert prestarted.runtime is not None and prestarted.runtime.pool is not None
+    assert prestarted.runtime.pool.wait_ready(30)
     iso = full.runtime.isolation  # type: ignore[union-attr]
     print(
         f"# bench.isolation: n={n} per side, interleaved; p50 / p95 in ms; server uid "
@@ -58,7 +70,12 @@ def main() -> None:
     def bare_runner() -> None:
         subprocess.run(argv, input=payload, capture_output=True, env={}, check=True)
 
-    a, b, c = interleave(n, [via(full), via(lesser), bare_runner])
+    # the pre-started side runs right after the bare runner: its replacement's start (off
+    # its path) overlaps the next round's first side, never the floor
+    a, b, c, d = interleave(n, [via(full), via(lesser), bare_runner, via(prestarted)])
+    stats = prestarted.runtime.pool_stats() or {}
+    hits = stats.get("languages", {}).get("python", {}).get("hits", 0)
+    prestarted.close()
     print("| what | p50 / p95 | floor p50 / p95 | ratio, delta |")
     print("|---|---|---|---|")
     if os.getuid() == 0:
@@ -69,6 +86,8 @@ def main() -> None:
         print(row("non-root, own namespaces vs the runner spawned bare", a, c, None))
         print(row("non-root, no namespaces vs the runner spawned bare", b, c, None))
         print(row("non-root, own namespaces vs no namespaces", a, b, None))
+    print(row(f"pre-started runners ({hits}/{n + 2} hits) vs the runner spawned bare", d, c, None))
+    print(row("pre-started runners vs cold runners, same isolation", d, a, None))
 
 
 if __name__ == "__main__":

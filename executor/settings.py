@@ -175,15 +175,16 @@ class Settings(BaseSettings):
         1,
         ge=0,
         le=16,
-        description="Pre-started, never-used containers kept per offered language in each "
-        "worker slot (docker runtime), so a job does not wait for a container start. Each is "
-        "used for ONE job only. 0 turns the pool off.",
+        description="Pre-started, never-used sandboxes kept per offered language in each "
+        "worker slot, so a job does not wait for a sandbox start: containers (docker "
+        "runtime), or runner processes with their uid, cgroup and folder (subprocess "
+        "runtime). Each is used for ONE job only. 0 turns the pool off.",
     )
     code_prewarm_max_idle_s: float = Field(
         300,
         gt=0,
         le=86400,
-        description="Seconds a pre-started container may wait for a job; older ones are "
+        description="Seconds a pre-started sandbox may wait for a job; older ones are "
         "removed and replaced.",
     )
     code_oci_runtime: str = Field(

@@ -211,10 +211,52 @@ def docker_pool_executor(make_settings, python_image):  # type: ignore[no-untype
 
 
 @pytest.fixture
-def subprocess_executor(make_settings):  # type: ignore[no-untyped-def]
+def subprocess_prewarm() -> int:
+    """STUDIO_CODE_PREWARM of ``make_subprocess_executor``: 0 (cold runners). A module
+    overrides it with ``prewarm_both_ways`` to run its tests against pre-started ones too."""
+    return 0
+
+
+#: a module's ``subprocess_prewarm`` that runs each test with cold and pre-started runners
+#: (2 of them: a test's two concurrent runs both get one)
+prewarm_both_ways = pytest.fixture(params=[0, 2], ids=["cold", "prestarted"])(
+    lambda request: request.param
+)
+
+
+@pytest.fixture
+def make_subprocess_executor(make_settings, subprocess_prewarm):  # type: ignore[no-untyped-def]
+    """Executors of the subprocess runtime (keyword settings win); with
+    ``subprocess_prewarm`` > 0 prepared like a worker's, their runners started, and every
+    run of the test must have been given a pre-started one. Closed at the end."""
     from executor.service import Executor
 
-    return Executor(make_settings(code_runtime="subprocess"))
+    made: list[Executor] = []
+
+    def make(**overrides: object) -> Executor:
+        settings = {"code_runtime": "subprocess", "code_prewarm": subprocess_prewarm}
+        ex = Executor(make_settings(**{**settings, **overrides}))
+        made.append(ex)
+        if subprocess_prewarm:
+            ex.prepare()
+            assert ex.runtime.pool.wait_ready(30), ex.runtime.pool_stats()  # type: ignore[union-attr]
+        return ex
+
+    yield make
+    for ex in made:
+        stats = ex.runtime.pool_stats() if ex.runtime is not None else None
+        ex.close()
+        if subprocess_prewarm:
+            assert stats is not None
+            langs = stats["languages"].values()
+            assert sum(s["hits"] for s in langs) >= 1 and not any(s["misses"] for s in langs), (
+                f"a run of the prestarted variant did not get a pre-started runner: {stats}"
+            )
+
+
+@pytest.fixture
+def subprocess_executor(make_subprocess_executor):  # type: ignore[no-untyped-def]
+    return make_subprocess_executor()
 
 
 # --- Redis and PostgreSQL ---------------------------------------------------------------

@@ -27,7 +27,12 @@ import pytest
 
 from executor.models import CodeJob, CodeResult, Status
 from executor.service import Executor
-from tests.conftest import FORK_BOMB
+from tests.conftest import FORK_BOMB, prewarm_both_ways
+
+#: every test here that builds its runtime with make_subprocess_executor (the ``iso``
+#: fixture, the hostile-program table...) runs twice: cold runners, and runners pre-started
+#: ahead of the job (STUDIO_CODE_PREWARM)
+subprocess_prewarm = prewarm_both_ways
 
 pytestmark = pytest.mark.skipif(
     os.getuid() != 0 or not sys.platform.startswith("linux"),
@@ -109,8 +114,8 @@ def shared() -> Any:
 
 
 @pytest.fixture
-def iso(make_settings) -> Executor:  # type: ignore[no-untyped-def]
-    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python"))
+def iso(make_subprocess_executor) -> Executor:  # type: ignore[no-untyped-def]
+    ex = make_subprocess_executor(code_languages="python")
     iso = getattr(ex.runtime, "isolation", {})
     # the host these tests prove things on must give runs uids and cgroups of their own
     assert iso.get("separate_uids") and iso.get("cgroup"), iso
@@ -512,10 +517,8 @@ CASES[6].code = CASES[5].code  # the same program, left spinning until its timeo
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_hostile_program(case: Case, make_settings, shared: Path) -> None:  # type: ignore[no-untyped-def]
-    ex = Executor(
-        make_settings(code_runtime="subprocess", code_languages="python", **case.settings)
-    )
+def test_hostile_program(case: Case, make_subprocess_executor, shared: Path) -> None:  # type: ignore[no-untyped-def]
+    ex = make_subprocess_executor(code_languages="python", **case.settings)
     assert getattr(ex.runtime, "isolation", {}).get("cgroup"), "no cgroup on this host"
     token = uuid.uuid4().hex[:10]
     victim = shared / "victim"
@@ -693,12 +696,12 @@ def main(state):
 
 
 def test_one_run_holding_many_processes_does_not_stop_a_concurrent_run(
-    make_settings,
+    make_subprocess_executor,
     shared: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     # 60 sleeping processes of one run under STUDIO_CODE_PIDS=64; the same uid for both
-    # would leave the second run 3 forks; its own uid leaves it all 64
-    ex = Executor(make_settings(code_runtime="subprocess", code_languages="python", code_pids=64))
+    # would leave the second run 3 forks; its own uid leases it all 64
+    ex = make_subprocess_executor(code_languages="python", code_pids=64)
     holding, release = shared / "holding", shared / "release"
     results: dict[str, CodeResult] = {}
     t = threading.Thread(
@@ -898,10 +901,13 @@ from executor.models import CodeJob
 from executor.service import Executor
 from executor.settings import load_settings
 
-data_dir, shared, mode, CODE = sys.argv[1:5]
+data_dir, shared, mode, CODE, prewarm = sys.argv[1:6]
 ex = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
                             code_languages="python", data_dir=data_dir,
-                            code_subprocess_namespaces=mode))
+                            code_subprocess_namespaces=mode, code_prewarm=int(prewarm)))
+if int(prewarm):
+    ex.prepare()
+    assert ex.runtime.pool.wait_ready(30)
 results = {}
 def start(me, other):
     state = {"dir": shared, "name": me, "other": other}
@@ -972,8 +978,11 @@ def _global_pid(candidates: list[int], ns: str, inner: int) -> int:
     raise AssertionError(f"no process is pid {inner} of {ns} among {candidates}")
 
 
+@pytest.mark.parametrize("prewarm", [0, 2], ids=["cold", "prestarted"])
 @pytest.mark.parametrize("mode", ["auto", "off"])
-def test_a_non_root_server_claims_what_its_runs_can_really_do(mode: str, shared: Path) -> None:
+def test_a_non_root_server_claims_what_its_runs_can_really_do(
+    mode: str, prewarm: int, shared: Path
+) -> None:
     """A server of an unprivileged uid with a secret in its environment, two concurrent runs:
     each reports from inside what it could do to the server, to its parent and to the other
     run, and every claim of meta (holds / does_not_hold) is checked against it."""
@@ -982,7 +991,7 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(mode: str, shared:
     marker = uuid.uuid4().hex
     server = _non_root_python(
         NON_ROOT_SERVER,
-        *(str(shared), str(shared), mode, NON_ROOT_RUN),
+        *(str(shared), str(shared), mode, NON_ROOT_RUN, str(prewarm)),
         marker=marker,
         cwd=shared,
         stdin=subprocess.DEVNULL,
@@ -1088,15 +1097,20 @@ from executor.models import CodeJob
 from executor.service import Executor
 from executor.settings import load_settings
 
-data_dir, mode, languages = sys.argv[1:4]
+data_dir, mode, languages, prewarm = sys.argv[1:5]
 ex = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
                             code_languages=languages, data_dir=data_dir, code_memory="128m",
-                            code_subprocess_namespaces=mode))
+                            code_subprocess_namespaces=mode, code_prewarm=int(prewarm)))
+if int(prewarm):
+    ex.prepare()
+    assert ex.runtime.pool.wait_ready(30)
 out = []
 for language, code in json.loads(sys.stdin.read()):
     r = ex.run(CodeJob(code=code, language=language, timeout_s=10))
     out.append([str(r.status), r.exit_code, r.error and str(r.error.code)])
-print(json.dumps({"namespaces": ex.runtime.isolation["namespaces"], "results": out}))
+print(json.dumps({"namespaces": ex.runtime.isolation["namespaces"], "results": out,
+                  "pool": ex.runtime.pool_stats()}))
+ex.close()
 """
 
 #: program -> (status, exit code, error code) the server reports, the same in both modes
@@ -1129,21 +1143,28 @@ ENDINGS = [
 ]
 
 
+@pytest.mark.parametrize("prewarm", [0, 1], ids=["cold", "prestarted"])
 @pytest.mark.parametrize("mode", ["auto", "off"])
 def test_a_non_root_servers_runs_end_the_same_with_or_without_namespaces(
-    mode: str, shared: Path
+    mode: str, prewarm: int, shared: Path
 ) -> None:
     """Exit statuses, signal deaths (SIGXCPU of RLIMIT_CPU included) and both memory
     limits, as the executor reports them: a run in namespaces is PID 2 under an init, so
     nothing changes."""
     cases = ENDINGS if (Path(sys.prefix) / "bin" / "deno").exists() else ENDINGS[:-1]
     server = _non_root_python(
-        EXITS, str(shared), mode, "python,typescript", marker="x", cwd=shared, stdin=subprocess.PIPE
+        *(EXITS, str(shared), mode, "python,typescript", str(prewarm)),
+        marker="x",
+        cwd=shared,
+        stdin=subprocess.PIPE,
     )
     stdout, stderr = server.communicate(json.dumps([c[:2] for c in cases]), timeout=180)
     assert server.returncode == 0, stderr[-3000:]
     seen = json.loads(stdout.strip().splitlines()[-1])
     assert seen["namespaces"] is (mode == "auto")
+    if prewarm:  # every run was given a pre-started runner (its RLIMIT_CPU set then)
+        pool = seen["pool"]["languages"]
+        assert sum(p["hits"] for p in pool.values()) == len(cases), pool
     results = seen["results"]
     for (language, code, want), got in zip(cases, results, strict=True):
         if want[1] is None:  # the memory limits: the exit code is the runner's own word

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import IO, Any
 
 from executor.audit import SUBPROCESS_RUNTIME_USED
@@ -48,8 +49,16 @@ from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes import namespaces
-from executor.runtimes.base import LOG_TAP, POLL_S, BoundedBuffer, CancelCheck, Runtime
+from executor.runtimes.base import (
+    LOG_TAP,
+    POLL_S,
+    BoundedBuffer,
+    CancelCheck,
+    PoolObserver,
+    Runtime,
+)
 from executor.runtimes.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
+from executor.runtimes.prestarted import Runner, RunnerPool
 from executor.runtimes.uids import (
     SWEPT_DIRS,
     UidLease,
@@ -114,6 +123,7 @@ class SubprocessRuntime(Runtime):
         if linux:
             self._cgroups, self._cgroup_note = find_parent(settings.code_subprocess_cgroup)
         self._seq = 0
+        self.pool: RunnerPool | None = None
         # before the first run, in every process that starts runs (a Celery pool process
         # inherits it from the worker's main process, and sets it again here)
         undumpable = namespaces.make_undumpable()
@@ -135,6 +145,38 @@ class SubprocessRuntime(Runtime):
             return f"{binary} is not installed or not on PATH for the server user."
         return None  # off Linux it runs, but without the memory limit: meta's warning says so
 
+    # --- pre-started runners (STUDIO_CODE_PREWARM: see executor/runtimes/prestarted.py) --
+
+    def prepare(
+        self, languages: list[Language], limits: Limits, observe: PoolObserver | None = None
+    ) -> None:
+        linux = sys.platform.startswith("linux")
+        if self.settings.code_prewarm > 0 and languages and linux and self.pool is None:
+            self.pool = RunnerPool(
+                self._start,
+                self._discard,
+                self._key,
+                languages,
+                limits,
+                self.settings.code_prewarm,
+                self.settings.code_prewarm_max_idle_s,
+                observe,
+            )
+            self.pool.start()
+
+    def close(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+
+    def on_path(self) -> AbstractContextManager[None]:
+        return self.pool.on_path() if self.pool is not None else nullcontext()
+
+    def pool_stats(self) -> dict[str, Any] | None:
+        return self.pool.stats() if self.pool is not None else None
+
+    # --- one run ----------------------------------------------------------------------------
+
     def run(
         self,
         job: CodeJob,
@@ -143,21 +185,37 @@ class SubprocessRuntime(Runtime):
         *,
         should_cancel: CancelCheck | None = None,
     ) -> RawRun:
+        t0 = time.monotonic()
+        pool = self.pool
+        with pool.on_path() if pool is not None else nullcontext():
+            runner = None
+            if pool is not None:
+                runner = pool.take(language, limits, _cpu_s(limits), should_cancel)
+            if runner is None:
+                runner = self._start(language, limits, prestart=False)
+            return self._serve(runner, job, language, limits, should_cancel, t0)
+
+    def _key(self, language: Language, limits: Limits) -> tuple[Any, ...]:
+        """What a job must match to use a pre-started runner: everything its start used
+        (the rlimits but RLIMIT_CPU, set at hand-out; the cgroup's caps; argv)."""
+        argv = language.command(self.settings, limits, in_container=False)
+        return (language.name, tuple(argv), limits.memory_bytes, limits.pids)
+
+    def _start(self, language: Language, limits: Limits, *, prestart: bool = True) -> Runner:
+        """Start ``language``'s runner under ``limits`` with everything it holds: its uid
+        lease, cgroup and workdir. ``prestart``: its RLIMIT_CPU hard limit stays open, to be
+        set at hand-out (``Runner.hand_out``)."""
         lease = self._uids.acquire() if self._uids is not None else None
         try:
-            return self._run(job, language, limits, should_cancel, lease)
-        finally:
+            return self._start_leased(language, limits, lease, prestart)
+        except BaseException:
             if lease is not None:
                 lease.release()
+            raise
 
-    def _run(
-        self,
-        job: CodeJob,
-        language: Language,
-        limits: Limits,
-        should_cancel: CancelCheck | None,
-        lease: UidLease | None,
-    ) -> RawRun:
+    def _start_leased(
+        self, language: Language, limits: Limits, lease: UidLease | None, prestart: bool
+    ) -> Runner:
         if lease is not None and lease.was_dirty:
             # the last holder of this uid died mid-run: what it left goes first
             kill_uid(lease.uid, lease.gid)
@@ -173,9 +231,10 @@ class SubprocessRuntime(Runtime):
             os.chown(workdir, *owner)
         address_space = language.name != "typescript"
         policy = rlimits(limits, address_space=address_space)
+        if prestart:  # the soft limit bounds the wait; the hand-out sets both
+            policy[resource.RLIMIT_CPU] = (policy[resource.RLIMIT_CPU][0], resource.RLIM_INFINITY)
         argv = language.command(self.settings, limits, in_container=False)
         env = language.environment(self.settings, in_container=False)
-        t0 = time.monotonic()
         try:
             child = subprocess.Popen(
                 argv,
@@ -196,9 +255,23 @@ class SubprocessRuntime(Runtime):
             shutil.rmtree(workdir, ignore_errors=True)
             self._end(group, lease)
             raise RuntimeUnavailable(f"Could not start {argv[0]}: {e}.") from e
+        key = self._key(language, limits)
+        return Runner(child, lease, group, workdir, key, self._namespaces, prestarted=prestart)
+
+    def _serve(
+        self,
+        runner: Runner,
+        job: CodeJob,
+        language: Language,
+        limits: Limits,
+        should_cancel: CancelCheck | None,
+        t0: float,
+    ) -> RawRun:
+        """Give ``job`` to ``runner`` (its one job), wait for its end, end it whole."""
+        child = runner.child
         with self._lock:
             self._children[job.job_id] = child
-        started = time.monotonic()
+        started = time.monotonic()  # the time limit counts from here (a hand-out too)
         out = BoundedBuffer(limits.output_max_bytes + 4096)
         logs = BoundedBuffer(limits.log_max_bytes, tap=LOG_TAP.get())  # live logs
         assert child.stdin and child.stdout and child.stderr
@@ -212,28 +285,17 @@ class SubprocessRuntime(Runtime):
             t.start()
         ending = "eof"
         try:
-            rss_cap = None if address_space else limits.memory_bytes
+            rss_cap = None if language.name != "typescript" else limits.memory_bytes
             ending = _wait(
                 child, started + limits.timeout_s, should_cancel, rss_cap, self._namespaces
             )
         finally:
-            # Always: whatever the code started dies with it, in its session, its cgroup
-            # (a setsid() grandchild too) and under its uid.
-            _kill_group(child.pid)
-            emptied = group.kill_all() if group is not None else False
-            if lease is not None and not emptied:
-                # With an emptied cgroup this is not needed: the leased uid had no process
-                # before the child, which joined the group before exec, and no process can
-                # leave a group whose files only root may write.
-                kill_uid(lease.uid, lease.gid)
-            exit_code = child.wait()
+            exit_code = self._kill(runner)
             for t in threads:
                 t.join(timeout=2)
             with self._lock:
                 self._children.pop(job.job_id, None)
-            shutil.rmtree(workdir, ignore_errors=True)
-            oom_kills = group.oom_kills() if group is not None else 0
-            self._end(group, lease)
+            oom_kills = self._release(runner)
         if oom_kills and ending == "eof":
             ending = "memory"  # the cgroup's limit (e.g. pages written to /dev/shm)
         if ending == "eof" and exit_code == -signal.SIGKILL and should_cancel is not None:
@@ -249,9 +311,45 @@ class SubprocessRuntime(Runtime):
             timed_out=ending == "deadline" or cpu_limit,
             oom_killed=ending == "memory",
             cancelled=ending == "cancel",
+            pooled=runner.prestarted,
             start_ms=(started - t0) * 1000,
             run_ms=(time.monotonic() - started) * 1000,
         )
+
+    def _kill(self, runner: Runner) -> int:
+        """Whatever the runner started dies with it, in its session, its cgroup (a setsid()
+        grandchild too) and under its uid; returns its exit status."""
+        _kill_group(runner.child.pid)
+        emptied = runner.group.kill_all() if runner.group is not None else False
+        if runner.lease is not None and not emptied:
+            # With an emptied cgroup this is not needed: the leased uid had no process
+            # before the child, which joined the group before exec, and no process can
+            # leave a group whose files only root may write.
+            kill_uid(runner.lease.uid, runner.lease.gid)
+        return runner.child.wait()
+
+    def _release(self, runner: Runner) -> int:
+        """After ``_kill``: its workdir, files, cgroup and uid lease go; returns the cgroup's
+        OOM kills."""
+        try:
+            shutil.rmtree(runner.workdir, ignore_errors=True)
+            oom_kills = runner.group.oom_kills() if runner.group is not None else 0
+            self._end(runner.group, runner.lease)
+        finally:
+            if runner.lease is not None:
+                runner.lease.release()
+        return oom_kills
+
+    def _discard(self, runner: Runner) -> None:
+        """End a runner that never got a job (closing, idle too long, died waiting)."""
+        self._kill(runner)
+        for pipe in (runner.child.stdin, runner.child.stdout, runner.child.stderr):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+        self._release(runner)
 
     def _make_cgroup(self, lease: UidLease | None, limits: Limits) -> RunCgroup | None:
         if self._cgroups is None:
@@ -464,6 +562,10 @@ try:
     _prctl: Any = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):
     _prctl = None
+
+
+def _cpu_s(limits: Limits) -> int:
+    return rlimits(limits)[resource.RLIMIT_CPU][0]
 
 
 def _child_setup(
