@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,11 @@ if TYPE_CHECKING:
 RUNNER_SOURCE = (Path(__file__).parent / "python_runner.py").read_text(encoding="utf-8")
 # Flags as arguments too: in subprocess mode the environment is empty.
 _FLAGS = ["-B", "-u", "-s"]
+
+
+#: CPython 3.11 can fail ``ast.parse`` in threads parsing at once ("SystemError: AST
+#: constructor recursion depth mismatch", seen here): one parse at a time per process.
+_PARSE_LOCK = threading.Lock()
 
 
 class Python(Language):
@@ -53,7 +59,8 @@ class Python(Language):
 
     def check(self, code: str, settings: Settings) -> list[Problem]:
         try:
-            tree = ast.parse(code, filename="main.py")
+            with _PARSE_LOCK:
+                tree = ast.parse(code, filename="main.py")
         except SyntaxError as e:
             return [Problem(e.lineno or 0, f"SyntaxError: {e.msg}")]
         if not any(_binds_main(node) for node in tree.body):
