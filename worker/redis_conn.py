@@ -207,8 +207,10 @@ def transport_options(settings: Settings) -> dict[str, Any]:
     dead = float(settings.redis_dead_after_s)
     options: dict[str, Any] = {
         # The event loop reads BRPOP only when its socket is readable; this bounds every
-        # synchronous command (acks, publishes, restores) and the connect's handshake.
-        "socket_timeout": dead,
+        # synchronous command of the loop (acks, restores, the broker watch's PING) and a
+        # connect's handshake, so a silent connection blocks the loop for half the bound
+        # at most. Above BRPOP's 1 s, which a drain_events consumer waits in the read.
+        "socket_timeout": max(KOMBU_BRPOP_TIMEOUT_S + 1, dead / 2),
         "socket_connect_timeout": min(dead, CONNECT_TIMEOUT_MAX_S),
         "socket_keepalive": True,
         "socket_keepalive_options": _keepalive(dead),
