@@ -6,7 +6,7 @@ What counts as a round trip of a queue's consumer (in the worker's main process)
 
 * an answer to the BRPOP of the channel that consumes it (kombu sends it with a 1 s
   server-side timeout, so a live consumer is answered every second, message or not:
-  ``worker.poison.Channel`` calls ``seen``);
+  ``worker.glue.poison.Channel`` notes when, ``probe`` passes it on);
 * while that channel does not ask (every slot of the queue is busy, so kombu sends no
   BRPOP), a PING through the channel's own connections, once a second from the
   consumer's event loop (``BrokerWatchStep``);
@@ -35,6 +35,8 @@ from typing import Any
 import redis
 from celery import bootsteps
 
+from worker.context import studio_app
+
 log = logging.getLogger("studio_code.worker")
 
 #: the exit code of a worker whose consumer is stuck (EX_TEMPFAIL: try again)
@@ -51,11 +53,12 @@ class RoundTrips:
         self._at: dict[str, float] = {}
 
     def seen(self, queues: Iterable[str], *, at: float | None = None) -> None:
-        """``queues``' consumer had an answer from Redis at ``at`` (monotonic; now)."""
+        """``queues``' consumer had an answer from Redis at ``at`` (monotonic; now). An
+        older answer than the one known changes nothing."""
         now = time.monotonic() if at is None else at
         with self._lock:
             for queue in queues:
-                self._at[str(queue)] = now
+                self._at[str(queue)] = max(now, self._at.get(str(queue), now))
 
     def age_s(self, queue: str) -> float | None:
         """Seconds since the last round trip of ``queue``'s consumer; None: never seen."""
@@ -122,6 +125,9 @@ def probe(c: Any, dead_after_s: float) -> None:
         queues = list(getattr(channel, "active_queues", ()) or ())
         if not queues:
             continue  # the control (pub/sub) channel: kombu checks it itself
+        answered_at = float(getattr(channel, "answered_at", 0.0) or 0.0)
+        if answered_at:
+            ROUND_TRIPS.seen(queues, at=answered_at)
         age = max((ROUND_TRIPS.age_s(q) or 0.0) for q in queues)
         if age > dead_after_s:
             # its BRPOP's answer will never come: closing the channel must not wait for it
@@ -159,10 +165,11 @@ class BrokerWatchStep(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
 
     def start(self, c: Any) -> None:
-        from worker.slots import consumed_queues
+        from worker.glue.slots import consumed_queues
 
         seen(consumed_queues(c.app))
-        settings = getattr(c.app, "studio_settings", None)
+        app = studio_app(c.app)
+        settings = app.settings if app is not None else None
         timer = getattr(c, "timer", None)
         if settings is not None and timer is not None and self._tref is None:
             self._tref = timer.call_repeatedly(1.0, probe, (c, settings.redis_dead_after_s))
@@ -269,9 +276,10 @@ class BrokerWatchdogStep(bootsteps.StartStopStep):
         super().__init__(w, **kwargs)
 
     def start(self, w: Any) -> None:
-        from worker.slots import consumed_queues
+        from worker.glue.slots import consumed_queues
 
-        settings = getattr(w.app, "studio_settings", None)
+        app = studio_app(w.app)
+        settings = app.settings if app is not None else None
         if settings is None or not settings.redis_give_up_s or self.watchdog is not None:
             return
         self.watchdog = BrokerWatchdog(settings, consumed_queues(w.app), settings.redis_give_up_s)
