@@ -46,6 +46,7 @@ from executor.store import (
     encode_cursor,
     open_store,
 )
+from worker import redis_conn
 from worker.job.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
@@ -71,6 +72,7 @@ RUNS_PAGE_MAX = 200
 
 RATE_WINDOW_S = 60
 WAIT_SLICE_S = 1.0  # wait() re-reads the store at least this often
+BLOCK_GRACE_S = 1.0  # a BLMOVE answered this much later than its block time is given up
 SERVED_CACHE_S = 1.0  # "a live worker serves this queue" is believed this long per process
 #: threads of wait_async's store reads (a read takes milliseconds; a wait holds none)
 WAIT_READ_THREADS = 4
@@ -145,15 +147,11 @@ class CodeClient:
         )
         log.info("run store: %s", self.store.describe())
         self.executor = Executor(settings, audit=self.store)
-        self.redis = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=5, socket_connect_timeout=5
-        )
+        self.redis = redis_conn.client(settings)
         self.workers = WorkerRegistry(self.redis)
         self._served_until: dict[str, float] = {}
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
-        self._blocking = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=WAIT_SLICE_S + 5, socket_connect_timeout=5
-        )
+        self._blocking = redis_conn.client(settings, block_s=WAIT_SLICE_S)
         self._rate = self.redis.register_script(_RATE_LUA)
         self._app: Any = None
         self._aredis: Any = None
@@ -420,19 +418,16 @@ class CodeClient:
         """A redis.asyncio client for the running event loop (made on first use in it)."""
         loop = asyncio.get_running_loop()
         if self._aredis is None or self._aredis_loop is not loop:
-            import redis.asyncio
-
             # Each waiting call holds a connection for its BLMOVE (at most WAIT_SLICE_S, so
-            # its socket must wait longer than that). Past ASYNC_REDIS_CONNECTIONS waiters,
-            # a wait waits for a free connection (at most a slice) instead of failing.
-            pool = redis.asyncio.BlockingConnectionPool.from_url(
-                self.settings.redis_url,
+            # its socket must wait longer than that; so does a live-log follower's XREAD).
+            # Past ASYNC_REDIS_CONNECTIONS waiters, a wait waits for a free connection
+            # instead of failing.
+            self._aredis = redis_conn.async_client(
+                self.settings,
+                block_s=WAIT_SLICE_S,
                 max_connections=ASYNC_REDIS_CONNECTIONS,
-                timeout=20,
-                socket_timeout=WAIT_SLICE_S + 5,
-                socket_connect_timeout=5,
+                pool_timeout_s=20,
             )
-            self._aredis = redis.asyncio.Redis.from_pool(pool)
             self._aredis_loop = loop
         return self._aredis
 
@@ -494,14 +489,13 @@ class CodeClient:
                     return rec
             if woke:  # a notice of a run that did not finish the job: do not spin on it
                 await asyncio.sleep(min(left, 0.05))
+            block_s = max(0.01, min(left, WAIT_SLICE_S))
             try:
-                woke = (
-                    await aredis.blmove(
-                        key, key, max(0.01, min(left, WAIT_SLICE_S)), "LEFT", "RIGHT"
-                    )
-                    is not None
-                )
-            except redis.RedisError:
+                # A silent connection must not hold the wait past its own deadline (its
+                # socket timeout is STUDIO_REDIS_DEAD_AFTER_S): the store is re-read on time.
+                async with asyncio.timeout(block_s + BLOCK_GRACE_S):
+                    woke = await aredis.blmove(key, key, block_s, "LEFT", "RIGHT") is not None
+            except (redis.RedisError, TimeoutError):
                 woke = False
                 await asyncio.sleep(min(max(left, 0), 0.2))
 

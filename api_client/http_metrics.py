@@ -81,8 +81,7 @@ def _api_routes(routes: Iterable[Any]) -> Iterator[APIRoute]:
 def instrument(app: FastAPI, services: Any) -> CollectorRegistry:
     """Add the request metrics to ``app`` (its routes' series at 0) and return a registry
     with the queue signals, read through ``services`` at scrape time."""
-    import redis
-
+    from worker import redis_conn
     from worker.metrics.autoscale import QueueCollector
 
     app.add_middleware(RequestMetrics)  # type: ignore[arg-type]
@@ -92,8 +91,6 @@ def instrument(app: FastAPI, services: Any) -> CollectorRegistry:
             for cls in STATUS_CLASSES:
                 REQUESTS.labels(method, route.path, cls)
     registry = CollectorRegistry(auto_describe=False)
-    client = redis.Redis.from_url(
-        services.settings.redis_url, socket_timeout=2, socket_connect_timeout=2
-    )
+    client = redis_conn.client(services.settings)
     registry.register(QueueCollector(client, lambda: services.client.store))
     return registry

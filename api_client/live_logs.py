@@ -23,10 +23,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from executor.store import JobRecord, RunSummary
 from worker.protocol import logs_key
 
 BLOCK_MS = 500
+BLOCK_GRACE_S = 1.0  # an XREAD answered this much later than its block time is given up
 MARK = "\n[logs truncated:"
 
 
@@ -112,7 +115,11 @@ def follow(
         if run is None:
             return
         done = run.finished
-        reply = client.xread({key: f.last_id}, count=1000, block=None if done else BLOCK_MS)
+        try:  # a dead connection times out (STUDIO_REDIS_DEAD_AFTER_S): ask again
+            reply = client.xread({key: f.last_id}, count=1000, block=None if done else BLOCK_MS)
+        except redis.RedisError:
+            time.sleep(0.2)
+            continue
         yield from f.take(reply)
         if done and not reply:
             rec = final()
@@ -139,7 +146,16 @@ async def follow_async(
         if run is None:
             return
         done = run.finished
-        reply = await client.xread({key: f.last_id}, count=1000, block=None if done else BLOCK_MS)
+        try:
+            # a silent connection must not hold the follower (its socket timeout is
+            # STUDIO_REDIS_DEAD_AFTER_S): give up the read, ask again on a fresh one
+            async with asyncio.timeout(BLOCK_MS / 1000 + BLOCK_GRACE_S):
+                reply = await client.xread(
+                    {key: f.last_id}, count=1000, block=None if done else BLOCK_MS
+                )
+        except (redis.RedisError, TimeoutError):
+            await asyncio.sleep(0.2)
+            continue
         for event in f.take(reply):
             yield event
         if done and not reply:

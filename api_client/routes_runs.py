@@ -135,7 +135,6 @@ async def get_run_logs(
     rec = await asyncio.to_thread(_own_record, services, job_id, who)
     if not follow:
         return RunLogs.of(rec)
-    import redis.asyncio
     from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
     from api_client.live_logs import follow_async
@@ -148,22 +147,18 @@ async def get_run_logs(
             "Last-Event-ID is not an event id of this "
             "stream: reconnect without it to start from the beginning.",
         )
-    client = redis.asyncio.Redis.from_url(
-        services.settings.redis_url, socket_timeout=10, socket_connect_timeout=5
-    )
+    # the client's pool: its read timeout waits longer than a follower's XREAD block
+    client = services.client.async_redis
     store = services.client.store
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        try:
-            async for e in follow_async(
-                client,
-                job_id,
-                lambda: store.get_summary(job_id),
-                lambda: store.get(job_id, inputs=False),
-                last_id=last_id,
-            ):
-                yield ServerSentEvent(data=e.data, event=e.event, id=e.id)
-        finally:
-            await client.aclose()
+        async for e in follow_async(
+            client,
+            job_id,
+            lambda: store.get_summary(job_id),
+            lambda: store.get(job_id, inputs=False),
+            last_id=last_id,
+        ):
+            yield ServerSentEvent(data=e.data, event=e.event, id=e.id)
 
     return EventSourceResponse(events(), ping=15, headers={"Cache-Control": "no-store"})

@@ -20,6 +20,7 @@ SECTIONS = [
     "bench.upkeep",
     "bench.engine",
     "bench.sockguard",
+    "bench.redis_faults",
 ]
 
 if __name__ == "__main__":

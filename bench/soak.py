@@ -1,6 +1,9 @@
 """Chaos soak (``make soak``, not part of ``make test``): trivial jobs over 2 workers while a
 driver kills, at random moments, a worker's main process, a pool process, Redis (its own
-redis-server with AOF) and the run store (its own PostgreSQL cluster), for a bounded time.
+redis-server with AOF) and the run store (its own PostgreSQL cluster), or cuts the workers'
+Redis connections silently (they reach Redis through a loopback relay of the soak's own,
+tests/relay.py: every connection goes silent, no FIN, no RST, new ones held for 5-25 s),
+for a bounded time.
 
 It prints the accounting: submitted, ended per status, executed more than once (counted
 from Docker's container start events; allowed only for a job whose worker died while it
@@ -30,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.relay import Relay  # noqa: E402
 from tests.services import RedisServer, kill_pids, process_tree  # noqa: E402 - test helpers, reused
 from tests.test_faults import PgCluster  # noqa: E402
 
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="studio-soak-"))
     redis = RedisServer(tmp)
     redis.start()
+    relay = Relay(redis.port)  # the workers' way to Redis; the client's is direct
     pg = PgCluster()
     pg.init()
     pg.start()
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     env.update(
         {
             "STUDIO_ENABLE_CODE_NODES": "1",
-            "STUDIO_REDIS_URL": redis.url,
+            "STUDIO_REDIS_URL": relay.url(),
             "STUDIO_DATABASE_URL": pg.url,
             "STUDIO_DATA_DIR": str(tmp),
             "STUDIO_CODE_CONCURRENCY": "2",
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         chaos_end = time.monotonic() + args.chaos_s
-        actions = ["worker main", "pool process", "redis", "store"]
+        actions = ["worker main", "pool process", "redis", "store", "redis silent"]
         while time.monotonic() < chaos_end:
             time.sleep(rng.uniform(3, 10))
             what = rng.choice(actions)
@@ -188,13 +193,20 @@ def main(argv: list[str] | None = None) -> int:
                 redis.stop(kill=True)
                 time.sleep(rng.uniform(0.5, 5))
                 redis.start()
+            elif what == "redis silent":
+                relay.cut()
+                cut = rng.uniform(5, 25)
+                time.sleep(cut)
+                relay.heal()
+                what = f"silently: the workers' Redis connections ({cut:.0f} s)"
             else:
                 pg.stop()
                 down = rng.uniform(2, 20)
                 time.sleep(down)
                 pg.start()
                 what += f" ({down:.0f} s)"
-            events.append(f"{at:6.1f} s  killed {what}")
+            verb = "cut" if what.startswith("silently") else "killed"
+            events.append(f"{at:6.1f} s  {verb} {what}")
             print(f"  {events[-1]}", flush=True)
         # Let it settle: every job must end by the deadline.
         ids = list(jobs)
@@ -231,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             w.stop()
         if client is not None:
             client.close()
+        relay.stop()
         redis.stop()
         pg.cleanup()
     statuses = Counter(r.status.value for r in recs.values())

@@ -202,7 +202,40 @@ class Settings(BaseSettings):
     database_url: str = Field(
         "", description="Run store URL (SQLAlchemy). Empty: a SQLite file in STUDIO_DATA_DIR."
     )
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for the queue.")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis for the queue: redis://[:PASSWORD@]HOST:PORT/DB, or a Sentinel "
+        "deployment as sentinel://[:PASSWORD@]HOST:PORT[/DB];sentinel://HOST2:PORT2... "
+        "(PASSWORD: the master's; the master's name is STUDIO_REDIS_SENTINEL_MASTER).",
+    )
+    redis_sentinel_master: str = Field(
+        "",
+        validate_default=True,
+        description="With a sentinel:// STUDIO_REDIS_URL: the name the sentinels monitor the "
+        "master under (required then).",
+    )
+    redis_sentinel_password: SecretStr = Field(
+        SecretStr(""),
+        description="With a sentinel:// STUDIO_REDIS_URL: the password of the sentinels "
+        "themselves (empty: none); the master's is in the URL.",
+    )
+    redis_dead_after_s: float = Field(
+        10,
+        ge=1,
+        le=300,
+        description="Seconds after which a silent Redis connection (no reply, no close: a "
+        "failover behind a VIP, a NAT reset, a host that lost power) counts as dead and is "
+        "dropped and made again, on every connection of workers, API and CLI; a worker whose "
+        "consumer showed no round trip for this long is announced paused.",
+    )
+    redis_give_up_s: float = Field(
+        120,
+        ge=0,
+        le=86400,
+        description="A worker whose queue consumer showed no round trip for this long while "
+        "Redis answers a fresh connection exits non-zero (its supervisor restarts it). "
+        "0: never.",
+    )
     queue_visibility_timeout_s: float = Field(
         0,
         ge=0,
@@ -439,6 +472,17 @@ class Settings(BaseSettings):
         if v in ("auto", "off"):
             return v
         raise ValueError("auto or off")
+
+    @field_validator("redis_sentinel_master")
+    @classmethod
+    def _sentinel_master(cls, v: str, info: ValidationInfo) -> str:
+        url = str(info.data.get("redis_url") or "")
+        if url.startswith("sentinel://") and not v.strip():
+            raise ValueError(
+                "the name the sentinels monitor the master under (their `sentinel monitor "
+                "NAME ...`): STUDIO_REDIS_URL is a sentinel:// URL"
+            )
+        return v.strip()
 
     @field_validator("api_token")
     @classmethod

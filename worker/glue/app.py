@@ -16,6 +16,7 @@ from kombu import Exchange, Queue
 
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.settings import Settings, load_settings
+from worker import redis_conn
 from worker.context import StudioCelery
 from worker.protocol import (
     QUEUE_RUN,
@@ -30,11 +31,15 @@ log = logging.getLogger("studio_code.worker")
 def make_app(settings: Settings) -> StudioCelery:
     """A Celery app configured for ``settings``: enough to send jobs and cancels."""
     app = StudioCelery(settings, "studio_code", set_as_current=False)
+    # every connection notices a silent Redis within STUDIO_REDIS_DEAD_AFTER_S; a
+    # sentinel:// URL gets its master's name (worker.redis_conn)
+    redis_options = redis_conn.transport_options(settings)
     app.conf.update(
         broker_url=settings.redis_url,
         # Celery's result backend carries no data: the run store is the result. Every send
         # passes ignore_result so no client subscribes to result channels.
         result_backend=settings.redis_url,
+        result_backend_transport_options=redis_options,
         task_ignore_result=True,
         task_serializer="json",
         accept_content=["json"],
@@ -63,6 +68,7 @@ def make_app(settings: Settings) -> StudioCelery:
             # (kombu's default sweeps every 100 s).
             "unacked_restore_interval": restore_interval_s(settings),
             "unacked_restore_throttle": 1,
+            **redis_options,
         },
         broker_connection_retry_on_startup=True,
         # A Redis blip must not kill running sandboxes: their result goes to the run store
@@ -88,7 +94,7 @@ def worker_app(settings: Settings) -> StudioCelery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker.glue import outcomes, poison, slots
+    from worker.glue import broker_watch, outcomes, poison, slots
     from worker.job import tasks
     from worker.upkeep import gate as gate_watch
     from worker.upkeep import heartbeat, owner
@@ -106,7 +112,7 @@ def worker_app(settings: Settings) -> StudioCelery:
 
     tasks.register(app)
     # Items that are not kombu messages are set aside, not fatal (worker.glue.poison).
-    app.conf.broker_transport = poison.TRANSPORT
+    app.conf.broker_transport = poison.transport_for(settings.redis_url)
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
     app.steps["consumer"].add(gate_watch.GateStep)
@@ -117,6 +123,10 @@ def worker_app(settings: Settings) -> StudioCelery:
     # closed (its store or runtime is down), so the API refuses what no worker would take.
     app.context.not_serving_reason = gate_watch.pause_reason
     app.steps["consumer"].add(heartbeat.HeartbeatStep)
+    # "serving" is proven: each queue's consumer shows round trips to Redis, or the
+    # heartbeat says paused ("broker connection lost"); a stuck one exits the worker
+    app.steps["consumer"].add(broker_watch.BrokerWatchStep)
+    app.steps["worker"].add(broker_watch.BrokerWatchdogStep)
     tasks.connect_process_signals()
     outcomes.register_inspect_commands()
     _connect_metrics(settings)

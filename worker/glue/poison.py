@@ -99,6 +99,9 @@ def valid_payload(payload: Any) -> bool:
 class Channel(kombu_redis.Channel):
     """kombu's Redis channel, checking each popped item before delivering it."""
 
+    #: when its BRPOP was last answered (monotonic; 0: never)
+    answered_at = 0.0
+
     def _poison(self, queue: str, reason: str, item: Any) -> None:
         try:
             with self.conn_or_acquire() as client:
@@ -125,6 +128,9 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            # an answer (a message, or none within BRPOP's 1 s): this consumer reaches
+            # Redis (worker.glue.broker_watch reads it)
+            self.answered_at = time.monotonic()
             if dest__item:
                 dest, item = dest__item
                 dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
@@ -139,6 +145,28 @@ class Channel(kombu_redis.Channel):
             flush = getattr(self, "_flush_brpop_reauth", None)
             if flush is not None:
                 flush()
+
+    def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> None:
+        if self.connection is None:
+            # A job that outlived its channel (closed when the connection was lost): kombu
+            # would fail with an AttributeError that stops the worker. Its message is in
+            # the unacked set and comes back, finished, after the visibility timeout.
+            log.warning(
+                "job message %s: its channel closed when the broker connection was lost; "
+                "it comes back after the visibility timeout and is skipped (its job ended)",
+                delivery_tag,
+            )
+            return
+        super().basic_ack(delivery_tag, multiple=multiple)
+
+    def close(self) -> None:
+        # Celery closes the channels of a lost connection while their jobs still run
+        # (worker_cancel_long_running_tasks_on_connection_loss is off): kombu would put
+        # their messages back on the queue at once and another worker would run them a
+        # second time. They stay in Redis's unacked set: a job that ends is found finished
+        # when its message comes back after the visibility timeout.
+        keep_running_unacked(self._qos)
+        super().close()
 
     def _get(self, queue: str, timeout: Any = None) -> Any:
         while True:
@@ -156,13 +184,56 @@ class Channel(kombu_redis.Channel):
                     raise kombu_redis.Empty()
 
 
+def keep_running_unacked(qos: Any) -> None:
+    """Forget, in ``qos``, the deliveries of jobs this worker is running now, so closing
+    its channel does not requeue them."""
+    if qos is None:
+        return
+    try:
+        from celery.worker import state
+
+        running = {r.id for r in state.active_requests}
+        if not running:
+            return
+        for tag, message in list(qos._delivered.items()):
+            if (getattr(message, "headers", None) or {}).get("id") in running:
+                qos._delivered.pop(tag, None)
+    except Exception as e:  # noqa: BLE001 - closing goes on; kombu's restore applies
+        log.warning("could not keep the running jobs' messages unacked: %s", e)
+
+
 class Transport(kombu_redis.Transport):
     """The worker's broker transport (``broker_transport``): Redis, poison set aside."""
 
     Channel = Channel
 
 
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """The same, for a master found through Redis Sentinel."""
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    """The worker's broker transport for a sentinel:// STUDIO_REDIS_URL."""
+
+    Channel = SentinelChannel
+
+
 TRANSPORT = "worker.glue.poison:Transport"
+SENTINEL_TRANSPORT = "worker.glue.poison:SentinelTransport"
+
+
+def transport_for(redis_url: str) -> str:
+    """The worker's broker transport for STUDIO_REDIS_URL. With sentinels, kombu moves to
+    the next sentinel:// of the URL after a connection error and takes that URL's
+    transport by its scheme: in a worker, the scheme names this one too."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    from worker.redis_conn import is_sentinel
+
+    if not is_sentinel(redis_url):
+        return TRANSPORT
+    TRANSPORT_ALIASES["sentinel"] = SENTINEL_TRANSPORT
+    return SENTINEL_TRANSPORT
 
 
 # --- consumer-level hooks (StudioConsumer) ----------------------------------------------------

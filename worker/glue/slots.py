@@ -35,6 +35,9 @@ from worker.protocol import QUEUE_TEST
 
 log = logging.getLogger("studio_code.worker")
 
+#: the longest pause between two attempts of the consumer to reach Redis again
+RECONNECT_MAX_S = 2.0
+
 
 def consumed_queues(app: Celery) -> set[str]:
     queues = app.amqp.queues
@@ -82,10 +85,23 @@ class ReserveTestSlots(bootsteps.Step):
 
 
 class StudioConsumer(Consumer):
-    """Celery's consumer whose task channel prefetches for the run slots only."""
+    """Celery's consumer whose task channel prefetches for the run slots only.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    Without Celery's mingle and gossip (what --without-mingle --without-gossip turn off):
+    mingle asks every other worker on each (re)connect and waits for their answers;
+    cancels are flags in Redis and the run store here (worker.job.cancel), not gossip.
+    And, unless events are on (-E, for Flower or celery-exporter), without Celery's
+    worker heartbeat events (--without-heartbeat): they are published from the event loop
+    with a retry that never ends while Redis cannot be reached, so a lost broker stopped
+    the whole loop (no broker watch, no reconnect) until Redis came back. The studio's
+    heartbeat (worker.upkeep.heartbeat) is what the API reads."""
+
+    def __init__(self, *args: Any, worker_options: Any = None, **kwargs: Any) -> None:
+        off = {"without_mingle": True, "without_gossip": True}
+        if not kwargs.get("task_events"):  # -E (Flower, celery-exporter) keeps them
+            off["without_heartbeat"] = True
+        worker_options = {**(worker_options or {}), **off}
+        super().__init__(*args, worker_options=worker_options, **kwargs)
         self.test_slots = context_of(self.app).test_slots
         initial: int = self.initial_prefetch_count  # type: ignore[has-type]
         if self.test_slots and initial:
@@ -105,6 +121,19 @@ class StudioConsumer(Consumer):
 
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
         poison.on_bad_message(message, f"invalid task: {exc}")
+
+    def ensure_connected(self, conn: Any) -> Any:
+        # Celery's retries wait 2, 4, ... 30 s between attempts: after a long outage the
+        # worker would stay away up to 30 s after Redis is back. Each attempt is bounded
+        # by the connect timeout (worker.redis_conn), so attempts follow each other.
+        ensure = conn.ensure_connection
+
+        def quickly(*args: Any, **kwargs: Any) -> Any:
+            kwargs.update(interval_start=0, interval_step=1, interval_max=RECONNECT_MAX_S)
+            return ensure(*args, **kwargs)
+
+        conn.ensure_connection = quickly
+        return super().ensure_connected(conn)
 
     @property
     def max_prefetch_count(self) -> int:

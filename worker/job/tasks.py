@@ -33,7 +33,7 @@ from executor.outage import is_store_outage
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import metrics
+from worker import metrics, redis_conn
 from worker.context import studio_app
 from worker.glue import poison
 from worker.glue.outcomes import NodeFailed, report_outcome
@@ -66,9 +66,7 @@ class ProcessState:
         self.store: RunStore = open_store(settings.sqlalchemy_url)
         self.executor = Executor(settings, audit=self.store)
         # Short timeouts: the cancel flag is read inside the sandbox's poll loop.
-        self.redis = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5
-        )
+        self.redis = redis_conn.client(settings, socket_timeout=0.5, socket_connect_timeout=0.5)
         self.pid = os.getpid()
         self.current_job: str | None = None
         self._signalled = False

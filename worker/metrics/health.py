@@ -18,11 +18,10 @@ def dependency_problems(settings: Settings, *, store: Any = None) -> dict[str, s
     ``redis`` (the broker), ``run_store`` and, in the docker runtime, ``docker``."""
     checks: dict[str, str | None] = {}
     try:
-        import redis
+        from worker import redis_conn
 
-        client = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=3, socket_connect_timeout=3
-        )
+        # short: readiness must answer before its caller's own timeout
+        client = redis_conn.client(settings, socket_timeout=3, socket_connect_timeout=3)
         try:
             client.ping()
         finally:
@@ -53,9 +52,16 @@ def dependency_problems(settings: Settings, *, store: Any = None) -> dict[str, s
     return checks
 
 
-def gate_checks() -> dict[str, str | None]:
-    """``paused``: why this worker is not taking jobs (run store unwritable, runtime down),
-    None while it is. A paused worker's readiness answers 503 with this sentence."""
+def gate_checks(settings: Settings | None = None) -> dict[str, str | None]:
+    """``paused``: why this worker is not taking jobs (run store unwritable, runtime down,
+    with ``settings``: a consumer that lost its broker, worker.glue.broker_watch), None
+    while it is. A paused worker's readiness answers 503 with this sentence."""
+    from worker.glue import broker_watch
     from worker.upkeep.gate import pause_reason
 
-    return {"paused": pause_reason()}
+    reason = pause_reason()
+    if reason is None and settings is not None:
+        reason = broker_watch.any_lost_reason(
+            broker_watch.ROUND_TRIPS.queues(), settings.redis_dead_after_s
+        )
+    return {"paused": reason}

@@ -231,7 +231,7 @@ class MetricsServer:
             if store
             else dependency_problems(self.settings)
         )
-        checks.update(gate_checks())
+        checks.update(gate_checks(self.settings))
         return all(v is None for v in checks.values()), checks
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:

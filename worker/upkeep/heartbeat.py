@@ -193,7 +193,12 @@ class Heartbeat:
 
     ``not_serving_reason`` is asked at every beat: while it returns a sentence, the worker
     is announced ``paused`` with it (the API does not count it as serving); an exception
-    it raises counts as a reason too (a worker that cannot tell is not counted)."""
+    it raises counts as a reason too (a worker that cannot tell is not counted).
+    ``queue_reason(queue)`` is asked the same way for each queue: one queue's consumer
+    may have lost its broker while another's has not (worker.glue.broker_watch).
+
+    ``client``: the Redis client to beat with (worker.redis_conn); default: one of
+    ``redis_url``."""
 
     def __init__(
         self,
@@ -207,6 +212,8 @@ class Heartbeat:
         store: str = "",
         store_id: Callable[[], str] | str = "",
         engine: Callable[[], dict[str, Any] | None] | None = None,
+        queue_reason: Callable[[str], str | None] | None = None,
+        client: redis.Redis | None = None,
     ) -> None:
         self.nodename = nodename
         self.slots = dict(slots)
@@ -216,17 +223,23 @@ class Heartbeat:
         self.store = store
         self._store_id = store_id
         self._engine = engine
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
+        self.queue_reason = queue_reason
+        self.redis = client or redis.Redis.from_url(
+            redis_url, socket_timeout=3, socket_connect_timeout=3
+        )
         self._beat = self.redis.register_script(_BEAT_LUA)
         # its thread: restarted when the loop raises (worker.upkeep.loop)
         self._runner = Supervised("heartbeat", self._loop)
         self._stop = self._runner.stopping
         self.state: str | None = None
+        self._states: dict[str, tuple[str, str]] = {}
         self._failing = False
 
-    def _reason(self) -> str | None:
+    def _reason(self, queue: str | None = None) -> str | None:
         try:
-            return self.not_serving_reason()
+            if queue is None:
+                return self.not_serving_reason()
+            return self.queue_reason(queue) if self.queue_reason is not None else None
         except Exception as e:  # noqa: BLE001 - a worker that cannot tell is not counted
             return f"the worker's serving check failed: {e}"
 
@@ -247,13 +260,11 @@ class Heartbeat:
             return None
 
     def beat(self) -> str:
-        """Announce once on every queue; returns the state announced."""
+        """Announce once on every queue; returns the state announced (``paused`` when any
+        queue is)."""
         reason = self._reason()
-        state = SERVING if reason is None else PAUSED
         base = {
             "nodename": self.nodename,
-            "state": state,
-            "reason": reason,
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "store": self.store,
@@ -261,25 +272,45 @@ class Heartbeat:
             "engine": self._engine_now(),
         }
         queues = sorted(self.slots)
-        entries = [json.dumps({**base, "queue": q, "slots": self.slots[q]}) for q in queues]
+        states: dict[str, tuple[str, str | None]] = {}
+        for q in queues:
+            why = reason or self._reason(q)
+            states[q] = (SERVING if why is None else PAUSED, why)
+        entries = [
+            json.dumps({**base, "queue": q, "slots": self.slots[q], "state": s, "reason": why})
+            for q, (s, why) in states.items()
+        ]
+        # said before the write: a worker that cannot reach Redis still says so in its log
+        self._log_changes(states)
         self._beat(
             keys=[workers_key(q) for q in queues], args=[self.nodename, self.ttl_s, *entries]
         )
-        if state != self.state:
-            if state == SERVING:
-                log.info(
-                    "heartbeat: %s serves %s",
-                    self.nodename,
-                    ", ".join(f"{q} ({self.slots[q]} slots)" for q in queues),
-                )
-            else:
+        return self.state or SERVING
+
+    def _log_changes(self, states: dict[str, tuple[str, str | None]]) -> None:
+        # a reason's kind (before its first colon), not its figures (an age that grows)
+        kinds = {q: (s, (why or "").split(":")[0]) for q, (s, why) in states.items()}
+        if kinds == self._states:
+            return
+        serving = [q for q, (state, _) in states.items() if state == SERVING]
+        paused = {q: why for q, (state, why) in states.items() if state != SERVING}
+        if serving:
+            log.info(
+                "heartbeat: %s serves %s",
+                self.nodename,
+                ", ".join(f"{q} ({self.slots[q]} slots)" for q in serving),
+            )
+        for queue, why in paused.items():
+            if self._states.get(queue) != kinds[queue]:
                 log.error(
-                    "heartbeat: %s is not serving (the API refuses jobs it alone would take): %s",
+                    "heartbeat: %s is not serving %s (the API refuses jobs it alone would "
+                    "take): %s",
                     self.nodename,
-                    reason,
+                    queue,
+                    why,
                 )
-            self.state = state
-        return state
+        self._states = kinds
+        self.state = PAUSED if paused else SERVING
 
     def start(self) -> None:
         """Beat once now (so the worker counts as soon as it starts), then in a thread."""
@@ -356,6 +387,10 @@ class HeartbeatStep(bootsteps.StartStopStep):
             return
         settings, context = app.settings, app.context
         from executor.store.sql import describe_url
+        from worker import redis_conn
+        from worker.glue import broker_watch
+
+        dead_after_s = settings.redis_dead_after_s
 
         self.heartbeat = Heartbeat(
             settings.redis_url,
@@ -370,13 +405,22 @@ class HeartbeatStep(bootsteps.StartStopStep):
             store_id=lambda: context.store_id,
             # the upkeep's last read of the engine (worker.upkeep.engine): never waits for it
             engine=lambda: context.engine(),
+            queue_reason=lambda queue: broker_watch.lost_reason(queue, dead_after_s),
+            client=redis_conn.client(settings),
         )
         self.heartbeat.start()
 
     def stop(self, c: Any) -> None:
+        if c.blueprint.state == bootsteps.RUN:
+            # a restart after a lost connection: keep beating; while the consumer is away,
+            # worker.glue.broker_watch says "broker connection lost" (paused, not gone)
+            return
+        self._withdraw()
+
+    def _withdraw(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
 
     def shutdown(self, c: Any) -> None:
-        self.stop(c)
+        self._withdraw()

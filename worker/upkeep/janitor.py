@@ -35,6 +35,7 @@ from executor.runtimes.constants import KILL_GRACE_S
 from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
+from worker import redis_conn
 from worker.glue.outcomes import cancel_on_terminate
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
 from worker.upkeep.flusher import Flusher
@@ -74,9 +75,7 @@ class Janitor:
             log.info("run store: %s (store id %s)", self.store.describe(), self.store.store_id)
         self._own_redis: redis.Redis | None = None
         if redis_client is None:
-            redis_client = self._own_redis = redis.Redis.from_url(
-                settings.redis_url, socket_timeout=10, socket_connect_timeout=5
-            )
+            redis_client = self._own_redis = redis_conn.client(settings)
         self.flush = flush if flush is not None else Flusher(redis_client)
         self.queued = (
             QueuedSweep(settings, self.store, app, nodename, client=redis_client)

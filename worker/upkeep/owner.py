@@ -18,13 +18,13 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-import redis
 from celery import bootsteps, signals
 
 from executor.errors import StoreUnavailable
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import RunStore, open_store
+from worker import redis_conn
 from worker.context import studio_app
 from worker.upkeep.engine import EngineWatch
 from worker.upkeep.flusher import Flusher
@@ -106,9 +106,7 @@ class Upkeep:
 
     def __init__(self, settings: Settings, nodename: str, app: Any) -> None:
         self.settings = settings
-        self.redis = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=10, socket_connect_timeout=5
-        )
+        self.redis = redis_conn.client(settings)
         # Its runtime serves the gate's probe, the reaper and the revoke backstop; it is
         # never prepared here (no pre-started sandboxes in the main process).
         self.executor = Executor(settings)

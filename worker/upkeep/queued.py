@@ -29,6 +29,7 @@ import redis
 
 from executor.settings import Settings
 from executor.store import RunStore
+from worker import redis_conn
 from worker.protocol import (
     KOMBU_UNACKED,
     QUEUE_TEST,
@@ -99,9 +100,7 @@ class QueuedSweep:
         self.app = app
         self.nodename = nodename
         self._owns_client = client is None
-        self.redis: redis.Redis = client or redis.Redis.from_url(
-            settings.redis_url, socket_timeout=10, socket_connect_timeout=5
-        )
+        self.redis: redis.Redis = client or redis_conn.client(settings)
 
     def close(self) -> None:
         if self._owns_client:

@@ -1,0 +1,329 @@
+"""Redis faults, with real processes: a silent cut of every connection between a worker
+and its Redis (tests/relay.py: no FIN, no RST, no reply; new connections held until the
+heal), the same in front of the API's Redis, and a Sentinel failover during a burst.
+
+Each test starts its own redis-server (or Sentinel deployment), relay, workers and API on
+loopback; only processes started here are stopped, by pid. Timing is a hang guard here,
+never a result: the figures are in ``make bench`` (bench/redis_faults.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests import test_queue
+from tests.conftest import free_port
+from tests.relay import Relay
+from tests.services import ApiServer, start_sentinels
+from tests.test_faults import health
+from tests.test_http import USER
+from tests.test_queue import QueueEnv, wait_for
+
+queue_env = test_queue.queue_env
+sqlite_url = test_queue.sqlite_url
+
+#: a node that takes a moment and says what it was given
+WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['n'] * 2\n"
+#: how long the relay stays cut (new connections held) before the heal
+CUT_S = 20
+
+
+def broker_lost(port: int) -> bool:
+    code, body = health(port)
+    return code == 503 and "broker connection lost" in str(body.get("checks", {}).get("paused"))
+
+
+def submit_http(http: httpx.Client, n: int) -> httpx.Response:
+    body = {"code": WORK, "language": "python", "state": {"n": n}}
+    return http.post("/api/runs", json=body, headers={USER: "ann"})
+
+
+def assert_all_doubled(q: QueueEnv, jobs: dict[str, int], timeout_s: float) -> None:
+    """Every job ended once, succeeded, with its own output."""
+    recs = q.wait_all(list(jobs), timeout_s)
+    wrong = {
+        j: (r.status.value, r.output, r.error and r.error.message)
+        for j, r in recs.items()
+        if r.status != "succeeded" or r.output != 2 * jobs[j]
+    }
+    assert not wrong, f"{len(wrong)} of {len(jobs)} jobs did not end with their outcome: {wrong}"
+    twice = {j: r.attempts for j, r in recs.items() if r.attempts > 1}
+    assert not twice, f"jobs claimed more than once: {twice}"
+
+
+# --- "serving" is proven ---------------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_a_queue_whose_consumer_shows_no_round_trip_is_announced_paused(
+    redis_server: Any, tmp_path: Path, make_settings: Any
+) -> None:
+    """The heartbeat itself on a real Redis, with the broker watch of this process: the
+    code.run consumer's last answer from Redis is a minute old, code.test's is fresh. Only
+    code.run is announced paused ("broker connection lost"), the API refuses a run and
+    takes a test call, and readiness names the lost broker."""
+    from api_client import CodeClient, RuntimeUnavailable
+    from worker.glue import broker_watch
+    from worker.metrics.health import gate_checks
+    from worker.upkeep.heartbeat import Heartbeat
+
+    settings = make_settings(
+        redis_url=redis_server.url,
+        database_url=f"sqlite:///{tmp_path / 'runs.db'}",
+        queue_heartbeat_interval_s=0.2,
+    )
+    trips = broker_watch.ROUND_TRIPS
+    trips.forget()
+    trips.seen(["code.run"], at=time.monotonic() - 60)
+    trips.seen(["code.test"])
+    beat = Heartbeat(
+        redis_server.url,
+        "cut@test",
+        {"code.run": 1, "code.test": 1},
+        interval_s=0.2,
+        ttl_s=1.6,
+        queue_reason=lambda q: broker_watch.lost_reason(q, settings.redis_dead_after_s),
+    )
+    beat.start()
+    client = CodeClient(settings)
+    try:
+        live = client.live_workers()
+        run, test = live["code.run"][0], live["code.test"][0]
+        assert run.state == "paused" and "broker connection lost" in (run.reason or ""), run
+        assert test.serving, test
+        with pytest.raises(RuntimeUnavailable) as caught:
+            client.submit(WORK, "python", {"n": 1})
+        assert "Paused: cut@test (broker connection lost" in caught.value.message
+        assert client.status(client.submit(WORK, "python", {"n": 1}, kind="test")).status == (
+            "queued"
+        )
+        assert "broker connection lost" in str(gate_checks(settings)["paused"])
+        trips.seen(["code.run"])  # its consumer answers again
+        wait_for(lambda: client.live_workers()["code.run"][0].serving, 5, "code.run served")
+        assert gate_checks(settings)["paused"] is None
+    finally:
+        beat.stop()
+        client.close()
+        trips.forget()
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(60)
+def test_a_stuck_consumer_exits_the_worker_with_a_json_line(redis_server: Any) -> None:
+    """The watchdog in a process of its own: a consumer with no round trip for longer
+    than STUDIO_REDIS_GIVE_UP_S while Redis answers a new connection exits the process
+    with code 75 and says why in one JSON line on stderr; while Redis does not answer, it
+    waits."""
+    import subprocess
+    import sys
+
+    def run(url: str, sleep_s: float) -> subprocess.CompletedProcess[str]:
+        script = f"""
+import time
+from executor.settings import load_settings
+from worker.glue import broker_watch
+settings = load_settings(redis_url={url!r}, redis_give_up_s=1)
+broker_watch.ROUND_TRIPS.seen(["code.run"], at=time.monotonic() - 30)
+dog = broker_watch.BrokerWatchdog(settings, ["code.run"], settings.redis_give_up_s)
+dog.start()
+time.sleep({sleep_s})
+print("still alive")
+"""
+        return subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=40
+        )
+
+    proc = run(redis_server.url, 20)
+    assert proc.returncode == 75, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [json.loads(x) for x in proc.stderr.splitlines() if x.startswith("{")]
+    assert lines and lines[-1]["code"] == "BROKER_CONSUMER_STUCK", proc.stderr
+    assert lines[-1]["queue"] == "code.run" and lines[-1]["exit_code"] == 75
+    assert "still alive" not in proc.stdout
+    # Redis itself unreachable: a new process could not do better, so it waits
+    proc = run(f"redis://127.0.0.1:{free_port()}/0", 4)
+    assert proc.returncode == 0 and "still alive" in proc.stdout, (proc.stdout, proc.stderr)
+
+
+# --- the worker's Redis goes silent ----------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(420)
+def test_a_silent_broker_is_noticed_refused_and_left(
+    queue_env: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """Every connection of a worker to Redis goes silent and new ones are held for 20 s:
+    the worker says it lost its broker (readiness 503, paused "broker connection lost"),
+    the API's submit answers 503 at once; after the heal, jobs submitted before, during and
+    after the cut all succeed, each once."""
+    # the test's own client submits whatever the heartbeats say (the API checks them)
+    q = queue_env(queue_require_worker=False, queue_heartbeat_interval_s=1)
+    port = free_port()
+    with Relay(redis_server.port) as relay:
+        worker = q.start_worker("w1", 2, redis_url=relay.url(), metrics_port=port)
+        api = ApiServer(q.env(queue_require_worker=True), tmp_path / "api.log")
+        http = httpx.Client(base_url=api.base, timeout=60)
+        try:
+            jobs = {q.client.submit(WORK, "python", {"n": i}): i for i in range(4)}
+            wait_for(lambda: health(port)[0] == 200, 30, "the worker ready", 0.2)
+            assert submit_http(http, 100).status_code == 202
+            relay.cut()
+            cut_at = time.monotonic()
+
+            wait_for(lambda: broker_lost(port), 40, "readiness 503: broker connection lost", 0.5)
+            noticed_s = time.monotonic() - cut_at
+            jobs.update({q.client.submit(WORK, "python", {"n": 10 + i}): 10 + i for i in range(4)})
+            # its announcements are not renewed: the API refuses what only it would take
+            wait_for(lambda: submit_http(http, 1).status_code == 503, 30, "the API's 503", 0.2)
+            refused_s = time.monotonic() - cut_at
+            for i in range(3):
+                r = submit_http(http, i)
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "RUNTIME_UNAVAILABLE", r.text
+            assert cut_at + CUT_S > time.monotonic(), "the cut ended before it was checked"
+            time.sleep(max(0.0, cut_at + CUT_S - time.monotonic()))
+            relay.heal()
+            healed_at = time.monotonic()
+
+            jobs.update({q.client.submit(WORK, "python", {"n": 20 + i}): 20 + i for i in range(4)})
+            assert_all_doubled(q, jobs, 60)
+            print(
+                f"\ncut: paused after {noticed_s:.1f} s, the API refused after {refused_s:.1f} s; "
+                f"all {len(jobs)} jobs done {time.monotonic() - healed_at:.1f} s after the heal"
+            )
+            wait_for(lambda: health(port)[0] == 200, 60, "the worker ready again", 0.5)
+            wait_for(lambda: submit_http(http, 7).status_code == 202, 30, "the API's 202", 0.2)
+            out = worker.output()
+            assert "broker connection lost" in out, worker.tail()
+            assert worker.alive()
+        finally:
+            http.close()
+            api.stop()
+
+
+# --- the API's Redis goes silent -------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_a_waiting_test_call_answers_when_the_apis_redis_goes_silent(
+    queue_env: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """The relay in front of the API's Redis only (the worker reaches Redis directly): a
+    POST /api/code/test waiting for its result when every connection goes silent answers
+    with the result (the run store says it), and a new one answers 503, neither hangs."""
+    q = queue_env()
+    q.start_worker("w1", 2)
+    sleepy = "import time\n\ndef main(state):\n    time.sleep(3)\n    return state['n'] * 2\n"
+    with Relay(redis_server.port) as relay:
+        api = ApiServer(q.env(redis_url=relay.url()), tmp_path / "api.log")
+        # a hang guard far past the call's own wait (timeout_s + its margin + one bound)
+        http = httpx.Client(base_url=api.base, timeout=120)
+        try:
+            body = {"code": sleepy, "language": "python", "state": {"n": 4}, "timeout_s": 10}
+            r = http.post("/api/code/test", json=body, headers={USER: "ann"})  # warm
+            assert r.status_code == 200 and r.json()["output"] == 8, r.text
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                call = pool.submit(http.post, "/api/code/test", json=body, headers={USER: "ann"})
+                time.sleep(1.5)  # submitted, now waiting on its done notice
+                relay.cut()
+                r = call.result()
+            assert r.status_code in (200, 202), r.text
+            assert r.json()["status"] in ("running", "succeeded"), r.text
+            if r.status_code == 200:
+                assert r.json()["output"] == 8, r.text
+            # while cut: a new call is answered (503: Redis cannot be read), never held
+            r = http.post("/api/code/test", json=body, headers={USER: "ann"})
+            assert r.status_code == 503, r.text
+            relay.heal()
+            wait_for(
+                lambda: (
+                    http.post("/api/code/test", json=body, headers={USER: "ann"}).status_code == 200
+                ),
+                60,
+                "a test call answered 200 again after the heal",
+                0.5,
+            )
+        finally:
+            http.close()
+            api.stop()
+
+
+# --- Sentinel: the primary dies during a burst -----------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(900)
+def test_sentinel_failover_during_a_burst_loses_no_job(
+    sqlite_url: str, tmp_path: Path, make_settings: Any, python_image: str
+) -> None:
+    """A primary, a replica and three sentinels (passwords on the master and on the
+    sentinels); the primary SIGKILLed during a 200-job burst on 2 workers: every job ends
+    exactly once with its real outcome (the run store says so), none lost or stuck (what
+    async replication lost is sent again by the queued sweep); submits through the API
+    during the failover are answered, 202 or 503, never held."""
+    sentinel_env = {
+        "redis_sentinel_master": "studio",
+        "redis_sentinel_password": "sentinel-secret-1",
+        "queue_lost_after_s": 10,
+        "queue_heartbeat_interval_s": 1,
+        # two workers of three pool processes, all for code.run (this burst has no test call)
+        "code_concurrency": 3,
+        "queue_test_slots": 0,
+    }
+    with start_sentinels(
+        tmp_path, password="master-secret-1", sentinel_password="sentinel-secret-1"
+    ) as sentinels:
+        q = QueueEnv(
+            sentinels.url,
+            sqlite_url,
+            tmp_path,
+            make_settings,
+            code_image=python_image,
+            **sentinel_env,
+        )
+        try:
+            q.start_worker("w1", 3)
+            q.start_worker("w2", 3)
+            api = ApiServer(q.env(), tmp_path / "api.log")
+            http = httpx.Client(base_url=api.base, timeout=60)
+            try:
+                jobs = {q.client.submit(WORK, "python", {"n": i}): i for i in range(200)}
+                wait_for(
+                    lambda: (
+                        sum(r.finished for r in q.client.store.get_many(list(jobs)).values()) >= 30
+                    ),
+                    120,
+                    "30 jobs finished",
+                    0.1,
+                )
+                dead = sentinels.kill_primary()
+                answered: list[int] = []
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    n = 1000 + len(answered)
+                    r = submit_http(http, n)
+                    answered.append(r.status_code)
+                    if r.status_code == 202:
+                        jobs[r.json()["job_id"]] = n
+                    time.sleep(0.5)
+                sentinels.wait_master(sentinels.ports[sentinels.other(dead)], 60)
+                print(f"\nsubmits during the failover answered: {answered}")
+                assert set(answered) <= {202, 503}, answered
+                assert_all_doubled(q, jobs, 600)
+                assert all(w.alive() for w in q.workers), [w.tail() for w in q.workers]
+            finally:
+                http.close()
+                api.stop()
+        finally:
+            q.close()
