@@ -19,6 +19,7 @@ SECTIONS = [
     "bench.pool",
     "bench.upkeep",
     "bench.engine",
+    "bench.cpu",
 ]
 
 if __name__ == "__main__":
