@@ -21,6 +21,7 @@ SECTIONS = [
     "bench.engine",
     "bench.sockguard",
     "bench.redis_faults",
+    "bench.cpu",
 ]
 
 if __name__ == "__main__":

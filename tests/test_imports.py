@@ -28,6 +28,7 @@ HEAVY = (
 #: the queue and the run store, which `studio-code run` (no queue) must not load
 QUEUE_AND_STORE = (
     "sqlalchemy",
+    "alembic",
     "redis",
     "celery",
     "kombu",
@@ -35,6 +36,8 @@ QUEUE_AND_STORE = (
     "executor.store",
     "worker",
     "api_client.client",
+    "api_client.http",
+    "fastapi",
 )
 
 
@@ -184,18 +187,21 @@ def test_pydantic_still_looks_for_plugins_unless_they_are_turned_off():
     assert "importlib.metadata" in mods
 
 
-def test_run_loads_no_queue_and_no_store(tmp_path):
+@pytest.mark.parametrize("runtime", ["docker", "subprocess"])
+def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
+    """``run`` in either runtime: no queue, store, HTTP API, nor the other runtime."""
     node = tmp_path / "node.py"
-    node.write_text("def main(state):\n    return state['n'] + 1\n")
+    node.write_text("import json\n\ndef main(state):\n    return state['n'] + 1\n")
     mods = loaded_after(
         f"""
         from api_client.cli import main
         assert main(["run", {str(node)!r}, "--state", '{{"n": 1}}']) == 0
     """,
-        env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "subprocess"},
+        env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": runtime},
     )
-    assert "executor.service" in mods  # it did run
-    assert loaded_of(mods, QUEUE_AND_STORE) == []
+    assert f"executor.runtimes.{runtime}" in mods  # it did run, in that runtime
+    other = "subprocess" if runtime == "docker" else "docker"
+    assert loaded_of(mods, (*QUEUE_AND_STORE, f"executor.runtimes.{other}")) == []
 
 
 def test_executor_never_imports_worker_or_api_client():

@@ -3,8 +3,9 @@
 The image records it at build time in ``/usr/share/studio-code/modules.json``
 (docker/studio-code/record_modules.py): the image's standard library, each listed package's
 top-level modules, and every installed top-level module. The executor copies that file out
-of the image (a container created, never started, then removed) once per image id and
-process, so a save costs nothing after the first. That container is made in the sandboxes'
+of the image (a container created, never started, then removed) once per image id, and
+keeps it in the process and under STUDIO_DATA_DIR/image-modules/, so a save costs nothing
+after the first, nor does a later process's. That container is made in the sandboxes'
 own shape (``sandbox_policy``, labelled, with a deadline any reaper honours), so the socket
 guard (executor/runtimes/sockguard.py) passes its create and the read of this one file.
 
@@ -17,8 +18,10 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("studio_code.executor")
@@ -41,22 +44,17 @@ class ImageModules:
 
 _cache: dict[str, ImageModules | None] = {}
 _lock = threading.Lock()
-_client: Any = None
 
 
-def _docker() -> Any:
-    global _client
-    if _client is None:
-        import docker
-
-        _client = docker.from_env(timeout=15).api
-    return _client
-
-
-def read_image_modules(image: str) -> ImageModules | None:
-    """The modules file of ``image``, cached per image id; None when it cannot be read."""
+def read_image_modules(image: str, cache_dir: Path | None = None) -> ImageModules | None:
+    """The modules file of ``image``, cached per image id in this process and, with
+    ``cache_dir``, in a file there (an image id names its content, so the file never goes
+    stale): a one-shot process (``studio-code run``) then creates no container to read it.
+    None when it cannot be read."""
     try:
-        api = _docker()
+        from executor.docker_api import shared_api
+
+        api = shared_api()
         image_id = api.inspect_image(image)["Id"]
     except Exception as e:  # noqa: BLE001 - no Docker or no image: readiness says why
         log.debug("image modules of %s unknown: %s", image, e)
@@ -64,10 +62,31 @@ def read_image_modules(image: str) -> ImageModules | None:
     with _lock:
         if image_id in _cache:
             return _cache[image_id]
+    saved = cache_dir / f"{image_id.replace(':', '-')}.json" if cache_dir else None
+    data = _read_saved(saved) if saved else None
+    if data is None:
+        data = _copy_out(api, image)
+        if data is not None and saved is not None:
+            _save(saved, data)
+    found = None
+    if data is not None:
+        found = ImageModules(
+            image=image,
+            stdlib=frozenset(data["stdlib"]),
+            packages={k: list(v) for k, v in data["packages"].items()},
+            modules=frozenset(data["modules"]),
+        )
+    with _lock:
+        _cache[image_id] = found
+    return found
+
+
+def _copy_out(api: Any, image: str) -> dict[str, Any] | None:
+    """The image's modules file, copied out of a container created (never started) and
+    removed; None for an image built before the file existed."""
     import io
     import tarfile
 
-    found: ImageModules | None = None
     try:
         cid = api.create_container(**_never_started(api, image))["Id"]
         try:
@@ -76,19 +95,33 @@ def read_image_modules(image: str) -> ImageModules | None:
                 member = tar.extractfile(tar.getmembers()[0])
                 assert member is not None
                 data = json.loads(member.read())
-            found = ImageModules(
-                image=image,
-                stdlib=frozenset(data["stdlib"]),
-                packages={k: list(v) for k, v in data["packages"].items()},
-                modules=frozenset(data["modules"]),
-            )
         finally:
             api.remove_container(cid, force=True)
+        _ = data["stdlib"], data["packages"], data["modules"]
+        return data  # type: ignore[no-any-return]
     except Exception as e:  # noqa: BLE001 - an image built before the file existed
         log.info("no %s in %s (%s): imports are not checked at save time", MODULES_PATH, image, e)
-    with _lock:
-        _cache[image_id] = found
-    return found
+        return None
+
+
+def _read_saved(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        _ = data["stdlib"], data["packages"], data["modules"]
+        return data  # type: ignore[no-any-return]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # not saved yet, or unreadable: copied out again
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    """Written whole or not at all (a rename); a folder that cannot be written is skipped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("image modules not saved in %s: %s", path.parent, e)
 
 
 def _never_started(api: Any, image: str) -> dict[str, Any]:

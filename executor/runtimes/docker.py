@@ -20,6 +20,7 @@ import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig, Ulimit
 
+from executor.docker_api import shared_api
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
@@ -229,7 +230,7 @@ class DockerRuntime(Runtime):
         with self._lock:
             if self._api is None:
                 try:
-                    self._api = docker.from_env(timeout=30).api
+                    self._api = shared_api()
                 except DockerException as e:
                     raise RuntimeUnavailable(_docker_down(e)) from e
             return self._api

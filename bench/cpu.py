@@ -1,0 +1,216 @@
+"""The host CPU one job costs, split into the project's processes and the Docker engine's, so
+the part we own is visible as the engine's part moves. No assertions.
+
+Per runtime (docker: pre-started sandboxes, STUDIO_CODE_PREWARM=1; subprocess): its own
+redis-server, one Celery worker (prefork, one slot), ``studio-code serve``; ``--n`` editor
+test calls (POST /api/code/test, a trivial node) one after the other. The CPU of each
+process (utime + stime from /proc/<pid>/stat) is read before and after, the rate of an
+idle window of the same length (heartbeats, upkeep) subtracted, and divided by ``--n``:
+
+* ours: the API's process tree, the worker's main process, its pool process (its own
+  CPU; what its reaped children used, the subprocess runtime's runners, is the job's
+  interpreter and has its own row);
+* redis-server (the queue, neither ours nor the engine's);
+* the engine: dockerd and containerd (long-lived, children included), and each
+  ``containerd-shim*`` (one per container, short-lived: sampled every ``SAMPLE_S`` while
+  it lives, the last sample kept, so a shim's last few ms are missed); a shim's reaped
+  children (runc, and the sandbox's own processes) are a row of their own. The engine is
+  the machine's, shared with anything else using it meanwhile; its processes are only
+  read, never signalled.
+
+    python -m bench.cpu [--n 40] [--runtime docker --runtime subprocess]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from bench.http import test_call_overhead
+from tests.services import ROOT, ApiServer, CeleryWorker, children, process_tree, start_redis
+
+TICK = os.sysconf("SC_CLK_TCK")
+SAMPLE_S = 0.02
+ENGINE = ("dockerd", "containerd")
+SHIM = "containerd-shim"  # containerd-shim-runc-v2 (comm is cut at 15 characters)
+#: the part of the project's own CPU per job the issue aims at
+GOAL_MS = 10.0
+
+
+def stat(pid: int) -> tuple[float, float]:
+    """(own, reaped children's) CPU ms of ``pid``; (0, 0) when it is gone."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0, 0.0
+    ms = 1000 / TICK
+    return (int(f[11]) + int(f[12])) * ms, (int(f[13]) + int(f[14])) * ms
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pids_named(names: Iterable[str], prefix: str | None = None) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            c = comm(int(d))
+            if c in names or (prefix and c.startswith(prefix)):
+                out.append(int(d))
+    return out
+
+
+class Shims(threading.Thread):
+    """Every containerd shim's CPU, read every SAMPLE_S while it lives; ``total()`` is what
+    the shims used since ``start`` (own, children's), those alive at start counted from
+    their value then."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.base = {pid: stat(pid) for pid in pids_named((), SHIM)}
+        self.last: dict[int, tuple[float, float]] = dict(self.base)
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(SAMPLE_S):
+            for pid in pids_named((), SHIM):
+                s = stat(pid)
+                if s != (0.0, 0.0):
+                    self.last[pid] = s
+
+    def total(self) -> tuple[float, float]:
+        own = sum(v[0] - self.base.get(p, (0.0, 0.0))[0] for p, v in self.last.items())
+        kids = sum(v[1] - self.base.get(p, (0.0, 0.0))[1] for p, v in self.last.items())
+        return own, kids
+
+
+def snapshot(api: ApiServer, worker: CeleryWorker, redis_pid: int) -> dict[str, float]:
+    """CPU ms per group, now (the shims aside)."""
+    pool = children(worker.pid)
+    engine = pids_named(ENGINE)
+    return {
+        "api": sum(sum(stat(p)) for p in process_tree(api.pid)),
+        "worker main": stat(worker.pid)[0],
+        "pool process": sum(stat(p)[0] for p in pool),
+        "runner": sum(stat(p)[1] + sum(sum(stat(c)) for c in children(p)) for p in pool),
+        "redis-server": sum(stat(redis_pid)),
+        "dockerd, containerd": sum(sum(stat(p)) for p in engine),
+    }
+
+
+def window(
+    api: ApiServer, worker: CeleryWorker, redis_pid: int, work: object
+) -> tuple[dict[str, float], float]:
+    """CPU ms per group (shims included) over ``work()`` (or a sleep of ``work`` s)."""
+    shims = Shims()
+    shims.start()
+    a, t0 = snapshot(api, worker, redis_pid), time.monotonic()
+    if callable(work):
+        work()
+    else:
+        time.sleep(float(work))  # type: ignore[arg-type]
+    b, took = snapshot(api, worker, redis_pid), time.monotonic() - t0
+    shims.halt.set()
+    shims.join()
+    out = {k: b[k] - a[k] for k in a}
+    out["shims"], out["shims' children (runc, the sandbox)"] = shims.total()
+    return out, took
+
+
+def measure(runtime: str, n: int) -> dict[str, float]:
+    """CPU ms per job per group, idle rate subtracted."""
+    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-cpu-"))
+    redis = start_redis(tmp)
+    token = secrets.token_hex(24)
+    auth = {"Authorization": f"Bearer {token}"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+    env.update(
+        # this checkout's code, not the one the venv's editable install points at
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        STUDIO_ENABLE_CODE_NODES="1",
+        STUDIO_CODE_RUNTIME=runtime,
+        STUDIO_REDIS_URL=redis.url,
+        STUDIO_DATABASE_URL=f"sqlite:///{tmp / 'runs.db'}",
+        STUDIO_CODE_LANGUAGES="python",
+        STUDIO_API_TOKEN=token,
+        STUDIO_CODE_TEST_PER_MINUTE="10000",
+        STUDIO_CODE_CONCURRENCY="1",
+        STUDIO_QUEUE_TEST_SLOTS="1",
+    )
+    worker = api = None
+    try:
+        worker = CeleryWorker(env, tmp / "worker.log", concurrency=1, loglevel="WARNING")
+        api = ApiServer(env, tmp / "api.log", ready_timeout=60, log_level="warning")
+        redis_pid = redis.proc.pid if redis.proc else 0
+        deadline = time.monotonic() + 60
+        while True:  # until the worker's first heartbeat the API refuses (503)
+            try:
+                test_call_overhead(api.base, auth, 3)  # warm-up too
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        time.sleep(2)  # settled: the pool refilled
+
+        def jobs() -> None:
+            test_call_overhead(api.base, auth, n)  # each after a settle (bench.queue)
+            time.sleep(1.5)  # the last job's upkeep (its sandbox removed, a new one started)
+
+        busy, took = window(api, worker, redis_pid, jobs)
+        idle, idle_s = window(api, worker, redis_pid, min(took, 10.0))
+        return {k: (busy[k] - idle[k] * took / idle_s) / n for k in busy}
+    finally:
+        if api is not None:
+            api.stop()
+        if worker is not None:
+            worker.stop()
+        redis.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.cpu")
+    p.add_argument("--n", type=int, default=40, help="test calls per runtime")
+    p.add_argument("--runtime", action="append", choices=["docker", "subprocess"])
+    args = p.parse_args()
+    print(
+        f"# bench.cpu: host CPU per job (ms), {args.n} editor test calls one at a time "
+        "through the API and the queue, 1 worker slot, idle rate subtracted; "
+        f"{os.cpu_count()} CPUs"
+    )
+    print("| runtime | process | CPU ms per job | goal |")
+    print("|---|---|---|---|")
+    for runtime in args.runtime or ["docker", "subprocess"]:
+        per = measure(runtime, args.n)
+        ours = per["api"] + per["worker main"] + per["pool process"]
+        engine = per["dockerd, containerd"] + per["shims"]
+        for name in ("api", "worker main", "pool process"):
+            print(f"| {runtime} | ours: {name} | {per[name]:.1f} | |")
+        print(f"| {runtime} | **ours, in all** | **{ours:.1f}** | ≤ {GOAL_MS:g} ms |")
+        print(f"| {runtime} | redis-server | {per['redis-server']:.1f} | |")
+        if runtime == "subprocess":
+            print(f"| {runtime} | the job's runner interpreter | {per['runner']:.1f} | |")
+        if runtime == "subprocess":  # no container: what the engine used is anyone else's
+            print(f"| {runtime} | engine: none used (others' use meanwhile: {engine:.1f}) | 0 | |")
+            continue
+        for name in ("dockerd, containerd", "shims", "shims' children (runc, the sandbox)"):
+            print(f"| {runtime} | engine: {name} | {per[name]:.1f} | |")
+        print(
+            f"| {runtime} | **the engine's, in all** (shims' children aside) | **{engine:.1f}** | |"
+        )
+
+
+if __name__ == "__main__":
+    main()
