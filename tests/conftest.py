@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import services
+
 # ROOT, IN_CI, require and free_port are imported from here by many tests; RedisServer and
 # start_redis are used by this file's fixtures (their home is tests/services.py).
 from tests.services import (  # noqa: F401
@@ -23,6 +25,56 @@ from tests.services import (  # noqa: F401
     require,
     start_redis,
 )
+
+#: the services each fixture needs, by the fixture's name: a test whose fixture closure has
+#: one of these gets their markers (``pytest_collection_modifyitems``), so ``-m "not docker"``
+#: and the others are true. A module adds its own fixtures in a ``SERVICE_FIXTURES`` dict of
+#: the same shape (a module-scoped stack that starts its own redis-server, say). What a test
+#: starts itself (tests.services: start_redis, CeleryWorker) or takes by
+#: ``request.getfixturevalue`` is checked when it runs (``services.needs``,
+#: ``_marked_for_what_it_uses``).
+SERVICE_FIXTURES: dict[str, tuple[str, ...]] = {
+    "docker_client": ("docker",),
+    "redis_server": ("redis",),
+    "postgres_url": ("postgres",),
+    "deno_bin": ("deno",),
+}
+#: the markers of the services; ``make test-fast`` runs the tests with none of them (nor slow)
+SERVICE_MARKERS = ("docker", "redis", "postgres", "deno", "compose")
+
+
+def service_markers(item: pytest.Item, fixturenames: list[str]) -> set[str]:
+    table = {**SERVICE_FIXTURES, **getattr(getattr(item, "module", None), "SERVICE_FIXTURES", {})}
+    return {marker for f in fixturenames for marker in table.get(f, ())}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        used = service_markers(item, getattr(item, "fixturenames", []))
+        for name in sorted(used):
+            item.add_marker(name)
+        # the self-check of the fast tier: a test left with no service marker uses no
+        # service fixture (a marker added above and then lost would show here)
+        if not any(item.get_closest_marker(m) for m in SERVICE_MARKERS):
+            assert not used, f"{item.nodeid} uses {used} but is not marked"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # before any fixture of the test (a module's stack too) is set up
+    services.CURRENT_MARKS = {m.name for m in item.iter_markers()}
+
+
+@pytest.fixture(autouse=True)
+def _marked_for_what_it_uses(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A service fixture taken by ``request.getfixturevalue`` is not in the closure the
+    markers were derived from: the test must carry the marker itself (as a pytest.param's
+    marks, for one parameter)."""
+    yield
+    marks = {m.name for m in request.node.iter_markers()}
+    missing = service_markers(request.node, request.fixturenames) - marks
+    assert not missing, f"{request.node.nodeid} needs {missing} (by getfixturevalue): mark it"
+
 
 LABEL_JOB = "studio.job_id"
 #: on every sandbox, used or pre-started (a pre-started one has no job id label yet)

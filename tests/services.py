@@ -30,6 +30,21 @@ BIN = Path(sys.executable).parent
 HOST = socket.gethostname()
 
 
+#: the markers of the test being run, set by tests/conftest.py; None outside a pytest run
+#: (bench/): what starts a service checks it with ``needs``
+CURRENT_MARKS: set[str] | None = None
+
+
+def needs(marker: str, what: str) -> None:
+    """Refuse to start ``what`` in a test not marked ``marker``: ``-m "not <marker>"`` (the
+    fast tier, ``make test-fast``) must leave out every test that needs the service."""
+    if CURRENT_MARKS is not None and marker not in CURRENT_MARKS:
+        raise AssertionError(
+            f"this test starts {what} but is not marked {marker!r}: add "
+            f"@pytest.mark.{marker} (or pytestmark) so `-m 'not {marker}'` leaves it out"
+        )
+
+
 def require(ok: bool, what: str) -> None:
     """Skip (laptop) or fail (CI=true) when a service the test needs is missing."""
     if ok:
@@ -261,6 +276,7 @@ class RedisServer(StopsOnExit):
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        needs("redis", "a redis-server")
         self.proc = subprocess.Popen(
             [
                 shutil.which("redis-server") or "redis-server",
@@ -338,6 +354,7 @@ class CeleryWorker(Service):
         app: str = "worker",
         loglevel: str = "INFO",
     ) -> None:
+        needs("redis", "a Celery worker")
         self.name = name or f"w{uuid.uuid4().hex[:6]}"
         #: the node name Celery gives it (``%h`` is this host's name)
         self.node = f"{self.name}@{HOST}"

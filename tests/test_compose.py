@@ -35,6 +35,9 @@ from tests.conftest import ROOT, require
 from tests.services import start_worker
 from tests.test_http import containers_of, studio_env
 
+#: every test here runs the Compose CLI (or the whole deployment): out of `make test-fast`
+pytestmark = pytest.mark.compose
+
 COMPOSE_FILE = ROOT / "deploy" / "compose.yaml"
 
 

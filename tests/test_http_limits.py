@@ -31,6 +31,9 @@ from tests.conftest import free_port, run_cli
 from tests.services import ApiServer, start_redis, start_worker
 from tests.test_http import OK_CODE, SLEEP_CODE, fuzz_for_server_errors, studio_env
 
+#: the module's stack starts its own redis-server (tests/conftest.py reads this table)
+SERVICE_FIXTURES = {"stack": ("redis",)}
+
 USER = "X-Studio-User"
 ADMIN = "X-Studio-Admin"
 BODY_MAX = 1024 * 1024
