@@ -88,14 +88,14 @@ def _section(name: str, fresh: Callable[[], str], n: int) -> None:
     empty = [timed(lambda: SqlRunStore(fresh()).close()) for _ in range(max(3, n // 10))]
     print(row(f"{name}: first open of an empty store", empty, None, goal=None))
     try:
-        from tests.test_store_migrations import TODAY, _made_by_an_older_release
+        from tests.services import TODAY, made_by_an_older_release
     except ImportError:  # the code before migrations: no such store to upgrade
         return
     capture = json.loads(TODAY.read_text())
     before: list[float] = []
     for _ in range(max(3, n // 10)):
         old = fresh()
-        _made_by_an_older_release(old, capture)
+        made_by_an_older_release(old, capture)
         before.append(timed(lambda: SqlRunStore(old).close()))  # noqa: B023 - called at once
     print(row(f"{name}: first open of a store made before migrations", before, None, goal=None))
 

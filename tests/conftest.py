@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from tests import services
 from tests.services import (  # noqa: F401
     IN_CI,
     ROOT,
+    QueueEnv,
     RedisServer,
     free_port,
     require,
@@ -309,3 +311,36 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
     return subprocess.run(
         [str(exe), *args], capture_output=True, text=True, env=full_env, timeout=timeout
     )
+
+
+# --- the queue of one test ------------------------------------------------------------------
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'store' / 'studio-code.db'}"
+
+
+@pytest.fixture
+def queue_env(
+    redis_server: Any, sqlite_url: str, tmp_path: Path, make_settings: Any, python_image: str
+) -> Iterator[Callable[..., QueueEnv]]:
+    """Factory: ``queue_env(**settings_overrides)`` -> QueueEnv on the test's redis-server
+    and SQLite store (closed, workers stopped, at the end)."""
+    made: list[QueueEnv] = []
+
+    def make(database_url: str = sqlite_url, **overrides: Any) -> QueueEnv:
+        env = QueueEnv(
+            redis_server.url,
+            database_url,
+            tmp_path,
+            make_settings,
+            code_image=python_image,
+            **overrides,
+        )
+        made.append(env)
+        return env
+
+    yield make
+    for env in made:
+        env.close()

@@ -32,8 +32,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, require
-from tests.services import start_worker
-from tests.test_http import containers_of, studio_env
+from tests.services import containers_of, start_worker, studio_env
 
 #: every test here runs the Compose CLI (or the whole deployment): out of `make test-fast`
 pytestmark = pytest.mark.compose

@@ -28,8 +28,8 @@ import pytest
 
 from api_client.limits import bind_refusal, is_loopback, json_depth_over
 from tests.conftest import free_port, run_cli
-from tests.services import ApiServer, start_redis, start_worker
-from tests.test_http import OK_CODE, SLEEP_CODE, fuzz_for_server_errors, studio_env
+from tests.services import ApiServer, fuzz_for_server_errors, start_redis, start_worker, studio_env
+from tests.snippets import OK_CODE, SLEEP_CODE
 
 #: the module's stack starts its own redis-server (tests/conftest.py reads this table)
 SERVICE_FIXTURES = {"stack": ("redis",)}

@@ -27,8 +27,16 @@ import httpx
 import pytest
 
 from tests.conftest import IN_CI, free_port, require, run_cli
-from tests.services import BIN, ApiServer, CeleryWorker, RedisServer, start_redis
-from tests.test_http import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER, containers_of, studio_env
+from tests.services import (
+    BIN,
+    ApiServer,
+    CeleryWorker,
+    RedisServer,
+    containers_of,
+    start_redis,
+    studio_env,
+)
+from tests.snippets import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 

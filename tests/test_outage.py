@@ -278,9 +278,8 @@ def test_a_read_only_store_folder_pauses_the_worker_and_the_api_answers_503(
     import redis
 
     from executor.store import open_store
-    from tests.services import ApiServer, start_worker
-    from tests.test_control import env_for, wait_for
-    from tests.test_http import USER
+    from tests.services import ApiServer, env_for, start_worker, wait_for
+    from tests.snippets import USER
     from worker.upkeep.heartbeat import WorkerRegistry
 
     where, set_ro = read_only_dir
