@@ -546,15 +546,24 @@ def watch_backlog(
 
 
 def wait_for(
-    predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02
+    predicate: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.02,
+    describe: Callable[[], Any] | None = None,
 ) -> Any:
+    """The first true value ``predicate`` returns, asked every ``interval_s``; after
+    ``timeout_s`` (a hang guard, never a timing assertion) the test fails naming ``what`` it
+    waited for and what it saw last (``describe()``, else the last value)."""
     deadline = time.monotonic() + timeout_s
+    last: Any = None
     while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
+        last = predicate()
+        if last:
+            return last
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    seen = describe() if describe is not None else last
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {seen!r})")
 
 
 # --- the environment of the API and the workers -------------------------------------------

@@ -28,6 +28,7 @@ from tests.services import (
     start_redis,
     start_worker,
     studio_env,
+    wait_for,
 )
 from tests.snippets import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER
 
@@ -54,16 +55,19 @@ class Stack:
     def poll(
         self, job_id: str, user: str, *, until: set[str] | None = None, timeout: float = 60.0
     ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
         body: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+
+        def done() -> dict[str, Any] | None:
+            nonlocal body
             r = self.http.get(f"/api/runs/{job_id}", headers=self.as_user(user))
             assert r.status_code == 200, r.text
             body = r.json()
             if (until is None and body["finished"]) or (until and body["status"] in until):
                 return body
-            time.sleep(0.1)
-        pytest.fail(f"run {job_id} stayed {body.get('status')}: {body}")
+            return None
+
+        what = f"run {job_id} {'finished' if until is None else 'in ' + str(sorted(until))}"
+        return dict(wait_for(done, timeout, what, 0.1, describe=lambda: body))
 
 
 @pytest.fixture(scope="module")
