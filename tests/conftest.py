@@ -20,10 +20,13 @@ from tests import services
 # start_redis are used by this file's fixtures (their home is tests/services.py).
 from tests.services import (  # noqa: F401
     IN_CI,
+    POSTGRES_URL,
     ROOT,
     QueueEnv,
     RedisServer,
     free_port,
+    pg_schema,
+    pg_unreachable,
     require,
     start_redis,
 )
@@ -250,21 +253,10 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
-POSTGRES_URL = os.environ.get(
-    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-
-
 @pytest.fixture(scope="session")
 def postgres_url() -> str:
-    try:
-        import psycopg
-
-        dsn = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
-        with psycopg.connect(dsn, connect_timeout=3):
-            pass
-    except Exception as e:  # noqa: BLE001
-        require(False, f"PostgreSQL not reachable at {POSTGRES_URL}: {e}")
+    why = pg_unreachable(POSTGRES_URL)
+    require(why is None, str(why))
     return POSTGRES_URL
 
 
@@ -272,26 +264,8 @@ def postgres_url() -> str:
 def pg_schema_url(postgres_url: str) -> Iterator[str]:
     """postgres_url with a fresh schema of its own (dropped afterwards): the run store's
     tables of this test only, so tests and sessions never see each other's jobs."""
-    import uuid
-
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    admin = (
-        make_url(postgres_url).set(drivername="postgresql").render_as_string(hide_password=False)
-    )
-    schema = f"test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield (
-            make_url(postgres_url)
-            .update_query_dict({"options": f"-csearch_path={schema}"})
-            .render_as_string(hide_password=False)
-        )
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    with pg_schema(postgres_url) as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

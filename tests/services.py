@@ -22,7 +22,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from glob import glob
@@ -925,6 +926,57 @@ class SecondEngine:
 
 
 # --- PostgreSQL ----------------------------------------------------------------------------
+
+#: the shared PostgreSQL of tests and benchmarks (a test that stops one starts its own)
+POSTGRES_URL = os.environ.get(
+    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def pg_admin(url: str = POSTGRES_URL) -> str:
+    """``url`` as psycopg (libpq) takes it: the SQLAlchemy driver name dropped."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def pg_unreachable(url: str = POSTGRES_URL) -> str | None:
+    """None when PostgreSQL answers at ``url``, else a sentence saying why not."""
+    try:
+        import psycopg
+
+        with psycopg.connect(pg_admin(url), connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+    except Exception as e:  # noqa: BLE001 - any failure means "no PostgreSQL here"
+        return f"PostgreSQL not reachable at {url}: {e}"
+    return None
+
+
+def pg_exec(url: str, *statements: str) -> None:
+    """Run ``statements`` on ``url``'s database, each committed at once (DDL, roles)."""
+    import psycopg
+
+    with psycopg.connect(pg_admin(url), autocommit=True, connect_timeout=10) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+@contextmanager
+def pg_schema(url: str = POSTGRES_URL, prefix: str = "test") -> Iterator[str]:
+    """A fresh schema of its own on ``url``'s database, dropped at the end: yields ``url``
+    with that schema as its search_path (libpq options), so its tables are its own."""
+    from sqlalchemy.engine import make_url
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    pg_exec(url, f'CREATE SCHEMA "{name}"')
+    try:
+        yield (
+            make_url(url)
+            .update_query_dict({"options": f"-csearch_path={name}"})
+            .render_as_string(hide_password=False)
+        )
+    finally:
+        pg_exec(url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 def pg_bin(name: str) -> str | None:
