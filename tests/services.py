@@ -832,6 +832,7 @@ class SecondEngine:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        needs("docker", "a second dockerd")
         dockerd = shutil.which("dockerd")
         require(dockerd is not None, "dockerd is not installed")
         assert dockerd is not None
@@ -954,6 +955,7 @@ def pg_unreachable(url: str = POSTGRES_URL) -> str | None:
 
 def pg_exec(url: str, *statements: str) -> None:
     """Run ``statements`` on ``url``'s database, each committed at once (DDL, roles)."""
+    needs("postgres", "PostgreSQL statements")
     import psycopg
 
     with psycopg.connect(pg_admin(url), autocommit=True, connect_timeout=10) as conn:
@@ -989,6 +991,7 @@ class PgCluster:
     process is root (initdb refuses root)."""
 
     def __init__(self) -> None:
+        needs("postgres", "a PostgreSQL cluster")
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="studio-pg-"))
         self.data = self.dir / "data"
