@@ -14,7 +14,7 @@ COMPOSE := COMPOSE_PROJECT_NAME=$(PROJECT) deploy/compose.sh
 N ?= 4
 WORKERS ?= 1
 
-.PHONY: help host install lock image demo test bench soak lint worker up down scale clean
+.PHONY: help host install lock image demo test test-fast bench soak lint worker up down scale clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -53,6 +53,12 @@ demo: host install image ## run a sample Python node end to end in a fresh sandb
 
 test: host install image ## the whole test suite against real Docker, Redis, Deno, SQLite, PostgreSQL
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+# The markers are derived from the fixtures a test uses (tests/conftest.py): what is left
+# needs no Docker engine, redis-server, PostgreSQL, Deno nor Compose, only `make install`.
+FAST := not docker and not redis and not postgres and not deno and not compose and not slow
+test-fast: install ## the one-minute tier: the tests that need no Docker, Redis, PostgreSQL nor Deno
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "$(FAST)" -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: install image ## benchmarks: executor vs raw floors, side by side in one run
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench

@@ -27,9 +27,6 @@ if TYPE_CHECKING:
     from tests.services import ApiServer
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_URL = os.environ.get(
-    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
 
 
 def fill(url: str, rows: int) -> None:
@@ -171,23 +168,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="studio-bench-history-") as d:
         tmp = Path(d)
         bench_store("sqlite", f"sqlite:///{tmp / 'runs.db'}", args.rows, args.n, tmp)
-        try:
-            import psycopg
+        from tests.services import POSTGRES_URL, pg_schema, pg_unreachable
 
-            dsn = PG_URL.replace("postgresql+psycopg://", "postgresql://")
-            schema = f"bench_{uuid.uuid4().hex[:10]}"
-            with psycopg.connect(dsn, autocommit=True, connect_timeout=3) as c:
-                c.execute(f'CREATE SCHEMA "{schema}"')
-        except Exception as e:  # noqa: BLE001 - no PostgreSQL here: SQLite rows only
-            print(f"  postgresql: skipped ({e})")
+        why = pg_unreachable(POSTGRES_URL)
+        if why is not None:  # no PostgreSQL here: SQLite rows only
+            print(f"  postgresql: skipped ({why})")
             return
-        try:
-            bench_store(
-                "postgresql", f"{PG_URL}?options=-csearch_path%3D{schema}", args.rows, args.n, tmp
-            )
-        finally:
-            with psycopg.connect(dsn, autocommit=True) as c:
-                c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        with pg_schema(POSTGRES_URL, "bench") as url:
+            bench_store("postgresql", url, args.rows, args.n, tmp)
 
 
 if __name__ == "__main__":

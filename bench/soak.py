@@ -34,8 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.relay import Relay  # noqa: E402
-from tests.services import RedisServer, kill_pids, process_tree  # noqa: E402 - test helpers, reused
-from tests.test_faults import PgCluster  # noqa: E402
+from tests.services import PgCluster, RedisServer, kill_pids, process_tree  # noqa: E402 - test helpers, reused
 
 CELERY = Path(sys.executable).with_name("celery")
 TRIVIAL = "def main(state):\n    return state['n'] * 2\n"

@@ -13,59 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 from bench.common import interleave, row, timed
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_URL = os.environ.get(
-    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-
-
-@contextmanager
-def _pg_schema() -> Iterator[Callable[[], str]]:
-    """A factory of fresh PostgreSQL schemas (URLs), all dropped at the end."""
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    admin = make_url(PG_URL).set(drivername="postgresql").render_as_string(hide_password=False)
-    made: list[str] = []
-
-    def new() -> str:
-        name = f"bench_open_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'CREATE SCHEMA "{name}"')
-        made.append(name)
-        return (
-            make_url(PG_URL)
-            .update_query_dict({"options": f"-csearch_path={name}"})
-            .render_as_string(hide_password=False)
-        )
-
-    try:
-        yield new
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            for name in made:
-                conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-
-
-def _pg_reachable() -> bool:
-    try:
-        import psycopg
-        from sqlalchemy.engine import make_url
-
-        u = make_url(PG_URL).set(drivername="postgresql").render_as_string(hide_password=False)
-        with psycopg.connect(u, connect_timeout=3):
-            return True
-    except Exception:  # noqa: BLE001 - no PostgreSQL: SQLite rows only
-        return False
 
 
 def _section(name: str, fresh: Callable[[], str], n: int) -> None:
@@ -88,14 +44,14 @@ def _section(name: str, fresh: Callable[[], str], n: int) -> None:
     empty = [timed(lambda: SqlRunStore(fresh()).close()) for _ in range(max(3, n // 10))]
     print(row(f"{name}: first open of an empty store", empty, None, goal=None))
     try:
-        from tests.test_store_migrations import TODAY, _made_by_an_older_release
+        from tests.services import TODAY, made_by_an_older_release
     except ImportError:  # the code before migrations: no such store to upgrade
         return
     capture = json.loads(TODAY.read_text())
     before: list[float] = []
     for _ in range(max(3, n // 10)):
         old = fresh()
-        _made_by_an_older_release(old, capture)
+        made_by_an_older_release(old, capture)
         before.append(timed(lambda: SqlRunStore(old).close()))  # noqa: B023 - called at once
     print(row(f"{name}: first open of a store made before migrations", before, None, goal=None))
 
@@ -108,9 +64,15 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         _section("SQLite", lambda: f"sqlite:///{tmp}/{uuid.uuid4().hex}.db", args.n)
-    if _pg_reachable():
-        with _pg_schema() as new:
-            _section("PostgreSQL", new, args.n)
+    from tests.services import POSTGRES_URL, pg_schema, pg_unreachable
+
+    if pg_unreachable(POSTGRES_URL) is None:  # else SQLite rows only
+        with ExitStack() as schemas:  # a fresh schema per open, all dropped at the end
+            _section(
+                "PostgreSQL",
+                lambda: schemas.enter_context(pg_schema(POSTGRES_URL, "bench_open")),
+                args.n,
+            )
 
 
 if __name__ == "__main__":

@@ -10,21 +10,78 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests import services
 
 # ROOT, IN_CI, require and free_port are imported from here by many tests; RedisServer and
 # start_redis are used by this file's fixtures (their home is tests/services.py).
 from tests.services import (  # noqa: F401
     IN_CI,
+    POSTGRES_URL,
     REAL_DOCKER_HOST,
     ROOT,
+    QueueEnv,
     RedisServer,
     SockGuardProcess,
     free_port,
+    pg_schema,
+    pg_unreachable,
     require,
     start_redis,
 )
+
+#: the services each fixture needs, by the fixture's name: a test whose fixture closure has
+#: one of these gets their markers (``pytest_collection_modifyitems``), so ``-m "not docker"``
+#: and the others are true. A module adds its own fixtures in a ``SERVICE_FIXTURES`` dict of
+#: the same shape (a module-scoped stack that starts its own redis-server, say). What a test
+#: starts itself (tests.services: start_redis, CeleryWorker) or takes by
+#: ``request.getfixturevalue`` is checked when it runs (``services.needs``,
+#: ``_marked_for_what_it_uses``).
+SERVICE_FIXTURES: dict[str, tuple[str, ...]] = {
+    "docker_client": ("docker",),
+    "redis_server": ("redis",),
+    "postgres_url": ("postgres",),
+    "deno_bin": ("deno",),
+}
+#: the markers of the services; ``make test-fast`` runs the tests with none of them (nor slow)
+SERVICE_MARKERS = ("docker", "redis", "postgres", "deno", "compose")
+
+
+def service_markers(item: pytest.Item, fixturenames: list[str]) -> set[str]:
+    table = {**SERVICE_FIXTURES, **getattr(getattr(item, "module", None), "SERVICE_FIXTURES", {})}
+    return {marker for f in fixturenames for marker in table.get(f, ())}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        used = service_markers(item, getattr(item, "fixturenames", []))
+        for name in sorted(used):
+            item.add_marker(name)
+        # the self-check of the fast tier: a test left with no service marker uses no
+        # service fixture (a marker added above and then lost would show here)
+        if not any(item.get_closest_marker(m) for m in SERVICE_MARKERS):
+            assert not used, f"{item.nodeid} uses {used} but is not marked"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # before any fixture of the test (a module's stack too) is set up
+    services.CURRENT_MARKS = {m.name for m in item.iter_markers()}
+
+
+@pytest.fixture(autouse=True)
+def _marked_for_what_it_uses(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A service fixture taken by ``request.getfixturevalue`` is not in the closure the
+    markers were derived from: the test must carry the marker itself (as a pytest.param's
+    marks, for one parameter)."""
+    yield
+    marks = {m.name for m in request.node.iter_markers()}
+    missing = service_markers(request.node, request.fixturenames) - marks
+    assert not missing, f"{request.node.nodeid} needs {missing} (by getfixturevalue): mark it"
+
 
 LABEL_JOB = "studio.job_id"
 #: on every sandbox, used or pre-started (a pre-started one has no job id label yet)
@@ -268,21 +325,10 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
-POSTGRES_URL = os.environ.get(
-    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-
-
 @pytest.fixture(scope="session")
 def postgres_url() -> str:
-    try:
-        import psycopg
-
-        dsn = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
-        with psycopg.connect(dsn, connect_timeout=3):
-            pass
-    except Exception as e:  # noqa: BLE001
-        require(False, f"PostgreSQL not reachable at {POSTGRES_URL}: {e}")
+    why = pg_unreachable(POSTGRES_URL)
+    require(why is None, str(why))
     return POSTGRES_URL
 
 
@@ -290,26 +336,8 @@ def postgres_url() -> str:
 def pg_schema_url(postgres_url: str) -> Iterator[str]:
     """postgres_url with a fresh schema of its own (dropped afterwards): the run store's
     tables of this test only, so tests and sessions never see each other's jobs."""
-    import uuid
-
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    admin = (
-        make_url(postgres_url).set(drivername="postgresql").render_as_string(hide_password=False)
-    )
-    schema = f"test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield (
-            make_url(postgres_url)
-            .update_query_dict({"options": f"-csearch_path={schema}"})
-            .render_as_string(hide_password=False)
-        )
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    with pg_schema(postgres_url) as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
@@ -329,3 +357,36 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
     return subprocess.run(
         [str(exe), *args], capture_output=True, text=True, env=full_env, timeout=timeout
     )
+
+
+# --- the queue of one test ------------------------------------------------------------------
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'store' / 'studio-code.db'}"
+
+
+@pytest.fixture
+def queue_env(
+    redis_server: Any, sqlite_url: str, tmp_path: Path, make_settings: Any, python_image: str
+) -> Iterator[Callable[..., QueueEnv]]:
+    """Factory: ``queue_env(**settings_overrides)`` -> QueueEnv on the test's redis-server
+    and SQLite store (closed, workers stopped, at the end)."""
+    made: list[QueueEnv] = []
+
+    def make(database_url: str = sqlite_url, **overrides: Any) -> QueueEnv:
+        env = QueueEnv(
+            redis_server.url,
+            database_url,
+            tmp_path,
+            make_settings,
+            code_image=python_image,
+            **overrides,
+        )
+        made.append(env)
+        return env
+
+    yield make
+    for env in made:
+        env.close()

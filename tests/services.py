@@ -3,7 +3,12 @@ worker`` or ``studio-code worker``) and the API (``studio-code serve``).
 
 Each is a process of the test's own, on loopback, with its output in a log file; it is
 stopped by pid (SIGTERM, then SIGKILL of what is left of its process tree and group), never
-by name. Every class is also a context manager that stops it at the end."""
+by name. Every class is also a context manager that stops it at the end.
+
+Also what the tests and bench/ share around them: ``wait_for`` (the one polling helper), the
+environment the API and the workers get (``studio_env``, ``env_for``, ``QueueEnv``), a TCP
+``Relay`` a test can cut, a ``SecondEngine`` (dockerd), a ``PgCluster`` and run stores made
+by older releases. The Code nodes and header names tests send are in tests/snippets.py."""
 
 from __future__ import annotations
 
@@ -13,10 +18,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
+from glob import glob
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -28,6 +38,21 @@ ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
 BIN = Path(sys.executable).parent
 HOST = socket.gethostname()
+
+
+#: the markers of the test being run, set by tests/conftest.py; None outside a pytest run
+#: (bench/): what starts a service checks it with ``needs``
+CURRENT_MARKS: set[str] | None = None
+
+
+def needs(marker: str, what: str) -> None:
+    """Refuse to start ``what`` in a test not marked ``marker``: ``-m "not <marker>"`` (the
+    fast tier, ``make test-fast``) must leave out every test that needs the service."""
+    if CURRENT_MARKS is not None and marker not in CURRENT_MARKS:
+        raise AssertionError(
+            f"this test starts {what} but is not marked {marker!r}: add "
+            f"@pytest.mark.{marker} (or pytestmark) so `-m 'not {marker}'` leaves it out"
+        )
 
 
 def require(ok: bool, what: str) -> None:
@@ -261,6 +286,7 @@ class RedisServer(StopsOnExit):
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        needs("redis", "a redis-server")
         self.proc = subprocess.Popen(
             [
                 shutil.which("redis-server") or "redis-server",
@@ -517,6 +543,7 @@ class CeleryWorker(Service):
         app: str = "worker",
         loglevel: str = "INFO",
     ) -> None:
+        needs("redis", "a Celery worker")
         self.name = name or f"w{uuid.uuid4().hex[:6]}"
         #: the node name Celery gives it (``%h`` is this host's name)
         self.node = f"{self.name}@{HOST}"
@@ -729,3 +756,561 @@ class SockGuardProcess(Service):
 
     def refusals(self) -> list[str]:
         return [line for line in self.output().splitlines() if "sockguard refused" in line]
+
+
+# --- waiting ---------------------------------------------------------------------------------
+
+
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.02,
+    describe: Callable[[], Any] | None = None,
+) -> Any:
+    """The first true value ``predicate`` returns, asked every ``interval_s``; after
+    ``timeout_s`` (a hang guard, never a timing assertion) the test fails naming ``what`` it
+    waited for and what it saw last (``describe()``, else the last value)."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    seen = describe() if describe is not None else last
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {seen!r})")
+
+
+# --- the environment of the API and the workers -------------------------------------------
+
+
+def studio_env(redis_url: str, database_url: str, image: str, **extra: Any) -> dict[str, str]:
+    """The STUDIO_* environment an operator would give the API and the workers."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("STUDIO_") and k != "PROMETHEUS_MULTIPROC_DIR"
+    }
+    env.update(
+        {
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_CODE_RUNTIME": "docker",
+            "STUDIO_CODE_IMAGE": image,
+            "STUDIO_CODE_LANGUAGES": "python",
+            "STUDIO_REDIS_URL": redis_url,
+            "STUDIO_DATABASE_URL": database_url,
+            "STUDIO_CODE_MAX_SECONDS": "15",
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+    )
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def containers_of(docker_client: Any, job_id: str) -> list[Any]:
+    # by name: a pre-started sandbox gets its job's name when taken (its labels are fixed)
+    # ignore_removed: a sandbox removed between the list and its inspect is gone, not an error
+    return docker_client.containers.list(
+        all=True, filters={"name": f"^/studio-code-{job_id}$"}, ignore_removed=True
+    )
+
+
+FAST = {
+    "STUDIO_QUEUE_HEARTBEAT_INTERVAL_S": "0.5",
+    "STUDIO_QUEUE_REAP_INTERVAL_S": "1",
+    "STUDIO_CODE_RUNTIME": "subprocess",
+    "STUDIO_CODE_LANGUAGES": "python",
+}
+
+
+def env_for(redis_url: str, database_url: str, **extra: Any) -> dict[str, str]:
+    return studio_env(redis_url, database_url, "studio-code:1", **{**FAST, **extra})
+
+
+def client_for(make_settings: Any, redis_url: str, database_url: str, **overrides: Any) -> Any:
+    from api_client import CodeClient
+
+    base = {
+        "code_runtime": "subprocess",
+        "code_languages": "python",
+        "queue_heartbeat_interval_s": 0.5,
+    }
+    settings = make_settings(
+        redis_url=redis_url, database_url=database_url, **{**base, **overrides}
+    )
+    return CodeClient(settings)
+
+
+class QueueEnv:
+    """A redis-server, a run store, a client and the workers of one test."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        database_url: str,
+        tmp: Path,
+        make_settings: Callable[..., Any],
+        **overrides: Any,
+    ) -> None:
+        from api_client import CodeClient
+
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.database_url = database_url
+        self.overrides = {"code_concurrency": 2, **overrides}
+        self.settings = make_settings(
+            redis_url=redis_url, database_url=database_url, **self.overrides
+        )
+        self.client = CodeClient(self.settings)
+        self.workers: list[CeleryWorker] = []
+
+    def env(self, **extra: Any) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+        env.update(
+            {
+                "STUDIO_ENABLE_CODE_NODES": "1",
+                "STUDIO_REDIS_URL": self.redis_url,
+                "STUDIO_DATABASE_URL": self.database_url,
+                "STUDIO_DATA_DIR": str(self.tmp),
+                "STUDIO_CODE_IMAGE": self.settings.code_image,
+            }
+        )
+        for key, value in {**self.overrides, **extra}.items():
+            env[f"STUDIO_{key.upper()}"] = str(value)
+        return env
+
+    def start_worker(
+        self,
+        name: str,
+        concurrency: int = 2,
+        *,
+        cli: bool = False,
+        ready_timeout_s: float = 60.0,
+        **extra_env: Any,
+    ) -> CeleryWorker:
+        worker = CeleryWorker(
+            self.env(**extra_env),
+            self.tmp / f"{name}.log",
+            name=name,
+            concurrency=concurrency,
+            cli=cli,
+            capture_stdout=cli,
+            stop_timeout=25,
+        )
+        self.workers.append(worker)
+        worker.wait_ready(ready_timeout_s, app=self.client.app)
+        return worker
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.client.close()
+
+    # helpers
+
+    def done_count(self, job_id: str) -> int:
+        from worker.protocol import done_key
+
+        return int(self.client.redis.llen(done_key(job_id)))
+
+    def wait_all(self, job_ids: list[str], timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            recs = self.client.store.get_many(job_ids)
+            if all(r.finished for r in recs.values()) and len(recs) == len(job_ids):
+                return recs
+            if time.monotonic() > deadline:
+                open_ = [j for j in job_ids if j not in recs or not recs[j].finished]
+                tails = "\n".join(w.tail(30) for w in self.workers)
+                raise AssertionError(f"{len(open_)} jobs not finished: {open_[:5]}\n{tails}")
+            time.sleep(0.1)
+
+
+# --- the HTTP API ------------------------------------------------------------------------
+
+
+def fuzz_for_server_errors(base: str, headers: dict[str, str]) -> None:
+    """schemathesis on every operation of the served OpenAPI: no answer is a 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.generation import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=headers)
+    ran: dict[str, int] = {}
+
+    def fuzz(operation: Any) -> None:
+        strategy = operation.as_strategy(GenerationMode.POSITIVE) | operation.as_strategy(
+            GenerationMode.NEGATIVE
+        )
+
+        @given(case=strategy)
+        @settings(
+            max_examples=25,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        def check(case: Any) -> None:
+            response = case.call(base_url=base, headers=headers, timeout=60)
+            ran[operation.label] = ran.get(operation.label, 0) + 1
+            case.validate_response(response, checks=[not_a_server_error])
+
+        check()
+
+    for result in schema.get_all_operations():
+        fuzz(result.ok())
+    assert len(ran) == 9, ran  # with GET /api/runs and /logs (api_client.routes_runs)
+    # GET /api/meta/runtime takes no input: one example is all there is
+    assert all(n >= 5 for op, n in ran.items() if op != "GET /api/meta/runtime"), ran
+
+
+# --- networks and engines of the test's own ------------------------------------------------
+
+
+class Relay:
+    """A loopback TCP relay to 127.0.0.1:<port>; ``cut()`` closes it and every connection
+    through it: the store behind it is unreachable until ``restore()``."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.port = free_port()
+        self._socks: list[socket.socket] = []
+        self._server: socket.socket | None = None
+        self.restore()
+
+    def restore(self) -> None:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(16)
+        self._server = server
+        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                a, _ = server.accept()
+            except OSError:
+                return
+            b = socket.create_connection(("127.0.0.1", self.target))
+            self._socks += [a, b]
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        if self._server is not None:
+            try:  # wakes the accept() blocked in the relay's thread (close alone does not)
+                self._server.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._server.close()
+            self._server = None
+        for s in self._socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        self._socks.clear()
+
+
+class SecondEngine:
+    """A dockerd of this test's own, stopped by its pid (and started again with the same
+    dirs: a restart). Its containerd is its own too: dockerd starts one under its
+    exec-root (there is no system containerd socket for it to use, see ``own_containerd``)."""
+
+    def __init__(self) -> None:
+        # a short path: a unix socket path has at most 107 bytes
+        self.root = Path(tempfile.mkdtemp(prefix="sc-engine2-", dir="/tmp"))
+        self.sock = self.root / "docker.sock"
+        self.host = f"unix://{self.sock}"
+        self.pidfile = self.root / "docker.pid"
+        (self.root / "daemon.json").write_text("{}")  # not the machine's /etc/docker one
+        self.log = self.root / "dockerd.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        needs("docker", "a second dockerd")
+        dockerd = shutil.which("dockerd")
+        require(dockerd is not None, "dockerd is not installed")
+        assert dockerd is not None
+        with open(self.log, "ab") as log:  # a restart appends
+            self.proc = subprocess.Popen(
+                [
+                    dockerd,
+                    "--config-file",
+                    str(self.root / "daemon.json"),
+                    "--data-root",
+                    str(self.root / "data"),
+                    "--exec-root",
+                    str(self.root / "exec"),
+                    "--host",
+                    self.host,
+                    "--pidfile",
+                    str(self.pidfile),
+                    "--bridge=none",
+                    "--iptables=false",
+                    "--ip6tables=false",
+                    "--containerd-namespace",
+                    "studio-engine2",
+                    "--containerd-plugins-namespace",
+                    "studio-engine2-plugins",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            if self.docker("version", check=False).returncode == 0:
+                require(self.own_containerd(), "the second dockerd uses another containerd")
+                return
+            time.sleep(0.3)
+        require(False, f"the second dockerd did not start:\n{self.log.read_text()[-3000:]}")
+
+    def docker(self, *args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            ["docker", "-H", self.host, *args],
+            capture_output=True,
+            text=True,
+            timeout=kw.pop("timeout", 120),
+            **kw,
+        )
+        if check:
+            assert out.returncode == 0, out.stderr
+        return out
+
+    def load(self, *images: str) -> None:
+        save = subprocess.Popen(["docker", "save", *images], stdout=subprocess.PIPE)
+        load = subprocess.run(
+            ["docker", "-H", self.host, "load", "-q"],
+            stdin=save.stdout,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert save.stdout is not None
+        save.stdout.close()
+        assert save.wait(60) == 0 and load.returncode == 0, load.stderr
+
+    def own_containerd(self) -> bool:
+        """Its containerd is the one it started under its own exec-root."""
+        return (self.root / "exec" / "containerd" / "containerd.sock").exists()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM to the daemon's pid: it stops its containers and its containerd."""
+        if self.running():
+            assert self.proc is not None
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def remove(self) -> None:
+        mounted = [
+            line.split()[1]
+            for line in Path("/proc/mounts").read_text().splitlines()
+            if line.split()[1].startswith(str(self.root))
+        ]
+        if mounted:  # never rm -rf through a live mount
+            pytest.fail(f"the second engine left mounts: {mounted}")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# --- PostgreSQL ----------------------------------------------------------------------------
+
+#: the shared PostgreSQL of tests and benchmarks (a test that stops one starts its own)
+POSTGRES_URL = os.environ.get(
+    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def pg_admin(url: str = POSTGRES_URL) -> str:
+    """``url`` as psycopg (libpq) takes it: the SQLAlchemy driver name dropped."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def pg_unreachable(url: str = POSTGRES_URL) -> str | None:
+    """None when PostgreSQL answers at ``url``, else a sentence saying why not."""
+    try:
+        import psycopg
+
+        with psycopg.connect(pg_admin(url), connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+    except Exception as e:  # noqa: BLE001 - any failure means "no PostgreSQL here"
+        return f"PostgreSQL not reachable at {url}: {e}"
+    return None
+
+
+def pg_exec(url: str, *statements: str) -> None:
+    """Run ``statements`` on ``url``'s database, each committed at once (DDL, roles)."""
+    needs("postgres", "PostgreSQL statements")
+    import psycopg
+
+    with psycopg.connect(pg_admin(url), autocommit=True, connect_timeout=10) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+@contextmanager
+def pg_schema(url: str = POSTGRES_URL, prefix: str = "test") -> Iterator[str]:
+    """A fresh schema of its own on ``url``'s database, dropped at the end: yields ``url``
+    with that schema as its search_path (libpq options), so its tables are its own."""
+    from sqlalchemy.engine import make_url
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    pg_exec(url, f'CREATE SCHEMA "{name}"')
+    try:
+        yield (
+            make_url(url)
+            .update_query_dict({"options": f"-csearch_path={name}"})
+            .render_as_string(hide_password=False)
+        )
+    finally:
+        pg_exec(url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def pg_bin(name: str) -> str | None:
+    found = sorted(glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found[-1] if found else shutil.which(name)
+
+
+class PgCluster:
+    """initdb + pg_ctl in a temp dir on a free loopback port, run as ``postgres`` when this
+    process is root (initdb refuses root)."""
+
+    def __init__(self) -> None:
+        needs("postgres", "a PostgreSQL cluster")
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="studio-pg-"))
+        self.data = self.dir / "data"
+        self.user: list[str] = []
+        if os.getuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+            self.user = ["runuser", "-u", "postgres", "--"]
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *argv: str, timeout: float = 60) -> None:
+        proc = subprocess.run([*self.user, *argv], capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{argv[0]} failed: {proc.stdout}{proc.stderr}")
+
+    def init(self) -> None:
+        initdb = pg_bin("initdb")
+        assert initdb
+        self._run(
+            initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"
+        )
+
+    def start(self) -> None:
+        opts = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir} "
+            "-c fsync=off -c max_connections=200"
+        )
+        self._run(
+            pg_bin("pg_ctl") or "pg_ctl",
+            "-D",
+            str(self.data),
+            "-o",
+            opts,
+            "-l",
+            str(self.dir / "pg.log"),
+            "-w",
+            "start",
+        )
+
+    def stop(self) -> None:
+        """A fast shutdown: connected clients are cut off, as in an outage."""
+        self._run(pg_bin("pg_ctl") or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def running(self) -> bool:
+        return (self.data / "postmaster.pid").exists()
+
+    def cleanup(self) -> None:
+        if self.running():
+            try:
+                self.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+#: the release just before migrations (main's HEAD then): today's schema, no version table
+#: what each release before migrations made of a run store (tests/data/store_schemas)
+CAPTURES = sorted((ROOT / "tests" / "data" / "store_schemas").glob("*.json"))
+TODAY = next(p for p in CAPTURES if p.name.endswith("7b92b13.json"))
+
+
+def made_by_an_older_release(url: str, capture: dict[str, Any]) -> None:
+    """The store ``capture`` describes: its release's DDL, then the rows its calls wrote."""
+    from sqlalchemy import create_engine
+
+    from executor.store import sql
+
+    engine = create_engine(sql.normalize_url(url))
+    dialect = engine.dialect.name
+    try:
+        with engine.begin() as conn:
+            for statement in capture["ddl"][dialect]:
+                conn.exec_driver_sql(statement)
+            for name, rows in capture["rows"].items():
+                table = sql.metadata.tables[name]
+                values = [
+                    {
+                        k: datetime.fromisoformat(v)
+                        if v is not None and isinstance(table.c[k].type, sql.UtcDateTime)
+                        else v
+                        for k, v in row.items()
+                        if k != "id"  # the audit's: the database numbers them, as it did
+                    }
+                    for row in rows
+                ]
+                if values:
+                    conn.execute(table.insert(), values)
+    finally:
+        engine.dispose()
+
+
+# --- a worker's metrics server ------------------------------------------------------------
+
+
+def health(port: int) -> tuple[int, dict[str, Any]]:
+    """A worker's ``/healthz`` on ``port``: its status code and JSON body."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -28,7 +28,9 @@ def one_json(proc) -> dict:
     return json.loads(lines[0])
 
 
-@pytest.mark.parametrize("runtime", ["docker", "subprocess"])
+@pytest.mark.parametrize(
+    "runtime", [pytest.param("docker", marks=pytest.mark.docker), "subprocess"]
+)
 def test_run_prints_the_contract_and_exits_zero_on_success(node, runtime, request):
     if runtime == "docker":
         request.getfixturevalue("python_image")

@@ -32,8 +32,10 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, require
-from tests.services import start_worker
-from tests.test_http import containers_of, studio_env
+from tests.services import containers_of, start_worker, studio_env, wait_for
+
+#: every test here runs the Compose CLI (or the whole deployment): out of `make test-fast`
+pytestmark = pytest.mark.compose
 
 COMPOSE_FILE = ROOT / "deploy" / "compose.yaml"
 
@@ -529,17 +531,6 @@ class Deployment:
         )
 
 
-def _wait(what: str, check: Any, timeout: float, step: float = 0.2, describe: Any = None) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(step)
-    pytest.fail(f"{what}: not within {timeout}s (last: {describe() if describe else last!r})")
-
-
 def _owned_by_a_worker(docker_client: Any, dep: Deployment, sandbox: Any) -> bool:
     """The sandbox's studio.owner (host:pid) is a process of one of this deployment's
     worker containers: by hostname (bridge) or by host pid (host network, pid: host)."""
@@ -590,7 +581,7 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
                 and "redis" in checks
             )
 
-        _wait("the API ready (Redis and PostgreSQL reachable)", healthy, 180, 1)
+        wait_for(healthy, 180, "the API ready (Redis and PostgreSQL reachable)", 1)
 
         def health(service: str) -> list[str]:
             return [
@@ -599,10 +590,10 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
             ]
 
         for svc in ("redis", "postgres", "api", "worker"):
-            _wait(
-                f"{svc} healthy",
+            wait_for(
                 lambda s=svc: health(s) == ["healthy"],
                 120,
+                f"{svc} healthy",
                 1,
                 describe=lambda s=svc: health(s),
             )
@@ -631,14 +622,14 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
 
         # a Python and a TypeScript node, each seen in its sandbox while it runs
         py = submit(INSIDE_PY, "python", {"i": 1, "sleep": 3})
-        box = _wait("the Python sandbox running", lambda: seen_running(py), 90)
+        box = wait_for(lambda: seen_running(py), 90, "the Python sandbox running", 0.2)
         assert box.image.tags == [python_image]
         assert _owned_by_a_worker(docker_client, dep, box), box.labels
         ts = submit(INSIDE_TS, "typescript", {"n": 21})
-        tbox = _wait("the TypeScript sandbox running", lambda: seen_running(ts), 90)
+        tbox = wait_for(lambda: seen_running(ts), 90, "the TypeScript sandbox running", 0.2)
         assert tbox.image.tags == [ts_image]
         assert _owned_by_a_worker(docker_client, dep, tbox), tbox.labels
-        rec = _wait("the Python node done", lambda: (r := run(py))["finished"] and r, 90)
+        rec = wait_for(lambda: (r := run(py))["finished"] and r, 90, "the Python node done", 0.2)
         assert rec["status"] == "succeeded", rec
         inside = rec["output"]
         # from inside: the sandbox's hostname, the worker image's uid, no network but lo
@@ -646,7 +637,9 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
         # seccomp (our profile) refuses AF_INET: no network socket at all, only lo
         assert inside["ifaces"] == ["lo"] and inside["net"] == "PermissionError", inside
         assert rec["runtime"] == "docker" and rec["worker"], rec
-        rec = _wait("the TypeScript node done", lambda: (r := run(ts))["finished"] and r, 90)
+        rec = wait_for(
+            lambda: (r := run(ts))["finished"] and r, 90, "the TypeScript node done", 0.2
+        )
         assert rec["status"] == "succeeded", rec
         assert rec["output"]["doubled"] == 42 and rec["output"]["deno"], rec
         _gone(docker_client, py)
@@ -655,16 +648,16 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
         # three workers, and the jobs spread over them
         scale = dep.make("scale", "N=3", timeout=300)
         assert scale.returncode == 0, scale.stderr[-3000:]
-        _wait(
-            "3 healthy workers",
+        wait_for(
             lambda: health("worker") == ["healthy"] * 3,
             180,
+            "3 healthy workers",
             1,
             describe=lambda: health("worker"),
         )
         batch = [submit(SLEEPY_PY, "python", {"i": i, "s": 1.5}) for i in range(18)]
         recs = [
-            _wait(f"job {j} done", lambda j=j: (r := run(j))["finished"] and r, 180, 0.5)
+            wait_for(lambda j=j: (r := run(j))["finished"] and r, 180, f"job {j} done", 0.5)
             for j in batch
         ]
         assert [r["status"] for r in recs] == ["succeeded"] * 18, recs
@@ -675,13 +668,15 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
 
         # cancel a running node: its sandbox is killed, it ends cancelled
         long = submit(SLEEPY_PY, "python", {"i": 0, "s": 25})
-        _wait("the long node running", lambda: seen_running(long), 90)
+        wait_for(lambda: seen_running(long), 90, "the long node running", 0.2)
         r = http.post(f"/api/runs/{long}/cancel", headers=dep.headers())
         assert r.status_code == 202, r.text
-        rec = _wait("the cancelled node ended", lambda: (x := run(long))["finished"] and x, 30)
+        rec = wait_for(
+            lambda: (x := run(long))["finished"] and x, 30, "the cancelled node ended", 0.2
+        )
         assert rec["status"] == "cancelled", rec
         assert rec["error"]["code"] == "CODE_CANCELLED", rec
-        _wait("its sandbox gone", lambda: not containers_of(docker_client, long), 15)
+        wait_for(lambda: not containers_of(docker_client, long), 15, "its sandbox gone", 0.2)
         http.close()
     finally:
         t1 = time.monotonic()

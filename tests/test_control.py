@@ -17,58 +17,28 @@ every process is started by the test and stopped by its pid.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.services import ApiServer, CeleryWorker, Service, start_worker
-from tests.test_http import USER, studio_env
+from tests.services import (
+    ApiServer,
+    CeleryWorker,
+    Relay,
+    Service,
+    client_for,
+    env_for,
+    start_worker,
+    wait_for,
+)
+from tests.snippets import TRIVIAL, USER
 
 pytestmark = [pytest.mark.redis]
-
-TRIVIAL = "def main(state):\n    return state.get('n', 0) * 2\n"
-FAST = {
-    "STUDIO_QUEUE_HEARTBEAT_INTERVAL_S": "0.5",
-    "STUDIO_QUEUE_REAP_INTERVAL_S": "1",
-    "STUDIO_CODE_RUNTIME": "subprocess",
-    "STUDIO_CODE_LANGUAGES": "python",
-}
-
-
-def env_for(redis_url: str, database_url: str, **extra: Any) -> dict[str, str]:
-    return studio_env(redis_url, database_url, "studio-code:1", **{**FAST, **extra})
-
-
-def client_for(make_settings: Any, redis_url: str, database_url: str, **overrides: Any) -> Any:
-    from api_client import CodeClient
-
-    base = {
-        "code_runtime": "subprocess",
-        "code_languages": "python",
-        "queue_heartbeat_interval_s": 0.5,
-    }
-    settings = make_settings(
-        redis_url=redis_url, database_url=database_url, **{**base, **overrides}
-    )
-    return CodeClient(settings)
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture
@@ -415,66 +385,6 @@ def test_an_unreadable_row_fails_cleanly_and_get_answers_200(
 
 
 # --- an unreachable store ----------------------------------------------------------------------
-
-
-class Relay:
-    """A loopback TCP relay to 127.0.0.1:<port>; ``cut()`` closes it and every connection
-    through it: the store behind it is unreachable until ``restore()``."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target = target_port
-        self.port = free_port()
-        self._socks: list[socket.socket] = []
-        self._server: socket.socket | None = None
-        self.restore()
-
-    def restore(self) -> None:
-        server = socket.socket()
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", self.port))
-        server.listen(16)
-        self._server = server
-        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
-
-    def _accept(self, server: socket.socket) -> None:
-        while True:
-            try:
-                a, _ = server.accept()
-            except OSError:
-                return
-            b = socket.create_connection(("127.0.0.1", self.target))
-            self._socks += [a, b]
-            for src, dst in ((a, b), (b, a)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def cut(self) -> None:
-        if self._server is not None:
-            try:  # wakes the accept() blocked in the relay's thread (close alone does not)
-                self._server.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._server.close()
-            self._server = None
-        for s in self._socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-        self._socks.clear()
 
 
 @pytest.mark.postgres

@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import require
-from tests.services import ApiServer
-from tests.test_http import studio_env
+from tests.services import ApiServer, studio_env
 
 CHROMIUM_FLAGS = [
     "--headless",

@@ -14,7 +14,6 @@ import os
 import shutil
 import socket
 import sqlite3
-import subprocess
 import tempfile
 import threading
 import time
@@ -22,19 +21,13 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from glob import glob
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests import test_queue
 from tests.conftest import free_port, require
-from tests.test_queue import QueueEnv, wait_for
-
-# test_queue's worker fixtures, shared
-queue_env = test_queue.queue_env
-sqlite_url = test_queue.sqlite_url
+from tests.services import PgCluster, QueueEnv, health, pg_bin, wait_for
 
 #: a trivial node that takes a moment, so a store outage finds jobs mid-run
 WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['n'] * 2\n"
@@ -43,77 +36,10 @@ WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['
 # --- our own PostgreSQL cluster -----------------------------------------------------------------
 
 
-def _pg_bin(name: str) -> str | None:
-    found = sorted(glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    return found[-1] if found else shutil.which(name)
-
-
-class PgCluster:
-    """initdb + pg_ctl in a temp dir on a free loopback port, run as ``postgres`` when this
-    process is root (initdb refuses root)."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="studio-pg-"))
-        self.data = self.dir / "data"
-        self.user: list[str] = []
-        if os.getuid() == 0:
-            shutil.chown(self.dir, "postgres", "postgres")
-            self.user = ["runuser", "-u", "postgres", "--"]
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _run(self, *argv: str, timeout: float = 60) -> None:
-        proc = subprocess.run([*self.user, *argv], capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{argv[0]} failed: {proc.stdout}{proc.stderr}")
-
-    def init(self) -> None:
-        initdb = _pg_bin("initdb")
-        assert initdb
-        self._run(
-            initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"
-        )
-
-    def start(self) -> None:
-        opts = (
-            f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir} "
-            "-c fsync=off -c max_connections=200"
-        )
-        self._run(
-            _pg_bin("pg_ctl") or "pg_ctl",
-            "-D",
-            str(self.data),
-            "-o",
-            opts,
-            "-l",
-            str(self.dir / "pg.log"),
-            "-w",
-            "start",
-        )
-
-    def stop(self) -> None:
-        """A fast shutdown: connected clients are cut off, as in an outage."""
-        self._run(_pg_bin("pg_ctl") or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
-
-    def running(self) -> bool:
-        return (self.data / "postmaster.pid").exists()
-
-    def cleanup(self) -> None:
-        if self.running():
-            try:
-                self.stop()
-            except Exception:  # noqa: BLE001
-                pass
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 @pytest.fixture
 def pg_cluster() -> Iterator[PgCluster]:
     require(
-        _pg_bin("initdb") is not None and _pg_bin("pg_ctl") is not None,
+        pg_bin("initdb") is not None and pg_bin("pg_ctl") is not None,
         "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
     )
     require(
@@ -130,14 +56,6 @@ def pg_cluster() -> Iterator[PgCluster]:
 
 
 # --- helpers ----------------------------------------------------------------------------------
-
-
-def health(port: int) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def wait_finished(q: QueueEnv, jobs: list[str], at_least: int, timeout_s: float) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,50 +19,23 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.services import BIN, ApiServer, CeleryWorker, RedisServer, start_redis, start_worker
+from tests.services import (
+    ApiServer,
+    CeleryWorker,
+    RedisServer,
+    containers_of,
+    fuzz_for_server_errors,
+    start_redis,
+    start_worker,
+    studio_env,
+    wait_for,
+)
+from tests.snippets import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
-USER = "X-Studio-User"
-ADMIN = "X-Studio-Admin"
-
-OK_CODE = "def main(state):\n    return {'double': state.get('n', 0) * 2}\n"
-SLEEP_CODE = "import time\n\ndef main(state):\n    time.sleep(state.get('s', 60))\n    return 1\n"
-RAISE_CODE = "def main(state):\n    raise ValueError('boom from the node')\n"
-
 
 # --- the environment of the API and the workers --------------------------------------------
-
-
-def studio_env(redis_url: str, database_url: str, image: str, **extra: Any) -> dict[str, str]:
-    """The STUDIO_* environment an operator would give the API and the workers."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("STUDIO_") and k != "PROMETHEUS_MULTIPROC_DIR"
-    }
-    env.update(
-        {
-            "STUDIO_ENABLE_CODE_NODES": "1",
-            "STUDIO_CODE_RUNTIME": "docker",
-            "STUDIO_CODE_IMAGE": image,
-            "STUDIO_CODE_LANGUAGES": "python",
-            "STUDIO_REDIS_URL": redis_url,
-            "STUDIO_DATABASE_URL": database_url,
-            "STUDIO_CODE_MAX_SECONDS": "15",
-            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        }
-    )
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def containers_of(docker_client: Any, job_id: str) -> list[Any]:
-    # by name: a pre-started sandbox gets its job's name when taken (its labels are fixed)
-    # ignore_removed: a sandbox removed between the list and its inspect is gone, not an error
-    return docker_client.containers.list(
-        all=True, filters={"name": f"^/studio-code-{job_id}$"}, ignore_removed=True
-    )
 
 
 # --- the stack ---------------------------------------------------------------------------
@@ -83,16 +55,19 @@ class Stack:
     def poll(
         self, job_id: str, user: str, *, until: set[str] | None = None, timeout: float = 60.0
     ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
         body: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+
+        def done() -> dict[str, Any] | None:
+            nonlocal body
             r = self.http.get(f"/api/runs/{job_id}", headers=self.as_user(user))
             assert r.status_code == 200, r.text
             body = r.json()
             if (until is None and body["finished"]) or (until and body["status"] in until):
                 return body
-            time.sleep(0.1)
-        pytest.fail(f"run {job_id} stayed {body.get('status')}: {body}")
+            return None
+
+        what = f"run {job_id} {'finished' if until is None else 'in ' + str(sorted(until))}"
+        return dict(wait_for(done, timeout, what, 0.1, describe=lambda: body))
 
 
 @pytest.fixture(scope="module")
@@ -472,41 +447,3 @@ def test_openapi_has_the_routes_and_models(stack: Stack) -> None:
 
 def test_schemathesis_finds_no_server_error(stack: Stack) -> None:
     fuzz_for_server_errors(stack.base, {USER: f"fuzz-{uuid.uuid4().hex[:6]}"})
-
-
-def fuzz_for_server_errors(base: str, headers: dict[str, str]) -> None:
-    """schemathesis on every operation of the served OpenAPI: no answer is a 5xx."""
-    import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
-    from schemathesis.checks import not_a_server_error
-    from schemathesis.generation import GenerationMode
-
-    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=headers)
-    ran: dict[str, int] = {}
-
-    def fuzz(operation: Any) -> None:
-        strategy = operation.as_strategy(GenerationMode.POSITIVE) | operation.as_strategy(
-            GenerationMode.NEGATIVE
-        )
-
-        @given(case=strategy)
-        @settings(
-            max_examples=25,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            phases=[Phase.explicit, Phase.generate],
-            suppress_health_check=list(HealthCheck),
-        )
-        def check(case: Any) -> None:
-            response = case.call(base_url=base, headers=headers, timeout=60)
-            ran[operation.label] = ran.get(operation.label, 0) + 1
-            case.validate_response(response, checks=[not_a_server_error])
-
-        check()
-
-    for result in schema.get_all_operations():
-        fuzz(result.ok())
-    assert len(ran) == 9, ran  # with GET /api/runs and /logs (api_client.routes_runs)
-    # GET /api/meta/runtime takes no input: one example is all there is
-    assert all(n >= 5 for op, n in ran.items() if op != "GET /api/meta/runtime"), ran

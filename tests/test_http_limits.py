@@ -28,8 +28,18 @@ import pytest
 
 from api_client.limits import bind_refusal, is_loopback, json_depth_over
 from tests.conftest import free_port, run_cli
-from tests.services import ApiServer, start_redis, start_worker
-from tests.test_http import OK_CODE, SLEEP_CODE, fuzz_for_server_errors, studio_env
+from tests.services import (
+    ApiServer,
+    fuzz_for_server_errors,
+    start_redis,
+    start_worker,
+    studio_env,
+    wait_for,
+)
+from tests.snippets import OK_CODE, SLEEP_CODE
+
+#: the module's stack starts its own redis-server (tests/conftest.py reads this table)
+SERVICE_FIXTURES = {"stack": ("redis",)}
 
 USER = "X-Studio-User"
 ADMIN = "X-Studio-Admin"
@@ -551,13 +561,17 @@ class Burst:
 def _wait_for_jobs(
     stack: Stack, users: set[str], n: int, timeout: float, burst: Burst | None = None
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len(stack.job_ids(users)) >= n:
-            return
-        time.sleep(0.2)
-    ended = f"; calls that had ended: {burst.answered[:5]}" if burst is not None else ""
-    pytest.fail(f"only {len(stack.job_ids(users))} of {n} test calls were submitted{ended}")
+    def seen() -> str:
+        ended = f"; calls that had ended: {burst.answered[:5]}" if burst is not None else ""
+        return f"{len(stack.job_ids(users))} of {n} test calls submitted{ended}"
+
+    wait_for(
+        lambda: len(stack.job_ids(users)) >= n,
+        timeout,
+        f"{n} test calls submitted",
+        0.2,
+        describe=seen,
+    )
 
 
 @pytest.mark.docker

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port
-from tests.services import start_worker
-from tests.test_http import OK_CODE, RAISE_CODE, SLEEP_CODE, containers_of, studio_env
+from tests.services import containers_of, start_worker, studio_env
+from tests.snippets import OK_CODE, RAISE_CODE, SLEEP_CODE
 
 OOM_CODE = (
     "def main(state):\n"

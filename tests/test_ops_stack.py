@@ -27,8 +27,17 @@ import httpx
 import pytest
 
 from tests.conftest import IN_CI, free_port, require, run_cli
-from tests.services import BIN, ApiServer, CeleryWorker, RedisServer, start_redis
-from tests.test_http import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER, containers_of, studio_env
+from tests.services import (
+    BIN,
+    ApiServer,
+    CeleryWorker,
+    RedisServer,
+    containers_of,
+    start_redis,
+    studio_env,
+    wait_for,
+)
+from tests.snippets import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
@@ -57,12 +66,14 @@ class EventLog:
         return [e["type"] for e in list(self.events) if e.get("uuid") == job_id]
 
     def wait_for(self, job_id: str, kind: str, timeout: float = 30) -> list[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if kind in self.of(job_id):
-                return self.of(job_id)
-            time.sleep(0.1)
-        pytest.fail(f"no {kind} event for {job_id}: {self.of(job_id)}")
+        wait_for(
+            lambda: kind in self.of(job_id),
+            timeout,
+            f"a {kind} event for {job_id}",
+            0.1,
+            describe=lambda: self.of(job_id),
+        )
+        return self.of(job_id)
 
     def stop(self) -> None:
         if self._receiver is not None:
@@ -99,14 +110,22 @@ class Ops:
     def until(
         self, job_id: str, user: str, statuses: set[str], timeout: float = 60
     ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
         body: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+
+        def reached() -> dict[str, Any] | None:
+            nonlocal body
             body = self.run(job_id, user)
-            if body["status"] in statuses:
-                return body
-            time.sleep(0.05)
-        pytest.fail(f"run {job_id} stayed {body.get('status')}")
+            return body if body["status"] in statuses else None
+
+        return dict(
+            wait_for(
+                reached,
+                timeout,
+                f"run {job_id} in {sorted(statuses)}",
+                0.05,
+                describe=lambda: body.get("status"),
+            )
+        )
 
 
 @pytest.fixture(scope="module")

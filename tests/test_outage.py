@@ -19,7 +19,7 @@ import pytest
 
 from executor.errors import StoreUnavailable
 from executor.outage import is_outage, is_redis_outage, is_store_outage
-from tests.services import IN_CI
+from tests.services import IN_CI, pg_exec
 
 
 def _raised(fn: Callable[[], Any]) -> BaseException:
@@ -121,17 +121,17 @@ def test_one_rule_tells_an_outage_from_a_bug(
 def test_a_revoked_grant_is_an_outage_a_bad_query_is_not(postgres_url: str) -> None:
     """PostgreSQL: a role that lost its grant (42501) waits for the operator's fix, as an
     outage; a query of an unknown column is a bug."""
-    import psycopg
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
-    admin = make_url(postgres_url).set(drivername="postgresql").render_as_string(False)
     role, schema = f"outage_{uuid.uuid4().hex[:8]}", f"outage_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE ROLE "{role}" LOGIN')
-        conn.execute(f'CREATE SCHEMA "{schema}"')
-        conn.execute(f'CREATE TABLE "{schema}".jobs (id text)')
-        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"')
+    pg_exec(
+        postgres_url,
+        f'CREATE ROLE "{role}" LOGIN',
+        f'CREATE SCHEMA "{schema}"',
+        f'CREATE TABLE "{schema}".jobs (id text)',
+        f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"',
+    )
     try:
         url = make_url(postgres_url).set(username=role, password=None)
         engine = create_engine(url)
@@ -143,9 +143,7 @@ def test_a_revoked_grant_is_an_outage_a_bad_query_is_not(postgres_url: str) -> N
         finally:
             engine.dispose()
     finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
-            conn.execute(f'DROP ROLE "{role}"')
+        pg_exec(postgres_url, f'DROP SCHEMA "{schema}" CASCADE', f'DROP ROLE "{role}"')
     assert "permission denied" in str(denied)
     assert is_store_outage(denied) and _api_status_for(denied) == 503
     assert not is_store_outage(bad) and _api_status_for(bad) == 500
@@ -278,9 +276,8 @@ def test_a_read_only_store_folder_pauses_the_worker_and_the_api_answers_503(
     import redis
 
     from executor.store import open_store
-    from tests.services import ApiServer, start_worker
-    from tests.test_control import env_for, wait_for
-    from tests.test_http import USER
+    from tests.services import ApiServer, env_for, start_worker, wait_for
+    from tests.snippets import USER
     from worker.upkeep.heartbeat import WorkerRegistry
 
     where, set_ro = read_only_dir

@@ -21,47 +21,12 @@ import pytest
 
 from executor.models import CodeJob, Status
 from tests.conftest import ROOT, THROUGH_SOCKGUARD
-from tests.services import SockGuardProcess
-from tests.test_queue import (  # noqa: F401 - queue_env, sqlite_url: fixtures used by name
-    QueueEnv,
-    children,
-    queue_env,
-    sqlite_url,
-    wait_for,
-)
+from tests.services import QueueEnv, SockGuardProcess, children, wait_for
+from tests.snippets import WHOAMI
 
 pytestmark = pytest.mark.docker
 
 LABEL_POOL = "studio.pool"
-
-#: reports (and prints to the logs, for runs that end without a result) the id of the
-#: container it runs in, and whether anything ran in this container before it
-WHOAMI = r"""
-import os, re, time
-
-def cid():
-    for line in open("/proc/self/mountinfo"):
-        m = re.search(r"/containers/([0-9a-f]{64})/hostname", line)
-        if m:
-            return m.group(1)
-
-def main(state):
-    me = cid()
-    print("cid", me, flush=True)
-    reused = os.path.exists("/tmp/used")
-    open("/tmp/used", "w").write("x")
-    mode = state.get("mode")
-    if mode == "spin":
-        while True:
-            pass
-    if mode == "sleep":
-        time.sleep(60)
-    if mode == "oom":
-        hog = []
-        while True:
-            hog.append(bytearray(1 << 20))
-    return {"cid": me, "reused": reused}
-"""
 
 
 def cid_in_logs(logs: str) -> str:

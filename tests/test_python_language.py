@@ -11,7 +11,13 @@ from executor.models import CodeJob, Status
 from tests.conftest import require
 
 
-@pytest.fixture(params=["docker", "docker-pool", "subprocess"])
+@pytest.fixture(
+    params=[
+        pytest.param("docker", marks=pytest.mark.docker),
+        pytest.param("docker-pool", marks=pytest.mark.docker),
+        "subprocess",
+    ]
+)
 def executor(request):
     name = {
         "docker": "docker_executor",
@@ -141,6 +147,7 @@ def test_unicode_round_trips(executor):
     assert r.output == {"s": "日本語 ✓"} and "ünï" in r.logs
 
 
+@pytest.mark.docker
 def test_output_larger_than_the_limit_is_refused(make_settings, request):
     from executor.service import Executor
 

@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,105 +19,14 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_cli
-from tests.services import HOST, CeleryWorker, alive, children
+from tests.services import HOST, alive, children, wait_for
+from tests.snippets import SPIN, TRIVIAL, sleeper
 
 LABEL_JOB = "studio.job_id"
 LABEL_OWNER = "studio.owner"
 
-TRIVIAL = "def main(state):\n    return state.get('n', 0) * 2\n"
-SPIN = "def main(state):\n    while True:\n        pass\n"
-
-
-def sleeper(seconds: float, out: str = "slept") -> str:
-    return f"import time\n\ndef main(state):\n    time.sleep({seconds})\n    return {out!r}\n"
-
 
 # --- processes ------------------------------------------------------------------------------
-
-
-class QueueEnv:
-    """A redis-server, a run store, a client and the workers of one test."""
-
-    def __init__(
-        self,
-        redis_url: str,
-        database_url: str,
-        tmp: Path,
-        make_settings: Callable[..., Any],
-        **overrides: Any,
-    ) -> None:
-        from api_client import CodeClient
-
-        self.tmp = tmp
-        self.redis_url = redis_url
-        self.database_url = database_url
-        self.overrides = {"code_concurrency": 2, **overrides}
-        self.settings = make_settings(
-            redis_url=redis_url, database_url=database_url, **self.overrides
-        )
-        self.client = CodeClient(self.settings)
-        self.workers: list[CeleryWorker] = []
-
-    def env(self, **extra: Any) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-        env.update(
-            {
-                "STUDIO_ENABLE_CODE_NODES": "1",
-                "STUDIO_REDIS_URL": self.redis_url,
-                "STUDIO_DATABASE_URL": self.database_url,
-                "STUDIO_DATA_DIR": str(self.tmp),
-                "STUDIO_CODE_IMAGE": self.settings.code_image,
-            }
-        )
-        for key, value in {**self.overrides, **extra}.items():
-            env[f"STUDIO_{key.upper()}"] = str(value)
-        return env
-
-    def start_worker(
-        self,
-        name: str,
-        concurrency: int = 2,
-        *,
-        cli: bool = False,
-        ready_timeout_s: float = 60.0,
-        **extra_env: Any,
-    ) -> CeleryWorker:
-        worker = CeleryWorker(
-            self.env(**extra_env),
-            self.tmp / f"{name}.log",
-            name=name,
-            concurrency=concurrency,
-            cli=cli,
-            capture_stdout=cli,
-            stop_timeout=25,
-        )
-        self.workers.append(worker)
-        worker.wait_ready(ready_timeout_s, app=self.client.app)
-        return worker
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.stop()
-        self.client.close()
-
-    # helpers
-
-    def done_count(self, job_id: str) -> int:
-        from worker.protocol import done_key
-
-        return int(self.client.redis.llen(done_key(job_id)))
-
-    def wait_all(self, job_ids: list[str], timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            recs = self.client.store.get_many(job_ids)
-            if all(r.finished for r in recs.values()) and len(recs) == len(job_ids):
-                return recs
-            if time.monotonic() > deadline:
-                open_ = [j for j in job_ids if j not in recs or not recs[j].finished]
-                tails = "\n".join(w.tail(30) for w in self.workers)
-                raise AssertionError(f"{len(open_)} jobs not finished: {open_[:5]}\n{tails}")
-            time.sleep(0.1)
 
 
 #: how long a test waits for a job's sandbox to be running: a hang guard, not a speed test
@@ -135,18 +44,6 @@ def containers_of(docker_client: Any, job_id: str, *, running: bool = False) -> 
     return docker_client.api.containers(all=not running, filters=filters)
 
 
-def wait_for(
-    predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02
-) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 # --- fixtures -------------------------------------------------------------------------------
 
 
@@ -156,36 +53,6 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         yield f"sqlite:///{tmp_path / 'store' / 'studio-code.db'}"
         return
     yield request.getfixturevalue("pg_schema_url")
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'store' / 'studio-code.db'}"
-
-
-@pytest.fixture
-def queue_env(
-    redis_server: Any, sqlite_url: str, tmp_path: Path, make_settings: Any, python_image: str
-) -> Iterator[Callable[..., QueueEnv]]:
-    """Factory: ``queue_env(**settings_overrides)`` -> QueueEnv on the test's redis-server
-    and SQLite store (closed, workers stopped, at the end)."""
-    made: list[QueueEnv] = []
-
-    def make(database_url: str = sqlite_url, **overrides: Any) -> QueueEnv:
-        env = QueueEnv(
-            redis_server.url,
-            database_url,
-            tmp_path,
-            make_settings,
-            code_image=python_image,
-            **overrides,
-        )
-        made.append(env)
-        return env
-
-    yield make
-    for env in made:
-        env.close()
 
 
 # --- submit -> result --------------------------------------------------------------------------

@@ -18,16 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests import test_queue
 from tests.conftest import free_port
 from tests.relay import Relay
-from tests.services import ApiServer, start_sentinels
-from tests.test_faults import health
-from tests.test_http import USER
-from tests.test_queue import QueueEnv, wait_for
-
-queue_env = test_queue.queue_env
-sqlite_url = test_queue.sqlite_url
+from tests.services import ApiServer, QueueEnv, health, start_sentinels, wait_for
+from tests.snippets import USER
 
 #: a node that takes a moment and says what it was given
 WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['n'] * 2\n"

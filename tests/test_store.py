@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 
 from executor.errors import ErrorCode
 from executor.models import CodeErrorInfo, CodeJob, CodeResult, Status, TraceRow
@@ -30,38 +29,12 @@ from executor.store import (
     SqlRunStore,
     open_store,
 )
-from tests.services import in_processes
+from tests.services import in_processes, pg_admin, pg_schema
 
-PG_URL = os.environ.get(
-    "STUDIO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-SESSION_TAG = uuid.uuid4().hex[:8]
 MB = 1024 * 1024
 
 
 # --- fixtures ----------------------------------------------------------------------------
-
-
-def _pg_admin_conninfo() -> str:
-    u = make_url(PG_URL).set(drivername="postgresql")
-    return u.render_as_string(hide_password=False)
-
-
-@pytest.fixture(scope="session")
-def postgres_reachable() -> None:
-    import psycopg
-
-    try:
-        with psycopg.connect(_pg_admin_conninfo(), connect_timeout=5) as conn:
-            conn.execute("SELECT 1")
-    except Exception as e:  # noqa: BLE001 - any failure means "no PostgreSQL here"
-        msg = f"PostgreSQL not reachable at {PG_URL}: {e}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-
-
-_schema_counter = 0
 
 
 @pytest.fixture(
@@ -73,23 +46,8 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'data' / 'nested' / 'studio-code.db'}"
         return
-    request.getfixturevalue("postgres_reachable")
-    import psycopg
-
-    global _schema_counter
-    _schema_counter += 1
-    schema = f"test_store_{SESSION_TAG}_{_schema_counter}"
-    with psycopg.connect(_pg_admin_conninfo(), autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield (
-            make_url(PG_URL)
-            .update_query_dict({"options": f"-csearch_path={schema}"})
-            .render_as_string(hide_password=False)
-        )
-    finally:
-        with psycopg.connect(_pg_admin_conninfo(), autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    with pg_schema(request.getfixturevalue("postgres_url"), "test_store") as url:
+        yield url
 
 
 @pytest.fixture
@@ -598,8 +556,8 @@ def test_sqlite_file_uses_wal_and_busy_timeout(tmp_path: Path) -> None:
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
 
 
-def test_postgres_url_without_driver_uses_psycopg(postgres_reachable: None) -> None:
-    plain = make_url(PG_URL).set(drivername="postgresql").render_as_string(hide_password=False)
+def test_postgres_url_without_driver_uses_psycopg(postgres_url: str) -> None:
+    plain = pg_admin(postgres_url)  # postgresql://: no driver named
     s = SqlRunStore(plain, create_tables=False)
     try:
         assert s.engine.dialect.driver == "psycopg"

@@ -18,7 +18,6 @@ import logging
 import shutil
 import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,7 @@ from sqlalchemy import create_engine, inspect, text
 
 from executor.models import CodeJob, CodeResult, Status
 from executor.store import JobRecord, SqlRunStore, migrations, open_store, sql
-from tests.services import ROOT, in_processes
-
-CAPTURES = sorted((ROOT / "tests" / "data" / "store_schemas").glob("*.json"))
-#: the release just before migrations (main's HEAD then): today's schema, no version table
-TODAY = next(p for p in CAPTURES if p.name.endswith("7b92b13.json"))
+from tests.services import CAPTURES, TODAY, in_processes, made_by_an_older_release
 
 
 def _engine_of(url: str) -> Any:
@@ -57,32 +52,6 @@ def _versions(url: str) -> list[str]:
             return list(
                 conn.execute(text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")).scalars()
             )
-    finally:
-        engine.dispose()
-
-
-def _made_by_an_older_release(url: str, capture: dict[str, Any]) -> None:
-    """The store ``capture`` describes: its release's DDL, then the rows its calls wrote."""
-    engine = _engine_of(url)
-    dialect = engine.dialect.name
-    try:
-        with engine.begin() as conn:
-            for statement in capture["ddl"][dialect]:
-                conn.exec_driver_sql(statement)
-            for name, rows in capture["rows"].items():
-                table = sql.metadata.tables[name]
-                values = [
-                    {
-                        k: datetime.fromisoformat(v)
-                        if v is not None and isinstance(table.c[k].type, sql.UtcDateTime)
-                        else v
-                        for k, v in row.items()
-                        if k != "id"  # the audit's: the database numbers them, as it did
-                    }
-                    for row in rows
-                ]
-                if values:
-                    conn.execute(table.insert(), values)
     finally:
         engine.dispose()
 
@@ -153,7 +122,7 @@ def test_a_store_made_before_migrations_is_brought_to_head_and_reads_the_same(
     store_url: str, capture_file: Path
 ) -> None:
     capture = json.loads(capture_file.read_text())
-    _made_by_an_older_release(store_url, capture)
+    made_by_an_older_release(store_url, capture)
     with open_store(store_url) as store:
         assert isinstance(store, SqlRunStore)
         assert store.schema_steps == (migrations.BASELINE, *migrations.revisions()[1:])
@@ -227,7 +196,7 @@ def test_two_processes_opening_one_store_at_once_apply_the_migration_once(
 ) -> None:
     expected: tuple[str, ...] = tuple(migrations.revisions())
     if made_by != "nothing":
-        _made_by_an_older_release(store_url, json.loads(TODAY.read_text()))
+        made_by_an_older_release(store_url, json.loads(TODAY.read_text()))
         expected = (migrations.BASELINE, *migrations.revisions()[1:])
     reports = in_processes(_open_at_once, [(store_url,), (store_url,)])
     assert [err for _, _, err in reports if err] == []

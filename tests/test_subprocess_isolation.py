@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import pytest
 from executor.models import CodeJob, CodeResult, Status
 from executor.service import Executor
 from tests.conftest import FORK_BOMB, prewarm_both_ways
+from tests.services import wait_for
 
 #: every test here that builds its runtime with make_subprocess_executor (the ``iso``
 #: fixture, the hostile-program table...) runs twice: cold runners, and runners pre-started
@@ -572,16 +572,6 @@ def main(state):
 SLEEPER = "import time\ndef main(state):\n    time.sleep(6)\n    return 'alive'\n"
 
 
-def _wait_for(what: Callable[[], Any], timeout_s: float, message: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(message)
-
-
 def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
     iso: Executor,
     docker_executor: Executor,
@@ -612,15 +602,15 @@ def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
                 return int(pid)
         return 0
 
-    docker_pid = _wait_for(container_pid, 60, "the Docker sandbox did not start")
+    docker_pid = wait_for(container_pid, 60, "the Docker sandbox to start")
     pids = {}
     for me in ("a", "b"):
-        pids[me] = _wait_for(
+        pids[me] = wait_for(
             lambda me=me: (
                 (shared / f"{me}.pid").exists() and int((shared / f"{me}.pid").read_text())
             ),
             30,
-            f"run {me} did not start",
+            f"run {me} to start",
         )
     # what each run is told is a process this test started: a run (our child, under a run
     # uid) and the sandbox (under the Docker sandboxes' uid)
@@ -712,7 +702,7 @@ def test_one_run_holding_many_processes_does_not_stop_a_concurrent_run(
     )
     t.start()
     try:
-        _wait_for(holding.exists, 30, "the holder did not start its processes")
+        wait_for(holding.exists, 30, "the holder to start its processes")
         second = run(ex, FORKER, {"n": 30})
     finally:
         release.touch()
@@ -1001,10 +991,10 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
         ready = {}
         for me in ("a", "b"):
             path = shared / f"{me}.ready"
-            _wait_for(
+            wait_for(
                 lambda path=path: path.exists() or server.poll() is not None,
                 60,
-                f"run {me} did not start",
+                f"run {me} to start",
             )
             assert server.poll() is None, server.stderr.read()[-3000:] if server.stderr else ""
             ready[me] = json.loads(path.read_text())

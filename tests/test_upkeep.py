@@ -13,18 +13,17 @@ from typing import Any
 import pytest
 
 from executor.errors import RuntimeUnavailable
-from tests.services import LABEL_OWNER, CeleryWorker, require, watch_backlog
-from tests.test_pool import WHOAMI
-from tests.test_queue import (  # noqa: F401 - queue_env, sqlite_url: fixtures used by name
-    TRIVIAL,
+from tests.services import (
+    LABEL_OWNER,
+    CeleryWorker,
     QueueEnv,
+    SecondEngine,
     children,
-    queue_env,
-    sleeper,
-    sqlite_url,
+    require,
     wait_for,
+    watch_backlog,
 )
-from tests.test_two_hosts import SecondEngine
+from tests.snippets import TRIVIAL, WHOAMI, sleeper
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.redis]
 

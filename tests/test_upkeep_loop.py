@@ -10,20 +10,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
 
+from tests.services import wait_for
 from worker.upkeep.loop import Supervised
-
-
-def _wait_for(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
 
 
 def test_a_loop_that_raises_is_logged_counted_and_restarted(
@@ -41,7 +32,7 @@ def test_a_loop_that_raises_is_logged_counted_and_restarted(
     loop = Supervised("test", body, on_give_up=gave_up.set, max_failures=3, pause_s=0.0)
     with caplog.at_level(logging.ERROR, logger="studio_code.worker"):
         loop.start()
-        _wait_for(lambda: len(runs) == 3)
+        wait_for(lambda: len(runs) == 3, 30, "three runs", 0.01)
         assert loop.alive()
         loop.stop(5)
     assert not loop.alive()
@@ -62,7 +53,7 @@ def test_a_loop_that_returns_by_itself_counts_as_a_failure() -> None:
 
     loop = Supervised("returns", body, on_give_up=lambda: None, pause_s=0.0)
     loop.start()
-    _wait_for(lambda: len(runs) == 2)
+    wait_for(lambda: len(runs) == 2, 30, "two runs", 0.01)
     loop.stop(5)
     assert loop.restarts == 1
 

@@ -1,0 +1,51 @@
+"""What tests send: the header names of the API and the Code nodes many test files run."""
+
+from __future__ import annotations
+
+USER = "X-Studio-User"
+
+ADMIN = "X-Studio-Admin"
+
+OK_CODE = "def main(state):\n    return {'double': state.get('n', 0) * 2}\n"
+
+SLEEP_CODE = "import time\n\ndef main(state):\n    time.sleep(state.get('s', 60))\n    return 1\n"
+
+RAISE_CODE = "def main(state):\n    raise ValueError('boom from the node')\n"
+
+TRIVIAL = "def main(state):\n    return state.get('n', 0) * 2\n"
+
+SPIN = "def main(state):\n    while True:\n        pass\n"
+
+
+def sleeper(seconds: float, out: str = "slept") -> str:
+    return f"import time\n\ndef main(state):\n    time.sleep({seconds})\n    return {out!r}\n"
+
+
+#: reports (and prints to the logs, for runs that end without a result) the id of the
+#: container it runs in, and whether anything ran in this container before it
+WHOAMI = r"""
+import os, re, time
+
+def cid():
+    for line in open("/proc/self/mountinfo"):
+        m = re.search(r"/containers/([0-9a-f]{64})/hostname", line)
+        if m:
+            return m.group(1)
+
+def main(state):
+    me = cid()
+    print("cid", me, flush=True)
+    reused = os.path.exists("/tmp/used")
+    open("/tmp/used", "w").write("x")
+    mode = state.get("mode")
+    if mode == "spin":
+        while True:
+            pass
+    if mode == "sleep":
+        time.sleep(60)
+    if mode == "oom":
+        hog = []
+        while True:
+            hog.append(bytearray(1 << 20))
+    return {"cid": me, "reused": reused}
+"""
