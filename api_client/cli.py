@@ -500,6 +500,9 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     worker_code = getattr(controllers[-1], "exitcode", None) if controllers else None
     if isinstance(worker_code, int) and worker_code != 0 and exit_code == 0:
         exit_code = worker_code
+    fatal = app.context.fatal  # the worker stopped itself for a reason of its own
+    if fatal and exit_code == 0:
+        exit_code, error = 1, fatal
     out: dict[str, Any] = {"command": "worker", "status": "stopped", "exit_code": exit_code}
     if exit_code != 0:
         out["status"] = "failed"

@@ -375,6 +375,15 @@ class Settings(BaseSettings):
         description="Rows the janitor deletes or clears per transaction (at most 20 "
         "transactions per sweep), so a retention pass never holds the store for long.",
     )
+    queue_store_start_wait_s: float = Field(
+        300,
+        ge=0,
+        le=86400,
+        description="Seconds a worker whose run store cannot be opened when it starts waits "
+        "for it, paused (readiness 503 naming the store); then it stops with an error for its "
+        "supervisor to restart it (0: wait for ever). A store that goes down later pauses the "
+        "worker for as long as it is down.",
+    )
     queue_probe_interval_s: float = Field(
         5,
         gt=0,

@@ -360,8 +360,9 @@ def test_warm_shutdown_acks_ended_jobs(queue_env: Any) -> None:
 @pytest.mark.redis
 @pytest.mark.timeout(120)
 def test_cli_worker_that_fails_exits_nonzero(redis_server: Any, tmp_path: Path) -> None:
-    """A worker that cannot start (its run store refuses connections) stops with an error:
-    the CLI exits non-zero and its JSON line says failed, so a supervisor restarts it."""
+    """A worker whose run store refuses connections when it starts waits for it, paused,
+    for STUDIO_QUEUE_STORE_START_WAIT_S, then stops with an error naming the store: the
+    CLI exits non-zero and its JSON line says failed, so a supervisor restarts it."""
     from tests.conftest import run_cli
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
@@ -371,6 +372,7 @@ def test_cli_worker_that_fails_exits_nonzero(redis_server: Any, tmp_path: Path) 
             "STUDIO_REDIS_URL": redis_server.url,
             "STUDIO_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/x",
             "STUDIO_DATA_DIR": str(tmp_path),
+            "STUDIO_QUEUE_STORE_START_WAIT_S": "3",
         }
     )
     proc = run_cli("worker", "-c", "1", "--hostname", "failing@%h", env=env, timeout=90)
@@ -380,3 +382,4 @@ def test_cli_worker_that_fails_exits_nonzero(redis_server: Any, tmp_path: Path) 
     out = json.loads(lines[0])
     assert out["status"] == "failed" and out["exit_code"] == 1, out
     assert out["error"]["code"] == "WORKER_FAILED"
+    assert "STUDIO_QUEUE_STORE_START_WAIT_S=3" in out["error"]["message"], out

@@ -35,6 +35,8 @@ class WorkerContext:
       by the heartbeat;
     * ``not_serving_reason``: why the worker should not count as serving now (None: it
       does); the gate's ``pause_reason`` on a worker.
+    * ``fatal``: why the worker stopped itself (None: it did not), for the CLI's JSON line
+      and exit code (worker.upkeep.owner: a store that never opened);
     * ``engine``: the engine under its sandboxes as the heartbeat announces it (None: none,
       or not read yet); the upkeep's ``EngineWatch.announcement`` on a worker.
     """
@@ -43,6 +45,7 @@ class WorkerContext:
     store_id: str = ""
     not_serving_reason: Callable[[], str | None] = field(default=_serving)
     engine: Callable[[], dict[str, Any] | None] = field(default=_no_engine)
+    fatal: str | None = None
 
 
 class StudioCelery(Celery):

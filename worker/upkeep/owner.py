@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +77,14 @@ class StoreWhenUp:
         if self.on_open is not None:
             self.on_open(store_id)
         return store
+
+    @property
+    def opened(self) -> bool:
+        return self._store is not None
+
+    @property
+    def last_error(self) -> str:
+        return self._error.message if self._error is not None else "no error"
 
     @property
     def store_id(self) -> str:
@@ -171,6 +181,38 @@ class UpkeepStep(bootsteps.StartStopStep):
             guard_terminate(w.pool, self.upkeep.store)
         signals.task_revoked.connect(self.upkeep.janitor.on_revoked, weak=False)
         self.upkeep.start()
+        wait_s = app.settings.queue_store_start_wait_s
+        if not self.upkeep.late_store.opened and wait_s > 0:
+            threading.Thread(
+                target=self._stop_unless_opened,
+                args=(self.upkeep.late_store, context, wait_s),
+                name="studio-store-start-wait",
+                daemon=True,
+            ).start()
+
+    @staticmethod
+    def _stop_unless_opened(store: StoreWhenUp, context: Any, wait_s: float) -> None:
+        """A store that never opens within STUDIO_QUEUE_STORE_START_WAIT_S (a wrong URL, a
+        database that is not there) stops the worker with an error: its supervisor restarts
+        it and its log says why, instead of a worker paused for good."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if store.opened:
+                return
+            time.sleep(min(1.0, wait_s))
+        try:
+            store.store_id  # noqa: B018 - one last try
+        except StoreUnavailable:
+            pass
+        if store.opened:
+            return
+        context.fatal = (
+            f"the run store could not be opened within STUDIO_QUEUE_STORE_START_WAIT_S="
+            f"{wait_s:g} s of the worker's start ({store.last_error}): check "
+            "STUDIO_DATABASE_URL (or STUDIO_DATA_DIR) and that the database is up"
+        )
+        log.critical("stopping: %s", context.fatal)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def stop(self, w: Any) -> None:
         if self.upkeep is not None:
