@@ -31,7 +31,7 @@ Who releases: the API at submit (the enqueue script releases in the same call, s
 with room goes to ``code.run`` with no added latency), the pool process when a job ends
 (after its result is stored, before its message is acknowledged, so the freed slot finds
 the next message), and each worker's main process every FAIR_RELEASE_INTERVAL_S
-(``Releaser``: workers that join, runs whose job ended elsewhere). Every release is one Lua
+(``release_loop``: workers that join, runs whose job ended elsewhere). Every release is one Lua
 script, atomic in Redis: many releasers never release one run twice nor overfill
 ``code.run``. Cost per run: one script call at submit (instead of kombu's LPUSH), one at
 its end.
@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery import bootsteps
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
@@ -449,70 +449,29 @@ def use_fair_transport(app: Any, settings: Settings) -> None:
 # --- the worker's side: releases ---------------------------------------------------------------
 
 
-class Releaser:
-    """Releases runs every ``interval_s`` from a thread of the worker's main process, so
-    runs never wait for a job end that does not come (a worker that joins, a run whose job
-    ended elsewhere). Many workers release at once safely: each release is one script."""
+def release_loop(
+    queue: FairQueue, interval_s: float = FAIR_RELEASE_INTERVAL_S
+) -> Callable[[threading.Event], None]:
+    """The body of the worker main process's release loop (worker.upkeep.owner runs it
+    under ``Supervised``): a release every ``interval_s``, so runs never wait for a job end
+    that does not come (a worker that joins, a run whose job ended elsewhere). Many
+    workers release at once safely: each release is one script."""
 
-    def __init__(self, settings: Settings, interval_s: float = FAIR_RELEASE_INTERVAL_S) -> None:
-        self.interval_s = interval_s
-        self.redis = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=5, socket_connect_timeout=5
-        )
-        self.queue = FairQueue(self.redis, user_cap(settings))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._failing = False
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="studio-fair-release", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+    def body(stop: threading.Event) -> None:
+        failing = False
+        while not stop.wait(interval_s):
             try:
-                self.queue.release()
-                self._failing = False
-            except Exception as e:  # noqa: BLE001 - keep releasing
-                if not self._failing:
+                queue.release()
+            except redis.RedisError as e:  # Redis away: keep trying, say it once
+                if not failing:
                     log.warning("fair release: cannot reach Redis (%s); retrying", e)
-                self._failing = True
+                failing = True
+                continue
+            if failing:
+                log.warning("fair release: Redis answers again")
+            failing = False
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-        self.redis.close()
-
-
-class ReleaserStep(bootsteps.StartStopStep):
-    """Worker step: the main process's Releaser, from pool start to shutdown."""
-
-    label = "studio fair release"
-    requires = ("celery.worker.components:Pool",)
-
-    def __init__(self, w: Any, **kwargs: Any) -> None:
-        self.releaser: Releaser | None = None
-        super().__init__(w, **kwargs)
-
-    def create(self, w: Any) -> None:
-        return None
-
-    def start(self, w: Any) -> None:
-        settings = getattr(w.app, "studio_settings", None)
-        if settings is None or self.releaser is not None:
-            return
-        self.releaser = Releaser(settings)
-        self.releaser.start()
-
-    def stop(self, w: Any) -> None:
-        if self.releaser is not None:
-            self.releaser.stop()
-            self.releaser = None
-
-    def shutdown(self, w: Any) -> None:
-        self.stop(w)
+    return body
 
 
 def job_ended(queue: FairQueue, job_id: str) -> None:
@@ -527,8 +486,7 @@ def job_ended(queue: FairQueue, job_id: str) -> None:
 __all__ = [
     "FairQueue",
     "FairStats",
-    "Releaser",
-    "ReleaserStep",
+    "release_loop",
     "TRANSPORT",
     "Waiting",
     "fair_wait_key",
