@@ -47,9 +47,12 @@ from executor.store import (
     open_store,
 )
 from worker import redis_conn
+from worker.fair import FairQueue, Waiting, use_fair_transport, user_cap
 from worker.job.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
+    HEADER_FAIR_USER,
+    QUEUE_RUN,
     QUEUES,
     TASK_NAME,
     cancel_flag_ttl_s,
@@ -149,6 +152,9 @@ class CodeClient:
         self.executor = Executor(settings, audit=self.store)
         self.redis = redis_conn.client(settings)
         self.workers = WorkerRegistry(self.redis)
+        #: workflow runs wait per user and take turns (worker.fair) unless fairness is off
+        self.fair_users = settings.queue_run_fairness == "users"
+        self.fair = FairQueue(self.redis, user_cap(settings))
         self._served_until: dict[str, float] = {}
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
         self._blocking = redis_conn.client(settings, block_s=WAIT_SLICE_S)
@@ -165,7 +171,9 @@ class CodeClient:
         if self._app is None:
             from worker.glue.app import make_app
 
-            self._app = make_app(self.settings)
+            app = make_app(self.settings)
+            use_fair_transport(app, self.settings)
+            self._app = app
         return self._app
 
     # --- what may run ------------------------------------------------------------------
@@ -208,7 +216,31 @@ class CodeClient:
             meta["engine"]["workers"] = {i.nodename: i.engine for q in live.values() for i in q}
         except redis.RedisError as e:
             meta["workers"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
+        meta["fairness"] = self.fairness()
         return meta
+
+    def fairness(self) -> dict[str, Any]:
+        """How code.run is shared (STUDIO_QUEUE_RUN_FAIRNESS, _USER_SLOTS) and the runs
+        waiting on the users' lists: how many, and the users with the most."""
+        out: dict[str, Any] = {
+            "mode": self.settings.queue_run_fairness,
+            "user_slots": self.settings.queue_run_user_slots or None,
+        }
+        try:
+            out.update(self.fair.stats().as_dict())
+        except redis.RedisError as e:
+            out["error"] = f"Redis at STUDIO_REDIS_URL cannot be read: {e}"
+        return out
+
+    def where(self, job_id: str) -> Waiting | None:
+        """Where a queued workflow run waits when fairness or its user's cap holds it back
+        (None: it is not on a user's list, e.g. it is in code.run for the next free slot,
+        or Redis cannot be read)."""
+        try:
+            return self.fair.where(job_id)
+        except redis.RedisError as e:
+            log.warning("where job %s waits is unknown (%s)", job_id, e)
+            return None
 
     def store_info(self) -> dict[str, str | None]:
         """The run store this client uses: its URL (no password) and its id (None while it
@@ -321,6 +353,9 @@ class CodeClient:
             self._check_rate(user)
         self.store.create(job, code_runtime=self.settings.code_runtime)
         headers = job_headers(self.store.store_id, self.store.describe())
+        if queue == QUEUE_RUN and self.fair_users:
+            # the API's broker channel puts it on the user's list (worker.fair.Channel)
+            headers[HEADER_FAIR_USER] = user
         try:
             self.app.send_task(
                 TASK_NAME,
@@ -375,6 +410,7 @@ class CodeClient:
             return rec
         if self.store.fail_queued([rec.job_id], message):
             log.warning("job %s ended failed while queued: %s", rec.job_id, message)
+            self._forget(rec.job_id)
         return self.store.get(rec.job_id, inputs=False) or rec
 
     def wait(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
@@ -570,6 +606,8 @@ class CodeClient:
             raise JobNotFound(job_id, self.store.describe())
         if status not in (Status.CANCELLING, Status.CANCELLED):
             return status  # it ended before the cancel
+        if status is Status.CANCELLED:  # it was queued: off its user's list, if it waits there
+            self._forget(job_id)
         try:
             self.redis.set(cancel_key(job_id), "1", ex=cancel_flag_ttl_s(self.settings))
         except redis.RedisError as e:
@@ -631,6 +669,14 @@ class CodeClient:
         return final
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _forget(self, job_id: str) -> None:
+        """Take an ended job off its user's waiting list (if it is on one). Best effort:
+        a run left there is released later and skipped by claim, never started."""
+        try:
+            self.fair.forget([job_id])
+        except redis.RedisError as e:
+            log.warning("job %s stays on its user's waiting list (%s): claim skips it", job_id, e)
 
     def _ended(self, job: CodeJob, status: Status, code: ErrorCode, message: str) -> CodeResult:
         return CodeResult.ended(

@@ -87,6 +87,7 @@ from api_client.wire import (  # noqa: F401 - re-exported: every wire record imp
     RunBody,
     RuntimeMeta,
     RunView,
+    RunWaiting,
     ValidateResult,
 )
 from executor.errors import ErrorCode, RateLimited, SettingsError, StudioCodeError
@@ -510,8 +511,15 @@ def submit_run(body: RunBody, who: CallerDep, services: ServicesDep) -> RunView:
 @router.get("/api/runs/{job_id}", response_model=RunView, tags=["runs"], responses=ERRORS)
 def get_run(job_id: JobIdPath, who: CallerDep, services: ServicesDep) -> RunView:
     """The run and, once finished, its result. 404 for an unknown id or another user's
-    run (unless the caller is an admin)."""
-    return RunView.of(_own_record(services, job_id, who))
+    run (unless the caller is an admin). A queued run that fairness between users holds
+    back says where it waits (``waiting``)."""
+    rec = _own_record(services, job_id, who)
+    view = RunView.of(rec)
+    if rec.status is Status.QUEUED and rec.kind == "run":
+        where = services.client.where(job_id)
+        if where is not None:
+            view.waiting = RunWaiting.model_validate(where.as_dict())
+    return view
 
 
 @router.post(

@@ -92,5 +92,7 @@ def instrument(app: FastAPI, services: Any) -> CollectorRegistry:
                 REQUESTS.labels(method, route.path, cls)
     registry = CollectorRegistry(auto_describe=False)
     client = redis_conn.client(services.settings)
-    registry.register(QueueCollector(client, lambda: services.client.store))
+    registry.register(
+        QueueCollector(client, lambda: services.client.store, services.settings.queue_run_fairness)
+    )
     return registry

@@ -87,6 +87,22 @@ class ValidateResult(BaseModel):
     problems: list[Problem] = Field(default_factory=list)
 
 
+class RunWaiting(BaseModel):
+    """Where a queued workflow run waits while fairness between users (or its user's cap,
+    STUDIO_QUEUE_RUN_USER_SLOTS) holds it back."""
+
+    queue: str = Field(description="The queue it goes to once released: code.run.")
+    held_by: Literal["fairness", "user_cap"] = Field(
+        description="fairness: it waits for its user's turn; user_cap: its user has "
+        "STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, it goes when one of them ends."
+    )
+    position: int = Field(description="Runs of the same user ahead of it.")
+    users_ahead: int | None = Field(
+        description="Users whose turn comes before its user's next one (null at the cap)."
+    )
+    users_waiting: int = Field(description="Users with runs waiting, its own included.")
+
+
 class RunView(BaseModel):
     """One Code-node job as the studio sees it; the result fields fill in once finished."""
 
@@ -114,6 +130,11 @@ class RunView(BaseModel):
     finished_at: datetime | None = None
     worker: str | None = None
     attempts: int = 0
+    waiting: RunWaiting | None = Field(
+        None,
+        description="Only GET /api/runs/{job_id} of a queued run that fairness between "
+        "users holds back: where it waits.",
+    )
 
     @classmethod
     def of(cls, rec: JobRecord) -> RunView:

@@ -167,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         for w in workers:
             w.start()
         client = CodeClient(settings)
-        jobs = {client.submit(TRIVIAL, "python", {"n": i}): i for i in range(args.jobs)}
+        # three users, so the chaos also hits runs waiting on their lists (worker.fair)
+        jobs = {
+            client.submit(TRIVIAL, "python", {"n": i}, user=f"soak{i % 3}"): i
+            for i in range(args.jobs)
+        }
         print(
             f"soak: seed {seed}, {len(jobs)} jobs submitted in "
             f"{time.monotonic() - t_start:.1f} s; chaos for {args.chaos_s:g} s",

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 
@@ -312,6 +312,22 @@ class Settings(BaseSettings):
         description="A job queued longer than this whose message is in no queue and held by "
         "no worker (lost: an API that died between the row and the message, a Redis crash) "
         "is sent again by a worker's sweep (claim keeps it exactly-once).",
+    )
+
+    queue_run_fairness: Literal["users", "off"] = Field(
+        "users",
+        description="How code.run is shared between users. users: each user's runs wait on "
+        "their own list and are released into code.run in turns (one user's flood never "
+        "holds another user's run behind it; a user alone gets every slot). off: one FIFO "
+        "queue for everyone. Set the same on the API and the workers.",
+    )
+    queue_run_user_slots: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="With STUDIO_QUEUE_RUN_FAIRNESS=users: most workflow runs of one user "
+        "released to the workers at once (running or about to); more wait, not refused, "
+        "until one of theirs ends. 0: no cap beyond fairness.",
     )
 
     code_test_in_flight: int = Field(

@@ -601,6 +601,21 @@ def start_worker(
     return CeleryWorker(env, log, **options).wait_ready(ready_timeout)
 
 
+# --- Docker ---------------------------------------------------------------------------------
+
+
+def sandbox_events(docker_client: Any, job_id: str, since: int, until: int) -> list[dict]:
+    """Every Docker event between ``since`` and ``until`` (Unix seconds) of a container
+    made for ``job_id`` (its label) or renamed to it (a pre-started one taken by the job)."""
+    events: list[dict] = []
+    for filters in (
+        {"type": "container", "label": [f"studio.job_id={job_id}"]},
+        {"type": "container", "container": [f"studio-code-{job_id}"]},
+    ):
+        events += docker_client.api.events(since=since, until=until, decode=True, filters=filters)
+    return events
+
+
 # --- the API --------------------------------------------------------------------------------
 
 

@@ -295,6 +295,8 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
         # autoscaling and API signals (worker.metrics.autoscale, api_client.http_metrics)
         "studio_code_queue_backlog",
         "studio_code_queue_oldest_seconds",
+        "studio_code_queue_user_waiting",
+        "studio_code_queue_users_waiting",
         "studio_code_worker_slots",
         "studio_code_worker_up",
         "studio_code_http_requests_total",

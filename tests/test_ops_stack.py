@@ -423,6 +423,7 @@ def test_backlog_and_oldest_wait_with_no_worker(
 
     from api_client.client import CodeClient
     from worker.metrics.autoscale import QueueCollector
+    from worker.protocol import FAIR_BACKLOG_KEY, FAIR_MIN_AHEAD
 
     # no worker on purpose: the client must queue anyway instead of refusing (issue 8)
     settings = make_settings(
@@ -438,12 +439,22 @@ def test_backlog_and_oldest_wait_with_no_worker(
         time.sleep(1.1)
         r = redis.Redis.from_url(redis_server.url)
         fams = {f.name: f for f in QueueCollector(r, lambda: client.store).collect()}
-        got = {(s.name, s.labels["queue"]): s.value for f in fams.values() for s in f.samples}
+        got = {
+            (s.name, s.labels.get("queue") or s.labels.get("rank") or s.labels.get("mode")): s.value
+            for f in fams.values()
+            for s in f.samples
+        }
         assert got[("studio_code_queue_backlog", "code.run")] == 3
         assert got[("studio_code_queue_backlog", "code.test")] == 1
         assert got[("studio_code_queue_oldest_seconds", "code.run")] >= 1.0
-        # the key KEDA's Redis list scaler reads is the queue's own name
-        assert r.llen("code.run") == 3
+        # with no live worker, fairness lets FAIR_MIN_AHEAD runs into code.run, the rest
+        # wait on their user's list (one bucket: no user): both count as backlog
+        assert got[("studio_code_queue_fairness", "users")] == 1.0
+        assert got[("studio_code_queue_user_waiting", "1")] == 3 - FAIR_MIN_AHEAD
+        assert got[("studio_code_queue_users_waiting", None)] == 1.0
+        # the keys KEDA's Redis list scaler reads: the queue's own name and the fair backlog
+        assert r.llen("code.run") == FAIR_MIN_AHEAD
+        assert r.llen("code.run") + r.llen(FAIR_BACKLOG_KEY) == 3
         r.close()
 
 

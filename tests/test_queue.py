@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_cli
-from tests.services import HOST, alive, children, wait_for
+from tests.services import HOST, alive, children, sandbox_events, wait_for
 from tests.snippets import SPIN, TRIVIAL, sleeper
 
 LABEL_JOB = "studio.job_id"
@@ -122,23 +122,7 @@ def test_test_call_never_waits_behind_runs(queue_env: Any, docker_client: Any) -
     assert all(r.status == "succeeded" for r in recs.values())
     sentinel = q.client.submit(TRIVIAL, "python", {"n": 1})  # FIFO: after the 4th message
     assert q.client.wait(sentinel, 30).status == "succeeded"
-    until = int(time.time()) + 1
-    events = list(
-        docker_client.api.events(
-            since=since,
-            until=until,
-            decode=True,
-            filters={"type": "container", "label": [f"{LABEL_JOB}={fourth}"]},
-        )
-    )
-    events += list(
-        docker_client.api.events(  # a pre-started one would be renamed to it
-            since=since,
-            until=until,
-            decode=True,
-            filters={"type": "container", "container": [f"studio-code-{fourth}"]},
-        )
-    )
+    events = sandbox_events(docker_client, fourth, since, int(time.time()) + 1)
     assert events == [], "a job cancelled while queued must never get a container"
     cancelled = q.client.status(fourth)
     assert cancelled.status == "cancelled" and cancelled.started_at is None

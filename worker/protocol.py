@@ -221,3 +221,48 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 def queue_lists(queue: str) -> list[str]:
     """The Redis lists holding ``queue``'s waiting messages, one per priority step."""
     return [queue if p == 0 else f"{queue}{KOMBU_PRIORITY_SEP}{p}" for p in KOMBU_PRIORITY_STEPS]
+
+
+# --- fair share of code.run between users (worker.fair) ------------------------------------
+
+#: STUDIO_QUEUE_RUN_FAIRNESS values: "users" (runs wait per user and are released into
+#: code.run in turns), "off" (runs go straight to code.run, one FIFO for everyone)
+FAIRNESS_MODES = ("users", "off")
+
+#: a Celery message header the API adds to a workflow run when fairness is on: the run's
+#: user. The API's broker channel (worker.fair.Channel) puts such a message on the user's
+#: waiting list instead of code.run; released, the same message goes to code.run.
+HEADER_FAIR_USER = "studio_fair_user"
+
+_FAIR = f"{_PREFIX}:fair"
+#: the key of one user's waiting list is this prefix + the user ("" for runs without one)
+FAIR_WAIT_PREFIX = f"{_FAIR}:wait:"
+#: ZSET user -> virtual start time: users with runs waiting and under their cap
+FAIR_USERS_KEY = f"{_FAIR}:users"
+#: HASH user -> virtual start time: users with runs waiting who are at their cap
+FAIR_CAPPED_KEY = f"{_FAIR}:capped"
+#: HASH job id -> user: every run waiting on a user's list
+FAIR_JOBS_KEY = f"{_FAIR}:jobs"
+#: HASH job id -> the kombu message (JSON) to put on code.run when the run is released
+FAIR_MESSAGES_KEY = f"{_FAIR}:messages"
+#: HASH job id -> user: runs released into code.run whose job has not ended (the cap)
+FAIR_HELD_KEY = f"{_FAIR}:held"
+#: HASH user -> how many of FAIR_HELD_KEY's runs are theirs
+FAIR_HELD_COUNT_KEY = f"{_FAIR}:held_count"
+#: ZSET user -> runs waiting (what meta and /metrics rank)
+FAIR_COUNTS_KEY = f"{_FAIR}:counts"
+#: STRING: the virtual time of the last turn taken (a new user starts there)
+FAIR_CLOCK_KEY = f"{_FAIR}:clock"
+#: LIST with one item per run waiting on a user's list: its LLEN is what an autoscaler that
+#: reads list lengths (KEDA's Redis list scaler) adds to LLEN code.run
+FAIR_BACKLOG_KEY = f"{_FAIR}:backlog"
+
+#: code.run may hold this many messages beyond the live workers' run slots ... at least
+FAIR_MIN_AHEAD = 2
+#: how often each worker's main process releases runs (job ends release at once too)
+FAIR_RELEASE_INTERVAL_S = 1.0
+
+
+def fair_wait_key(user: str) -> str:
+    """One user's list of waiting runs (job ids, oldest first)."""
+    return f"{FAIR_WAIT_PREFIX}{user}"

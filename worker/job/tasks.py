@@ -33,7 +33,7 @@ from executor.outage import is_store_outage
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import metrics, redis_conn
+from worker import fair, metrics, redis_conn
 from worker.context import studio_app
 from worker.glue import poison
 from worker.glue.outcomes import NodeFailed, report_outcome
@@ -67,6 +67,8 @@ class ProcessState:
         self.executor = Executor(settings, audit=self.store)
         # Short timeouts: the cancel flag is read inside the sandbox's poll loop.
         self.redis = redis_conn.client(settings, socket_timeout=0.5, socket_connect_timeout=0.5)
+        #: this process frees a user's cap slot and releases the next runs at a job's end
+        self.fair = fair.FairQueue(self.redis, fair.user_cap(settings))
         self.pid = os.getpid()
         self.current_job: str | None = None
         self._signalled = False
@@ -219,11 +221,28 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
             state.notify_done(job_id)  # the waiter re-reads the store (the reaper ends it)
             raise
         if outcome in ("parked", "parked-duplicate"):
+            _fair_end(state, job_id, outcome)
             return outcome  # a parked result is announced by whoever writes it
         state.notify_done(job_id)
+    _fair_end(state, job_id, outcome)
     # failed: NodeFailed, cancelled: Ignore (Celery's view)
     report_outcome(state.store, job_id, ended)
     return outcome
+
+
+def _fair_end(state: ProcessState, job_id: str, outcome: str) -> None:
+    """The job's sandbox is done (after its result is stored, before its message is
+    acknowledged): free its user's cap slot and release the next runs into code.run, so
+    the slot this frees finds a message. A skipped delivery ends it only when the store says
+    the job ended (a redelivery of a job still running elsewhere frees nothing)."""
+    if outcome == "skipped":
+        try:
+            status = state.store.statuses([job_id]).get(job_id)
+        except Exception:  # noqa: BLE001 - the sweep's reconcile frees it later
+            return
+        if status is not None and not status.finished:
+            return
+    fair.job_ended(state.fair, job_id)
 
 
 def _job_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

@@ -2,10 +2,14 @@
 workers and busy/idle slots per queue.
 
 * ``QueueCollector`` (served by the API's ``/metrics``, which stays up when workers scale
-  to zero): ``studio_code_queue_backlog{queue}`` is LLEN of the queue's Redis lists (what
-  KEDA's Redis list scaler reads too: see docs/operations.md), and
-  ``studio_code_queue_oldest_seconds{queue}`` the age of the oldest job still ``queued``
-  in the run store (0 when none waits).
+  to zero): ``studio_code_queue_backlog{queue}`` is every run waiting: LLEN of the queue's
+  Redis lists plus, for code.run, the runs waiting on their users' lists (worker.fair; see
+  docs/operations.md for what KEDA reads), and ``studio_code_queue_oldest_seconds{queue}``
+  the age of the oldest job still ``queued`` in the run store (0 when none waits). With
+  them: ``studio_code_queue_fairness{mode}`` and, for the TOP_USERS users with the most
+  runs waiting, ``studio_code_queue_user_waiting{rank,user}`` (rank 1..TOP_USERS and
+  ``rest``: at most TOP_USERS + 1 series at a time, never one per user) and
+  ``studio_code_queue_users_waiting``.
 * ``SlotsCollector`` (served by each worker's ``/metrics``): ``studio_code_worker_up{queue}``
   is 1 for each queue this worker consumes once it is ready (0 before), so its sum over
   workers is the live workers per queue; ``studio_code_worker_slots{queue,state}`` counts
@@ -26,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from worker.context import context_of
+from worker.fair import TOP_USERS, FairQueue
 from worker.protocol import KOMBU_PRIORITY_STEPS, QUEUE_RUN, QUEUE_TEST, QUEUES, queue_lists
 
 log = logging.getLogger("studio_code.metrics")
@@ -39,12 +44,39 @@ class QueueCollector(Collector):
     source that cannot be read leaves its family empty for that scrape (and is logged):
     an autoscaler then sees no data, never a false 0."""
 
-    def __init__(self, redis_client: Any, store_factory: Any) -> None:
+    def __init__(self, redis_client: Any, store_factory: Any, fairness: str = "users") -> None:
         self.redis = redis_client
         self.store_factory = store_factory  # called per scrape: the store may open late
+        self.fairness = fairness
+        self.fair = FairQueue(redis_client, 0)
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
-        return [self._backlog_family(), self._oldest_family()]
+        return [
+            self._backlog_family(),
+            self._oldest_family(),
+            *self._fair_families(),
+        ]
+
+    @staticmethod
+    def _fair_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                f"{PREFIX}_queue_fairness",
+                "1 for the fairness mode of code.run this API submits with "
+                "(STUDIO_QUEUE_RUN_FAIRNESS: users or off).",
+                labels=["mode"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_queue_user_waiting",
+                f"Runs waiting on the lists of the {TOP_USERS} users with the most (rank "
+                "1 = the most), and of all other users together (rank rest).",
+                labels=["rank", "user"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_queue_users_waiting",
+                "Users with workflow runs waiting on their lists (fairness between users).",
+            ),
+        )
 
     @staticmethod
     def _backlog_family() -> GaugeMetricFamily:
@@ -64,7 +96,10 @@ class QueueCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         backlog = self._backlog_family()
+        mode, by_user, users = self._fair_families()
+        mode.add_metric([self.fairness], 1.0)
         try:
+            stats = self.fair.stats(TOP_USERS)
             pipe = self.redis.pipeline(transaction=False)
             for queue in QUEUES:
                 for key in queue_lists(queue):
@@ -72,7 +107,15 @@ class QueueCollector(Collector):
             lengths = pipe.execute()
             n = len(KOMBU_PRIORITY_STEPS)
             for i, queue in enumerate(QUEUES):
-                backlog.add_metric([queue], float(sum(lengths[i * n : (i + 1) * n])))
+                waiting = sum(lengths[i * n : (i + 1) * n])
+                if queue == QUEUE_RUN:  # and the runs held back on their users' lists
+                    waiting += stats.waiting
+                backlog.add_metric([queue], float(waiting))
+            for rank, load in enumerate(stats.top, 1):
+                by_user.add_metric([str(rank), load.user], float(load.waiting))
+            rest = stats.waiting - sum(u.waiting for u in stats.top)
+            by_user.add_metric(["rest", ""], float(rest))
+            users.add_metric([], float(stats.users_waiting))
         except Exception as e:  # noqa: BLE001 - a scrape never fails for a dependency
             log.warning("queue backlog unreadable: %s", e)
         oldest = self._oldest_family()
@@ -86,7 +129,7 @@ class QueueCollector(Collector):
                 )
         except Exception as e:  # noqa: BLE001
             log.warning("oldest queued job unreadable: %s", e)
-        return [backlog, oldest]
+        return [backlog, oldest, mode, by_user, users]
 
 
 class SlotsCollector(Collector):

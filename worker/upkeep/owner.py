@@ -1,8 +1,9 @@
 """The one owner of the worker's main-process upkeep: its one run store, one Redis client,
 one runtime (through one Executor) and one parked-result flusher, and the loops that use them:
-the gate's probe (worker.upkeep.gate) and the janitor (worker.upkeep.janitor: reaper, queued
-sweep, retention; its revoke backstop runs on Celery's ``task_revoked``); the engine's posture
-is read through the same runtime (worker.upkeep.engine).
+the gate's probe (worker.upkeep.gate), the janitor (worker.upkeep.janitor: reaper, queued
+sweep, retention; its revoke backstop runs on Celery's ``task_revoked``) and the release of
+fair-share runs into code.run (worker.fair.release_loop); the engine's posture is read through
+the same runtime (worker.upkeep.engine).
 
 ``UpkeepStep`` is the worker step that builds it once the pool runs and stops it at shutdown.
 The heartbeat stays a consumer step (it follows the broker connection: announced when the task
@@ -28,10 +29,12 @@ from executor.settings import Settings
 from executor.store import RunStore, open_store
 from worker import redis_conn
 from worker.context import studio_app
+from worker.fair import FairQueue, release_loop, user_cap
 from worker.upkeep.engine import EngineWatch
 from worker.upkeep.flusher import Flusher
 from worker.upkeep.gate import GateWatch
 from worker.upkeep.janitor import Janitor, guard_terminate
+from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
 
@@ -137,6 +140,9 @@ class Upkeep:
             redis_client=self.redis,
             flush=self.flusher,
         )
+        self.fair_release = Supervised(
+            "fair-release", release_loop(FairQueue(self.redis, user_cap(settings)))
+        )
 
     def start(self) -> None:
         try:
@@ -146,8 +152,10 @@ class Upkeep:
         self.engine.posture()  # its WARNING, when an escape applies, is part of the start-up
         self.gate.start()
         self.janitor.start()
+        self.fair_release.start()
 
     def stop(self) -> None:
+        self.fair_release.stop(10)
         self.janitor.stop()
         self.gate.stop()
         self.store.close()

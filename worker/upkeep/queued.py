@@ -12,7 +12,11 @@ janitor at a time (a Redis lock) every STUDIO_QUEUE_REAP_INTERVAL_S.
   within its fsync second, a message consumed while the store could not be claimed. The
   broker is read twice, a second apart, each time in one MULTI (kombu moves a message from
   the list to the hash in two steps), and the row must still be queued: only then is it
-  re-sent. ``claim`` keeps a job exactly-once.
+  re-sent. ``claim`` keeps a job exactly-once. A run waiting on its user's list
+  (worker.fair) is not lost: that list is read in the same MULTI.
+* **Fair bookkeeping**: ended jobs leave their user's waiting list, and a run released to
+  code.run whose job ended without its end being seen (failed by the reaper, a worker
+  killed after its result) frees its user's cap slot (``FairQueue.reconcile``).
 
 Cost: one SELECT of old queued rows per sweep; the broker is read only when there are some,
 and never when the queues hold more than MAX_SCAN messages (then only the wait bound acts).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import redis
@@ -30,7 +35,9 @@ import redis
 from executor.settings import Settings
 from executor.store import RunStore
 from worker import redis_conn
+from worker.fair import FairQueue, user_cap
 from worker.protocol import (
+    FAIR_JOBS_KEY,
     KOMBU_UNACKED,
     QUEUE_TEST,
     QUEUES,
@@ -57,9 +64,11 @@ def _message_id(raw: Any) -> str | None:
         return None  # not a kombu message (a poison item): not ours to judge here
 
 
-def broker_job_ids(client: redis.Redis) -> set[str] | None:
-    """The job ids of every message in the queues or held by a worker, read in one MULTI;
-    None when there are more than MAX_SCAN (too many to read every sweep)."""
+def broker_job_ids(client: redis.Redis, candidates: Iterable[str] = ()) -> set[str] | None:
+    """The job ids of every message in the queues or held by a worker, and those of
+    ``candidates`` waiting on their user's list (worker.fair), read in one MULTI; None when
+    there are more than MAX_SCAN messages (too many to read every sweep)."""
+    asked = list(candidates)
     keys = [k for q in QUEUES for k in queue_lists(q)]
     pipe = client.pipeline(transaction=True)
     for key in keys:
@@ -71,8 +80,13 @@ def broker_job_ids(client: redis.Redis) -> set[str] | None:
     for key in keys:
         pipe.lrange(key, 0, -1)
     pipe.hvals(KOMBU_UNACKED)
+    if asked:
+        pipe.hmget(FAIR_JOBS_KEY, asked)
     *lists, held = pipe.execute()
-    ids = set()
+    ids: set[str] = set()
+    if asked:
+        ids.update(j for j, user in zip(asked, held, strict=True) if user is not None)
+        *lists, held = lists
     for items in lists:
         for raw in items:
             job_id = _message_id(raw)
@@ -101,6 +115,7 @@ class QueuedSweep:
         self.nodename = nodename
         self._owns_client = client is None
         self.redis: redis.Redis = client or redis_conn.client(settings)
+        self.fair = FairQueue(self.redis, user_cap(settings))
 
     def close(self) -> None:
         if self._owns_client:
@@ -121,10 +136,37 @@ class QueuedSweep:
 
     def run(self, *, force: bool = False) -> dict[str, list[str]]:
         """One sweep (skipped when another worker swept within the interval, unless
-        ``force``): ``expired`` jobs ended failed, ``resent`` jobs whose message was lost."""
+        ``force``): ``expired`` jobs ended failed, ``resent`` jobs whose message was lost,
+        ``freed`` released runs whose end was not seen."""
         if not force and not self._lock():
-            return {"expired": [], "resent": []}
-        return {"expired": self.end_overdue(), "resent": self.resend_lost()}
+            return {"expired": [], "resent": [], "freed": []}
+        return {
+            "expired": self.end_overdue(),
+            "resent": self.resend_lost(),
+            "freed": self.reconcile(),
+        }
+
+    def reconcile(self) -> list[str]:
+        """Runs released to code.run whose job the store says ended, though their end was
+        not seen: their users' cap slots are freed (and runs released)."""
+        try:
+            held = self.fair.held()
+            if not held:
+                return []
+            statuses = self.store.statuses(held)
+            ended = {j for j in held if j not in statuses or statuses[j].finished}
+            self.fair.reconcile(ended)
+        except redis.RedisError as e:
+            log.warning("queued sweep: fair bookkeeping not reconciled (%s)", e)
+            return []
+        if ended:
+            log.warning(
+                "queued sweep: %d released run(s) had ended unseen; their users' slots are "
+                "free again: %s",
+                len(ended),
+                ", ".join(sorted(ended)[:20]),
+            )
+        return sorted(ended)
 
     def end_overdue(self) -> list[str]:
         ended: list[str] = []
@@ -137,6 +179,7 @@ class QueuedSweep:
             if old:
                 done = self.store.fail_queued(old, never_taken_message(self.settings, queue))
                 if done:
+                    self._forget(done)
                     log.error(
                         "queued sweep: %d job(s) waited in %s longer than %g s and "
                         "ended failed (no worker took them): %s",
@@ -148,11 +191,18 @@ class QueuedSweep:
                 ended += done
         return ended
 
+    def _forget(self, job_ids: list[str]) -> None:
+        try:
+            self.fair.forget(job_ids)
+        except redis.RedisError as e:  # claim skips them when they are released
+            log.warning("queued sweep: ended jobs stay on their users' lists (%s)", e)
+
     def resend_lost(self) -> list[str]:
         candidates = self.store.list_queued(self.settings.queue_lost_after_s, limit=500)
         if not candidates:
             return []
-        present = broker_job_ids(self.redis)
+        asked = [c.job_id for c in candidates]
+        present = broker_job_ids(self.redis, asked)
         if present is None:
             log.warning(
                 "queued sweep: more than %d messages queued; lost messages are not "
@@ -164,7 +214,7 @@ class QueuedSweep:
         if not missing:
             return []
         time.sleep(CONFIRM_AFTER_S)
-        present = broker_job_ids(self.redis) or set()
+        present = broker_job_ids(self.redis, list(missing)) or set()
         still = self.store.get_many((j for j in missing if j not in present), inputs=False)
         resent = []
         for job_id, rec in still.items():

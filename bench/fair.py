@@ -1,0 +1,198 @@
+"""Benchmark of fair share between users (worker.fair), in ONE run: its own redis-server,
+one Celery worker (prefork, ``--slots`` run slots), the real client, Docker, a SQLite run
+store. No assertions: it measures.
+
+* a flood: user ``ann`` submits ``--flood`` trivial runs at once, alone; its wall time
+  (first submit -> last stored result) and throughput;
+* the same flood while ``--others`` other users each submit one run, spread over the
+  flood: their start delay (submit -> claimed, the store's queued_at -> started_at) p50 /
+  p99, and the flood's wall time beside the flood alone (with fairness it should stay
+  >= 0.9 x the flood alone's throughput: fairness reorders, it must not slow);
+* the same with STUDIO_QUEUE_RUN_FAIRNESS=off (one FIFO: the others wait behind the flood);
+* submit overhead: ``submit()`` with fairness on vs off, interleaved (the enqueue script
+  vs kombu's LPUSH), while the worker runs the jobs.
+
+    python -m bench.fair [--slots 4] [--flood 500] [--others 10] [--submits 100] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import pct
+from bench.queue import TRIVIAL, start_worker
+from tests.services import start_redis
+
+
+def _wait(client: Any, ids: list[str], timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        recs = client.store.get_many(ids, inputs=False)
+        if len(recs) == len(ids) and all(r.finished for r in recs.values()):
+            return recs
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{sum(not r.finished for r in recs.values())} runs not done")
+        time.sleep(0.2)
+
+
+def flood(
+    client: Any, n: int, others: int = 0, spread_s: float = 0.0
+) -> tuple[float, list[float], list[int]]:
+    """ann's ``n`` runs, and ``others`` one-run users spread over ``spread_s``; returns the
+    flood's wall time (s), the others' start delays (s) and how many of ann's runs started
+    between each other run's submit and its start."""
+    other_ids: list[str] = []
+
+    def trickle() -> None:
+        for i in range(others):
+            time.sleep(spread_s / (others + 1))
+            other_ids.append(client.submit(TRIVIAL, "python", {}, user=f"user{i:02d}"))
+
+    side = threading.Thread(target=trickle)
+    ids = [client.submit(TRIVIAL, "python", {}, user="ann") for _ in range(n)]
+    side.start()
+    side.join()
+    recs = _wait(client, ids + other_ids, 60 + n * 2.0)
+    ann = [recs[j] for j in ids]
+    wall = (max(r.finished_at for r in ann) - min(r.queued_at for r in ann)).total_seconds()
+    delays, ahead = [], []
+    for j in other_ids:
+        rec = recs[j]
+        delays.append((rec.started_at - rec.queued_at).total_seconds())
+        ahead.append(sum(1 for a in ann if rec.queued_at < a.started_at < rec.started_at))
+    return wall, delays, ahead
+
+
+def submit_overhead(on: Any, off: Any, n: int) -> tuple[list[float], list[float]]:
+    """ms per submit(), fairness on vs off, interleaved (same machine noise on both)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    ids: list[tuple[Any, str]] = []
+    for _ in range(n):
+        for i, client in enumerate((on, off)):
+            t0 = time.perf_counter()
+            job = client.submit(TRIVIAL, "python", {}, user="sub")
+            times[i].append((time.perf_counter() - t0) * 1000)
+            ids.append((client, job))
+    _wait(on, [j for _, j in ids], 60 + n * 2.0)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--flood", type=int, default=500)
+    p.add_argument("--others", type=int, default=10)
+    p.add_argument("--submits", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=2, help="floods of each kind")
+    args = p.parse_args()
+
+    from api_client import CodeClient
+    from executor.settings import load_settings
+
+    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-fair-"))
+    redis = start_redis(tmp)
+    worker = None
+    clients: list[Any] = []
+    try:
+        db = f"sqlite:///{tmp / 'studio-code.db'}"
+        common = dict(
+            enable_code_nodes=True,
+            redis_url=redis.url,
+            database_url=db,
+            code_concurrency=args.slots,
+        )
+        on = CodeClient(load_settings(**common, queue_run_fairness="users"))
+        off = CodeClient(load_settings(**common, queue_run_fairness="off"))
+        clients = [on, off]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+        env.update(
+            STUDIO_ENABLE_CODE_NODES="1",
+            STUDIO_REDIS_URL=redis.url,
+            STUDIO_DATABASE_URL=db,
+            STUDIO_CODE_CONCURRENCY=str(args.slots),
+            STUDIO_CODE_IMAGE=on.settings.code_image,
+            STUDIO_QUEUE_TEST_SLOTS="0",
+        )
+        worker = start_worker(env, args.slots, tmp / "worker.log", on)
+        for _ in range(2 * args.slots):  # warm-up: every pool process, the engine, the store
+            on.wait(on.submit(TRIVIAL, "python", {}), 60)
+
+        alone, _, _ = flood(on, args.flood)
+        spread = alone * 0.8
+        walls: dict[str, list[float]] = {"alone": [alone], "on": [], "off": []}
+        delays: dict[str, list[float]] = {"on": [], "off": []}
+        ahead: dict[str, list[int]] = {"on": [], "off": []}
+        # rounds in turn (alone, fair, FIFO; then the next round in another order), so
+        # each side sees the same machine noise
+        for r in range(args.rounds):
+            order = ["on", "off", "alone"] if r % 2 == 0 else ["alone", "off", "on"]
+            for side in order:
+                if side == "alone" and r == 0:
+                    continue  # measured above (it also sized the spread)
+                client = off if side == "off" else on
+                others = 0 if side == "alone" else args.others
+                wall, d, a = flood(client, args.flood, others, spread)
+                walls[side].append(wall)
+                if side != "alone":
+                    delays[side] += d
+                    ahead[side] += a
+        alone = sum(walls["alone"]) / len(walls["alone"])
+        fair_wall = sum(walls["on"]) / len(walls["on"])
+        fifo_wall = sum(walls["off"]) / len(walls["off"])
+        fair_delays, fifo_delays = delays["on"], delays["off"]
+        fair_ahead, fifo_ahead = ahead["on"], ahead["off"]
+        sub_on, sub_off = submit_overhead(on, off, args.submits)
+
+        def s(xs: list[float], q: float) -> str:
+            return f"{pct(xs, q):.2f} s"
+
+        print(
+            f"# bench.fair: 1 worker, {args.slots} run slots (STUDIO_QUEUE_TEST_SLOTS=0), "
+            f"prefork; SQLite store; redis-server (AOF everysec); trivial Python node; "
+            f"{os.cpu_count()} CPUs"
+        )
+        print("| what | fairness users | fairness off |")
+        print("|---|---|---|")
+        print(
+            f"| other users' start delay behind a {args.flood}-run flood, p50 / p99 "
+            f"({args.others} users, one run each, spread over the flood) | "
+            f"{s(fair_delays, 50)} / {s(fair_delays, 99)} | "
+            f"{s(fifo_delays, 50)} / {s(fifo_delays, 99)} |"
+        )
+        print(
+            f"| … the flood's runs that started before theirs, p50 / max | "
+            f"{pct([float(a) for a in fair_ahead], 50):.0f} / {max(fair_ahead, default=0)} | "
+            f"{pct([float(a) for a in fifo_ahead], 50):.0f} / {max(fifo_ahead, default=0)} |"
+        )
+        print(
+            f"| flood throughput, alone ({args.flood} runs, fairness on) | "
+            f"{args.flood / alone:.2f} runs/s ({alone:.1f} s, mean of {len(walls['alone'])}) | |"
+        )
+        print(
+            f"| flood throughput with the others | {args.flood / fair_wall:.2f} runs/s "
+            f"({fair_wall:.1f} s; throughput with / alone = {alone / fair_wall:.2f}, goal ≥ 0.9) | "
+            f"{args.flood / fifo_wall:.2f} runs/s ({fifo_wall:.1f} s) |"
+        )
+        print(
+            f"| submit() overhead, p50 / p95 (n={args.submits} each, interleaved) | "
+            f"{pct(sub_on, 50):.2f} / {pct(sub_on, 95):.2f} ms | "
+            f"{pct(sub_off, 50):.2f} / {pct(sub_off, 95):.2f} ms |"
+        )
+    finally:
+        for c in clients:
+            c.close()
+        if worker is not None:
+            worker.stop()
+        redis.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
