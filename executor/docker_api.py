@@ -17,16 +17,19 @@ if TYPE_CHECKING:
 
 TIMEOUT_S = 30
 _lock = threading.Lock()
-_shared: tuple[int, docker.APIClient] | None = None
+_shared: tuple[int, str, docker.APIClient] | None = None
 
 
 def shared_api() -> docker.APIClient:
     """This process's client of the engine DOCKER_HOST names; raises DockerException
     (docker.errors) when it cannot be reached."""
     global _shared
+    host = os.environ.get("DOCKER_HOST", "")
     with _lock:
-        if _shared is None or _shared[0] != os.getpid():
+        if _shared is None or _shared[0] != os.getpid() or _shared[1] != host:
             import docker
 
-            _shared = (os.getpid(), docker.from_env(timeout=TIMEOUT_S).api)
-        return _shared[1]
+            # a DOCKER_HOST changed since (a socket guard put in front, a test's engine):
+            # the engine it names now, not the one first reached
+            _shared = (os.getpid(), host, docker.from_env(timeout=TIMEOUT_S).api)
+        return _shared[2]

@@ -30,7 +30,11 @@ from tests.conftest import ROOT, require, run_cli
 
 DEPS_TS = ROOT / "docker" / "studio-code-ts" / "deps.ts"
 #: docker-pool: the docker runtime with its pool of pre-started sandboxes filled first
-RUNTIMES = ["docker", "docker-pool", "subprocess"]
+RUNTIMES = [
+    pytest.param("docker", marks=pytest.mark.docker),
+    pytest.param("docker-pool", marks=pytest.mark.docker),
+    "subprocess",
+]
 ON = {"STUDIO_ENABLE_CODE_NODES": "1"}
 
 pytestmark = pytest.mark.deno
