@@ -139,10 +139,6 @@ def _metrics_env(q: QueueEnv, name: str, **extra: Any) -> tuple[Any, int]:
 # --- the run store goes away -------------------------------------------------------------------
 
 
-@pytest.mark.docker
-@pytest.mark.redis
-@pytest.mark.postgres
-@pytest.mark.timeout(300)
 #: the 60 s outage runs with STUDIO_TEST_LONG=1 (the 20 s one always): the full CI must stay
 #: under 30 minutes on 2 cores, and the 20 s case proves the same accounting
 LONG = pytest.mark.skipif(
@@ -150,6 +146,10 @@ LONG = pytest.mark.skipif(
 )
 
 
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("outage_s", [20, pytest.param(60, marks=[pytest.mark.slow, LONG])])
 def test_postgres_outage_during_burst(queue_env: Any, pg_cluster: PgCluster, outage_s: int) -> None:
     """PostgreSQL stopped (fast shutdown) for ``outage_s`` during a 200-job burst on 2
