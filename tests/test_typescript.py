@@ -612,7 +612,9 @@ def _one_json(proc) -> dict:
     return json.loads(lines[0])
 
 
-@pytest.mark.parametrize("runtime", ["docker", "subprocess"])  # the CLI runs one job: no pool
+@pytest.mark.parametrize(  # the CLI runs one job: no pool
+    "runtime", [pytest.param("docker", marks=pytest.mark.docker), "subprocess"]
+)
 def test_cli_run_and_validate_a_ts_file(runtime, request, tmp_path):
     env = _cli_env(runtime, request)
     node = tmp_path / "x.ts"
