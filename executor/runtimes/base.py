@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -189,3 +191,46 @@ class Runtime(ABC):
     @abstractmethod
     def unavailable_reason(self, language: Language) -> str | None:
         """Why this runtime cannot run ``language`` at all (a cheap check), or None."""
+
+
+class IdlePoolStats:
+    """What a pool of things started ahead (Docker sandboxes: ``pool.SandboxPool``,
+    subprocess runners: ``prestarted.RunnerPool``) shows, and how it tells its observer
+    (``PoolObserver``: the worker's metrics). The pool holds ``size``, ``max_idle_s``,
+    ``_cond``, ``_idle`` (per language, each item with a ``created`` monotonic time),
+    ``_starting``, ``hits``, ``misses`` and ``observe``."""
+
+    size: int
+    max_idle_s: float
+    observe: PoolObserver | None
+    _cond: Any
+    _idle: dict[str, Any]
+    _starting: Any
+    hits: Any
+    misses: Any
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        with self._cond:
+            return {
+                "size": self.size,
+                "max_idle_s": self.max_idle_s,
+                "languages": {
+                    name: {
+                        "idle": len(q),
+                        "starting": self._starting[name],
+                        "hits": self.hits[name],
+                        "misses": self.misses[name],
+                        "oldest_idle_s": round(max((now - p.created for p in q), default=0.0), 3),
+                    }
+                    for name, q in self._idle.items()
+                },
+            }
+
+    def _notify(self) -> None:
+        if self.observe is None:
+            return
+        try:
+            self.observe(self.stats())
+        except Exception as e:  # noqa: BLE001 - a metric is never worth a sandbox or a runner
+            logging.getLogger("studio_code").warning("pool observer failed: %s", e)

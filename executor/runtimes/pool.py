@@ -68,6 +68,7 @@ from executor.runtimes.base import (
     BoundedBuffer,
     CancelCheck,
     CancelledBeforeStart,
+    IdlePoolStats,
     PoolObserver,
     owner_id,
 )
@@ -138,7 +139,7 @@ def _shape(policy: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in policy.items() if k != "labels"}
 
 
-class SandboxPool:
+class SandboxPool(IdlePoolStats):
     """The pre-started containers of one process (one per ``DockerRuntime``)."""
 
     def __init__(
@@ -481,32 +482,6 @@ class SandboxPool:
                 self._cond.notify_all()
 
     # --- what it shows ----------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        now = time.monotonic()
-        with self._cond:
-            return {
-                "size": self.size,
-                "max_idle_s": self.max_idle_s,
-                "languages": {
-                    name: {
-                        "idle": len(q),
-                        "starting": self._starting[name],
-                        "hits": self.hits[name],
-                        "misses": self.misses[name],
-                        "oldest_idle_s": round(max((now - p.created for p in q), default=0.0), 3),
-                    }
-                    for name, q in self._idle.items()
-                },
-            }
-
-    def _notify(self) -> None:
-        if self.observe is None:
-            return
-        try:
-            self.observe(self.stats())
-        except Exception as e:  # noqa: BLE001 - a metric is never worth a sandbox
-            log.warning("pool observer failed: %s", e)
 
     # --- the pool's thread: start, replace, remove ----------------------------------------
 

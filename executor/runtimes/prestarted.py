@@ -42,7 +42,12 @@ from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import Limits
 from executor.runtimes import namespaces
-from executor.runtimes.base import CancelCheck, CancelledBeforeStart, PoolObserver
+from executor.runtimes.base import (
+    CancelCheck,
+    CancelledBeforeStart,
+    IdlePoolStats,
+    PoolObserver,
+)
 from executor.runtimes.cgroups import RunCgroup
 from executor.runtimes.uids import UidLease
 
@@ -160,7 +165,7 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
 
 
-class RunnerPool:
+class RunnerPool(IdlePoolStats):
     """The pre-started runners of one process (one per ``SubprocessRuntime``)."""
 
     def __init__(
@@ -382,29 +387,3 @@ class RunnerPool:
                 self._discard(r)
             except Exception as e:  # noqa: BLE001 - one runner's end never stops the pool
                 log.warning("could not end an unused runner (pid %d): %s", r.child.pid, e)
-
-    def stats(self) -> dict[str, Any]:
-        now = time.monotonic()
-        with self._cond:
-            return {
-                "size": self.size,
-                "max_idle_s": self.max_idle_s,
-                "languages": {
-                    name: {
-                        "idle": len(q),
-                        "starting": self._starting[name],
-                        "hits": self.hits[name],
-                        "misses": self.misses[name],
-                        "oldest_idle_s": round(max((now - r.created for r in q), default=0.0), 3),
-                    }
-                    for name, q in self._idle.items()
-                },
-            }
-
-    def _notify(self) -> None:
-        if self.observe is None:
-            return
-        try:
-            self.observe(self.stats())
-        except Exception as e:  # noqa: BLE001 - a metric is never worth a runner
-            log.warning("pool observer failed: %s", e)
