@@ -307,7 +307,7 @@ class CodeClient:
                 "run) or 'test' (an editor test call)."
             )
         timeout = inputs.timeout_s(timeout_s, max_seconds=self.settings.code_max_seconds)
-        self.executor.language(language)  # not offered: CodeInvalid before anything else
+        offered = self.executor.language(language)  # not offered: CodeInvalid before the rest
         state_json = inputs.state_json(state, max_bytes=self.settings.code_state_max_bytes)
         job = CodeJob(
             language=language,  # type: ignore[arg-type]  # offered, checked above
@@ -319,7 +319,7 @@ class CodeClient:
             memory_bytes=inputs.memory_bytes(memory),
             cpus=cpus,
         )
-        self.executor.check_job(job)
+        self.executor.check_job(job, language=offered, state_checked=True)
         return job
 
     # --- the queue ---------------------------------------------------------------------

@@ -370,6 +370,13 @@ class FairQueue:
         """These jobs ended: their user's cap slots are free. Then release."""
         return int(self._ended(keys=KEYS, args=self._args(*job_ids)))
 
+    def add_ended(self, pipe: Any, job_ids: list[str]) -> None:
+        """``ended`` added to a pipeline the job's end shares (EVALSHA only: a pipeline
+        given the script object would first ask SCRIPT EXISTS, a round trip of its own).
+        The reply is a NoScriptError when this Redis has not loaded the script yet (new,
+        restarted, failed over): ``ended`` then loads it."""
+        pipe.evalsha(self._ended.sha, len(KEYS), *KEYS, *self._args(*job_ids))
+
     def forget(self, job_ids: list[str]) -> int:
         """Take runs off their users' lists (cancelled or ended while waiting there)."""
         if not job_ids:
