@@ -419,6 +419,18 @@ class Channel(kombu_redis.Channel):
     its user's waiting list instead (the message kombu built, unchanged)."""
 
     _fair: FairQueue | None = None
+    _sync_client: Any = None
+
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        """kombu makes a new redis.Redis on its pool for every publish (its __init__ was a
+        fifth of a submit's CPU); one per channel and pool does (redis.Redis is thread
+        safe: each command takes a connection from the pool)."""
+        if asynchronous:
+            return super()._create_client(asynchronous=True)
+        client = self._sync_client
+        if client is None or client.connection_pool is not self.pool:
+            client = self._sync_client = super()._create_client()
+        return client
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> Any:
         headers = message.get("headers") or {}
