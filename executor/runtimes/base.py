@@ -17,7 +17,7 @@ from executor.models import CodeJob, Limits, RawRun
 from executor.settings import Settings
 
 if TYPE_CHECKING:
-    from executor.runtimes.engine import EnginePosture
+    from executor.runtimes.docker.engine import EnginePosture
 
 #: polled while a sandbox runs; True means "the job was cancelled: kill it now"
 CancelCheck = Callable[[], bool]

@@ -72,7 +72,7 @@ from executor.runtimes.base import (
     PoolObserver,
     owner_id,
 )
-from executor.runtimes.docker import (
+from executor.runtimes.docker.runtime import (
     KILL_GRACE_S,
     LABEL_DEADLINE,
     LABEL_JOB,
@@ -85,7 +85,7 @@ from executor.runtimes.docker import (
 )
 
 if TYPE_CHECKING:
-    from executor.runtimes.docker import DockerRuntime
+    from executor.runtimes.docker.runtime import DockerRuntime
 
 log = logging.getLogger("studio_code")
 

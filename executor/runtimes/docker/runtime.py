@@ -36,8 +36,8 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.constants import KILL_GRACE_S
-from executor.runtimes.engine import POSTURE_TTL_S
-from executor.runtimes.seccomp import profile_json
+from executor.runtimes.docker.engine import POSTURE_TTL_S
+from executor.runtimes.docker.seccomp import profile_json
 from executor.settings import Settings, sandbox_ids
 
 log = logging.getLogger("studio_code")
@@ -47,7 +47,8 @@ LABEL_OWNER = "studio.owner"
 LABEL_DEADLINE = "studio.deadline"  # epoch seconds after which any reaper may remove it
 LABEL_LANGUAGE = "studio.language"
 #: a pre-started container waiting for a job carries its owner here instead of a job id
-#: (labels are fixed at create): it gets its job's name when taken, see executor/runtimes/pool.py
+#: (labels are fixed at create): it gets its job's name when taken, see
+#: executor/runtimes/docker/pool.py
 LABEL_POOL = "studio.pool"
 TMPFS_SIZE = "64m"
 #: how long a stopping process keeps retrying removals that failed while the engine was away
@@ -75,7 +76,7 @@ def sandbox_policy(
         "tmpfs": {"/tmp": f"rw,nosuid,nodev,noexec,size={TMPFS_SIZE},mode=1777"},
         "binds": [],
         "cap_drop": ["ALL"],
-        # our own seccomp profile (executor/runtimes/seccomp.json): Docker's default minus
+        # our own seccomp profile (executor/runtimes/docker/seccomp.json): Docker's default minus
         # io_uring, userfaultfd, keyrings, bpf, perf, ptrace, namespaces, mounts and every
         # socket family but AF_UNIX
         "security_opt": ["no-new-privileges", f"seccomp={profile_json()}"],
@@ -116,8 +117,8 @@ def container_name(job_id: str) -> str:
 
 
 if TYPE_CHECKING:
-    from executor.runtimes.engine import EnginePosture
-    from executor.runtimes.pool import SandboxPool
+    from executor.runtimes.docker.engine import EnginePosture
+    from executor.runtimes.docker.pool import SandboxPool
 
 
 class DockerRuntime(Runtime):
@@ -146,7 +147,7 @@ class DockerRuntime(Runtime):
         except RuntimeUnavailable as e:
             log.warning("Docker not reachable at process start: %s", e)
         if self.settings.code_prewarm > 0 and languages and self.pool is None:
-            from executor.runtimes.pool import SandboxPool
+            from executor.runtimes.docker.pool import SandboxPool
 
             self.pool = SandboxPool(self, languages, limits, observe)
             self.pool.start()
@@ -179,7 +180,7 @@ class DockerRuntime(Runtime):
         cached = self._posture
         if cached is not None and not fresh and time.monotonic() - cached[0] < POSTURE_TTL_S:
             return cached[1]
-        from executor.runtimes.engine import read_posture
+        from executor.runtimes.docker.engine import read_posture
 
         try:
             posture = read_posture(self.api, oci_runtime=self.settings.code_oci_runtime)
