@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from executor.runtimes.docker.engine import sandbox_proof
-from executor.runtimes.docker.runtime import TMPFS_SIZE
+from executor.runtimes.docker.policy import TMPFS_SIZE
 from executor.runtimes.docker.seccomp import profile_sha256
 from executor.service import Executor
 from executor.settings import KNOWN_LANGUAGES, NOBODY, sandbox_ids

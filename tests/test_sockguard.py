@@ -39,7 +39,7 @@ def sandbox_args(api: Any, image: str, **host: Any) -> dict[str, Any]:
     from executor.languages import get_language
     from executor.models import CodeJob
     from executor.runtimes.base import owner_id
-    from executor.runtimes.docker.runtime import sandbox_policy
+    from executor.runtimes.docker.policy import sandbox_policy
     from executor.service import Executor
     from executor.settings import load_settings
 

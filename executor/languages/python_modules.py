@@ -132,7 +132,7 @@ def _never_started(api: Any, image: str) -> dict[str, Any]:
     from executor.languages import get_language
     from executor.models import CodeJob, Limits
     from executor.runtimes.base import owner_id
-    from executor.runtimes.docker.runtime import sandbox_policy
+    from executor.runtimes.docker.policy import sandbox_policy
     from executor.settings import load_settings
 
     settings = load_settings()
