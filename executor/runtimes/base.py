@@ -109,7 +109,7 @@ class Runtime(ABC):
 
     Callers ask a runtime what it can do (``isolated``, ``warnings``, ``prepare``, ``reap``,
     ``health_problem``...) and never branch on its ``name``, which is only a label (trace
-    rows, results, metrics): a new runtime touches its own file and ``make_runtime``.
+    rows, results, metrics): a new runtime touches its own package and ``make_runtime``.
     """
 
     #: the label of results, trace rows and metrics (STUDIO_CODE_RUNTIME's value)
