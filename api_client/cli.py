@@ -657,11 +657,11 @@ def _serve_command(sub: Any) -> None:
 
 
 def cmd_sockguard(args: argparse.Namespace, settings: Settings) -> int:
-    """Serve the socket guard (executor.runtimes.sockguard) until SIGTERM / Ctrl-C; its log
+    """Serve the socket guard (executor.runtimes.docker.sockguard) until SIGTERM / Ctrl-C; its log
     (each refusal and why) goes to stderr, ONE JSON object to stdout when it stops."""
     import signal
 
-    from executor.runtimes.sockguard import Policy, SockGuard
+    from executor.runtimes.docker.sockguard import Policy, SockGuard
 
     if not os.path.exists(args.upstream):
         _print(

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from bench.common import interleave, raw_container, row
 from executor.languages import get_language
 from executor.models import CodeJob
-from executor.runtimes.docker import sandbox_policy
+from executor.runtimes.docker.policy import sandbox_policy
 from executor.service import Executor
 from executor.settings import load_settings
 

@@ -18,7 +18,7 @@ from bench.common import interleave, raw_container, row
 from executor.languages import get_language
 from executor.models import CodeJob
 from executor.outputs import parse_reply
-from executor.runtimes.docker import sandbox_policy
+from executor.runtimes.docker.policy import sandbox_policy
 from executor.service import Executor
 from executor.settings import load_settings
 

@@ -260,7 +260,7 @@ def raw_throughput(settings: Any, api: Any, threads: int, jobs: int) -> float:
     from executor.languages import get_language
     from executor.models import CodeJob
     from executor.runtimes.base import owner_id
-    from executor.runtimes.docker import sandbox_policy
+    from executor.runtimes.docker.policy import sandbox_policy
     from executor.service import Executor
 
     lang = get_language("python")

@@ -27,7 +27,7 @@ from bench.common import interleave, pct, raw_container
 from executor.languages import get_language
 from executor.languages.typescript import RUNNER_URL
 from executor.models import CodeJob
-from executor.runtimes.docker import sandbox_policy
+from executor.runtimes.docker.policy import sandbox_policy
 from executor.service import Executor
 from executor.settings import load_settings, sandbox_ids
 

@@ -88,7 +88,7 @@ RECIPE=1
 SANDBOX_FLAGS=(--rm -i --network none --read-only
   --tmpfs /tmp:rw,nosuid,nodev,noexec,size=64m,mode=1777
   --cap-drop ALL --security-opt no-new-privileges --user 65534:65534
-  --security-opt "seccomp=$ROOT/executor/runtimes/seccomp.json"
+  --security-opt "seccomp=$ROOT/executor/runtimes/docker/seccomp.json"
   --memory 256m --memory-swap 256m --cpus 0.5 --pids-limit 64 --log-driver none --ipc none
   --ulimit core=0 --ulimit msgqueue=0 --hostname sandbox
   -e HOME=/tmp)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from executor.runtimes.docker import TMPFS_SIZE
-from executor.runtimes.engine import sandbox_proof
-from executor.runtimes.seccomp import profile_sha256
+from executor.runtimes.docker.engine import sandbox_proof
+from executor.runtimes.docker.policy import TMPFS_SIZE
+from executor.runtimes.docker.seccomp import profile_sha256
 from executor.service import Executor
 from executor.settings import KNOWN_LANGUAGES, NOBODY, sandbox_ids
 
@@ -43,7 +43,7 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
     isolation = getattr(executor.runtime, "isolation", None)
     warnings = list(runtime.warnings) if runtime is not None else []
     if isolation is not None:
-        from executor.runtimes.subprocess import isolation_warning
+        from executor.runtimes.subprocess.runtime import isolation_warning
 
         warnings.append(isolation_warning(isolation))
     posture = runtime.engine_posture(fresh=fresh) if runtime is not None else None
@@ -87,7 +87,7 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             ),
         },
         "seccomp": (
-            {"profile": "executor/runtimes/seccomp.json", "sha256": profile_sha256()}
+            {"profile": "executor/runtimes/docker/seccomp.json", "sha256": profile_sha256()}
             if s.code_runtime == "docker"
             else None
         ),

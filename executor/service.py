@@ -82,11 +82,11 @@ def runtime_class(settings: Settings) -> type[Runtime] | None:
     """The class of the runtime STUDIO_CODE_RUNTIME names (None: unknown). The one place
     that reads the name: everything else asks the runtime what it can do."""
     if settings.code_runtime == "docker":
-        from executor.runtimes.docker import DockerRuntime
+        from executor.runtimes.docker.runtime import DockerRuntime
 
         return DockerRuntime
     if settings.code_runtime == "subprocess":
-        from executor.runtimes.subprocess import SubprocessRuntime
+        from executor.runtimes.subprocess.runtime import SubprocessRuntime
 
         return SubprocessRuntime
     return None

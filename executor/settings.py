@@ -196,7 +196,7 @@ class Settings(BaseSettings):
         False,
         description="Docker runtime: refuse to run (the runtime is not ready, naming the "
         "advisories) while the engine's runc, containerd or dockerd has a known container "
-        "escape of executor/runtimes/known_escapes.toml. Off: a vulnerable engine is a "
+        "escape of executor/runtimes/docker/known_escapes.toml. Off: a vulnerable engine is a "
         "start-up WARNING and the studio_code_engine_vulnerable gauge, and runs go on.",
     )
     database_url: str = Field(

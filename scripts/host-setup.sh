@@ -12,7 +12,7 @@
 #             a private-range network); log in /var/log/dockerd-studio.log
 #   postgres  an installed but stopped cluster is started (the run store tests use it)
 #   engine    says which Docker, containerd and runc it found, and WARNS when their version
-#             has a known container escape of executor/runtimes/known_escapes.toml (asked
+#             has a known container escape of executor/runtimes/docker/known_escapes.toml (asked
 #             with the system's python3 -S: no project start-up), naming the upgrade path
 #
 # On a machine that has all of it, it changes nothing and takes well under a second.
@@ -76,7 +76,7 @@ if ! answers docker; then
 fi
 
 # The engine under the sandboxes: its versions, and the known escapes they have (the same
-# table and comparison as the workers' engine posture, executor/runtimes/escapes.py).
+# table and comparison as the workers' engine posture, executor/runtimes/docker/escapes.py).
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 engine=$(docker version --format \
   '{{range .Server.Components}}{{.Name}}|{{.Version}}|{{index .Details "GitCommit"}}{{"\n"}}{{end}}' \
@@ -92,13 +92,13 @@ while IFS='|' read -r name version commit; do
       command -v python3 >/dev/null || continue
       while read -r cve ghsa fixed only_when; do
         [[ -n $cve && -z $only_when ]] && escapes+=("$name ${package:-$version}: $cve ($ghsa), fixed in ${fixed//\// / }")
-      done < <(python3 -S "$root/executor/runtimes/escapes.py" "$name" "$version" ${package:+"$package"} 2>/dev/null)
+      done < <(python3 -S "$root/executor/runtimes/docker/escapes.py" "$name" "$version" ${package:+"$package"} 2>/dev/null)
       ;;
   esac
 done <<<"$engine"
 ((${#found[@]})) && log "engine: $(printf '%s, ' "${found[@]}" | sed 's/, $//')"
 if ((${#escapes[@]})); then
-  log "WARNING: this engine has known container escapes (executor/runtimes/known_escapes.toml):"
+  log "WARNING: this engine has known container escapes (executor/runtimes/docker/known_escapes.toml):"
   for e in "${escapes[@]}"; do log "  $e"; done
   log "  upgrade: the Docker project's packages (docker-ce, containerd.io from"
   log "  https://download.docker.com/linux/), a newer distribution, or a runc from the"

@@ -270,7 +270,7 @@ def test_redis_keeps_acknowledged_jobs(config: dict[str, Any]) -> None:
 
 
 def test_worker_stop_grace_covers_the_longest_job(config: dict[str, Any]) -> None:
-    from executor.runtimes.docker import KILL_GRACE_S
+    from executor.runtimes.constants import KILL_GRACE_S
 
     worker = config["services"]["worker"]
     max_s = float(worker["environment"]["STUDIO_CODE_MAX_SECONDS"])

@@ -367,7 +367,7 @@ def test_kill_by_label_from_another_process_ends_cancelled(docker_executor):
     intent = threading.Event()
 
     def cancel_from_elsewhere() -> None:
-        from executor.runtimes.docker import DockerRuntime
+        from executor.runtimes.docker.runtime import DockerRuntime
 
         intent.set()
         # False only when the runtime's own poll of the intent removed it first

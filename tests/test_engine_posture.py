@@ -1,4 +1,4 @@
-"""The engine posture: the table of known container escapes (executor/runtimes/escapes.py,
+"""The engine posture: the table of known container escapes (executor/runtimes/docker/escapes.py,
 known_escapes.toml) against fake engine answers, and this machine's real engine read through
 the Docker SDK, with what the sandboxes' kernel says from inside one."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from executor.runtimes import escapes
-from executor.runtimes.engine import posture_of, read_posture, sandbox_proof
-from executor.runtimes.escapes import (
+from executor.runtimes.docker import escapes
+from executor.runtimes.docker.engine import posture_of, read_posture, sandbox_proof
+from executor.runtimes.docker.escapes import (
     dpkg_compare,
     is_package_version,
     load_table,
@@ -157,7 +157,7 @@ def test_the_command_line_answers_as_the_table_does() -> None:
     ]:
         args = [component, version] + ([package] if package else [])
         out = subprocess.run(
-            [python3, "-S", str(ROOT / "executor/runtimes/escapes.py"), *args],
+            [python3, "-S", str(ROOT / "executor/runtimes/docker/escapes.py"), *args],
             capture_output=True,
             text=True,
             check=True,

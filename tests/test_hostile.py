@@ -1147,7 +1147,7 @@ def test_meta_shows_the_seccomp_profile_and_both_languages_are_ready_under_it(
     import hashlib
 
     from executor.meta import runtime_meta
-    from executor.runtimes.seccomp import PROFILE_PATH
+    from executor.runtimes.docker.seccomp import PROFILE_PATH
 
     ex = Executor(
         make_settings(code_runtime="docker", code_image=python_image, code_ts_image=ts_image)
@@ -1185,7 +1185,7 @@ def test_the_shipped_profile_is_what_derive_makes_of_mobys_default() -> None:
     import sys
     from pathlib import Path
 
-    from executor.runtimes.seccomp import PROFILE_PATH
+    from executor.runtimes.docker.seccomp import PROFILE_PATH
 
     root = Path(__file__).resolve().parent.parent
     made = subprocess.run(
@@ -1197,4 +1197,4 @@ def test_the_shipped_profile_is_what_derive_makes_of_mobys_default() -> None:
         capture_output=True,
         check=True,
     ).stdout
-    assert made == PROFILE_PATH.read_bytes(), "regenerate executor/runtimes/seccomp.json"
+    assert made == PROFILE_PATH.read_bytes(), "regenerate executor/runtimes/docker/seccomp.json"

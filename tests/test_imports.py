@@ -5,6 +5,7 @@ Celery, Docker SDK or tree-sitter; ``run`` loads no queue or store."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -199,7 +200,7 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
     """,
         env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": runtime},
     )
-    assert f"executor.runtimes.{runtime}" in mods  # it did run, in that runtime
+    assert f"executor.runtimes.{runtime}.runtime" in mods  # it did run, in that runtime
     other = "subprocess" if runtime == "docker" else "docker"
     assert loaded_of(mods, (*QUEUE_AND_STORE, f"executor.runtimes.{other}")) == []
 
@@ -245,3 +246,89 @@ def test_the_wire_records_load_without_the_routes():
         for name in ("RunView", "RunBody", "CodeBody", "ErrorBody", "RuntimeMeta", "Health"):
             assert getattr(http, name) is getattr(wire, name), name
     """)
+
+
+RUNTIMES = ROOT / "executor" / "runtimes"
+
+
+def runtime_imports() -> dict[str, dict[str, bool]]:
+    """Every module of executor/runtimes/ -> the modules of executor/runtimes/ it imports
+    anywhere (top level, inside a function, under TYPE_CHECKING), each with True when every
+    import of it is under ``if TYPE_CHECKING:`` (read from the source, nothing imported)."""
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in RUNTIMES.rglob("*.py")
+    }
+    graph: dict[str, dict[str, bool]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+            for stmt in block.body
+            for node in ast.walk(stmt)
+        }
+        edges: dict[str, bool] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{name}: a relative import"
+                base = node.module or ""
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                    for a in node.names
+                ]
+            else:
+                continue
+            for target in targets:
+                if target in modules and target != name:
+                    edges[target] = edges.get(target, True) and id(node) in typing_only
+        graph[name] = edges
+    return graph
+
+
+def test_the_runtimes_are_laid_out_by_runtime():
+    """executor/runtimes/: what both runtimes share (base, constants) at the top; all that
+    is Docker's in docker/ (the policy, the attach stream, the pool, seccomp, the engine's
+    posture, the socket guard), all that is the subprocess runtime's in subprocess/ (its
+    pre-started runners, uids, cgroups, namespaces)."""
+    top = sorted(p.name for p in RUNTIMES.iterdir() if p.name != "__pycache__")
+    assert top == ["__init__.py", "base.py", "constants.py", "docker", "subprocess"]
+    docker_files = sorted(p.name for p in (RUNTIMES / "docker").iterdir() if p.is_file())
+    assert {"runtime.py", "pool.py", "attached.py", "policy.py", "seccomp.py"} <= set(docker_files)
+    assert {"seccomp.json", "known_escapes.toml"} <= set(docker_files)
+    subprocess_files = {p.name for p in (RUNTIMES / "subprocess").iterdir() if p.is_file()}
+    assert {"runtime.py", "prestarted.py", "uids.py", "cgroups.py"} <= subprocess_files
+    graph = runtime_imports()
+    for name, edges in graph.items():
+        for own, other in (("docker", "subprocess"), ("subprocess", "docker")):
+            if name.startswith(f"executor.runtimes.{own}"):
+                crossing = [t for t in edges if t.startswith(f"executor.runtimes.{other}")]
+                assert crossing == [], f"{name} imports the {other} runtime: {crossing}"
+    # the shared modules import no runtime (base names the engine's posture as a type only)
+    for shared in ("executor.runtimes.base", "executor.runtimes.constants"):
+        loaded = [t for t, typing_only in graph[shared].items() if not typing_only]
+        assert [t for t in loaded if t.count(".") > 2] == [], shared
+
+
+def test_no_import_circle_in_the_runtimes():
+    """No module of executor/runtimes/ imports itself back through others, counting the
+    imports inside functions and under TYPE_CHECKING (a cycle they would only hide)."""
+    graph = runtime_imports()
+    assert "executor.runtimes.docker.pool" in graph["executor.runtimes.docker.runtime"]
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            cycle = path[path.index(name) :] + [name]
+            raise AssertionError("import circle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        for target in graph[name]:
+            visit(target, [*path, name])
+        done.add(name)
+
+    for name in graph:
+        visit(name, [])

@@ -1,4 +1,4 @@
-"""Pre-started sandboxes (executor/runtimes/pool.py), against the real Docker engine and a
+"""Pre-started sandboxes (executor/runtimes/docker/pool.py), against the real Docker engine and a
 real worker: each pre-started container gets exactly ONE job, a job with other limits starts
 cold, idle ones are replaced (age, a new image id), and nothing is left behind or reused after
 a cancel, a timeout, OOM, a worker SIGKILL or a worker stop. Which container ran a job is
@@ -240,7 +240,7 @@ def test_a_new_image_id_drains_the_pool(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    import executor.runtimes.pool as pool_module
+    import executor.runtimes.docker.pool as pool_module
 
     monkeypatch.setattr(pool_module, "IMAGE_CHECK_S", 0.0)
     tag = f"studio-code-pooltest-{os.getpid()}:1"  # our own tag: the shared ones stay as they are
@@ -282,7 +282,7 @@ def test_a_new_image_id_drains_the_pool(
 def test_close_removes_idle_and_the_reaper_those_of_a_dead_owner(
     pooled: Any, make_settings: Any, python_image: str, docker_client: Any
 ) -> None:
-    from executor.runtimes.docker import DockerRuntime
+    from executor.runtimes.docker.runtime import DockerRuntime
 
     ex = pooled()
     owner = ex.runtime.pool.owner

@@ -1,4 +1,4 @@
-"""The socket guard (``studio-code sockguard``, executor/runtimes/sockguard.py) as a real
+"""The socket guard (``studio-code sockguard``, executor/runtimes/docker/sockguard.py) as a real
 process on a unix socket, in front of the real engine: what it refuses (403, its reason in
 the message and the guard's log) and that jobs, cold and pooled, run through it."""
 
@@ -39,7 +39,7 @@ def sandbox_args(api: Any, image: str, **host: Any) -> dict[str, Any]:
     from executor.languages import get_language
     from executor.models import CodeJob
     from executor.runtimes.base import owner_id
-    from executor.runtimes.docker import sandbox_policy
+    from executor.runtimes.docker.policy import sandbox_policy
     from executor.service import Executor
     from executor.settings import load_settings
 

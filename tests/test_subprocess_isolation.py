@@ -747,7 +747,7 @@ def main(state):
 
 def test_uid_leases_never_collide_across_processes(tmp_path: Path) -> None:
     from executor.errors import RuntimeUnavailable
-    from executor.runtimes.uids import UidPool
+    from executor.runtimes.subprocess.uids import UidPool
 
     ids = range(300000, 300002)
     holder = subprocess.Popen(
@@ -756,7 +756,7 @@ def test_uid_leases_never_collide_across_processes(tmp_path: Path) -> None:
             "-c",
             "import sys, time\n"
             "from pathlib import Path\n"
-            "from executor.runtimes.uids import UidPool\n"
+            "from executor.runtimes.subprocess.uids import UidPool\n"
             f"lease = UidPool(range(300000, 300002), Path({str(tmp_path)!r})).acquire()\n"
             "print(lease.uid, flush=True)\n"
             "time.sleep(60)\n",
@@ -1027,7 +1027,7 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
             not namespaced and iso["namespaces_reason"] == "STUDIO_CODE_SUBPROCESS_NAMESPACES=off"
         )
     else:
-        from executor.runtimes.namespaces import refusing_knob
+        from executor.runtimes.subprocess.namespaces import refusing_knob
 
         # this kernel allows unprivileged user namespaces unless a knob says otherwise
         assert namespaced == (refusing_knob() is None), iso["namespaces_reason"]
@@ -1166,7 +1166,7 @@ def test_a_dead_workers_uid_is_scrubbed_before_its_next_run(make_settings) -> No
     """A worker killed mid-run leaves its uid's lock free but marked busy, a process of
     that uid in a session of its own and a file in /tmp: the next holder of the uid kills
     and removes them before its own run starts."""
-    from executor.runtimes.uids import LOCK_DIR, MARK_BUSY
+    from executor.runtimes.subprocess.uids import LOCK_DIR, MARK_BUSY
 
     uid = 300500
     ex = Executor(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from executor.models import CodeJob, Status
-from executor.runtimes.prestarted import Runner
+from executor.runtimes.subprocess.prestarted import Runner
 from executor.service import Executor
 
 pytestmark = pytest.mark.skipif(
@@ -126,7 +126,7 @@ def test_close_kills_idle_runners_and_releases_what_they_hold(make_prepared) -> 
         assert not alive(r.child.pid)
         assert not [p for p in held_by(r) if p.exists()]
     if os.getuid() == 0:  # their uid leases are free again, and marked clean
-        from executor.runtimes.uids import UidPool
+        from executor.runtimes.subprocess.uids import UidPool
 
         leased = {r.lease.uid for r in runners if r.lease is not None}
         assert len(leased) == 2

@@ -195,8 +195,7 @@ def test_a_kernel_that_refuses_user_namespaces_is_named_and_meta_says_what_still
     # The refusing kernel is faked (a knob file of tmp_path): this host allows them, and
     # its real knobs are the machine's. tests/test_subprocess_isolation.py runs both real
     # cases (namespaces, and none with STUDIO_CODE_SUBPROCESS_NAMESPACES=off) from inside.
-    from executor.runtimes import namespaces
-    from executor.runtimes import subprocess as runtime
+    from executor.runtimes.subprocess import namespaces, runtime
 
     knob = tmp_path / "user" / "max_user_namespaces"
     knob.parent.mkdir()

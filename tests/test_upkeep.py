@@ -1,4 +1,4 @@
-"""A worker's upkeep under load and under a restarting engine (executor/runtimes/pool.py):
+"""A worker's upkeep under load and under a restarting engine (executor/runtimes/docker/pool.py):
 a steady backlog never starves the removal of used sandboxes (their number, the worker's
 fds and RSS stay bounded), and restarts of an engine of the test's own leave no container
 after a warm stop. Real Celery workers, real Docker, loopback only."""

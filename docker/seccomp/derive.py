@@ -1,6 +1,8 @@
-"""Derive the sandbox's seccomp profile (executor/runtimes/seccomp.json) from Docker's default.
+"""Derive the sandbox's seccomp profile (executor/runtimes/docker/seccomp.json) from
+Docker's default.
 
-    python3 docker/seccomp/derive.py docker/seccomp/moby-default.json > executor/runtimes/seccomp.json
+    python3 docker/seccomp/derive.py docker/seccomp/moby-default.json \
+        > executor/runtimes/docker/seccomp.json
 
 The input is moby's default profile, kept beside this script as it was fetched (see SOURCE).
 The output is that profile minus what a code node never needs (docs/security.md says why):
@@ -33,14 +35,34 @@ SOURCE = (
     " v0.2.3"
 )
 REMOVED = {
-    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
     "userfaultfd",
-    "keyctl", "add_key", "request_key",
-    "bpf", "perf_event_open",
-    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "kcmp", "pidfd_getfd",
-    "unshare", "setns",
-    "mount", "umount", "umount2", "pivot_root", "mount_setattr", "move_mount", "open_tree",
-    "fsopen", "fsconfig", "fsmount", "fspick",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "process_madvise",
+    "kcmp",
+    "pidfd_getfd",
+    "unshare",
+    "setns",
+    "mount",
+    "umount",
+    "umount2",
+    "pivot_root",
+    "mount_setattr",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
     "socketcall",
 }
 AF_UNIX = 1
@@ -59,15 +81,17 @@ def derive(default: dict) -> dict:
             continue  # replaced below: AF_UNIX only
         rules.append({**rule, "names": names})
     for family in ALLOWED_FAMILIES:
-        rules.append({
-            "names": ["socket"],
-            "action": "SCMP_ACT_ALLOW",
-            "args": [{"index": 0, "value": family, "op": "SCMP_CMP_EQ"}],
-            "comment": "studio-code: AF_UNIX sockets only (no network, netlink, packet, vsock)",
-        })
+        rules.append(
+            {
+                "names": ["socket"],
+                "action": "SCMP_ACT_ALLOW",
+                "args": [{"index": 0, "value": family, "op": "SCMP_CMP_EQ"}],
+                "comment": "studio-code: AF_UNIX sockets only (no network, netlink, packet, vsock)",
+            }
+        )
     return {
         "comment": "studio-code code-node sandbox profile, derived by docker/seccomp/derive.py "
-                   "from Docker's default profile: " + SOURCE,
+        "from Docker's default profile: " + SOURCE,
         "defaultAction": default["defaultAction"],
         "defaultErrnoRet": default.get("defaultErrnoRet", 1),
         "archMap": default["archMap"],

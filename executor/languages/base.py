@@ -65,7 +65,7 @@ class Language(ABC):
     def stdin_payload(self, job: CodeJob, *, end_mark: str = "") -> bytes:
         """Header line with the code (as data), then the state JSON, untouched. With
         ``end_mark`` the runner writes it to stderr once its result is written (the
-        result and the logs are complete: see executor/runtimes/pool.py)."""
+        result and the logs are complete: see executor/runtimes/docker/pool.py)."""
         head: dict[str, str] = {"code": job.code}
         if end_mark:
             head["end"] = end_mark

@@ -7,7 +7,7 @@ of the image (a container created, never started, then removed) once per image i
 keeps it in the process and under STUDIO_DATA_DIR/image-modules/, so a save costs nothing
 after the first, nor does a later process's. That container is made in the sandboxes'
 own shape (``sandbox_policy``, labelled, with a deadline any reaper honours), so the socket
-guard (executor/runtimes/sockguard.py) passes its create and the read of this one file.
+guard (executor/runtimes/docker/sockguard.py) passes its create and the read of this one file.
 
 No file (an image built before this), no Docker, or the subprocess runtime: ``None``, and
 the check of imports is skipped (readiness still imports every listed package).
@@ -132,7 +132,7 @@ def _never_started(api: Any, image: str) -> dict[str, Any]:
     from executor.languages import get_language
     from executor.models import CodeJob, Limits
     from executor.runtimes.base import owner_id
-    from executor.runtimes.docker import sandbox_policy
+    from executor.runtimes.docker.policy import sandbox_policy
     from executor.settings import load_settings
 
     settings = load_settings()

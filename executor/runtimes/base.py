@@ -17,7 +17,7 @@ from executor.models import CodeJob, Limits, RawRun
 from executor.settings import Settings
 
 if TYPE_CHECKING:
-    from executor.runtimes.engine import EnginePosture
+    from executor.runtimes.docker.engine import EnginePosture
 
 #: polled while a sandbox runs; True means "the job was cancelled: kill it now"
 CancelCheck = Callable[[], bool]
@@ -109,7 +109,7 @@ class Runtime(ABC):
 
     Callers ask a runtime what it can do (``isolated``, ``warnings``, ``prepare``, ``reap``,
     ``health_problem``...) and never branch on its ``name``, which is only a label (trace
-    rows, results, metrics): a new runtime touches its own file and ``make_runtime``.
+    rows, results, metrics): a new runtime touches its own package and ``make_runtime``.
     """
 
     #: the label of results, trace rows and metrics (STUDIO_CODE_RUNTIME's value)

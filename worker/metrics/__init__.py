@@ -216,7 +216,7 @@ def record_cancel(latency_s: float | None = None, *, stage: str = "running") -> 
         m.cancel_latency.observe(max(0.0, latency_s))
 
 
-# --- pre-started sandboxes (the runtime's pool; executor/runtimes/pool.py) ----------------
+# --- pre-started sandboxes (the runtime's pool; executor/runtimes/docker/pool.py) ----------------
 
 
 @dataclass(frozen=True)

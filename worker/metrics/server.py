@@ -107,7 +107,7 @@ class ReadinessCollector(Collector):
         g = GaugeMetricFamily(
             f"{PREFIX}_engine_vulnerable",
             "1 when the Docker engine's runc, containerd or dockerd has a known container "
-            "escape (executor/runtimes/known_escapes.toml), 0 when none; absent when the "
+            "escape (executor/runtimes/docker/known_escapes.toml), 0 when none; absent when the "
             "engine could not be read.",
         )
         if self.engine is not None:

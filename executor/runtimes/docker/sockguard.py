@@ -13,7 +13,7 @@ Passed on (any ``/v1.NN`` API version prefix):
 * ``GET /images/<name>/json`` for the configured images only (readiness, the pool's image
   id check);
 * ``POST /containers/create`` only in exactly the shape ``sandbox_policy``
-  (executor/runtimes/docker.py) makes: its host config's fixed fields equal (network none,
+  (executor/runtimes/docker/policy.py) makes: its host config's fixed fields equal (network none,
   read-only root, the tmpfs, no binds, CapDrop ALL, no-new-privileges and the project's own
   seccomp profile, ipc none, the ulimits, no log driver, the configured OCI runtime), the
   limits present and within the settings' caps, every other field of the request empty
@@ -55,7 +55,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 log = logging.getLogger("studio_code.sockguard")
 
-#: what marks a container as one of ours (executor/runtimes/docker.py's labels)
+#: what marks a container as one of ours (executor/runtimes/docker/policy.py's labels)
 OWNER, JOB, POOL, DEADLINE, LANGUAGE = (
     "studio.owner",
     "studio.job_id",
@@ -133,7 +133,7 @@ class Policy:
 
         from executor.languages import get_language
         from executor.models import CodeJob, Limits
-        from executor.runtimes.docker import sandbox_policy
+        from executor.runtimes.docker.policy import sandbox_policy
 
         limits = Limits(
             memory_bytes=settings.max_memory_bytes,

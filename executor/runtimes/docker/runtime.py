@@ -1,33 +1,27 @@
 """The docker runtime: a NEW locked-down container for every call, through the Docker SDK.
 
-The whole isolation policy is ``sandbox_policy`` below, on one screen.
+The whole isolation policy is ``sandbox_policy`` (executor/runtimes/docker/policy.py), on one
+screen; the attach stream of a run is executor/runtimes/docker/attached.py, the same for a
+pre-started sandbox (executor/runtimes/docker/pool.py).
 """
 
 from __future__ import annotations
 
 import logging
-import select
-import socket
-import struct
 import threading
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import docker
 import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
-from docker.types import LogConfig, Ulimit
 
 from executor.docker_api import shared_api
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes.base import (
-    LOG_TAP,
-    POLL_S,
-    BoundedBuffer,
     CancelCheck,
     CancelledBeforeStart,
     PoolObserver,
@@ -35,89 +29,22 @@ from executor.runtimes.base import (
     owner_dead,
     owner_id,
 )
-from executor.runtimes.constants import KILL_GRACE_S
-from executor.runtimes.engine import POSTURE_TTL_S
-from executor.runtimes.seccomp import profile_json
-from executor.settings import Settings, sandbox_ids
+from executor.runtimes.docker.attached import docker_down, run_attached, sandbox_failures
+from executor.runtimes.docker.engine import POSTURE_TTL_S, EnginePosture, read_posture
+from executor.runtimes.docker.policy import (
+    LABEL_DEADLINE,
+    LABEL_JOB,
+    LABEL_OWNER,
+    LABEL_POOL,
+    container_name,
+    sandbox_policy,
+)
+from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, SandboxPool
+from executor.settings import Settings
 
 log = logging.getLogger("studio_code")
 
-LABEL_JOB = "studio.job_id"
-LABEL_OWNER = "studio.owner"
-LABEL_DEADLINE = "studio.deadline"  # epoch seconds after which any reaper may remove it
-LABEL_LANGUAGE = "studio.language"
-#: a pre-started container waiting for a job carries its owner here instead of a job id
-#: (labels are fixed at create): it gets its job's name when taken, see executor/runtimes/pool.py
-LABEL_POOL = "studio.pool"
-TMPFS_SIZE = "64m"
-#: how long a stopping process keeps retrying removals that failed while the engine was away
-LEFTOVERS_AT_CLOSE_S = 15.0
 LEFTOVERS_RETRY_S = 0.5
-
-
-def sandbox_policy(
-    settings: Settings, language: Language, job: CodeJob, limits: Limits, owner: str
-) -> dict[str, Any]:
-    """Every isolation control and limit of one sandbox: the create_container arguments.
-
-    Specification's Isolation table: no network; read-only root with a 64 MB tmpfs /tmp and
-    no host mounts; all capabilities dropped, no-new-privileges, the server's own uid:gid
-    (nobody when the server is root); only HOME=/tmp and the language's flags in the
-    environment; the state on stdin; our own seccomp profile. Limits table: memory with swap
-    equal to memory, CPU share, pids. Also: no log driver (output comes through the attach
-    stream, so a print flood cannot fill the host's disk) and no /dev/shm (ipc none), so
-    /tmp is the only writable place.
-    """
-    uid, gid = sandbox_ids()
-    host_config = {
-        "network_mode": "none",
-        "read_only": True,
-        "tmpfs": {"/tmp": f"rw,nosuid,nodev,noexec,size={TMPFS_SIZE},mode=1777"},
-        "binds": [],
-        "cap_drop": ["ALL"],
-        # our own seccomp profile (executor/runtimes/seccomp.json): Docker's default minus
-        # io_uring, userfaultfd, keyrings, bpf, perf, ptrace, namespaces, mounts and every
-        # socket family but AF_UNIX
-        "security_opt": ["no-new-privileges", f"seccomp={profile_json()}"],
-        "privileged": False,
-        "ipc_mode": "none",
-        "mem_limit": limits.memory_bytes,
-        "memswap_limit": limits.memory_bytes,
-        "nano_cpus": int(limits.cpus * 1e9),
-        "pids_limit": limits.pids,
-        "ulimits": [Ulimit(name="core", soft=0, hard=0), Ulimit(name="msgqueue", soft=0, hard=0)],
-        "log_config": LogConfig(type=LogConfig.types.NONE),
-        "runtime": settings.code_oci_runtime or None,  # the OCI runtime: engine default
-    }
-    deadline = int(time.time() + limits.timeout_s + KILL_GRACE_S)
-    return {
-        "image": language.image(settings),
-        "command": language.command(settings, limits, in_container=True),
-        "user": f"{uid}:{gid}",
-        "environment": language.environment(settings, in_container=True),
-        "working_dir": "/tmp",
-        "hostname": "sandbox",
-        "network_disabled": True,
-        "stdin_open": True,  # with detach=False this also sets StdinOnce: EOF ends stdin
-        "detach": False,
-        "use_config_proxy": False,  # never copy the client's proxy settings into the sandbox
-        "labels": {
-            LABEL_JOB: job.job_id,
-            LABEL_OWNER: owner,
-            LABEL_DEADLINE: str(deadline),
-            LABEL_LANGUAGE: language.name,
-        },
-        "host_config": host_config,
-    }
-
-
-def container_name(job_id: str) -> str:
-    return f"studio-code-{job_id}"
-
-
-if TYPE_CHECKING:
-    from executor.runtimes.engine import EnginePosture
-    from executor.runtimes.pool import SandboxPool
 
 
 class DockerRuntime(Runtime):
@@ -146,8 +73,6 @@ class DockerRuntime(Runtime):
         except RuntimeUnavailable as e:
             log.warning("Docker not reachable at process start: %s", e)
         if self.settings.code_prewarm > 0 and languages and self.pool is None:
-            from executor.runtimes.pool import SandboxPool
-
             self.pool = SandboxPool(self, languages, limits, observe)
             self.pool.start()
 
@@ -169,7 +94,7 @@ class DockerRuntime(Runtime):
         try:
             self.api.ping()
         except (DockerException, RuntimeUnavailable, OSError) as e:
-            return _docker_down(e)
+            return docker_down(e)
         return None
 
     def pool_stats(self) -> dict[str, Any] | None:
@@ -179,8 +104,6 @@ class DockerRuntime(Runtime):
         cached = self._posture
         if cached is not None and not fresh and time.monotonic() - cached[0] < POSTURE_TTL_S:
             return cached[1]
-        from executor.runtimes.engine import read_posture
-
         try:
             posture = read_posture(self.api, oci_runtime=self.settings.code_oci_runtime)
         except (DockerException, RuntimeUnavailable, OSError) as e:
@@ -211,7 +134,7 @@ class DockerRuntime(Runtime):
             if not orphan and now <= deadline:
                 continue
             try:
-                if not self._remove(api, c["Id"]):
+                if not self.remove(api, c["Id"]):
                     continue
             except APIError as e:
                 log.warning("reaper: could not remove %s: %s", c["Id"][:12], e)
@@ -232,7 +155,7 @@ class DockerRuntime(Runtime):
                 try:
                     self._api = shared_api()
                 except DockerException as e:
-                    raise RuntimeUnavailable(_docker_down(e)) from e
+                    raise RuntimeUnavailable(docker_down(e)) from e
             return self._api
 
     # --- readiness --------------------------------------------------------------------
@@ -246,7 +169,7 @@ class DockerRuntime(Runtime):
             try:
                 known = sorted((self.api.info().get("Runtimes") or {}).keys())
             except DockerException as e:
-                return _docker_down(e)
+                return docker_down(e)
             if oci not in known:
                 return (
                     f"STUDIO_CODE_OCI_RUNTIME={oci!r} is not a runtime this Docker engine "
@@ -267,7 +190,7 @@ class DockerRuntime(Runtime):
                 f"(docker/build.sh {language.name})."
             )
         except DockerException as e:
-            return _docker_down(e)
+            return docker_down(e)
         return None
 
     def _refused_engine(self) -> str | None:
@@ -313,51 +236,22 @@ class DockerRuntime(Runtime):
         cid = self._create(api, policy, job.job_id)
         sock = None
         try:
-            sock = api.attach_socket(
-                cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
-            )
-            raw = getattr(sock, "_sock", sock)
-            api.start(cid)
-            started = time.monotonic()
-            writer = threading.Thread(
-                target=_feed, args=(raw, language.stdin_payload(job)), daemon=True
-            )
-            writer.start()
-            out = BoundedBuffer(limits.output_max_bytes + 4096)
-            logs = BoundedBuffer(limits.log_max_bytes, tap=LOG_TAP.get())  # live logs
-            deadline = started + limits.timeout_s
-            ending = _pump(raw, out, logs, deadline, should_cancel)
-            exit_code, oom = None, False
-            if ending == "eof":
-                # The streams closed, but code can close its fds and go on: the wait for the
-                # exit is bounded by the same deadline. On "deadline"/"cancel" nothing is
-                # waited for: the remove(force=True) below kills it.
-                exit_code, oom, ending = self._exit_state(api, cid, deadline)
-            if ending == "eof" and exit_code in (None, 137) and not oom and should_cancel:
-                # Killed from outside (cancel by label from another process) before we polled.
-                ending = "cancel" if should_cancel() else ending
-            return RawRun(
-                exit_code=exit_code,
-                stdout=out.getvalue(),
-                stdout_truncated=out.truncated,
-                logs=logs.getvalue(),
-                logs_total=logs.total,
-                timed_out=ending == "deadline",
-                oom_killed=oom,
-                cancelled=ending == "cancel",
-                start_ms=(started - t0) * 1000,
-                run_ms=(time.monotonic() - started) * 1000,
-            )
-        except (APIError, OSError) as e:
-            raise RuntimeUnavailable(
-                f"The sandbox for job {job.job_id} failed to run: {e}. Check the Docker "
-                "engine (docker info) and the image."
-            ) from e
+            with sandbox_failures(job.job_id):
+                sock = api.attach_socket(
+                    cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+                )
+                raw = getattr(sock, "_sock", sock)
+                api.start(cid)
+                started = time.monotonic()
+                payload = language.stdin_payload(job)
+                return run_attached(
+                    api, cid, raw, payload, limits, should_cancel, started=started, t0=t0
+                ).run
         finally:
             if sock is not None:
                 getattr(sock, "_sock", sock).close()  # SocketIO.close leaves the socket open
                 sock.close()
-            self._remove_surely(api, cid)
+            self.remove_surely(api, cid)
 
     def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> str:
         name = container_name(job_id)
@@ -375,36 +269,14 @@ class DockerRuntime(Runtime):
         self.kill(job_id)
         return api.create_container(name=name, **policy)["Id"]
 
-    def _exit_state(
-        self, api: docker.APIClient, cid: str, deadline: float
-    ) -> tuple[int | None, bool, str]:
-        """Exit status, OOM-killed (from the container state, never guessed) and the ending."""
-        try:
-            code = api.wait(cid, timeout=max(0.5, deadline - time.monotonic()))["StatusCode"]
-        except NotFound:
-            return None, False, "eof"  # removed from outside (a cancel by label)
-        except requests.exceptions.ConnectionError as e:
-            # The engine itself went away (stopped or crashed, and the sandbox with it): not
-            # the code's timeout, which is what a read timeout below means.
-            raise RuntimeUnavailable(_docker_down(e)) from e
-        except requests.exceptions.RequestException:
-            return None, False, "deadline"  # still running with its streams closed
-        oom = False
-        if code == 137:  # only a SIGKILL can be the OOM killer's
-            try:
-                oom = bool(api.inspect_container(cid)["State"].get("OOMKilled"))
-            except NotFound:
-                pass
-        return code, oom, "eof"
-
-    def _remove_surely(self, api: docker.APIClient, cid: str) -> None:
+    def remove_surely(self, api: docker.APIClient, cid: str) -> None:
         """Remove in a ``finally``: retried, never raising. What still fails (the engine is
         away: a restart) is kept and retried later by ``retry_leftovers``, until this
         process stops; after that the reapers (its studio.deadline label says when anyone
         may remove it)."""
         for attempt in range(3):
             try:
-                self._remove(api, cid)
+                self.remove(api, cid)
                 return
             except (APIError, requests.exceptions.RequestException) as e:
                 log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12], attempt + 1, e)
@@ -424,7 +296,7 @@ class DockerRuntime(Runtime):
             away = False
             for cid in todo:
                 try:
-                    self._remove(self.api, cid)
+                    self.remove(self.api, cid)
                 except (RuntimeUnavailable, requests.exceptions.RequestException):
                     away = True  # still away: try again later
                     break
@@ -448,7 +320,7 @@ class DockerRuntime(Runtime):
             time.sleep(LEFTOVERS_RETRY_S)
 
     @staticmethod
-    def _remove(api: docker.APIClient, cid: str) -> bool:
+    def remove(api: docker.APIClient, cid: str) -> bool:
         """Force-remove; True when this call removed it. Gone, or already being removed by
         another process (409), counts as done."""
         try:
@@ -469,7 +341,7 @@ class DockerRuntime(Runtime):
         # process finds it in its pool's map, any process by the name it got when taken.
         cid = self.pool.taken_by(job_id) if self.pool is not None else None
         try:
-            killed |= self._remove(self.api, cid or container_name(job_id))
+            killed |= self.remove(self.api, cid or container_name(job_id))
         except APIError as e:
             log.warning("removing the sandbox of job %s failed: %s", job_id, e)
         return killed
@@ -478,67 +350,9 @@ class DockerRuntime(Runtime):
         """Force-remove every sandbox container matching ``filters``; returns their ids."""
         api = self.api
         return [
-            c["Id"] for c in api.containers(all=True, filters=filters) if self._remove(api, c["Id"])
+            c["Id"] for c in api.containers(all=True, filters=filters) if self.remove(api, c["Id"])
         ]
 
     def sandboxes(self) -> list[dict[str, Any]]:
         """Every container with a studio.job_id label on this engine."""
         return self.api.containers(all=True, filters={"label": LABEL_JOB})
-
-
-def _docker_down(e: BaseException) -> str:
-    return (
-        f"Docker is not reachable ({e}). Start the Docker engine, or under Compose mount "
-        "/var/run/docker.sock into this service; or set STUDIO_CODE_RUNTIME=subprocess for "
-        "trusted local work only."
-    )
-
-
-def _feed(raw: socket.socket, payload: bytes) -> None:
-    try:
-        raw.sendall(payload)
-        raw.shutdown(socket.SHUT_WR)  # EOF on the sandbox's stdin
-    except OSError:
-        pass  # the sandbox ended before reading it all; its exit status says why
-
-
-_HEADER = struct.Struct(">BxxxL")
-
-
-def _pump(
-    raw: socket.socket,
-    out: BoundedBuffer,
-    logs: BoundedBuffer,
-    deadline: float,
-    should_cancel: CancelCheck | None,
-    done: Callable[[], bool] | None = None,
-) -> str:
-    """Demultiplex Docker's attach stream into stdout and logs until EOF, the deadline,
-    a cancel or (with ``done``) the runner saying its result and logs are complete.
-    Returns "eof", "deadline", "cancel" or "done"."""
-    buf = bytearray()
-    next_check = 0.0
-    while True:
-        now = time.monotonic()
-        if now >= deadline:
-            return "deadline"
-        if should_cancel is not None and now >= next_check:
-            if should_cancel():
-                return "cancel"
-            next_check = now + POLL_S * 2
-        ready, _, _ = select.select([raw], [], [], min(POLL_S * 2, deadline - now))
-        if not ready:
-            continue
-        chunk = raw.recv(1 << 16)
-        if not chunk:
-            return "eof"
-        buf += chunk
-        while len(buf) >= _HEADER.size:
-            stream, size = _HEADER.unpack_from(buf)
-            if len(buf) < _HEADER.size + size:
-                break
-            data = bytes(buf[_HEADER.size : _HEADER.size + size])
-            del buf[: _HEADER.size + size]
-            (out if stream == 1 else logs).write(data)
-        if done is not None and done():
-            return "done"

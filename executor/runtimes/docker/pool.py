@@ -56,8 +56,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import docker
 from docker.errors import APIError, DockerException
 
 from executor.errors import RuntimeUnavailable
@@ -72,20 +73,16 @@ from executor.runtimes.base import (
     PoolObserver,
     owner_id,
 )
-from executor.runtimes.docker import (
-    KILL_GRACE_S,
+from executor.runtimes.constants import KILL_GRACE_S
+from executor.runtimes.docker.attached import RunLogs, run_attached, sandbox_failures
+from executor.runtimes.docker.policy import (
     LABEL_DEADLINE,
     LABEL_JOB,
     LABEL_POOL,
-    LEFTOVERS_AT_CLOSE_S,
-    _feed,
-    _pump,
     container_name,
     sandbox_policy,
 )
-
-if TYPE_CHECKING:
-    from executor.runtimes.docker import DockerRuntime
+from executor.settings import Settings
 
 log = logging.getLogger("studio_code")
 
@@ -103,6 +100,24 @@ MAX_PENDING_REMOVALS = 1
 #: the longest a take waits for removals that fell behind (an engine that slows down):
 #: then the job goes on all the same, and says so in the log
 REMOVAL_WAIT_S = 10.0
+#: how long a stopping process keeps retrying removals that failed while the engine was away
+LEFTOVERS_AT_CLOSE_S = 15.0
+
+
+class SandboxHost(Protocol):
+    """What a pool needs of its runtime (``DockerRuntime``): the engine, the settings, and the
+    removals that never raise (what fails is retried by ``retry_leftovers``)."""
+
+    settings: Settings
+
+    @property
+    def api(self) -> docker.APIClient: ...
+
+    def remove(self, api: docker.APIClient, cid: str) -> bool: ...
+
+    def remove_surely(self, api: docker.APIClient, cid: str) -> None: ...
+
+    def retry_leftovers(self, timeout_s: float = 0.0) -> None: ...
 
 
 @dataclass
@@ -144,7 +159,7 @@ class SandboxPool(IdlePoolStats):
 
     def __init__(
         self,
-        runtime: DockerRuntime,
+        runtime: SandboxHost,
         languages: list[Language],
         limits: Limits,
         observe: PoolObserver | None = None,
@@ -391,63 +406,45 @@ class SandboxPool(IdlePoolStats):
         # its removal waits for it (_drain_retired).
         renamer = p.renamer = _Renamer(self, p, job.job_id)
         try:
-            started = time.monotonic()
-            mark = f"\x1estudio-end:{secrets.token_hex(16)}\x1e"
-            payload = language.stdin_payload(job, end_mark=mark)
-            writer = threading.Thread(target=_feed, args=(p.raw, payload), daemon=True)
-            writer.start()
-            out = BoundedBuffer(limits.output_max_bytes + 4096)
-            logs = _Logs(limits.log_max_bytes, mark.encode("utf-8"), tap=LOG_TAP.get())
+            with sandbox_failures(job.job_id):
+                started = time.monotonic()
+                mark = f"\x1estudio-end:{secrets.token_hex(16)}\x1e"
+                payload = language.stdin_payload(job, end_mark=mark)
+                logs = _Logs(limits.log_max_bytes, mark.encode("utf-8"), tap=LOG_TAP.get())
 
-            def complete() -> bool:
-                return (
-                    logs.at_end and not out.truncated and _complete(language, job, out.getvalue())
+                def answered(out: BoundedBuffer) -> bool:
+                    return (
+                        logs.at_end
+                        and not out.truncated
+                        and _complete(language, job, out.getvalue())
+                    )
+
+                run, answered_now = run_attached(
+                    api,
+                    p.cid,
+                    p.raw,
+                    payload,
+                    limits,
+                    should_cancel,
+                    started=started,
+                    t0=t0,
+                    logs=logs,
+                    answered=answered,
+                    pooled=True,
                 )
-
-            deadline = started + limits.timeout_s
-            ending = _pump(p.raw, out, logs, deadline, should_cancel, complete)
-            logs.flush_tap()
-            raw = RawRun(
-                exit_code=None,
-                stdout=out.getvalue(),
-                stdout_truncated=out.truncated,
-                logs=logs.without_mark(),
-                logs_total=logs.total_without_mark,
-                pooled=True,
-                start_ms=(started - t0) * 1000,
-            )
-            if ending == "done" or (ending == "eof" and complete()):
-                # The runner wrote its whole result, then the end-of-logs mark after every
-                # log byte it wrote: the answer is complete. It exits 0 right after (its
-                # contract); that exit and the removal are not waited for here.
-                raw.exit_code = 0
-                raw.run_ms = (time.monotonic() - started) * 1000
-                self._hand_off(p)
-                handed_off = True
-                return raw
-            exit_code, oom = None, False
-            if ending == "eof":
-                exit_code, oom, ending = runtime._exit_state(api, p.cid, deadline)
-            if ending == "eof" and exit_code in (None, 137) and not oom and should_cancel:
-                ending = "cancel" if should_cancel() else ending
-            raw.exit_code = exit_code
-            raw.oom_killed = oom
-            raw.timed_out = ending == "deadline"
-            raw.cancelled = ending == "cancel"
-            raw.run_ms = (time.monotonic() - started) * 1000
-            return raw
-        except (APIError, OSError) as e:
-            raise RuntimeUnavailable(
-                f"The sandbox for job {job.job_id} failed to run: {e}. Check the Docker "
-                "engine (docker info) and the image."
-            ) from e
+                if answered_now:
+                    # the answer is complete: the container's exit and its removal happen
+                    # off the caller's path (when the job's path ends)
+                    self._hand_off(p)
+                    handed_off = True
+                return run
         finally:
             with self._cond:
                 self._taken.pop(job.job_id, None)
             if not handed_off:
                 renamer.join()
                 _close(p)
-                runtime._remove_surely(api, p.cid)
+                runtime.remove_surely(api, p.cid)
 
     def _rename(self, p: Pooled, job_id: str) -> None:
         api = self.runtime.api
@@ -462,11 +459,11 @@ class SandboxPool(IdlePoolStats):
         # run twice, so the old one goes first (never ours: it has another id).
         for c in api.containers(all=True, filters={"label": f"{LABEL_JOB}={job_id}"}):
             if c["Id"] != p.cid:
-                self.runtime._remove(api, c["Id"])
+                self.runtime.remove(api, c["Id"])
         try:
             old = api.inspect_container(name)["Id"]
             if old != p.cid:
-                self.runtime._remove(api, old)
+                self.runtime.remove(api, old)
         except DockerException:
             pass
         api.rename(p.cid, name)
@@ -619,7 +616,7 @@ class SandboxPool(IdlePoolStats):
         except BaseException:
             if sock is not None:
                 _close_sock(sock)
-            self.runtime._remove_surely(api, cid)
+            self.runtime.remove_surely(api, cid)
             raise
         return Pooled(
             cid=cid,
@@ -684,7 +681,7 @@ class SandboxPool(IdlePoolStats):
                 _close(item)
             try:
                 api = api or self.runtime.api
-                self.runtime._remove_surely(api, cid)
+                self.runtime.remove_surely(api, cid)
             except RuntimeUnavailable as e:
                 log.warning("could not remove sandbox %s: %s", cid[:12], e)
             finally:
@@ -727,7 +724,7 @@ class _Renamer:
             )
 
 
-class _Logs(BoundedBuffer):
+class _Logs(RunLogs):
     """The logs, watching for the runner's end-of-logs mark (which may arrive past the
     kept bytes of a print flood) and keeping it out of what the user sees."""
 
@@ -778,6 +775,11 @@ class _Logs(BoundedBuffer):
     def at_end(self) -> bool:
         """The last bytes written are the mark: nothing the runner wrote is still to come."""
         return self.tail == self.mark
+
+    def final(self) -> tuple[bytes, int]:
+        """At the end of the stream: what is held passed on, the logs without the mark."""
+        self.flush_tap()
+        return self.without_mark(), self.total_without_mark
 
     def without_mark(self) -> bytes:
         kept = self.getvalue()

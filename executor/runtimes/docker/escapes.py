@@ -2,7 +2,7 @@
 version comparison it needs. Standard library only, so ``scripts/host-setup.sh`` can ask it
 with the system's python3 in a few milliseconds, without the project installed:
 
-    python3 -S executor/runtimes/escapes.py runc 1.1.5+ds1 1.1.5+ds1-1+deb12u1
+    python3 -S executor/runtimes/docker/escapes.py runc 1.1.5+ds1 1.1.5+ds1-1+deb12u1
 
 prints one line per advisory that affects that version (exit status 0 either way).
 

@@ -3,7 +3,7 @@ escapes of its runc, containerd and dockerd it still has.
 
 ``read_posture`` asks the engine twice (``/version``: the versions of dockerd, containerd and
 runc; ``/info``: runtimes, cgroups, security options, plugins) and ``posture_of`` checks the
-answers against the table of known escapes (``executor/runtimes/escapes.py`` and
+answers against the table of known escapes (``executor/runtimes/docker/escapes.py`` and
 ``known_escapes.toml``, which says how to update it). Nothing here decides: the docker runtime
 refuses a vulnerable engine only when STUDIO_CODE_ENGINE_REFUSE_VULNERABLE is on; a worker
 logs a WARNING and sets the ``studio_code_engine_vulnerable`` gauge; meta shows it.
@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from executor.runtimes.escapes import (
+from executor.runtimes.docker.escapes import (
     Advisory,
     Version,
     dpkg_split,

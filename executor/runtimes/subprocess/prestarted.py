@@ -41,15 +41,15 @@ from typing import Any
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import Limits
-from executor.runtimes import namespaces
 from executor.runtimes.base import (
     CancelCheck,
     CancelledBeforeStart,
     IdlePoolStats,
     PoolObserver,
 )
-from executor.runtimes.cgroups import RunCgroup
-from executor.runtimes.uids import UidLease
+from executor.runtimes.subprocess import namespaces
+from executor.runtimes.subprocess.cgroups import RunCgroup
+from executor.runtimes.subprocess.uids import UidLease
 
 log = logging.getLogger("studio_code")
 

@@ -48,7 +48,6 @@ from executor.audit import SUBPROCESS_RUNTIME_USED
 from executor.errors import RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
-from executor.runtimes import namespaces
 from executor.runtimes.base import (
     LOG_TAP,
     POLL_S,
@@ -57,9 +56,10 @@ from executor.runtimes.base import (
     PoolObserver,
     Runtime,
 )
-from executor.runtimes.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
-from executor.runtimes.prestarted import Runner, RunnerPool
-from executor.runtimes.uids import (
+from executor.runtimes.subprocess import namespaces
+from executor.runtimes.subprocess.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
+from executor.runtimes.subprocess.prestarted import Runner, RunnerPool
+from executor.runtimes.subprocess.uids import (
     SWEPT_DIRS,
     UidLease,
     UidPool,
@@ -145,7 +145,7 @@ class SubprocessRuntime(Runtime):
             return f"{binary} is not installed or not on PATH for the server user."
         return None  # off Linux it runs, but without the memory limit: meta's warning says so
 
-    # --- pre-started runners (STUDIO_CODE_PREWARM: see executor/runtimes/prestarted.py) --
+    # --- pre-started runners (STUDIO_CODE_PREWARM: see subprocess/prestarted.py) ---------
 
     def prepare(
         self, languages: list[Language], limits: Limits, observe: PoolObserver | None = None

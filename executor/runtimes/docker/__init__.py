@@ -1,0 +1,4 @@
+"""The docker runtime: a new locked-down container per call (``runtime``), pre-started ones
+(``pool``), the attach stream of one run (``attached``), the sandbox's seccomp profile
+(``seccomp``), the engine's posture (``engine``, ``escapes``) and the socket guard
+(``sockguard``)."""

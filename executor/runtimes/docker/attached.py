@@ -1,0 +1,194 @@
+"""One job in an attached, started container: the one sequence of a cold sandbox
+(executor/runtimes/docker/runtime.py) and of a pre-started one (executor/runtimes/docker/pool.py).
+
+``run_attached`` writes the job's stdin (a thread of its own: ``feed``), demultiplexes
+Docker's attach stream into stdout and logs (``pump``) until EOF, the node's deadline, a
+cancel or (a pre-started sandbox) a complete answer, then on EOF reads the exit status and
+OOM from the container's state (``exit_state``, bounded by the same deadline). What makes
+the sandbox and what removes it stay with the caller.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import docker
+import requests
+from docker.errors import APIError, NotFound
+
+from executor.errors import RuntimeUnavailable
+from executor.models import Limits, RawRun
+from executor.runtimes.base import LOG_TAP, POLL_S, BoundedBuffer, CancelCheck
+
+
+def docker_down(e: BaseException) -> str:
+    return (
+        f"Docker is not reachable ({e}). Start the Docker engine, or under Compose mount "
+        "/var/run/docker.sock into this service; or set STUDIO_CODE_RUNTIME=subprocess for "
+        "trusted local work only."
+    )
+
+
+@contextmanager
+def sandbox_failures(job_id: str) -> Iterator[None]:
+    """An engine call or a socket that fails while a sandbox runs its job: RuntimeUnavailable."""
+    try:
+        yield
+    except (APIError, OSError) as e:
+        raise RuntimeUnavailable(
+            f"The sandbox for job {job_id} failed to run: {e}. Check the Docker "
+            "engine (docker info) and the image."
+        ) from e
+
+
+class RunLogs(BoundedBuffer):
+    """A run's logs as read from the attach stream (live through ``tap``)."""
+
+    def final(self) -> tuple[bytes, int]:
+        """What the run's logs are once the stream is read: the kept bytes and the total."""
+        return self.getvalue(), self.total
+
+
+class Attached(NamedTuple):
+    run: RawRun
+    #: the runner's whole answer was in (``answered``): its exit was not waited for
+    answered: bool
+
+
+def run_attached(
+    api: docker.APIClient,
+    cid: str,
+    raw: socket.socket,
+    payload: bytes,
+    limits: Limits,
+    should_cancel: CancelCheck | None,
+    *,
+    started: float,
+    t0: float,
+    logs: RunLogs | None = None,
+    answered: Callable[[BoundedBuffer], bool] | None = None,
+    pooled: bool = False,
+) -> Attached:
+    """Run the job whose stdin is ``payload`` in the started container ``cid`` attached on
+    ``raw``. The node's timeout counts from ``started`` (start_ms from ``t0``, when the job
+    asked for a sandbox). ``answered(stdout)``: the runner's answer is complete (asked after
+    every read), so exit 0 is taken without waiting for the exit. Engine and socket errors
+    propagate: the caller wraps them (``sandbox_failures``) and removes the container."""
+    writer = threading.Thread(target=feed, args=(raw, payload), daemon=True)
+    writer.start()
+    out = BoundedBuffer(limits.output_max_bytes + 4096)
+    if logs is None:
+        logs = RunLogs(limits.log_max_bytes, tap=LOG_TAP.get())  # live logs
+    done = None if answered is None else (lambda: answered(out))
+    deadline = started + limits.timeout_s
+    ending = pump(raw, out, logs, deadline, should_cancel, done)
+    kept, total = logs.final()
+    run = RawRun(
+        exit_code=None,
+        stdout=out.getvalue(),
+        stdout_truncated=out.truncated,
+        logs=kept,
+        logs_total=total,
+        pooled=pooled,
+        start_ms=(started - t0) * 1000,
+    )
+    if answered is not None and (ending == "done" or (ending == "eof" and answered(out))):
+        # The runner wrote its whole result, then the end-of-logs mark after every log byte
+        # it wrote: the answer is complete. It exits 0 right after (its contract); that exit
+        # is not waited for here.
+        run.exit_code = 0
+        run.run_ms = (time.monotonic() - started) * 1000
+        return Attached(run, True)
+    exit_code, oom = None, False
+    if ending == "eof":
+        # The streams closed, but code can close its fds and go on: the wait for the exit is
+        # bounded by the same deadline. On "deadline"/"cancel" nothing is waited for: the
+        # caller's forced removal kills it.
+        exit_code, oom, ending = exit_state(api, cid, deadline)
+    if ending == "eof" and exit_code in (None, 137) and not oom and should_cancel:
+        # Killed from outside (cancel by label from another process) before we polled.
+        ending = "cancel" if should_cancel() else ending
+    run.exit_code = exit_code
+    run.oom_killed = oom
+    run.timed_out = ending == "deadline"
+    run.cancelled = ending == "cancel"
+    run.run_ms = (time.monotonic() - started) * 1000
+    return Attached(run, False)
+
+
+def exit_state(api: docker.APIClient, cid: str, deadline: float) -> tuple[int | None, bool, str]:
+    """Exit status, OOM-killed (from the container state, never guessed) and the ending."""
+    try:
+        code = api.wait(cid, timeout=max(0.5, deadline - time.monotonic()))["StatusCode"]
+    except NotFound:
+        return None, False, "eof"  # removed from outside (a cancel by label)
+    except requests.exceptions.ConnectionError as e:
+        # The engine itself went away (stopped or crashed, and the sandbox with it): not
+        # the code's timeout, which is what a read timeout below means.
+        raise RuntimeUnavailable(docker_down(e)) from e
+    except requests.exceptions.RequestException:
+        return None, False, "deadline"  # still running with its streams closed
+    oom = False
+    if code == 137:  # only a SIGKILL can be the OOM killer's
+        try:
+            oom = bool(api.inspect_container(cid)["State"].get("OOMKilled"))
+        except NotFound:
+            pass
+    return code, oom, "eof"
+
+
+def feed(raw: socket.socket, payload: bytes) -> None:
+    try:
+        raw.sendall(payload)
+        raw.shutdown(socket.SHUT_WR)  # EOF on the sandbox's stdin
+    except OSError:
+        pass  # the sandbox ended before reading it all; its exit status says why
+
+
+_HEADER = struct.Struct(">BxxxL")
+
+
+def pump(
+    raw: socket.socket,
+    out: BoundedBuffer,
+    logs: BoundedBuffer,
+    deadline: float,
+    should_cancel: CancelCheck | None,
+    done: Callable[[], bool] | None = None,
+) -> str:
+    """Demultiplex Docker's attach stream into stdout and logs until EOF, the deadline,
+    a cancel or (with ``done``) the runner saying its result and logs are complete.
+    Returns "eof", "deadline", "cancel" or "done"."""
+    buf = bytearray()
+    next_check = 0.0
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            return "deadline"
+        if should_cancel is not None and now >= next_check:
+            if should_cancel():
+                return "cancel"
+            next_check = now + POLL_S * 2
+        ready, _, _ = select.select([raw], [], [], min(POLL_S * 2, deadline - now))
+        if not ready:
+            continue
+        chunk = raw.recv(1 << 16)
+        if not chunk:
+            return "eof"
+        buf += chunk
+        while len(buf) >= _HEADER.size:
+            stream, size = _HEADER.unpack_from(buf)
+            if len(buf) < _HEADER.size + size:
+                break
+            data = bytes(buf[_HEADER.size : _HEADER.size + size])
+            del buf[: _HEADER.size + size]
+            (out if stream == 1 else logs).write(data)
+        if done is not None and done():
+            return "done"
