@@ -609,10 +609,10 @@ def _queue_commands(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    """Run the studio's HTTP routes (api_client.http) with uvicorn until SIGTERM / Ctrl-C.
+    """Run the studio's HTTP API (api_client.http.app) with uvicorn until SIGTERM / Ctrl-C.
     uvicorn logs to stderr; ONE JSON object goes to stdout when it stops."""
     try:
-        from api_client.http import serve
+        from api_client.http.app import serve
     except ImportError as e:
         _print(
             _refusal(
@@ -622,7 +622,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             )
         )
         return 2
-    from api_client.limits import bind_refusal
+    from api_client.http.limits import bind_refusal
 
     refusal = bind_refusal(settings, args.host)
     if refusal:  # before binding: a non-loopback port with no shared secret is anyone's

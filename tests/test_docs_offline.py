@@ -34,7 +34,7 @@ CHROMIUM_FLAGS = [
 
 
 def _schema() -> dict[str, Any]:
-    from api_client.http import create_app
+    from api_client.http.app import create_app
     from executor.settings import load_settings
 
     return create_app(load_settings(redis_url="redis://127.0.0.1:1/0")).openapi()

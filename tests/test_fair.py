@@ -188,7 +188,7 @@ def test_api_says_where_a_run_waits(redis_server: Any, tmp_path: Any, make_setti
     import httpx
 
     from api_client import CodeClient
-    from api_client.http import create_app
+    from api_client.http.app import create_app
 
     settings = make_settings(
         redis_url=redis_server.url,

@@ -982,7 +982,7 @@ async def _get_all(app: Any, job_ids: list[str]) -> dict[str, Any]:
 
 def _store_and_read(url: str, results: list[tuple[CodeJob, CodeResult]]) -> None:
     from api_client.client import CodeClient
-    from api_client.http import create_app
+    from api_client.http.app import create_app
     from executor.settings import load_settings
     from executor.store import open_store
 

@@ -435,11 +435,11 @@ def test_openapi_has_the_routes_and_models(stack: Stack) -> None:
         "/api/runs/{job_id}",
         "/api/runs/{job_id}/cancel",
         "/api/runs/{job_id}/logs",
-    }  # api_client.routes_runs
+    }  # api_client.http.routes
     schemas = spec["components"]["schemas"]
     for name in ("RunBody", "CodeBody", "RunView", "ErrorBody", "RuntimeMeta"):
         assert name in schemas
-    # the caller headers are security schemes (api_client.docs), required per route
+    # the caller headers are security schemes (api_client.http.docs), required per route
     schemes = spec["components"]["securitySchemes"]
     assert {schemes["studioUser"]["name"], schemes["studioAdmin"]["name"]} == {USER, ADMIN}
     assert any(s.get("studioUser") == [] for s in spec["paths"]["/api/runs"]["post"]["security"])

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api_client.limits import bind_refusal, is_loopback, json_depth_over
+from api_client.http.limits import bind_refusal, is_loopback, json_depth_over
 from tests.conftest import free_port, run_cli
 from tests.services import (
     ApiServer,
@@ -156,7 +156,7 @@ def test_a_failed_wait_raises_its_own_error_and_a_disconnect_ends_it() -> None:
     from starlette.requests import Request
 
     from api_client.client import JobNotFound
-    from api_client.http import _unless_disconnected
+    from api_client.http.routes.code import _unless_disconnected
 
     async def silent() -> dict[str, Any]:
         await asyncio.sleep(3600)
@@ -657,19 +657,21 @@ def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
 def test_the_router_mounted_in_another_app_keeps_its_limits_and_leaves_the_rest(
     make_settings: Any,
 ) -> None:
-    """A studio app of its own with the router and RequestLimits(router_only=True): the
-    router's paths are bounded (Host, depth, size, repeated headers) and answer in the error
+    """A studio app of its own with the routers and RequestLimits(router_only=True): the
+    routers' paths are bounded (Host, depth, size, repeated headers) and answer in the error
     shape; the studio's own route is untouched (any Host, any body)."""
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
-    from api_client.http import Services, router
-    from api_client.limits import RequestLimits
+    from api_client.http.kit import Services
+    from api_client.http.limits import RequestLimits
+    from api_client.http.routes import ROUTERS
 
     settings = make_settings(redis_url="redis://127.0.0.1:1/0", api_body_max_bytes=4096)
     studio = FastAPI()
-    studio.include_router(router)
+    for router in ROUTERS:
+        studio.include_router(router)
     studio.state.studio_code = services = Services(settings)
     studio.add_middleware(RequestLimits, settings=settings, router_only=True)
 

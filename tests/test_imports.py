@@ -239,13 +239,68 @@ def test_a_pool_process_loads_no_metrics_server():
 
 
 def test_the_wire_records_load_without_the_routes():
-    """api_client.wire is models only (no FastAPI); api_client.http re-exports them."""
-    assert loaded_of(loaded_after("import api_client.wire"), ("fastapi", "starlette")) == []
-    loaded_after("""
-        from api_client import http, wire
-        for name in ("RunView", "RunBody", "CodeBody", "ErrorBody", "RuntimeMeta", "Health"):
-            assert getattr(http, name) is getattr(wire, name), name
-    """)
+    """api_client.http.wire is models only: importing it (and so the api_client.http
+    package) loads no FastAPI, no route."""
+    mods = loaded_after("import api_client.http.wire")
+    assert "api_client.http.wire" in mods
+    assert loaded_of(mods, ("fastapi", "starlette", "api_client.http.kit")) == []
+
+
+def _imported_modules(path: Path, module: str, package: str) -> set[str]:
+    """The modules of ``package`` that the file ``path`` (module ``module``) imports, at
+    any depth of the file (a function-level import counts: it would only hide a circle)."""
+    import ast
+    import importlib.util
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), module)
+            names = [base]
+            names += [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n == package or n.startswith(package + "."))
+    return found
+
+
+def test_api_client_has_no_import_circle():
+    """No module of api_client (the HTTP package api_client.http included) imports, at any
+    depth, a module that imports it back, directly or not. A package a module lives in is
+    not counted (importing a submodule imports its packages first, by design)."""
+    modules = {}
+    for path in sorted((ROOT / "api_client").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    assert {"api_client.http.app", "api_client.http.kit", "api_client.http.routes.runs"} <= set(
+        modules
+    )
+    edges = {
+        name: {
+            m
+            for m in _imported_modules(path, name, "api_client")
+            if m in modules and m != name and not name.startswith(m + ".")
+        }
+        for name, path in modules.items()
+    }
+    assert "api_client.http.kit" in edges["api_client.http.routes.runs"]  # the scan sees it
+
+    def circle_from(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], {start}
+        while stack:
+            node, trail = stack.pop()
+            for nxt in sorted(edges[node]):
+                if nxt == start:
+                    return [*trail, start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+        return None
+
+    circles = [c for c in map(circle_from, sorted(modules)) if c is not None]
+    assert circles == [], circles
 
 
 RUNTIMES = ROOT / "executor" / "runtimes"

@@ -234,7 +234,7 @@ def test_metric_names_follow_the_conventions() -> None:
     m.oom.labels("python", "docker").inc()
     m.timeouts.labels("python", "docker").inc()
 
-    from api_client.http import RATE_LIMITED_TOTAL
+    from api_client.http.kit import RATE_LIMITED_TOTAL
 
     api_registry = CollectorRegistry()
     api_registry.register(RATE_LIMITED_TOTAL)
@@ -292,7 +292,7 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
         "studio_code_rate_limited_total",
         "studio_code_language_ready",
         "studio_code_engine_vulnerable",
-        # autoscaling and API signals (worker.metrics.autoscale, api_client.http_metrics)
+        # autoscaling and API signals (worker.metrics.autoscale, api_client.http.metrics)
         "studio_code_queue_backlog",
         "studio_code_queue_oldest_seconds",
         "studio_code_queue_user_waiting",

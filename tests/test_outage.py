@@ -179,7 +179,7 @@ def _api_status_for(e: BaseException) -> int:
     import httpx
     from fastapi import APIRouter, FastAPI
 
-    from api_client.http import ErrorRoute
+    from api_client.http.kit import ErrorRoute
 
     router = APIRouter(route_class=ErrorRoute)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from api_client.wire import RunLogs, RunView
+from api_client.http.wire import RunLogs, RunView
 from executor.errors import ErrorCode
 from executor.inputs import capped_timeout_s, timeout_s
 from executor.models import CodeErrorInfo, CodeJob, CodeResult, Status, TraceRow

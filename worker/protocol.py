@@ -177,7 +177,7 @@ def never_taken_message(settings: Settings, queue: str) -> str:
 
 def in_flight_key(user: str) -> str:
     """The sorted set of one user's editor test calls that are waiting for their result
-    (api_client.inflight)."""
+    (api_client.http.inflight)."""
     return f"{_PREFIX}:inflight:test:{user or '-'}"
 
 

@@ -1,7 +1,7 @@
 """The HTTP API's wire records: what a request carries and what a route answers.
 
-Pydantic models only, beside no route (``api_client.http`` and ``api_client.routes_runs``
-hold the routes and re-export these names). A run's view is derived from the run store's
+Pydantic models only, beside no route (``api_client.http.routes`` holds the routes, which
+import these names from here). A run's view is derived from the run store's
 ``JobRecord`` field by field of the model itself (``RunView.of``), so a field added to both
 is written once.
 """

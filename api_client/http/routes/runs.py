@@ -1,11 +1,13 @@
-"""Run history and operations routes, beside the core routes of ``api_client.http``:
+"""The runs: submit, read, cancel, and the history and logs.
 
-    GET /api/runs        the caller's runs (an admin: anyone's, or one user's), newest first,
-                         filtered, in pages with an opaque cursor
-    GET /api/runs/{job_id}/logs[?follow=1]   the stored logs, or live as Server-Sent Events
+    POST /api/runs                  submit a workflow run's Code node (202)
+    GET  /api/runs/{job_id}         the run, with its result once finished
+    POST /api/runs/{job_id}/cancel  cancel it (the worker kills its sandbox)
+    GET  /api/runs                  the caller's runs (an admin: anyone's, or one user's),
+                                    newest first, filtered, in pages with an opaque cursor
+    GET  /api/runs/{job_id}/logs[?follow=1]   the stored logs, or live as Server-Sent Events
 
-``create_app`` includes this router; a studio that mounts ``api_client.http.router`` itself
-includes ``api_client.routes_runs.router`` too.
+Each route's docstring, which the OpenAPI shows, says the rest.
 """
 
 from __future__ import annotations
@@ -18,22 +20,81 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from api_client.client import RUNS_PAGE_MAX
-from api_client.http import (
+from api_client.client import RUNS_PAGE_MAX, JobNotFound
+from api_client.http.kit import (
     ERRORS,
     ApiError,
     CallerDep,
-    ErrorBody,
     ErrorRoute,
     JobIdPath,
     ServicesDep,
-    _own_record,
+    own_record,
 )
-from api_client.wire import RunList, RunLogs
+from api_client.http.wire import ErrorBody, RunBody, RunList, RunLogs, RunView, RunWaiting
+from api_client.live_logs import follow_async
+from executor.errors import ErrorCode
 from executor.models import Status
 
 router = APIRouter(route_class=ErrorRoute)
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
+
+
+@router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"], responses=ERRORS)
+def submit_run(body: RunBody, who: CallerDep, services: ServicesDep) -> RunView:
+    """Queue a workflow run's Code node (queue code.run); poll GET /api/runs/{job_id}."""
+    job_id = services.client.submit(
+        body.code,
+        body.language,
+        body.state,
+        body.timeout_s,
+        who.user,
+        kind="run",
+        memory=body.memory,
+        cpus=body.cpus,
+    )
+    rec = services.record(job_id)
+    if rec is None:  # pragma: no cover
+        raise ApiError(503, str(ErrorCode.RUNTIME_UNAVAILABLE), "The run was lost.")
+    return RunView.of(rec)
+
+
+@router.get("/api/runs/{job_id}", response_model=RunView, tags=["runs"], responses=ERRORS)
+def get_run(job_id: JobIdPath, who: CallerDep, services: ServicesDep) -> RunView:
+    """The run and, once finished, its result. 404 for an unknown id or another user's
+    run (unless the caller is an admin). A queued run that fairness between users holds
+    back says where it waits (``waiting``)."""
+    rec = own_record(services, job_id, who)
+    view = RunView.of(rec)
+    if rec.status is Status.QUEUED and rec.kind == "run":
+        where = services.client.where(job_id)
+        if where is not None:
+            view.waiting = RunWaiting.model_validate(where.as_dict())
+    return view
+
+
+@router.post(
+    "/api/runs/{job_id}/cancel",
+    response_model=RunView,
+    status_code=202,
+    tags=["runs"],
+    responses=ERRORS,
+)
+def cancel_run(job_id: JobIdPath, who: CallerDep, services: ServicesDep) -> RunView:
+    """Cancel a run: a queued one never starts, a running one has its sandbox killed and
+    ends ``cancelled``. Cancelling a cancelled run again is fine (202); one that finished
+    otherwise answers 409."""
+    rec = own_record(services, job_id, who)
+    if rec.status.finished and rec.status is not Status.CANCELLED:
+        raise ApiError(
+            409,
+            "CONFLICT",
+            f"Run {job_id} already finished ({rec.status.value}); nothing to cancel.",
+        )
+    try:
+        services.client.cancel(job_id)
+    except JobNotFound as e:  # removed between the read and the cancel
+        raise ApiError(404, "NOT_FOUND", f"No run {job_id!r} that you can see.") from e
+    return RunView.of(services.record(job_id) or rec)
 
 
 @router.get(
@@ -132,12 +193,10 @@ async def get_run_logs(
     ] = False,
 ) -> Any:
     """The run's logs: stored (JSON), or followed live as Server-Sent Events."""
-    rec = await asyncio.to_thread(_own_record, services, job_id, who)
+    rec = await asyncio.to_thread(own_record, services, job_id, who)
     if not follow:
         return RunLogs.of(rec)
     from sse_starlette.sse import EventSourceResponse, ServerSentEvent
-
-    from api_client.live_logs import follow_async
 
     last_id = request.headers.get("last-event-id") or "0-0"
     if not _STREAM_ID.fullmatch(last_id):

@@ -27,6 +27,8 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
+from api_client.http.metrics import api_routes
+
 ASSETS_URL = "/docs-assets"
 USER_HEADER = "X-Studio-User"
 ADMIN_HEADER = "X-Studio-Admin"
@@ -158,9 +160,7 @@ def truthful_openapi(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if "schema" in done:
             return done["schema"]  # type: ignore[no-any-return]
-        from api_client.http_metrics import _api_routes
-
-        for route in _api_routes(app.routes):
+        for route in api_routes(app.routes):
             if route.operation_id is None:
                 route.operation_id = route.name
         app.openapi_schema = None

@@ -20,9 +20,9 @@ message; whatever the app receives after it (``http.disconnect``) comes from the
 untouched, so a route can still notice that its caller went away.
 
 Where it applies: ``create_app`` wraps the whole app (``router_only=False``: every path;
-an unknown path gets the small cap). A studio that mounts ``api_client.http.router`` in
-its own app adds it with ``router_only=True`` (and ``prefix`` if it included the router
-under one): only the router's paths are checked and the studio's own routes pass untouched.
+an unknown path gets the small cap). A studio that mounts ``api_client.http.routes.ROUTERS``
+in its own app adds it with ``router_only=True`` (and ``prefix`` if it included the routers
+under one): only the routers' paths are checked and the studio's own routes pass untouched.
 """
 
 from __future__ import annotations

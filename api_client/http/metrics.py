@@ -68,14 +68,14 @@ class RequestMetrics:
             LATENCY.labels(method, route).observe(time.perf_counter() - start)
 
 
-def _api_routes(routes: Iterable[Any]) -> Iterator[APIRoute]:
+def api_routes(routes: Iterable[Any]) -> Iterator[APIRoute]:
     """Every APIRoute, included routers' too (FastAPI keeps an included router whole)."""
     for route in routes:
         if isinstance(route, APIRoute):
             yield route
         inner = getattr(route, "original_router", None)
         if inner is not None:
-            yield from _api_routes(inner.routes)
+            yield from api_routes(inner.routes)
 
 
 def instrument(app: FastAPI, services: Any) -> CollectorRegistry:
@@ -85,7 +85,7 @@ def instrument(app: FastAPI, services: Any) -> CollectorRegistry:
     from worker.metrics.autoscale import QueueCollector
 
     app.add_middleware(RequestMetrics)  # type: ignore[arg-type]
-    for route in _api_routes(app.routes):
+    for route in api_routes(app.routes):
         for method in sorted(route.methods or ()):
             LATENCY.labels(method, route.path)
             for cls in STATUS_CLASSES:

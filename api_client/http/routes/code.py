@@ -1,0 +1,189 @@
+"""The editor's routes: what it sees, the save-time check, the node check, the test call.
+
+    GET  /api/meta/runtime          what the editor sees (no user needed)
+    POST /api/code/validate         save-time check: 200, or 400 CODE_INVALID with the reason
+    POST /api/code/nodes/check      workflow validation of a node: can this language run now
+    POST /api/code/test             an editor test call: rate limited per user per minute
+                                    and in flight (429 with Retry-After), runs on queue
+                                    code.test, waits (bounded, async: no thread held)
+
+Each route's docstring, which the OpenAPI shows, says the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+from fastapi import APIRouter, BackgroundTasks, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from api_client.http.kit import (
+    ERRORS,
+    ApiError,
+    CallerDep,
+    ErrorRoute,
+    ServicesDep,
+    error_response,
+)
+from api_client.http.wire import (
+    CodeBody,
+    ErrorBody,
+    LanguageBody,
+    NodeCheck,
+    Problem,
+    RunBody,
+    RuntimeMeta,
+    RunView,
+    ValidateResult,
+)
+from executor.errors import ErrorCode
+from executor.inputs import capped_timeout_s
+from executor.store.base import JobRecord
+
+#: waited for a test call's result on top of its own timeout: queue wait and sandbox start
+TEST_WAIT_MARGIN_S = 30.0
+
+
+def _problems(raw: Any) -> list[Problem]:
+    out = []
+    for p in raw or []:
+        line = getattr(p, "line", None) or None  # the executor's 0 means "no line"
+        out.append(Problem(line=line, message=getattr(p, "message", str(p))))
+    return out
+
+
+router = APIRouter(route_class=ErrorRoute)
+
+
+@router.get(
+    "/api/meta/runtime",
+    response_model=RuntimeMeta,
+    tags=["meta"],
+    responses={503: {"model": ErrorBody}},
+)
+def get_runtime_meta(services: ServicesDep) -> dict[str, Any]:
+    """Enabled, runtime, each language's readiness (its test program ran) and packages,
+    and the limits in force."""
+    return services.client.meta()  # type: ignore[no-any-return]
+
+
+@router.post("/api/code/validate", response_model=ValidateResult, tags=["code"], responses=ERRORS)
+def validate_code(body: CodeBody, who: CallerDep, services: ServicesDep) -> ValidateResult:
+    """The save-time check: 200 when the code may be saved, else 400 CODE_INVALID whose
+    message (and ``problems``) give the reason."""
+    problems = _problems(
+        services.client.validate(
+            body.code, body.language, memory=body.memory, cpus=body.cpus, timeout_s=body.timeout_s
+        )
+    )
+    if problems:
+        raise ApiError(
+            400,
+            str(ErrorCode.CODE_INVALID),
+            "; ".join(
+                p.message if p.line is None else f"line {p.line}: {p.message}" for p in problems
+            ),
+            problems=[p.model_dump() for p in problems],
+        )
+    return ValidateResult(ok=True, language=body.language)
+
+
+@router.post("/api/code/nodes/check", response_model=NodeCheck, tags=["code"], responses=ERRORS)
+def check_node(body: LanguageBody, who: CallerDep, services: ServicesDep) -> NodeCheck:
+    """Workflow validation of a Code node: 200 when a node of this language can run now;
+    503 CODE_NODES_DISABLED or RUNTIME_UNAVAILABLE, or 400 CODE_INVALID for a language that
+    is not offered, each with the reason and how to fix it."""
+    services.client.validate_node(body.language)
+    return NodeCheck(ok=True, language=body.language)
+
+
+@router.post(
+    "/api/code/test",
+    response_model=RunView,
+    tags=["code"],
+    responses={
+        **ERRORS,
+        202: {
+            "model": RunView,
+            "description": "Not finished within the wait: poll GET /api/runs/{job_id}.",
+        },
+    },
+)
+async def test_code(
+    body: RunBody,
+    who: CallerDep,
+    services: ServicesDep,
+    request: Request,
+    response: Response,
+    background: BackgroundTasks,
+) -> Any:
+    """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute and
+    STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
+    code.test queue, answered with the result (200) or, when it takes longer than its
+    timeout plus a margin, with the run so far (202)."""
+    s = services.settings
+    # the first call of a process opens the run store: never on the event loop
+    client = services.opened or await run_in_threadpool(lambda: services.client)
+    wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + TEST_WAIT_MARGIN_S
+    aredis = client.async_redis
+    slot = await services.in_flight.acquire(aredis, who.user, wait_s + 5)
+    try:
+        job_id = await run_in_threadpool(
+            lambda: client.submit(
+                body.code,
+                body.language,
+                body.state,
+                body.timeout_s,
+                who.user,
+                "test",
+                memory=body.memory,
+                cpus=body.cpus,
+            )
+        )
+        rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s, submitted=True))
+    except BaseException:
+        await services.in_flight.release(aredis, slot)
+        raise
+    # the slot goes back as the answer goes out (not after Redis confirms it: that round
+    # trip is off the call's path); the request ends once it is back
+    background.add_task(services.in_flight.release_now(aredis, slot))
+    if rec is None:  # nobody is listening; the run goes on and GET /api/runs/{id} has it
+        return error_response(499, "CLIENT_GONE", "The caller went away before the result.")
+    if not rec.status.finished:
+        response.status_code = 202
+    return RunView.of(rec)
+
+
+async def _unless_disconnected(
+    request: Request, wait: Coroutine[Any, Any, JobRecord]
+) -> JobRecord | None:
+    """``wait``'s result, or None as soon as the caller disconnects (the wait is cancelled,
+    so the caller's in-flight slot is given back at once). What ``wait`` raises comes out
+    as itself (a 503, a 404). The watch is a task of its own that cancels this one on a
+    disconnect; once the wait is over it is cancelled, not waited for (nothing of it is
+    left to run), so the answer does not wait a turn of the loop for it."""
+    this = asyncio.current_task()
+    assert this is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - cannot tell: keep waiting for the result
+            return
+        gone = True
+        this.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await wait
+    except asyncio.CancelledError:
+        if gone and this.uncancel() == 0:  # our own cancel and nobody else's
+            return None
+        raise
+    finally:
+        watcher.cancel()
