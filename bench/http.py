@@ -223,6 +223,7 @@ def main() -> None:
             redis_url=redis.url,
             database_url=f"sqlite:///{db}",
             code_languages="python",
+            code_test_per_minute=10000,  # as the API's
         )
         queue_client = CodeClient(settings)
         executor = Executor(settings)
