@@ -104,6 +104,18 @@ return {0, tonumber(oldest[2]) + window_us - now}
 """
 
 
+def rate_limited(user: str, limit: int, wait_us: int) -> RateLimited:
+    """The refusal of an editor test call over STUDIO_CODE_TEST_PER_MINUTE (``wait_us``:
+    until the oldest call of the window leaves it)."""
+    retry = max(1, math.ceil(wait_us / 1_000_000))
+    who = f"User {user!r}" if user else "This user"
+    return RateLimited(
+        f"{who} made {limit} editor test calls in the last minute (the limit, "
+        f"STUDIO_CODE_TEST_PER_MINUTE={limit}): try again in {retry} s.",
+        retry_after_s=retry,
+    )
+
+
 class RunPage(BaseModel):
     """One page of run history, newest first; ``next_cursor`` is None on the last page."""
 
@@ -307,7 +319,7 @@ class CodeClient:
                 "run) or 'test' (an editor test call)."
             )
         timeout = inputs.timeout_s(timeout_s, max_seconds=self.settings.code_max_seconds)
-        self.executor.language(language)  # not offered: CodeInvalid before anything else
+        offered = self.executor.language(language)  # not offered: CodeInvalid before the rest
         state_json = inputs.state_json(state, max_bytes=self.settings.code_state_max_bytes)
         job = CodeJob(
             language=language,  # type: ignore[arg-type]  # offered, checked above
@@ -319,7 +331,7 @@ class CodeClient:
             memory_bytes=inputs.memory_bytes(memory),
             cpus=cpus,
         )
-        self.executor.check_job(job)
+        self.executor.check_job(job, language=offered, state_checked=True)
         return job
 
     # --- the queue ---------------------------------------------------------------------
@@ -335,6 +347,7 @@ class CodeClient:
         *,
         memory: str | int | None = None,
         cpus: float | None = None,
+        rate_checked: bool = False,
     ) -> str:
         """Queue one Code-node call; returns its job id.
 
@@ -345,11 +358,13 @@ class CodeClient:
         run store is unreachable: StoreUnavailable naming it; Redis could not take the job:
         the job then ends failed). ``memory`` (a size such as 512m, or bytes) and ``cpus``
         are what the node asks for, up to STUDIO_CODE_MAX_MEMORY / STUDIO_CODE_MAX_CPUS
-        (over: CodeInvalid)."""
+        (over: CodeInvalid). ``rate_checked``: the caller has counted this test call
+        against STUDIO_CODE_TEST_PER_MINUTE already (the HTTP route, with its in-flight
+        slot, in one round trip: api_client.http.inflight)."""
         job = self._job(code, language, state, timeout_s, user, kind, memory, cpus)
         queue = queue_of(kind)
         self._check_served(queue)  # before the row: a refused job leaves nothing queued
-        if kind == "test":
+        if kind == "test" and not rate_checked:
             self._check_rate(user)
         self.store.create(job, code_runtime=self.settings.code_runtime)
         headers = job_headers(self.store.store_id, self.store.describe())
@@ -633,13 +648,7 @@ class CodeClient:
                 "it is up."
             ) from e
         if not admitted:
-            retry = max(1, math.ceil(int(wait_us) / 1_000_000))
-            who = f"User {user!r}" if user else "This user"
-            raise RateLimited(
-                f"{who} made {limit} editor test calls in the last minute (the limit, "
-                f"STUDIO_CODE_TEST_PER_MINUTE={limit}): try again in {retry} s.",
-                retry_after_s=retry,
-            )
+            raise rate_limited(user, limit, int(wait_us))
 
     def run_inline(
         self,

@@ -23,6 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from bench.common import pct
 from bench.queue import SETTLE_S
@@ -47,14 +48,22 @@ def unfinished_tests(db: Path) -> int:
     return int(row[0])
 
 
-def test_call_overhead(base: str, auth: dict[str, str], n: int) -> tuple[list[float], list[float]]:
-    """n editor test calls one at a time, SETTLE_S apart: (wall ms, wall − the run's
-    duration_ms)."""
+def test_call_overhead(
+    base: str, auth: dict[str, str], n: int, client: Any = None, executor: Any = None
+) -> dict[str, list[float]]:
+    """n editor test calls one at a time, SETTLE_S apart: ``wall`` (ms) and ``over`` (wall
+    − the run's duration_ms). With ``client`` (a CodeClient on the same Redis, store and
+    worker), each call is followed by the same job through the queue without HTTP
+    (``queue``: submit → wait − duration_ms); with ``executor`` (pre-started sandboxes, in
+    this process), by the same node run in-process (``inproc``: its wall), so every side
+    sees the same noise."""
     import httpx
 
-    walls, over = [], []
+    from executor.models import CodeJob
+
+    out: dict[str, list[float]] = {"wall": [], "over": [], "queue": [], "inproc": []}
     with httpx.Client(base_url=base, headers={**auth, "X-Studio-User": "bench"}) as c:
-        while len(walls) < n:
+        while len(out["wall"]) < n:
             time.sleep(SETTLE_S)  # each call on a settled worker (see bench.queue)
             t0 = time.perf_counter()
             r = c.post("/api/code/test", json={"code": TRIVIAL}, timeout=60)
@@ -62,9 +71,24 @@ def test_call_overhead(base: str, auth: dict[str, str], n: int) -> tuple[list[fl
             body = r.json()
             if r.status_code != 200 or body.get("status") != "succeeded":
                 raise RuntimeError(f"test call answered {r.status_code}: {r.text[:300]}")
-            walls.append(wall)
-            over.append(wall - float(body["duration_ms"]))
-    return walls, over
+            out["wall"].append(wall)
+            out["over"].append(wall - float(body["duration_ms"]))
+            if client is not None:
+                time.sleep(SETTLE_S)
+                t0 = time.perf_counter()
+                rec = client.wait(client.submit(TRIVIAL, "python", {}, user="bench", kind="test"))
+                wall = (time.perf_counter() - t0) * 1000
+                if rec.status != "succeeded":
+                    raise RuntimeError(f"the queued test job ended {rec.status}: {rec.error}")
+                out["queue"].append(wall - float(rec.duration_ms or 0))
+            if executor is not None:
+                time.sleep(SETTLE_S)
+                t0 = time.perf_counter()
+                res = executor.run(CodeJob(language="python", code=TRIVIAL, state_json="{}"))
+                out["inproc"].append((time.perf_counter() - t0) * 1000)
+                if res.status != "succeeded":
+                    raise RuntimeError(f"the in-process run ended {res.status}: {res.error}")
+    return out
 
 
 def probe(base: str, auth: dict[str, str], run_id: str, n: int) -> tuple[list[float], list[float]]:
@@ -145,6 +169,10 @@ def main() -> None:
     import httpx
     import redis as redis_lib
 
+    from api_client import CodeClient
+    from executor.service import Executor
+    from executor.settings import load_settings
+
     tmp = Path(tempfile.mkdtemp(prefix="studio-bench-http-"))
     redis = start_redis(tmp)
     token = secrets.token_hex(24)
@@ -167,6 +195,7 @@ def main() -> None:
     )
     worker = api = None
     burst = None
+    executor = None
     try:
         worker = CeleryWorker(
             env, tmp / "worker.log", concurrency=1, loglevel="WARNING", stop_timeout=30
@@ -187,8 +216,21 @@ def main() -> None:
         if r.status_code != 202:
             raise RuntimeError(f"POST /api/runs answered {r.status_code}: {r.text[:300]}")
         run_id = r.json()["job_id"]
-        test_call_overhead(base, auth, 5)  # warm-up: the API's clients, the worker's slot
-        call_wall, call_over = test_call_overhead(base, auth, min(args.n, 60))
+        # the same job through the queue from this process (no HTTP), and the same node
+        # run in this process on a pre-started sandbox: interleaved with the HTTP calls
+        settings = load_settings(
+            enable_code_nodes=True,
+            redis_url=redis.url,
+            database_url=f"sqlite:///{db}",
+            code_languages="python",
+            code_test_per_minute=10000,  # as the API's
+        )
+        queue_client = CodeClient(settings)
+        executor = Executor(settings)
+        executor.prepare()
+        test_call_overhead(base, auth, 5, queue_client, executor)  # warm-up: every client
+        calls = test_call_overhead(base, auth, min(args.n, 60), queue_client, executor)
+        call_wall, call_over = calls["wall"], calls["over"]
 
         api_pid = api.pid
         c0, t0 = cpu_s(api_pid), time.monotonic()
@@ -262,12 +304,27 @@ def main() -> None:
             f"limits) | {pct(call_over, 50):.1f} ms / p95 {pct(call_over, 95):.1f} ms | | | "
             "≤ 10 ms p50 |"
         )
+        print(
+            f"| … the same job through the queue without HTTP (CodeClient.submit → wait, "
+            f"code.test, the same worker; interleaved): its overhead | "
+            f"{pct(calls['queue'], 50):.1f} ms / p95 {pct(calls['queue'], 95):.1f} ms | | "
+            f"HTTP − queue: {pct(call_over, 50) - pct(calls['queue'], 50):+.1f} ms p50 | "
+            "≤ +3 ms |"
+        )
+        print(
+            f"| … the same node run in-process on a pre-started sandbox (Executor.run; "
+            f"interleaved): whole run | {pct(calls['inproc'], 50):.1f} / "
+            f"{pct(calls['inproc'], 99):.1f} ms | | HTTP call / in-process: "
+            f"{pct(call_wall, 50) / pct(calls['inproc'], 50):.2f}x p50 | |"
+        )
         answered = sorted(set(burst.codes))
         print(
             f"\nthe waiting calls answered {answered} once their runs were cancelled "
             f"({len(burst.codes)} of {len(users) * per_user})"
         )
     finally:
+        if executor is not None:
+            executor.close()
         if burst is not None:
             burst.stop()
         for service in (api, worker):

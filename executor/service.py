@@ -163,19 +163,25 @@ class Executor:
         that is not offered."""
         return self.language(language).check(code, self.settings)
 
-    def check_job(self, job: CodeJob) -> Language:
+    def check_job(
+        self, job: CodeJob, *, language: Language | None = None, state_checked: bool = False
+    ) -> Language:
         """Everything that refuses a job before a sandbox starts, in one place (the API's
         submit and the worker's run both call it): Code nodes off, a language not offered,
-        save-time problems, a state over STUDIO_CODE_STATE_MAX_BYTES. Returns its language."""
+        save-time problems, a state over STUDIO_CODE_STATE_MAX_BYTES. Returns its language.
+        A caller that has already looked up the language (``language``) or checked the
+        state's size (``state_checked``) passes that on: each is checked once per process."""
         reason = self.disabled_reason()
         if reason:
             raise CodeNodesDisabled(reason)
-        language = self.language(job.language)
+        if language is None or language.name != job.language:
+            language = self.language(job.language)
         problems = language.check(job.code, self.settings)
         if problems:
             raise CodeInvalid("; ".join(str(p) for p in problems))
         self.check_limits(memory_bytes=job.memory_bytes, cpus=job.cpus)
-        check_state_size(job.state_json, max_bytes=self.settings.code_state_max_bytes)
+        if not state_checked:
+            check_state_size(job.state_json, max_bytes=self.settings.code_state_max_bytes)
         return language
 
     def check_limits(

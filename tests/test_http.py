@@ -317,6 +317,12 @@ def test_the_21st_test_call_in_a_minute_is_429_with_retry_after(stack: Stack) ->
             "/api/code/test", json={"code": OK_CODE, "state": {"n": 1}}, headers=h
         )
 
+    # calls refused before their job is queued (code that does not parse) do not count:
+    # admission counts a call with its in-flight slot and gives both back then
+    for _ in range(3):
+        bad = stack.http.post("/api/code/test", json={"code": "def main(:\n"}, headers=h)
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["code"] == "CODE_INVALID"
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         first = list(pool.map(call, range(20)))

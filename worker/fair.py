@@ -370,6 +370,13 @@ class FairQueue:
         """These jobs ended: their user's cap slots are free. Then release."""
         return int(self._ended(keys=KEYS, args=self._args(*job_ids)))
 
+    def add_ended(self, pipe: Any, job_ids: list[str]) -> None:
+        """``ended`` added to a pipeline the job's end shares (EVALSHA only: a pipeline
+        given the script object would first ask SCRIPT EXISTS, a round trip of its own).
+        The reply is a NoScriptError when this Redis has not loaded the script yet (new,
+        restarted, failed over): ``ended`` then loads it."""
+        pipe.evalsha(self._ended.sha, len(KEYS), *KEYS, *self._args(*job_ids))
+
     def forget(self, job_ids: list[str]) -> int:
         """Take runs off their users' lists (cancelled or ended while waiting there)."""
         if not job_ids:
@@ -412,6 +419,18 @@ class Channel(kombu_redis.Channel):
     its user's waiting list instead (the message kombu built, unchanged)."""
 
     _fair: FairQueue | None = None
+    _sync_client: Any = None
+
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        """kombu makes a new redis.Redis on its pool for every publish (its __init__ was a
+        fifth of a submit's CPU); one per channel and pool does (redis.Redis is thread
+        safe: each command takes a connection from the pool)."""
+        if asynchronous:
+            return super()._create_client(asynchronous=True)
+        client = self._sync_client
+        if client is None or client.connection_pool is not self.pool:
+            client = self._sync_client = super()._create_client()
+        return client
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> Any:
         headers = message.get("headers") or {}

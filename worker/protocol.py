@@ -62,9 +62,15 @@ def announce_done(client: Any, job_id: str) -> None:
     per time the task body ended for the job (or a parked result was written). One round
     trip, no MULTI/EXEC: the TTL only bounds a forgotten list. Raises redis.RedisError."""
     pipe = client.pipeline(transaction=False)
+    add_done_notice(pipe, job_id)
+    pipe.execute()
+
+
+def add_done_notice(pipe: Any, job_id: str) -> None:
+    """The done notice's two commands, added to a pipeline that other steps of a job's end
+    share (a pool process sends its job's end in one round trip: worker.job.tasks)."""
     pipe.rpush(done_key(job_id), "1")
     pipe.expire(done_key(job_id), DONE_TTL_S)
-    pipe.execute()
 
 
 def visibility_timeout_s(settings: Settings) -> float:

@@ -1,12 +1,14 @@
 """How many editor test calls one user has waiting at once (STUDIO_CODE_TEST_IN_FLIGHT),
 counted in Redis so the cap holds across API processes.
 
-Each waiting call is one member of a sorted set per user, scored with the time it gives
-up waiting. Taking a slot first drops members whose time has passed, so a slot held by
-an API process that died is freed when that call would have stopped waiting anyway; a
-call that ends (answered, failed, or its caller went away) removes its own member at once
-(``release`` runs even while its task is being cancelled; ``release_now`` sends the removal
-as the answer goes out, and the request ends once Redis has it).
+A call is admitted by one script (``InFlight.admit``) that also counts it against the
+per-minute limit. Each waiting call is one member of a sorted set per user, scored with
+the time it gives up waiting. Taking a slot first drops members whose time has passed,
+so a slot held by an API process that died is freed when that call would have stopped
+waiting anyway; a call that ends (answered, failed, or its caller went away) removes its
+own member at once (``release`` runs even while its task is being cancelled;
+``release_now`` sends the removal as the answer goes out, and the request ends once Redis
+has it).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any
 
 import redis
 
+from api_client.client import RATE_WINDOW_S, rate_limited
 from executor.errors import RateLimited, RuntimeUnavailable
-from worker.protocol import in_flight_key
+from worker.protocol import in_flight_key, rate_key
 
 #: Retry-After of a refused call: a test call usually ends within seconds
 RETRY_AFTER_S = 2
@@ -29,29 +32,43 @@ RETRY_AFTER_S = 2
 #: releases under way (a task the loop holds only weakly must be held here)
 _RELEASING: set[asyncio.Task[None]] = set()
 
-_ACQUIRE_LUA = """
-local key = KEYS[1]
-local limit = tonumber(ARGV[1])
-local hold_ms = tonumber(ARGV[2])
+#: an editor test call's admission in ONE round trip: a slot of the user's waiting calls
+#: (STUDIO_CODE_TEST_IN_FLIGHT, checked first) and a place in the user's
+#: last minute of calls (STUDIO_CODE_TEST_PER_MINUTE, as api_client.client's _RATE_LUA).
+#: {1, 0}: admitted; {0, 0}: too many waiting; {2, us}: over the rate, free in ``us``.
+_ADMIT_LUA = """
 local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local key, rate_key = KEYS[1], KEYS[2]
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-if redis.call('ZCARD', key) >= limit then
-  return 0
+if redis.call('ZCARD', key) >= tonumber(ARGV[1]) then
+  return {0, 0}
 end
-redis.call('ZADD', key, now + hold_ms, ARGV[3])
+local rate_limit = tonumber(ARGV[4])
+local window_us = tonumber(ARGV[5])
+redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', now_us - window_us)
+if redis.call('ZCARD', rate_key) >= rate_limit then
+  local oldest = redis.call('ZRANGE', rate_key, 0, 0, 'WITHSCORES')
+  return {2, tonumber(oldest[2]) + window_us - now_us}
+end
+redis.call('ZADD', rate_key, now_us, ARGV[3])
+redis.call('PEXPIRE', rate_key, math.floor(window_us / 1000) + 1000)
+redis.call('ZADD', key, now + tonumber(ARGV[2]), ARGV[3])
 local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', key, tonumber(last[2]) - now + 1000)
-return 1
+return {1, 0}
 """
 
 
 @dataclass(frozen=True)
 class Slot:
-    """One admitted call; give it back with ``InFlight.release``."""
+    """One admitted call; give it back with ``InFlight.release``. ``rate_key``: the call
+    was also counted against the per-minute limit there (``admit``)."""
 
     key: str
     token: str
+    rate_key: str = ""
 
 
 class InFlight:
@@ -59,38 +76,64 @@ class InFlight:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+        self._admit: Any = None  # the admission script, on the client it was made for
 
-    async def acquire(self, aredis: Any, user: str, hold_s: float) -> Slot:
-        """Take a slot for a call that waits at most ``hold_s``; raises RateLimited when
-        the user already has ``limit`` calls waiting."""
-        slot = Slot(in_flight_key(user), uuid.uuid4().hex)
+    async def admit(self, aredis: Any, user: str, hold_s: float, per_minute: int) -> Slot:
+        """A slot for an editor test call that waits at most ``hold_s``, and its place in
+        the user's per-minute count (STUDIO_CODE_TEST_PER_MINUTE), in one round trip
+        (EVALSHA); raises RateLimited for either (too many waiting is said first). A call
+        whose job is then not queued gives its place back with its slot:
+        ``release(..., refund=True)``."""
+        script = self._admit
+        if script is None or script.registered_client is not aredis:
+            script = self._admit = aredis.register_script(_ADMIT_LUA)
+        slot = Slot(in_flight_key(user), uuid.uuid4().hex, rate_key(user))
         try:
-            admitted = await aredis.eval(
-                _ACQUIRE_LUA, 1, slot.key, self.limit, math.ceil(hold_s * 1000), slot.token
+            admitted, wait_us = await script(
+                keys=[slot.key, slot.rate_key],
+                args=[
+                    self.limit,
+                    math.ceil(hold_s * 1000),
+                    slot.token,
+                    per_minute,
+                    RATE_WINDOW_S * 1_000_000,
+                ],
             )
         except redis.RedisError as e:
             raise RuntimeUnavailable(
-                f"Redis at STUDIO_REDIS_URL cannot count waiting editor test calls ({e}): "
-                "check that it is up."
+                f"Redis at STUDIO_REDIS_URL cannot count editor test calls ({e}): check that "
+                "it is up."
             ) from e
-        if not admitted:
-            who = f"User {user!r}" if user else "This user"
-            raise RateLimited(
-                f"{who} already has {self.limit} editor test calls waiting for their result "
-                f"(the limit, STUDIO_CODE_TEST_IN_FLIGHT={self.limit}): wait for one to "
-                "finish, then try again.",
-                retry_after_s=RETRY_AFTER_S,
-            )
+        if int(admitted) == 2:
+            raise rate_limited(user, per_minute, int(wait_us))
+        if not int(admitted):
+            raise self._too_many(user)
         return slot
 
-    async def release(self, aredis: Any, slot: Slot) -> None:
-        """Give the slot back; runs to the end even in a cancelled task. Redis down: the
-        slot frees itself when its call would have stopped waiting."""
+    def _too_many(self, user: str) -> RateLimited:
+        who = f"User {user!r}" if user else "This user"
+        return RateLimited(
+            f"{who} already has {self.limit} editor test calls waiting for their result "
+            f"(the limit, STUDIO_CODE_TEST_IN_FLIGHT={self.limit}): wait for one to "
+            "finish, then try again.",
+            retry_after_s=RETRY_AFTER_S,
+        )
+
+    async def release(self, aredis: Any, slot: Slot, *, refund: bool = False) -> None:
+        """Give the slot back (``refund``: and the call's place in the per-minute count,
+        for a call whose job was not queued); runs to the end even in a cancelled task.
+        Redis down: the slot frees itself when its call would have stopped waiting."""
         import anyio
 
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             try:
-                await aredis.zrem(slot.key, slot.token)
+                if refund and slot.rate_key:
+                    pipe = aredis.pipeline(transaction=False)
+                    pipe.zrem(slot.key, slot.token)
+                    pipe.zrem(slot.rate_key, slot.token)
+                    await pipe.execute()
+                else:
+                    await aredis.zrem(slot.key, slot.token)
             except redis.RedisError:
                 pass
 

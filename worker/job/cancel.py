@@ -30,7 +30,8 @@ class CancelWatch:
     ``nudged`` (optional) returns True once after the process received the cancel signal.
     A signal is only a hint: it may have been meant for a job this process ran before
     (Celery signals a pid, not a job), so it makes the watch read the store for THIS job
-    and never cancels by itself."""
+    and never cancels by itself. ``flagged``: the Redis flag as already read for this job
+    (None: not read), used by the first call."""
 
     def __init__(
         self,
@@ -39,6 +40,7 @@ class CancelWatch:
         store: RunStore,
         client: redis.Redis | None,
         nudged: Callable[[], bool] | None = None,
+        flagged: bool | None = None,
     ) -> None:
         self.job_id = job_id
         self.store = store
@@ -49,6 +51,9 @@ class CancelWatch:
         now = time.monotonic()
         self._next_store = now + STORE_EVERY_S
         self._redis_ok_after = now
+        #: the flag as the job's start read it (with its parked-result lookup, one round
+        #: trip): the first call uses it instead of its own EXISTS
+        self._flagged = flagged
 
     def __call__(self) -> bool:
         if self.cancelled_at is not None:
@@ -58,7 +63,10 @@ class CancelWatch:
         if self.nudged is not None and self.nudged():
             read_store = True
         hit = False
-        if self.client is not None and now >= self._redis_ok_after:
+        flagged, self._flagged = self._flagged, None
+        if flagged is not None:
+            hit = flagged
+        elif self.client is not None and now >= self._redis_ok_after:
             try:
                 hit = bool(self.client.exists(self.key))
             except redis.RedisError as e:

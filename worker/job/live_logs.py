@@ -28,15 +28,17 @@ from worker.protocol import LIVE_TTL_S, logs_key
 log = logging.getLogger("studio_code.worker")
 
 MAX_ENTRIES = 10_000  # a safety cap (64 KiB of logs make far fewer entries)
+END_MARK = {"end": "1"}
 _STOP = object()
 
 
 class LivePublisher:
     """One job's pieces -> its Redis stream, from a thread of its own."""
 
-    def __init__(self, client: Any, job_id: str) -> None:
+    def __init__(self, client: Any, job_id: str, *, end_mark: bool = True) -> None:
         self.client = client
         self.key = logs_key(job_id)
+        self.end_mark = end_mark
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._failed = False
         # Started by the first piece: most nodes print nothing, and a thread per job (its
@@ -86,21 +88,35 @@ class LivePublisher:
             if batch:
                 self._send({"d": b"".join(batch)})
             if stop:
-                self._send({"end": "1"})
+                if self.end_mark:
+                    self._send(END_MARK)
                 return
 
     def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is left (and the end mark, unless the caller adds it to its own
+        round trip: ``add_end_mark``)."""
         if self._thread is None:  # nothing was printed: only the end mark
-            self._send({"end": "1"})
+            if self.end_mark:
+                self._send(END_MARK)
             return
         self._q.put(_STOP)
         self._thread.join(timeout_s)
 
 
+def add_end_mark(pipe: Any, job_id: str) -> None:
+    """The stream's end mark, added to a pipeline the job's end shares (after every piece
+    was sent: ``close`` joined the sender)."""
+    key = logs_key(job_id)
+    pipe.xadd(key, END_MARK, maxlen=MAX_ENTRIES, approximate=True)
+    pipe.expire(key, LIVE_TTL_S)
+
+
 @contextmanager
-def publishing(client: Any, job_id: str) -> Iterator[LivePublisher]:
-    """Publish what the job prints while the block runs (the runtime reads LOG_TAP)."""
-    publisher = LivePublisher(client, job_id)
+def publishing(client: Any, job_id: str, *, end_mark: bool = True) -> Iterator[LivePublisher]:
+    """Publish what the job prints while the block runs (the runtime reads LOG_TAP). With
+    ``end_mark=False`` the caller writes the end mark (``add_end_mark``) with its next
+    round trip: most nodes print nothing, and the mark alone was a round trip per job."""
+    publisher = LivePublisher(client, job_id, end_mark=end_mark)
     token = LOG_TAP.set(publisher.write)
     try:
         yield publisher

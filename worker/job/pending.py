@@ -43,11 +43,20 @@ def park(client: redis.Redis, result: CodeResult, worker: str, ttl_s: int) -> No
 
 def parked(client: redis.Redis, job_id: str) -> tuple[CodeResult, str] | None:
     """The parked result of ``job_id`` and the worker that ran it, or None."""
-    raw = client.get(pending_key(job_id))
+    return _decode(client.get(pending_key(job_id)))
+
+
+def _decode(raw: Any) -> tuple[CodeResult, str] | None:
     if raw is None:
         return None
     data = json.loads(raw)
     return CodeResult.model_validate(data["result"]), str(data["worker"])
+
+
+def add_lookup(pipe: Any, job_id: str) -> None:
+    """The parked-result lookup, added to a pipeline the job's start shares; its reply goes
+    to ``write_one(..., found=reply)``."""
+    pipe.get(pending_key(job_id))
 
 
 def forget(client: redis.Redis, job_id: str) -> None:
@@ -57,13 +66,14 @@ def forget(client: redis.Redis, job_id: str) -> None:
     pipe.execute()
 
 
-def write_one(store: Any, client: redis.Redis, job_id: str) -> bool | None:
+def write_one(store: Any, client: redis.Redis, job_id: str, *, found: Any = ...) -> bool | None:
     """Write the parked result of ``job_id``: True when this call wrote it, False when the
-    job had already ended, None when nothing is parked. Raises when the store is down."""
-    found = parked(client, job_id)
-    if found is None:
+    job had already ended, None when nothing is parked. Raises when the store is down.
+    ``found``: the reply of an ``add_lookup`` already made (else it is read here)."""
+    parked_result = parked(client, job_id) if found is ... else _decode(found)
+    if parked_result is None:
         return None
-    result, worker = found
+    result, worker = parked_result
     wrote = bool(store.finish(result, worker=worker))
     forget(client, job_id)
     if wrote:  # the one writer that won announces the end (two flushers may race)

@@ -39,13 +39,14 @@ from worker.glue import poison
 from worker.glue.outcomes import NodeFailed, report_outcome
 from worker.job import gate, pending, unrunnable
 from worker.job.cancel import CancelWatch
-from worker.job.live_logs import publishing
+from worker.job.live_logs import add_end_mark, publishing
 from worker.protocol import (
     CANCEL_SIGNAL,
     MAX_ATTEMPTS,
     QUEUE_RUN,
     TASK_NAME,
-    announce_done,
+    add_done_notice,
+    cancel_key,
 )
 
 log = logging.getLogger("studio_code.worker")
@@ -71,6 +72,8 @@ class ProcessState:
         self.fair = fair.FairQueue(self.redis, fair.user_cap(settings))
         self.pid = os.getpid()
         self.current_job: str | None = None
+        #: the job that ran owes its live-logs stream the end mark (sent by end_job)
+        self.owes_end_mark = False
         self._signalled = False
 
     def on_cancel_signal(self, signum: int, frame: Any) -> None:
@@ -86,17 +89,50 @@ class ProcessState:
             return True
         return False
 
-    def watch(self, job_id: str) -> CancelWatch:
-        return CancelWatch(job_id, store=self.store, client=self.redis, nudged=self.take_signal)
+    def watch(self, job_id: str, flagged: bool | None = None) -> CancelWatch:
+        return CancelWatch(
+            job_id, store=self.store, client=self.redis, nudged=self.take_signal, flagged=flagged
+        )
 
-    def notify_done(self, job_id: str) -> None:
-        """Wake ``CodeClient.wait``: one item per time the task body ended for the job."""
+    def start_reads(self, job_id: str) -> tuple[Any, bool]:
+        """The job's start in one round trip: its parked result (if a run before this one
+        parked it) and its cancel flag. Raises redis.RedisError."""
+        pipe = self.redis.pipeline(transaction=False)
+        pending.add_lookup(pipe, job_id)
+        pipe.exists(cancel_key(job_id))
+        found, flagged = pipe.execute()
+        return found, bool(flagged)
+
+    def end_job(self, job_id: str, *, done: bool, fair_end: bool) -> None:
+        """The job's end in one round trip: the live-logs end mark (owed by ``publishing``
+        with ``end_mark=False``), the done notice that wakes ``CodeClient.wait`` (one item
+        per time the task body ended for the job) and the fair queue's end (frees the
+        user's cap slot and releases the next runs into code.run, so the slot this frees
+        finds a message). Never raises: waiters poll the store, the workers' release loop
+        and the sweep's reconcile catch up."""
+        end_mark, self.owes_end_mark = self.owes_end_mark, False
+        if not (end_mark or done or fair_end):
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        if end_mark:
+            add_end_mark(pipe, job_id)
+        if done:
+            add_done_notice(pipe, job_id)
+        if fair_end:
+            self.fair.add_ended(pipe, [job_id])
         try:
-            announce_done(self.redis, job_id)
+            replies = pipe.execute(raise_on_error=False)
         except redis.RedisError as e:
             log.warning(
                 "could not announce the end of job %s (waiters poll the store): %s", job_id, e
             )
+            return
+        if fair_end and isinstance(replies[-1], redis.exceptions.NoScriptError):
+            fair.job_ended(self.fair, job_id)  # this Redis has not seen the script: load it
+            replies = replies[:-1]
+        failed = [r for r in replies if isinstance(r, Exception)]
+        if failed:
+            log.warning("the end of job %s was not all announced: %s", job_id, failed[0])
 
     def close(self) -> None:
         self.executor.close()  # idle pre-started sandboxes go with the process
@@ -216,33 +252,34 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
         try:
             outcome, ended = _run(state, job_id, worker, queue, request)
         except Reject:
-            raise  # handed back: the job has not ended, nothing to announce
-        except BaseException:
-            state.notify_done(job_id)  # the waiter re-reads the store (the reaper ends it)
+            # handed back: the job has not ended, nothing to announce but the end mark
+            state.end_job(job_id, done=False, fair_end=False)
             raise
-        if outcome in ("parked", "parked-duplicate"):
-            _fair_end(state, job_id, outcome)
-            return outcome  # a parked result is announced by whoever writes it
-        state.notify_done(job_id)
-    _fair_end(state, job_id, outcome)
-    # failed: NodeFailed, cancelled: Ignore (Celery's view)
-    report_outcome(state.store, job_id, ended)
+        except BaseException:
+            # the waiter re-reads the store (the reaper ends it)
+            state.end_job(job_id, done=True, fair_end=False)
+            raise
+        # a parked result is announced by whoever writes it
+        parked = outcome in ("parked", "parked-duplicate")
+        state.end_job(job_id, done=not parked, fair_end=_fair_ends(state, job_id, outcome))
+    if not parked:
+        # failed: NodeFailed, cancelled: Ignore (Celery's view)
+        report_outcome(state.store, job_id, ended)
     return outcome
 
 
-def _fair_end(state: ProcessState, job_id: str, outcome: str) -> None:
-    """The job's sandbox is done (after its result is stored, before its message is
-    acknowledged): free its user's cap slot and release the next runs into code.run, so
-    the slot this frees finds a message. A skipped delivery ends it only when the store says
-    the job ended (a redelivery of a job still running elsewhere frees nothing)."""
+def _fair_ends(state: ProcessState, job_id: str, outcome: str) -> bool:
+    """Whether this run ends the job for the fair queue (after its result is stored, before
+    its message is acknowledged). A skipped delivery ends it only when the store says the
+    job ended (a redelivery of a job still running elsewhere frees nothing)."""
     if outcome == "skipped":
         try:
             status = state.store.statuses([job_id]).get(job_id)
         except Exception:  # noqa: BLE001 - the sweep's reconcile frees it later
-            return
+            return False
         if status is not None and not status.finished:
-            return
-    fair.job_ended(state.fair, job_id)
+            return False
+    return True
 
 
 def _job_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -263,8 +300,10 @@ def _hand_back(why: str) -> NoReturn:
 def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any = None) -> Outcome:
     if gate.closed_in_child():
         _hand_back(f"job {job_id} handed back: {gate.RUN_STORE} or runtime unavailable here")
+    flagged: bool | None = None
     try:
-        written = pending.write_one(state.store, state.redis, job_id)
+        found, flagged = state.start_reads(job_id)
+        written = pending.write_one(state.store, state.redis, job_id, found=found)
     except redis.RedisError as e:
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
         written = None
@@ -311,7 +350,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         )
         return _finish(state, result, rec, worker, queue)
     job = rec.to_job()
-    watch = state.watch(job_id)
+    watch = state.watch(job_id, flagged)
     state.current_job = job_id
     state.take_signal()  # a signal that came before this job was meant for another one
     try:
@@ -326,8 +365,9 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         else:
             with (
                 _metrics_context(metrics.sandbox_running, job.language),
-                publishing(state.redis, job_id),
-            ):  # live logs, flushed before finish
+                publishing(state.redis, job_id, end_mark=False),
+            ):  # live logs, flushed before finish; the end mark goes with the done notice
+                state.owes_end_mark = True
                 result = state.executor.run(job, should_cancel=watch)
     except Exception as e:  # noqa: BLE001 - the executor never raises for the job itself
         log.exception("job %s: the worker failed around the executor", job_id)

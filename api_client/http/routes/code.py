@@ -128,7 +128,9 @@ async def test_code(
     client = services.opened or await run_in_threadpool(lambda: services.client)
     wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + TEST_WAIT_MARGIN_S
     aredis = client.async_redis
-    slot = await services.in_flight.acquire(aredis, who.user, wait_s + 5)
+    # its in-flight slot and its place in the per-minute count: one round trip
+    slot = await services.in_flight.admit(aredis, who.user, wait_s + 5, s.code_test_per_minute)
+    queued = False
     try:
         job_id = await run_in_threadpool(
             lambda: client.submit(
@@ -140,11 +142,15 @@ async def test_code(
                 "test",
                 memory=body.memory,
                 cpus=body.cpus,
+                rate_checked=True,
             )
         )
+        queued = True
         rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s, submitted=True))
     except BaseException:
-        await services.in_flight.release(aredis, slot)
+        # a call refused before its job was queued (bad code, no worker, the store or
+        # Redis away) does not count against the per-minute limit
+        await services.in_flight.release(aredis, slot, refund=not queued)
         raise
     # the slot goes back as the answer goes out (not after Redis confirms it: that round
     # trip is off the call's path); the request ends once it is back
