@@ -375,9 +375,8 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
                 what = fault(what, rng, workers, redis, relay, pg, engine, sentinels)
                 if what:
                     verb = "cut" if what.startswith("silently") else "killed"
-                    if what.startswith("restarted"):
-                        verb = ""
-                    events.append(f"{at:6.1f} s  {verb} {what}".replace("   ", "  "))
+                    told = what if what.startswith("restarted") else f"{verb} {what}"
+                    events.append(f"{at:6.1f} s  {told}")
                     print(f"  {events[-1]}", flush=True)
                 next_fault = time.monotonic() + rng.uniform(3, 10)
             try:
