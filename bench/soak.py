@@ -327,6 +327,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
     pending: set[str] = set()
     ended = 0
     submit_errors = 0
+    first_error = ""
     samples: list[dict[str, Any]] = []
     client = None
     left: list[str] = []
@@ -360,8 +361,9 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
                 while n < upto:
                     try:
                         job = client.submit(TRIVIAL, "python", {"n": n}, user=f"soak{n % 3}")
-                    except Exception:  # noqa: BLE001 - Redis or the store mid-fault: later
+                    except Exception as e:  # noqa: BLE001 - Redis or the store mid-fault: later
                         submit_errors += 1
+                        first_error = first_error or f"{type(e).__name__}: {e}"[:300]
                         break
                     jobs[job] = n
                     pending.add(job)
@@ -453,6 +455,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         "faults": events,
         "submitted": len(jobs),
         "submits refused (tried again)": submit_errors,
+        "first refusal": first_error,
         "ended": dict(statuses),
         "wrong outputs": wrong,
         "executed more than once": twice_list,
