@@ -393,6 +393,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
             if args.long and ended >= next_sample:
                 next_sample += args.sample_every
                 row = sample(workers, soak_containers(dk, jobs, pids, engine is not None))
+                row["at"] = time.monotonic() - t_start
                 samples.append(row)
                 print_row(ended, time.monotonic() - t_start, row, names)
             if n >= args.jobs and not pending and time.monotonic() >= chaos_end:
@@ -467,9 +468,14 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
     }
     print(json.dumps(report, indent=2))
     if args.long:
-        warm = samples[args.warmup :]
+        # warm-up: the samples while faults were made (a restarted worker counts afresh),
+        # then --warmup more
+        warm = [r for r in samples if r["at"] >= args.chaos_s or not faults][args.warmup :]
         if len(warm) >= 2:
-            print(f"first vs last sample after warm-up ({args.warmup} skipped):")
+            print(
+                f"first vs last sample after warm-up (the chaos, then {args.warmup} more "
+                f"skipped; {len(warm)} compared rows):"
+            )
             flat = flat_verdict(warm[0], warm[-1], names)
             restarts = {w.name: w.starts - 1 for w in workers}
             print(
