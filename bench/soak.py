@@ -3,7 +3,20 @@ driver kills, at random moments, a worker's main process, a pool process, Redis 
 redis-server with AOF) and the run store (its own PostgreSQL cluster), or cuts the workers'
 Redis connections silently (they reach Redis through a loopback relay of the soak's own,
 tests/relay.py: every connection goes silent, no FIN, no RST, new ones held for 5-25 s),
-for a bounded time.
+for a bounded time. ``--faults`` picks the faults (worker pool redis store silent, the
+default; engine; sentinel):
+
+* ``engine``: the workers use a dockerd of the soak's own (tests.services.SecondEngine,
+  never the machine's), restarted mid-burst; at the end no container is left on it;
+* ``sentinel``: Redis is a primary, a replica and 3 sentinels on loopback, the workers and
+  the client use its sentinel:// URL; the primary is SIGKILLed mid-burst (and started again
+  as a replica). The relay faults (redis, silent) cannot share it: with both asked, the
+  soak runs two rounds, each with its own services and accounting.
+
+``--long`` (default 20,000 jobs): jobs are submitted in waves (``--wave`` outstanding at
+most twice), and every ``--sample-every`` ended jobs a row is printed: each worker's open
+fds, RSS and threads (its whole process tree) and the soak's containers (running+exited);
+at the end the first sample after warm-up against the last, with a flat/growing verdict.
 
 It prints the accounting: submitted, ended per status, executed more than once (counted
 from Docker's container start events; allowed only for a job whose worker died while it
@@ -21,10 +34,12 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -34,11 +49,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.relay import Relay  # noqa: E402
-from tests.services import PgCluster, RedisServer, kill_pids, process_tree  # noqa: E402 - test helpers, reused
+from tests.services import (  # noqa: E402 - test helpers, reused
+    PgCluster,
+    RedisServer,
+    SecondEngine,
+    SentinelSet,
+    kill_pids,
+    process_tree,
+    tree_usage,
+)
 
 CELERY = Path(sys.executable).with_name("celery")
 TRIVIAL = "def main(state):\n    return state['n'] * 2\n"
 LABEL_JOB = "studio.job_id"
+LABEL_POOL = "studio.pool"
+FAULTS = ("worker", "pool", "redis", "store", "silent", "engine", "sentinel")
+DEFAULT_FAULTS = ("worker", "pool", "redis", "store", "silent")
+RELAY_FAULTS = {"redis", "silent"}  # through the soak's relay: not with Sentinel
 
 
 class Worker:
@@ -108,14 +135,124 @@ class Worker:
         kill_pids(tree)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--jobs", type=int, default=1000)
-    ap.add_argument("--chaos-s", type=float, default=120.0, help="how long faults are made")
-    ap.add_argument("--deadline-s", type=float, default=900.0, help="bound on the whole run")
-    ap.add_argument("--seed", type=int, default=None)
-    args = ap.parse_args(argv)
-    seed = args.seed if args.seed is not None else int(time.time())
+class StartCounter(threading.Thread):
+    """Counts Docker's container start events of the soak's jobs, from a stream that is
+    opened again when the engine goes away (an engine restart ends the stream, and a
+    restarted dockerd has forgotten its earlier events)."""
+
+    def __init__(self, dk: Any, since: int) -> None:
+        super().__init__(daemon=True)
+        self.dk, self.since = dk, since
+        self.seen: set[tuple[str, int]] = set()
+        self.starts: Counter[str] = Counter()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                stream = self.dk.api.events(
+                    since=self.since,
+                    decode=True,
+                    filters={"type": "container", "event": "start", "label": LABEL_JOB},
+                )
+                for ev in stream:
+                    key = (ev.get("id", ""), int(ev.get("timeNano", 0)))
+                    self.since = max(self.since, int(ev.get("time", self.since)))
+                    if key in self.seen:
+                        continue
+                    self.seen.add(key)
+                    job = (ev.get("Actor", {}).get("Attributes") or {}).get(LABEL_JOB)
+                    if job:
+                        self.starts[job] += 1
+                    if self.done.is_set():
+                        break
+            except Exception:  # noqa: BLE001 - the engine restarts: open the stream again
+                pass
+            self.done.wait(1)
+
+
+def soak_containers(dk: Any, jobs: dict[str, int], pids: set[int], own_engine: bool) -> list[Any]:
+    """The soak's containers (running and exited): on its own engine all of them; on the
+    machine's, those of its jobs and the pre-started ones of its workers' processes."""
+    found = dk.api.containers(all=True)
+    if own_engine:
+        return list(found)
+    mine = []
+    for c in found:
+        labels = c.get("Labels") or {}
+        pool = labels.get(LABEL_POOL, "")
+        if labels.get(LABEL_JOB) in jobs or (
+            pool.rpartition(":")[2].isdigit() and int(pool.rpartition(":")[2]) in pids
+        ):
+            mine.append(c)
+    return mine
+
+
+def sample(workers: list[Worker], containers: list[Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for w in workers:
+        fds, rss, threads = tree_usage(w.proc.pid) if w.proc else (0, 0, 0)
+        row[w.name] = (fds, rss / 2**20, threads)
+    row["running"] = sum(1 for c in containers if c.get("State") == "running")
+    row["exited"] = len(containers) - row["running"]
+    return row
+
+
+def print_row(ended: int, at: float, row: dict[str, Any], names: list[str]) -> None:
+    cells = [f"{ended:>7}", f"{at:7.0f}"]
+    for n in names:
+        fds, rss, thr = row[n]
+        cells.append(f"{fds:>5} {rss:8.1f} {thr:>4}")
+    cells.append(f"{row['running']:>4} {row['exited']:>4}")
+    print(" | ".join(cells), flush=True)
+
+
+def flat_verdict(first: dict[str, Any], last: dict[str, Any], names: list[str]) -> bool:
+    """Flat: per worker at most +16 fds, +25% (and 30 MB) RSS, +4 threads; containers
+    (running+exited) at most 10 more."""
+    ok = True
+    for n in names:
+        (f0, r0, t0), (f1, r1, t1) = first[n], last[n]
+        grew = []
+        if f1 - f0 > 16:
+            grew.append(f"fds {f0}->{f1}")
+        if r1 - r0 > max(30.0, 0.25 * r0):
+            grew.append(f"RSS {r0:.0f}->{r1:.0f} MB")
+        if t1 - t0 > 4:
+            grew.append(f"threads {t0}->{t1}")
+        print(f"  {n}: fds {f0}->{f1}, RSS {r0:.1f}->{r1:.1f} MB, threads {t0}->{t1}", end="")
+        print(f"  GROWS ({', '.join(grew)})" if grew else "  flat")
+        ok = ok and not grew
+    c0, c1 = first["running"] + first["exited"], last["running"] + last["exited"]
+    print(f"  containers: {c0}->{c1}", "flat" if c1 - c0 <= 10 else "GROWS")
+    return ok and c1 - c0 <= 10
+
+
+def rounds_of(faults: list[str]) -> list[list[str]]:
+    """Sentinel workers get the primary from the sentinels, so the relay faults (and the
+    single redis-server they act on) run in a round of their own."""
+    if "sentinel" in faults and RELAY_FAULTS & set(faults):
+        return [
+            [f for f in faults if f != "sentinel"],
+            [f for f in faults if f not in RELAY_FAULTS],
+        ]
+    return [faults]
+
+
+def remove_engine(engine: SecondEngine) -> None:
+    """SecondEngine.remove without pytest: never rm -rf through a live mount."""
+    mounted = [
+        line.split()[1]
+        for line in Path("/proc/mounts").read_text().splitlines()
+        if line.split()[1].startswith(str(engine.root))
+    ]
+    if mounted:
+        print(f"soak: the soak's engine left mounts, {engine.root} kept: {mounted}")
+        return
+    shutil.rmtree(engine.root, ignore_errors=True)
+
+
+def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
     rng = random.Random(seed)
     random.seed(seed)
 
@@ -125,19 +262,41 @@ def main(argv: list[str] | None = None) -> int:
     from executor.settings import load_settings
 
     tmp = Path(tempfile.mkdtemp(prefix="studio-soak-"))
-    redis = RedisServer(tmp)
-    redis.start()
-    relay = Relay(redis.port)  # the workers' way to Redis; the client's is direct
+    sentinel = "sentinel" in faults
+    redis: RedisServer | None = None
+    relay: Relay | None = None
+    sentinels: SentinelSet | None = None
+    engine: SecondEngine | None = None
+    extra_settings: dict[str, Any] = {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+    if sentinel:
+        sentinels = SentinelSet(tmp).start()
+        client_url = workers_url = sentinels.url
+        env["STUDIO_REDIS_SENTINEL_MASTER"] = sentinels.master
+        extra_settings["redis_sentinel_master"] = sentinels.master
+    else:
+        redis = RedisServer(tmp)
+        redis.start()
+        relay = Relay(redis.port)  # the workers' way to Redis; the client's is direct
+        client_url, workers_url = redis.url, relay.url()
     pg = PgCluster()
     pg.init()
     pg.start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+    if "engine" in faults:
+        engine = SecondEngine()
+        engine.start()
+        engine.load(args.image)
+        env["DOCKER_HOST"] = engine.host
+        dk = docker.DockerClient(base_url=engine.host, timeout=60)
+    else:
+        dk = docker.from_env(timeout=60)
     env.update(
         {
             "STUDIO_ENABLE_CODE_NODES": "1",
-            "STUDIO_REDIS_URL": relay.url(),
+            "STUDIO_REDIS_URL": workers_url,
             "STUDIO_DATABASE_URL": pg.url,
             "STUDIO_DATA_DIR": str(tmp),
+            "STUDIO_CODE_IMAGE": args.image,
             "STUDIO_CODE_CONCURRENCY": "2",
             "STUDIO_CODE_MAX_SECONDS": "10",
             "STUDIO_QUEUE_VISIBILITY_TIMEOUT_S": "25",
@@ -150,139 +309,263 @@ def main(argv: list[str] | None = None) -> int:
     # queues it anyway instead of refusing it (STUDIO_QUEUE_REQUIRE_WORKER=0).
     settings = load_settings(
         enable_code_nodes=True,
-        redis_url=redis.url,
+        redis_url=client_url,
         database_url=pg.url,
         data_dir=tmp,
         code_concurrency=2,
         queue_require_worker=False,
+        **extra_settings,
     )
     workers = [Worker("soak1", env, tmp), Worker("soak2", env, tmp)]
-    dk = docker.from_env(timeout=60)
-    since = int(time.time()) - 1
+    names = [w.name for w in workers]
+    counter = StartCounter(dk, int(time.time()) - 1)
+    counter.start()
     t_start = time.monotonic()
     events: list[str] = []
-    worker_deaths: list[tuple[float, float]] = []  # (time, time) a worker died mid-run
+    pids: set[int] = set()  # every pid of the workers' trees seen (their pre-started sandboxes)
+    jobs: dict[str, int] = {}
+    pending: set[str] = set()
+    ended = 0
+    submit_errors = 0
+    first_error = ""
+    samples: list[dict[str, Any]] = []
     client = None
+    left: list[str] = []
+    bag: list[str] = []
     try:
         for w in workers:
             w.start()
         client = CodeClient(settings)
-        # three users, so the chaos also hits runs waiting on their lists (worker.fair)
-        jobs = {
-            client.submit(TRIVIAL, "python", {"n": i}, user=f"soak{i % 3}"): i
-            for i in range(args.jobs)
-        }
         print(
-            f"soak: seed {seed}, {len(jobs)} jobs submitted in "
-            f"{time.monotonic() - t_start:.1f} s; chaos for {args.chaos_s:g} s",
+            f"soak: seed {seed}, faults {' '.join(faults) or 'none'}, {args.jobs} jobs"
+            + (f" in waves of {args.wave}" if args.long else "")
+            + f"; chaos for {args.chaos_s:g} s",
             flush=True,
         )
-        chaos_end = time.monotonic() + args.chaos_s
-        actions = ["worker main", "pool process", "redis", "store", "redis silent"]
-        while time.monotonic() < chaos_end:
-            time.sleep(rng.uniform(3, 10))
-            what = rng.choice(actions)
-            at = time.monotonic() - t_start
-            if what == "worker main":
-                w = rng.choice(workers)
-                w.kill_main()
-                worker_deaths.append((time.time(), time.time()))
-            elif what == "pool process":
-                w = rng.choice(workers)
-                if not w.kill_pool_process():
-                    continue
-                worker_deaths.append((time.time(), time.time()))
-            elif what == "redis":
-                redis.stop(kill=True)
-                time.sleep(rng.uniform(0.5, 5))
-                redis.start()
-            elif what == "redis silent":
-                relay.cut()
-                cut = rng.uniform(5, 25)
-                time.sleep(cut)
-                relay.heal()
-                what = f"silently: the workers' Redis connections ({cut:.0f} s)"
-            else:
-                pg.stop()
-                down = rng.uniform(2, 20)
-                time.sleep(down)
-                pg.start()
-                what += f" ({down:.0f} s)"
-            verb = "cut" if what.startswith("silently") else "killed"
-            events.append(f"{at:6.1f} s  {verb} {what}")
-            print(f"  {events[-1]}", flush=True)
-        # Let it settle: every job must end by the deadline.
-        ids = list(jobs)
+        if args.long:
+            print(
+                f"{'ended':>7} | {'s':>7} | "
+                + " | ".join(f"{n + ' fds':>5} {'RSS MB':>8} {'thr':>4}" for n in names)
+                + " | run  exit",
+                flush=True,
+            )
+        chaos_end = t_start + args.chaos_s
+        next_fault = time.monotonic() + rng.uniform(3, 10)
+        next_sample = args.sample_every
         deadline = t_start + args.deadline_s
-        recs: dict[str, Any] = {}
+        n = 0
         while time.monotonic() < deadline:
+            # a wave when the backlog is under one (all of them at once without --long)
+            if n < args.jobs and len(pending) < args.wave:
+                upto = min(args.jobs, n + (args.wave if args.long else args.jobs))
+                while n < upto:
+                    try:
+                        job = client.submit(TRIVIAL, "python", {"n": n}, user=f"soak{n % 3}")
+                    except Exception as e:  # noqa: BLE001 - Redis or the store mid-fault: later
+                        submit_errors += 1
+                        first_error = first_error or f"{type(e).__name__}: {e}"[:300]
+                        break
+                    jobs[job] = n
+                    pending.add(job)
+                    n += 1
+            if faults and time.monotonic() < chaos_end and time.monotonic() >= next_fault:
+                if not bag:
+                    bag = list(faults)
+                    rng.shuffle(bag)  # every fault asked for comes once before any twice
+                what = bag.pop()
+                at = time.monotonic() - t_start
+                what = fault(what, rng, workers, redis, relay, pg, engine, sentinels)
+                if what:
+                    verb = "cut" if what.startswith("silently") else "killed"
+                    told = what if what.startswith("restarted") else f"{verb} {what}"
+                    events.append(f"{at:6.1f} s  {told}")
+                    print(f"  {events[-1]}", flush=True)
+                next_fault = time.monotonic() + rng.uniform(3, 10)
             try:
-                recs = client.store.get_many(ids)
+                done = [j for j, s in client.store.statuses(pending).items() if s.finished]
             except Exception:  # noqa: BLE001 - the store may be restarting
                 time.sleep(1)
                 continue
-            if len(recs) == len(ids) and all(r.finished for r in recs.values()):
+            pending.difference_update(done)
+            ended += len(done)
+            for w in workers:
+                pids.update(w.pids())
+            if args.long and ended >= next_sample:
+                next_sample += args.sample_every
+                row = sample(workers, soak_containers(dk, jobs, pids, engine is not None))
+                row["at"] = time.monotonic() - t_start
+                samples.append(row)
+                print_row(ended, time.monotonic() - t_start, row, names)
+            if n >= args.jobs and not pending and time.monotonic() >= chaos_end:
                 break
-            time.sleep(2)
+            time.sleep(0.5 if pending else 1)
         took = time.monotonic() - t_start
         time.sleep(3)
-        starts: Counter[str] = Counter()
-        for ev in dk.api.events(
-            since=since,
-            until=int(time.time()) + 1,
-            decode=True,
-            filters={"type": "container", "event": "start", "label": LABEL_JOB},
-        ):
-            job = (ev.get("Actor", {}).get("Attributes") or {}).get(LABEL_JOB)
-            if job in jobs:
-                starts[job] += 1
-        left = [
-            c["Id"][:12]
-            for c in dk.api.containers(all=True, filters={"label": LABEL_JOB})
-            if (c.get("Labels") or {}).get(LABEL_JOB) in jobs
-        ]
+        for w in workers:
+            pids.update(w.pids())
+            w.stop()
+        time.sleep(2)
+        left = [c["Id"][:12] for c in soak_containers(dk, jobs, pids, engine is not None)]
+        # the accounting, a chunk at a time (no list of 20,000 records kept)
+        statuses: Counter[str] = Counter()
+        wrong = lost = stuck = 0
+        not_succeeded: dict[str, Any] = {}
+        attempts: dict[str, int] = {}
+        twice = {j: k for j, k in counter.starts.items() if k > 1 and j in jobs}
+        ids = list(jobs)
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            recs = client.store.get_many(chunk, inputs=False)
+            lost += sum(1 for j in chunk if j not in recs)
+            for j, r in recs.items():
+                statuses[r.status.value] += 1
+                if r.status == "queued":
+                    lost += 1
+                elif r.status in ("running", "cancelling"):
+                    stuck += 1
+                elif r.status == "succeeded" and r.output != 2 * jobs[j]:
+                    wrong += 1
+                elif r.finished and r.status != "succeeded" and len(not_succeeded) < 10:
+                    not_succeeded[j] = (r.status.value, r.error and r.error.message)
+                if j in twice:
+                    attempts[j] = r.attempts
     finally:
+        counter.done.set()
         for w in workers:
             w.stop()
         if client is not None:
             client.close()
-        relay.stop()
-        redis.stop()
+        if relay is not None:
+            relay.stop()
+        if redis is not None:
+            redis.stop()
+        if sentinels is not None:
+            sentinels.stop()
         pg.cleanup()
-    statuses = Counter(r.status.value for r in recs.values())
-    wrong = [j for j, r in recs.items() if r.status == "succeeded" and r.output != 2 * jobs[j]]
-    twice = {j: n for j, n in starts.items() if n > 1}
-    lost = [j for j in jobs if j not in recs or recs[j].status == "queued"]
-    stuck = [j for j, r in recs.items() if r.status in ("running", "cancelling")]
-    not_succeeded = {
-        j: (r.status.value, r.error and r.error.message)
-        for j, r in recs.items()
-        if r.finished and r.status != "succeeded"
-    }
-    twice_list = {
-        j: {"starts": n, "attempts": recs[j].attempts if j in recs else None}
-        for j, n in twice.items()
-    }
+        if engine is not None:
+            engine.stop()
+            remove_engine(engine)
+    twice_list = {j: {"starts": k, "attempts": attempts.get(j)} for j, k in twice.items()}
     unexplained_twice = {
         j: v for j, v in twice_list.items() if v["attempts"] is not None and v["attempts"] < 2
     }
     report = {
         "seed": seed,
+        "faults asked": faults,
         "duration_s": round(took, 1),
         "faults": events,
         "submitted": len(jobs),
+        "submits refused (tried again)": submit_errors,
+        "first refusal": first_error,
         "ended": dict(statuses),
-        "wrong outputs": len(wrong),
+        "wrong outputs": wrong,
         "executed more than once": twice_list,
         "executed more than once without a worker dying mid-run": unexplained_twice,
-        "not succeeded": dict(list(not_succeeded.items())[:10]),
-        "lost": len(lost),
-        "stuck": len(stuck),
+        "not succeeded": not_succeeded,
+        "lost": lost,
+        "stuck": stuck,
         "containers left": len(left),
     }
     print(json.dumps(report, indent=2))
+    if args.long:
+        # warm-up: the samples while faults were made (a restarted worker counts afresh),
+        # then --warmup more
+        warm = [r for r in samples if r["at"] >= args.chaos_s or not faults][args.warmup :]
+        if len(warm) >= 2:
+            print(
+                f"first vs last sample after warm-up (the chaos, then {args.warmup} more "
+                f"skipped; {len(warm)} compared rows):"
+            )
+            flat = flat_verdict(warm[0], warm[-1], names)
+            restarts = {w.name: w.starts - 1 for w in workers}
+            print(
+                "  verdict:",
+                "FLAT" if flat else "NOT FLAT",
+                f"(worker restarts by the faults: {restarts})",
+            )
+        else:
+            print("first vs last sample after warm-up: too few samples (--sample-every)")
     ok = not lost and not stuck and not left and not wrong and not unexplained_twice
-    print("soak:", "PASS" if ok else "FAIL", f"(logs in {tmp})")
+    print("soak:", "PASS" if ok else "FAIL", f"(logs in {tmp})", flush=True)
+    return ok
+
+
+def down(stop: Any, start: Any, seconds: float) -> float:
+    """``stop()``, ``seconds`` later ``start()``; returns ``seconds``."""
+    stop()
+    time.sleep(seconds)
+    start()
+    return seconds
+
+
+def fault(
+    what: str,
+    rng: random.Random,
+    workers: list[Worker],
+    redis: RedisServer | None,
+    relay: Relay | None,
+    pg: PgCluster,
+    engine: SecondEngine | None,
+    sentinels: SentinelSet | None,
+) -> str:
+    """Make fault ``what``; returns how it is told ('' when there was nothing to do)."""
+    if what == "worker":
+        rng.choice(workers).kill_main()
+        return "worker main"
+    if what == "pool":
+        return "pool process" if rng.choice(workers).kill_pool_process() else ""
+    if what == "redis" and redis is not None:
+        down(lambda: redis.stop(kill=True), redis.start, rng.uniform(0.5, 5))
+        return "redis"
+    if what == "silent" and relay is not None:
+        cut = down(relay.cut, relay.heal, rng.uniform(5, 25))
+        return f"silently: the workers' Redis connections ({cut:.0f} s)"
+    if what == "store":
+        return f"store ({down(pg.stop, pg.start, rng.uniform(2, 20)):.0f} s)"
+    if what == "engine" and engine is not None:
+        off = down(engine.stop, engine.start, rng.uniform(1, 5))
+        return f"restarted the soak's Docker engine (down {off:.0f} s)"
+    if what == "sentinel" and sentinels is not None:
+        dead = sentinels.kill_primary()
+        new = sentinels.other(dead)
+        t0 = time.monotonic()
+        try:
+            sentinels.wait_master(sentinels.ports[new], 30)
+        except RuntimeError:
+            return f"the Redis primary {dead} (no failover in 30 s)"
+        took = time.monotonic() - t0
+        sentinels.start_node(dead, replica_of=sentinels.ports[new])  # the next kill's replica
+        try:
+            sentinels.wait_synced(dead, 30)
+        except RuntimeError:
+            pass
+        return f"the Redis primary {dead} (SIGKILL; {new} primary after {took:.1f} s)"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=int, default=None, help="1000; 20,000 with --long")
+    ap.add_argument("--long", action="store_true", help="waves, resource samples, verdict")
+    ap.add_argument("--wave", type=int, default=500, help="jobs per wave (--long)")
+    ap.add_argument("--sample-every", type=int, default=None, help="ended jobs per sample row")
+    ap.add_argument("--warmup", type=int, default=1, help="samples before the first compared")
+    ap.add_argument("--faults", nargs="*", choices=FAULTS, default=list(DEFAULT_FAULTS))
+    ap.add_argument("--chaos-s", type=float, default=120.0, help="how long faults are made")
+    ap.add_argument("--deadline-s", type=float, default=None, help="bound on each round")
+    ap.add_argument("--image", default="studio-code:1")
+    ap.add_argument("--seed", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.jobs is None:
+        args.jobs = 20_000 if args.long else 1000
+    if args.sample_every is None:
+        args.sample_every = max(100, args.jobs // 20)
+    if args.deadline_s is None:
+        args.deadline_s = max(900.0, args.jobs * 0.5) if args.long else 900.0
+    seed = args.seed if args.seed is not None else int(time.time())
+    ok = True
+    for i, faults in enumerate(rounds_of(list(dict.fromkeys(args.faults)))):
+        ok = run_round(args, faults, seed + i) and ok
     return 0 if ok else 1
 
 
