@@ -87,21 +87,30 @@ ASYNC_REDIS_CONNECTIONS = 1000
 # A sliding window of one minute, atomically: drop calls older than the window, count the
 # rest, admit and record this call only when under the limit; otherwise say when the
 # oldest call leaves the window. Redis's own clock, so every API process agrees.
-_RATE_LUA = """
-local key = KEYS[1]
-local limit = tonumber(ARGV[1])
-local window_us = tonumber(ARGV[2])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window_us)
-if redis.call('ZCARD', key) < limit then
-  redis.call('ZADD', key, now, ARGV[3])
-  redis.call('PEXPIRE', key, math.floor(window_us / 1000) + 1000)
-  return {1, 0}
+#: The step both scripts that count a call share (this one, and the HTTP route's admission
+#: with its in-flight slot: api_client.http.inflight): with ``rate_key``, ``rate_limit``,
+#: ``window_us``, ``now_us`` and ``token`` set, returns {0, us} when over the limit (the
+#: oldest call leaves the window in ``us``), else records the call and goes on.
+RATE_STEP_LUA = """
+redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', now_us - window_us)
+if redis.call('ZCARD', rate_key) >= rate_limit then
+  local oldest = redis.call('ZRANGE', rate_key, 0, 0, 'WITHSCORES')
+  return {0, tonumber(oldest[2]) + window_us - now_us}
 end
-local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-return {0, tonumber(oldest[2]) + window_us - now}
+redis.call('ZADD', rate_key, now_us, token)
+redis.call('PEXPIRE', rate_key, math.floor(window_us / 1000) + 1000)
 """
+
+_RATE_LUA = (
+    """
+local rate_key, token = KEYS[1], ARGV[3]
+local rate_limit, window_us = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+"""
+    + RATE_STEP_LUA
+    + "return {1, 0}\n"
+)
 
 
 def rate_limited(user: str, limit: int, wait_us: int) -> RateLimited:

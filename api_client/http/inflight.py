@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from api_client.client import RATE_WINDOW_S, rate_limited
+from api_client.client import RATE_STEP_LUA, RATE_WINDOW_S, rate_limited
 from executor.errors import RateLimited, RuntimeUnavailable
 from worker.protocol import in_flight_key, rate_key
 
@@ -34,31 +34,28 @@ _RELEASING: set[asyncio.Task[None]] = set()
 
 #: an editor test call's admission in ONE round trip: a slot of the user's waiting calls
 #: (STUDIO_CODE_TEST_IN_FLIGHT, checked first) and a place in the user's
-#: last minute of calls (STUDIO_CODE_TEST_PER_MINUTE, as api_client.client's _RATE_LUA).
-#: {1, 0}: admitted; {0, 0}: too many waiting; {2, us}: over the rate, free in ``us``.
-_ADMIT_LUA = """
+#: last minute of calls (STUDIO_CODE_TEST_PER_MINUTE: api_client.client's RATE_STEP_LUA).
+#: {1, 0}: admitted; {2, 0}: too many waiting; {0, us}: over the rate, free in ``us``.
+_ADMIT_LUA = (
+    """
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local key, rate_key = KEYS[1], KEYS[2]
+local key, rate_key, token = KEYS[1], KEYS[2], ARGV[3]
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 if redis.call('ZCARD', key) >= tonumber(ARGV[1]) then
-  return {0, 0}
+  return {2, 0}
 end
-local rate_limit = tonumber(ARGV[4])
-local window_us = tonumber(ARGV[5])
-redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', now_us - window_us)
-if redis.call('ZCARD', rate_key) >= rate_limit then
-  local oldest = redis.call('ZRANGE', rate_key, 0, 0, 'WITHSCORES')
-  return {2, tonumber(oldest[2]) + window_us - now_us}
-end
-redis.call('ZADD', rate_key, now_us, ARGV[3])
-redis.call('PEXPIRE', rate_key, math.floor(window_us / 1000) + 1000)
-redis.call('ZADD', key, now + tonumber(ARGV[2]), ARGV[3])
+local rate_limit, window_us = tonumber(ARGV[4]), tonumber(ARGV[5])
+"""
+    + RATE_STEP_LUA
+    + """
+redis.call('ZADD', key, now + tonumber(ARGV[2]), token)
 local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', key, tonumber(last[2]) - now + 1000)
 return {1, 0}
 """
+)
 
 
 @dataclass(frozen=True)
@@ -105,9 +102,9 @@ class InFlight:
                 "it is up."
             ) from e
         if int(admitted) == 2:
-            raise rate_limited(user, per_minute, int(wait_us))
-        if not int(admitted):
             raise self._too_many(user)
+        if not int(admitted):
+            raise rate_limited(user, per_minute, int(wait_us))
         return slot
 
     def _too_many(self, user: str) -> RateLimited:
