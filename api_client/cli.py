@@ -317,7 +317,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
                 }
             )
             return 0
-        rec = client.wait(job_id, args.wait_timeout)
+        rec = client.wait(job_id, args.wait_timeout, submitted=True)
         _print({**_record_dict(rec), "store": client.store.describe()})
         return 0 if rec.status == "succeeded" else 1
 

@@ -64,6 +64,7 @@ from worker.protocol import (
     notice_key,
     queue_of,
     rate_key,
+    record_of_notice,
     visibility_timeout_s,
 )
 from worker.upkeep.heartbeat import WorkerInfo, WorkerRegistry, summary
@@ -437,21 +438,31 @@ class CodeClient:
             self._forget(rec.job_id)
         return self.store.get(rec.job_id, inputs=False) or rec
 
-    def wait(self, job_id: str, timeout_s: float | None = None) -> JobRecord:
+    def wait(
+        self, job_id: str, timeout_s: float | None = None, *, submitted: bool = False
+    ) -> JobRecord:
         """The job once it has finished, or as it is after ``timeout_s`` (check
         ``.finished``). Default timeout: the queue's visibility timeout. Wakes on the
-        worker's done notice (BLMOVE, which leaves it for other waiters) and re-reads the
-        store at least every second."""
+        worker's done notice (BLMOVE, which leaves it for other waiters), which carries the
+        finished record when it is short (then the store is not read again), and re-reads
+        the store at least every second.
+
+        ``submitted=True``: the caller has just submitted the job, so it is queued and its
+        end leaves a done notice (kept DONE_TTL_S) that BLMOVE finds even if it came first:
+        the wait starts on the notice, without the first status read."""
         if timeout_s is None:
             timeout_s = visibility_timeout_s(self.settings)
         deadline = time.monotonic() + timeout_s
         key = done_key(job_id)
         woke = False
         while True:
-            rec = self.status(job_id)
             left = deadline - time.monotonic()
-            if rec.finished or left <= 0:
-                return rec
+            if not submitted or left <= 0:
+                rec = self.status(job_id)
+                left = deadline - time.monotonic()
+                if rec.finished or left <= 0:
+                    return rec
+            submitted = False
             if woke:
                 # A notice of a run that did not finish the job (a duplicate delivery): the
                 # notice stays, so do not spin on it.
@@ -459,16 +470,17 @@ class CodeClient:
             try:
                 # BLMOVE from the list to itself: wakes on the worker's notice without
                 # taking it, so every waiter of the job wakes (and the count stays).
-                woke = (
-                    self._blocking.blmove(  # Redis >= 6 takes a fractional timeout
-                        key,
-                        key,
-                        max(0.01, min(left, WAIT_SLICE_S)),  # type: ignore[arg-type]
-                        "LEFT",
-                        "RIGHT",
-                    )
-                    is not None
+                notice = self._blocking.blmove(  # Redis >= 6 takes a fractional timeout
+                    key,
+                    key,
+                    max(0.01, min(left, WAIT_SLICE_S)),  # type: ignore[arg-type]
+                    "LEFT",
+                    "RIGHT",
                 )
+                woke = notice is not None
+                ended = record_of_notice(notice)
+                if ended is not None:
+                    return ended
             except redis.RedisError:
                 woke = False
                 time.sleep(min(max(left, 0), 0.2))
@@ -499,11 +511,7 @@ class CodeClient:
         the re-reads of every waiting call of this process coalesced into one small query
         (status only: no code, state or output) on one of WAIT_READ_THREADS threads of
         their own, so waits never take the threads sync routes run on. The whole record
-        is read once, at the end.
-
-        ``submitted=True``: the caller has just submitted the job, so it is queued and its
-        end leaves a done notice (kept DONE_TTL_S) that BLMOVE finds even if it came first:
-        the wait starts on the notice, without the first status read."""
+        comes with the notice, or is read once, at the end. ``submitted``: as for ``wait``."""
         if timeout_s is None:
             timeout_s = visibility_timeout_s(self.settings)
         loop = asyncio.get_running_loop()
@@ -554,7 +562,11 @@ class CodeClient:
                 # A silent connection must not hold the wait past its own deadline (its
                 # socket timeout is STUDIO_REDIS_DEAD_AFTER_S): the store is re-read on time.
                 async with asyncio.timeout(block_s + BLOCK_GRACE_S):
-                    woke = await aredis.blmove(key, key, block_s, "LEFT", "RIGHT") is not None
+                    notice = await aredis.blmove(key, key, block_s, "LEFT", "RIGHT")
+                woke = notice is not None
+                ended = record_of_notice(notice)
+                if ended is not None:  # the notice carries the finished record
+                    return ended
             except (redis.RedisError, TimeoutError):
                 woke = False
                 await asyncio.sleep(min(max(left, 0), 0.2))

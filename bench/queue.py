@@ -161,7 +161,7 @@ def overhead(
         p0 = time.perf_counter()
         job_id = client.submit(TRIVIAL, "python", {} if state is None else state)
         p1 = time.perf_counter()
-        rec = client.wait(job_id, 60)
+        rec = client.wait(job_id, 60, submitted=True)
         wall = (time.perf_counter() - p0) * 1000
         if rec.status != "succeeded":
             DISTURBED["overhead"] += 1
@@ -187,7 +187,7 @@ def e2e_interleaved(clients: list[Any], n: int) -> list[list[float]]:
     while min(len(x) for x in out) < n:
         for i, client in enumerate(clients):
             t0 = time.perf_counter()
-            rec = client.wait(client.submit(TRIVIAL, "python", {}), 60)
+            rec = client.wait(client.submit(TRIVIAL, "python", {}), 60, submitted=True)
             if rec.status != "succeeded":
                 DISTURBED["e2e"] += 1
                 continue

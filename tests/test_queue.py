@@ -85,6 +85,52 @@ def test_submit_result_lands_in_the_store(queue_env: Any, database_url: str) -> 
         assert q.done_count(job_id) == 1
 
 
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_the_done_notice_carries_the_finished_record(
+    queue_env: Any, database_url: str, make_settings: Any, tmp_path: Path
+) -> None:
+    """A short finished record travels in the job's done notice, exactly as the store holds
+    it, so ``wait`` answers without reading the store back; a long one (logs past
+    NOTICE_RECORD_MAX) leaves "1" and ``wait`` reads the store. Shown with a second client
+    on the same Redis and an EMPTY store of its own: it gets the short record from the
+    notice alone, and for the long one it reads its own store and finds nothing."""
+    from api_client import CodeClient, JobNotFound
+    from executor.store import JobRecord
+    from worker.protocol import NOTICE_RECORD_MAX, done_key
+
+    q = queue_env(database_url=database_url)
+    q.start_worker("w1", 1)
+    short = q.client.submit(
+        "def main(state):\n    print('hi')\n    return {'n': state['n']}\n", "python", {"n": 1}
+    )
+    long = q.client.submit(
+        f"def main(state):\n    print('x' * {NOTICE_RECORD_MAX})\n    return 2\n", "python", {}
+    )
+    other = CodeClient(
+        make_settings(
+            redis_url=q.redis_url, database_url=f"sqlite:///{tmp_path / 'other' / 'empty.db'}"
+        )
+    )
+    try:
+        for job_id in (short, long):
+            rec = q.client.wait(job_id, 60, submitted=True)
+            assert rec.status == "succeeded", rec
+            assert rec == q.client.status(job_id), "the record waited for is the stored one"
+            assert q.done_count(job_id) == 1
+        (item,) = q.client.redis.lrange(done_key(short), 0, -1)
+        carried = JobRecord.model_validate_json(item)
+        assert carried == q.client.status(short) and carried.output == {"n": 1}
+        assert carried.logs == "hi\n" and carried.worker and carried.finished_at
+        assert other.wait(short, 5, submitted=True) == carried  # from the notice alone
+        assert q.client.redis.lrange(done_key(long), 0, -1) == [b"1"]
+        with pytest.raises(JobNotFound):  # "1": it reads the (other, empty) store
+            other.wait(long, 5, submitted=True)
+    finally:
+        other.close()
+
+
 # --- test calls never wait behind runs ---------------------------------------------------
 
 

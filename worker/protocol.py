@@ -57,6 +57,37 @@ def rate_key(user: str) -> str:
 DONE_TTL_S = 600
 
 
+#: A done notice carries the job's finished record (JSON, as ``CodeClient.status`` returns
+#: it: no code or state) when it is at most this long, so the waiter it wakes answers without
+#: reading the run store back. A longer record, a run that did not finish the job and a
+#: parked result leave "1" (the waiter reads the store). Redis keeps a notice DONE_TTL_S, so
+#: it holds at most this much per job ended in that time.
+NOTICE_RECORD_MAX = 4096
+
+
+def notice_item(record: Any = None) -> str:
+    """What a done notice pushes: ``record`` (a finished JobRecord) as JSON if it is short
+    enough, else "1"."""
+    if record is None or len(record.logs) > NOTICE_RECORD_MAX:
+        return "1"
+    text = str(record.model_dump_json())
+    return text if len(text) <= NOTICE_RECORD_MAX else "1"
+
+
+def record_of_notice(item: Any) -> Any:
+    """The finished JobRecord a done notice carries, or None: "1", nothing, or an item this
+    version cannot read (the waiter reads the store, as for any notice)."""
+    if item is None or item in (b"1", "1"):
+        return None
+    from executor.store.base import JobRecord
+
+    try:
+        rec = JobRecord.model_validate_json(item)
+    except ValueError:
+        return None
+    return rec if rec.finished else None
+
+
 def announce_done(client: Any, job_id: str) -> None:
     """THE done notice (every writer uses this one): wake ``CodeClient.wait`` with one item
     per time the task body ended for the job (or a parked result was written). One round
@@ -66,10 +97,11 @@ def announce_done(client: Any, job_id: str) -> None:
     pipe.execute()
 
 
-def add_done_notice(pipe: Any, job_id: str) -> None:
+def add_done_notice(pipe: Any, job_id: str, record: Any = None) -> None:
     """The done notice's two commands, added to a pipeline that other steps of a job's end
-    share (a pool process sends its job's end in one round trip: worker.job.tasks)."""
-    pipe.rpush(done_key(job_id), "1")
+    share (a pool process sends its job's end in one round trip: worker.job.tasks);
+    ``record``: the finished JobRecord this run wrote, carried to the waiters if short."""
+    pipe.rpush(done_key(job_id), notice_item(record))
     pipe.expire(done_key(job_id), DONE_TTL_S)
 
 

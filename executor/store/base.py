@@ -20,7 +20,7 @@ import binascii
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
 from typing import Any, NamedTuple, Self
@@ -142,10 +142,13 @@ class RunSummary(BaseModel):
 
 @dataclass(frozen=True)
 class Ended:
-    """What ``finish_with_outcome`` wrote: the job's final status and error."""
+    """What ``finish_with_outcome`` wrote: the job's final status and error, and (when the
+    store read it back in the same statement) the finished record as ``status`` returns it
+    (no code or state), which the job's done notice carries to its waiters."""
 
     status: Status
     error: CodeErrorInfo | None
+    record: JobRecord | None = field(default=None, compare=False, repr=False)
 
 
 class RunFilter(BaseModel):

@@ -411,7 +411,9 @@ _FINISH = (
         worker=_p("f_worker", String),
     )
 )
-_FINISH_RETURNING = _FINISH.returning(jobs.c.status, jobs.c.error)
+#: the row as written: the finished record goes out with the job's done notice, so a waiter
+#: does not read it back
+_FINISH_RETURNING = _FINISH.returning(*_JOB_COLUMNS)
 
 
 def _select_jobs(*, inputs: bool) -> Any:
@@ -904,13 +906,15 @@ class SqlRunStore(RunStore):
             if self._engine.dialect.update_returning:
                 row = conn.execute(_FINISH_RETURNING, params).first()
             elif conn.execute(_FINISH, params).rowcount == 1:
+                # same transaction: the row is still locked by us, so this is what we wrote
                 where = jobs.c.job_id == result.job_id
-                row = conn.execute(select(jobs.c.status, jobs.c.error).where(where)).one()
+                row = conn.execute(select(*_JOB_COLUMNS).where(where)).one()
             else:
                 row = None
         if row is None:
             return None
-        return Ended(Status(row.status), None if row.error is None else _load_error(row.error))
+        rec = _record(row)
+        return Ended(rec.status, rec.error, rec)
 
     def fail_stuck(
         self,

@@ -103,13 +103,16 @@ class ProcessState:
         found, flagged = pipe.execute()
         return found, bool(flagged)
 
-    def end_job(self, job_id: str, *, done: bool, fair_end: bool) -> None:
+    def end_job(
+        self, job_id: str, *, done: bool, fair_end: bool, record: JobRecord | None = None
+    ) -> None:
         """The job's end in one round trip: the live-logs end mark (owed by ``publishing``
         with ``end_mark=False``), the done notice that wakes ``CodeClient.wait`` (one item
         per time the task body ended for the job) and the fair queue's end (frees the
         user's cap slot and releases the next runs into code.run, so the slot this frees
-        finds a message). Never raises: waiters poll the store, the workers' release loop
-        and the sweep's reconcile catch up."""
+        finds a message); ``record``: the finished record this run wrote, which the notice
+        carries to the waiters (worker.protocol.notice_item). Never raises: waiters poll
+        the store, the workers' release loop and the sweep's reconcile catch up."""
         end_mark, self.owes_end_mark = self.owes_end_mark, False
         if not (end_mark or done or fair_end):
             return
@@ -117,7 +120,7 @@ class ProcessState:
         if end_mark:
             add_end_mark(pipe, job_id)
         if done:
-            add_done_notice(pipe, job_id)
+            add_done_notice(pipe, job_id, record)
         if fair_end:
             self.fair.add_ended(pipe, [job_id])
         try:
@@ -261,7 +264,12 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
             raise
         # a parked result is announced by whoever writes it
         parked = outcome in ("parked", "parked-duplicate")
-        state.end_job(job_id, done=not parked, fair_end=_fair_ends(state, job_id, outcome))
+        state.end_job(
+            job_id,
+            done=not parked,
+            fair_end=_fair_ends(state, job_id, outcome),
+            record=None if ended is None else ended.record,
+        )
     if not parked:
         # failed: NodeFailed, cancelled: Ignore (Celery's view)
         report_outcome(state.store, job_id, ended)
