@@ -61,7 +61,7 @@ def test_call_overhead(
 
     from executor.models import CodeJob
 
-    out: dict[str, list[float]] = {"wall": [], "over": [], "queue": [], "inproc": []}
+    out: dict[str, list[float]] = {"wall": [], "over": [], "queue": [], "inproc": [], "bare": []}
     with httpx.Client(base_url=base, headers={**auth, "X-Studio-User": "bench"}) as c:
         while len(out["wall"]) < n:
             time.sleep(SETTLE_S)  # each call on a settled worker (see bench.queue)
@@ -73,6 +73,12 @@ def test_call_overhead(
                 raise RuntimeError(f"test call answered {r.status_code}: {r.text[:300]}")
             out["wall"].append(wall)
             out["over"].append(wall - float(body["duration_ms"]))
+            # the HTTP floor beside it: a bare round trip of the same client and server, as
+            # settled as the call (what any HTTP API on this stack pays, not the route)
+            time.sleep(SETTLE_S)
+            t0 = time.perf_counter()
+            c.get("/healthz/live", timeout=60).raise_for_status()
+            out["bare"].append((time.perf_counter() - t0) * 1000)
             if client is not None:
                 time.sleep(SETTLE_S)
                 t0 = time.perf_counter()
@@ -311,6 +317,13 @@ def main() -> None:
             f"{pct(calls['queue'], 50):.1f} ms / p95 {pct(calls['queue'], 95):.1f} ms | | "
             f"HTTP − queue: {pct(call_over, 50) - pct(calls['queue'], 50):+.1f} ms p50 | "
             "≤ +3 ms |"
+        )
+        print(
+            f"| … a bare HTTP round trip beside each call (GET /healthz/live, the same client "
+            f"and server, {SETTLE_S} s apart; interleaved) | {pct(calls['bare'], 50):.1f} ms / "
+            f"p95 {pct(calls['bare'], 95):.1f} ms | | HTTP − queue − bare round trip: "
+            f"{pct(call_over, 50) - pct(calls['queue'], 50) - pct(calls['bare'], 50):+.1f} ms "
+            "p50 (what the route adds) | |"
         )
         print(
             f"| … the same node run in-process on a pre-started sandbox (Executor.run; "

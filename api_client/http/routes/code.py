@@ -16,7 +16,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from fastapi import APIRouter, BackgroundTasks, Request, Response
+from fastapi import APIRouter, Request, Response
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from api_client.http.kit import (
@@ -116,8 +117,6 @@ async def test_code(
     who: CallerDep,
     services: ServicesDep,
     request: Request,
-    response: Response,
-    background: BackgroundTasks,
 ) -> Any:
     """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute and
     STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
@@ -154,12 +153,20 @@ async def test_code(
         raise
     # the slot goes back as the answer goes out (not after Redis confirms it: that round
     # trip is off the call's path); the request ends once it is back
-    background.add_task(services.in_flight.release_now(aredis, slot))
+    released = BackgroundTask(services.in_flight.release_now(aredis, slot))
+    answer: Response
     if rec is None:  # nobody is listening; the run goes on and GET /api/runs/{id} has it
-        return error_response(499, "CLIENT_GONE", "The caller went away before the result.")
-    if not rec.status.finished:
-        response.status_code = 202
-    return RunView.of(rec)
+        answer = error_response(499, "CLIENT_GONE", "The caller went away before the result.")
+    else:
+        # the view serialised once, by pydantic, as FastAPI would from response_model (the
+        # same bytes) without validating it again on the way out
+        answer = Response(
+            RunView.of(rec).model_dump_json(),
+            status_code=200 if rec.status.finished else 202,
+            media_type="application/json",
+        )
+    answer.background = released
+    return answer
 
 
 async def _unless_disconnected(
