@@ -380,6 +380,7 @@ _CLAIM = (
 _JOB_COLUMNS = tuple(c for c in jobs.columns if c.name not in _INPUTS)
 
 _CLAIM_RETURNING = _CLAIM.returning(*_JOB_COLUMNS)
+_SELECT_JOB = select(*_JOB_COLUMNS).where(jobs.c.job_id == _p("r_id", String))
 
 _CANCELLING = jobs.c.status == Status.CANCELLING.value
 #: the result, once, on an open job; a job cancelled while it ran ends cancelled whatever it
@@ -436,10 +437,16 @@ def _joined_inputs(row: Row[Any]) -> Row[Any] | None:
     return row if row._mapping["inputs_of"] is not None else None
 
 
+#: one job's inputs and one job's row: built once, executed with the id as a parameter (a
+#: statement built per call costs its cache-key walk every time, about as much as running it)
+_SELECT_INPUTS = select(job_inputs.c.code, job_inputs.c.state_json).where(
+    job_inputs.c.job_id == _p("r_id", String)
+)
+
+
 def _read_inputs(conn: Connection, job_id: str) -> Any:
     """The ``code_job_inputs`` row of ``job_id`` (None: retention removed it)."""
-    stmt = select(job_inputs.c.code, job_inputs.c.state_json).where(job_inputs.c.job_id == job_id)
-    return conn.execute(stmt).first()
+    return conn.execute(_SELECT_INPUTS, {"r_id": job_id}).first()
 
 
 def _record_strict(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord:
@@ -570,6 +577,8 @@ def _record_tolerant(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord
 
 #: the columns a run-history row carries (no code, state, output, logs, trace): RunSummary's
 _SUMMARY_COLUMNS = tuple(jobs.c[name] for name in RunSummary.model_fields)
+_SELECT_SUMMARY = select(*_SUMMARY_COLUMNS).where(jobs.c.job_id == _p("r_id", String))
+_SELECT_STATUS = select(jobs.c.status).where(jobs.c.job_id == _p("r_id", String))
 
 
 def _summary(row: Any) -> RunSummary:
@@ -788,13 +797,13 @@ class SqlRunStore(RunStore):
 
     def get(self, job_id: str, *, inputs: bool = True) -> JobRecord | None:
         with self._read() as conn:
-            row = conn.execute(select(*_JOB_COLUMNS).where(jobs.c.job_id == job_id)).first()
+            row = conn.execute(_SELECT_JOB, {"r_id": job_id}).first()
             own = _read_inputs(conn, job_id) if inputs and row is not None else None
         return None if row is None else _record(row, own)
 
     def get_summary(self, job_id: str) -> RunSummary | None:
         with self._read() as conn:
-            row = conn.execute(select(*_SUMMARY_COLUMNS).where(jobs.c.job_id == job_id)).first()
+            row = conn.execute(_SELECT_SUMMARY, {"r_id": job_id}).first()
         return None if row is None else _summary(row)
 
     def get_many(self, job_ids: Iterable[str], *, inputs: bool = True) -> dict[str, JobRecord]:
@@ -834,7 +843,7 @@ class SqlRunStore(RunStore):
                 if conn.execute(_CLAIM, params).rowcount != 1:
                     return None
                 # Same transaction: the row is still locked by us, so this is what we wrote.
-                row = conn.execute(select(*_JOB_COLUMNS).where(jobs.c.job_id == job_id)).one()
+                row = conn.execute(_SELECT_JOB, {"r_id": job_id}).one()
             # Its code and state: a second statement, not a subquery in the RETURNING (SQLite
             # buffers what RETURNING yields: a 10 MB state was copied twice more).
             own = _read_inputs(conn, job_id)
@@ -870,9 +879,7 @@ class SqlRunStore(RunStore):
 
     def is_cancel_requested(self, job_id: str) -> bool:
         with self._read() as conn:
-            status = conn.execute(
-                select(jobs.c.status).where(jobs.c.job_id == job_id)
-            ).scalar_one_or_none()
+            status = conn.execute(_SELECT_STATUS, {"r_id": job_id}).scalar_one_or_none()
         return status in (Status.CANCELLING.value, Status.CANCELLED.value)
 
     def finish(self, result: CodeResult, *, worker: str) -> bool:
@@ -907,8 +914,7 @@ class SqlRunStore(RunStore):
                 row = conn.execute(_FINISH_RETURNING, params).first()
             elif conn.execute(_FINISH, params).rowcount == 1:
                 # same transaction: the row is still locked by us, so this is what we wrote
-                where = jobs.c.job_id == result.job_id
-                row = conn.execute(select(*_JOB_COLUMNS).where(where)).one()
+                row = conn.execute(_SELECT_JOB, {"r_id": result.job_id}).one()
             else:
                 row = None
         if row is None:
