@@ -117,8 +117,10 @@ class CodeResult(BaseModel):
     code_runtime: str
     duration_ms: float = 0.0
     exit_code: int | None = None
-    warnings: list[str] = Field(default_factory=list)
-    trace: list[TraceRow] = Field(default_factory=list)
+    # lambdas, not the builtin ``list``: pydantic reads a default factory's signature, and a
+    # builtin's costs a first tokenize (its big regex compiled, ~5 ms) in a one-shot run
+    warnings: list[str] = Field(default_factory=lambda: [])
+    trace: list[TraceRow] = Field(default_factory=lambda: [])
 
     @classmethod
     def ended(

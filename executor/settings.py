@@ -21,19 +21,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
-
 from executor.deferred_import import on_first_use
 from executor.errors import SettingsError
 from executor.packages import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
 
 # None is used here: asyncio only by CliApp.run, entry_points only to look for plugins,
-# dotenv_values only to read an env_file (Settings has none).
+# dotenv_values only to read an env_file (Settings has none), secrets (hmac, OpenSSL's
+# hashlib) only to compare two secret values.
 with (
     on_first_use("asyncio"),
     on_first_use("importlib.metadata", functions=("entry_points",)),
     on_first_use("dotenv", functions=("dotenv_values",)),
+    on_first_use("secrets"),
 ):
+    from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
     from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger("studio_code.settings")

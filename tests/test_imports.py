@@ -205,6 +205,49 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
     assert loaded_of(mods, (*QUEUE_AND_STORE, f"executor.runtimes.{other}")) == []
 
 
+#: what a one-shot ``run`` never uses: the engine posture and its table of escapes
+#: (tomllib), tokenize's first compile (a builtin default factory's signature); in the
+#: subprocess runtime also socket, and secrets and hmac (pydantic.types, for comparing two
+#: secret values; the Docker SDK's requests loads them whatever we do)
+RUN_NEVER_USES = ("executor.runtimes.docker.engine", "tomllib")
+SUBPROCESS_RUN_NEVER_USES = ("socket", "secrets", "hmac")
+
+
+@pytest.mark.parametrize("runtime", ["docker", "subprocess"])
+def test_run_loads_only_what_a_one_shot_run_needs(tmp_path, runtime):
+    node = tmp_path / "node.py"
+    node.write_text("def main(state):\n    return state['n'] + 1\n")
+    mods = loaded_after(
+        f"""
+        import re, tokenize
+        compiled = []
+        real = tokenize._compile
+        tokenize._compile = lambda *a: compiled.append(a) or real(*a)
+        from api_client.cli import main
+        assert main(["run", {str(node)!r}, "--state", '{{"n": 1}}']) == 0
+        assert not compiled, "a signature was read through tokenize"
+    """,
+        env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": runtime},
+    )
+    assert f"executor.runtimes.{runtime}.runtime" in mods  # it did run, in that runtime
+    unused = (*RUN_NEVER_USES, *(SUBPROCESS_RUN_NEVER_USES if runtime == "subprocess" else ()))
+    assert loaded_of(mods, unused) == []
+
+
+def test_secrets_left_out_of_pydantic_still_compare_when_used():
+    mods = loaded_after("""
+        import sys
+        import executor.settings
+        from pydantic import SecretStr
+        assert "secrets" not in sys.modules
+        assert SecretStr("a" * 16) == SecretStr("a" * 16)
+        assert SecretStr("a" * 16) != SecretStr("b" * 16)
+        import secrets
+        assert sys.modules["secrets"] is secrets and type(secrets).__name__ == "module"
+    """)
+    assert "secrets" in mods
+
+
 def test_executor_never_imports_worker_or_api_client():
     mods = loaded_after("""
         import pkgutil, importlib, executor

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -37,7 +36,13 @@ class CancelledBeforeStart(Exception):
 
 def owner_id() -> str:
     """Who started a sandbox: host and pid, so a restarted worker can reap what it left."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    return f"{_hostname()}:{os.getpid()}"
+
+
+def _hostname() -> str:
+    """socket.gethostname() without the socket module (a one-shot subprocess run needs no
+    other part of it): on Linux both are uname(2)'s nodename."""
+    return os.uname().nodename
 
 
 #: Set by a caller (the worker) around a run: a runtime hands it to its logs buffer, which
@@ -67,9 +72,7 @@ def owner_dead(owner: str, host: str | None = None) -> bool:
     """True when ``owner`` (host:pid, see owner_id) is a process of THIS host that is gone;
     another host's owner is never judged dead from here."""
     owner_host, _, pid = owner.rpartition(":")
-    return (
-        owner_host == (host or socket.gethostname()) and pid.isdigit() and not pid_alive(int(pid))
-    )
+    return owner_host == (host or _hostname()) and pid.isdigit() and not pid_alive(int(pid))
 
 
 class BoundedBuffer:

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import docker
 import requests
@@ -30,7 +30,6 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.docker.attached import docker_down, run_attached, sandbox_failures
-from executor.runtimes.docker.engine import POSTURE_TTL_S, EnginePosture, read_posture
 from executor.runtimes.docker.policy import (
     LABEL_DEADLINE,
     LABEL_JOB,
@@ -41,6 +40,9 @@ from executor.runtimes.docker.policy import (
 )
 from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, SandboxPool
 from executor.settings import Settings
+
+if TYPE_CHECKING:
+    from executor.runtimes.docker.engine import EnginePosture
 
 log = logging.getLogger("studio_code")
 
@@ -101,6 +103,9 @@ class DockerRuntime(Runtime):
         return self.pool.stats() if self.pool is not None else None
 
     def engine_posture(self, *, fresh: bool = False) -> EnginePosture | None:
+        # here: a one-shot run reads no posture, so it loads no table of escapes (tomllib)
+        from executor.runtimes.docker.engine import POSTURE_TTL_S, read_posture
+
         cached = self._posture
         if cached is not None and not fresh and time.monotonic() - cached[0] < POSTURE_TTL_S:
             return cached[1]
