@@ -58,7 +58,7 @@ DONE_TTL_S = 600
 
 
 #: A done notice carries the job's finished record (JSON, as ``CodeClient.status`` returns
-#: it: no code or state) when it is at most this long, so the waiter it wakes answers without
+#: it: no code or state) when it is at most this many bytes, so the waiter it wakes answers without
 #: reading the run store back. A longer record, a run that did not finish the job and a
 #: parked result leave "1" (the waiter reads the store). Redis keeps a notice DONE_TTL_S, so
 #: it holds at most this much per job ended in that time.
@@ -71,7 +71,7 @@ def notice_item(record: Any = None) -> str:
     if record is None or len(record.logs) > NOTICE_RECORD_MAX:
         return "1"
     text = str(record.model_dump_json())
-    return text if len(text) <= NOTICE_RECORD_MAX else "1"
+    return text if len(text.encode()) <= NOTICE_RECORD_MAX else "1"  # bytes, in Redis
 
 
 def record_of_notice(item: Any) -> Any:
