@@ -8,10 +8,12 @@ events, so a job's Celery outcome follows its stored one:
   stored (``task-failed``). It is declared in the task's ``throws``: logged as expected,
   without a traceback, and never retried (no ``autoretry_for``, ``max_retries=0``; with
   acks_late a failure acknowledges the message, Celery's default);
-* ``cancelled``: the task raises ``Ignore`` (no success event); the worker's main process
-  already announced ``task-revoked`` when the revoke reached it, which is how every cancel
-  is sent (``CodeClient.cancel``). A job cancelled by its Redis flag alone (its revoke was
-  lost) ends with no terminal event in Celery; the store still says ``cancelled``.
+* ``cancelled``: the task raises Celery's ``Terminated`` (declared in ``throws``), which
+  the worker's main process turns into ONE ``task-revoked`` event: none more when the
+  revoke reached it first and announced it (``CodeClient.cancel`` sends every cancel as a
+  revoke), the event itself when it did not. So a job whose Redis flag ended it before the
+  main process read the revoke (a busy worker), or whose revoke broadcast was lost, still
+  shows as revoked, never as failed or succeeded.
 
 Also here: a revoke with terminate from Flower or ``celery control revoke --terminate``
 (SIGTERM by default) becomes the product's cancel (``cancel_on_terminate``), and
@@ -24,7 +26,7 @@ import logging
 import os
 from typing import Any
 
-from celery.exceptions import Ignore
+from celery.exceptions import Terminated
 
 from executor.models import Status
 from executor.store import Ended, RunStore, RunSummary
@@ -58,7 +60,7 @@ def report_outcome(store: RunStore, job_id: str, ended: Ended | None = None) -> 
         message = run.error.message if run.error else ""
         raise NodeFailed(f"{run.status.value} {code}: {message}")
     if run.status is Status.CANCELLED:
-        raise Ignore()
+        raise Terminated("cancelled")
 
 
 def cancel_on_terminate(store: RunStore, pid: int, signum: int) -> bool:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import redis
 from celery import Celery, Task, current_app, signals
-from celery.exceptions import Reject
+from celery.exceptions import Reject, Terminated
 
 from executor.errors import ErrorCode
 from executor.models import CodeResult, Status
@@ -224,7 +224,8 @@ def register(app: Celery) -> None:
         ignore_result=True,
         # Never retried by Celery: a job either ran (result in the store) or did not.
         max_retries=0,
-        throws=(NodeFailed,),  # a failed node is an expected outcome, not a worker error
+        # a failed or cancelled node is an expected outcome, not a worker error
+        throws=(NodeFailed, Terminated),
     )(run_job)
 
 
@@ -271,7 +272,7 @@ def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
             record=None if ended is None else ended.record,
         )
     if not parked:
-        # failed: NodeFailed, cancelled: Ignore (Celery's view)
+        # failed: NodeFailed, cancelled: Terminated (Celery's view)
         report_outcome(state.store, job_id, ended)
     return outcome
 
