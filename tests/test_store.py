@@ -704,3 +704,145 @@ def test_concurrent_processes_write_each_job_once(store_url: str) -> None:
             assert rec.logs == f"from {winners[job_id]}"
             assert rec.attempts >= 1
         assert store.counts_by_status()["succeeded"] == N_JOBS
+
+
+# --- the job path's DBAPI lane (executor.store.fast) -------------------------------------
+
+
+def _stored_row(store: SqlRunStore, job_id: str) -> dict[str, Any]:
+    """The job's row as the database holds it (no type conversion): what a release that
+    reads it with SQLAlchemy, or an operator with sqlite3/psql, sees."""
+    with store.engine.connect() as conn:
+        row = conn.exec_driver_sql(
+            "SELECT * FROM code_jobs j JOIN code_job_inputs i USING (job_id) WHERE job_id = "
+            + ("?" if store.dialect == "sqlite" else "%s"),
+            (job_id,),
+        ).one()
+    return dict(row._mapping)
+
+
+def _types(row: dict[str, Any]) -> dict[str, str]:
+    return {k: type(v).__name__ for k, v in row.items()}
+
+
+def test_the_dbapi_lane_writes_and_reads_what_sqlalchemy_does(store: RunStore) -> None:
+    """create, claim and finish take a lane of plain DBAPI statements (SQLite and
+    PostgreSQL). Two twin jobs, one through the lane, one through SQLAlchemy's statements
+    (the lane switched off): the stored rows hold the same values of the same types, and
+    every record the lane returns equals what SQLAlchemy reads back from its row. Awkward
+    values included: NUL and non-ASCII text, a user named like a reserved word, limits,
+    a cancel while running."""
+    assert isinstance(store, SqlRunStore)
+    lane = store._lane
+    assert lane is not None, "the lane is off: this database should take it"
+
+    def one_job(use_lane: bool, cancel: bool) -> tuple[str, list[JobRecord]]:
+        store._lane = lane if use_lane else None
+        try:
+            job = _job(
+                code="def main(state):\n    return 'ü\x00'\n",
+                state_json='{"a": "\\u0000 ü"}',
+                timeout_s=2.5,
+                kind="test",
+                user='select "user"',
+                memory_bytes=256 * MB,
+                cpus=0.5,
+            )
+            assert store.create(job, code_runtime="docker") is True
+            assert store.create(job, code_runtime="docker") is False  # once
+            claimed = store.claim(job.job_id, "w1:7")
+            assert claimed is not None
+            if cancel:
+                assert store.request_cancel(job.job_id) is Status.CANCELLING
+            res = _result(
+                job.job_id,
+                output={"s": "x\x00y", "n": 1.5},
+                logs="out\x00 ü\n",
+                logs_truncated=True,
+                exit_code=0,
+                duration_ms=12.25,
+                warnings=["one sentence"],
+                trace=[TraceRow(step="code.run", runtime="docker", duration_ms=3.5)],
+            )
+            ended = store.finish_with_outcome(res, worker="w1:7")
+            assert ended is not None and ended.record is not None
+            assert store.finish_with_outcome(res, worker="w1:7") is None  # once
+            return job.job_id, [claimed, ended.record]
+        finally:
+            store._lane = lane
+
+    for cancel in (False, True):
+        fast_id, fast = one_job(True, cancel)
+        slow_id, slow = one_job(False, cancel)
+        # what the lane returned is what SQLAlchemy reads from the same row
+        reread = store.get(fast_id)
+        assert reread is not None
+        assert fast[1] == reread.model_copy(update={"code": "", "state_json": "{}"})
+        assert fast[0].code == reread.code and fast[0].state_json == reread.state_json
+        # and the twins agree, but for their ids and times
+        times = {"job_id", "queued_at", "started_at", "finished_at"}
+        for a, b in zip(fast, slow, strict=True):
+            assert a.model_dump(exclude=times) == b.model_dump(exclude=times)
+            assert a.started_at is not None and a.started_at.tzinfo is not None
+        assert fast[1].status is (Status.CANCELLED if cancel else Status.SUCCEEDED)
+        # the rows as stored: the same values, and the same types (SQLite keeps times as
+        # text in SQLAlchemy's format, booleans as integers)
+        raw_fast, raw_slow = _stored_row(store, fast_id), _stored_row(store, slow_id)
+        assert _types(raw_fast) == _types(raw_slow)
+        skip = times | {"started_ts"}
+        assert {k: v for k, v in raw_fast.items() if k not in skip} == {
+            k: v for k, v in raw_slow.items() if k not in skip
+        }
+        if store.dialect == "sqlite":
+            assert len(raw_fast["queued_at"]) == len(raw_slow["queued_at"]) == 26
+    # a job that is not there, or not open
+    assert store.claim("nope", "w1") is None
+    assert store.finish_with_outcome(_result("nope"), worker="w1") is None
+
+
+def test_the_dbapi_lane_reads_a_bad_value_as_sqlalchemy_does(
+    store: RunStore, store_url: str
+) -> None:
+    """A row with a value no record can hold (an unknown status written by hand) is claimed
+    through the lane all the same: the record names the problem (``problems``) and the
+    worker ends it failed, as with SQLAlchemy's reader."""
+    assert isinstance(store, SqlRunStore) and store._lane is not None
+    job_id = _new(store)
+    with store.engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE code_jobs SET language = 'cobol', warnings = 'not json' WHERE job_id = :i"
+            ),
+            {"i": job_id},
+        )
+    rec = store.claim(job_id, "w1")
+    assert rec is not None and rec.status is Status.RUNNING
+    assert any(p.startswith("language=") for p in rec.problems), rec.problems
+    assert any(p.startswith("warnings=") for p in rec.problems), rec.problems
+    again = store.get(job_id)  # SQLAlchemy's reader
+    assert again is not None and again.problems == rec.problems
+
+
+def test_a_failed_lane_statement_leaves_the_store_usable(store: RunStore) -> None:
+    """A statement of the lane that the database refuses rolls its whole transaction back:
+    an inputs row refused leaves no job row either (both rows or neither, as before), a
+    statement refused outright leaves the next calls working."""
+    assert isinstance(store, SqlRunStore) and store._lane is not None
+    bad = _job()
+    values = {
+        "job_id": bad.job_id,
+        "status": "queued",
+        "language": "python",
+        "queued_at": datetime.now(UTC),
+        "attempts": 0,
+    }
+    # code_job_inputs.code is NOT NULL: the second INSERT fails, the first is undone
+    refused = {"job_id": bad.job_id, "code": None, "state_json": "{}"}
+    assert store._lane.create(values, refused) is False
+    assert store.get(bad.job_id) is None
+    with pytest.raises(Exception, match="no_such_column"):  # noqa: PT011 - the driver's type
+        store._lane.create({**values, "no_such_column": 1}, refused)
+    assert store.get(bad.job_id) is None
+    job_id = _new(store)
+    assert store.claim(job_id, "w1") is not None
+    assert store.finish(_result(job_id), worker="w1") is True

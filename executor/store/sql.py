@@ -97,6 +97,7 @@ from executor.store.base import (
     RunStore,
     RunSummary,
 )
+from executor.store.fast import FastLane, lane_for
 from executor.store.guard import raise_store_outages
 
 log = logging.getLogger("studio_code.store")
@@ -333,9 +334,10 @@ def describe_url(url: str | URL) -> str:
         return "<a run store URL that cannot be parsed>"
 
 
-def _record(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord:
-    """The record of a ``code_jobs`` row (``_JOB_COLUMNS``); ``inputs``: its code and state
-    (its ``code_job_inputs`` row), None when not read or not there ("" and "{}")."""
+def _record(row: Any, inputs: Any | None = None) -> JobRecord:
+    """The record of a ``code_jobs`` row (``_JOB_COLUMNS``: SQLAlchemy's ``Row``, or the
+    lane's row that reads the same way); ``inputs``: its code and state (its
+    ``code_job_inputs`` row), None when not read or not there ("" and "{}")."""
     try:
         return _record_strict(row, inputs)
     except Exception:  # noqa: BLE001 - one bad value must not make the row unreadable
@@ -415,6 +417,26 @@ _FINISH = (
 #: the row as written: the finished record goes out with the job's done notice, so a waiter
 #: does not read it back
 _FINISH_RETURNING = _FINISH.returning(*_JOB_COLUMNS)
+
+
+def _columns_of(type_: type) -> frozenset[str]:
+    return frozenset(c.name for c in jobs.columns if isinstance(c.type, type_))
+
+
+def _fast_lane(engine: Engine) -> FastLane | None:
+    """create / claim / finish as plain DBAPI statements (executor.store.fast), the same
+    statements as ``_CLAIM_RETURNING`` and ``_FINISH_RETURNING`` with the same conversions
+    as the column types here; None where the engine cannot take them."""
+    return lane_for(
+        engine,
+        columns=tuple(c.name for c in _JOB_COLUMNS),
+        times=_columns_of(UtcDateTime),
+        bools=_columns_of(Boolean),
+        texts=_columns_of(SafeText)
+        | frozenset(c.name for c in job_inputs.columns if isinstance(c.type, SafeText)),
+        open_statuses=tuple(s.value for s in OPEN_STATUSES),
+        cancelled_while_running=_error_json(CANCELLED_WHILE_RUNNING),
+    )
 
 
 def _select_jobs(*, inputs: bool) -> Any:
@@ -629,6 +651,8 @@ class SqlRunStore(RunStore):
         self._closed = False
         self._store_id: str | None = None
         self._insert_job: Any = None
+        #: the job path's three writes off SQLAlchemy's execution layer (None: not here)
+        self._lane = _fast_lane(self._engine)
         #: the migration steps this open applied (``migrations.upgrade``); () at HEAD
         self.schema_steps: tuple[str, ...] = ()
         try:
@@ -774,6 +798,12 @@ class SqlRunStore(RunStore):
             "attempts": 0,
         }
         inputs = {"job_id": job.job_id, "code": _storable(job.code), "state_json": job.state_json}
+        if self._lane is not None:
+            with self._gate():
+                created = self._lane.create(values, inputs)
+            if self._checkpoints is not None:
+                self._checkpoints.wrote()
+            return created
         # Statements built once per store, executed with the values as parameters: building
         # them per call with .values() cost more than running them.
         if self._insert_job is None:
@@ -834,6 +864,12 @@ class SqlRunStore(RunStore):
     def claim(self, job_id: str, worker: str) -> JobRecord | None:
         now = _utcnow()
         params = {"c_id": job_id, "c_at": now, "c_ts": now.timestamp(), "c_by": worker}
+        if self._lane is not None:
+            with self._gate():
+                claimed = self._lane.claim(params)
+            if self._checkpoints is not None:
+                self._checkpoints.wrote()
+            return None if claimed is None else _record(*claimed)
         with self._write() as conn:
             if self._engine.dialect.update_returning:
                 row = conn.execute(_CLAIM_RETURNING, params).first()  # the row as written
@@ -909,18 +945,28 @@ class SqlRunStore(RunStore):
             "f_finished_at": _utcnow(),
             "f_worker": worker,
         }
+        if self._lane is not None:
+            with self._gate():
+                row = self._lane.finish(params)
+            if self._checkpoints is not None:
+                self._checkpoints.wrote()
+        else:
+            row = self._finish_sa(params)
+        if row is None:
+            return None
+        rec = _record(row)
+        return Ended(rec.status, rec.error, rec)
+
+    def _finish_sa(self, params: dict[str, Any]) -> Any:
         with self._write() as conn:
             if self._engine.dialect.update_returning:
                 row = conn.execute(_FINISH_RETURNING, params).first()
             elif conn.execute(_FINISH, params).rowcount == 1:
                 # same transaction: the row is still locked by us, so this is what we wrote
-                row = conn.execute(_SELECT_JOB, {"r_id": result.job_id}).one()
+                row = conn.execute(_SELECT_JOB, {"r_id": params["f_id"]}).one()
             else:
                 row = None
-        if row is None:
-            return None
-        rec = _record(row)
-        return Ended(rec.status, rec.error, rec)
+        return row
 
     def fail_stuck(
         self,
