@@ -67,7 +67,7 @@ from worker.protocol import (
     record_of_notice,
     visibility_timeout_s,
 )
-from worker.upkeep.heartbeat import WorkerInfo, WorkerRegistry, summary
+from worker.upkeep.heartbeat import AsyncWorkerRegistry, WorkerInfo, WorkerRegistry, summary
 
 log = logging.getLogger("studio_code.api_client")
 
@@ -139,6 +139,13 @@ def _aware(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC)
 
 
+def _registry_unreadable(e: Exception) -> RuntimeUnavailable:
+    return RuntimeUnavailable(
+        f"The queue (Redis at STUDIO_REDIS_URL) cannot be read ({e}): check that "
+        "Redis is up, then run it again."
+    )
+
+
 class JobNotFound(LookupError):
     """Raised when no job in the run store has the id asked about."""
 
@@ -178,6 +185,7 @@ class CodeClient:
         self.fair_users = settings.queue_run_fairness == "users"
         self.fair = FairQueue(self.redis, user_cap(settings))
         self._served_until: dict[str, float] = {}
+        self._aworkers: AsyncWorkerRegistry | None = None  # on async_redis (the API's loop)
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
         self._blocking = redis_conn.client(settings, block_s=WAIT_SLICE_S)
         self._rate = self.redis.register_script(_RATE_LUA)
@@ -281,17 +289,37 @@ class CodeClient:
     def _check_served(self, queue: str) -> None:
         """Refuse at once a job no live worker would take (STUDIO_QUEUE_REQUIRE_WORKER). A
         yes is believed for SERVED_CACHE_S; a no is asked again each time."""
-        if not self.settings.queue_require_worker:
-            return
-        if self._served_until.get(queue, 0.0) > time.monotonic():
+        if not self._served_asked(queue):
             return
         try:
             infos = self.workers.live([queue])[queue]
         except redis.RedisError as e:
-            raise RuntimeUnavailable(
-                f"The queue (Redis at STUDIO_REDIS_URL) cannot be read ({e}): check that "
-                "Redis is up, then run it again."
-            ) from e
+            raise _registry_unreadable(e) from e
+        self._judge_served(queue, infos)
+
+    async def check_served_async(self, queue: str) -> None:
+        """``_check_served`` on the event loop (redis.asyncio), so the HTTP test call asks
+        it beside its admission instead of after it, in the submit's thread: a yes it finds
+        is what that submit then believes (SERVED_CACHE_S)."""
+        if not self._served_asked(queue):
+            return
+        aredis = self.async_redis
+        registry = self._aworkers
+        if registry is None or registry.client is not aredis:
+            registry = self._aworkers = AsyncWorkerRegistry(aredis)
+        try:
+            infos = (await registry.live([queue]))[queue]
+        except redis.RedisError as e:
+            raise _registry_unreadable(e) from e
+        self._judge_served(queue, infos)
+
+    def _served_asked(self, queue: str) -> bool:
+        """Whether a job of ``queue`` needs the registry read now (not believed)."""
+        if not self.settings.queue_require_worker:
+            return False
+        return self._served_until.get(queue, 0.0) <= time.monotonic()
+
+    def _judge_served(self, queue: str, infos: list[WorkerInfo]) -> None:
         mine = self.store.store_id
         serving = [i for i in infos if i.serving]
         elsewhere = [i for i in serving if i.store_id and mine and i.store_id != mine]

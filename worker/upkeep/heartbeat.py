@@ -150,14 +150,30 @@ class WorkerRegistry:
         """The live workers of each queue (paused ones included; check ``serving``), in
         ONE round trip. Raises redis.RedisError when Redis cannot be read."""
         names = list(queues)
-        reply = self._read(keys=[workers_key(q) for q in names])
-        out: dict[str, list[WorkerInfo]] = {}
-        for queue, entries in zip(names, reply[1:], strict=False):
-            infos = [WorkerInfo.parse(raw, queue) for raw in entries or []]
-            out[queue] = sorted((i for i in infos if i is not None), key=lambda i: i.nodename)
-        for queue in names:
-            out.setdefault(queue, [])
-        return out
+        return _parse_live(names, self._read(keys=[workers_key(q) for q in names]))
+
+
+class AsyncWorkerRegistry:
+    """``WorkerRegistry.live`` on a redis.asyncio client (the API's event loop)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._read = client.register_script(_READ_LUA)
+
+    async def live(self, queues: Iterable[str]) -> dict[str, list[WorkerInfo]]:
+        names = list(queues)
+        return _parse_live(names, await self._read(keys=[workers_key(q) for q in names]))
+
+
+def _parse_live(names: list[str], reply: Any) -> dict[str, list[WorkerInfo]]:
+    """The read script's reply as the live workers of each of ``names``."""
+    out: dict[str, list[WorkerInfo]] = {}
+    for queue, entries in zip(names, reply[1:], strict=False):
+        infos = [WorkerInfo.parse(raw, queue) for raw in entries or []]
+        out[queue] = sorted((i for i in infos if i is not None), key=lambda i: i.nodename)
+    for queue in names:
+        out.setdefault(queue, [])
+    return out
 
 
 def _engine(raw: Any) -> dict[str, Any] | None:

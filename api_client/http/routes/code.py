@@ -42,6 +42,7 @@ from api_client.http.wire import (
 from executor.errors import ErrorCode
 from executor.inputs import capped_timeout_s
 from executor.store.base import JobRecord
+from worker.protocol import QUEUE_TEST
 
 #: waited for a test call's result on top of its own timeout: queue wait and sandbox start
 TEST_WAIT_MARGIN_S = 30.0
@@ -127,10 +128,19 @@ async def test_code(
     client = services.opened or await run_in_threadpool(lambda: services.client)
     wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + TEST_WAIT_MARGIN_S
     aredis = client.async_redis
-    # its in-flight slot and its place in the per-minute count: one round trip
-    slot = await services.in_flight.admit(aredis, who.user, wait_s + 5, s.code_test_per_minute)
+    # whether a live worker serves code.test (the submit believes a yes it finds), asked
+    # beside the admission: both round trips at once, and a refusal says what it said
+    # before (429 before 503)
+    served = asyncio.ensure_future(client.check_served_async(QUEUE_TEST))
+    try:
+        # its in-flight slot and its place in the per-minute count: one round trip
+        slot = await services.in_flight.admit(aredis, who.user, wait_s + 5, s.code_test_per_minute)
+    except BaseException:
+        await asyncio.gather(served, return_exceptions=True)
+        raise
     queued = False
     try:
+        await served
         job_id = await run_in_threadpool(
             lambda: client.submit(
                 body.code,
