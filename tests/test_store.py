@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -554,6 +555,35 @@ def test_sqlite_file_uses_wal_and_busy_timeout(tmp_path: Path) -> None:
         with s.engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
+
+
+def _wal_generation(db: Path) -> bytes:
+    """The WAL header's checkpoint sequence and salts: they change when a write starts the
+    WAL over after a checkpoint copied it all (and only then)."""
+    with open(f"{db}-wal", "rb") as f:
+        return f.read(32)[12:24]
+
+
+def test_the_wal_is_started_over_by_the_checkpointer_not_by_a_job(tmp_path: Path) -> None:
+    """The first write after a complete checkpoint starts the WAL over and, with
+    synchronous=NORMAL, syncs its header first. The store's checkpointer takes that turn
+    right after its checkpoint, so the next job's write appends to a WAL already started
+    over: its header is the same before and after the job's write (no sync on its path).
+    Nothing a reader sees changes (user_version stays 0; the rows are all there)."""
+    db = tmp_path / "studio-code.db"
+    with SqlRunStore(f"sqlite:///{db}") as s:
+        first = _new(s)
+        written = _wal_generation(db)
+        deadline = time.monotonic() + 10
+        while _wal_generation(db) == written:  # the checkpointer's pass, 0.5 s after it
+            assert time.monotonic() < deadline, "the checkpointer never started the WAL over"
+            time.sleep(0.05)
+        started_over = _wal_generation(db)
+        second = _new(s)  # a job's write right after
+        assert _wal_generation(db) == started_over
+        with s.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA user_version").scalar() == 0
+        assert s.get(first) is not None and s.get(second) is not None
 
 
 def test_postgres_url_without_driver_uses_psycopg(postgres_url: str) -> None:

@@ -1380,13 +1380,34 @@ class _Checkpointer:
                     raw = self.engine.raw_connection()
                     try:
                         cur = raw.cursor()
-                        cur.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                        cur.fetchall()
+                        busy, frames, copied = cur.execute(
+                            "PRAGMA wal_checkpoint(PASSIVE)"
+                        ).fetchone()
+                        if busy == 0 and frames > 0 and copied == frames:
+                            _restart_wal(cur)
                         cur.close()
                     finally:
                         raw.close()
             except Exception as e:  # noqa: BLE001 - the next pass (or a commit) does it
                 log.debug("SQLite WAL checkpoint skipped: %s", e)
+
+
+def _restart_wal(cur: Any) -> None:
+    """After a checkpoint that copied the whole WAL, the next write starts the WAL over and,
+    with synchronous=NORMAL, syncs its new header first (fdatasync): measured, ~0.5-1 ms on
+    the first write after each checkpoint, which at a few jobs a second is nearly every
+    job's create or claim. One write here takes that turn instead, off the jobs' path: page
+    1 written with what it holds (``user_version`` set to its own value: nothing visible
+    changes; an UPDATE to the same value writes no page). A job's write that comes first
+    pays it as before, and this one then appends a frame."""
+    cur.execute("BEGIN IMMEDIATE")
+    try:
+        (version,) = cur.execute("PRAGMA user_version").fetchone()
+        cur.execute(f"PRAGMA user_version = {int(version)}")
+        cur.execute("COMMIT")
+    except BaseException:
+        cur.execute("ROLLBACK")
+        raise
 
 
 def _guard_against_fork(engine: Engine) -> None:
