@@ -159,6 +159,9 @@ async def test_code(
     checked: asyncio.Future[Any]
     try:
         if inline:
+            # one turn of the loop first: both tasks send their commands, then wait for
+            # the answers while the job is checked here
+            await asyncio.sleep(0)
             checked = asyncio.get_running_loop().create_future()
             try:
                 checked.set_result(prepare())
