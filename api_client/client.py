@@ -400,6 +400,31 @@ class CodeClient:
         against STUDIO_CODE_TEST_PER_MINUTE already (the HTTP route, with its in-flight
         slot, in one round trip: api_client.http.inflight)."""
         job = self._job(code, language, state, timeout_s, user, kind, memory, cpus)
+        return self.enqueue(job, rate_checked=rate_checked)
+
+    def prepare(
+        self,
+        code: str,
+        language: str = "python",
+        state: Any = None,
+        timeout_s: float | None = None,
+        user: str = "",
+        kind: Kind = "run",
+        *,
+        memory: str | int | None = None,
+        cpus: float | None = None,
+    ) -> CodeJob:
+        """What ``submit`` checks before it asks Redis or the store anything, as the job it
+        would queue: raises CodeNodesDisabled or CodeInvalid as ``submit`` does. No I/O:
+        the HTTP test call runs it on the event loop while its admission is on the wire,
+        then queues the job with ``enqueue``."""
+        return self._job(code, language, state, timeout_s, user, kind, memory, cpus)
+
+    def enqueue(self, job: CodeJob, *, rate_checked: bool = False) -> str:
+        """The rest of ``submit`` for a job ``prepare`` made: the live-worker check, the
+        editor test call's rate check (unless ``rate_checked``), the stored row, the
+        message. Raises as ``submit`` does after its checks of the job."""
+        kind, user = job.kind, job.user
         queue = queue_of(kind)
         self._check_served(queue)  # before the row: a refused job leaves nothing queued
         if kind == "test" and not rate_checked:

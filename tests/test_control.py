@@ -381,6 +381,12 @@ def test_an_unreadable_row_fails_cleanly_and_get_answers_200(
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "RUNTIME_UNAVAILABLE"
         assert "No worker is serving code.test" in r.json()["error"]["message"]
+        # code that does not parse is said first, as always (400 before 503)
+        r = httpx.post(
+            f"{base}/api/code/test", json={"code": "def main(:\n"}, headers=h, timeout=30
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "CODE_INVALID"
         assert client.store.counts_by_status()["queued"] == 0
 
 

@@ -46,6 +46,9 @@ from worker.protocol import QUEUE_TEST
 
 #: waited for a test call's result on top of its own timeout: queue wait and sandbox start
 TEST_WAIT_MARGIN_S = 30.0
+#: a test call whose body is at most this long is checked on the event loop (its code's
+#: parse and its state's size check take well under a millisecond); a longer one in a thread
+INLINE_CHECK_BYTES = 64 * 1024
 
 
 def _problems(raw: Any) -> list[Problem]:
@@ -128,32 +131,53 @@ async def test_code(
     client = services.opened or await run_in_threadpool(lambda: services.client)
     wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + TEST_WAIT_MARGIN_S
     aredis = client.async_redis
-    # whether a live worker serves code.test (the submit believes a yes it finds), asked
-    # beside the admission: both round trips at once, and a refusal says what it said
-    # before (429 before 503)
+    # Before its job is stored: its admission (its in-flight slot and its place in the
+    # per-minute count, one round trip) and whether a live worker serves code.test (the
+    # submit believes a yes it finds) go to Redis at once, and while they are on the wire
+    # the job is checked here (a small body: no I/O, a fraction of a millisecond; a big
+    # one is checked in a thread). A refusal is said in the order it always was: 429, then
+    # the job's own error (400), then no worker (503).
     served = asyncio.ensure_future(client.check_served_async(QUEUE_TEST))
+    admitted = asyncio.ensure_future(
+        services.in_flight.admit(aredis, who.user, wait_s + 5, s.code_test_per_minute)
+    )
+
+    def prepare() -> Any:
+        return client.prepare(
+            body.code,
+            body.language,
+            body.state,
+            body.timeout_s,
+            who.user,
+            "test",
+            memory=body.memory,
+            cpus=body.cpus,
+        )
+
+    length = request.headers.get("content-length", "")
+    inline = length.isdigit() and int(length) <= INLINE_CHECK_BYTES
+    checked: asyncio.Future[Any]
     try:
-        # its in-flight slot and its place in the per-minute count: one round trip
-        slot = await services.in_flight.admit(aredis, who.user, wait_s + 5, s.code_test_per_minute)
+        if inline:
+            # one turn of the loop first: both tasks send their commands, then wait for
+            # the answers while the job is checked here
+            await asyncio.sleep(0)
+            checked = asyncio.get_running_loop().create_future()
+            try:
+                checked.set_result(prepare())
+            except Exception as e:  # noqa: BLE001 - said after the admission's answer
+                checked.set_exception(e)
+        else:
+            checked = asyncio.ensure_future(run_in_threadpool(prepare))
+        slot = await admitted
     except BaseException:
-        await asyncio.gather(served, return_exceptions=True)
+        await asyncio.gather(served, admitted, checked, return_exceptions=True)
         raise
     queued = False
     try:
+        job = await checked
         await served
-        job_id = await run_in_threadpool(
-            lambda: client.submit(
-                body.code,
-                body.language,
-                body.state,
-                body.timeout_s,
-                who.user,
-                "test",
-                memory=body.memory,
-                cpus=body.cpus,
-                rate_checked=True,
-            )
-        )
+        job_id = await run_in_threadpool(lambda: client.enqueue(job, rate_checked=True))
         queued = True
         rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s, submitted=True))
     except BaseException:
