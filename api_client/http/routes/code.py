@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request, Response
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from api_client.http.inflight import Slot
 from api_client.http.kit import (
     ERRORS,
     ApiError,
@@ -156,7 +157,7 @@ async def test_code(
 
     length = request.headers.get("content-length", "")
     inline = length.isdigit() and int(length) <= INLINE_CHECK_BYTES
-    checked: asyncio.Future[Any]
+    checked: asyncio.Future[Any] | None = None
     try:
         if inline:
             # one turn of the loop first: both tasks send their commands, then wait for
@@ -171,12 +172,23 @@ async def test_code(
             checked = asyncio.ensure_future(run_in_threadpool(prepare))
         slot = await admitted
     except BaseException:
-        await asyncio.gather(served, admitted, checked, return_exceptions=True)
+        # refused (429, Redis away) or the caller gone (cancelled): nothing was queued; a
+        # slot the admission took all the same is given back with its count
+        served.cancel()
+        others = [f for f in (served, checked) if f is not None]
+        got, *_ = await asyncio.gather(admitted, *others, return_exceptions=True)
+        if isinstance(got, Slot):
+            await services.in_flight.release(aredis, got, refund=True)
         raise
     queued = False
     try:
-        job = await checked
-        await served
+        try:
+            job = await checked
+            await served
+        finally:
+            if not served.done():
+                served.cancel()  # the job's own error is said: the served check is moot
+            await asyncio.gather(served, return_exceptions=True)
         job_id = await run_in_threadpool(lambda: client.enqueue(job, rate_checked=True))
         queued = True
         rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s, submitted=True))
