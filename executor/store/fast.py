@@ -29,7 +29,7 @@ from typing import Any
 
 from executor.models import Status
 
-#: the columns of a job's row that a record is read from (sql._JOB_COLUMNS's names)
+#: one value's conversion on its way in or out (as a column type's bind/result processor)
 Converter = Callable[[Any], Any]
 
 
@@ -231,7 +231,7 @@ class FastLane:
     def finish(self, params: dict[str, Any]) -> _LazyRow | None:
         """The result on an open job (``sql._FINISH``); the row as written, or None."""
         bound = {
-            **{k: v for k, v in params.items()},
+            **params,
             **self._open,
             "f_cancelling": Status.CANCELLING.value,
             "f_cancelled": Status.CANCELLED.value,

@@ -693,8 +693,15 @@ class SqlRunStore(RunStore):
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        with self._gate(), self._engine.begin() as conn:
+        with self._wrote(), self._engine.begin() as conn:
             yield conn
+
+    @contextmanager
+    def _wrote(self) -> Iterator[None]:
+        """Around a write of this process (SQLAlchemy's or the lane's): the fork gate while
+        it runs, the checkpointer told once it is committed."""
+        with self._gate():
+            yield
         if self._checkpoints is not None:
             self._checkpoints.wrote()
 
@@ -799,11 +806,8 @@ class SqlRunStore(RunStore):
         }
         inputs = {"job_id": job.job_id, "code": _storable(job.code), "state_json": job.state_json}
         if self._lane is not None:
-            with self._gate():
-                created = self._lane.create(values, inputs)
-            if self._checkpoints is not None:
-                self._checkpoints.wrote()
-            return created
+            with self._wrote():
+                return self._lane.create(values, inputs)
         # Statements built once per store, executed with the values as parameters: building
         # them per call with .values() cost more than running them.
         if self._insert_job is None:
@@ -865,10 +869,8 @@ class SqlRunStore(RunStore):
         now = _utcnow()
         params = {"c_id": job_id, "c_at": now, "c_ts": now.timestamp(), "c_by": worker}
         if self._lane is not None:
-            with self._gate():
+            with self._wrote():
                 claimed = self._lane.claim(params)
-            if self._checkpoints is not None:
-                self._checkpoints.wrote()
             return None if claimed is None else _record(*claimed)
         with self._write() as conn:
             if self._engine.dialect.update_returning:
@@ -946,10 +948,8 @@ class SqlRunStore(RunStore):
             "f_worker": worker,
         }
         if self._lane is not None:
-            with self._gate():
+            with self._wrote():
                 row = self._lane.finish(params)
-            if self._checkpoints is not None:
-                self._checkpoints.wrote()
         else:
             row = self._finish_sa(params)
         if row is None:
