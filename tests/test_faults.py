@@ -123,7 +123,9 @@ def _burst_with_outage(
     assert acc["lost"] == 0, f"jobs lost: {acc}"
     assert acc["n wrong"] == 0, f"jobs ended with a wrong outcome: {acc}"
     assert acc["ended"] == {"succeeded": n_jobs}, f"not every job succeeded: {acc}"
-    assert not acc["announced != 1"], f"jobs whose end was announced other than once: {acc}"
+    twice = acc["announced != 1"]
+    about = "\n".join(line for line in logs.splitlines() if any(j in line for j in twice))
+    assert not twice, f"jobs whose end was announced other than once: {acc}\n{about}"
     assert not acc["attempts > 1"], f"jobs claimed more than once: {acc}"
     assert parked == flushed, f"parked {parked} results but wrote {flushed}"
     assert "not taking jobs" in logs and "taking jobs again" in logs

@@ -148,6 +148,61 @@ print("still alive")
 # --- the worker's Redis goes silent ----------------------------------------------------------
 
 
+@pytest.mark.redis
+@pytest.mark.timeout(180)
+def test_a_worker_paused_longer_than_the_dead_bound_keeps_its_broker(
+    queue_env: Any, sqlite_url: str
+) -> None:
+    """The worker's gate cancels its consumers while the run store takes no write (here:
+    another process holds SQLite's write lock): no BRPOP goes out, yet the connection is
+    alive. A pause three times STUDIO_REDIS_GIVE_UP_S long is not a lost broker: the
+    worker does not exit, does not drop its connection when it resumes (which would strand
+    the ack of the job that ran through the pause and hand its message out again), and
+    the job that ran through it ends once, succeeded, as does one sent after it."""
+    import sqlite3
+
+    q = queue_env(code_runtime="subprocess", redis_dead_after_s=2, redis_give_up_s=4)
+    port = free_port()
+    worker = q.start_worker("w", 1, metrics_port=port, queue_probe_interval_s=1)
+    slow = q.client.submit(
+        "import time\n\ndef main(state):\n    time.sleep(2)\n    return 'through'\n",
+        "python",
+    )
+    wait_for(lambda: q.client.status(slow).status == "running", 30, "the slow job running")
+    conn = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), timeout=30, isolation_level=None)
+    conn.execute("BEGIN EXCLUSIVE")  # its result cannot be written until the ROLLBACK
+    try:
+
+        def paused() -> bool:
+            assert worker.alive(), f"the paused worker exited:\n{worker.tail()}"
+            code, body = health(port)
+            return code == 503 and "run store" in str(body["checks"]["paused"])
+
+        wait_for(paused, 15, "readiness 503 naming the store")
+        until = time.monotonic() + 12  # 3 x STUDIO_REDIS_GIVE_UP_S
+        while time.monotonic() < until:
+            assert paused(), health(port)
+            time.sleep(0.5)
+    finally:
+        conn.execute("ROLLBACK")
+        conn.close()
+    wait_for(lambda: health(port)[0] == 200, 30, "the worker ready again", 0.2)
+    wait_for(lambda: q.client.live_workers()["code.run"][0].serving, 30, "served again", 0.2)
+    after = q.client.submit(WORK, "python", {"n": 21})
+    recs = q.wait_all([slow, after], 60)
+    assert recs[slow].status == "succeeded" and recs[slow].output == "through", recs[slow]
+    assert recs[after].status == "succeeded" and recs[after].output == 42, recs[after]
+    time.sleep(1.5)  # a redelivery of the slow job would be skipped and announced now
+    assert {j: (r.attempts, q.done_count(j)) for j, r in recs.items()} == {
+        slow: (1, 1),
+        after: (1, 1),
+    }
+    log = worker.output()
+    for sign in ("broker connection lost", "Connection to broker lost", "BROKER_CONSUMER_STUCK"):
+        assert sign not in log, f"{sign!r} in the worker's log:\n{worker.tail()}"
+    assert worker.alive(), worker.tail()
+
+
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(420)

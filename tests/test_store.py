@@ -557,6 +557,45 @@ def test_sqlite_file_uses_wal_and_busy_timeout(tmp_path: Path) -> None:
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
 
 
+def test_a_store_opened_while_another_process_holds_the_write_lock_reads(
+    tmp_path: Path,
+) -> None:
+    """Another process holds the file's write lock (a backup, an admin shell's BEGIN
+    EXCLUSIVE): a store opened now (a worker's readiness probe, a pool process's fresh
+    connection) reads at once; its connection's set-up takes no write lock (WAL readers
+    never wait for a writer). A new file still gets incremental auto-vacuum."""
+    import sqlite3
+    import threading
+
+    db = tmp_path / "studio-code.db"
+    with SqlRunStore(f"sqlite:///{db}") as s:
+        job = _new(s)
+        with s.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA auto_vacuum").scalar() == 2  # incremental
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    got: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            with SqlRunStore(f"sqlite:///{db}") as other:
+                got["rec"] = other.get(job)
+        except Exception as e:  # noqa: BLE001 - reported below
+            got["error"] = e
+
+    try:
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(15)  # a hang guard: the old set-up waited out busy_timeout (30 s)
+        assert not reader.is_alive(), "opening the store waited for the write lock"
+        assert holder.in_transaction
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert "error" not in got, got
+    assert got["rec"].job_id == job and got["rec"].status == "queued"
+
+
 def _wal_generation(db: Path) -> bytes:
     """The WAL header's checkpoint sequence and salts: they change when a write starts the
     WAL over after a checkpoint copied it all (and only then)."""

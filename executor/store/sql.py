@@ -1239,8 +1239,13 @@ def _configure_sqlite(engine: Engine) -> None:
         try:
             cur.execute(f"PRAGMA busy_timeout = {_SQLITE_BUSY_TIMEOUT_MS}")
             # Only a NEW file takes it (before its first table): retention's deletes then
-            # give pages back with PRAGMA incremental_vacuum. An existing file is unchanged.
-            cur.execute("PRAGMA auto_vacuum = INCREMENTAL")
+            # give pages back with PRAGMA incremental_vacuum. An existing file is unchanged,
+            # so it is not even asked there: setting it waits for the write lock, and a
+            # connection opened while another process holds that lock (a backup, an admin
+            # shell) would wait out busy_timeout before its first read (a readiness probe,
+            # a pool process's fresh connection).
+            if cur.execute("PRAGMA page_count").fetchone()[0] == 0:
+                cur.execute("PRAGMA auto_vacuum = INCREMENTAL")
             # In WAL mode, NORMAL syncs at checkpoints, not at every commit: a crash of any
             # process loses nothing and the file stays consistent; only a power cut may undo
             # the last commits (like Redis's appendfsync everysec beside it). It takes the

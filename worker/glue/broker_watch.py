@@ -7,8 +7,9 @@ What counts as a round trip of a queue's consumer (in the worker's main process)
 * an answer to the BRPOP of the channel that consumes it (kombu sends it with a 1 s
   server-side timeout, so a live consumer is answered every second, message or not:
   ``worker.glue.poison.Channel`` notes when, ``probe`` passes it on);
-* while that channel does not ask (every slot of the queue is busy, so kombu sends no
-  BRPOP), a PING through the channel's own connections, once a second from the
+* while that channel does not ask (every slot of the queue is busy, or the worker's gate
+  cancelled its consumers while the run store or the runtime is down here, so kombu sends
+  no BRPOP), a PING through the channel's own connections, once a second from the
   consumer's event loop (``BrokerWatchStep``);
 * the consumer (re)connecting: Celery connected it a moment ago.
 
@@ -122,7 +123,15 @@ def probe(c: Any, dead_after_s: float) -> None:
     ``dead_after_s``, a connection error, which makes Celery drop the connection and
     connect again (its "Connection to broker lost" path)."""
     for channel in _channels(c):
-        queues = list(getattr(channel, "active_queues", ()) or ())
+        active = list(getattr(channel, "active_queues", ()) or ())
+        if active:
+            channel.studio_consumed = active
+        # A channel whose consumers the gate cancelled (worker.upkeep.gate: the store or the
+        # runtime is down here) sends no BRPOP: it is PINGed, as a busy one is, so a pause
+        # longer than dead_after_s is not taken for a silent connection (which would drop
+        # the connection, and with it the acks of the jobs running, and let the watchdog
+        # exit the worker after STUDIO_REDIS_GIVE_UP_S).
+        queues = active or list(getattr(channel, "studio_consumed", ()) or ())
         if not queues:
             continue  # the control (pub/sub) channel: kombu checks it itself
         answered_at = float(getattr(channel, "answered_at", 0.0) or 0.0)
@@ -139,7 +148,7 @@ def probe(c: Any, dead_after_s: float) -> None:
                 f"{age:.0f} s (STUDIO_REDIS_DEAD_AFTER_S={dead_after_s:g}): connecting again"
             )
         try:
-            asking = channel.qos.can_consume()
+            asking = bool(active) and channel.qos.can_consume()
         except Exception:  # noqa: BLE001 - a closing channel
             continue
         if asking or age < dead_after_s / 2:
