@@ -161,7 +161,7 @@ def test_a_worker_paused_longer_than_the_dead_bound_keeps_its_broker(
     the job that ran through it ends once, succeeded, as does one sent after it."""
     import sqlite3
 
-    q = queue_env(code_runtime="subprocess", redis_dead_after_s=2, redis_give_up_s=4)
+    q = queue_env(code_runtime="subprocess", redis_dead_after_s=2, redis_give_up_s=3)
     port = free_port()
     worker = q.start_worker("w", 1, metrics_port=port, queue_probe_interval_s=1)
     slow = q.client.submit(
@@ -179,7 +179,7 @@ def test_a_worker_paused_longer_than_the_dead_bound_keeps_its_broker(
             return code == 503 and "run store" in str(body["checks"]["paused"])
 
         wait_for(paused, 15, "readiness 503 naming the store")
-        until = time.monotonic() + 12  # 3 x STUDIO_REDIS_GIVE_UP_S
+        until = time.monotonic() + 9  # 3 x STUDIO_REDIS_GIVE_UP_S
         while time.monotonic() < until:
             assert paused(), health(port)
             time.sleep(0.5)
@@ -317,7 +317,7 @@ def test_sentinel_failover_during_a_burst_loses_no_job(
     sqlite_url: str, tmp_path: Path, make_settings: Any, python_image: str
 ) -> None:
     """A primary, a replica and three sentinels (passwords on the master and on the
-    sentinels); the primary SIGKILLed during a 200-job burst on 2 workers: every job ends
+    sentinels); the primary SIGKILLed during a 120-job burst on 2 workers: every job ends
     exactly once with its real outcome (the run store says so), none lost or stuck (what
     async replication lost is sent again by the queued sweep); submits through the API
     during the failover are answered, 202 or 503, never held."""
@@ -347,7 +347,7 @@ def test_sentinel_failover_during_a_burst_loses_no_job(
             api = ApiServer(q.env(), tmp_path / "api.log")
             http = httpx.Client(base_url=api.base, timeout=60)
             try:
-                jobs = {q.client.submit(WORK, "python", {"n": i}): i for i in range(200)}
+                jobs = {q.client.submit(WORK, "python", {"n": i}): i for i in range(120)}
                 wait_for(
                     lambda: (
                         sum(r.finished for r in q.client.store.get_many(list(jobs)).values()) >= 30
