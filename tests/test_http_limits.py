@@ -579,6 +579,14 @@ def _wait_for_jobs(
 def test_the_in_flight_cap_is_429_and_a_disconnect_gives_the_slot_back(stack: Stack) -> None:
     user = _user()
     body = {"code": SLEEP_CODE, "state": {"s": 60}, "timeout_s": 15}
+    # the stack is shared: start once the API sees code.test served (one CI run of stop 27
+    # found no live code.test heartbeat right after the fuzzing test, and every call 503)
+    wait_for(
+        lambda: stack.http.get("/healthz/ready").json()["workers"]["code.test"]["serving"],
+        30,
+        "the API seeing code.test served",
+        0.2,
+    )
     burst = Burst(stack, [(user, body)] * IN_FLIGHT)
     try:
         _wait_for_jobs(stack, {user}, IN_FLIGHT, 60, burst)
