@@ -871,9 +871,8 @@ def test_the_dbapi_lane_writes_and_reads_what_sqlalchemy_does(store: RunStore) -
 
 def test_the_dbapi_lane_reads_a_bad_value_as_sqlalchemy_does(store: RunStore) -> None:
     """A row with values no record can hold (an unknown language and warnings that are not
-    JSON, written by hand) is claimed
-    through the lane all the same: the record names the problem (``problems``) and the
-    worker ends it failed, as with SQLAlchemy's reader."""
+    JSON, written by hand) is claimed through the lane all the same: the record names the
+    problem (``problems``) and the worker ends it failed, as with SQLAlchemy's reader."""
     assert isinstance(store, SqlRunStore) and store._lane is not None
     job_id = _new(store)
     with store.engine.begin() as conn:
