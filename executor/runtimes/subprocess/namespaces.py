@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -206,16 +207,48 @@ def _relay(init: int, status_r: int, status_w: int) -> None:
         os._exit(INIT_FAILED)
 
 
+def _first_child(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+            children = f.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
 def runner_pid(relay: int) -> int | None:
     """The runner's pid in the server's namespace: the relay's child's first child."""
-    pid = relay
-    for _ in range(2):
-        try:
-            with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
-                children = f.read().split()
-        except OSError:
-            return None
-        if not children:
-            return None
-        pid = int(children[0])
-    return pid
+    init = _first_child(relay)
+    return None if init is None else _first_child(init)
+
+
+def open_init(relay: int) -> int | None:
+    """A pidfd of the init of the run whose relay is ``relay`` (its only child), or None
+    (not forked yet, gone, or no pidfd here). Opened before the run is killed: once the
+    relay is dead its init is no longer found under it."""
+    init = _first_child(relay)
+    if init is None:
+        return None
+    try:
+        fd = os.pidfd_open(init)
+    except (AttributeError, OSError):
+        return None
+    try:  # the pid still names the relay's child: the pidfd holds that process
+        with open(f"/proc/{init}/stat", "rb") as f:
+            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        ppid = None
+    if ppid != relay:
+        os.close(fd)
+        return None
+    return fd
+
+
+def wait_closed(pidfd: int, timeout_s: float) -> bool:
+    """Wait until the process of ``pidfd`` (a run's init) has exited, which the kernel
+    allows only once every other process of its namespace is gone; closes ``pidfd``."""
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout_s)
+        return bool(ready)
+    finally:
+        os.close(pidfd)

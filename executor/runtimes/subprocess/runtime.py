@@ -74,6 +74,9 @@ log = logging.getLogger("studio_code")
 NOFILE = 256
 FSIZE_BYTES = 64 * 1024 * 1024  # as much as the container's /tmp holds
 RSS_POLL_S = 0.02
+#: how long a killed run in namespaces waits for its init (the kernel empties the namespace
+#: as init exits: microseconds, but a loaded host may take longer)
+INIT_EXIT_WAIT_S = 5.0
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 WARNING = (
@@ -318,7 +321,12 @@ class SubprocessRuntime(Runtime):
 
     def _kill(self, runner: Runner) -> int:
         """Whatever the runner started dies with it, in its session, its cgroup (a setsid()
-        grandchild too) and under its uid; returns its exit status."""
+        grandchild too) and under its uid; returns its exit status. In namespaces, a run
+        killed before it ended returns once its namespace is empty: the relay dies at once,
+        its init a moment later, and only then does the kernel kill what is left in it."""
+        init = None
+        if runner.in_namespaces and runner.child.poll() is None:
+            init = namespaces.open_init(runner.child.pid)
         _kill_group(runner.child.pid)
         emptied = runner.group.kill_all() if runner.group is not None else False
         if runner.lease is not None and not emptied:
@@ -326,7 +334,10 @@ class SubprocessRuntime(Runtime):
             # before the child, which joined the group before exec, and no process can
             # leave a group whose files only root may write.
             kill_uid(runner.lease.uid, runner.lease.gid)
-        return runner.child.wait()
+        status = runner.child.wait()
+        if init is not None:
+            namespaces.wait_closed(init, INIT_EXIT_WAIT_S)
+        return status
 
     def _release(self, runner: Runner) -> int:
         """After ``_kill``: its workdir, files, cgroup and uid lease go; returns the cgroup's
