@@ -46,10 +46,15 @@ def _deferred(name: str, function: str) -> Callable[..., Any]:
 
 
 @contextmanager
-def on_first_use(name: str, *, functions: tuple[str, ...] = ()) -> Iterator[None]:
+def on_first_use(
+    name: str, *, functions: tuple[str, ...] = (), names_of: str | None = None
+) -> Iterator[None]:
     """While the block runs, importing the module ``name`` (not imported yet) binds a
     stand-in that imports it on first use; ``from name import f`` of one of ``functions``
-    binds a function that imports it when called (see the module's docstring)."""
+    binds a function that imports it when called (see the module's docstring).
+    ``names_of``: a small submodule of the package ``name`` (such as its version module),
+    imported for real; its public names and ``__version__`` are the stand-in's own, so
+    reading them imports nothing more."""
     if name in sys.modules:
         yield
         return
@@ -64,6 +69,12 @@ def on_first_use(name: str, *, functions: tuple[str, ...] = ()) -> Iterator[None
     parent, _, child = name.rpartition(".")
     if parent:  # `import a.b` then reads b off a; the real import replaces it
         setattr(importlib.import_module(parent), child, stand_in)
+    if names_of is not None:  # found through the stand-in's __path__; the package's own
+        # later import finds it in sys.modules, as it would have imported it
+        sub = importlib.import_module(f"{name}.{names_of}")
+        for attr, value in vars(sub).items():
+            if not attr.startswith("_") or attr == "__version__":
+                setattr(stand_in, attr, value)
     try:
         yield
     finally:

@@ -209,7 +209,14 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
 #: (tomllib), tokenize's first compile (a builtin default factory's signature); in the
 #: subprocess runtime also socket, and secrets and hmac (pydantic.types, for comparing two
 #: secret values; the Docker SDK's requests loads them whatever we do)
-RUN_NEVER_USES = ("executor.runtimes.docker.engine", "tomllib")
+RUN_NEVER_USES = (
+    "executor.runtimes.docker.engine",
+    "tomllib",
+    "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (executor.docker_api)
+    # requests' guess of a text's encoding (executor.docker_api): its package, which loads
+    # .api first, and not its version module (imported for requests to read)
+    "charset_normalizer.api",
+)
 SUBPROCESS_RUN_NEVER_USES = ("socket", "secrets", "hmac")
 
 
@@ -246,6 +253,32 @@ def test_secrets_left_out_of_pydantic_still_compare_when_used():
         assert sys.modules["secrets"] is secrets and type(secrets).__name__ == "module"
     """)
     assert "secrets" in mods
+
+
+def test_what_the_docker_sdk_is_imported_without_still_works_when_used():
+    """import_sdk leaves out charset_normalizer and importlib.metadata: requests still reads
+    their versions at import, guesses a body's encoding with the real library, and urllib3's
+    HTTP/2 check still reads a package's version, each importing it then."""
+    mods = loaded_after("""
+        import sys
+        from executor.docker_api import import_sdk
+        import_sdk()
+        assert "docker" in sys.modules
+        assert "charset_normalizer" not in sys.modules
+        assert "importlib.metadata" not in sys.modules
+        import requests, urllib3.http2
+        from requests.models import Response
+        r = Response()
+        r._content = "naïve café, déjà vu".encode("utf-8")
+        assert r.encoding is None and r.apparent_encoding == "utf-8"
+        assert r.text == "naïve café, déjà vu"
+        assert type(sys.modules["charset_normalizer"]).__name__ == "module"
+        assert urllib3.http2.version("requests") == requests.__version__
+        assert type(sys.modules["importlib.metadata"]).__name__ == "module"
+        import charset_normalizer
+        assert charset_normalizer.__version__ == requests.compat.chardet.__version__
+    """)
+    assert {"charset_normalizer", "importlib.metadata"} <= mods
 
 
 def test_executor_never_imports_worker_or_api_client():

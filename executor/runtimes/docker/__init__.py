@@ -2,3 +2,7 @@
 (``pool``), the attach stream of one run (``attached``), the sandbox's seccomp profile
 (``seccomp``), the engine's posture (``engine``, ``escapes``) and the socket guard
 (``sockguard``)."""
+
+from executor.docker_api import import_sdk
+
+import_sdk()  # before any module of this package imports it
