@@ -24,6 +24,11 @@ The process tree of a run, every process in the run's session and process group 
             │     and the kernel kills whatever is left in the namespace (setsid() too)
             └─ runner  PID 2: the language's interpreter (exec)
 
+A run killed from the server (its time limit, a cancel, a runner that is not used) loses its
+relay at once and its init a moment later: the server holds a pidfd of the init
+(``open_init``) and reports the end only once that init has exited (``wait_closed``), which
+the kernel allows only when nothing else is left in the namespace.
+
 The runner is not PID 1 because the kernel ignores, for a namespace's PID 1, every signal
 it has no handler for sent from inside the namespace: ``os.kill(os.getpid(), SIGTERM)``,
 ``abort()`` and RLIMIT_CPU's SIGXCPU would not end it, and exit codes would change. Relay
