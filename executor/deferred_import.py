@@ -73,7 +73,9 @@ def on_first_use(
         # later import finds it in sys.modules, as it would have imported it
         sub = importlib.import_module(f"{name}.{names_of}")
         for attr, value in vars(sub).items():
-            if not attr.startswith("_") or attr == "__version__":
+            # its own names, not a `from __future__ import` feature or an imported module
+            own = not isinstance(value, ModuleType) and type(value).__module__ != "__future__"
+            if own and (not attr.startswith("_") or attr == "__version__"):
                 setattr(stand_in, attr, value)
     try:
         yield

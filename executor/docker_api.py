@@ -23,7 +23,7 @@ _shared: tuple[int, str, docker.APIClient] | None = None
 
 def import_sdk() -> None:
     """Import the Docker SDK without two modules it loads for what this process never does,
-    about 20 ms of a one-shot ``studio-code run`` (then imported on first use, if ever):
+    10 to 30 ms of a one-shot ``studio-code run`` here (then imported on first use, if ever):
     ``importlib.metadata``, which urllib3's HTTP/2 support calls only when HTTP/2 is
     turned on (never, for the engine's socket), and charset_normalizer, which requests
     calls only to guess the text encoding of a response that names none (``.text``; the
