@@ -1240,9 +1240,13 @@ def test_a_non_root_servers_killed_run_is_gone_whole_when_its_result_is(shared: 
     server = _non_root_python(
         KILLED, str(shared), "auto", "3", marker="k", cwd=shared, stdin=subprocess.DEVNULL
     )
+    from executor.runtimes.subprocess.namespaces import refusing_knob
+
     seen = _last_json_line(server, 180)
+    # this kernel allows unprivileged user namespaces unless a knob says otherwise
+    assert seen["namespaces"] == (refusing_knob() is None), refusing_knob()
     if not seen["namespaces"]:
-        pytest.skip("this kernel gives a non-root server's runs no namespaces")
+        pytest.skip(f"this kernel gives a non-root server's runs no namespaces ({refusing_knob()})")
     assert [status for status, _ in seen["runs"]] == ["timed_out"] * 3
     assert [left for _, left in seen["runs"]] == [[]] * 3
 
