@@ -7,6 +7,7 @@ read from INSIDE it (its /etc/hostname mount names the container id)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -434,3 +435,74 @@ def test_an_oci_runtime_the_engine_does_not_know_is_not_ready_and_says_so(
     ready = ex.readiness(get_language("python"), fresh=True)
     assert not ready.ready
     assert "STUDIO_CODE_OCI_RUNTIME='no-such-oci'" in ready.reason and "runc" in ready.reason
+
+
+# --- the engine client of a pool process ----------------------------------------------------
+
+ENGINE_CALLS = """
+import json, os, sys, uuid
+from executor.docker_api import shared_api
+
+def sockets():
+    out = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return out
+
+api = shared_api()
+before = sockets()
+host_config = api.create_host_config(network_mode="none")
+made = []
+try:
+    for _ in range(12):  # what a pre-started sandbox's life asks of the engine
+        cid = api.create_container(
+            sys.argv[1], command=["true"], host_config=host_config,
+            name=f"studio-code-conntest-{uuid.uuid4().hex[:12]}",
+            labels={"studio.test": "engine-connections"},
+        )["Id"]
+        made.append(cid)
+        sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stream": 1})
+        api.start(cid)
+        api.rename(cid, f"studio-code-conntest-{uuid.uuid4().hex[:12]}")
+        assert api.wait(cid, timeout=30)["StatusCode"] == 0
+        sock._sock.close()
+        sock.close()
+        api.remove_container(cid, force=True)
+        made.remove(cid)
+finally:
+    for cid in made:
+        api.remove_container(cid, force=True)
+print(json.dumps({"sockets": sockets() - before, "trust_env": api.trust_env}))
+"""
+
+
+def test_the_engine_client_keeps_one_pool_of_connections_for_all_containers(
+    docker_client: Any, python_image: str
+) -> None:
+    """A pooled job's engine calls (create, attach, start, rename, wait, remove) each name a
+    container the client never named before. The SDK as it comes keeps a connection pool per
+    URL, so each call opened a new connection, and up to 25 stayed open, idle; the shared
+    client keeps one pool for the engine's socket (executor.docker_api._lighten). 12 sandbox
+    lives in a process of its own, through its real engine (a socket guard's in that mode):
+    every call answers, and the process then holds at most 2 sockets more than before
+    (on the SDK as it comes: one per container, 12 or more)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE_CALLS, python_image],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["sockets"] <= 2, seen
+    # a local socket is never reached through an HTTP proxy: its variables are not read
+    assert seen["trust_env"] is False
+    left = docker_client.api.containers(
+        all=True, filters={"label": "studio.test=engine-connections"}
+    )
+    assert left == []

@@ -605,7 +605,9 @@ class SandboxPool(IdlePoolStats):
             "host_config": api.create_host_config(**policy["host_config"]),
         }
         name = f"studio-code-pool-{uuid.uuid4().hex[:12]}"
-        image_id = self._image_id(language, fresh=True)
+        # The id _maintain read last (every IMAGE_CHECK_S), not an inspect per container: a
+        # rebuild in between makes this one look old at the next check, and it is replaced.
+        image_id = self._image_id(language)
         cid = api.create_container(name=name, **args)["Id"]
         sock = None
         try:
