@@ -201,7 +201,7 @@ class IdlePoolStats:
     subprocess runners: ``prestarted.RunnerPool``) shows, and how it tells its observer
     (``PoolObserver``: the worker's metrics). The pool holds ``size``, ``max_idle_s``,
     ``_cond``, ``_idle`` (per language, each item with a ``created`` monotonic time),
-    ``_starting``, ``hits``, ``misses`` and ``observe``."""
+    ``_starting``, ``hits``, ``misses``, ``observe`` and ``_stop``."""
 
     size: int
     max_idle_s: float
@@ -211,6 +211,19 @@ class IdlePoolStats:
     _starting: Any
     hits: Any
     misses: Any
+    _stop: bool
+
+    def wait_ready(self, timeout_s: float = 30.0) -> bool:
+        """Block until every language has its idle sandboxes or runners (tests and
+        benchmarks); False at ``timeout_s``, or at once when the pool is stopping."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not all(len(q) >= self.size for q in self._idle.values()):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop:
+                    return False
+                self._cond.wait(min(left, 0.1))
+        return True
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()

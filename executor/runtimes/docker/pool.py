@@ -223,17 +223,6 @@ class SandboxPool(IdlePoolStats):
         left = max(0.0, deadline - time.monotonic())
         self.runtime.retry_leftovers(min(left, LEFTOVERS_AT_CLOSE_S))
 
-    def wait_ready(self, timeout_s: float = 30.0) -> bool:
-        """Block until every language has its idle containers (tests and benchmarks)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while not all(len(q) >= self.size for q in self._idle.values()):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop:
-                    return False
-                self._cond.wait(min(left, 0.1))
-        return True
-
     def wait_settled(self, timeout_s: float = 60.0) -> bool:
         """Block until the pool is full and nothing is being started or removed (benchmarks
         that count a job's whole cost, its replacement and removal included)."""

@@ -222,17 +222,6 @@ class RunnerPool(IdlePoolStats):
                 q.clear()
         self._drain_retired()
 
-    def wait_ready(self, timeout_s: float = 30.0) -> bool:
-        """Block until every language has its idle runners (tests and benchmarks)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while not all(len(q) >= self.size for q in self._idle.values()):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop:
-                    return False
-                self._cond.wait(min(left, 0.1))
-        return True
-
     @contextmanager
     def on_path(self) -> Iterator[None]:
         """While a job is on its caller's path, the runner it took is not replaced: the
