@@ -322,73 +322,17 @@ def test_the_wire_records_load_without_the_routes():
     assert loaded_of(mods, ("fastapi", "starlette", "api_client.http.kit")) == []
 
 
-def _imported_modules(path: Path, module: str, package: str) -> set[str]:
-    """The modules of ``package`` that the file ``path`` (module ``module``) imports, at
-    any depth of the file (a function-level import counts: it would only hide a circle)."""
-    import ast
+def import_graph(top: Path) -> dict[str, dict[str, bool]]:
+    """Every module of the package in ``top`` -> the modules of that package it imports
+    anywhere (top level, inside a function, under TYPE_CHECKING: an import it would only
+    hide a circle), each with True when every import of it is under ``if TYPE_CHECKING:``.
+    Read from the source, nothing imported. ``from a.b import c`` imports the package a.b
+    first: an edge to it, and to a.b.c when that is a module."""
     import importlib.util
 
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), module)
-            names = [base]
-            names += [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
-        found.update(n for n in names if n == package or n.startswith(package + "."))
-    return found
-
-
-def test_api_client_has_no_import_circle():
-    """No module of api_client (the HTTP package api_client.http included) imports, at any
-    depth, a module that imports it back, directly or not. A package a module lives in is
-    not counted (importing a submodule imports its packages first, by design)."""
-    modules = {}
-    for path in sorted((ROOT / "api_client").rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    assert {"api_client.http.app", "api_client.http.kit", "api_client.http.routes.runs"} <= set(
-        modules
-    )
-    edges = {
-        name: {
-            m
-            for m in _imported_modules(path, name, "api_client")
-            if m in modules and m != name and not name.startswith(m + ".")
-        }
-        for name, path in modules.items()
-    }
-    assert "api_client.http.kit" in edges["api_client.http.routes.runs"]  # the scan sees it
-
-    def circle_from(start: str) -> list[str] | None:
-        stack, seen = [(start, [start])], {start}
-        while stack:
-            node, trail = stack.pop()
-            for nxt in sorted(edges[node]):
-                if nxt == start:
-                    return [*trail, start]
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append((nxt, [*trail, nxt]))
-        return None
-
-    circles = [c for c in map(circle_from, sorted(modules)) if c is not None]
-    assert circles == [], circles
-
-
-RUNTIMES = ROOT / "executor" / "runtimes"
-
-
-def runtime_imports() -> dict[str, dict[str, bool]]:
-    """Every module of executor/runtimes/ -> the modules of executor/runtimes/ it imports
-    anywhere (top level, inside a function, under TYPE_CHECKING), each with True when every
-    import of it is under ``if TYPE_CHECKING:`` (read from the source, nothing imported)."""
     modules = {
         ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
-        for path in RUNTIMES.rglob("*.py")
+        for path in sorted(top.rglob("*.py"))
     }
     graph: dict[str, dict[str, bool]] = {}
     for name, path in modules.items():
@@ -400,17 +344,14 @@ def runtime_imports() -> dict[str, dict[str, bool]]:
             for stmt in block.body
             for node in ast.walk(stmt)
         }
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges: dict[str, bool] = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                assert node.level == 0, f"{name}: a relative import"
-                base = node.module or ""
-                targets = [
-                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                    for a in node.names
-                ]
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
             else:
                 continue
             for target in targets:
@@ -418,6 +359,48 @@ def runtime_imports() -> dict[str, dict[str, bool]]:
                     edges[target] = edges.get(target, True) and id(node) in typing_only
         graph[name] = edges
     return graph
+
+
+def circle_in(graph: dict[str, dict[str, bool]]) -> list[str] | None:
+    """A module that imports itself back through others (the modules, in order), or None."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return path[path.index(name) :] + [name]
+        if name in done:
+            return None
+        for target in sorted(graph[name]):
+            found = visit(target, [*path, name])
+            if found is not None:
+                return found
+        done.add(name)
+        return None
+
+    for name in sorted(graph):
+        found = visit(name, [])
+        if found is not None:
+            return found
+    return None
+
+
+def test_api_client_has_no_import_circle():
+    """No module of api_client (the HTTP package api_client.http included) imports, at any
+    depth, a module that imports it back, directly or not. A package a module lives in is
+    not counted (importing a submodule imports its packages first, by design)."""
+    graph = {
+        name: {t: only for t, only in edges.items() if not name.startswith(t + ".")}
+        for name, edges in import_graph(ROOT / "api_client").items()
+    }
+    assert {"api_client.http.app", "api_client.http.kit", "api_client.http.routes.runs"} <= set(
+        graph
+    )
+    assert "api_client.http.kit" in graph["api_client.http.routes.runs"]  # the scan sees it
+    found = circle_in(graph)
+    assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+RUNTIMES = ROOT / "executor" / "runtimes"
 
 
 def test_the_runtimes_are_laid_out_by_runtime():
@@ -432,7 +415,7 @@ def test_the_runtimes_are_laid_out_by_runtime():
     assert {"seccomp.json", "known_escapes.toml"} <= set(docker_files)
     subprocess_files = {p.name for p in (RUNTIMES / "subprocess").iterdir() if p.is_file()}
     assert {"runtime.py", "prestarted.py", "uids.py", "cgroups.py"} <= subprocess_files
-    graph = runtime_imports()
+    graph = import_graph(RUNTIMES)
     for name, edges in graph.items():
         for own, other in (("docker", "subprocess"), ("subprocess", "docker")):
             if name.startswith(f"executor.runtimes.{own}"):
@@ -447,19 +430,7 @@ def test_the_runtimes_are_laid_out_by_runtime():
 def test_no_import_circle_in_the_runtimes():
     """No module of executor/runtimes/ imports itself back through others, counting the
     imports inside functions and under TYPE_CHECKING (a cycle they would only hide)."""
-    graph = runtime_imports()
+    graph = import_graph(RUNTIMES)
     assert "executor.runtimes.docker.pool" in graph["executor.runtimes.docker.runtime"]
-    done: set[str] = set()
-
-    def visit(name: str, path: list[str]) -> None:
-        if name in path:
-            cycle = path[path.index(name) :] + [name]
-            raise AssertionError("import circle: " + " -> ".join(cycle))
-        if name in done:
-            return
-        for target in graph[name]:
-            visit(target, [*path, name])
-        done.add(name)
-
-    for name in graph:
-        visit(name, [])
+    found = circle_in(graph)
+    assert found is None, "import circle: " + " -> ".join(found or [])
