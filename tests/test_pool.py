@@ -22,7 +22,7 @@ import pytest
 
 from executor.models import CodeJob, Status
 from tests.conftest import ROOT, THROUGH_SOCKGUARD
-from tests.services import QueueEnv, SockGuardProcess, children, wait_for
+from tests.services import REAL_DOCKER_HOST, QueueEnv, SockGuardProcess, children, wait_for
 from tests.snippets import WHOAMI
 
 pytestmark = pytest.mark.docker
@@ -486,16 +486,17 @@ def test_the_engine_client_keeps_one_pool_of_connections_for_all_containers(
     container the client never named before. The SDK as it comes keeps a connection pool per
     URL, so each call opened a new connection, and up to 25 stayed open, idle; the shared
     client keeps one pool for the engine's socket (executor.docker_api._lighten). 12 sandbox
-    lives in a process of its own, through its real engine (a socket guard's in that mode):
-    every call answers, and the process then holds at most 2 sockets more than before
-    (on the SDK as it comes: one per container, 12 or more)."""
+    lives in a process of its own, on the engine's own socket (a socket guard would refuse
+    these containers, which are not made by sandbox_policy; through a guard the client's
+    connections are the same): every call answers, and the process then holds at most 2
+    sockets more than before (on the SDK as it comes: one per container, 12 or more)."""
     proc = subprocess.run(
         [sys.executable, "-c", ENGINE_CALLS, python_image],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=180,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "DOCKER_HOST": REAL_DOCKER_HOST},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
