@@ -375,6 +375,8 @@ Every argument is passed to `celery worker` unchanged, for example:
   -l, --loglevel L  DEBUG, INFO, WARNING (default), ERROR
   -Q, --queues Q    default: code.test,code.run
   -P, --pool POOL   default: prefork (a cancel kills the job's sandbox in its process)
+  --max-tasks-per-child N   a new pool process after N jobs (a bound on a slow leak;
+                    docs/operations.md, "A worker that runs for weeks")
 Celery's whole list: `celery worker --help`.
 """
 

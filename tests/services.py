@@ -902,6 +902,7 @@ class QueueEnv:
         *,
         cli: bool = False,
         ready_timeout_s: float = 60.0,
+        extra_args: Sequence[str] = (),
         **extra_env: Any,
     ) -> CeleryWorker:
         worker = CeleryWorker(
@@ -909,6 +910,7 @@ class QueueEnv:
             self.tmp / f"{name}.log",
             name=name,
             concurrency=concurrency,
+            extra_args=extra_args,
             cli=cli,
             capture_stdout=cli,
             stop_timeout=25,

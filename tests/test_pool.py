@@ -425,6 +425,56 @@ def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_not
     assert pool_containers(docker_client, owner2) == []
 
 
+@pytest.mark.timeout(300)
+def test_a_pool_process_recycled_after_max_tasks_per_child_hands_over_cleanly(
+    queue_env: Any,
+    docker_client: Any,
+) -> None:
+    """Celery's ``--max-tasks-per-child``, given to ``studio-code worker`` (an operator's bound
+    on a slow leak in a library a worker runs for weeks): each pool process ends after N jobs
+    and a new one takes its slot. A backlog's every job ends exactly once, succeeded, in a
+    container of its own; a process that ends removes its own pre-started sandbox itself (it
+    is not left to the reaper) and the new one pre-starts its own."""
+    q: QueueEnv = queue_env(code_concurrency=1, code_languages="python", queue_test_slots=0)
+    w = q.start_worker("recycle", 1, cli=True, extra_args=["--max-tasks-per-child", "3"])
+    jobs = [q.client.submit(WHOAMI, "python", {}) for _ in range(10)]
+    recs = q.wait_all(jobs, 240)
+    ended = Counter(rec.status for rec in recs.values())
+    assert ended == {Status.SUCCEEDED: 10}, (ended, w.tail(40))
+    assert [q.done_count(j) for j in jobs] == [1] * 10, "a job ended other than once"
+    cids = [recs[j].output["cid"] for j in jobs]
+    assert len(set(cids)) == 10 and not any(recs[j].output["reused"] for j in jobs)
+    pids = {int(recs[j].worker.rsplit(":", 1)[1]) for j in jobs}  # type: ignore[union-attr]
+    assert len(pids) >= 4, f"10 jobs at 3 per process ran in {sorted(pids)}"
+    host = os.uname().nodename
+
+    # the process that ran the last 1-3 jobs is replaced only by the next job; every process
+    # that ended is gone with its idle sandbox, and the live slot has its own
+    ended_pids = {p for p in pids if not Path(f"/proc/{p}").exists()}
+    assert len(ended_pids) >= 3, (sorted(pids), children(w.pid))
+
+    def only_live_owners() -> bool:
+        owners = {
+            c["Labels"][LABEL_POOL]
+            for c in docker_client.api.containers(all=True, filters={"label": LABEL_POOL})
+        }
+        return not owners & {f"{host}:{p}" for p in ended_pids}
+
+    wait_for(only_live_owners, 10, "the ended pool processes' sandboxes removed by them")
+    for job_id in jobs:
+        assert not docker_client.api.containers(
+            all=True, filters={"name": f"studio-code-{job_id}"}
+        ), f"the sandbox of {job_id} was left"
+    live = [p for p in children(w.pid) if Path(f"/proc/{p}").exists()]
+    assert len(live) == 1, live
+    wait_for(
+        lambda: pool_containers(docker_client, f"{host}:{live[0]}"), 60, "the live slot's sandbox"
+    )
+    assert "Traceback" not in w.tail(400), w.tail(60)
+    w.stop()
+    assert pool_containers(docker_client, f"{host}:{live[0]}") == []
+
+
 def test_an_oci_runtime_the_engine_does_not_know_is_not_ready_and_says_so(
     make_settings: Any, python_image: str
 ) -> None:

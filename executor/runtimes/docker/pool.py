@@ -222,6 +222,9 @@ class SandboxPool(IdlePoolStats):
         self._drain_retired()  # whatever the threads left (never started, or timed out)
         left = max(0.0, deadline - time.monotonic())
         self.runtime.retry_leftovers(min(left, LEFTOVERS_AT_CLOSE_S))
+        # the last take may not have been reported (its refill never ran): a process that
+        # ends (a worker stop, --max-tasks-per-child) reports its final counts
+        self._notify()
 
     def wait_settled(self, timeout_s: float = 60.0) -> bool:
         """Block until the pool is full and nothing is being started or removed (benchmarks

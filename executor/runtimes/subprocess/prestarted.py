@@ -221,6 +221,7 @@ class RunnerPool(IdlePoolStats):
                 self._retire.extend(q)
                 q.clear()
         self._drain_retired()
+        self._notify()  # the final counts (as the docker pool's close)
 
     @contextmanager
     def on_path(self) -> Iterator[None]:
