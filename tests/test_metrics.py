@@ -4,6 +4,8 @@ prometheus-client's own parser. Plus the naming rules, checked on the catalogue.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port
-from tests.services import containers_of, start_worker, studio_env
+from tests.services import children, containers_of, start_worker, studio_env
 from tests.snippets import OK_CODE, RAISE_CODE, SLEEP_CODE
 
 OOM_CODE = (
@@ -46,43 +48,63 @@ def total(samples: dict[Any, float], name: str, **labels: str) -> float:
     )
 
 
+def metered_worker(
+    tmp_path: Path,
+    redis_url: str,
+    image: str,
+    *,
+    worker_options: dict[str, Any] | None = None,
+    client_settings: dict[str, Any] | None = None,
+    **env: Any,
+) -> tuple[Any, Any, str, Any]:
+    """A real worker with its metrics server on (multiprocess mode, ``tmp_path/prom``; ``env``
+    added to its environment) and a CodeClient on the same Redis and store: (worker,
+    client, its /metrics URL, the client's settings)."""
+    from api_client.client import CodeClient
+    from executor.settings import load_settings
+
+    port = free_port()
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    environ = studio_env(
+        redis_url,
+        db,
+        image,
+        PROMETHEUS_MULTIPROC_DIR=tmp_path / "prom",
+        STUDIO_METRICS_PORT=port,
+        **env,
+    )
+    worker = start_worker(environ, tmp_path / "worker.log", **(worker_options or {}))
+    settings = load_settings(
+        enable_code_nodes=True,
+        redis_url=redis_url,
+        database_url=db,
+        code_image=image,
+        code_languages="python",
+        **(client_settings or {}),
+    )
+    return worker, CodeClient(settings), f"http://127.0.0.1:{port}/metrics", settings
+
+
 @pytest.mark.docker
 @pytest.mark.redis
 def test_scraped_counts_equal_the_jobs_run(
     tmp_path: Path, redis_server: Any, python_image: str, docker_client: Any
 ) -> None:
-    from api_client.client import CodeClient
-    from executor.settings import load_settings
-
     prom = tmp_path / "prom"
     prom.mkdir()
     stale = prom / "counter_424242.db"
     stale.write_bytes(b"left by a previous run")  # the worker must empty the dir at start
-    port = free_port()
-    db = f"sqlite:///{tmp_path / 'runs.db'}"
-    env = studio_env(
+    worker, client, metrics_url, _ = metered_worker(
+        tmp_path,
         redis_server.url,
-        db,
         python_image,
-        PROMETHEUS_MULTIPROC_DIR=prom,
-        STUDIO_METRICS_PORT=port,
+        client_settings={"code_max_seconds": 15, "code_memory": "64m"},
         STUDIO_CODE_MEMORY="64m",
     )
-    worker = start_worker(env, tmp_path / "worker.log")
-    metrics_url = f"http://127.0.0.1:{port}/metrics"
-    settings = load_settings(
-        enable_code_nodes=True,
-        redis_url=redis_server.url,
-        database_url=db,
-        code_image=python_image,
-        code_languages="python",
-        code_max_seconds=15,
-        code_memory="64m",
-    )
-    client = CodeClient(settings)
+    health_url = metrics_url.replace("/metrics", "/healthz")
     try:
         assert not stale.exists(), "the worker did not empty PROMETHEUS_MULTIPROC_DIR"
-        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30)
+        health = httpx.get(health_url, timeout=30)
         assert health.status_code == 200, health.text
 
         plan = (
@@ -152,7 +174,7 @@ def test_scraped_counts_equal_the_jobs_run(
         vulnerable = read_posture(docker_client.api).vulnerable
         assert ("studio_code_engine_vulnerable", ()) in samples, sorted(samples)
         assert samples[("studio_code_engine_vulnerable", ())] == (1.0 if vulnerable else 0.0)
-        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).json()
+        health = httpx.get(health_url, timeout=30).json()
         assert health["engine"]["vulnerable"] is vulnerable, health
 
         assert not any(n.startswith("celery_") for n, _ in samples)
@@ -167,33 +189,17 @@ def test_scraped_counts_equal_the_jobs_run(
 def test_a_running_sandbox_shows_in_the_gauge(
     tmp_path: Path, redis_server: Any, python_image: str, docker_client: Any
 ) -> None:
-    from api_client.client import CodeClient
-    from executor.settings import load_settings
-
-    port = free_port()
-    db = f"sqlite:///{tmp_path / 'runs.db'}"
-    env = studio_env(
+    # 3 processes: 2 for workflow runs + the one kept for editor test calls
+    worker, client, url, _ = metered_worker(
+        tmp_path,
         redis_server.url,
-        db,
         python_image,
-        PROMETHEUS_MULTIPROC_DIR=tmp_path / "prom",
-        STUDIO_METRICS_PORT=port,
+        worker_options={"concurrency": 3},
         STUDIO_METRICS_READY_INTERVAL_S=0,
     )
-    # 3 processes: 2 for workflow runs + the one kept for editor test calls
-    worker = start_worker(env, tmp_path / "worker.log", concurrency=3)
-    settings = load_settings(
-        enable_code_nodes=True,
-        redis_url=redis_server.url,
-        database_url=db,
-        code_image=python_image,
-        code_languages="python",
-    )
-    client = CodeClient(settings)
     try:
         ids = [client.submit(SLEEP_CODE, "python", {"s": 60}, user="g") for _ in range(2)]
         deadline = time.monotonic() + 30
-        url = f"http://127.0.0.1:{port}/metrics"
         while total(scrape(url), "studio_code_sandboxes_running", language="python") != 2:
             assert time.monotonic() < deadline, "the gauge never showed both sandboxes"
             time.sleep(0.1)
@@ -208,6 +214,96 @@ def test_a_running_sandbox_shows_in_the_gauge(
     finally:
         client.close()
         worker.stop(60)
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(240)
+def test_ended_pool_processes_leave_their_counts_and_no_files_or_live_gauges(
+    tmp_path: Path, redis_server: Any, python_image: str, docker_client: Any
+) -> None:
+    """A worker that runs for weeks replaces pool processes (``--max-tasks-per-child``, a
+    SIGKILL, a hard time limit). What each ended one counted stays in the sums, but its
+    value files do not pile up in PROMETHEUS_MULTIPROC_DIR (every scrape reads every file),
+    and the live gauges of one that was killed (it never ran its exit hook) leave the sums."""
+    prom = tmp_path / "prom"
+    worker, client, url, settings = metered_worker(
+        tmp_path,
+        redis_server.url,
+        python_image,
+        worker_options={"concurrency": 1, "extra_args": ["--max-tasks-per-child", "2"]},
+        STUDIO_QUEUE_TEST_SLOTS=0,
+    )
+
+    def ended_files() -> list[str]:
+        """Value files of processes that are gone."""
+        out = []
+        for f in prom.glob("*.db"):
+            pid = f.stem.rsplit("_", 1)[1]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                out.append(f.name)
+        return sorted(out)
+
+    def settled(jobs: int) -> dict[Any, float]:
+        """The scrape once the jobs and the pool's takes (hits + misses) counted reach
+        ``jobs`` and the one live slot shows its one pre-started sandbox."""
+        deadline = time.monotonic() + 60
+        while True:
+            samples = scrape(url)
+            got = (
+                total(samples, "studio_code_jobs_total"),
+                total(samples, "studio_code_pool_hits_total")
+                + total(samples, "studio_code_pool_misses_total"),
+                total(samples, "studio_code_pool_idle", language="python"),
+            )
+            if got == (jobs, jobs, 1) or time.monotonic() > deadline:
+                assert got == (jobs, jobs, 1), (got, sorted(p.name for p in prom.glob("*.db")))
+                return samples
+            time.sleep(0.2)
+
+    try:
+        ids = [client.submit(OK_CODE, "python", {}, user="r") for _ in range(8)]
+        assert {client.wait(j, 60).status.value for j in ids} == {"succeeded"}
+        pids = {int(client.status(j).worker.rsplit(":", 1)[1]) for j in ids}  # type: ignore[union-attr]
+        assert len(pids) == 4, pids  # 2 jobs per process
+        samples = settled(8)
+        assert total(samples, "studio_code_jobs_total", status="succeeded") == 8
+        assert total(samples, "studio_code_run_seconds_count") == 8
+        assert ended_files() == [], "the value files of ended pool processes piled up"
+
+        # a pool process SIGKILLed while it holds a pre-started sandbox: its live gauge
+        # leaves the sums (the new process pre-starts its own), its counts stay
+        [slot] = [p for p in children(worker.pid) if p not in pids]
+        deadline = time.monotonic() + 60
+        while not (prom / f"gauge_livesum_{slot}.db").exists():  # its sandbox reported
+            assert time.monotonic() < deadline, "the live slot never reported its sandbox"
+            time.sleep(0.1)
+        os.kill(slot, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            new = [p for p in children(worker.pid) if p != slot]
+            if new and (prom / f"gauge_livesum_{new[0]}.db").exists():
+                break  # the new process pre-started its own and says so
+            assert time.monotonic() < deadline, "no new pool process with its sandbox"
+            time.sleep(0.1)
+        samples = settled(8)
+        assert ended_files() == [], "the killed process's value files stayed"
+        from worker.upkeep.janitor import Janitor
+
+        janitor = Janitor(settings, "reaper@test")  # its sandbox: the reaper's, as always
+        try:
+            assert len(janitor.reap_sandboxes()) == 1
+        finally:
+            janitor.store.close()
+        more = [client.submit(OK_CODE, "python", {}, user="r") for _ in range(2)]
+        assert {client.wait(j, 60).status.value for j in more} == {"succeeded"}
+        samples = settled(10)
+        assert total(samples, "studio_code_run_seconds_count") == 10
+        assert total(samples, "studio_code_sandboxes_running") == 0
+    finally:
+        client.close()
+        code = worker.stop(60)
+        assert code == 0, worker.output()[-3000:]
 
 
 # --- naming --------------------------------------------------------------------------------

@@ -79,6 +79,88 @@ def process_dead(pid: int) -> None:
         multiprocess.mark_process_dead(pid)
 
 
+#: value files whose values add up across processes: an ended process's are kept in ONE
+#: ``<type>_ended.db`` per type (the collector reads no pid from these file names)
+ADDITIVE_TYPES = ("counter", "histogram", "summary")
+ENDED_FILE = "ended"
+
+
+def _ended(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # a process of another user holds the pid now
+        return False
+    return False
+
+
+def fold_ended_processes(path: Path, ended: Callable[[int], bool] = _ended) -> list[int]:
+    """Fold the value files of every process that has ended into the directory's
+    ``<type>_ended.db`` files, so that the files do not pile up over weeks of pool processes
+    replaced (``--max-tasks-per-child``, a SIGKILL, a hard time limit) while every scrape
+    reads every file: each of its counter, histogram and summary values is added to the
+    same key of ``<type>_ended.db`` and its file removed (the sums stay the same); its live
+    gauges (left behind by a process that was killed and never ran its exit hook) are
+    removed, as ``mark_process_dead`` does for one that exits. Only the worker's main
+    process calls this, under the lock its scrapes hold. Returns the pids folded."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    by_pid: dict[int, list[Path]] = {}
+    for f in path.glob("*.db"):
+        number = f.stem.rpartition("_")[2]
+        if number.isdigit():
+            by_pid.setdefault(int(number), []).append(f)
+    folded: list[int] = []
+    archives: dict[str, MmapedDict] = {}
+    try:
+        for pid, files in sorted(by_pid.items()):
+            if pid == os.getpid() or not ended(pid):
+                continue
+            for f in files:
+                kind = f.name.partition("_")[0]
+                if kind in ADDITIVE_TYPES:
+                    values = list(MmapedDict.read_all_values_from_file(str(f)))
+                    archive = archives.get(kind)
+                    if archive is None:
+                        archive = archives[kind] = MmapedDict(str(path / f"{kind}_{ENDED_FILE}.db"))
+                    for key, value, timestamp, _ in values:
+                        if value:
+                            before, _ = archive.read_value(key)
+                            archive.write_value(key, before + value, timestamp)
+                        else:  # the series exists (a zero): keep it shown
+                            archive.read_value(key)
+                f.unlink()
+            folded.append(pid)
+    finally:
+        for archive in archives.values():
+            archive.close()
+    return folded
+
+
+class FoldingCollector(multiprocess.MultiProcessCollector):  # type: ignore[misc]
+    """prometheus-client's MultiProcessCollector that first folds the files of ended
+    processes (``fold_ended_processes``). Scrapes, in threads of their own, take turns: a
+    file is never removed while another scrape reads the directory."""
+
+    def __init__(self, registry: CollectorRegistry, path: Path) -> None:
+        super().__init__(None, str(path))
+        self._dir = path
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def collect(self) -> Iterable[Any]:
+        with self._lock:
+            try:
+                folded = fold_ended_processes(self._dir)
+            except Exception as e:  # noqa: BLE001 - a scrape still answers with what it can
+                log.warning("could not fold the value files of ended processes: %s", e)
+            else:
+                if folded:
+                    log.debug("folded the value files of ended processes %s", folded)
+            return list(super().collect())
+
+
 # --- language readiness (main process) --------------------------------------------------
 
 
@@ -195,8 +277,9 @@ class MetricsServer:
     ) -> None:
         self.settings = settings
         self.registry = CollectorRegistry()
-        if multiprocess_dir() is not None:
-            multiprocess.MultiProcessCollector(self.registry)
+        path = multiprocess_dir()
+        if path is not None:
+            FoldingCollector(self.registry, path)
         else:
             self.registry.register(_DefaultRegistry())
         self.readiness = ReadinessCollector(settings, ready_interval_s)
