@@ -19,6 +19,7 @@ SECTIONS = [
     "bench.live_logs",
     "bench.pool",
     "bench.upkeep",
+    "bench.metrics_files",
     "bench.engine",
     "bench.sockguard",
     "bench.redis_faults",
