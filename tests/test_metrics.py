@@ -306,6 +306,55 @@ def test_ended_pool_processes_leave_their_counts_and_no_files_or_live_gauges(
         assert code == 0, worker.output()[-3000:]
 
 
+def test_folding_adds_an_ended_process_values_and_keeps_what_is_not_its_to_drop(
+    tmp_path: Path,
+) -> None:
+    """fold_ended_processes on real value files: an ended process's counters are added
+    into counter_ended.db (a second one's on top), its live gauges go, a gauge of another
+    mode ("all": one series per pid, by design) stays, a live process is not touched, and a
+    file whose name holds no pid is left alone without stopping the fold."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from worker.metrics.server import fold_ended_processes
+
+    key = mmap_key("c", "c_total", ["l"], ["x"], "a counter")
+
+    def write(name: str, value: float) -> None:
+        m = MmapedDict(str(tmp_path / name))  # name may hold a subdirectory
+        m.write_value(key, value, 0.0)
+        m.close()
+
+    for pid in (111, 222, 333):
+        write(f"counter_{pid}.db", 2.0)
+        write(f"gauge_livesum_{pid}.db", 1.0)
+        write(f"gauge_all_{pid}.db", 1.0)
+    write("counter_99999999999999999999.db", 5.0)
+    gone = {111}
+
+    def names() -> list[str]:
+        return sorted(f.name for f in tmp_path.glob("*.db"))
+
+    assert fold_ended_processes(tmp_path, ended=lambda pid: pid in gone) == [111]
+    gone.add(222)
+    assert fold_ended_processes(tmp_path, ended=lambda pid: pid in gone) == [222]
+    assert names() == [
+        "counter_333.db",
+        "counter_99999999999999999999.db",
+        "counter_ended.db",
+        "gauge_all_111.db",
+        "gauge_all_222.db",
+        "gauge_all_333.db",
+        "gauge_livesum_333.db",
+    ]
+    folded = list(MmapedDict.read_all_values_from_file(str(tmp_path / "counter_ended.db")))
+    assert [(k, v) for k, v, _, _ in folded] == [(key, 4.0)]
+    # the default test of "ended" (os.kill) on a number no pid can be: not ended, no error
+    (tmp_path / "odd").mkdir()
+    write("odd/counter_99999999999999999999.db", 5.0)
+    assert fold_ended_processes(tmp_path / "odd") == []
+    assert (tmp_path / "odd" / "counter_99999999999999999999.db").exists()
+
+
 # --- naming --------------------------------------------------------------------------------
 
 

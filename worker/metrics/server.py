@@ -90,7 +90,7 @@ def _ended(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:  # a process of another user holds the pid now
+    except (PermissionError, OverflowError):  # another user's process; not a pid at all
         return False
     return False
 
@@ -117,7 +117,14 @@ def fold_ended_processes(path: Path, ended: Callable[[int], bool] = _ended) -> l
         for pid, files in sorted(by_pid.items()):
             if pid == os.getpid() or not ended(pid):
                 continue
-            for f in files:
+            ours = [
+                f
+                for f in files  # an "all", "max"... gauge keeps an ended process's value
+                if not (f.name.startswith("gauge_") and not f.name.startswith("gauge_live"))
+            ]
+            if not ours:
+                continue
+            for f in ours:
                 kind = f.name.partition("_")[0]
                 if kind in ADDITIVE_TYPES:
                     values = list(MmapedDict.read_all_values_from_file(str(f)))
