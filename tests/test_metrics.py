@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port
-from tests.services import children, containers_of, start_worker, studio_env
+from tests.services import children, containers_of, start_worker, studio_env, wait_for
 from tests.snippets import OK_CODE, RAISE_CODE, SLEEP_CODE
 
 OOM_CODE = (
@@ -247,19 +247,23 @@ def test_ended_pool_processes_leave_their_counts_and_no_files_or_live_gauges(
     def settled(jobs: int) -> dict[Any, float]:
         """The scrape once the jobs and the pool's takes (hits + misses) counted reach
         ``jobs`` and the one live slot shows its one pre-started sandbox."""
-        deadline = time.monotonic() + 60
-        while True:
+        seen: list[Any] = []
+
+        def counted() -> dict[Any, float] | None:
             samples = scrape(url)
-            got = (
+            seen[:] = [
                 total(samples, "studio_code_jobs_total"),
                 total(samples, "studio_code_pool_hits_total")
                 + total(samples, "studio_code_pool_misses_total"),
                 total(samples, "studio_code_pool_idle", language="python"),
-            )
-            if got == (jobs, jobs, 1) or time.monotonic() > deadline:
-                assert got == (jobs, jobs, 1), (got, sorted(p.name for p in prom.glob("*.db")))
-                return samples
-            time.sleep(0.2)
+                sorted(p.name for p in prom.glob("*.db")),
+            ]
+            return samples if seen[:3] == [jobs, jobs, 1] else None
+
+        samples: dict[Any, float] = wait_for(
+            counted, 60, f"{jobs} jobs and takes counted, 1 idle", 0.2, lambda: seen
+        )
+        return samples
 
     try:
         ids = [client.submit(OK_CODE, "python", {}, user="r") for _ in range(8)]
@@ -274,18 +278,18 @@ def test_ended_pool_processes_leave_their_counts_and_no_files_or_live_gauges(
         # a pool process SIGKILLed while it holds a pre-started sandbox: its live gauge
         # leaves the sums (the new process pre-starts its own), its counts stay
         [slot] = [p for p in children(worker.pid) if p not in pids]
-        deadline = time.monotonic() + 60
-        while not (prom / f"gauge_livesum_{slot}.db").exists():  # its sandbox reported
-            assert time.monotonic() < deadline, "the live slot never reported its sandbox"
-            time.sleep(0.1)
+
+        def reported(pid: int) -> bool:  # its pre-started sandbox is in its live gauge
+            return (prom / f"gauge_livesum_{pid}.db").exists()
+
+        wait_for(lambda: reported(slot), 60, "the live slot's sandbox reported", 0.1)
         os.kill(slot, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while True:
-            new = [p for p in children(worker.pid) if p != slot]
-            if new and (prom / f"gauge_livesum_{new[0]}.db").exists():
-                break  # the new process pre-started its own and says so
-            assert time.monotonic() < deadline, "no new pool process with its sandbox"
-            time.sleep(0.1)
+        wait_for(
+            lambda: [p for p in children(worker.pid) if p != slot and reported(p)],
+            60,
+            "a new pool process with its sandbox reported",
+            0.1,
+        )
         samples = settled(8)
         assert ended_files() == [], "the killed process's value files stayed"
         from worker.upkeep.janitor import Janitor
