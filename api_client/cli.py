@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     _queue_commands(sub)
     _serve_command(sub)
     _sockguard_command(sub)
+    from api_client.image import add_image_command  # studio-code image build
+
+    add_image_command(sub)
     return p
 
 
