@@ -74,7 +74,10 @@ class Python(Language):
         return _unavailable_imports(tree, settings)
 
     def packages(self, settings: Settings) -> list[str]:
-        return list(settings.python_packages)
+        # STUDIO_CODE_PACKAGES when set, else the image's own list (executor.packages)
+        from executor.packages import image_packages, shown_packages
+
+        return shown_packages(settings, self.name, image_packages(settings, self.name))
 
 
 def _binds_main(node: ast.stmt) -> bool:
