@@ -91,7 +91,8 @@ def ts_specs(text: str, source: str) -> list[str]:
     STUDIO_CODE_TS_PACKAGES checks them (pinned to a major)."""
     from executor.packages import parse_packages
 
-    found = _TS_SPEC.findall(text)
+    code = "\n".join(line.split("//", 1)[0] for line in text.splitlines())  # no comments
+    found = _TS_SPEC.findall(code)
     if not found:
         found = [x for line in text.splitlines() for x in line.split("#", 1)[0].split(",")]
     try:

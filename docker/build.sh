@@ -456,7 +456,7 @@ build_python_offline() {
 # ---------------------------------------------------------------- typescript
 
 # The import specifiers of deps.ts, one a line (npm:zod@3 ...).
-deps_specs() { grep -oE '"(npm|jsr):[^"]+"' "$DEPS_TS" | tr -d '"'; }
+deps_specs() { sed 's#//.*##' "$DEPS_TS" | grep -oE '"(npm|jsr):[^",]+"' | tr -d '"'; }
 deps_hash() { deps_specs | sha; }
 
 # "npm:zod@3.25.76,npm:date-fns@4.4.0": each spec of deps.ts at the version the image's
