@@ -14,6 +14,7 @@ costs the wheel install, the compile and the `docker import`s."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -65,6 +66,7 @@ def _expected(wheels: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def built(docker_client: Any, wheels: Path) -> Iterator[dict[str, Any]]:
     """Both images, built by the real command, offline, from the wheel folder."""
+    require(os.geteuid() == 0, "the offline image build needs root (debootstrap, chroot)")
     out = run_cli(
         "image",
         "build",
