@@ -328,7 +328,7 @@ build_python_registry() {
     --label studio.image=python \
     --label "studio.recipe-sha=$(py_recipe_hash)" \
     -t "$PY_IMAGE" "$ctx" \
-    || die "python: pip could not install $(py_requirements | paste -sd, -) in $PY_BASE (its message is above)"
+    || die "python: docker build FROM $PY_BASE with $(py_requirements | paste -sd, -) failed (pip, or a listed package it did not install: its message is above)"
   drop_old "$old" "$PY_IMAGE"
 }
 

@@ -242,6 +242,40 @@ def test_a_package_that_cannot_be_had_fails_the_build_naming_it(
         docker_client.images.get(tag)
 
 
+def test_the_registry_path_builds_from_a_local_base(docker_client: Any, wheels: Path) -> None:
+    """`docker build` of docker/studio-code/Dockerfile (the path used where a registry
+    answers), FROM a local base with pip standing in for python:3.12-slim: no registry is
+    asked (a local FROM is not pulled)."""
+    base, tag = f"studio-code-test-packages:pipbase-{TAG}", f"studio-code-test-packages:reg-{TAG}"
+    try:
+        made = run_cli(
+            "image", "build", "--python-packages", "pip", "--python-tag", base, "--offline",
+            env=BUILD_ENV, timeout=600,
+        )  # fmt: skip
+        assert made.returncode == 0, made.stdout + made.stderr[-2000:]
+        out = run_cli(
+            "image", "build", "--python-packages", PY_LIST, "--wheels", str(wheels),
+            "--python-tag", tag, "--registry",
+            env={**BUILD_ENV, "STUDIO_PY_BASE": base}, timeout=600,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+        assert json.loads(out.stdout)["images"]["python"]["packages"] == _expected(wheels)
+        assert "Step 1/" in out.stderr  # docker build's own log: the registry path ran
+        report = docker_client.containers.run(
+            tag,
+            ["python3", "-c", "import cowsay, dateutil; print(dateutil.__version__)"],
+            remove=True,
+            network_mode="none",
+        )
+        assert report.decode().strip() == "2.8.2"
+    finally:
+        for t in (tag, base):
+            try:
+                docker_client.images.remove(t, force=True)
+            except Exception:  # noqa: BLE001 - not built
+                pass
+
+
 # --- the command line, before anything is built ----------------------------------------
 
 
