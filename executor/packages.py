@@ -33,10 +33,12 @@ __all__ = [
     "SETTING_REASONS",
     "ImagePackages",
     "PackageSpec",
+    "compares",
     "image_packages",
     "packages_warning",
     "parse_image_packages",
     "parse_packages",
+    "parse_preimport",
     "shown_packages",
 ]
 
@@ -151,6 +153,31 @@ def _bad_entry(entry: str, problem: str, **fields: str) -> NoReturn:
     raise ValueError(SETTING_REASONS["entry"].format(entry=entry, problem=detail))
 
 
+_MODULE_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def parse_preimport(value: str) -> str:
+    """``STUDIO_CODE_PREIMPORT``: ``""`` (none), ``image`` (the image's listed packages) or
+    module names as code imports them (``pandas,numpy,dateutil.parser``); normalised to
+    that comma-separated form. Raises ValueError with a sentence naming a bad entry."""
+    entries = [x.strip() for x in value.split(",") if x.strip()]
+    if entries == ["image"]:
+        return "image"
+    if "image" in entries:
+        raise ValueError(
+            "STUDIO_CODE_PREIMPORT entry 'image' stands for every package the image lists: "
+            "write it alone, or name the modules instead"
+        )
+    for entry in entries:
+        if not _MODULE_RE.fullmatch(entry):
+            raise ValueError(
+                f"STUDIO_CODE_PREIMPORT entry '{entry}' is not a module name: write the "
+                "modules as code imports them, comma-separated (pandas,numpy), or image for "
+                "every package the image lists"
+            )
+    return ",".join(dict.fromkeys(entries))
+
+
 # --- what an image says it has -------------------------------------------------------------
 
 
@@ -228,15 +255,20 @@ def shown_packages(settings: Settings, language: str, found: ImagePackages | Non
     return list(found.versions)
 
 
+def compares(settings: Settings, language: str) -> bool:
+    """Whether ``packages_warning`` can say anything: a TypeScript list (always set, the
+    spec's default or not), or a STUDIO_CODE_PACKAGES that is set. Readiness reads the image
+    only then."""
+    return language != "python" or "code_packages" in settings.model_fields_set
+
+
 def packages_warning(settings: Settings, language: str, found: ImagePackages | None) -> str | None:
     """One sentence naming the packages a setting lists that the image has not, and those the
     image has that it leaves out; None when they agree or the image's list is unknown. An
     unset STUDIO_CODE_PACKAGES is the image's list, so it never disagrees."""
-    if found is None:
+    if found is None or not compares(settings, language):
         return None
     if language == "python":
-        if "code_packages" not in settings.model_fields_set:
-            return None
         setting, listed = "STUDIO_CODE_PACKAGES", list(settings.python_packages)
         key: Callable[[str], str] = _norm
         how = "unset it (the image's own list is then shown) or set it to"

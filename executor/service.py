@@ -255,10 +255,13 @@ class Executor:
         )
         result = self._run(job, language, self.limits(READINESS_TIMEOUT_S), None, probe=True)
         if result.status is Status.SUCCEEDED and result.output == Language.TEST_OUTPUT:
-            from executor.packages import image_packages, packages_warning
+            from executor.packages import compares, image_packages, packages_warning
 
-            found = image_packages(self.settings, language.name)
-            return Readiness(True, None, now, packages_warning(self.settings, language.name, found))
+            warning = None
+            if compares(self.settings, language.name):
+                found = image_packages(self.settings, language.name)
+                warning = packages_warning(self.settings, language.name, found)
+            return Readiness(True, None, now, warning)
         detail = result.error.message if result.error else f"output {result.output!r}"
         return Readiness(
             False,
