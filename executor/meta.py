@@ -119,6 +119,8 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         # (a worker's pool process; the API's process starts sandboxes cold).
         "pool": {
             "prewarm": s.code_prewarm,
+            # what a pre-started sandbox imports while it waits (STUDIO_CODE_PREIMPORT)
+            "preimport": s.code_preimport or None,
             "max_idle_s": s.code_prewarm_max_idle_s,
             "this_process": runtime.pool_stats() if runtime is not None else None,
         },

@@ -28,6 +28,7 @@ from executor.packages import (
     DEFAULT_TS_PACKAGES,
     PackageSpec,
     parse_packages,
+    parse_preimport,
 )
 
 # None is used here: asyncio only by CliApp.run, entry_points only to look for plugins,
@@ -124,6 +125,13 @@ class Settings(BaseSettings):
         "Unset: the image's own list (its modules.json), this default only when the image "
         "cannot be read; set and different from the image's, readiness and meta say which "
         "names differ.",
+    )
+    code_preimport: str = Field(
+        "",
+        description="Python modules a pre-started sandbox (docker runtime, STUDIO_CODE_PREWARM) "
+        "imports while it waits for its one job, e.g. pandas,numpy; image: every package the "
+        "image lists. Empty: none. A cold run never pre-imports; the memory they take counts "
+        "against the sandbox's own limit.",
     )
     code_memory: str = Field("256m", description="Memory per call (swap equal to memory).")
     code_cpus: float = Field(0.5, gt=0, le=64, description="CPU share per call.")
@@ -475,6 +483,11 @@ class Settings(BaseSettings):
         if bad:
             raise ValueError(f"a comma-separated list of {', '.join(KNOWN_LANGUAGES)}")
         return ",".join(langs)
+
+    @field_validator("code_preimport")
+    @classmethod
+    def _preimport(cls, v: str) -> str:
+        return parse_preimport(v)  # its ValueError names the entry and the form to use
 
     @field_validator("code_ts_packages")
     @classmethod

@@ -30,9 +30,8 @@ def _listed() -> list[str]:
 
 
 def test_packages_default_equals_the_requirements_file() -> None:
-    from executor.settings import Settings
-
     from api_client.image import DEFAULT_REQUIREMENTS
+    from executor.settings import Settings
 
     default = Settings.model_fields["code_packages"].default
     assert default.split(",") == _listed()

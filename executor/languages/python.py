@@ -57,6 +57,10 @@ class Python(Language):
             return {}
         return {"HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 
+    def preimport(self, settings: Settings) -> dict[str, str]:
+        # read, and removed from the environment, by python_runner.py's _preimport
+        return {"STUDIO_PREIMPORT": settings.code_preimport} if settings.code_preimport else {}
+
     def check(self, code: str, settings: Settings) -> list[Problem]:
         try:
             with _PARSE_LOCK:
