@@ -223,7 +223,9 @@ def _preimport():
     the heavy modules now, while it waits for its one job's stdin, so the job does not pay
     for them. ``image``: every module of the packages the image lists. The variable is
     removed first: the job sees the environment a cold run has. A module that fails to
-    import is left for the job's own import to report."""
+    import is left for the job's own import to report. Once the job's stdin has bytes, the
+    rest is left to the job (it imports what it uses): a job that comes early waits for one
+    module's import at most, not for the whole list."""
     names = os.environ.pop("STUDIO_PREIMPORT", "")
     if names == "image":
         try:
@@ -235,8 +237,11 @@ def _preimport():
     if not names:
         return
     import importlib
+    import select
 
     for name in names.split(","):
+        if select.select([0], [], [], 0)[0]:
+            return  # the job is here
         try:
             importlib.import_module(name)
         except BaseException:  # noqa: BLE001 - the job's import says why, if it imports it
