@@ -55,6 +55,15 @@ class ListInvalid(ValueError):
     """A package list the command refuses, with a sentence naming the entry."""
 
 
+class ImageRefused(Exception):
+    """Raised when the command cannot build: a bad list (REQUEST_INVALID, exit status 2) or
+    a build that failed (IMAGE_BUILD_FAILED, 1); the CLI prints it as its refusal."""
+
+    def __init__(self, code: str, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.code, self.message, self.exit_status = code, message, exit_status
+
+
 def python_requirements(text: str, source: str) -> list[str]:
     """The requirements of a comma- or line-separated list (``#`` starts a comment): each
     a PyPI name with an optional version (``requests``, ``requests==2.32.*``,
@@ -134,25 +143,20 @@ def _built(image: str, language: str) -> dict[str, Any]:
     return entry
 
 
-def cmd_image(args: argparse.Namespace, settings: Settings) -> int:
-    from api_client.cli import _print, _refusal
-
+def build_images(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+    """``studio-code image build``: what it prints when the images are built; ImageRefused
+    otherwise (api_client.cli.cmd_image prints either)."""
     try:
         plan = _plan(args)
     except ListInvalid as e:
-        _print(_refusal("image", REQUEST_INVALID, str(e)))
-        return 2
+        raise ImageRefused(REQUEST_INVALID, str(e), 2) from None
     if not BUILD_SH.exists():
-        _print(
-            _refusal(
-                "image",
-                IMAGE_BUILD_FAILED,
-                f"{BUILD_SH} is not here: run studio-code image build from a checkout of the "
-                "repository (the build script and the image recipes live in docker/).",
-                status="failed",
-            )
+        raise ImageRefused(
+            IMAGE_BUILD_FAILED,
+            f"{BUILD_SH} is not here: run studio-code image build from a checkout of the "
+            "repository (the build script and the image recipes live in docker/).",
+            1,
         )
-        return 1
     py_image = args.python_tag or settings.code_image
     ts_image = args.ts_tag or settings.code_ts_image
     with tempfile.TemporaryDirectory(prefix="studio-image-") as tmp:
@@ -183,8 +187,7 @@ def cmd_image(args: argparse.Namespace, settings: Settings) -> int:
         error = _run_build([str(BUILD_SH), target, *mode], env)
         seconds = round(time.monotonic() - started, 1)
     if error is not None:
-        _print(_refusal("image", IMAGE_BUILD_FAILED, error, status="failed"))
-        return 1
+        raise ImageRefused(IMAGE_BUILD_FAILED, error, 1)
     images = {}
     if "python" in targets:
         images["python"] = _built(py_image, "python")
@@ -195,8 +198,7 @@ def cmd_image(args: argparse.Namespace, settings: Settings) -> int:
         # the allow-list that fits the image (the spec fixes its default; an image with other
         # packages needs it set: readiness and meta say so otherwise)
         out["settings"] = {"STUDIO_CODE_TS_PACKAGES": ",".join(plan["typescript"])}
-    _print(out)
-    return 0
+    return out
 
 
 def _plan(args: argparse.Namespace) -> dict[str, list[str] | None]:
@@ -249,8 +251,8 @@ def _run_build(argv: list[str], env: dict[str, str]) -> str | None:
     return f"The image build failed: {why.rstrip('.')}. Its log above (stderr) has the details."
 
 
-def add_image_command(sub: Any) -> None:
-    """``image build``: added to the CLI's parser by api_client.cli."""
+def add_image_command(sub: Any, handler: Any) -> None:
+    """``image build``: added to the CLI's parser by api_client.cli, with its ``handler``."""
     image = sub.add_parser("image", help="build the sandbox images from a package list")
     what = image.add_subparsers(dest="image_command", required=True, metavar="ACTION")
     build = what.add_parser(
@@ -293,4 +295,4 @@ def add_image_command(sub: Any) -> None:
     mode = build.add_mutually_exclusive_group()
     mode.add_argument("--offline", action="store_true", help="no container registry")
     mode.add_argument("--registry", action="store_true", help="docker build FROM a base")
-    build.set_defaults(handler=cmd_image)
+    build.set_defaults(handler=handler)
