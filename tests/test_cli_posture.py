@@ -1,0 +1,92 @@
+"""The engine posture's refusal and meta, through the `studio-code` CLI (issue 30, item 9).
+
+* ``studio-code run`` with STUDIO_CODE_ENGINE_REFUSE_VULNERABLE=1 on this machine's engine
+  (runc 1.1.5: CVE-2025-31133, CVE-2025-52565, CVE-2025-52881) is refused, RUNTIME_UNAVAILABLE
+  naming the advisories, and starts no container; without the setting it runs.
+* ``studio-code meta`` prints the document of GET /api/meta/runtime (the same keys, the
+  workers and each worker's engine from their heartbeats, the fair share), against the
+  same Redis and run store with a real worker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.services import sandbox_events
+
+NODE = "def main(state):\n    return state.get('n', 0) + 1\n"
+
+
+def one_json(proc: Any) -> dict[str, Any]:
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    return json.loads(lines[0])  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def posture(docker_client: Any) -> Any:
+    """This machine's engine, read by the test itself (the table of known escapes)."""
+    from executor.runtimes.docker.engine import read_posture
+
+    return read_posture(docker_client.api)
+
+
+def cli_run(tmp_path: Any, image: str, **env: str) -> tuple[Any, dict[str, Any]]:
+    path = tmp_path / "node.py"
+    path.write_text(NODE)
+    proc = run_cli(
+        "run",
+        str(path),
+        "--state",
+        '{"n": 41}',
+        env={
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_CODE_RUNTIME": "docker",
+            "STUDIO_CODE_IMAGE": image,
+            "STUDIO_DATA_DIR": str(tmp_path),
+            **env,
+        },
+    )
+    return proc, one_json(proc)
+
+
+@pytest.mark.docker
+def test_run_refuses_a_vulnerable_engine_when_told(
+    tmp_path: Any, python_image: str, posture: Any, docker_client: Any
+) -> None:
+    since = int(time.time()) - 1
+    proc, out = cli_run(tmp_path, python_image, STUDIO_CODE_ENGINE_REFUSE_VULNERABLE="1")
+    applying = [a.cve for a in posture.advisories if a.applies]
+    if not posture.vulnerable:  # an engine with no known escape has nothing to refuse
+        assert (proc.returncode, out["status"], out["output"]) == (0, "succeeded", 42), out
+        return
+    assert proc.returncode == 1, out
+    assert (out["status"], out["output"]) == ("failed", None), out
+    assert out["error"]["code"] == "RUNTIME_UNAVAILABLE", out
+    message = out["error"]["message"]
+    assert "STUDIO_CODE_ENGINE_REFUSE_VULNERABLE" in message
+    for cve in applying:
+        assert cve in message, message
+    if posture.runc is not None and posture.runc.version.startswith(
+        "1.1."
+    ):  # this machine's runc: the issue's advisory
+        assert "CVE-2025-31133" in message, message
+    # refused before any container: the engine saw nothing of this job
+    events = sandbox_events(docker_client, out["job_id"], since, int(time.time()) + 1)
+    assert events == [], events
+
+
+@pytest.mark.docker
+def test_run_without_the_setting_runs_on_the_same_engine(tmp_path: Any, python_image: str) -> None:
+    proc, out = cli_run(tmp_path, python_image, STUDIO_CODE_ENGINE_REFUSE_VULNERABLE="0")
+    assert (proc.returncode, out["status"], out["output"], out["error"]) == (
+        0,
+        "succeeded",
+        42,
+        None,
+    ), out
