@@ -14,10 +14,11 @@ import json
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import run_cli
-from tests.services import sandbox_events
+from tests.services import ApiServer, sandbox_events, wait_for
 
 NODE = "def main(state):\n    return state.get('n', 0) + 1\n"
 
@@ -90,3 +91,45 @@ def test_run_without_the_setting_runs_on_the_same_engine(tmp_path: Any, python_i
         42,
         None,
     ), out
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(240)
+def test_cli_meta_is_the_api_meta(queue_env: Any, tmp_path: Any) -> None:
+    q = queue_env(code_concurrency=1, queue_test_slots=0, code_languages="python")
+    worker = q.start_worker("w1", 1)
+    env = q.env()
+    with ApiServer(env, tmp_path / "api.log") as api:
+
+        def api_meta() -> dict[str, Any]:
+            r = httpx.get(f"{api.base}/api/meta/runtime", timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()  # type: ignore[no-any-return]
+
+        # the worker announces its engine with its heartbeat
+        served = wait_for(
+            lambda: (m := api_meta())["engine"]["workers"].get(worker.node) and m,
+            60,
+            "the worker's engine in the API's meta",
+            interval_s=0.5,
+        )
+        proc = run_cli("meta", env=env)
+    cli = one_json(proc)
+    assert proc.returncode == 0, cli
+
+    assert set(cli) == set(served)
+    for key in ("engine", "fairness", "store", "pool", "limits"):
+        assert set(cli[key]) == set(served[key]), key
+    assert set(cli["workers"]) == set(served["workers"]) == {"code.run", "code.test"}
+    assert cli["workers"]["code.run"]["serving"] == served["workers"]["code.run"]["serving"] == 1
+    # each worker's engine, from its heartbeat: the same worker, the same engine
+    mine = cli["engine"]["workers"]
+    assert mine is not None and set(mine) == set(served["engine"]["workers"]) == {worker.node}
+    assert mine[worker.node]["runc"] == served["engine"]["workers"][worker.node]["runc"]
+    assert mine[worker.node]["vulnerable"] == served["engine"]["workers"][worker.node]["vulnerable"]
+    assert cli["store"] == served["store"] and cli["store"]["id"] is not None
+    assert cli["fairness"] == served["fairness"]  # nothing waits: mode, cap, zero counts
+    assert cli["fairness"]["mode"] == "users" and cli["fairness"]["top"] == []
+    # asked fresh, as docs/security.md says: what the kernel applied inside a sandbox
+    assert cli["engine"]["sandbox"]["no_new_privs"] is True, cli["engine"]
