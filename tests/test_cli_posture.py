@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import free_port, run_cli
 from tests.services import ApiServer, sandbox_events, wait_for
 
 NODE = "def main(state):\n    return state.get('n', 0) + 1\n"
@@ -133,3 +133,29 @@ def test_cli_meta_is_the_api_meta(queue_env: Any, tmp_path: Any) -> None:
     assert cli["fairness"]["mode"] == "users" and cli["fairness"]["top"] == []
     # asked fresh, as docs/security.md says: what the kernel applied inside a sandbox
     assert cli["engine"]["sandbox"]["no_new_privs"] is True, cli["engine"]
+
+
+def test_cli_meta_without_redis_or_a_store_says_so_and_creates_nothing(tmp_path: Any) -> None:
+    """The embedded default: no store yet, no Redis. The document keeps its shape and says
+    why the queue's parts are missing, as the API says it; meta creates no store."""
+    data = tmp_path / "data"
+    proc = run_cli(
+        "meta",
+        env={
+            "STUDIO_ENABLE_CODE_NODES": "1",
+            "STUDIO_CODE_RUNTIME": "subprocess",
+            "STUDIO_CODE_LANGUAGES": "python",
+            "STUDIO_DATA_DIR": str(data),
+            "STUDIO_DATABASE_URL": "",
+            "STUDIO_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",  # nothing listens
+        },
+    )
+    out = one_json(proc)
+    assert proc.returncode == 0, out
+    assert {"workers", "fairness", "store", "engine"} <= set(out)
+    assert "STUDIO_REDIS_URL cannot be read" in out["workers"]["error"]
+    assert "STUDIO_REDIS_URL cannot be read" in out["fairness"]["error"]
+    assert out["fairness"]["mode"] == "users"
+    assert out["engine"]["workers"] is None
+    assert out["store"] == {"url": f"sqlite:///{data / 'studio-code.db'}", "id": None}
+    assert not data.exists(), "meta created a run store"
