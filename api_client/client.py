@@ -232,8 +232,9 @@ class CodeClient:
         with a sentence saying how to fix it."""
         self.executor.validate_node(language)
 
-    def meta(self, *, fresh: bool = False) -> dict[str, Any]:
-        """What GET /api/meta/runtime returns."""
+    def meta(self, *, fresh: bool = False, names: bool = False) -> dict[str, Any]:
+        """What GET /api/meta/runtime returns (and ``studio-code meta`` prints). ``names``:
+        the admin's view, where ``fairness.top`` names its users (else ranks only)."""
         from executor.meta import runtime_meta
 
         meta = runtime_meta(self.executor, fresh=fresh)
@@ -246,18 +247,19 @@ class CodeClient:
             meta["engine"]["workers"] = {i.nodename: i.engine for q in live.values() for i in q}
         except redis.RedisError as e:
             meta["workers"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
-        meta["fairness"] = self.fairness()
+        meta["fairness"] = self.fairness(names=names)
         return meta
 
-    def fairness(self) -> dict[str, Any]:
+    def fairness(self, *, names: bool = False) -> dict[str, Any]:
         """How code.run is shared (STUDIO_QUEUE_RUN_FAIRNESS, _USER_SLOTS) and the runs
-        waiting on the users' lists: how many, and the users with the most."""
+        waiting on the users' lists: how many, and the users with the most (by rank; their
+        ids only with ``names``)."""
         out: dict[str, Any] = {
             "mode": self.settings.queue_run_fairness,
             "user_slots": self.settings.queue_run_user_slots or None,
         }
         try:
-            out.update(self.fair.stats().as_dict())
+            out.update(self.fair.stats().as_dict(names=names))
         except redis.RedisError as e:
             out["error"] = f"Redis at STUDIO_REDIS_URL cannot be read: {e}"
         return out

@@ -318,12 +318,20 @@ class FairStats:
     held: int
     top: tuple[UserLoad, ...]
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, *, names: bool = False) -> dict[str, Any]:
+        """``top`` by rank (1: the most runs waiting); each entry names its user only with
+        ``names`` (an admin's view: user ids are shown to no one else)."""
+        top = []
+        for rank, u in enumerate(self.top, 1):
+            entry: dict[str, Any] = {"rank": rank, "waiting": u.waiting, "running": u.held}
+            if names:
+                entry["user"] = u.user
+            top.append(entry)
         return {
             "waiting": self.waiting,
             "users_waiting": self.users_waiting,
             "released_not_ended": self.held,
-            "top": [{"user": u.user, "waiting": u.waiting, "running": u.held} for u in self.top],
+            "top": top,
         }
 
 

@@ -27,6 +27,7 @@ from api_client.http.kit import (
     CallerDep,
     ErrorRoute,
     ServicesDep,
+    admin_caller,
     error_response,
 )
 from api_client.http.wire import (
@@ -69,10 +70,12 @@ router = APIRouter(route_class=ErrorRoute)
     tags=["meta"],
     responses={503: {"model": ErrorBody}},
 )
-def get_runtime_meta(services: ServicesDep) -> dict[str, Any]:
+def get_runtime_meta(services: ServicesDep, request: Request) -> dict[str, Any]:
     """Enabled, runtime, each language's readiness (its test program ran) and packages,
-    and the limits in force."""
-    return services.client.meta()  # type: ignore[no-any-return]
+    the limits in force, the workers and the fair share of code.run. ``fairness.top`` is
+    by rank; it names the users only to an admin (X-Studio-User with X-Studio-Admin: 1)."""
+    names = admin_caller(request.headers)
+    return services.client.meta(names=names)  # type: ignore[no-any-return]
 
 
 @router.post("/api/code/validate", response_model=ValidateResult, tags=["code"], responses=ERRORS)

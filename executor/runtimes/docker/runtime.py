@@ -225,6 +225,12 @@ class DockerRuntime(Runtime):
         should_cancel: CancelCheck | None = None,
     ) -> RawRun:
         api = self.api
+        if self.settings.code_engine_refuse_vulnerable:
+            # the readiness rule, on every run's path too: a process that runs a node without
+            # asking readiness first (`studio-code run`) refuses it all the same
+            refused = self._refused_engine()
+            if refused is not None:
+                raise RuntimeUnavailable(refused)
         if self._leftovers and self.pool is None:  # the pool's remover retries them itself
             self.retry_leftovers()
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
