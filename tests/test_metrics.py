@@ -382,6 +382,8 @@ def test_metric_names_follow_the_conventions() -> None:
     m.cancel_latency.observe(0.1)
     m.oom.labels("python", "docker").inc()
     m.timeouts.labels("python", "docker").inc()
+    m.memory_peak.labels("python", "docker").observe(5e6)
+    m.cpu.labels("python", "docker").observe(0.01)
 
     from api_client.http.kit import RATE_LIMITED_TOTAL
 
@@ -400,6 +402,8 @@ def test_metric_names_follow_the_conventions() -> None:
         "studio_code_cancel_latency_seconds",
         "studio_code_oom",
         "studio_code_timeouts",
+        "studio_code_run_memory_peak_bytes",
+        "studio_code_run_cpu_seconds",
         "studio_code_rate_limited",
     ):
         assert wanted in names, (wanted, names)
@@ -410,8 +414,8 @@ def test_metric_names_follow_the_conventions() -> None:
             assert not s.name.startswith("celery_"), s.name
             if f.type == "counter":
                 assert s.name.endswith(("_total", "_created")), s.name
-            if f.type == "histogram":
-                assert f.name.endswith("_seconds"), f.name
+            if f.type == "histogram":  # in base units
+                assert f.name.endswith(("_seconds", "_bytes")), f.name
     assert {
         s.labels.get("status") for f in families if f.name == "studio_code_jobs" for s in f.samples
     } >= {"succeeded"}
@@ -438,6 +442,8 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
         "studio_code_cancel_latency_seconds_bucket",
         "studio_code_oom_total",
         "studio_code_timeouts_total",
+        "studio_code_run_memory_peak_bytes_bucket",
+        "studio_code_run_cpu_seconds_bucket",
         "studio_code_rate_limited_total",
         "studio_code_language_ready",
         "studio_code_engine_vulnerable",
