@@ -41,6 +41,12 @@ pytestmark = pytest.mark.skipif(
 
 DENIED = {"EACCES", "EPERM"}
 
+#: the programs that write outside their own folder (files left for the sweep, a folder
+#: shared with the test or the other run) run without Landlock, which would refuse those
+#: writes: they prove the fences under it, what holds on a kernel without Landlock.
+#: tests/test_subprocess_landlock.py proves Landlock itself.
+NO_LANDLOCK = {"code_subprocess_landlock": "off"}
+
 #: shared by the programs: try one thing, report "ok" or the errno's name
 PRELUDE = r"""
 import ctypes, errno, os, signal, sys, time, json
@@ -115,7 +121,8 @@ def shared() -> Any:
 
 @pytest.fixture
 def iso(make_subprocess_executor) -> Executor:  # type: ignore[no-untyped-def]
-    ex = make_subprocess_executor(code_languages="python")
+    """Runs that talk to the test through a shared folder: without Landlock (NO_LANDLOCK)."""
+    ex = make_subprocess_executor(code_languages="python", **NO_LANDLOCK)
     iso = getattr(ex.runtime, "isolation", {})
     # the host these tests prove things on must give runs uids and cgroups of their own
     assert iso.get("separate_uids") and iso.get("cgroup"), iso
@@ -375,6 +382,7 @@ def main(state):
     return {"made": made}
 """,
         _files_gone,
+        settings=NO_LANDLOCK,
         state=lambda ctx: {
             "token": ctx["token"],
             "victim": str(ctx["victim"]),
@@ -400,6 +408,7 @@ def main(state):
 """,
         _deep_tree_gone,
         state=lambda ctx: {"token": ctx["token"]},
+        settings=NO_LANDLOCK,
     ),
     Case(
         "5 x 60 MB in /dev/shm under 256 MB",
@@ -420,7 +429,7 @@ def main(state):
 """,
         _shm_charged,
         state=lambda ctx: {"token": ctx["token"]},
-        settings={"code_memory": "256m"},
+        settings={"code_memory": "256m", **NO_LANDLOCK},
     ),
     Case(
         "4 processes x 100 MB under 256 MB",
@@ -691,7 +700,7 @@ def test_one_run_holding_many_processes_does_not_stop_a_concurrent_run(
 ) -> None:
     # 60 sleeping processes of one run under STUDIO_CODE_PIDS=64; the same uid for both
     # would leave the second run 3 forks; its own uid leases it all 64
-    ex = make_subprocess_executor(code_languages="python", code_pids=64)
+    ex = make_subprocess_executor(code_languages="python", code_pids=64, **NO_LANDLOCK)
     holding, release = shared / "holding", shared / "release"
     results: dict[str, CodeResult] = {}
     t = threading.Thread(
@@ -892,9 +901,11 @@ from executor.service import Executor
 from executor.settings import load_settings
 
 data_dir, shared, mode, CODE, prewarm = sys.argv[1:6]
+# its runs talk to the test through a shared folder: without Landlock (NO_LANDLOCK)
 ex = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
                             code_languages="python", data_dir=data_dir,
-                            code_subprocess_namespaces=mode, code_prewarm=int(prewarm)))
+                            code_subprocess_namespaces=mode, code_prewarm=int(prewarm),
+                            code_subprocess_landlock="off"))
 if int(prewarm):
     ex.prepare()
     assert ex.runtime.pool.wait_ready(30)
@@ -923,8 +934,10 @@ print(json.dumps({
 """
 
 
-def _non_root_python(script: str, *args: str, **kw: Any) -> subprocess.Popen[str]:
-    """``script`` as a server of uid SERVER_UID (no supplementary group), with a secret in
+def _non_root_python(
+    script: str, *args: str, uid: int = SERVER_UID, **kw: Any
+) -> subprocess.Popen[str]:
+    """``script`` as a server of uid ``uid`` (no supplementary group), with a secret in
     its environment."""
     root = Path(__file__).resolve().parent.parent
     venv = Path(sys.prefix)  # the tests' own virtualenv (a worktree has none of its own)
@@ -938,8 +951,8 @@ def _non_root_python(script: str, *args: str, **kw: Any) -> subprocess.Popen[str
     }
     return subprocess.Popen(
         ["/usr/bin/python3", "-c", script, *args],
-        user=SERVER_UID,
-        group=SERVER_UID,
+        user=uid,
+        group=uid,
         extra_groups=[],
         env=env,
         text=True,
