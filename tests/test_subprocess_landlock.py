@@ -377,3 +377,46 @@ def test_a_kernel_without_landlock_is_named_and_meta_says_runs_write(
     lacks = " ".join(report["does_not_hold"])
     assert "read and write every file the server can" in lacks and why in lacks
     assert "It can also write every file" in runtime.startup_warning(report)
+
+
+def test_an_abi_2_ruleset_leaves_truncate_open_and_meta_says_so(make_settings, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Linux 5.19 to 6.1 (Landlock ABI 2) cannot refuse truncate(2). This kernel enforces an
+    ABI 2 ruleset as such a kernel would (the rights it handles are ABI 2's): a real run
+    empties a world-writable data file and creates nothing, and meta says it can write."""
+    from executor.meta import runtime_meta
+    from executor.models import CodeJob
+    from executor.runtimes.subprocess import runtime
+    from executor.service import Executor
+
+    require(_landlock_abi() >= 2, "this kernel's Landlock is older than ABI 2")
+    monkeypatch.setattr(runtime, "_landlock", lambda settings: (2, None))
+    base = Path(tempfile.mkdtemp(prefix="studio-ll-"))
+    os.chmod(base, 0o755)
+    paths = _data_folder(base, 0, 0o777, 0o666)
+    paths["store"].write_text("a store")
+    os.chmod(paths["store"], 0o666)
+    helper = subprocess.Popen(["/bin/sleep", "300"])
+    abstract = Abstract()
+    try:
+        ex = Executor(make_settings(code_runtime="subprocess", code_languages="python"))
+        state = _state(paths, uuid.uuid4().hex[:10], helper.pid, abstract)
+        r = ex.run(CodeJob(code=PROBE, state_json=json.dumps({**state, "tag": "cold"})))
+        meta = runtime_meta(ex)
+    finally:
+        helper.kill()
+        helper.wait()
+        abstract.close()
+    try:
+        iso = meta["subprocess_isolation"]
+        assert iso["landlock_abi"] == 2 and iso["run_can"]["write"] is True
+        assert "truncate(2)" in " ".join(iso["does_not_hold"])
+        assert "empty a file it may write with truncate(2)" in meta["warnings"][0]
+        assert r.output is not None, (r.status, r.error, r.logs)
+        outside = dict(r.output["outside"])
+        assert outside.pop("truncate_a_data_file") == "ok"  # what ABI 2 leaves open...
+        assert paths["victim-cold"].read_text() == ""  # ...seen from outside: emptied
+        assert set(outside.values()) == {"EACCES"}, outside  # the rest is refused
+        assert r.output["abstract"] == "ok"  # no scopes before ABI 6: meta does not claim it
+        assert "abstract Unix socket" not in " ".join(iso["holds"])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

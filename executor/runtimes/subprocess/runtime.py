@@ -436,6 +436,8 @@ def isolation_report(
     root_uids = uids is not None
     landlocked = landlock_note is None
     scoped = landlocked and landlock.scopes(landlock_abi) != 0
+    # before ABI 3 (Linux 6.2) Landlock cannot refuse truncate(2): emptying a file is a write
+    truncates = landlocked and not landlock.handled_fs(landlock_abi) & landlock.ACCESS_FS_TRUNCATE
     non_root = not root_uids and os.getuid() != 0
     if scoped or root_uids:  # Landlock's scope, or a uid no process outside the run has
         signal = False
@@ -445,7 +447,7 @@ def isolation_report(
         signal = True  # root off Linux: every run is nobody
     run_can = {
         "read": True,
-        "write": not landlocked,
+        "write": not landlocked or truncates,
         "signal": signal,
         "see": not (non_root and namespaces_note is None),
     }
@@ -457,7 +459,12 @@ def isolation_report(
     lacks: list[str] = []
     swept = ", ".join(d for d in SWEPT_DIRS if os.path.isdir(d))
     if landlocked:
-        holds.append(_landlock_holds(landlock_abi, scoped))
+        holds.append(_landlock_holds(landlock_abi, scoped, truncates))
+    if truncates:
+        lacks.append(
+            f"Landlock ABI {landlock_abi} (before Linux 6.2) cannot refuse truncate(2): a run "
+            "can still empty any file its uid may write."
+        )
     if uids is not None:
         holds.append(
             f"Each run has its own uid and gid from STUDIO_CODE_SUBPROCESS_UIDS="
@@ -498,7 +505,9 @@ def isolation_report(
             "files are not removed."
         )
     else:
-        _non_root(holds, lacks, namespaces_note, undumpable, swept, landlock_note, scoped)
+        _non_root(
+            holds, lacks, namespaces_note, undumpable, swept, landlock_note, scoped, truncates
+        )
     if cgroups is not None:
         holds.append(
             f"Each run has its own {cgroups.describe()}: memory, /dev/shm and tmpfs pages "
@@ -533,11 +542,15 @@ def isolation_report(
     }
 
 
-def _landlock_holds(abi: int, scoped: bool) -> str:
+def _landlock_holds(abi: int, scoped: bool, truncates: bool) -> str:
     writable = ", ".join(landlock.WRITABLE_FILES)
+    if truncates:
+        write, verbs = "write (truncating aside)", "create, change, rename or remove"
+    else:
+        write, verbs = "write", "create, change, truncate, rename or remove"
     text = (
-        f"Landlock (ABI {abi}): a run cannot write anywhere but beneath its own temporary "
-        f"folder (and {writable}): it cannot create, change, truncate, rename or remove any "
+        f"Landlock (ABI {abi}): a run cannot {write} anywhere but beneath its own temporary "
+        f"folder (and {writable}): it cannot {verbs} any "
         "other file, such as the run store, the data folder, secret.key or the server's "
         "home, nor mount anything; and it cannot trace, or read the memory or environment "
         "(/proc/<pid>/mem, environ) of, a process outside its run"
@@ -555,6 +568,7 @@ def _non_root(
     swept: str,
     landlock_note: str | None = "not asked for",
     scoped: bool = False,
+    truncates: bool = False,
 ) -> None:
     """A non-root server's runs share its uid: what the kernel's other fences still hold."""
     landlocked = landlock_note is None
@@ -593,7 +607,10 @@ def _non_root(
             reach.append(f"read the {peers} of concurrent runs")
         can.append(f"{_and(reach)} (no namespaces per run: {namespaces_note})")
     if landlocked:
-        can.append("read every file the server can (but write none outside its own folder)")
+        can.append(
+            "read every file the server can (but write none outside its own folder"
+            + (", except emptying one with truncate(2))" if truncates else ")")
+        )
     else:
         can.append(
             "read and write every file the server can (the run store, the data folder, "
@@ -650,11 +667,17 @@ def startup_warning(report: dict[str, Any]) -> str:
         if root
         else "read any file the server user can read (including a SQLite database and secret.key)"
     )
-    if report["run_can"]["write"]:
+    if not report["landlock"]:
         write = (
             "It can also write every file and folder writable by all users."
             if root
             else "It can also write every file the server user can write (the same ones)."
+        )
+    elif report["run_can"]["write"]:
+        write = (
+            f"It cannot write outside its own temporary folder, but it can empty a file it "
+            f"may write with truncate(2) (Landlock ABI {report['landlock_abi']}: refusing "
+            "that needs ABI 3, Linux 6.2)."
         )
     else:
         write = (
