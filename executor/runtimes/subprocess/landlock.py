@@ -134,7 +134,8 @@ def abi_version() -> tuple[int, str | None]:
             "or CONFIG_LSM)"
         )
     return 0, (
-        f"the kernel has no Landlock (Linux before 5.13, or built without it: {os.strerror(e)})"
+        "the kernel has no Landlock (Linux before 5.13, built without it, or a seccomp "
+        f"filter such as a container's refuses its syscalls: {os.strerror(e)})"
     )
 
 
