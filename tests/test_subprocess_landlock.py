@@ -215,6 +215,8 @@ def _check(seen: dict[str, Any], paths: dict[str, Path], landlock: str, abi: int
         assert "It can also write" in warning, warning
         assert "write every file" in lacks, lacks
     assert "write" in warning and "NOT in a sandbox" in warning
+    assert ("It can signal a process outside its run" in warning) is can["signal"], warning
+    assert ("it sees every process of the host" in warning) is can["see"], warning
     for tag in TAGS:
         run = seen["runs"][tag]
         assert run["status"] == "succeeded", (tag, run)

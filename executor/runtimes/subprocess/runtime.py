@@ -660,7 +660,8 @@ def _landlock(settings: Settings) -> tuple[int, str | None]:
 
 
 def startup_warning(report: dict[str, Any]) -> str:
-    """The start-up warning: not a sandbox, and what a run can read and write here."""
+    """The start-up warning: not a sandbox, and what a run can read, write, signal and see
+    here (``run_can``)."""
     root = report["separate_uids"]
     read = (
         "read any file readable by all users (check that a SQLite database and secret.key are not)"
@@ -684,10 +685,14 @@ def startup_warning(report: dict[str, Any]) -> str:
             f"It cannot write outside its own temporary folder (Landlock ABI "
             f"{report['landlock_abi']})."
         )
+    can = report["run_can"]
+    reach = f"It {'can' if can['signal'] else 'cannot'} signal a process outside its run, and " + (
+        "it sees every process of the host." if can["see"] else "it sees only its own."
+    )
     return (
         "STUDIO_CODE_RUNTIME=subprocess: Code nodes run on the host as child processes, NOT "
-        f"in a sandbox. Code can use the network and {read}. {write} Use it only for trusted "
-        "local work."
+        f"in a sandbox. Code can use the network and {read}. {write} {reach} Use it only for "
+        "trusted local work."
     )
 
 
