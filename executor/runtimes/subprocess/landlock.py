@@ -25,16 +25,18 @@ The ruleset is made in the server, before the fork (``ruleset``: three syscalls 
 ``open(O_PATH)``), and only ``landlock_restrict_self`` runs in the child between fork and
 exec (``restrict``), after the namespaces are made (a Landlock domain may not mount
 ``/proc``) and after ``no_new_privs``, which the kernel requires of an unprivileged caller.
+At start-up ``probe`` proves it in a throwaway thread (no process started).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any
 
 #: the three syscalls, the same numbers on x86_64 and aarch64 (the generic table)
@@ -194,44 +196,46 @@ def restrict(ruleset_fd: int) -> None:
     _check(_syscall(SYS_RESTRICT_SELF, ruleset_fd, 0), "landlock_restrict_self")
 
 
-#: a trial run: inside a folder of its own, what a write there and one beside it got
-_TRIAL = (
-    "import errno, os, sys\n"
-    "def attempt(path):\n"
-    "    try:\n"
-    "        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))\n"
-    "        return 'ok'\n"
-    "    except OSError as e:\n"
-    "        return errno.errorcode.get(e.errno, str(e.errno))\n"
-    "print(attempt(sys.argv[1]), attempt(sys.argv[2]))\n"
-)
+def _attempt_create(path: str) -> str:
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno or 0, str(e.errno))
 
 
 def probe(abi: int) -> str | None:
-    """Start a trivial program under a ruleset the way a run starts; None when it could
-    write its folder and not the folder beside it, else why not."""
+    """Enter a ruleset the way a run does, in a throwaway thread (Landlock and no_new_privs
+    hold for the calling thread only: the server's other threads keep every right, and no
+    process is started); None when the thread could write its folder and not the folder
+    beside it, else why not."""
     parent = tempfile.mkdtemp(prefix="studio-code-landlock-")
+    seen: list[Any] = []
+
+    def trial() -> None:
+        try:
+            restrict(fd)
+            seen.extend(_attempt_create(os.path.join(d, "f")) for d in (inside, parent))
+        except OSError as e:
+            seen.append(e)
+
     try:
         inside = os.path.join(parent, "run")
         os.mkdir(inside)
         fd = ruleset(abi, inside)
         try:
-            seen = subprocess.run(
-                [sys.executable, "-S", "-I", "-c", _TRIAL, f"{inside}/in", f"{parent}/beside"],
-                preexec_fn=lambda: restrict(fd),
-                capture_output=True,
-                timeout=30,
-                env={},
-            )
+            t = threading.Thread(target=trial, name="studio-landlock-probe")
+            t.start()
+            t.join()
         finally:
             os.close(fd)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"the kernel refused a trial run under Landlock ({e})"
+    except OSError as e:
+        return f"the kernel refused a Landlock ruleset ({e})"
     finally:
         shutil.rmtree(parent, ignore_errors=True)
-    if seen.returncode != 0 or seen.stdout.split() != [b"ok", b"EACCES"]:
+    if seen != ["ok", "EACCES"]:
         return (
-            "a trial run under Landlock could not write its folder or could write beside it "
-            f"(exit {seen.returncode}, saw {seen.stdout[:80]!r})"
+            "a thread under a Landlock ruleset could not write its folder or could write "
+            f"beside it (saw {seen})"
         )
     return None
