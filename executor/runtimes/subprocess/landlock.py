@@ -130,7 +130,7 @@ def abi_version() -> tuple[int, str | None]:
     if abi >= 1:
         return int(abi), None
     e = ctypes.get_errno()
-    if e == 95:  # EOPNOTSUPP
+    if e == errno.EOPNOTSUPP:
         return 0, (
             "the kernel has Landlock but it is off (add landlock to the lsm= boot parameter "
             "or CONFIG_LSM)"
