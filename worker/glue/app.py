@@ -111,6 +111,8 @@ def worker_app(settings: Settings) -> StudioCelery:
         )
 
     tasks.register(app)
+    # Task events on Flower's request, without blocking the loop while Redis is away
+    app.events.dispatcher_cls = "worker.glue.events:QuietDispatcher"
     # Items that are not kombu messages are set aside, not fatal (worker.glue.poison).
     app.conf.broker_transport = poison.transport_for(settings.redis_url)
     app.steps["worker"].add(slots.ReserveTestSlots)
