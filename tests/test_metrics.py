@@ -127,7 +127,8 @@ def test_scraped_counts_equal_the_jobs_run(
         client.cancel(cancel_id)
         ids[cancel_id] = "cancelled"
 
-        got = {job_id: client.wait(job_id, 60).status.value for job_id in ids}
+        results = {job_id: client.wait(job_id, 60) for job_id in ids}
+        got = {job_id: r.status.value for job_id, r in results.items()}
         assert got == ids
 
         # the pool process counts right after it stores the result: allow it a moment
@@ -158,6 +159,15 @@ def test_scraped_counts_equal_the_jobs_run(
         assert total(samples, "studio_code_run_seconds_count") == jobs
         assert total(samples, "studio_code_queue_wait_seconds_count", queue="code.run") == jobs
         assert total(samples, "studio_code_sandboxes_running") == 0
+        # what each run used, as measured and stored: one observation per measured run (a
+        # timeout and a cancel are measured before their sandbox goes), the OOM near 64m
+        measured = [r.usage for r in results.values() if r.usage is not None]
+        assert len(measured) == jobs, [r.usage for r in results.values()]
+        peak = "studio_code_run_memory_peak_bytes"
+        assert total(samples, f"{peak}_count", language="python", runtime="docker") == jobs
+        assert total(samples, f"{peak}_sum") == sum(u.memory_peak_bytes or 0 for u in measured)
+        assert total(samples, f"{peak}_sum") >= 60 * 2**20  # the OOM run alone
+        assert total(samples, "studio_code_run_cpu_seconds_count") == jobs
         # multiprocess mode is what served these: value files of the pool processes
         assert list(prom.glob("counter_*.db"))
 

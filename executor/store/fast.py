@@ -161,6 +161,7 @@ class FastLane:
             f"logs = {p('f_logs')}, logs_truncated = {p('f_logs_truncated')}, "
             f"warnings = {p('f_warnings')}, trace = {p('f_trace')}, "
             f"exit_code = {p('f_exit_code')}, duration_ms = {p('f_duration_ms')}, "
+            f"usage = {p('f_usage')}, "
             f"runtime = {p('f_runtime')}, code_runtime = {p('f_code_runtime')}, "
             f"finished_at = {p('f_finished_at')}, worker = {p('f_worker')} "
             f"WHERE job_id = {p('f_id')} AND status IN ({open_in}) RETURNING {returning}"
@@ -239,7 +240,7 @@ class FastLane:
             "f_finished_at": self._time_in(params["f_finished_at"]),
             "f_logs_truncated": self._bool_in(params["f_logs_truncated"]),
         }
-        for name in ("f_error", "f_output", "f_logs", "f_warnings", "f_trace"):
+        for name in ("f_error", "f_output", "f_logs", "f_warnings", "f_trace", "f_usage"):
             bound[name] = self._text_in(bound[name])
 
         def work(cur: Any) -> _LazyRow | None:

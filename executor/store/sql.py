@@ -74,6 +74,7 @@ from executor.models import (
     Kind,
     Status,
     TraceRow,
+    Usage,
 )
 from executor.outputs import (
     OutputInvalid,
@@ -191,6 +192,7 @@ jobs = Table(
     Column("pruned_at", UtcDateTime, nullable=True),  # retention cleared the payloads
     Column("memory_bytes", BigInteger, nullable=True),  # what the node asked for, if any
     Column("cpus", Double, nullable=True),
+    Column("usage", SafeText, nullable=True),  # Usage as JSON text (migration 0002)
     Index("ix_code_jobs_status", "status"),
     # Run history, newest first, with a keyset cursor: all runs (admins) and one user's.
     Index("ix_code_jobs_queued", "queued_at", "job_id"),
@@ -408,6 +410,7 @@ _FINISH = (
         trace=_p("f_trace", SafeText),
         exit_code=_p("f_exit_code", Integer),
         duration_ms=_p("f_duration_ms", Double),
+        usage=_p("f_usage", SafeText),
         runtime=_p("f_runtime", String),
         code_runtime=_p("f_code_runtime", String),
         finished_at=_p("f_finished_at", UtcDateTime),
@@ -483,8 +486,13 @@ def _record_strict(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord:
         logs_truncated=bool(m["logs_truncated"]),
         warnings=json.loads(m["warnings"]),
         trace=[TraceRow.model_validate(t) for t in json.loads(m["trace"])],
+        usage=_usage_of(m["usage"]),
     )
     return JobRecord(**fields)
+
+
+def _usage_of(v: Any) -> Usage | None:
+    return None if v is None else Usage.model_validate_json(v)
 
 
 def _raw(row: Row[Any], name: str) -> Any:
@@ -528,6 +536,7 @@ _ALLOWED = {
     "pruned_at": "a time",
     "memory_bytes": "a number of bytes",
     "cpus": "a CPU share",
+    "usage": "a usage object ({memory_peak_bytes, cpu_ms, pids_peak, source})",
 }
 #: an unreadable column's value where the record has no default of its own
 _TOLERANT_DEFAULTS: dict[str, Any] = {
@@ -576,6 +585,7 @@ def _record_tolerant(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord
         "logs_truncated": bool,
         "warnings": json.loads,
         "trace": trace_of,
+        "usage": _usage_of,
     }
     job_id = _raw(row, "job_id")
     fields["job_id"] = str(job_id) if not isinstance(job_id, Exception) else "?"
@@ -609,6 +619,7 @@ def _summary(row: Any) -> RunSummary:
     fields.update(
         status=Status(m["status"]),
         error=None if m["error"] is None else CodeErrorInfo.model_validate_json(m["error"]),
+        usage=_usage_of(m["usage"]),
     )
     return RunSummary(**fields)
 
@@ -942,6 +953,7 @@ class SqlRunStore(RunStore):
             "f_trace": _dumps(data["trace"]),
             "f_exit_code": result.exit_code,
             "f_duration_ms": result.duration_ms,
+            "f_usage": result.usage.model_dump_json() if result.usage is not None else None,
             "f_runtime": result.runtime,
             "f_code_runtime": result.code_runtime,
             "f_finished_at": _utcnow(),
