@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -263,3 +264,37 @@ def test_a_cold_sandbox_parent_cgroup_goes_with_it(
     left = [d for p in parents for d in host.all_parent_dirs(p)]
     assert left == []
     assert not any(usage.of(m.cid) for m in made)
+
+
+def test_the_reaper_sweeps_a_dead_process_parents_and_keeps_the_live_ones(
+    make_settings: Any, python_image: str
+) -> None:
+    """A parent left by a process that died (empty, old) goes at the reaper's pass; a parent
+    holding a running sandbox's group stays, and so does one this process still uses."""
+    import secrets
+
+    from executor.runtimes.docker import usage
+    from executor.service import Executor
+
+    ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
+    api = ex.runtime.api  # type: ignore[union-attr]
+    host = usage.cgroup_host(api)
+    if host is None or not host.parents:
+        pytest.skip("no per-run parents here (the engine's stats call)")
+    left = usage.PARENT_PREFIX + secrets.token_hex(8)
+    busy = usage.PARENT_PREFIX + secrets.token_hex(8)
+    for name in (left, busy):
+        for c in host.mounts:
+            os.makedirs(host.parent_dir(c, name))
+    os.makedirs(host.parent_dir("memory", busy) + "/held")  # a group inside: in use
+    day_ago = time.time() - 86400  # made a day ago: only such old ones are swept
+    for name in (left, busy):
+        os.utime(host.parent_dir("memory", name), (day_ago, day_ago))
+    try:
+        assert usage.sweep(api, older_than_s=3600) >= 1
+        assert host.all_parent_dirs(left) == []
+        assert os.path.isdir(host.parent_dir("memory", busy))
+    finally:
+        os.rmdir(host.parent_dir("memory", busy) + "/held")
+        usage.Meter(host, busy).release()
+        usage.Meter(host, left).release()

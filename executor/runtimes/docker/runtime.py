@@ -152,6 +152,7 @@ class DockerRuntime(Runtime):
                 "reaper: removed the sandbox %s (%s, owner %s)", what, why, labels.get(LABEL_OWNER)
             )
             reaped.append(what)
+        usage.sweep(api, self.settings.code_max_seconds + usage.SWEEP_GRACE_S)
         return reaped
 
     @property

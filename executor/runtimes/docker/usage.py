@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,8 @@ log = logging.getLogger("studio_code")
 
 MOUNTINFO = "/proc/self/mountinfo"
 PARENT_PREFIX = "studio-code-usage-"
+#: a parent left this long past the longest run is a dead process's (``sweep``)
+SWEEP_GRACE_S = 600.0
 V1_FILES = {
     "memory": "memory/memory.max_usage_in_bytes",
     "cpu": "cpuacct/cpuacct.usage",
@@ -96,20 +99,23 @@ class CgroupHost:
 #: memory peak (bytes), CPU (ns), processes peak, source
 Reading = tuple[int | None, int | None, int | None, UsageSource]
 
-_host: tuple[CgroupHost | None] | None = None
+#: by DOCKER_HOST (a socket guard or a test's engine put in front later is another view)
+_hosts: dict[str, CgroupHost | None] = {}
 _host_lock = threading.Lock()
 
 
 def cgroup_host(api: Any) -> CgroupHost | None:
-    """This process's view of the host's cgroups (read once), or None: they cannot be seen
-    from here (a worker in a container): the engine's stats call then."""
-    global _host
-    if _host is not None:
-        return _host[0]
+    """This process's view of the host's cgroups (read once per engine), or None: they
+    cannot be seen from here (a worker in a container): the engine's stats call then."""
+    key = os.environ.get("DOCKER_HOST", "")
+    try:
+        return _hosts[key]
+    except KeyError:
+        pass
     with _host_lock:
-        if _host is None:
-            _host = (_detect(api),)
-        return _host[0]
+        if key not in _hosts:
+            _hosts[key] = _detect(api)
+        return _hosts[key]
 
 
 def _detect(api: Any) -> CgroupHost | None:
@@ -152,11 +158,6 @@ def _detect(api: Any) -> CgroupHost | None:
     if not os.path.isdir(probe) and host.driver != "systemd":
         return None  # the engine's groups are not in this view
     return host
-
-
-def _reset_host_for_tests() -> None:
-    global _host
-    _host = None
 
 
 @dataclass
@@ -300,6 +301,34 @@ def released(cid: str) -> None:
         meter = _meters.pop(cid, None)
     if meter is not None:
         meter.release()
+
+
+def sweep(api: Any, older_than_s: float) -> int:
+    """Remove the empty per-run parents made more than ``older_than_s`` ago: those of a
+    process that died before it removed its sandboxes (the reaper removed them). A parent of
+    a run still going holds its container's group (rmdir fails: EBUSY), and one whose
+    container just ended is younger than the longest run. Returns how many went."""
+    host = cgroup_host(api)
+    if host is None or not host.parents:
+        return 0
+    with _meters_lock:
+        mine = {m.parent for m in _meters.values()}
+    base = host.mounts["" if host.version == 2 else "memory"]
+    cutoff = time.time() - older_than_s
+    gone = 0
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(PARENT_PREFIX) and n not in mine]
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            if os.stat(f"{base}/{name}").st_mtime > cutoff:
+                continue
+        except OSError:
+            continue
+        Meter(host, name).release()
+        gone += not os.path.exists(f"{base}/{name}")
+    return gone
 
 
 def _int_file(path: str) -> int | None:
