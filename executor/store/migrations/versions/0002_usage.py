@@ -15,4 +15,8 @@ down_revision = "0001"
 
 
 def upgrade() -> None:
-    op.add_column("code_jobs", sa.Column("usage", sa.Text, nullable=True))
+    # a store that lost its version table is baselined to 0001 with its columns as they
+    # are: one that already has this column keeps it
+    columns = {c["name"] for c in sa.inspect(op.get_bind()).get_columns("code_jobs")}
+    if "usage" not in columns:
+        op.add_column("code_jobs", sa.Column("usage", sa.Text, nullable=True))
