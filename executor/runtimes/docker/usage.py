@@ -99,26 +99,28 @@ class CgroupHost:
 #: memory peak (bytes), CPU (ns), processes peak, source
 Reading = tuple[int | None, int | None, int | None, UsageSource]
 
-#: by DOCKER_HOST (a socket guard or a test's engine put in front later is another view)
-_hosts: dict[str, CgroupHost | None] = {}
+#: by DOCKER_HOST (a socket guard or a test's engine put in front later is another view):
+#: the view, and when to look again for one not found
+_hosts: dict[str, tuple[CgroupHost | None, float]] = {}
 _host_lock = threading.Lock()
+#: how often a process that found no view of the engine's cgroups looks again
+REDETECT_S = 60.0
 
 
 def cgroup_host(api: Any) -> CgroupHost | None:
     """This process's view of the host's cgroups (read once per engine), or None: they
     cannot be seen from here (a worker in a container): the engine's stats call then."""
     key = os.environ.get("DOCKER_HOST", "")
-    try:
-        return _hosts[key]
-    except KeyError:
-        pass
+    got = _hosts.get(key)
+    if got is not None and (got[0] is not None or time.monotonic() < got[1]):
+        return got[0]
     with _host_lock:
-        if key not in _hosts:
-            _hosts[key] = _detect(api)
-        return _hosts[key]
+        host = _detect()
+        _hosts[key] = (host, time.monotonic() + REDETECT_S)
+        return host
 
 
-def _detect(api: Any) -> CgroupHost | None:
+def _detect() -> CgroupHost | None:
     mounts: dict[str, str] = {}
     v2: str | None = None
     try:
@@ -140,24 +142,32 @@ def _detect(api: Any) -> CgroupHost | None:
             for opt in rest[2].split(","):
                 if opt in ("memory", "cpuacct", "pids"):
                     mounts[opt] = point
-    try:
-        info = api.info()
-    except Exception as e:  # noqa: BLE001 - no figures is better than no run
-        log.debug("usage: engine info not read: %s", e)
-        return None
-    driver = str(info.get("CgroupDriver") or "cgroupfs")
-    engine_v = str(info.get("CgroupVersion") or "1")
     own_socket = os.environ.get("DOCKER_HOST", "") in ("", "unix:///var/run/docker.sock")
-    if engine_v == "2" and v2 is not None:
-        host = CgroupHost(2, {"": v2}, driver, driver == "cgroupfs" and own_socket)
-    elif engine_v != "2" and "memory" in mounts and "cpuacct" in mounts:
-        host = CgroupHost(1, mounts, driver, driver == "cgroupfs" and own_socket)
+    if v2 is not None:
+        version, found = 2, {"": v2}
+    elif "memory" in mounts and "cpuacct" in mounts:
+        version, found = 1, mounts
     else:
         return None
-    probe = os.path.dirname(host.own_dir("memory", "x", None))
-    if not os.path.isdir(probe) and host.driver != "systemd":
-        return None  # the engine's groups are not in this view
-    return host
+    base = found["" if version == 2 else "memory"]
+    # the engine's cgroup driver, from the groups it made (no engine call on a one-shot run's
+    # path: `docker info` is 10-15 ms). Neither there: this view is not the engine's host
+    # (a worker in a container with a cgroup namespace of its own), or the engine never ran
+    # a container yet: the engine's stats call, and ``cgroup_host`` looks again later.
+    if os.path.isdir(f"{base}/docker"):
+        driver = "cgroupfs"
+    elif any(n.startswith("docker-") for n in _listdir(f"{base}/system.slice")):
+        driver = "systemd"
+    else:
+        return None
+    return CgroupHost(version, found, driver, driver == "cgroupfs" and own_socket)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 @dataclass
