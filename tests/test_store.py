@@ -670,7 +670,7 @@ def test_a_fork_during_a_write_or_a_checkpoint_leaves_the_child_a_working_store(
     import threading
     import time
 
-    from executor.store import sql
+    from executor.store import sqlite
 
     sqlite_url = f"sqlite:///{tmp_path / 'fork.db'}"
     store = open_store(sqlite_url)
@@ -681,7 +681,7 @@ def test_a_fork_during_a_write_or_a_checkpoint_leaves_the_child_a_working_store(
         if what == "write":
             ctx: Any = store._write()  # type: ignore[attr-defined]
         else:  # the checkpoint thread's hold (the gate) around a raw connection's PRAGMA
-            ctx = sql._FORK_GATE.held()
+            ctx = sqlite.FORK_GATE.held()
         with ctx:
             if what == "checkpoint":
                 raw = store._engine.raw_connection()  # type: ignore[attr-defined]
@@ -699,7 +699,7 @@ def test_a_fork_during_a_write_or_a_checkpoint_leaves_the_child_a_working_store(
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:
-            sql._SQLITE_BUSY_TIMEOUT_MS = 3000  # a poisoned child fails in 3 s, not 30
+            sqlite.BUSY_TIMEOUT_MS = 3000  # a poisoned child fails in 3 s, not 30
             own = open_store(sqlite_url)
             rec = own.claim(job_id, "child")
             code = 0 if rec is not None and rec.worker == "child" else 2

@@ -8,13 +8,14 @@ transaction objects, the begin event, compiled-cache lookup, result objects) cos
 jobs, an API between clicks), where the same statements on the DBAPI connection cost about
 0.3 ms. Everything else in the store stays on SQLAlchemy Core.
 
-The statements are the ones ``sql.py`` builds (``_CLAIM_RETURNING``, ``_FINISH_RETURNING``,
-the insert of ``create``), written out here for the two dialects; the values are converted
-as the column types there convert them (``UtcDateTime``, ``Boolean``, ``SafeText``), and
-a test compares every record this lane returns with the record SQLAlchemy reads back from
-the same row, on both databases. A row whose value cannot be converted reads as it does
-through SQLAlchemy (``_record`` falls back to the tolerant reader: the conversion runs when
-the column is read, not when the row is fetched).
+The statements are the ones ``statements.py`` builds (``CLAIM_RETURNING``,
+``FINISH_RETURNING``) and ``sql.py``'s insert of ``create``, written out here for the two
+dialects; the values are converted as the column types of ``schema.py`` convert them
+(``UtcDateTime``, ``Boolean``, ``SafeText``), and a test compares every record this lane
+returns with the record SQLAlchemy reads back from the same row, on both databases. A row
+whose value cannot be converted reads as it does through SQLAlchemy (``rows.record`` falls
+back to the tolerant reader: the conversion runs when the column is read, not when the row
+is fetched).
 
 The connection comes from the engine's pool (``raw_connection``): the pool's events (the
 fork guard, ``pool_pre_ping``, SQLite's PRAGMAs on connect) apply as to every other call.
@@ -36,7 +37,7 @@ Converter = Callable[[Any], Any]
 class _LazyRow:
     """A fetched row seen as SQLAlchemy's ``Row``: ``row._mapping[name]`` and ``row.name``,
     each value converted when it is read (so an unconvertible one raises there, as
-    SQLAlchemy's result processors do, and ``_record`` reads the row field by field)."""
+    SQLAlchemy's result processors do, and ``rows.record`` reads the row field by field)."""
 
     __slots__ = ("_mapping",)
 
@@ -205,7 +206,7 @@ class FastLane:
             return False
 
     def claim(self, params: dict[str, Any]) -> tuple[_LazyRow, Any] | None:
-        """queued/running -> running (``sql._CLAIM``); the row as written and its inputs'
+        """queued/running -> running (``statements.CLAIM``); the row as written and its inputs'
         row (None: retention removed it), or None when the job was not claimable."""
         bound = {
             "c_id": params["c_id"],
@@ -229,7 +230,7 @@ class FastLane:
         return self._write(work)  # type: ignore[no-any-return]
 
     def finish(self, params: dict[str, Any]) -> _LazyRow | None:
-        """The result on an open job (``sql._FINISH``); the row as written, or None."""
+        """The result on an open job (``statements.FINISH``); the row as written, or None."""
         bound = {
             **params,
             **self._open,
