@@ -26,7 +26,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
-    Boolean,
     Connection,
     Double,
     Engine,
@@ -45,8 +44,6 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 
@@ -56,8 +53,6 @@ from executor.store import migrations, rows, sqlite
 from executor.store import statements as st
 from executor.store.base import (
     CANCELLED_BEFORE_START,
-    CANCELLED_WHILE_RUNNING,
-    OPEN_STATUSES,
     WORKER_STOPPED,
     AuditEntry,
     Ended,
@@ -68,10 +63,9 @@ from executor.store.base import (
     RunStore,
     RunSummary,
 )
-from executor.store.fast import FastLane, lane_for
+from executor.store.fast import lane_for
 from executor.store.guard import raise_store_outages
 from executor.store.schema import (
-    JOB_COLUMNS,
     STORE_ID,
     SafeText,
     UtcDateTime,
@@ -110,26 +104,6 @@ def describe_url(url: str | URL) -> str:
         return normalize_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - not a URL at all: show nothing secret
         return "<a run store URL that cannot be parsed>"
-
-
-def _columns_of(type_: type) -> frozenset[str]:
-    return frozenset(c.name for c in jobs.columns if isinstance(c.type, type_))
-
-
-def _fast_lane(engine: Engine) -> FastLane | None:
-    """create / claim / finish as plain DBAPI statements (executor.store.fast), the same
-    statements as ``st.CLAIM_RETURNING`` and ``st.FINISH_RETURNING`` with the same conversions
-    as the column types here; None where the engine cannot take them."""
-    return lane_for(
-        engine,
-        columns=tuple(c.name for c in JOB_COLUMNS),
-        times=_columns_of(UtcDateTime),
-        bools=_columns_of(Boolean),
-        texts=_columns_of(SafeText)
-        | frozenset(c.name for c in job_inputs.columns if isinstance(c.type, SafeText)),
-        open_statuses=tuple(s.value for s in OPEN_STATUSES),
-        cancelled_while_running=rows.error_json(CANCELLED_WHILE_RUNNING),
-    )
 
 
 def _read_inputs(conn: Connection, job_id: str) -> Any:
@@ -176,7 +150,7 @@ class SqlRunStore(RunStore):
         self._store_id: str | None = None
         self._insert_job: Any = None
         #: the job path's three writes off SQLAlchemy's execution layer (None: not here)
-        self._lane = _fast_lane(self._engine)
+        self._lane = lane_for(self._engine)
         #: the migration steps this open applied (``migrations.upgrade``); () at HEAD
         self.schema_steps: tuple[str, ...] = ()
         try:
@@ -339,14 +313,7 @@ class SqlRunStore(RunStore):
         # Statements built once per store, executed with the values as parameters: building
         # them per call with .values() cost more than running them.
         if self._insert_job is None:
-            stmt: Any = insert(jobs)
-            if self.dialect in ("sqlite", "postgresql"):
-                dialect_insert = sqlite_insert if self.dialect == "sqlite" else pg_insert
-                stmt = dialect_insert(jobs).on_conflict_do_nothing(index_elements=[jobs.c.job_id])
-                if self._engine.dialect.insert_returning:
-                    # rowcount of an INSERT is not reliable (-1 with psycopg); RETURNING is.
-                    stmt = stmt.returning(jobs.c.job_id)
-            self._insert_job = stmt
+            self._insert_job = st.insert_job(self._engine.dialect)
         try:
             with self._write() as conn:
                 done = conn.execute(self._insert_job, values)

@@ -21,11 +21,25 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from executor.models import Status
 from executor.store.base import CANCELLED_WHILE_RUNNING, OPEN_STATUSES, RunSummary
 from executor.store.rows import error_json
 from executor.store.schema import JOB_COLUMNS, SafeText, UtcDateTime, job_inputs, jobs
+
+
+def insert_job(dialect: Any) -> Any:
+    """``create``'s INSERT of the job's row, executed with the row's values: on SQLite and
+    PostgreSQL nothing when the id exists (``ON CONFLICT DO NOTHING``) and the id RETURNING
+    where the database has it (rowcount of an INSERT is not reliable: -1 with psycopg)."""
+    if dialect.name not in ("sqlite", "postgresql"):
+        return insert(jobs)
+    dialect_insert = sqlite_insert if dialect.name == "sqlite" else pg_insert
+    stmt = dialect_insert(jobs).on_conflict_do_nothing(index_elements=[jobs.c.job_id])
+    return stmt.returning(jobs.c.job_id) if dialect.insert_returning else stmt
+
 
 #: the inputs' row of a new job (in the same transaction as its job's row)
 INSERT_INPUTS = insert(job_inputs)
