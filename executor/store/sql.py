@@ -211,7 +211,7 @@ class SqlRunStore(RunStore):
                 yield conn
 
     def _gate(self) -> AbstractContextManager[None]:
-        """SQLite: no fork of this process while the call runs (``_ForkGate``)."""
+        """SQLite: no fork of this process while the call runs (``sqlite.ForkGate``)."""
         return sqlite.FORK_GATE.held() if self.dialect == "sqlite" else nullcontext()
 
     def _open_schema(self) -> None:
