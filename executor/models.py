@@ -107,12 +107,12 @@ def usage_on() -> bool:
     return os.environ.get("STUDIO_CODE_USAGE", "1").strip().lower() not in ("0", "off", "false")
 
 
-UsageSource = Literal["cgroup-v2", "cgroup-v1", "engine-stats", "rusage"]
+UsageSource = Literal["cgroup-v2", "cgroup-v1", "rusage"]
 
 
 class Usage(BaseModel):
-    """What a run used, measured by the host (its sandbox's cgroup, the engine's stats call,
-    or the kernel's rusage of the process), never claimed by the code. A figure the source
+    """What a run used, measured by the host (its sandbox's cgroup, or the kernel's rusage
+    of the process), never claimed by the code. A figure the source
     cannot tell is None. docs/operations.md, "What a run used", says what each counts."""
 
     model_config = ConfigDict(frozen=True)

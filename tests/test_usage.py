@@ -258,7 +258,7 @@ def test_a_cold_sandbox_parent_cgroup_goes_with_it(
         assert ex.run(CodeJob(code=CODE["python"][what])).usage is not None
     host = usage.cgroup_host(ex.runtime.api)  # type: ignore[union-attr]
     if host is None or not host.parents:
-        pytest.skip("no per-run parents here (the engine's stats call)")
+        pytest.skip("no per-run parents here")
     parents = [m.parent for m in made]
     assert len(parents) == 2 and all(parents)
     left = [d for p in parents for d in host.all_parent_dirs(p)]
@@ -280,7 +280,7 @@ def test_the_reaper_sweeps_a_dead_process_parents_and_keeps_the_live_ones(
     api = ex.runtime.api  # type: ignore[union-attr]
     host = usage.cgroup_host(api)
     if host is None or not host.parents:
-        pytest.skip("no per-run parents here (the engine's stats call)")
+        pytest.skip("no per-run parents here")
     left = usage.PARENT_PREFIX + secrets.token_hex(8)
     busy = usage.PARENT_PREFIX + secrets.token_hex(8)
     for name in (left, busy):
@@ -298,3 +298,33 @@ def test_the_reaper_sweeps_a_dead_process_parents_and_keeps_the_live_ones(
         os.rmdir(host.parent_dir("memory", busy) + "/held")
         usage.Meter(host, busy).release()
         usage.Meter(host, left).release()
+
+
+def test_a_worker_that_cannot_see_the_cgroups_reports_null(
+    make_settings: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker in a container (no view of the engine's cgroups) measures nothing: usage is
+    null, never 0, for a pre-started sandbox's job and a cold one alike."""
+    from executor.runtimes.docker import usage
+    from executor.service import Executor
+
+    monkeypatch.setattr(usage, "_hosts", {})
+    monkeypatch.setattr(usage, "_detect", lambda: None)  # this process sees no cgroups
+    ex = Executor(
+        make_settings(
+            code_runtime="docker", code_image=python_image, code_languages="python", code_prewarm=1
+        )
+    )
+    ex.prepare()
+    try:
+        assert ex.runtime is not None and ex.runtime.pool is not None
+        assert ex.runtime.pool.wait_ready(60)
+        pooled = ex.run(CodeJob(code=CODE["python"]["idle"]))
+        assert next(t.detail for t in pooled.trace if t.step == "sandbox.start") == "pool"
+    finally:
+        ex.close()
+    cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
+    r = cold.run(CodeJob(code=CODE["python"]["idle"]))
+    for run in (pooled, r):
+        assert run.status is Status.SUCCEEDED and run.usage is None
+        assert run.cli_dict()["usage"] is None

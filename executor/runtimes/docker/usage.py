@@ -11,9 +11,10 @@ parent outlives the container, and it is removed (``release``) when the containe
 - **cgroup v1**: ``memory.max_usage_in_bytes``, ``cpuacct.usage`` (ns), ``pids.peak``.
 - **cgroup v2**: ``memory.peak`` (Linux >= 5.19, else no memory figure), ``cpu.stat``
   ``usage_usec``, ``pids.peak`` (Linux >= 6.1?, else none).
-- **engine stats**: a worker that cannot see the host's cgroups (in a container under
-  Compose) asks the engine (``GET /containers/<id>/stats?stream=false&one-shot=true``); this
-  reads a live container only, so a cold run that ended by itself has no figures (null).
+- **no view** (a worker in a container under Compose, its own cgroup namespace): not
+  measured (null). The engine's stats call is no way out: on Docker 20.10 one
+  ``GET /containers/<id>/stats?stream=false&one-shot=true`` takes ~0.8 s (the engine samples
+  every second), twice a job, and a container that exited meanwhile has nothing left.
 
 A pre-started sandbox (pool.py) is handed its job long after its interpreter started:
 ``hand_over`` reads its CPU then, and the job's CPU is what it used after; on v1 it also
@@ -109,7 +110,7 @@ REDETECT_S = 60.0
 
 def cgroup_host(api: Any) -> CgroupHost | None:
     """This process's view of the host's cgroups (read once per engine), or None: they
-    cannot be seen from here (a worker in a container): the engine's stats call then."""
+    cannot be seen from here (a worker in a container): its runs are not measured."""
     key = os.environ.get("DOCKER_HOST", "")
     got = _hosts.get(key)
     if got is not None and (got[0] is not None or time.monotonic() < got[1]):
@@ -153,14 +154,17 @@ def _detect() -> CgroupHost | None:
     # the engine's cgroup driver, from the groups it made (no engine call on a one-shot run's
     # path: `docker info` is 10-15 ms). Neither there: this view is not the engine's host
     # (a worker in a container with a cgroup namespace of its own), or the engine never ran
-    # a container yet: the engine's stats call, and ``cgroup_host`` looks again later.
+    # a container yet: not measured, and ``cgroup_host`` looks again later.
     if os.path.isdir(f"{base}/docker"):
         driver = "cgroupfs"
     elif any(n.startswith("docker-") for n in _listdir(f"{base}/system.slice")):
         driver = "systemd"
     else:
         return None
-    return CgroupHost(version, found, driver, driver == "cgroupfs" and own_socket)
+    # a parent is removed by this process: a view it cannot write (mounted read-only into
+    # a worker's container) reads the sandboxes' own groups only
+    writable = os.access(base, os.W_OK)
+    return CgroupHost(version, found, driver, driver == "cgroupfs" and own_socket and writable)
 
 
 def _listdir(path: str) -> list[str]:
@@ -220,7 +224,7 @@ class Meter:
     def _read(self, api: Any) -> Reading | None:
         h = self.host
         if h is None:
-            return _engine_stats(api, self.cid)
+            return None
         if h.version == 1:
             memory = _int_file(f"{self._dirs('memory')[0]}/memory.max_usage_in_bytes")
             cpu = _int_file(f"{self._dirs('cpuacct')[0]}/cpuacct.usage")
@@ -258,8 +262,9 @@ def new_meter(api: Any) -> Meter | None:
     if not usage_on():
         return None
     host = cgroup_host(api)
-    parent = PARENT_PREFIX + secrets.token_hex(8) if host is not None and host.parents else None
-    return Meter(host, parent)
+    if host is None:
+        return None
+    return Meter(host, PARENT_PREFIX + secrets.token_hex(8) if host.parents else None)
 
 
 def host_config(meter: Meter | None, policy: dict[str, Any]) -> dict[str, Any]:
@@ -372,19 +377,3 @@ def _write(path: str, data: bytes) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
-
-
-def _engine_stats(api: Any, cid: str) -> Reading | None:
-    """The engine's one-shot stats of a live container (None when it has ended)."""
-    try:
-        s = api.stats(cid, stream=False, one_shot=True)
-    except Exception as e:  # noqa: BLE001 - no figures is better than a failed run
-        log.debug("usage: engine stats of %s not read: %s", cid[:12], e)
-        return None
-    mem = s.get("memory_stats") or {}
-    cpu = ((s.get("cpu_stats") or {}).get("cpu_usage") or {}).get("total_usage")
-    if not mem and not cpu:
-        return None  # an ended container: the engine reports nothing
-    memory = mem.get("max_usage") or None  # v1 only: v2's engine has no peak
-    pids = (s.get("pids_stats") or {}).get("current")
-    return memory, int(cpu) if cpu else None, pids, "engine-stats"
