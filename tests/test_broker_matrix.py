@@ -278,18 +278,18 @@ def test_a_publish_whose_declaration_moved_the_connection_on_is_sent_once(
         app.close()
 
 
-def test_every_sentinel_part_carries_the_masters_password_and_database() -> None:
-    """kombu takes the password and database of the sentinel:// part it moves to after a
-    connection error: the operator writes them once, the broker URL has them in each."""
+def test_the_next_sentinel_part_keeps_the_broker_layers_transport() -> None:
+    """After a connection error kombu moves to the URL's next sentinel:// part and takes
+    that part's transport by its scheme: it must be the broker layer's (fair share and
+    poison handling), not kombu's own."""
     from kombu import Connection
 
     from worker import broker
 
-    url = "sentinel://:pw@127.0.0.1:1/2;sentinel://127.0.0.1:2;sentinel://127.0.0.1:3"
-    conn = Connection(broker.broker_url(url), transport=broker.transport_for(url))
+    url = "sentinel://:pw@127.0.0.1:1/0;sentinel://127.0.0.1:2;sentinel://127.0.0.1:3"
+    conn = Connection(url, transport=broker.transport_for(url))
     seen = []
     for _ in range(3):
-        seen.append((conn.port, conn.password, conn.virtual_host))
+        seen.append(type(conn.transport))
         conn.maybe_switch_next()
-    assert seen == [(1, "pw", "2"), (2, "pw", "2"), (3, "pw", "2")]
-    assert broker.broker_url("redis://:pw@h:1/3") == "redis://:pw@h:1/3"
+    assert seen == [broker.SentinelTransport] * 3

@@ -20,16 +20,14 @@ no user (the fair part passes them to kombu).
 Sentinel: kombu asks the sentinels of ``sentinel://H1:P1;sentinel://H2:P2...`` for the
 master (``master_name``: STUDIO_REDIS_SENTINEL_MASTER, in worker.redis_conn's transport
 options) and talks to the master through it. After a connection error it moves to the next
-``sentinel://`` part of the URL and builds that part's transport BY ITS SCHEME, taking the
-part's own password and database: so ``transport_for`` makes the ``sentinel`` scheme name
-this module's transport in the process, and ``broker_url`` writes the master's password
-and the database into every part (an operator writes them once, in the first).
+``sentinel://`` part of the URL and builds that part's transport BY ITS SCHEME: so
+``transport_for`` makes the ``sentinel`` scheme name this module's transport in the process
+(else fair share and poison handling would be gone after the first failover).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import redis
 from kombu.transport import redis as kombu_redis
@@ -106,26 +104,6 @@ def transport_for(redis_url: str) -> str:
     return SENTINEL_TRANSPORT
 
 
-def broker_url(redis_url: str) -> str:
-    """STUDIO_REDIS_URL as kombu takes it: a ``sentinel://`` URL gets the credentials and
-    the database of its first part that has them in every part (kombu takes them from the
-    part it moves to, so a failover to the second sentinel would lose the master's
-    password). A plain URL is unchanged."""
-    if not redis_conn.is_sentinel(redis_url):
-        return redis_url
-    parts = [urlsplit(p.strip()) for p in redis_url.split(";") if p.strip()]
-    auth = next((p.netloc.rpartition("@")[0] for p in parts if "@" in p.netloc), "")
-    db = next((p.path.strip("/") for p in parts if p.path.strip("/")), "")
-    out = []
-    for p in parts:
-        host = p.netloc.rpartition("@")[2]
-        out.append(
-            f"{p.scheme}://{auth + '@' if auth else ''}{host}{'/' + db if db else ''}"
-            + (f"?{p.query}" if p.query else "")
-        )
-    return ";".join(out)
-
-
 def transport_options(settings: Settings) -> dict[str, Any]:
     """kombu's transport options every channel reads: worker.redis_conn's (timeouts,
     health checks, the master's name with sentinels) and the fair part's."""
@@ -138,7 +116,7 @@ def configure(app: Any, settings: Settings) -> None:
     options = dict(app.conf.broker_transport_options or {})
     options.update(transport_options(settings))
     app.conf.update(
-        broker_url=broker_url(settings.redis_url),
+        broker_url=settings.redis_url,
         broker_transport=transport_for(settings.redis_url),
         broker_transport_options=options,
     )
