@@ -389,6 +389,7 @@ _BARE_CR = re.compile(rb"\r(?!\n)")
 _FOLD = re.compile(rb"\n[ \t]")
 #: headers a request to the guard never carries (the framing is Content-Length only)
 _NEVER = {b"transfer-encoding", b"expect", b"te", b"trailer", b"proxy-connection"}
+_LENGTH = re.compile(rb"^(0|[1-9][0-9]{0,8})$")
 _CONNECTION = {b"keep-alive", b"close", b"upgrade"}
 
 
@@ -472,7 +473,10 @@ def _parse_head(head: bytes) -> tuple[h11.Connection, Request, int]:
     for line in lines[1:]:
         if not _HEADER_LINE.match(line):
             raise Refused(f"a malformed header line {line[:80]!r}", 400)
-        names.append(line.split(b":", 1)[0].lower())
+        name, _, value = line.partition(b":")
+        names.append(name.lower())
+        if name.lower() == b"content-length" and not _LENGTH.match(value.strip()):
+            raise Refused(f"Content-Length {value.strip()[:40]!r}: not a length", 400)
     for name in set(names):
         if name in _NEVER:
             raise Refused(f"the header {name.decode()}: the guard takes a plain request", 400)
@@ -495,13 +499,11 @@ def _parse_head(head: bytes) -> tuple[h11.Connection, Request, int]:
     req = Request(event.method.decode("ascii"), event.target.decode("ascii"), headers)
     if req.method != m.group(1).decode() or req.target != m.group(2).decode():
         raise Refused("a request line read two ways", 400)
-    for value in (req.get("connection") or "").split(","):
+    connection = req.get("connection")
+    for value in connection.split(",") if connection is not None else []:
         if value.strip().lower().encode() not in _CONNECTION:
             raise Refused(f"Connection {req.get('connection')!r}: not a connection option", 400)
-    length = req.get("content-length") or "0"
-    if not re.match(r"^(0|[1-9][0-9]{0,8})$", length):
-        raise Refused(f"Content-Length {length!r}", 400)
-    return conn, req, int(length)
+    return conn, req, int(req.get("content-length") or "0")
 
 
 def _read_body(cs: _Client, conn: h11.Connection, req: Request, length: int) -> None:
