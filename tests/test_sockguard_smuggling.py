@@ -278,6 +278,8 @@ class RecordingEngine:
     def __init__(self, path: Path) -> None:
         self.path = str(path)
         self.received: list[bytearray] = []
+        self.interim = False  # a 100 Continue before every answer
+        self.inspect_id = RECORDED_ID  # the Id its inspect answers name
         self.lock = threading.Lock()
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(self.path)
@@ -320,7 +322,9 @@ class RecordingEngine:
                 elif isinstance(event, h11.Request):
                     request = event
                 elif isinstance(event, h11.EndOfMessage):
-                    status, body = self._answer(request)
+                    status, body = self._answer(request, self.inspect_id)
+                    if self.interim:
+                        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     headers = [("Content-Type", "application/json"), ("Api-Version", "1.41")]
                     headers.append(("Content-Length", str(len(body))))
                     out = h.send(h11.Response(status_code=status, headers=headers)) or b""
@@ -337,7 +341,7 @@ class RecordingEngine:
             conn.close()
 
     @staticmethod
-    def _answer(request: h11.Request) -> tuple[int, bytes]:
+    def _answer(request: h11.Request, inspect_id: str) -> tuple[int, bytes]:
         path = request.target.split(b"?")[0].decode()
         if path.endswith("/_ping"):
             return 200, b"OK"
@@ -347,7 +351,7 @@ class RecordingEngine:
             return 201, json.dumps({"Id": RECORDED_ID, "Warnings": []}).encode()
         if path.endswith("/json") and "/containers/" in path:
             labels = {"studio.owner": "o", "studio.job_id": "j"}
-            info = {"Id": RECORDED_ID, "Name": "/studio-code-rec", "Config": {"Labels": labels}}
+            info = {"Id": inspect_id, "Name": "/studio-code-rec", "Config": {"Labels": labels}}
             return 200, json.dumps(info).encode()
         return 200, b"{}"
 
@@ -391,7 +395,7 @@ def refused_answer(answers: list[tuple[int, bytes]]) -> str:
     """The guard's refusal among ``answers`` (the last one), its message."""
     assert answers, "no answer: the guard closed without its refusal"
     status, body = answers[-1]
-    assert status in (400, 403, 413, 431), (status, body[:300])
+    assert status in (400, 403, 413, 431, 502), (status, body[:300])
     message = json.loads(body)["message"]
     assert message.startswith("sockguard: "), message
     return str(message)
@@ -485,6 +489,35 @@ def test_the_engine_receives_nothing_or_only_what_the_guard_wrote(
         assert got == [], got
     if pipelined:
         refused_answer(answers)  # the second request of the two
+
+
+def test_an_interim_answer_is_consumed_and_a_lookup_must_name_the_container_asked_for(
+    recorded: tuple[RecordingEngine, str],
+) -> None:
+    engine, listen = recorded
+    inspect = b"GET /v1.41/containers/studio-code-rec/json HTTP/1.1\r\nHost: docker\r\n\r\n"
+    lookup = inspect  # the guard's own lookup, on the version it looks up with
+    engine.take()
+    engine.interim = True
+    try:
+        last = PING_UP.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+        answers = talk(listen, PING_UP + inspect + last, one_answer=False)
+        # three answers, none of them the 100: the guard frames each itself
+        assert [a[0] for a in answers] == [200, 200, 200], answers
+        assert json.loads(answers[1][1])["Id"] == RECORDED_ID
+        sent = engine.take()
+        assert b"".join(sent).count(b"GET ") == 4, sent  # ping, lookup, inspect, ping
+    finally:
+        engine.interim = False
+    # an answer for another container than the one asked for: refused, nothing else sent
+    engine.inspect_id = "cd" * 32
+    try:
+        other = inspect.replace(b"studio-code-rec", b"studio-code-other")
+        message = refused_answer(talk(listen, other, one_answer=False))
+        assert "for another container" in message, message
+        assert engine.take() == [lookup.replace(b"studio-code-rec", b"studio-code-other")]
+    finally:
+        engine.inspect_id = RECORDED_ID
 
 
 # --- the real engine, a real guard process ---------------------------------------------------
