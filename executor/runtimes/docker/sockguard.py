@@ -500,8 +500,8 @@ def _parse_head(head: bytes) -> tuple[h11.Connection, Request, int]:
     if req.method != m.group(1).decode() or req.target != m.group(2).decode():
         raise Refused("a request line read two ways", 400)
     connection = req.get("connection")
-    for value in connection.split(",") if connection is not None else []:
-        if value.strip().lower().encode() not in _CONNECTION:
+    for option in connection.split(",") if connection is not None else []:
+        if option.strip().lower().encode() not in _CONNECTION:
             raise Refused(f"Connection {req.get('connection')!r}: not a connection option", 400)
     return conn, req, int(req.get("content-length") or "0")
 
