@@ -93,6 +93,14 @@ def on() -> bool:
     return _on
 
 
+def set_enabled(value: bool | None) -> None:
+    """Trace in this process or not, whatever the environment says (None: as it says):
+    for a bench that compares both in one process. The exporter still comes from the
+    environment."""
+    global _on
+    _on = value
+
+
 def set_role(role: str) -> None:
     """What this process is in the traces' resource (``studio.role``: api, worker, pool)."""
     global _role
