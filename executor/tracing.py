@@ -34,11 +34,12 @@ specification's fixed list alone.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -72,6 +73,32 @@ _role = "api"
 #: the open span a hook below attaches to: the submit in the API, the job in a pool process
 _submit: contextvars.ContextVar[Any] = contextvars.ContextVar("studio_submit_span", default=None)
 _job: contextvars.ContextVar[Any] = contextvars.ContextVar("studio_job_span", default=None)
+
+
+def _never_fails(otherwise: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+    """A hook that fails (a broken exporter, a bug here) logs it and returns ``otherwise``
+    of its arguments: a span is never worth a job or a request."""
+
+    def wrap(hook: Callable[..., Any]) -> Any:
+        @functools.wraps(hook)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return hook(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                log.warning("tracing: %s failed (no span): %s", hook.__name__, e)
+                return otherwise(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def _no_span(*_: Any, **__: Any) -> Any:
+    return nullcontext(None)
+
+
+def _nothing(*_: Any, **__: Any) -> None:
+    return None
 
 
 def wanted(env: Mapping[str, str] = os.environ) -> bool:
@@ -139,8 +166,14 @@ def tracer() -> Any:
             attributes["service.name"] = SERVICE_DEFAULT
         # the sampler (OTEL_TRACES_SAMPLER, _ARG), the exporter's endpoint, headers and
         # timeout, the batching (OTEL_BSP_*): the SDK reads them from the environment
-        provider = TracerProvider(resource=Resource.create(attributes))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        try:
+            provider = TracerProvider(resource=Resource.create(attributes))
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        except Exception as e:  # noqa: BLE001 - a bad variable: untraced, said once
+            log.warning("tracing is off: OpenTelemetry could not be set up (%s)", e)
+            _on = False
+            _pid, _tracer = pid, None
+            return None
         _provider, _tracer = provider, provider.get_tracer("studio_code")
         _pid = pid
         return _tracer
@@ -218,7 +251,10 @@ def _spanning(
         raise
     except BaseException as e:
         if span is not None:
-            failed(span, e)
+            try:
+                failed(span, e)
+            except Exception as bad:  # noqa: BLE001 - the job's own exception goes on
+                log.warning("tracing: marking a span failed did not work: %s", bad)
         raise
     finally:
         if var is not None and token is not None:
@@ -228,6 +264,8 @@ def _spanning(
 
 
 def _parented(name: str, traceparent: str | None, tracestate: str | None, kind: str) -> Any:
+    if tracer() is None:  # the otel extra is missing: off (said once)
+        return None
     from opentelemetry.trace import SpanKind
 
     parent, valid = parent_of(traceparent, tracestate)
@@ -240,6 +278,7 @@ def _parented(name: str, traceparent: str | None, tracestate: str | None, kind: 
 # --- the API's side ----------------------------------------------------------------------
 
 
+@_never_fails(_no_span)
 def submitting(traceparent: str | None = None, tracestate: str | None = None) -> Any:
     """Context manager of the ``studio_code.submit`` span (yields it, or None when off).
     Inside an open one (``submit`` calls ``enqueue``) it is that one again."""
@@ -249,6 +288,7 @@ def submitting(traceparent: str | None = None, tracestate: str | None = None) ->
     return _spanning(span, _submit)
 
 
+@_never_fails(_nothing)
 def message_headers(headers: MutableMapping[str, Any], job: Any, runtime: str) -> None:
     """The open submit span's context and the send time, in a job's message headers, and
     the job's attributes on the span (nothing when no submit span is open)."""
@@ -262,6 +302,7 @@ def message_headers(headers: MutableMapping[str, Any], job: Any, runtime: str) -
     headers[HEADER_SENT_NS] = time.time_ns()
 
 
+@_never_fails(_no_span)
 def waiting(job_id: str, traceparent: str | None, tracestate: str | None) -> Any:
     """Context manager of the caller's ``studio_code.wait`` span, when the caller gave its
     ``traceparent`` (yields the span, or None)."""
@@ -273,6 +314,7 @@ def waiting(job_id: str, traceparent: str | None, tracestate: str | None) -> Any
     return _spanning(span)
 
 
+@_never_fails(lambda span, rec: rec)
 def waited(span: Any, rec: Any) -> Any:
     """Put the job's end (a JobRecord) on the wait span; returns ``rec``."""
     if span is not None:
@@ -292,12 +334,13 @@ def _ended(span: Any, status: Any, error: Any, **more: Any) -> None:
 # --- the worker's side -------------------------------------------------------------------
 
 
+@_never_fails(_nothing)
 def queue_wait(request: MutableMapping[str, Any], job_id: str, queue: str, fair: bool) -> None:
     """In the worker's main process, as a message arrives: the ``studio_code.queue_wait``
     span from the message's send time to now, and its context in ``request`` (the request
     dict the pool process gets), so the job's spans are its children."""
     sent = request.get(HEADER_SENT_NS)
-    if not isinstance(sent, int) or sent <= 0:
+    if not isinstance(sent, int) or sent <= 0 or tracer() is None:
         return
     from opentelemetry.trace import SpanKind
 
@@ -312,6 +355,7 @@ def queue_wait(request: MutableMapping[str, Any], job_id: str, queue: str, fair:
     inject(span, request)
 
 
+@_never_fails(_no_span)
 def job(
     traceparent: str | None,
     tracestate: str | None,
@@ -329,6 +373,7 @@ def job(
     return _spanning(span, _job, expected)
 
 
+@_never_fails(_no_span)
 def result_store(result: Any) -> Any:
     """Context manager of ``studio_code.result_store`` under the open job span, which gets
     the result's attributes (status, error code, language, runtime)."""
@@ -344,6 +389,7 @@ def result_store(result: Any) -> Any:
     return _spanning(span)
 
 
+@_never_fails(_nothing)
 def sandbox(result: Any, raw: Any, started_ns: int) -> None:
     """``studio_code.sandbox_start`` and ``studio_code.code_run`` under the open job span,
     from what the runtime measured (its start, from ``started_ns``, then the run)."""

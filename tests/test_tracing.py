@@ -265,3 +265,28 @@ def test_the_variables_turn_tracing_on() -> None:
     on = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
     assert not wanted({**on, "OTEL_SDK_DISABLED": "true"})
     assert not wanted({**on, "OTEL_TRACES_EXPORTER": "none"})
+
+
+def test_a_failing_hook_costs_the_job_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken exporter or SDK (here: the tracer cannot be made) never fails a submit, a
+    wait or a job: each hook logs it and goes on without a span."""
+    from executor import tracing
+
+    def broken() -> None:
+        raise RuntimeError("the SDK is broken")
+
+    monkeypatch.setattr(tracing, "tracer", broken)
+    monkeypatch.setattr(tracing, "_on", True)
+    tp = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+    headers: dict[str, Any] = {}
+    with tracing.submitting(tp, None) as span:
+        assert span is None
+        tracing.message_headers(headers, object(), "docker")
+    assert headers == {}
+    with tracing.job(tp, None, "j1") as span:
+        assert span is None
+    with tracing.waiting("j1", tp, None) as span:
+        assert tracing.waited(span, "rec") == "rec"
+    with pytest.raises(ValueError):  # the job's own exception comes out as itself
+        with tracing.submitting(tp, None):
+            raise ValueError("bad code")
