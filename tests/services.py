@@ -1291,20 +1291,21 @@ def made_by_an_older_release(url: str, capture: dict[str, Any]) -> None:
     """The store ``capture`` describes: its release's DDL, then the rows its calls wrote."""
     from sqlalchemy import create_engine
 
-    from executor.store import sql
+    from executor.store.schema import UtcDateTime, metadata
+    from executor.store.sql import normalize_url
 
-    engine = create_engine(sql.normalize_url(url))
+    engine = create_engine(normalize_url(url))
     dialect = engine.dialect.name
     try:
         with engine.begin() as conn:
             for statement in capture["ddl"][dialect]:
                 conn.exec_driver_sql(statement)
             for name, rows in capture["rows"].items():
-                table = sql.metadata.tables[name]
+                table = metadata.tables[name]
                 values = [
                     {
                         k: datetime.fromisoformat(v)
-                        if v is not None and isinstance(table.c[k].type, sql.UtcDateTime)
+                        if v is not None and isinstance(table.c[k].type, UtcDateTime)
                         else v
                         for k, v in row.items()
                         if k != "id"  # the audit's: the database numbers them, as it did

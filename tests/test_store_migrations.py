@@ -2,7 +2,7 @@
 real PostgreSQL (a schema of the test's own):
 
 * an empty database is brought to HEAD, and the schema the revisions make is the one the
-  store's code describes (``sql.metadata``);
+  store's code describes (``schema.metadata``);
 * a store made by each release before migrations (tests/data/store_schemas: the DDL its
   code ran, the rows its calls wrote and the records its own ``get`` returned, captured
   from that commit) is brought to HEAD, and every record reads back the same;
@@ -25,22 +25,23 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 
 from executor.models import CodeJob, CodeResult, Status
-from executor.store import JobRecord, SqlRunStore, migrations, open_store, sql
+from executor.store import JobRecord, SqlRunStore, migrations, open_store, schema, sqlite
+from executor.store.sql import normalize_url
 from tests.services import CAPTURES, TODAY, in_processes, made_by_an_older_release
 
 
 def _engine_of(url: str) -> Any:
-    return create_engine(sql.normalize_url(url))
+    return create_engine(normalize_url(url))
 
 
 def _schema_differences(url: str) -> list[Any]:
-    """What Alembic's autogenerate would change to make the store match ``sql.metadata``."""
+    """What Alembic's autogenerate would change to make the store match ``schema.metadata``."""
     from alembic.autogenerate import compare_metadata
 
     engine = _engine_of(url)
     try:
         with engine.connect() as conn:
-            return list(compare_metadata(migrations.context(conn), sql.metadata))
+            return list(compare_metadata(migrations.context(conn), schema.metadata))
     finally:
         engine.dispose()
 
@@ -99,13 +100,13 @@ def test_the_migration_at_open_holds_the_fork_gate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SQLite: a fork while this process holds the write lock leaves the child a store
-    that fails "database is locked" (sql._ForkGate): the migration at open is a store call
+    that fails "database is locked" (sqlite.ForkGate): the migration at open is a store call
     like the others."""
     depths: list[int] = []
     upgrade = migrations.upgrade
 
     def watched(conn: Any, *args: Any) -> tuple[str, ...]:
-        depths.append(getattr(sql._FORK_GATE._mine, "depth", 0))
+        depths.append(getattr(sqlite.FORK_GATE._mine, "depth", 0))
         return upgrade(conn, *args)
 
     monkeypatch.setattr(migrations, "upgrade", watched)
@@ -251,9 +252,9 @@ def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_worki
         assert isinstance(store, SqlRunStore)
         before = CodeJob(code="def main(state):\n    return state\n")
         store.create(before, code_runtime="docker")
-        with sql.no_fork_inside(), store.engine.begin() as conn:
+        with sqlite.no_fork_inside(), store.engine.begin() as conn:
             assert migrations.upgrade(conn, location) == ("0002",)
-        with sql.no_fork_inside(), store.engine.begin() as conn:
+        with sqlite.no_fork_inside(), store.engine.begin() as conn:
             assert migrations.upgrade(conn, location) == ()
             assert "note" in {c["name"] for c in inspect(conn).get_columns("code_jobs")}
     assert _versions(store_url) == ["0002"]
