@@ -290,3 +290,38 @@ def test_a_failing_hook_costs_the_job_nothing(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ValueError):  # the job's own exception comes out as itself
         with tracing.submitting(tp, None):
             raise ValueError("bad code")
+
+
+def test_a_subprocess_sandbox_sees_no_trace_while_its_process_traces(
+    make_subprocess_executor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The subprocess runtime, in a process that traces (the OTEL_ variables set, a job span
+    open, as in a worker's pool process): the run's code sees none of it, and the
+    executor's sandbox_start and code_run spans go under the job span."""
+    from executor import tracing
+    from executor.models import CodeJob
+
+    for name in ("_on", "_pid", "_tracer", "_provider"):  # this process's state, restored
+        monkeypatch.setattr(tracing, name, getattr(tracing, name))
+    with Receiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "studio-code-test")
+        tracing.set_enabled(None)
+        ex = make_subprocess_executor()
+        trace_id, caller_span, traceparent = _caller()
+        with tracing.job(traceparent, "studio=1", "job-1"):
+            result = ex.run(CodeJob(job_id="job-1", code=ENV_CODE))
+        tracing.flush()
+        assert result.status == "succeeded", result.error
+        _no_trace_in(result.output, trace_id)
+        spans = receiver.wait_spans(
+            trace_id, {"studio_code.job", "studio_code.sandbox_start", "studio_code.code_run"}
+        )
+    job = _one(spans, "studio_code.job")
+    assert job.parent_id == caller_span
+    assert job.resource["service.name"] == "studio-code-test"  # OTEL_SERVICE_NAME wins
+    for name in ("studio_code.sandbox_start", "studio_code.code_run"):
+        span = _one(spans, name)
+        assert span.parent_id == job.span_id
+        assert span.attributes["studio.runtime"] == "subprocess"
+    assert _one(spans, "studio_code.code_run").attributes["studio.status"] == "succeeded"
