@@ -194,6 +194,7 @@ class CodeClient:
         self._aredis_loop: asyncio.AbstractEventLoop | None = None
         self._readers: ThreadPoolExecutor | None = None
         self._status_reads: _StatusReads | None = None
+        tracing.prepare()  # tracing on: the SDK loaded now, not on the first submit
 
     @property
     def app(self) -> Any:

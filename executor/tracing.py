@@ -134,6 +134,14 @@ def set_role(role: str) -> None:
     _role = role
 
 
+@_never_fails(_nothing)
+def prepare() -> None:
+    """When this process traces, load the SDK and make its exporter now (a process's
+    start), not on its first job's path."""
+    if on():
+        tracer()
+
+
 def tracer() -> Any:
     """This process's tracer (its own provider per pid: a forked pool process never uses
     its parent's exporter); None when the otel extra is missing (tracing turns off)."""

@@ -36,6 +36,7 @@ def connect() -> None:
     signals.worker_process_shutdown.connect(_on_exit, weak=False)
     signals.worker_shutdown.connect(_on_exit, weak=False)
     _connected = True
+    tracing.prepare()  # the SDK loaded before the pool forks, not on a first message
 
 
 def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
@@ -49,6 +50,7 @@ def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 def _on_process_init(**_: Any) -> None:
     tracing.set_role("pool")
+    tracing.prepare()  # this process's own exporter, before its first job
 
 
 def _on_exit(**_: Any) -> None:
