@@ -3,7 +3,7 @@
 Every outcome is one JSON object on stdout, refusals of the command line included (logs go
 to stderr). ``run`` (and a refused ``submit``) prints the run's object: ``job_id``,
 ``language``, ``status``, ``output``, ``error`` ({code, message} or null), ``logs``,
-``runtime``, ``code_runtime``, ``duration_ms``, ``warnings``, ``trace``... Any other
+``runtime``, ``code_runtime``, ``duration_ms``, ``warnings``, ``trace``, ``usage``... Any other
 command's refusal is ``{"ok": false, "command": ..., "error": {code, message}}``.
 
 Exit status: 0 only when the command did what was asked (``run``: status succeeded); 1 when

@@ -392,11 +392,11 @@ class Executor:
                 **common,
             )
         if raw.oom_killed:
-            return self._memory_result(job, **common)
+            return self._memory_result(job, limits, **common)
         crash = language.crash_error(raw)
         if crash is not None:
             if crash.code is ErrorCode.CODE_MEMORY:
-                return self._memory_result(job, **common)
+                return self._memory_result(job, limits, **common)
             return self._result(
                 job, Status.FAILED, error=crash.code, message=crash.message, **common
             )
@@ -436,20 +436,27 @@ class Executor:
         # RATE_LIMITED or RUNTIME_UNAVAILABLE).
         code = RUNNER_CODES.get(str(err.get("code")), ErrorCode.CODE_ERROR)
         if code is ErrorCode.CODE_MEMORY:
-            return self._memory_result(job, **common)
+            return self._memory_result(job, limits, **common)
         status = Status.ended_by(code)
         message = err.get("message")
         if not isinstance(message, str) or not message.strip():
             message = "The code failed with an error that has no message."
         return self._result(job, status, error=code, message=message, **common)
 
-    def _memory_result(self, job: CodeJob, **common: Any) -> CodeResult:
+    def _memory_result(self, job: CodeJob, limits: Limits, **common: Any) -> CodeResult:
+        raw: RawRun = common["raw"]
+        peak = raw.usage.memory_peak_bytes if raw.usage is not None else None
+        used = (
+            f"used {mib(peak)} of {mib(limits.memory_bytes)}"
+            if peak is not None
+            else f"used more than its limit of {mib(limits.memory_bytes)}"
+        )
         return self._result(
             job,
             Status.FAILED,
             error=ErrorCode.CODE_MEMORY,
-            message=f"The code used more memory than STUDIO_CODE_MEMORY="
-            f"{self.settings.code_memory} and was stopped: process less data at once, or "
+            message=f"The code {used} of memory (STUDIO_CODE_MEMORY="
+            f"{self.settings.code_memory}) and was stopped: process less data at once, or "
             "ask the operator to raise STUDIO_CODE_MEMORY.",
             **common,
         )
@@ -503,4 +510,11 @@ class Executor:
             exit_code=raw.exit_code if raw else None,
             warnings=warnings,
             trace=trace,
+            usage=raw.usage if raw is not None else None,
         )
+
+
+def mib(n: int) -> str:
+    """Bytes as the CODE_MEMORY message says them: "256 MiB" (one decimal below 10 MiB)."""
+    m = n / (1 << 20)
+    return f"{m:.1f} MiB" if m < 10 else f"{round(m)} MiB"

@@ -73,7 +73,9 @@ def test_an_empty_database_is_brought_to_head(store_url: str) -> None:
         check=True,
     )
     report = json.loads(cli.stdout.splitlines()[-1])
-    assert report["steps"] == list(migrations.revisions()) and report["revision"] == "0001"
+    assert (
+        report["steps"] == list(migrations.revisions()) and report["revision"] == migrations.head()
+    )
     assert _versions(store_url) == [migrations.head()]
     assert _schema_differences(store_url) == []
     # at HEAD, an open is one SELECT: a fresh interpreter opens it without loading Alembic
@@ -111,7 +113,7 @@ def test_the_migration_at_open_holds_the_fork_gate(
 
     monkeypatch.setattr(migrations, "upgrade", watched)
     with open_store(f"sqlite:///{tmp_path / 'new.db'}") as store:
-        assert isinstance(store, SqlRunStore) and store.schema_steps == ("0001",)
+        assert isinstance(store, SqlRunStore) and store.schema_steps == migrations.revisions()
     assert depths and depths[0] >= 1
 
 
@@ -225,6 +227,8 @@ def test_revision_files_are_one_line_of_ids_ending_at_head() -> None:
 def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_working(
     store_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    head = migrations.head()
+    nxt = f"{int(head) + 1:04d}"
     location = tmp_path / "migrations"
     shutil.copytree(
         migrations.LOCATION, location, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -237,10 +241,10 @@ def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_worki
         timeout=120,
         check=True,
     )
-    path = location / "versions" / "0002_a_note_on_each_run.py"
+    path = location / "versions" / f"{nxt}_a_note_on_each_run.py"
     assert new.stdout.splitlines()[-1] == str(path)
     source = path.read_text()
-    assert 'revision = "0002"\ndown_revision = "0001"\n' in source
+    assert f'revision = "{nxt}"\ndown_revision = "{head}"\n' in source
     path.write_text(
         source.replace(
             "    pass\n",
@@ -248,23 +252,23 @@ def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_worki
         )
     )
 
-    with open_store(store_url) as store:  # this release: HEAD is 0001
+    with open_store(store_url) as store:  # this release: HEAD is head
         assert isinstance(store, SqlRunStore)
         before = CodeJob(code="def main(state):\n    return state\n")
         store.create(before, code_runtime="docker")
         with sqlite.no_fork_inside(), store.engine.begin() as conn:
-            assert migrations.upgrade(conn, location) == ("0002",)
+            assert migrations.upgrade(conn, location) == (nxt,)
         with sqlite.no_fork_inside(), store.engine.begin() as conn:
             assert migrations.upgrade(conn, location) == ()
             assert "note" in {c["name"] for c in inspect(conn).get_columns("code_jobs")}
-    assert _versions(store_url) == ["0002"]
+    assert _versions(store_url) == [nxt]
 
     # a worker of this release, started after a newer one upgraded the store
     with caplog.at_level(logging.INFO, logger="studio_code.store"):
         older = open_store(store_url)
     with older:
         assert isinstance(older, SqlRunStore) and older.schema_steps == ()
-        assert "newer than this release's 0001" in caplog.text
+        assert f"newer than this release's {head}" in caplog.text
         job = CodeJob(code="def main(state):\n    return 1\n", state_json='{"b": 2}')
         assert older.create(job, code_runtime="docker")
         claimed = older.claim(job.job_id, "w1")
@@ -281,4 +285,4 @@ def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_worki
         rec = older.get(job.job_id)
         assert rec is not None and rec.output == 1 and rec.status is Status.SUCCEEDED
         assert older.get(before.job_id) is not None
-    assert _versions(store_url) == ["0002"]
+    assert _versions(store_url) == [nxt]

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import Row
 
 from executor.errors import ErrorCode
-from executor.models import CodeErrorInfo, CodeResult, Status, TraceRow
+from executor.models import CodeErrorInfo, CodeResult, Status, TraceRow, Usage
 from executor.outputs import (
     OutputInvalid,
     check_value,
@@ -116,8 +116,13 @@ def _record_strict(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord:
         logs_truncated=bool(m["logs_truncated"]),
         warnings=json.loads(m["warnings"]),
         trace=[TraceRow.model_validate(t) for t in json.loads(m["trace"])],
+        usage=usage_of(m["usage"]),
     )
     return JobRecord(**fields)
+
+
+def usage_of(v: Any) -> Usage | None:
+    return None if v is None else Usage.model_validate_json(v)
 
 
 def _raw(row: Row[Any], name: str) -> Any:
@@ -161,6 +166,7 @@ _ALLOWED = {
     "pruned_at": "a time",
     "memory_bytes": "a number of bytes",
     "cpus": "a CPU share",
+    "usage": "a usage object ({memory_peak_bytes, cpu_ms, pids_peak, source})",
 }
 #: an unreadable column's value where the record has no default of its own
 _TOLERANT_DEFAULTS: dict[str, Any] = {
@@ -209,6 +215,7 @@ def _record_tolerant(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord
         "logs_truncated": bool,
         "warnings": json.loads,
         "trace": trace_of,
+        "usage": usage_of,
     }
     job_id = _raw(row, "job_id")
     fields["job_id"] = str(job_id) if not isinstance(job_id, Exception) else "?"
@@ -236,5 +243,6 @@ def summary(row: Any) -> RunSummary:
     fields.update(
         status=Status(m["status"]),
         error=None if m["error"] is None else CodeErrorInfo.model_validate_json(m["error"]),
+        usage=usage_of(m["usage"]),
     )
     return RunSummary(**fields)

@@ -102,6 +102,7 @@ jobs = Table(
     Column("pruned_at", UtcDateTime, nullable=True),  # retention cleared the payloads
     Column("memory_bytes", BigInteger, nullable=True),  # what the node asked for, if any
     Column("cpus", Double, nullable=True),
+    Column("usage", SafeText, nullable=True),  # Usage as JSON text (migration 0002)
     Index("ix_code_jobs_status", "status"),
     # Run history, newest first, with a keyset cursor: all runs (admins) and one user's.
     Index("ix_code_jobs_queued", "queued_at", "job_id"),

@@ -437,6 +437,7 @@ class SqlRunStore(RunStore):
             "f_trace": rows.dumps(data["trace"]),
             "f_exit_code": result.exit_code,
             "f_duration_ms": result.duration_ms,
+            "f_usage": result.usage.model_dump_json() if result.usage is not None else None,
             "f_runtime": result.runtime,
             "f_code_runtime": result.code_runtime,
             "f_finished_at": _utcnow(),

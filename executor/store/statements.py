@@ -93,6 +93,7 @@ FINISH = (
         trace=_p("f_trace", SafeText),
         exit_code=_p("f_exit_code", Integer),
         duration_ms=_p("f_duration_ms", Double),
+        usage=_p("f_usage", SafeText),
         runtime=_p("f_runtime", String),
         code_runtime=_p("f_code_runtime", String),
         finished_at=_p("f_finished_at", UtcDateTime),

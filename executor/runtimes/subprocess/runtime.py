@@ -60,7 +60,7 @@ from executor.runtimes.base import (
     PoolObserver,
     Runtime,
 )
-from executor.runtimes.subprocess import landlock, namespaces
+from executor.runtimes.subprocess import landlock, namespaces, usage
 from executor.runtimes.subprocess.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
 from executor.runtimes.subprocess.prestarted import Runner, RunnerPool
 from executor.runtimes.subprocess.uids import (
@@ -284,6 +284,7 @@ class SubprocessRuntime(Runtime):
         child = runner.child
         with self._lock:
             self._children[job.job_id] = child
+        base = usage.hand_over(runner)
         started = time.monotonic()  # the time limit counts from here (a hand-out too)
         out = BoundedBuffer(limits.output_max_bytes + 4096)
         logs = BoundedBuffer(limits.log_max_bytes, tap=LOG_TAP.get())  # live logs
@@ -308,6 +309,7 @@ class SubprocessRuntime(Runtime):
                 t.join(timeout=2)
             with self._lock:
                 self._children.pop(job.job_id, None)
+            used = usage.measure(child, runner.group, base)  # before its cgroup goes
             oom_kills = self._release(runner)
         if oom_kills and ending == "eof":
             ending = "memory"  # the cgroup's limit (e.g. pages written to /dev/shm)
@@ -327,6 +329,7 @@ class SubprocessRuntime(Runtime):
             pooled=runner.prestarted,
             start_ms=(started - t0) * 1000,
             run_ms=(time.monotonic() - started) * 1000,
+            usage=used,
         )
 
     def _kill(self, runner: Runner) -> int:
@@ -335,7 +338,7 @@ class SubprocessRuntime(Runtime):
         killed before it ended returns once its namespace is empty: the relay dies at once,
         its init a moment later, and only then does the kernel kill what is left in it."""
         init = None
-        if runner.in_namespaces and runner.child.poll() is None:
+        if runner.in_namespaces and not usage.exited(runner.child):
             init = namespaces.open_init(runner.child.pid)
         _kill_group(runner.child.pid)
         emptied = runner.group.kill_all() if runner.group is not None else False
@@ -344,7 +347,7 @@ class SubprocessRuntime(Runtime):
             # before the child, which joined the group before exec, and no process can
             # leave a group whose files only root may write.
             kill_uid(runner.lease.uid, runner.lease.gid)
-        status = runner.child.wait()
+        status = usage.reap(runner.child)  # with its rusage (the run's CPU)
         if init is not None:
             namespaces.wait_closed(init, INIT_EXIT_WAIT_S)
         return status
@@ -798,7 +801,7 @@ def _wait(
     step_max = RSS_POLL_S if rss_cap else POLL_S * 2
     watched = None if in_namespaces else child.pid
     try:
-        while child.poll() is None:
+        while not usage.exited(child):  # not reaped here: _kill reaps it with its rusage
             now = time.monotonic()
             if now >= deadline:
                 return "deadline"
