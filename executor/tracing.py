@@ -416,4 +416,10 @@ def sandbox(result: Any, raw: Any, started_ns: int) -> None:
         if raw.exit_code is not None:
             span.set_attribute("studio.exit_code", raw.exit_code)
         _ended(span, result.status, result.error)
+        usage = getattr(result, "usage", None)  # measured by the host; None: not measured
+        if usage is not None:
+            for key in ("memory_peak_bytes", "cpu_ms", "pids_peak", "source"):
+                value = getattr(usage, key, None)
+                if value is not None:
+                    span.set_attribute(f"studio.usage.{key}", value)
         span.end(end_time=ran_ns + int(raw.run_ms * 1e6))

@@ -324,4 +324,8 @@ def test_a_subprocess_sandbox_sees_no_trace_while_its_process_traces(
         span = _one(spans, name)
         assert span.parent_id == job.span_id
         assert span.attributes["studio.runtime"] == "subprocess"
-    assert _one(spans, "studio_code.code_run").attributes["studio.status"] == "succeeded"
+    run = _one(spans, "studio_code.code_run")
+    assert run.attributes["studio.status"] == "succeeded"
+    assert result.usage is not None  # the host measured it: the span says the same
+    assert run.attributes["studio.usage.cpu_ms"] == result.usage.cpu_ms
+    assert run.attributes["studio.usage.source"] == result.usage.source
