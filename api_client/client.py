@@ -47,7 +47,7 @@ from executor.store import (
     open_store,
 )
 from worker import redis_conn
-from worker.fair import FairQueue, Waiting, use_fair_transport, user_cap
+from worker.fair import FairQueue, Waiting, user_cap
 from worker.job.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
@@ -202,9 +202,8 @@ class CodeClient:
         if self._app is None:
             from worker.glue.app import make_app
 
-            app = make_app(self.settings)
-            use_fair_transport(app, self.settings)
-            self._app = app
+            # the broker layer's transport for STUDIO_REDIS_URL, as the worker's
+            self._app = make_app(self.settings)
         return self._app
 
     # --- what may run ------------------------------------------------------------------
@@ -451,7 +450,7 @@ class CodeClient:
         self.store.create(job, code_runtime=self.settings.code_runtime)
         headers = job_headers(self.store.store_id, self.store.describe())
         if queue == QUEUE_RUN and self.fair_users:
-            # the API's broker channel puts it on the user's list (worker.fair.Channel)
+            # the broker channel puts it on the user's list (worker.fair.FairChannel)
             headers[HEADER_FAIR_USER] = user
         tracing.message_headers(headers, job, self.settings.code_runtime)  # when traced
         try:

@@ -358,11 +358,20 @@ class SentinelSet(StopsOnExit):
 
     @property
     def url(self) -> str:
+        return self.sentinel_url()
+
+    def sentinel_url(self, count: int = 3, db: int = 0) -> str:
+        """The STUDIO_REDIS_URL of the first ``count`` sentinels, the master's password in
+        the first part only (as an operator writes it), database ``db``."""
         auth = f":{self.password}@" if self.password else ""
-        first, *rest = self.sentinel_ports
-        return ";".join(
-            [f"sentinel://{auth}127.0.0.1:{first}/0"] + [f"sentinel://127.0.0.1:{p}" for p in rest]
-        )
+        first, *rest = self.sentinel_ports[:count]
+        parts = [f"sentinel://{auth}127.0.0.1:{first}/{db}"]
+        return ";".join(parts + [f"sentinel://127.0.0.1:{p}" for p in rest])
+
+    def primary_url(self, db: int = 0) -> str:
+        """A plain redis:// URL of the primary (node ``a`` until a failover)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.ports['a']}/{db}"
 
     def _auth(self) -> list[str]:
         if not self.password:
