@@ -147,6 +147,13 @@ def test_a_traced_run_joins_the_callers_trace_through_api_worker_and_pool(t: Tra
     assert submit.parent_id == caller_span
     assert submit.attributes["studio.kind"] == "run"
     _check_worker_chain(t, spans, submit, job_id)
+    # it went through fair share (the users' lists: STUDIO_QUEUE_RUN_FAIRNESS=users), its
+    # trace headers with it; its wait there is inside queue_wait
+    assert _one(spans, "studio_code.queue_wait").attributes == {
+        "studio.job_id": job_id,
+        "studio.queue": "code.run",
+        "studio.queue.fair_share_included": True,
+    }
 
 
 @pytest.mark.redis
@@ -170,6 +177,9 @@ def test_a_traced_editor_test_call_has_the_callers_wait(t: Traced) -> None:
     assert wait.attributes["studio.job_id"] == job_id
     assert wait.attributes["studio.status"] == "succeeded"
     assert wait.end_ns >= _one(spans, "studio_code.result_store").end_ns
+    queued = _one(spans, "studio_code.queue_wait").attributes
+    assert queued["studio.queue"] == "code.test"
+    assert queued["studio.queue.fair_share_included"] is False
     _check_worker_chain(t, spans, submit, job_id)
 
 
