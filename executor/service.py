@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from executor import tracing
 from executor.audit import AuditSink, LogAuditSink
 from executor.errors import (
     CodeInvalid,
@@ -328,6 +329,7 @@ class Executor:
             try:
                 if not probe:
                     self._audit_first_subprocess_call(job)
+                started_ns = time.time_ns()  # the trace's sandbox_start begins here
                 raw = self.runtime.run(job, language, limits, should_cancel=should_cancel)
             finally:
                 self._slots.release()
@@ -337,7 +339,9 @@ class Executor:
             )
         except StudioCodeError as e:
             return self._result(job, Status.FAILED, error=e.code, message=e.message, t0=t0)
-        return self._read(job, language, limits, raw, t0)
+        result = self._read(job, language, limits, raw, t0)
+        tracing.sandbox(result, raw, started_ns)  # spans under a worker's job span, if any
+        return result
 
     def _audit_first_subprocess_call(self, job: CodeJob) -> None:
         event = self.runtime.audit_event if self.runtime is not None else None

@@ -298,3 +298,10 @@ def own_record(services: Services, job_id: str, who: Caller) -> JobRecord:
     if rec is None or not who.may_see(rec):
         raise ApiError(404, "NOT_FOUND", f"No run {job_id!r} that you can see.")
     return rec
+
+
+def trace_headers(request: Request) -> dict[str, str | None]:
+    """The caller's W3C trace context (``traceparent``, ``tracestate`` headers), as the
+    client's submit and wait take it (executor.tracing)."""
+    headers = request.headers
+    return {"traceparent": headers.get("traceparent"), "tracestate": headers.get("tracestate")}

@@ -29,6 +29,7 @@ from api_client.http.kit import (
     ServicesDep,
     admin_caller,
     error_response,
+    trace_headers,
 )
 from api_client.http.wire import (
     CodeBody,
@@ -129,7 +130,8 @@ async def test_code(
     """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute and
     STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
     code.test queue, answered with the result (200) or, when it takes longer than its
-    timeout plus a margin, with the run so far (202)."""
+    timeout plus a margin, with the run so far (202). A W3C ``traceparent`` header (and
+    ``tracestate``) puts the call's spans in the caller's trace when tracing is on."""
     s = services.settings
     # the first call of a process opens the run store: never on the event loop
     client = services.opened or await run_in_threadpool(lambda: services.client)
@@ -192,9 +194,11 @@ async def test_code(
             if not served.done():
                 served.cancel()  # the job's own error is said: the served check is moot
             await asyncio.gather(served, return_exceptions=True)
-        job_id = await run_in_threadpool(lambda: client.enqueue(job, rate_checked=True))
+        traced = trace_headers(request)  # the caller's W3C trace, if it sent one
+        job_id = await run_in_threadpool(lambda: client.enqueue(job, rate_checked=True, **traced))
         queued = True
-        rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s, submitted=True))
+        wait = client.wait_async(job_id, wait_s, submitted=True, **traced)
+        rec = await _unless_disconnected(request, wait)
     except BaseException:
         # a call refused before its job was queued (bad code, no worker, the store or
         # Redis away) does not count against the per-minute limit
