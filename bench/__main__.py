@@ -9,6 +9,7 @@ SECTIONS = [
     "bench.core",
     "bench.typescript",
     "bench.queue",
+    "bench.tracing",
     "bench.fair",
     "bench.isolation",
     "bench.outputs",

@@ -217,7 +217,9 @@ def image_packages(settings: Settings, language: str) -> ImagePackages | None:
     if language == "python":
         from executor.languages.python_modules import read_image_modules
 
-        found = read_image_modules(settings.code_image, settings.data_dir / "image-modules")
+        found = read_image_modules(
+            settings.code_image, settings, settings.data_dir / "image-modules"
+        )
         if found is None:
             return None
         versions = {name: found.versions.get(name, "") for name in found.packages}

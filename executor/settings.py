@@ -295,6 +295,13 @@ class Settings(BaseSettings):
         "PID and mount namespace of its own (it cannot see, signal or trace the server or "
         "other runs) when the kernel allows unprivileged user namespaces; off: never.",
     )
+    code_subprocess_landlock: str = Field(
+        "auto",
+        description="Subprocess mode: auto restricts each run with Landlock where the kernel "
+        "offers it (Linux 5.13+): it may write only beneath its own temporary folder (not "
+        "the run store, the data folder, secret.key or the server's home) and, from Landlock "
+        "ABI 6, cannot signal processes outside its run; off: never.",
+    )
 
     queue_require_worker: bool = Field(
         True,
@@ -514,7 +521,7 @@ class Settings(BaseSettings):
             return v
         raise ValueError("auto, off, or an absolute cgroup path such as /studio-code")
 
-    @field_validator("code_subprocess_namespaces")
+    @field_validator("code_subprocess_namespaces", "code_subprocess_landlock")
     @classmethod
     def _subprocess_namespaces(cls, v: str) -> str:
         if v in ("auto", "off"):

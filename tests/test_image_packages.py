@@ -132,10 +132,12 @@ def test_the_command_prints_each_image_at_its_versions(
     assert "pydantic" not in lock  # only what was asked for, and its dependencies
 
 
-def test_modules_json_gives_the_versions(built: dict[str, Any], wheels: Path) -> None:
+def test_modules_json_gives_the_versions(
+    built: dict[str, Any], wheels: Path, make_settings: Any
+) -> None:
     from executor.languages.python_modules import read_image_modules
 
-    found = read_image_modules(PY_TAG)
+    found = read_image_modules(PY_TAG, make_settings(code_image=PY_TAG))
     assert found is not None
     assert found.packages == {"cowsay": ["cowsay"], "python-dateutil": ["dateutil"]}
     assert found.versions == {

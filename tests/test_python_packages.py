@@ -65,15 +65,45 @@ def test_build_sh_maps_the_requirements_to_debian_names(tmp_path: Path) -> None:
 
 
 @pytest.mark.docker
-def test_the_image_records_what_it_can_import(python_image: str) -> None:
+def test_the_image_records_what_it_can_import(make_settings: Any, python_image: str) -> None:
     from executor.languages.python_modules import read_image_modules
 
-    found = read_image_modules(python_image)
+    found = read_image_modules(python_image, make_settings(code_image=python_image))
     assert found is not None, f"{python_image} has no modules.json: rebuild it (make image)"
     assert sorted(found.packages) == sorted(_listed())
     assert found.packages["python-dateutil"] == ["dateutil"]
     assert {"pydantic", "dateutil"} <= found.modules
     assert "json" in found.stdlib and "requests" not in found.modules
+
+
+@pytest.mark.docker
+def test_a_file_is_read_out_of_an_image_with_the_settings_given(
+    make_settings: Any, python_image: str, docker_client: Any
+) -> None:
+    """The docker runtime reads the file (executor/runtimes/docker/images.py) in a container
+    made with the caller's settings, not settings re-read from the environment: its process
+    limit is the one given. The real engine; the container is removed."""
+    from executor.languages.python_modules import MODULES_PATH
+    from executor.runtimes.docker.images import read_file
+
+    settings = make_settings(code_image=python_image, code_pids=77)  # the default is 64
+    made: list[dict[str, Any]] = []
+    real = docker_client.api
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def create_container(self, **kwargs: Any) -> Any:
+            made.append(kwargs)
+            return real.create_container(**kwargs)
+
+    data = json.loads(read_file(Recording(), settings, python_image, MODULES_PATH))
+    assert "json" in data["stdlib"]
+    [create] = made
+    assert create["host_config"]["PidsLimit"] == 77
+    assert create["labels"]["studio.owner"]
+    assert real.containers(all=True, filters={"name": create["name"]}) == []
 
 
 @pytest.mark.docker

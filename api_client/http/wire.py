@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from executor.models import CodeErrorInfo, Status, TraceRow
+from executor.models import CodeErrorInfo, Status, TraceRow, Usage
 from executor.store.base import JobRecord, RunSummary
 
 #: the longest source a request may carry, in characters
@@ -125,6 +125,11 @@ class RunView(BaseModel):
     exit_code: int | None = None
     warnings: list[str] = Field(default_factory=list)
     trace: list[TraceRow] = Field(default_factory=list)
+    usage: Usage | None = Field(
+        None,
+        description="What the run used, measured by the host: memory_peak_bytes, cpu_ms, "
+        "pids_peak and their source; null when not measured (never 0 for unknown).",
+    )
     queued_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None

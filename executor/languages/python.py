@@ -104,7 +104,9 @@ def _unavailable_imports(tree: ast.Module, settings: Settings) -> list[Problem]:
     found = imports(tree)
     if not found:
         return []
-    available = read_image_modules(settings.code_image, settings.data_dir / "image-modules")
+    available = read_image_modules(
+        settings.code_image, settings, settings.data_dir / "image-modules"
+    )
     if available is None:
         return []
     problems = []

@@ -74,6 +74,7 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.constants import KILL_GRACE_S
+from executor.runtimes.docker import usage
 from executor.runtimes.docker.attached import RunLogs, run_attached, sandbox_failures
 from executor.runtimes.docker.policy import (
     LABEL_DEADLINE,
@@ -399,6 +400,7 @@ class SandboxPool(IdlePoolStats):
         renamer = p.renamer = _Renamer(self, p, job.job_id)
         try:
             with sandbox_failures(job.job_id):
+                usage.hand_over(api, p.cid)  # its start so far is not the job's
                 started = time.monotonic()
                 mark = f"\x1estudio-end:{secrets.token_hex(16)}\x1e"
                 payload = language.stdin_payload(job, end_mark=mark)
@@ -424,6 +426,7 @@ class SandboxPool(IdlePoolStats):
                     answered=answered,
                     pooled=True,
                 )
+                run.usage = usage.read(api, p.cid)
                 if answered_now:
                     # the answer is complete: the container's exit and its removal happen
                     # off the caller's path (when the job's path ends)
@@ -594,16 +597,18 @@ class SandboxPool(IdlePoolStats):
                 + KILL_GRACE_S
             )
         )
+        meter = usage.new_meter(api)
         args = {
             **policy,
             "labels": labels,
-            "host_config": api.create_host_config(**policy["host_config"]),
+            "host_config": api.create_host_config(**usage.host_config(meter, policy)),
         }
         name = f"studio-code-pool-{uuid.uuid4().hex[:12]}"
         # The id _maintain read last (every IMAGE_CHECK_S), not an inspect per container: a
         # rebuild in between makes this one look old at the next check, and it is replaced.
         image_id = self._image_id(language)
         cid = api.create_container(name=name, **args)["Id"]
+        usage.attach(meter, cid)
         sock = None
         try:
             sock = api.attach_socket(
