@@ -278,7 +278,24 @@ def build_parser() -> argparse.ArgumentParser:
     _queue_commands(sub)
     _serve_command(sub)
     _sockguard_command(sub)
+    from api_client.image import add_image_command
+
+    add_image_command(sub, cmd_image)
     return p
+
+
+def cmd_image(args: argparse.Namespace, settings: Settings) -> int:
+    """``studio-code image build`` (api_client/image.py): the images built, or the refusal."""
+    from api_client.image import ImageRefused, build_images
+
+    try:
+        out = build_images(args, settings)
+    except ImageRefused as e:
+        status = "invalid" if e.exit_status == 2 else "failed"
+        _print(_refusal("image", e.code, e.message, status=status))
+        return e.exit_status
+    _print(out)
+    return 0
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:

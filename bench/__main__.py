@@ -19,6 +19,7 @@ SECTIONS = [
     "bench.store_open",
     "bench.live_logs",
     "bench.pool",
+    "bench.preimport",
     "bench.upkeep",
     "bench.metrics_files",
     "bench.engine",

@@ -67,6 +67,9 @@ class Readiness:
     ready: bool
     reason: str | None
     checked_at: float
+    #: a ready language whose package setting disagrees with its image: the names, in one
+    #: sentence (executor.packages.packages_warning)
+    warning: str | None = None
 
 
 MIN_MEMORY_BYTES = 16 * 1024**2
@@ -253,7 +256,13 @@ class Executor:
         )
         result = self._run(job, language, self.limits(READINESS_TIMEOUT_S), None, probe=True)
         if result.status is Status.SUCCEEDED and result.output == Language.TEST_OUTPUT:
-            return Readiness(True, None, now)
+            from executor.packages import compares, image_packages, packages_warning
+
+            warning = None
+            if compares(self.settings, language.name):
+                found = image_packages(self.settings, language.name)
+                warning = packages_warning(self.settings, language.name, found)
+            return Readiness(True, None, now, warning)
         detail = result.error.message if result.error else f"output {result.output!r}"
         return Readiness(
             False,

@@ -23,7 +23,13 @@ from typing import Any, Literal
 
 from executor.deferred_import import on_first_use
 from executor.errors import SettingsError
-from executor.packages import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
+from executor.packages import (
+    DEFAULT_PYTHON_PACKAGES,
+    DEFAULT_TS_PACKAGES,
+    PackageSpec,
+    parse_packages,
+    parse_preimport,
+)
 
 # None is used here: asyncio only by CliApp.run, entry_points only to look for plugins,
 # dotenv_values only to read an env_file (Settings has none), secrets (hmac, OpenSSL's
@@ -114,9 +120,18 @@ class Settings(BaseSettings):
     )
     code_image: str = Field("studio-code:1", description="The Python sandbox image.")
     code_packages: str = Field(
-        "pydantic,python-dateutil",
-        description="Comma-separated packages of STUDIO_CODE_IMAGE, shown in the editor; "
-        "keep it equal to docker/studio-code/requirements.txt.",
+        DEFAULT_PYTHON_PACKAGES,
+        description="Comma-separated packages of STUDIO_CODE_IMAGE, shown in the editor. "
+        "Unset: the image's own list (its modules.json), this default only when the image "
+        "cannot be read; set and different from the image's, readiness and meta say which "
+        "names differ.",
+    )
+    code_preimport: str = Field(
+        "",
+        description="Python modules a pre-started sandbox (docker runtime, STUDIO_CODE_PREWARM) "
+        "imports while it waits for its one job, e.g. pandas,numpy; image: every package the "
+        "image lists. Empty: none. A cold run never pre-imports; the memory they take counts "
+        "against the sandbox's own limit.",
     )
     code_memory: str = Field("256m", description="Memory per call (swap equal to memory).")
     code_cpus: float = Field(0.5, gt=0, le=64, description="CPU share per call.")
@@ -145,7 +160,9 @@ class Settings(BaseSettings):
     code_ts_packages: str = Field(
         DEFAULT_TS_PACKAGES,
         description="The only packages TypeScript may import, each npm:name@major; keep it "
-        "equal to docker/studio-code-ts/deps.ts. none: no package (empty means the default).",
+        "equal to the image's list (its studio.packages label; `studio-code image build` "
+        "prints the value): readiness and meta say which names differ. none: no package "
+        "(empty means the default).",
     )
     python: str = Field(
         "",
@@ -473,6 +490,11 @@ class Settings(BaseSettings):
         if bad:
             raise ValueError(f"a comma-separated list of {', '.join(KNOWN_LANGUAGES)}")
         return ",".join(langs)
+
+    @field_validator("code_preimport")
+    @classmethod
+    def _preimport(cls, v: str) -> str:
+        return parse_preimport(v)  # its ValueError names the entry and the form to use
 
     @field_validator("code_ts_packages")
     @classmethod

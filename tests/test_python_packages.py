@@ -1,7 +1,8 @@
-"""Python packages like TypeScript's: ONE list (docker/studio-code/requirements.txt) drives
-the image, the offline build and STUDIO_CODE_PACKAGES' default; the image records what it can
-import; the save-time check refuses an import the image cannot satisfy; readiness imports
-every listed package. Real Docker, the real image (STUDIO_CODE_IMAGE)."""
+"""Python packages like TypeScript's: ONE list (docker/studio-code/requirements.txt) is what
+`make image` (studio-code image build) builds and STUDIO_CODE_PACKAGES' fallback default; the
+image records what it can import; the save-time check refuses an import the image cannot
+satisfy; readiness imports every listed package. Real Docker, the real image
+(STUDIO_CODE_IMAGE). Other lists, offline builds and versions: tests/test_image_packages.py."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ def _listed() -> list[str]:
 
 
 def test_packages_default_equals_the_requirements_file() -> None:
+    from api_client.image import DEFAULT_REQUIREMENTS
     from executor.settings import Settings
 
     default = Settings.model_fields["code_packages"].default
     assert default.split(",") == _listed()
+    assert DEFAULT_REQUIREMENTS == REQUIREMENTS  # what `make image` builds
     dockerfile = (ROOT / "docker" / "studio-code" / "Dockerfile").read_text()
-    assert "pip install --no-cache-dir -r /usr/share/studio-code/requirements.txt" in dockerfile
+    assert "-r /tmp/build/requirements.txt" in dockerfile
 
 
 def test_build_sh_maps_the_requirements_to_debian_names(tmp_path: Path) -> None:

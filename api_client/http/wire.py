@@ -155,6 +155,16 @@ class LanguageMeta(BaseModel):
     reason: str | None = None
     image: str | None = None
     packages: list[str] = Field(default_factory=list)
+    versions: dict[str, str] = Field(
+        default_factory=dict,
+        description="The image's packages at the versions built in (its studio.packages "
+        "label): PyPI name or npm:name@major -> version; empty when the image does not say.",
+    )
+    packages_warning: str | None = Field(
+        None,
+        description="STUDIO_CODE_PACKAGES or STUDIO_CODE_TS_PACKAGES disagrees with the image: "
+        "the names that differ, in one sentence.",
+    )
 
 
 class LimitsMeta(BaseModel):

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,8 @@ class ImageModules:
     stdlib: frozenset[str]
     packages: dict[str, list[str]]  # listed package -> its top-level modules
     modules: frozenset[str]  # every installed top-level module
+    # listed package -> its version; empty for an image built before versions were recorded
+    versions: dict[str, str] = field(default_factory=dict)
 
     def allows(self, module: str) -> bool:
         return module in self.stdlib or module in self.modules
@@ -81,6 +83,7 @@ def read_image_modules(
             stdlib=frozenset(data["stdlib"]),
             packages={k: list(v) for k, v in data["packages"].items()},
             modules=frozenset(data["modules"]),
+            versions={str(k): str(v) for k, v in (data.get("versions") or {}).items()},
         )
     with _lock:
         _cache[image_id] = found

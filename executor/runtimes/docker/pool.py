@@ -581,6 +581,9 @@ class SandboxPool(IdlePoolStats):
         )
         policy = sandbox_policy(self.settings, language, placeholder, self.limits, self.owner)
         shape = _shape(policy)
+        # what it imports while it waits (STUDIO_CODE_PREIMPORT): not in the shape a job
+        # matches, since a cold run of that job imports nothing ahead
+        policy["environment"] = {**policy["environment"], **language.preimport(self.settings)}
         labels = dict(policy["labels"])
         labels.pop(LABEL_JOB, None)
         labels[LABEL_POOL] = self.owner
