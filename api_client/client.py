@@ -46,7 +46,7 @@ from executor.store import (
     encode_cursor,
     open_store,
 )
-from worker import redis_conn
+from worker import lua, redis_conn
 from worker.fair import FairQueue, Waiting, user_cap
 from worker.job.cancel import CancelWatch
 from worker.protocol import (
@@ -85,33 +85,9 @@ SETTLE_EVERY_S = 5.0
 #: redis.asyncio connections per API process (waiting test calls hold one each, briefly)
 ASYNC_REDIS_CONNECTIONS = 1000
 
-# A sliding window of one minute, atomically: drop calls older than the window, count the
-# rest, admit and record this call only when under the limit; otherwise say when the
-# oldest call leaves the window. Redis's own clock, so every API process agrees.
-#: The step both scripts that count a call share (this one, and the HTTP route's admission
-#: with its in-flight slot: api_client.http.inflight): with ``rate_key``, ``rate_limit``,
-#: ``window_us``, ``now_us`` and ``token`` set, returns {0, us} when over the limit (the
-#: oldest call leaves the window in ``us``), else records the call and goes on.
-RATE_STEP_LUA = """
-redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', now_us - window_us)
-if redis.call('ZCARD', rate_key) >= rate_limit then
-  local oldest = redis.call('ZRANGE', rate_key, 0, 0, 'WITHSCORES')
-  return {0, tonumber(oldest[2]) + window_us - now_us}
-end
-redis.call('ZADD', rate_key, now_us, token)
-redis.call('PEXPIRE', rate_key, math.floor(window_us / 1000) + 1000)
-"""
-
-_RATE_LUA = (
-    """
-local rate_key, token = KEYS[1], ARGV[3]
-local rate_limit, window_us = tonumber(ARGV[1]), tonumber(ARGV[2])
-local t = redis.call('TIME')
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-"""
-    + RATE_STEP_LUA
-    + "return {1, 0}\n"
-)
+#: an editor test call's admission (api_client/admit.lua: the per-minute rate, and the HTTP
+#: route's in-flight slot: api_client.http.inflight)
+ADMIT_LUA = lua.source(__package__, "admit.lua")
 
 
 def rate_limited(user: str, limit: int, wait_us: int) -> RateLimited:
@@ -188,7 +164,7 @@ class CodeClient:
         self._aworkers: AsyncWorkerRegistry | None = None  # on async_redis (the API's loop)
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
         self._blocking = redis_conn.client(settings, block_s=WAIT_SLICE_S)
-        self._rate = self.redis.register_script(_RATE_LUA)
+        self._rate = self.redis.register_script(ADMIT_LUA)
         self._app: Any = None
         self._aredis: Any = None
         self._aredis_loop: asyncio.AbstractEventLoop | None = None

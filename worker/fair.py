@@ -9,7 +9,8 @@ worker.broker composes) puts that message on the user's waiting list in Redis in
 as the real Celery messages they are; from there the worker consumes, claims and
 acknowledges exactly as before.
 
-The state (keys in worker.protocol, all changed by the scripts below and nothing else):
+The state (keys in worker.protocol, all changed by the script worker/fair.lua and nothing
+else):
 
 * ``studio:fair:wait:<user>``: the user's waiting job ids, oldest first; the message of
   each in the hash ``studio:fair:messages``, its user in ``studio:fair:jobs``;
@@ -28,7 +29,7 @@ How much is released: ``code.run`` may hold as many messages as the live workers
 worker prefetches one message per slot, so that is one message for every slot that frees,
 and a run of a new user waits behind at most that many messages plus the running jobs.
 
-Who releases: the API at submit (the enqueue script releases in the same call, so a run
+Who releases: the API at submit (the script's enqueue releases in the same call, so a run
 with room goes to ``code.run`` with no added latency), the pool process when a job ends
 (after its result is stored, before its message is acknowledged, so the freed slot finds
 the next message), and each worker's main process every FAIR_RELEASE_INTERVAL_S
@@ -51,6 +52,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
 from executor.settings import Settings
+from worker import lua
 from worker.protocol import (
     FAIR_BACKLOG_KEY,
     FAIR_CAPPED_KEY,
@@ -77,7 +79,7 @@ RELEASE_MAX = 500
 #: users meta and /metrics rank by runs waiting
 TOP_USERS = 5
 
-#: every script's KEYS, in this order (the user lists are FAIR_WAIT_PREFIX + user)
+#: the script's KEYS, in this order (the user lists are FAIR_WAIT_PREFIX + user)
 KEYS = (
     QUEUE_RUN,
     workers_key(QUEUE_RUN),
@@ -92,192 +94,8 @@ KEYS = (
     FAIR_BACKLOG_KEY,
 )
 
-# ARGV[1] the wait-list prefix, ARGV[2] the per-user cap (0: none), ARGV[3] FAIR_MIN_AHEAD,
-# ARGV[4] most runs to release; the script's own arguments follow.
-_COMMON_LUA = """
-local Q, WORKERS, USERS, CAPPED, JOBS, MSGS, HELD, HELD_N, COUNTS, CLOCK, BACKLOG = unpack(KEYS)
-local WAIT = ARGV[1]
-local CAP = tonumber(ARGV[2])
-local MIN_AHEAD = tonumber(ARGV[3])
-local MAX_RELEASE = tonumber(ARGV[4])
-
-local function clock()
-  return tonumber(redis.call('GET', CLOCK) or '0')
-end
-
-local function held_by(user)
-  return tonumber(redis.call('HGET', HELD_N, user) or '0')
-end
-
-local function at_cap(user)
-  return CAP > 0 and held_by(user) >= CAP
-end
-
--- the run slots of the live, serving workers of code.run (their heartbeats)
-local function live_slots()
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  local total = 0
-  local all = redis.call('HGETALL', WORKERS)
-  for j = 2, #all, 2 do
-    local ok, e = pcall(cjson.decode, all[j])
-    if ok and type(e) == 'table' and e['state'] == 'serving'
-        and (tonumber(e['expires_at']) or 0) > now then
-      total = total + (tonumber(e['slots']) or 0)
-    end
-  end
-  return total
-end
-
--- a run leaves its user's list (released or forgotten): the counts follow
-local function unlisted(job, user)
-  redis.call('HDEL', JOBS, job)
-  redis.call('HDEL', MSGS, job)
-  redis.call('RPOP', BACKLOG)
-  if tonumber(redis.call('ZINCRBY', COUNTS, -1, user)) <= 0 then
-    redis.call('ZREM', COUNTS, user)
-  end
-end
-
-local function release()
-  if CAP <= 0 then  -- no cap (any more): parked users take their turns again
-    local parked = redis.call('HGETALL', CAPPED)
-    for j = 1, #parked, 2 do
-      redis.call('ZADD', USERS, tonumber(parked[j + 1]), parked[j])
-    end
-    if #parked > 0 then redis.call('DEL', CAPPED) end
-  end
-  local room = math.max(MIN_AHEAD, live_slots()) - redis.call('LLEN', Q)
-  if room > MAX_RELEASE then room = MAX_RELEASE end
-  local n = 0
-  while n < room do
-    local top = redis.call('ZRANGE', USERS, 0, 0, 'WITHSCORES')
-    if #top == 0 then break end
-    local user, vt = top[1], tonumber(top[2])
-    local list = WAIT .. user
-    local job = redis.call('LPOP', list)
-    if job then
-      local msg = redis.call('HGET', MSGS, job)
-      unlisted(job, user)
-      if msg then
-        redis.call('LPUSH', Q, msg)
-        redis.call('HSET', HELD, job, user)
-        redis.call('HINCRBY', HELD_N, user, 1)
-        n = n + 1
-      end
-      redis.call('SET', CLOCK, vt)
-    end
-    if redis.call('LLEN', list) == 0 then
-      redis.call('ZREM', USERS, user)
-    elseif at_cap(user) then
-      redis.call('ZREM', USERS, user)
-      redis.call('HSET', CAPPED, user, vt + 1)
-    else
-      redis.call('ZADD', USERS, vt + 1, user)
-    end
-  end
-  return n
-end
-"""
-
-# ARGV[5] job id, ARGV[6] user, ARGV[7] the kombu message. Returns the runs released.
-_ENQUEUE_LUA = (
-    _COMMON_LUA
-    + """
-local job, user, msg = ARGV[5], ARGV[6], ARGV[7]
--- once per job (waiting or released): kombu's publish retry may put one message twice
-if redis.call('HEXISTS', HELD, job) == 0 and redis.call('HSETNX', JOBS, job, user) == 1 then
-  redis.call('HSET', MSGS, job, msg)
-  redis.call('ZINCRBY', COUNTS, 1, user)
-  redis.call('LPUSH', BACKLOG, '1')
-  if redis.call('RPUSH', WAIT .. user, job) == 1 then
-    if at_cap(user) then
-      redis.call('HSET', CAPPED, user, clock())
-    else
-      redis.call('ZADD', USERS, clock(), user)
-    end
-  end
-end
-return release()
-"""
-)
-
-# ARGV[5..] job ids whose job ended (their cap slot is free). Returns the runs released.
-_ENDED_LUA = (
-    _COMMON_LUA
-    + """
-for i = 5, #ARGV do
-  local job = ARGV[i]
-  local user = redis.call('HGET', HELD, job)
-  if user then
-    redis.call('HDEL', HELD, job)
-    local left = redis.call('HINCRBY', HELD_N, user, -1)
-    if left <= 0 then redis.call('HDEL', HELD_N, user); left = 0 end
-    local parked = redis.call('HGET', CAPPED, user)
-    if parked and (CAP <= 0 or left < CAP) then
-      redis.call('HDEL', CAPPED, user)
-      redis.call('ZADD', USERS, math.max(tonumber(parked), clock()), user)
-    end
-  end
-end
-return release()
-"""
-)
-
-# ARGV[5..] job ids taken off their user's list (cancelled, ended while waiting). Returns
-# how many were on a list.
-_FORGET_LUA = (
-    _COMMON_LUA
-    + """
-local n = 0
-for i = 5, #ARGV do
-  local job = ARGV[i]
-  local user = redis.call('HGET', JOBS, job)
-  if user then
-    local list = WAIT .. user
-    redis.call('LREM', list, 1, job)
-    unlisted(job, user)
-    if redis.call('LLEN', list) == 0 then
-      redis.call('ZREM', USERS, user)
-      redis.call('HDEL', CAPPED, user)
-    end
-    n = n + 1
-  end
-end
-return n
-"""
-)
-
-# ARGV[5] job id. Returns {} when it is on no list, else {user, runs of the user ahead,
-# users whose turn comes first (-1: the user is at its cap), users waiting}.
-_WHERE_LUA = (
-    _COMMON_LUA
-    + """
-local job = ARGV[5]
-local user = redis.call('HGET', JOBS, job)
-if not user then return {} end
-local pos = redis.call('LPOS', WAIT .. user, job) or 0
-local rank = redis.call('ZRANK', USERS, user)
-if not rank then rank = -1 end
-return {user, pos, rank, redis.call('ZCARD', USERS) + redis.call('HLEN', CAPPED)}
-"""
-)
-
-# ARGV[5] how many users to rank. Returns {runs waiting, users waiting, runs held,
-# user, waiting, held, user, waiting, held, ...} for the users with the most runs waiting.
-_STATS_LUA = (
-    _COMMON_LUA
-    + """
-local top = redis.call('ZREVRANGE', COUNTS, 0, tonumber(ARGV[5]) - 1, 'WITHSCORES')
-local out = {redis.call('HLEN', JOBS), redis.call('ZCARD', COUNTS), redis.call('HLEN', HELD)}
-for j = 1, #top, 2 do
-  table.insert(out, top[j])
-  table.insert(out, tonumber(top[j + 1]))
-  table.insert(out, held_by(top[j]))
-end
-return out
-"""
-)
+#: the script (worker/fair.lua): one operation per call, named in its arguments (``_args``)
+SCRIPT = lua.source(__package__, "fair.lua")
 
 
 @dataclass(frozen=True)
@@ -341,67 +159,62 @@ def _text(value: Any) -> str:
 
 
 def user_cap(settings: Settings) -> int:
-    """The per-user cap the scripts apply (0: none; fairness off: none)."""
+    """The per-user cap the script applies (0: none; fairness off: none)."""
     return settings.queue_run_user_slots if settings.queue_run_fairness == "users" else 0
 
 
 class FairQueue:
-    """The scripts above on one Redis client. Every method raises redis.RedisError when
-    Redis cannot be reached."""
+    """worker/fair.lua's operations on one Redis client. Every method raises
+    redis.RedisError when Redis cannot be reached."""
 
     def __init__(self, client: redis.Redis, cap: int) -> None:
         self.client = client
         self.cap = cap
-        self._enqueue = client.register_script(_ENQUEUE_LUA)
-        self._ended = client.register_script(_ENDED_LUA)
-        self._forget = client.register_script(_FORGET_LUA)
-        self._where = client.register_script(_WHERE_LUA)
-        self._stats = client.register_script(_STATS_LUA)
-        self._release = client.register_script(_COMMON_LUA + "\nreturn release()\n")
+        self._script = client.register_script(SCRIPT)
 
-    def _args(self, *more: Any) -> list[Any]:
-        return [FAIR_WAIT_PREFIX, self.cap, FAIR_MIN_AHEAD, RELEASE_MAX, *more]
+    def _args(self, op: str, *more: Any) -> list[Any]:
+        """The script's arguments for the operation ``op`` (worker/fair.lua's ``ops``)."""
+        return [FAIR_WAIT_PREFIX, self.cap, FAIR_MIN_AHEAD, RELEASE_MAX, op, *more]
+
+    def _run(self, op: str, *more: Any, client: Any = None) -> Any:
+        return self._script(keys=KEYS, args=self._args(op, *more), client=client or self.client)
 
     def enqueue(self, job_id: str, user: str, message: str, client: Any = None) -> int:
         """Put a run's message on its user's list, then release what has room (returns
         how many runs went to code.run)."""
-        return int(
-            self._enqueue(
-                keys=KEYS, args=self._args(job_id, user, message), client=client or self.client
-            )
-        )
+        return int(self._run("enqueue", job_id, user, message, client=client))
 
     def release(self) -> int:
         """Move waiting runs into code.run, in turns, while it has room."""
-        return int(self._release(keys=KEYS, args=self._args()))
+        return int(self._run("release"))
 
     def ended(self, job_ids: list[str]) -> int:
         """These jobs ended: their user's cap slots are free. Then release."""
-        return int(self._ended(keys=KEYS, args=self._args(*job_ids)))
+        return int(self._run("ended", *job_ids))
 
     def add_ended(self, pipe: Any, job_ids: list[str]) -> None:
         """``ended`` added to a pipeline the job's end shares (EVALSHA only: a pipeline
         given the script object would first ask SCRIPT EXISTS, a round trip of its own).
         The reply is a NoScriptError when this Redis has not loaded the script yet (new,
         restarted, failed over): ``ended`` then loads it."""
-        pipe.evalsha(self._ended.sha, len(KEYS), *KEYS, *self._args(*job_ids))
+        pipe.evalsha(self._script.sha, len(KEYS), *KEYS, *self._args("ended", *job_ids))
 
     def forget(self, job_ids: list[str]) -> int:
         """Take runs off their users' lists (cancelled or ended while waiting there)."""
         if not job_ids:
             return 0
-        return int(self._forget(keys=KEYS, args=self._args(*job_ids)))
+        return int(self._run("forget", *job_ids))
 
     def where(self, job_id: str) -> Waiting | None:
         """Where ``job_id`` waits, when it is on a user's list (None: it is not)."""
-        reply = self._where(keys=KEYS, args=self._args(job_id))
+        reply = self._run("where", job_id)
         if not reply:
             return None
         user, position, rank, users = reply
         return Waiting(_text(user), int(position), None if int(rank) < 0 else int(rank), int(users))
 
     def stats(self, top: int = TOP_USERS) -> FairStats:
-        reply = self._stats(keys=KEYS, args=self._args(max(1, top)))
+        reply = self._run("stats", max(1, top))
         waiting, users, held, *rest = reply
         loads = tuple(
             UserLoad(_text(rest[i]), int(rest[i + 1]), int(rest[i + 2]))

@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from api_client.client import RATE_STEP_LUA, RATE_WINDOW_S, rate_limited
+from api_client.client import ADMIT_LUA, RATE_WINDOW_S, rate_limited
 from executor.errors import RateLimited, RuntimeUnavailable
 from worker.protocol import in_flight_key, rate_key
 
@@ -31,31 +31,6 @@ RETRY_AFTER_S = 2
 
 #: releases under way (a task the loop holds only weakly must be held here)
 _RELEASING: set[asyncio.Task[None]] = set()
-
-#: an editor test call's admission in ONE round trip: a slot of the user's waiting calls
-#: (STUDIO_CODE_TEST_IN_FLIGHT, checked first) and a place in the user's
-#: last minute of calls (STUDIO_CODE_TEST_PER_MINUTE: api_client.client's RATE_STEP_LUA).
-#: {1, 0}: admitted; {2, 0}: too many waiting; {0, us}: over the rate, free in ``us``.
-_ADMIT_LUA = (
-    """
-local t = redis.call('TIME')
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local key, rate_key, token = KEYS[1], KEYS[2], ARGV[3]
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-if redis.call('ZCARD', key) >= tonumber(ARGV[1]) then
-  return {2, 0}
-end
-local rate_limit, window_us = tonumber(ARGV[4]), tonumber(ARGV[5])
-"""
-    + RATE_STEP_LUA
-    + """
-redis.call('ZADD', key, now + tonumber(ARGV[2]), token)
-local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-redis.call('PEXPIRE', key, tonumber(last[2]) - now + 1000)
-return {1, 0}
-"""
-)
 
 
 @dataclass(frozen=True)
@@ -83,17 +58,17 @@ class InFlight:
         ``release(..., refund=True)``."""
         script = self._admit
         if script is None or script.registered_client is not aredis:
-            script = self._admit = aredis.register_script(_ADMIT_LUA)
+            script = self._admit = aredis.register_script(ADMIT_LUA)
         slot = Slot(in_flight_key(user), uuid.uuid4().hex, rate_key(user))
         try:
             admitted, wait_us = await script(
-                keys=[slot.key, slot.rate_key],
+                keys=[slot.rate_key, slot.key],  # api_client/admit.lua, with a slot
                 args=[
-                    self.limit,
-                    math.ceil(hold_s * 1000),
-                    slot.token,
                     per_minute,
                     RATE_WINDOW_S * 1_000_000,
+                    slot.token,
+                    self.limit,
+                    math.ceil(hold_s * 1000),
                 ],
             )
         except redis.RedisError as e:

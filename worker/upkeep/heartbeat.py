@@ -28,6 +28,7 @@ from typing import Any
 import redis
 from celery import bootsteps
 
+from worker import lua
 from worker.context import context_of, studio_app
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, heartbeat_ttl_s, workers_key
 from worker.upkeep.loop import Supervised
@@ -37,51 +38,9 @@ log = logging.getLogger("studio_code.worker")
 SERVING = "serving"
 PAUSED = "paused"
 
-# KEYS: the workers hash of each queue; ARGV: nodename, ttl_s, then one JSON entry per key.
-# Stamps the entries with Redis's clock, drops fields that expired, keeps the hash alive as
-# long as its longest-lived worker.
-_BEAT_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local ttl = tonumber(ARGV[2])
-for i, key in ipairs(KEYS) do
-  local entry = cjson.decode(ARGV[2 + i])
-  entry['seen_at'] = now
-  entry['expires_at'] = now + ttl
-  redis.call('HSET', key, ARGV[1], cjson.encode(entry))
-  local all = redis.call('HGETALL', key)
-  for j = 1, #all, 2 do
-    local ok, e = pcall(cjson.decode, all[j + 1])
-    if not ok or type(e) ~= 'table' or (tonumber(e['expires_at']) or 0) <= now then
-      redis.call('HDEL', key, all[j])
-    end
-  end
-  if redis.call('TTL', key) < ttl + 1 then
-    redis.call('EXPIRE', key, math.ceil(ttl) + 1)
-  end
-end
-return 1
-"""
-
-# KEYS: the workers hash of each queue. Returns {now, entries of key 1, entries of key 2, ...}
-# with only the entries that have not expired. Read-only.
-_READ_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local out = {tostring(now)}
-for i, key in ipairs(KEYS) do
-  local all = redis.call('HGETALL', key)
-  local live = {}
-  for j = 1, #all, 2 do
-    local ok, e = pcall(cjson.decode, all[j + 1])
-    if ok and type(e) == 'table' and (tonumber(e['expires_at']) or 0) > now then
-      table.insert(live, all[j + 1])
-    end
-  end
-  out[i + 1] = live
-end
-return out
-"""
+#: the scripts (worker/upkeep/heartbeat_beat.lua, heartbeat_read.lua: what they take and return)
+_BEAT_LUA = lua.source(__package__, "heartbeat_beat.lua")
+_READ_LUA = lua.source(__package__, "heartbeat_read.lua")
 
 
 @dataclass(frozen=True)
