@@ -18,7 +18,7 @@ import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from executor.docker_api import shared_api
-from executor.errors import RuntimeUnavailable
+from executor.errors import InfrastructureLost, RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes.base import (
@@ -55,6 +55,9 @@ class DockerRuntime(Runtime):
     name = "docker"
     isolated = True
     service = "docker"
+    #: no network, no host files, nothing kept after the call: a run the infrastructure
+    #: killed runs again elsewhere without harm
+    rerun_safe = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -224,7 +227,13 @@ class DockerRuntime(Runtime):
         *,
         should_cancel: CancelCheck | None = None,
     ) -> RawRun:
-        api = self.api
+        try:
+            api = self.api
+        except InfrastructureLost:
+            raise
+        except RuntimeUnavailable as e:
+            # nothing started: the engine is away (a restart, a host that lost it)
+            raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, e.message) from e
         if self._leftovers and self.pool is None:  # the pool's remover retries them itself
             self.retry_leftovers()
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
@@ -267,8 +276,14 @@ class DockerRuntime(Runtime):
                 f"The image {policy['image']} is missing: build it with `make image`."
             ) from e
         except APIError as e:
+            if e.is_server_error():
+                raise InfrastructureLost(
+                    InfrastructureLost.ENGINE_ERROR, f"the engine failed to create the sandbox: {e}"
+                ) from e
             if e.status_code != 409:
                 raise RuntimeUnavailable(f"Docker refused to create the sandbox: {e}") from e
+        except requests.exceptions.ConnectionError as e:
+            raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
         # A container of this job already exists: a redelivery after a crash. It must not
         # run twice, so the old one goes first.
         self.kill(job_id)
