@@ -206,9 +206,14 @@ def exit_state(api: docker.APIClient, cid: str, deadline: float) -> tuple[int | 
     oom = False
     if code == 137:  # only a SIGKILL can be the OOM killer's
         try:
-            oom = bool(api.inspect_container(cid)["State"].get("OOMKilled"))
+            state = api.inspect_container(cid)["State"]
         except NotFound:
-            pass
+            state = {"Status": "removing"}
+        if state.get("Status") in ("removing", "dead") or state.get("Dead"):
+            # killed by a removal from outside (a `docker rm -f`, a cancel by label: the
+            # engine marks it before its kill): the caller asks whether it was a cancel
+            return None, False, "eof"
+        oom = bool(state.get("OOMKilled"))
     return code, oom, "eof"
 
 
