@@ -7,7 +7,8 @@ sandbox vanished, its stream or its wait broke), the outcome is never the code's
 * a runtime whose re-run is harmless (``Runtime.rerun_safe``: docker, no network, no host
   files, nothing kept) hands the job back while it has attempts left (MAX_ATTEMPTS, the
   bound of every redelivery): the cause is pushed to ``studio:lost:<job_id>`` first, the
-  worker steps aside when its runtime is unhealthy now (the gate), and the next attempt,
+  main process probes the runtime at once (the gate: the worker steps aside while it is
+  unhealthy), and the next attempt,
   on whichever worker takes it, reads the causes and puts a ``job.rerun`` row first in
   its trace. The result is written once, by the attempt that ends it.
 * otherwise (the subprocess runtime: the code reaches the network and host files, a re-run

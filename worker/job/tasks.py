@@ -414,17 +414,14 @@ def _lost(
 ) -> CodeResult:
     """The infrastructure killed this run's sandbox (worker.job.rerun): hand the job back
     to run again elsewhere while the runtime's re-run is harmless and attempts are left
-    (this worker steps aside first when its runtime is unhealthy now); else the result, its
-    message naming every cause."""
+    (the main process probes the runtime at once: this worker steps aside while it is
+    unhealthy); else the result, its message naming every cause."""
     runtime = state.executor.runtime
     if runtime is not None and runtime.rerun_safe and rec.attempts < MAX_ATTEMPTS:
         rerun.record(state.redis, rec.job_id, rec.attempts, cause, worker)
-        try:
-            reason = runtime.health_problem()
-        except Exception as e:  # noqa: BLE001
-            reason = str(e)
-        if reason is not None:
-            gate.report(gate.RUNTIME, reason)  # the gate closes: this worker steps aside
+        # No engine call here: an engine starting again accepts connections before it
+        # answers (a ping waited 15 s for it, measured); the gate's probe asks instead.
+        gate.report(gate.RUNTIME, f"a sandbox was lost to the infrastructure ({cause})")
         log.error(
             "job %s handed back to run again (attempt %d of %d): its sandbox was lost to "
             "the infrastructure (%s)",

@@ -249,6 +249,7 @@ class DockerRuntime(Runtime):
         t0 = time.monotonic()
         cid = self._create(api, policy, job.job_id)
         sock = None
+        lost = False
         try:
             with sandbox_failures(job.job_id):
                 sock = api.attach_socket(
@@ -261,11 +262,17 @@ class DockerRuntime(Runtime):
                 return run_attached(
                     api, cid, raw, payload, limits, should_cancel, started=started, t0=t0
                 ).run
+        except InfrastructureLost:
+            lost = True
+            raise
         finally:
             if sock is not None:
                 getattr(sock, "_sock", sock).close()  # SocketIO.close leaves the socket open
                 sock.close()
-            self.remove_surely(api, cid)
+            if lost:
+                self.leave(cid)
+            else:
+                self.remove_surely(api, cid)
 
     def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> str:
         name = container_name(job_id)
@@ -301,6 +308,13 @@ class DockerRuntime(Runtime):
             except (APIError, requests.exceptions.RequestException) as e:
                 log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12], attempt + 1, e)
                 time.sleep(0.2 * (attempt + 1))
+        with self._lock:
+            self._leftovers.add(cid)
+
+    def leave(self, cid: str) -> None:
+        """A sandbox the infrastructure took (its engine away, restarting or gone): removed
+        later by ``retry_leftovers``, never on its job's path (a removal that waits for an
+        engine coming back held the job's hand-back 15 s, measured)."""
         with self._lock:
             self._leftovers.add(cid)
 
