@@ -114,9 +114,12 @@ class InfrastructureLost(RuntimeUnavailable):
     ENGINE_ERROR = "engine_error"
     CAUSES = (ENGINE_UNREACHABLE, ENGINE_STOPPING, SANDBOX_VANISHED, STREAM_BROKEN, ENGINE_ERROR)
 
-    def __init__(self, cause: str, detail: str) -> None:
+    def __init__(self, cause: str, detail: str, *, message: str | None = None) -> None:
+        """``message``: the sentence, when the sandbox never started (the engine was away
+        before it): nothing was lost, the runtime's own words say why."""
         super().__init__(
-            f"The job's sandbox was lost to the infrastructure, not to its code ({cause}: "
+            message
+            or f"The job's sandbox was lost to the infrastructure, not to its code ({cause}: "
             f"{detail}). Check the Docker engine (docker info, its log); the job can be run "
             "again as it is."
         )

@@ -233,7 +233,9 @@ class DockerRuntime(Runtime):
             raise
         except RuntimeUnavailable as e:
             # nothing started: the engine is away (a restart, a host that lost it)
-            raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, e.message) from e
+            raise InfrastructureLost(
+                InfrastructureLost.ENGINE_UNREACHABLE, e.message, message=e.message
+            ) from e
         if self._leftovers and self.pool is None:  # the pool's remover retries them itself
             self.retry_leftovers()
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
