@@ -57,3 +57,40 @@ def test_code_that_exits_137_itself_is_still_the_codes(executor: Any) -> None:
     assert r.error.code == "CODE_ERROR", r.error
     assert "exit status 137" in r.error.message, r.error
     assert [t.step for t in r.trace] == ["sandbox.start", "code.run"]
+
+
+@pytest.mark.redis
+def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
+    queue_env: Any, docker_client: Any
+) -> None:
+    """One worker; the job's sandbox is removed from outside on each attempt (`docker rm -f`
+    of the test's own container): it is handed back and runs again, twice, then ends
+    ``failed`` RUNTIME_UNAVAILABLE with every cause named, attempts 3 (MAX_ATTEMPTS), never
+    a CODE_* outcome; its trace begins with the re-run row."""
+    from worker.protocol import MAX_ATTEMPTS
+
+    q = queue_env(code_concurrency=1)
+    q.start_worker("lost", concurrency=1)
+    job = q.client.submit(SLEEPS, "python", {}, timeout_s=25)
+    removed: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not q.client.status(job).status.finished:
+        running = [
+            c
+            for c in docker_client.containers.list(filters={"name": f"studio-code-{job}"})
+            if c.id not in removed
+        ]
+        for c in running:
+            time.sleep(0.3)  # its code is sleeping now
+            c.remove(force=True)
+            removed.append(c.id)
+        time.sleep(0.05)
+    r = q.client.wait(job, 30)
+    print(f"\nremoved {len(removed)} sandboxes; {r.status.value} {r.attempts} {r.error}")
+    assert len(removed) == MAX_ATTEMPTS, removed
+    assert r.status.value == "failed" and r.error is not None, r
+    assert r.error.code == "RUNTIME_UNAVAILABLE", r.error
+    assert r.attempts == MAX_ATTEMPTS, r
+    assert r.error.message.count("sandbox_vanished") == MAX_ATTEMPTS, r.error.message
+    assert f"It was attempt {MAX_ATTEMPTS}, the last" in r.error.message, r.error.message
+    assert [t.step for t in r.trace] == ["job.rerun", "sandbox.lost"], r.trace

@@ -96,7 +96,8 @@ def exhausted(result: CodeResult, attempt: int, lost: list[dict[str, Any]]) -> C
     if result.error is None:
         return result
     causes = describe(lost)
-    message = f"{result.error.message} It was attempt {attempt}; the job is not run again" + (
-        f" (earlier: {causes})." if causes else "."
+    message = (
+        f"{result.error.message} It was attempt {attempt}, the last: the job is not run "
+        "again by itself" + (f" (earlier: {causes})." if causes else ".")
     )
     return result.model_copy(update={"error": result.error.model_copy(update={"message": message})})
