@@ -29,7 +29,12 @@ from executor.runtimes.base import (
     owner_dead,
     owner_id,
 )
-from executor.runtimes.docker.attached import docker_down, run_attached, sandbox_failures
+from executor.runtimes.docker.attached import (
+    docker_down,
+    engine_stopping,
+    run_attached,
+    sandbox_failures,
+)
 from executor.runtimes.docker.policy import (
     LABEL_DEADLINE,
     LABEL_JOB,
@@ -96,11 +101,15 @@ class DockerRuntime(Runtime):
         return language.image(self.settings)
 
     def health_problem(self) -> str | None:
+        """Asked on a fresh connection (``engine_stopping``): an engine shutting down still
+        answers on the connections kept alive from before, not on a new one; a ping on a
+        kept one said "healthy" while every new sandbox failed (measured in the soak)."""
         try:
-            self.api.ping()
-        except (DockerException, RuntimeUnavailable, OSError) as e:
-            return docker_down(e)
-        return None
+            api = self.api
+        except RuntimeUnavailable as e:
+            return e.message
+        down = engine_stopping(api)
+        return None if down is None else docker_down(RuntimeError(down))
 
     def pool_stats(self) -> dict[str, Any] | None:
         return self.pool.stats() if self.pool is not None else None
