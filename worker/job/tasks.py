@@ -309,7 +309,9 @@ def _hand_back(why: str) -> NoReturn:
 
 
 def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any = None) -> Outcome:
-    if gate.closed_in_child():
+    if gate.closed_in_child() or gate.pending_in_child():
+        # closed, or a failure reported here not probed yet: another worker (or this one
+        # once its gate decided) takes it, and no attempt is counted
         _hand_back(f"job {job_id} handed back: {gate.RUN_STORE} or runtime unavailable here")
     flagged: bool | None = None
     lost: list[dict[str, Any]] = []
