@@ -44,8 +44,11 @@ lock: ## re-resolve requirements.lock from pyproject.toml (LOCK_ARGS=--upgrade f
 	  --python-version 3.11 --extra http --extra dev --custom-compile-command 'make lock' \
 	  $(LOCK_ARGS) -o $(LOCK) pyproject.toml -
 
+# The repository's package lists (docker/studio-code/requirements.txt, docker/studio-code-ts/
+# deps.ts); IMAGE_ARGS='--python-packages "requests==2.32.*,pandas" --wheels DIR ...' builds
+# others (docs/operations.md, "Adding a package").
 image: $(STAMP) ## build studio-code:1 and studio-code-ts:1 (registry if reachable, else offline)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" docker/build.sh all
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/studio-code image build $(IMAGE_ARGS)
 
 demo: host install image ## run a sample Python node end to end in a fresh sandbox
 	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code run examples/hello.py --state-file examples/state.json

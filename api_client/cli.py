@@ -3,7 +3,7 @@
 Every outcome is one JSON object on stdout, refusals of the command line included (logs go
 to stderr). ``run`` (and a refused ``submit``) prints the run's object: ``job_id``,
 ``language``, ``status``, ``output``, ``error`` ({code, message} or null), ``logs``,
-``runtime``, ``code_runtime``, ``duration_ms``, ``warnings``, ``trace``... Any other
+``runtime``, ``code_runtime``, ``duration_ms``, ``warnings``, ``trace``, ``usage``... Any other
 command's refusal is ``{"ok": false, "command": ..., "error": {code, message}}``.
 
 Exit status: 0 only when the command did what was asked (``run``: status succeeded); 1 when
@@ -194,11 +194,48 @@ def cmd_validate(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if not problems else 1
 
 
-def cmd_meta(args: argparse.Namespace, settings: Settings) -> int:
-    from executor.meta import runtime_meta
-    from executor.service import Executor
+class _NoStoreYet:
+    """The run store ``meta`` reports when its SQLite file does not exist (nothing was ever
+    submitted to it): its URL, and no id, as the API shows a store it cannot read. Opening
+    it would create it, and ``meta`` changes nothing."""
 
-    meta = runtime_meta(Executor(settings), fresh=True)
+    def __init__(self, url: str, why: StudioCodeError) -> None:
+        from executor.store.sql import describe_url
+
+        self.url = describe_url(url)
+        self.why = why
+
+    def describe(self) -> str:
+        return self.url
+
+    @property
+    def store_id(self) -> str | None:
+        raise self.why
+
+    def close(self) -> None:
+        pass
+
+
+def cmd_meta(args: argparse.Namespace, settings: Settings) -> int:
+    """The document of GET /api/meta/runtime, built by the same code (``CodeClient.meta``)
+    from this process's settings: the run store, the workers and the fair share read from
+    STUDIO_REDIS_URL (``workers: {"error": ...}`` when Redis cannot be read, as the API
+    says it), the admin's view (``fairness.top`` names the users: whoever runs this has the
+    settings to read them). Asked fresh: each language's test program runs, and
+    ``engine.sandbox`` says what the kernel applied inside one sandbox."""
+    from typing import cast
+
+    from api_client.client import CodeClient
+    from executor.errors import StoreUnavailable
+    from executor.store import RunStore
+
+    try:
+        client = CodeClient(settings, create_store=False)  # reading creates nothing
+    except StoreUnavailable as e:
+        none = cast(RunStore, _NoStoreYet(settings.sqlalchemy_url, e))
+        client = CodeClient(settings, store=none)
+    with client:
+        meta = client.meta(fresh=True, names=True)
     _print(meta)
     return 0
 
@@ -234,12 +271,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     val.set_defaults(handler=cmd_validate)
 
-    meta = sub.add_parser("meta", help="what GET /api/meta/runtime reports")
+    meta = sub.add_parser(
+        "meta", help="what GET /api/meta/runtime reports (an admin's view), asked fresh"
+    )
     meta.set_defaults(handler=cmd_meta)
     _queue_commands(sub)
     _serve_command(sub)
     _sockguard_command(sub)
+    from api_client.image import add_image_command
+
+    add_image_command(sub, cmd_image)
     return p
+
+
+def cmd_image(args: argparse.Namespace, settings: Settings) -> int:
+    """``studio-code image build`` (api_client/image.py): the images built, or the refusal."""
+    from api_client.image import ImageRefused, build_images
+
+    try:
+        out = build_images(args, settings)
+    except ImageRefused as e:
+        status = "invalid" if e.exit_status == 2 else "failed"
+        _print(_refusal("image", e.code, e.message, status=status))
+        return e.exit_status
+    _print(out)
+    return 0
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:

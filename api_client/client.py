@@ -25,7 +25,7 @@ import redis
 from pydantic import BaseModel
 
 from api_client.live_logs import LogEvent
-from executor import inputs
+from executor import inputs, tracing
 from executor.errors import (
     CodeInvalid,
     ErrorCode,
@@ -47,7 +47,7 @@ from executor.store import (
     open_store,
 )
 from worker import redis_conn
-from worker.fair import FairQueue, Waiting, use_fair_transport, user_cap
+from worker.fair import FairQueue, Waiting, user_cap
 from worker.job.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
@@ -194,6 +194,7 @@ class CodeClient:
         self._aredis_loop: asyncio.AbstractEventLoop | None = None
         self._readers: ThreadPoolExecutor | None = None
         self._status_reads: _StatusReads | None = None
+        tracing.prepare()  # tracing on: the SDK loaded now, not on the first submit
 
     @property
     def app(self) -> Any:
@@ -201,9 +202,8 @@ class CodeClient:
         if self._app is None:
             from worker.glue.app import make_app
 
-            app = make_app(self.settings)
-            use_fair_transport(app, self.settings)
-            self._app = app
+            # the broker layer's transport for STUDIO_REDIS_URL, as the worker's
+            self._app = make_app(self.settings)
         return self._app
 
     # --- what may run ------------------------------------------------------------------
@@ -232,8 +232,9 @@ class CodeClient:
         with a sentence saying how to fix it."""
         self.executor.validate_node(language)
 
-    def meta(self, *, fresh: bool = False) -> dict[str, Any]:
-        """What GET /api/meta/runtime returns."""
+    def meta(self, *, fresh: bool = False, names: bool = False) -> dict[str, Any]:
+        """What GET /api/meta/runtime returns (and ``studio-code meta`` prints). ``names``:
+        the admin's view, where ``fairness.top`` names its users (else ranks only)."""
         from executor.meta import runtime_meta
 
         meta = runtime_meta(self.executor, fresh=fresh)
@@ -246,18 +247,19 @@ class CodeClient:
             meta["engine"]["workers"] = {i.nodename: i.engine for q in live.values() for i in q}
         except redis.RedisError as e:
             meta["workers"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
-        meta["fairness"] = self.fairness()
+        meta["fairness"] = self.fairness(names=names)
         return meta
 
-    def fairness(self) -> dict[str, Any]:
+    def fairness(self, *, names: bool = False) -> dict[str, Any]:
         """How code.run is shared (STUDIO_QUEUE_RUN_FAIRNESS, _USER_SLOTS) and the runs
-        waiting on the users' lists: how many, and the users with the most."""
+        waiting on the users' lists: how many, and the users with the most (by rank; their
+        ids only with ``names``)."""
         out: dict[str, Any] = {
             "mode": self.settings.queue_run_fairness,
             "user_slots": self.settings.queue_run_user_slots or None,
         }
         try:
-            out.update(self.fair.stats().as_dict())
+            out.update(self.fair.stats().as_dict(names=names))
         except redis.RedisError as e:
             out["error"] = f"Redis at STUDIO_REDIS_URL cannot be read: {e}"
         return out
@@ -386,6 +388,8 @@ class CodeClient:
         memory: str | int | None = None,
         cpus: float | None = None,
         rate_checked: bool = False,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
     ) -> str:
         """Queue one Code-node call; returns its job id.
 
@@ -398,9 +402,12 @@ class CodeClient:
         are what the node asks for, up to STUDIO_CODE_MAX_MEMORY / STUDIO_CODE_MAX_CPUS
         (over: CodeInvalid). ``rate_checked``: the caller has counted this test call
         against STUDIO_CODE_TEST_PER_MINUTE already (the HTTP route, with its in-flight
-        slot, in one round trip: api_client.http.inflight)."""
-        job = self._job(code, language, state, timeout_s, user, kind, memory, cpus)
-        return self.enqueue(job, rate_checked=rate_checked)
+        slot, in one round trip: api_client.http.inflight). ``traceparent`` (W3C, with its
+        ``tracestate``): the caller's trace, which the job's spans join when tracing is on
+        (executor.tracing; an unreadable one starts a trace of its own)."""
+        with tracing.submitting(traceparent, tracestate):
+            job = self._job(code, language, state, timeout_s, user, kind, memory, cpus)
+            return self.enqueue(job, rate_checked=rate_checked)
 
     def prepare(
         self,
@@ -420,10 +427,21 @@ class CodeClient:
         then queues the job with ``enqueue``."""
         return self._job(code, language, state, timeout_s, user, kind, memory, cpus)
 
-    def enqueue(self, job: CodeJob, *, rate_checked: bool = False) -> str:
+    def enqueue(
+        self,
+        job: CodeJob,
+        *,
+        rate_checked: bool = False,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> str:
         """The rest of ``submit`` for a job ``prepare`` made: the live-worker check, the
         editor test call's rate check (unless ``rate_checked``), the stored row, the
         message. Raises as ``submit`` does after its checks of the job."""
+        with tracing.submitting(traceparent, tracestate):
+            return self._enqueue(job, rate_checked)
+
+    def _enqueue(self, job: CodeJob, rate_checked: bool) -> str:
         kind, user = job.kind, job.user
         queue = queue_of(kind)
         self._check_served(queue)  # before the row: a refused job leaves nothing queued
@@ -432,8 +450,9 @@ class CodeClient:
         self.store.create(job, code_runtime=self.settings.code_runtime)
         headers = job_headers(self.store.store_id, self.store.describe())
         if queue == QUEUE_RUN and self.fair_users:
-            # the API's broker channel puts it on the user's list (worker.fair.Channel)
+            # the broker channel puts it on the user's list (worker.fair.FairChannel)
             headers[HEADER_FAIR_USER] = user
+        tracing.message_headers(headers, job, self.settings.code_runtime)  # when traced
         try:
             self.app.send_task(
                 TASK_NAME,
@@ -492,6 +511,20 @@ class CodeClient:
         return self.store.get(rec.job_id, inputs=False) or rec
 
     def wait(
+        self,
+        job_id: str,
+        timeout_s: float | None = None,
+        *,
+        submitted: bool = False,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> JobRecord:
+        """``_wait``; given the caller's ``traceparent``, in a span of its trace (when
+        tracing is on)."""
+        with tracing.waiting(job_id, traceparent, tracestate) as span:
+            return tracing.waited(span, self._wait(job_id, timeout_s, submitted=submitted))
+
+    def _wait(
         self, job_id: str, timeout_s: float | None = None, *, submitted: bool = False
     ) -> JobRecord:
         """The job once it has finished, or as it is after ``timeout_s`` (check
@@ -557,6 +590,20 @@ class CodeClient:
         return self._aredis
 
     async def wait_async(
+        self,
+        job_id: str,
+        timeout_s: float | None = None,
+        *,
+        submitted: bool = False,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> JobRecord:
+        """``_wait_async``; given the caller's ``traceparent``, in a span of its trace."""
+        with tracing.waiting(job_id, traceparent, tracestate) as span:
+            rec = await self._wait_async(job_id, timeout_s, submitted=submitted)
+            return tracing.waited(span, rec)  # type: ignore[no-any-return]
+
+    async def _wait_async(
         self, job_id: str, timeout_s: float | None = None, *, submitted: bool = False
     ) -> JobRecord:
         """``wait`` for an event loop: holds no thread while it waits. BLMOVE on the done

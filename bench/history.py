@@ -33,7 +33,7 @@ def fill(url: str, rows: int) -> None:
     from sqlalchemy import insert
 
     from executor.store import SqlRunStore, open_store
-    from executor.store.sql import jobs
+    from executor.store.schema import jobs
 
     store = open_store(url)
     assert isinstance(store, SqlRunStore)

@@ -3,7 +3,9 @@ a cgroup of its own, with a uid but no cgroup, against the same runner spawned b
 Under a non-root server (issue 22): a run in namespaces of its own against one without
 (STUDIO_CODE_SUBPROCESS_NAMESPACES=off), and both against the runner spawned bare.
 Issue 21: the same node with pre-started runners (STUDIO_CODE_PREWARM) against the runner
-spawned bare. Interleaved in one run, so each side sees the same machine noise.
+spawned bare. Issue 30: runs under Landlock against runs without
+(STUDIO_CODE_SUBPROCESS_LANDLOCK=off), cold and pre-started. Interleaved in one run, so each
+side sees the same machine noise.
 
     python -m bench.isolation [--n 30]
 """
@@ -38,22 +40,37 @@ def main() -> None:
             enable_code_nodes=True, code_runtime="subprocess", code_languages="python", **less
         )
     )
-    prestarted = Executor(
+    no_landlock = {"code_subprocess_landlock": "off"}
+    unlocked = Executor(
         load_settings(
             enable_code_nodes=True,
             code_runtime="subprocess",
             code_languages="python",
-            code_prewarm=1,
+            **no_landlock,
         )
     )
-    prestarted.prepare()
-    assert prestarted.runtime is not None and prestarted.runtime.pool is not None
-    assert prestarted.runtime.pool.wait_ready(30)
+    prestarted, prestarted_unlocked = (
+        Executor(
+            load_settings(
+                enable_code_nodes=True,
+                code_runtime="subprocess",
+                code_languages="python",
+                code_prewarm=1,
+                **extra,
+            )
+        )
+        for extra in ({}, no_landlock)
+    )
+    for ex in (prestarted, prestarted_unlocked):
+        ex.prepare()
+        assert ex.runtime is not None and ex.runtime.pool is not None
+        assert ex.runtime.pool.wait_ready(30)
     iso = full.runtime.isolation  # type: ignore[union-attr]
     print(
         f"# bench.isolation: n={n} per side, interleaved; p50 / p95 in ms; server uid "
         f"{os.getuid()}, separate uids {iso['separate_uids']}, cgroup {iso['cgroup']}, "
-        f"namespaces {iso['namespaces']} ({iso['namespaces_reason']})"
+        f"namespaces {iso['namespaces']} ({iso['namespaces_reason']}), Landlock ABI "
+        f"{iso['landlock_abi']} ({iso['landlock_reason']})"
     )
 
     def via(ex: Executor) -> Callable[[], object]:
@@ -72,10 +89,22 @@ def main() -> None:
 
     # the pre-started side runs right after the bare runner: its replacement's start (off
     # its path) overlaps the next round's first side, never the floor
-    a, b, c, d = interleave(n, [via(full), via(lesser), bare_runner, via(prestarted)])
+    a, b, c, d, e, f = interleave(
+        n,
+        [
+            via(full),
+            via(lesser),
+            bare_runner,
+            via(prestarted),
+            via(unlocked),
+            via(prestarted_unlocked),
+        ],
+    )
+    assert prestarted.runtime is not None
     stats = prestarted.runtime.pool_stats() or {}
     hits = stats.get("languages", {}).get("python", {}).get("hits", 0)
     prestarted.close()
+    prestarted_unlocked.close()
     print("| what | p50 / p95 | floor p50 / p95 | ratio, delta |")
     print("|---|---|---|---|")
     if os.getuid() == 0:
@@ -88,6 +117,8 @@ def main() -> None:
         print(row("non-root, own namespaces vs no namespaces", a, b, None))
     print(row(f"pre-started runners ({hits}/{n + 2} hits) vs the runner spawned bare", d, c, None))
     print(row("pre-started runners vs cold runners, same isolation", d, a, None))
+    print(row("Landlock vs none, cold runners", a, e, None))
+    print(row("Landlock vs none, pre-started runners", d, f, None))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@
 #
 # Environment: STUDIO_PULL_TIMEOUT, STUDIO_DEBIAN_MIRROR, STUDIO_DEBIAN_SUITE (trixie),
 # STUDIO_APP_IMAGE (studio-code-app:1), PIP_INDEX_URL (passed to the app build),
+# STUDIO_APP_EXTRAS (the project's extras in the app image: http; http,otel for traces),
 # STUDIO_SERVICE_TAG (the offline images' tag: 1), STUDIO_BUILD_CA_FILE (the CA bundle pip
 # trusts in the app build; default: $PIP_CERT, else the host's ca-certificates.crt),
 # STUDIO_REBUILD=1 (rebuild offline images that are present).
@@ -230,6 +231,7 @@ app() {
   local old; old=$(docker image inspect --format '{{.Id}}' "$APP_IMAGE" 2>/dev/null || true)
   docker build -q --force-rm "${net[@]}" -f "$HERE/Dockerfile" --build-arg BASE="$base" \
     ${PIP_INDEX_URL:+--build-arg PIP_INDEX_URL="$PIP_INDEX_URL"} \
+    ${STUDIO_APP_EXTRAS:+--build-arg EXTRAS="$STUDIO_APP_EXTRAS"} \
     --label studio.base="$base" -t "$APP_IMAGE" "$ctx" >&2
   # the previous build, now untagged: removed unless a container still uses it
   if [[ -n $old && $old != "$(docker image inspect --format '{{.Id}}' "$APP_IMAGE")" ]]; then

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from executor.packages import image_packages, packages_warning, shown_packages
 from executor.runtimes.docker.engine import sandbox_proof
 from executor.runtimes.docker.policy import TMPFS_SIZE
 from executor.runtimes.docker.seccomp import profile_sha256
@@ -25,11 +26,15 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         if offered:
             lang = executor.language(name)
             ready = executor.readiness(lang, fresh=fresh)
+            # the image's own list at its versions (its studio.packages label, modules.json)
+            found = image_packages(s, name)
             entry.update(
                 ready=ready.ready,
                 reason=ready.reason,
                 image=runtime.image(lang) if runtime is not None else None,
-                packages=lang.packages(s),
+                packages=shown_packages(s, name, found),
+                versions=dict(found.versions) if found is not None else {},
+                packages_warning=packages_warning(s, name, found),
             )
         else:
             entry.update(
@@ -37,6 +42,8 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
                 reason=f"{name} is not in STUDIO_CODE_LANGUAGES.",
                 image=None,
                 packages=[],
+                versions={},
+                packages_warning=None,
             )
         languages.append(entry)
     uid, gid = sandbox_ids()
@@ -112,6 +119,8 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         # (a worker's pool process; the API's process starts sandboxes cold).
         "pool": {
             "prewarm": s.code_prewarm,
+            # what a pre-started sandbox imports while it waits (STUDIO_CODE_PREIMPORT)
+            "preimport": s.code_preimport or None,
             "max_idle_s": s.code_prewarm_max_idle_s,
             "this_process": runtime.pool_stats() if runtime is not None else None,
         },

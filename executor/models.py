@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 from enum import StrEnum
@@ -100,6 +101,34 @@ class TraceRow(BaseModel):
     detail: str = ""
 
 
+def usage_on() -> bool:
+    """Whether runs measure their usage: STUDIO_CODE_USAGE=0 turns it off (usage null), for
+    the bench's with/without comparison and for an engine that refuses what it needs."""
+    return os.environ.get("STUDIO_CODE_USAGE", "1").strip().lower() not in ("0", "off", "false")
+
+
+UsageSource = Literal["cgroup-v2", "cgroup-v1", "rusage"]
+
+
+class Usage(BaseModel):
+    """What a run used, measured by the host (its sandbox's cgroup, or the kernel's rusage
+    of the process), never claimed by the code. A figure the source
+    cannot tell is None. docs/operations.md, "What a run used", says what each counts."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: the sandbox's peak memory (its interpreter included), in bytes
+    memory_peak_bytes: int | None = None
+    #: CPU time (user + system) of the job, in ms: a pre-started sandbox's start is not in it
+    cpu_ms: float | None = None
+    #: the most processes (and threads) the sandbox had at once, where the source tells
+    pids_peak: int | None = None
+    #: where memory and processes were read
+    source: UsageSource
+    #: where the CPU time was read, when not ``source`` (a subprocess run's rusage)
+    cpu_source: UsageSource | None = None
+
+
 class CodeResult(BaseModel):
     """What a call produced. A timeout, OOM or bad return is a result with an error, not an
     exception: only infrastructure failures raise."""
@@ -121,6 +150,9 @@ class CodeResult(BaseModel):
     # builtin's costs a first tokenize (its big regex compiled, ~5 ms) in a one-shot run
     warnings: list[str] = Field(default_factory=lambda: [])
     trace: list[TraceRow] = Field(default_factory=lambda: [])
+    #: what the run used, measured by the host; None when it was not measured (killed
+    #: before, the sandbox gone, or STUDIO_CODE_USAGE=0): never 0 for "unknown"
+    usage: Usage | None = None
 
     @classmethod
     def ended(
@@ -165,6 +197,8 @@ class RawRun:
     run_ms: float = 0.0
     #: the sandbox was pre-started (taken from the runtime's pool), not started for this job
     pooled: bool = False
+    #: what the sandbox used, read by the runtime before removing it (None: not measured)
+    usage: Usage | None = None
 
     @property
     def logs_truncated(self) -> bool:

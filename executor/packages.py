@@ -1,25 +1,55 @@
-"""The TypeScript package list: ``STUDIO_CODE_TS_PACKAGES`` and its parser.
+"""The package lists: ``STUDIO_CODE_TS_PACKAGES`` and its parser, and what an image says
+it has.
 
 A list such as ``npm:zod@3,npm:date-fns@4`` names the only packages a TypeScript node may
 import, each pinned to a major. Settings parse it at start-up; the save-time check
 (``executor.languages.ts_imports``) compares a node's imports with it. This module is apart
 from that check so that reading the settings loads no TypeScript parser.
+
+An image built by ``studio-code image build`` (docker/build.sh) says what it has: the label
+``studio.packages`` (``pydantic==2.10.3,...``; ``npm:zod@3.25.76,...``) and, for Python,
+``modules.json``'s ``versions``. ``image_packages`` reads them, ``shown_packages`` is what
+the editor and meta show (an unset STUDIO_CODE_PACKAGES means the image's own list), and
+``packages_warning`` is the one sentence readiness and meta give when a setting disagrees
+with the image.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final, NoReturn
+from typing import TYPE_CHECKING, Final, NoReturn
+
+if TYPE_CHECKING:
+    from executor.settings import Settings
 
 __all__ = [
+    "DEFAULT_PYTHON_PACKAGES",
     "DEFAULT_TS_PACKAGES",
+    "PACKAGES_LABEL",
     "SETTING_REASONS",
+    "ImagePackages",
     "PackageSpec",
+    "compares",
+    "image_packages",
+    "packages_warning",
+    "parse_image_packages",
     "parse_packages",
+    "parse_preimport",
+    "shown_packages",
 ]
+
+log = logging.getLogger("studio_code.executor")
+
+#: Default of ``STUDIO_CODE_PACKAGES`` (the seed's image): what is shown when the image's own
+#: list cannot be read (no Docker, the subprocess runtime, an image without modules.json).
+DEFAULT_PYTHON_PACKAGES: Final = "pydantic,python-dateutil"
+
+#: The image label that lists the packages at their versions (docker/build.sh writes it).
+PACKAGES_LABEL: Final = "studio.packages"
 
 #: Default of the ``STUDIO_CODE_TS_PACKAGES`` setting; ``docker/studio-code-ts/deps.ts`` must
 #: import exactly these packages (a test checks it), since that file fills the image's cache.
@@ -41,6 +71,7 @@ SETTING_REASONS: Final[Mapping[str, str]] = MappingProxyType(
         "duplicate": "repeats the package {package}, which is already listed",
     }
 )
+_SETTING: Final = "STUDIO_CODE_TS_PACKAGES"
 
 #: The registries a package may come from.
 REGISTRIES: Final = ("npm", "jsr")
@@ -64,13 +95,14 @@ class PackageSpec:
         return f"{self.registry}:{self.name}@{self.major}"
 
 
-def parse_packages(value: str) -> tuple[PackageSpec, ...]:
+def parse_packages(value: str, *, source: str = _SETTING) -> tuple[PackageSpec, ...]:
     """Parse ``STUDIO_CODE_TS_PACKAGES``, e.g. ``'npm:zod@3,npm:date-fns@4'``.
 
     Blank entries are ignored and ``''`` gives ``()``, which allows no package. Raises
     ValueError with a sentence naming the bad entry and the expected form, e.g.
     "STUDIO_CODE_TS_PACKAGES entry 'npm:zod' is not pinned: write each package as
-    npm:name@major, e.g. npm:zod@3".
+    npm:name@major, e.g. npm:zod@3". ``source`` names the list in that sentence
+    (``studio-code image build`` checks its --ts-packages with it).
     """
     specs: list[PackageSpec] = []
     seen: set[tuple[str, str]] = set()
@@ -78,10 +110,15 @@ def parse_packages(value: str) -> tuple[PackageSpec, ...]:
         entry = raw.strip()
         if not entry:
             continue
-        spec = _parse_entry(entry)
-        if (spec.registry, spec.name) in seen:
-            package = f"{spec.registry}:{spec.name}"
-            _bad_entry(entry, "duplicate", package=package)
+        try:
+            spec = _parse_entry(entry)
+            if (spec.registry, spec.name) in seen:
+                package = f"{spec.registry}:{spec.name}"
+                _bad_entry(entry, "duplicate", package=package)
+        except ValueError as e:
+            if source == _SETTING:
+                raise
+            raise ValueError(str(e).replace(_SETTING, source, 1)) from None
         seen.add((spec.registry, spec.name))
         specs.append(spec)
     return tuple(specs)
@@ -114,3 +151,143 @@ def _parse_entry(entry: str) -> PackageSpec:
 def _bad_entry(entry: str, problem: str, **fields: str) -> NoReturn:
     detail = SETTING_REASONS[problem].format(**fields)
     raise ValueError(SETTING_REASONS["entry"].format(entry=entry, problem=detail))
+
+
+_MODULE_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def parse_preimport(value: str) -> str:
+    """``STUDIO_CODE_PREIMPORT``: ``""`` (none), ``image`` (the image's listed packages) or
+    module names as code imports them (``pandas,numpy,dateutil.parser``); normalised to
+    that comma-separated form. Raises ValueError with a sentence naming a bad entry."""
+    entries = [x.strip() for x in value.split(",") if x.strip()]
+    if entries == ["image"]:
+        return "image"
+    if "image" in entries:
+        raise ValueError(
+            "STUDIO_CODE_PREIMPORT entry 'image' stands for every package the image lists: "
+            "write it alone, or name the modules instead"
+        )
+    for entry in entries:
+        if not _MODULE_RE.fullmatch(entry):
+            raise ValueError(
+                f"STUDIO_CODE_PREIMPORT entry '{entry}' is not a module name: write the "
+                "modules as code imports them, comma-separated (pandas,numpy), or image for "
+                "every package the image lists"
+            )
+    return ",".join(dict.fromkeys(entries))
+
+
+# --- what an image says it has -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImagePackages:
+    """The packages one image lists: Python's by PyPI name, TypeScript's by the allow-list's
+    spec (``npm:zod@3``), each with the version built in ("" when the image does not say)."""
+
+    image: str
+    versions: Mapping[str, str]
+
+
+def parse_image_packages(label: str, language: str) -> dict[str, str]:
+    """The ``studio.packages`` label: ``cowsay==6.1,python-dateutil==2.8.2`` gives
+    ``{"cowsay": "6.1", ...}``; ``npm:zod@3.25.76`` gives ``{"npm:zod@3": "3.25.76"}``.
+    An entry of another shape is skipped."""
+    out: dict[str, str] = {}
+    for entry in (x.strip() for x in label.split(",")):
+        if language == "python":
+            name, sep, version = entry.partition("==")
+            if name and sep:
+                out[name] = version
+        else:
+            scheme = SCHEME_RE.match(entry)
+            name, at, version = entry[scheme.end() :].rpartition("@") if scheme else ("", "", "")
+            major = version.split(".", 1)[0]
+            if scheme and at and name and _MAJOR_RE.fullmatch(major):
+                out[f"{scheme['scheme']}:{name}@{major}"] = version
+    return out
+
+
+def image_packages(settings: Settings, language: str) -> ImagePackages | None:
+    """What the language's image lists, or None when it cannot be known (not the docker
+    runtime, no engine, no image, an image built before the list was recorded)."""
+    if settings.code_runtime != "docker":
+        return None
+    if language == "python":
+        from executor.languages.python_modules import read_image_modules
+
+        found = read_image_modules(
+            settings.code_image, settings, settings.data_dir / "image-modules"
+        )
+        if found is None:
+            return None
+        versions = {name: found.versions.get(name, "") for name in found.packages}
+        return ImagePackages(settings.code_image, MappingProxyType(versions))
+    image = settings.code_ts_image
+    try:
+        from executor.docker_api import shared_api
+
+        labels = shared_api().inspect_image(image)["Config"].get("Labels") or {}
+    except Exception as e:  # noqa: BLE001 - no engine or no image: readiness says why
+        log.debug("the packages of %s are unknown: %s", image, e)
+        return None
+    if PACKAGES_LABEL not in labels:
+        return None
+    versions = parse_image_packages(labels[PACKAGES_LABEL], "typescript")
+    return ImagePackages(image, MappingProxyType(versions))
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def shown_packages(settings: Settings, language: str, found: ImagePackages | None) -> list[str]:
+    """The list the editor shows: STUDIO_CODE_TS_PACKAGES for TypeScript (the allow-list);
+    for Python STUDIO_CODE_PACKAGES when it is set, else the image's own list (``found``),
+    else the seed's default."""
+    if language != "python":
+        return [str(p) for p in settings.ts_packages]
+    if "code_packages" in settings.model_fields_set or found is None:
+        return list(settings.python_packages)
+    return list(found.versions)
+
+
+def compares(settings: Settings, language: str) -> bool:
+    """Whether ``packages_warning`` can say anything: a TypeScript list (always set, the
+    spec's default or not), or a STUDIO_CODE_PACKAGES that is set. Readiness reads the image
+    only then."""
+    return language != "python" or "code_packages" in settings.model_fields_set
+
+
+def packages_warning(settings: Settings, language: str, found: ImagePackages | None) -> str | None:
+    """One sentence naming the packages a setting lists that the image has not, and those the
+    image has that it leaves out; None when they agree or the image's list is unknown. An
+    unset STUDIO_CODE_PACKAGES is the image's list, so it never disagrees."""
+    if found is None or not compares(settings, language):
+        return None
+    if language == "python":
+        setting, listed = "STUDIO_CODE_PACKAGES", list(settings.python_packages)
+        key: Callable[[str], str] = _norm
+        how = "unset it (the image's own list is then shown) or set it to"
+    else:
+        setting, listed = "STUDIO_CODE_TS_PACKAGES", [str(p) for p in settings.ts_packages]
+        key = _same
+        how = "set it to"
+    have = {key(name): name for name in found.versions}
+    named = {key(name): name for name in listed}
+    absent = [named[k] for k in named if k not in have]
+    extra = [have[k] for k in have if k not in named]
+    if not absent and not extra:
+        return None
+    parts = []
+    if absent:
+        parts.append(f"lists {', '.join(absent)}, which the image {found.image} does not have")
+    if extra:
+        where = "it" if absent else f"the image {found.image}"
+        parts.append(f"leaves out {', '.join(extra)}, which {where} has")
+    return f"{setting} {', and '.join(parts)}: {how} {','.join(found.versions)}."

@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from executor import tracing
 from executor.audit import AuditSink, LogAuditSink
 from executor.errors import (
     CodeInvalid,
@@ -72,6 +73,9 @@ class Readiness:
     ready: bool
     reason: str | None
     checked_at: float
+    #: a ready language whose package setting disagrees with its image: the names, in one
+    #: sentence (executor.packages.packages_warning)
+    warning: str | None = None
 
 
 MIN_MEMORY_BYTES = 16 * 1024**2
@@ -258,7 +262,13 @@ class Executor:
         )
         result = self._run(job, language, self.limits(READINESS_TIMEOUT_S), None, probe=True)
         if result.status is Status.SUCCEEDED and result.output == Language.TEST_OUTPUT:
-            return Readiness(True, None, now)
+            from executor.packages import compares, image_packages, packages_warning
+
+            warning = None
+            if compares(self.settings, language.name):
+                found = image_packages(self.settings, language.name)
+                warning = packages_warning(self.settings, language.name, found)
+            return Readiness(True, None, now, warning)
         detail = result.error.message if result.error else f"output {result.output!r}"
         return Readiness(
             False,
@@ -334,6 +344,7 @@ class Executor:
             try:
                 if not probe:
                     self._audit_first_subprocess_call(job)
+                started_ns = time.time_ns()  # the trace's sandbox_start begins here
                 raw = self.runtime.run(job, language, limits, should_cancel=should_cancel)
             finally:
                 self._slots.release()
@@ -350,7 +361,9 @@ class Executor:
             )
         except StudioCodeError as e:
             return self._result(job, Status.FAILED, error=e.code, message=e.message, t0=t0)
-        return self._read(job, language, limits, raw, t0)
+        result = self._read(job, language, limits, raw, t0)
+        tracing.sandbox(result, raw, started_ns)  # spans under a worker's job span, if any
+        return result
 
     def _audit_first_subprocess_call(self, job: CodeJob) -> None:
         event = self.runtime.audit_event if self.runtime is not None else None
@@ -401,11 +414,11 @@ class Executor:
                 **common,
             )
         if raw.oom_killed:
-            return self._memory_result(job, **common)
+            return self._memory_result(job, limits, **common)
         crash = language.crash_error(raw)
         if crash is not None:
             if crash.code is ErrorCode.CODE_MEMORY:
-                return self._memory_result(job, **common)
+                return self._memory_result(job, limits, **common)
             return self._result(
                 job, Status.FAILED, error=crash.code, message=crash.message, **common
             )
@@ -445,20 +458,27 @@ class Executor:
         # RATE_LIMITED or RUNTIME_UNAVAILABLE).
         code = RUNNER_CODES.get(str(err.get("code")), ErrorCode.CODE_ERROR)
         if code is ErrorCode.CODE_MEMORY:
-            return self._memory_result(job, **common)
+            return self._memory_result(job, limits, **common)
         status = Status.ended_by(code)
         message = err.get("message")
         if not isinstance(message, str) or not message.strip():
             message = "The code failed with an error that has no message."
         return self._result(job, status, error=code, message=message, **common)
 
-    def _memory_result(self, job: CodeJob, **common: Any) -> CodeResult:
+    def _memory_result(self, job: CodeJob, limits: Limits, **common: Any) -> CodeResult:
+        raw: RawRun = common["raw"]
+        peak = raw.usage.memory_peak_bytes if raw.usage is not None else None
+        used = (
+            f"used {mib(peak)} of {mib(limits.memory_bytes)}"
+            if peak is not None
+            else f"used more than its limit of {mib(limits.memory_bytes)}"
+        )
         return self._result(
             job,
             Status.FAILED,
             error=ErrorCode.CODE_MEMORY,
-            message=f"The code used more memory than STUDIO_CODE_MEMORY="
-            f"{self.settings.code_memory} and was stopped: process less data at once, or "
+            message=f"The code {used} of memory (STUDIO_CODE_MEMORY="
+            f"{self.settings.code_memory}) and was stopped: process less data at once, or "
             "ask the operator to raise STUDIO_CODE_MEMORY.",
             **common,
         )
@@ -522,4 +542,11 @@ class Executor:
             exit_code=raw.exit_code if raw else None,
             warnings=warnings,
             trace=trace,
+            usage=raw.usage if raw is not None else None,
         )
+
+
+def mib(n: int) -> str:
+    """Bytes as the CODE_MEMORY message says them: "256 MiB" (one decimal below 10 MiB)."""
+    m = n / (1 << 20)
+    return f"{m:.1f} MiB" if m < 10 else f"{round(m)} MiB"

@@ -23,7 +23,13 @@ from typing import Any, Literal
 
 from executor.deferred_import import on_first_use
 from executor.errors import SettingsError
-from executor.packages import DEFAULT_TS_PACKAGES, PackageSpec, parse_packages
+from executor.packages import (
+    DEFAULT_PYTHON_PACKAGES,
+    DEFAULT_TS_PACKAGES,
+    PackageSpec,
+    parse_packages,
+    parse_preimport,
+)
 
 # None is used here: asyncio only by CliApp.run, entry_points only to look for plugins,
 # dotenv_values only to read an env_file (Settings has none), secrets (hmac, OpenSSL's
@@ -114,9 +120,18 @@ class Settings(BaseSettings):
     )
     code_image: str = Field("studio-code:1", description="The Python sandbox image.")
     code_packages: str = Field(
-        "pydantic,python-dateutil",
-        description="Comma-separated packages of STUDIO_CODE_IMAGE, shown in the editor; "
-        "keep it equal to docker/studio-code/requirements.txt.",
+        DEFAULT_PYTHON_PACKAGES,
+        description="Comma-separated packages of STUDIO_CODE_IMAGE, shown in the editor. "
+        "Unset: the image's own list (its modules.json), this default only when the image "
+        "cannot be read; set and different from the image's, readiness and meta say which "
+        "names differ.",
+    )
+    code_preimport: str = Field(
+        "",
+        description="Python modules a pre-started sandbox (docker runtime, STUDIO_CODE_PREWARM) "
+        "imports while it waits for its one job, e.g. pandas,numpy; image: every package the "
+        "image lists. Empty: none. A cold run never pre-imports; the memory they take counts "
+        "against the sandbox's own limit.",
     )
     code_memory: str = Field("256m", description="Memory per call (swap equal to memory).")
     code_cpus: float = Field(0.5, gt=0, le=64, description="CPU share per call.")
@@ -145,7 +160,9 @@ class Settings(BaseSettings):
     code_ts_packages: str = Field(
         DEFAULT_TS_PACKAGES,
         description="The only packages TypeScript may import, each npm:name@major; keep it "
-        "equal to docker/studio-code-ts/deps.ts. none: no package (empty means the default).",
+        "equal to the image's list (its studio.packages label; `studio-code image build` "
+        "prints the value): readiness and meta say which names differ. none: no package "
+        "(empty means the default).",
     )
     python: str = Field(
         "",
@@ -277,6 +294,13 @@ class Settings(BaseSettings):
         description="Subprocess mode under a non-root server: auto starts each run in a user, "
         "PID and mount namespace of its own (it cannot see, signal or trace the server or "
         "other runs) when the kernel allows unprivileged user namespaces; off: never.",
+    )
+    code_subprocess_landlock: str = Field(
+        "auto",
+        description="Subprocess mode: auto restricts each run with Landlock where the kernel "
+        "offers it (Linux 5.13+): it may write only beneath its own temporary folder (not "
+        "the run store, the data folder, secret.key or the server's home) and, from Landlock "
+        "ABI 6, cannot signal processes outside its run; off: never.",
     )
 
     queue_require_worker: bool = Field(
@@ -467,6 +491,11 @@ class Settings(BaseSettings):
             raise ValueError(f"a comma-separated list of {', '.join(KNOWN_LANGUAGES)}")
         return ",".join(langs)
 
+    @field_validator("code_preimport")
+    @classmethod
+    def _preimport(cls, v: str) -> str:
+        return parse_preimport(v)  # its ValueError names the entry and the form to use
+
     @field_validator("code_ts_packages")
     @classmethod
     def _ts_packages(cls, v: str) -> str:
@@ -492,7 +521,7 @@ class Settings(BaseSettings):
             return v
         raise ValueError("auto, off, or an absolute cgroup path such as /studio-code")
 
-    @field_validator("code_subprocess_namespaces")
+    @field_validator("code_subprocess_namespaces", "code_subprocess_landlock")
     @classmethod
     def _subprocess_namespaces(cls, v: str) -> str:
         if v in ("auto", "off"):

@@ -358,11 +358,20 @@ class SentinelSet(StopsOnExit):
 
     @property
     def url(self) -> str:
+        return self.sentinel_url()
+
+    def sentinel_url(self, count: int = 3, db: int = 0) -> str:
+        """The STUDIO_REDIS_URL of the first ``count`` sentinels, the master's password in
+        the first part only (as an operator writes it), database ``db``."""
         auth = f":{self.password}@" if self.password else ""
-        first, *rest = self.sentinel_ports
-        return ";".join(
-            [f"sentinel://{auth}127.0.0.1:{first}/0"] + [f"sentinel://127.0.0.1:{p}" for p in rest]
-        )
+        first, *rest = self.sentinel_ports[:count]
+        parts = [f"sentinel://{auth}127.0.0.1:{first}/{db}"]
+        return ";".join(parts + [f"sentinel://127.0.0.1:{p}" for p in rest])
+
+    def primary_url(self, db: int = 0) -> str:
+        """A plain redis:// URL of the primary (node ``a`` until a failover)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.ports['a']}/{db}"
 
     def _auth(self) -> list[str]:
         if not self.password:
@@ -1291,20 +1300,21 @@ def made_by_an_older_release(url: str, capture: dict[str, Any]) -> None:
     """The store ``capture`` describes: its release's DDL, then the rows its calls wrote."""
     from sqlalchemy import create_engine
 
-    from executor.store import sql
+    from executor.store.schema import UtcDateTime, metadata
+    from executor.store.sql import normalize_url
 
-    engine = create_engine(sql.normalize_url(url))
+    engine = create_engine(normalize_url(url))
     dialect = engine.dialect.name
     try:
         with engine.begin() as conn:
             for statement in capture["ddl"][dialect]:
                 conn.exec_driver_sql(statement)
             for name, rows in capture["rows"].items():
-                table = sql.metadata.tables[name]
+                table = metadata.tables[name]
                 values = [
                     {
                         k: datetime.fromisoformat(v)
-                        if v is not None and isinstance(table.c[k].type, sql.UtcDateTime)
+                        if v is not None and isinstance(table.c[k].type, UtcDateTime)
                         else v
                         for k, v in row.items()
                         if k != "id"  # the audit's: the database numbers them, as it did

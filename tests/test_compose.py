@@ -317,7 +317,9 @@ def test_prometheus_scrapes_every_worker_and_the_api(config: dict[str, Any]) -> 
 def test_the_app_dockerfile_installs_the_project() -> None:
     text = (ROOT / "deploy" / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE=python:3\.12-slim$", text, re.M)
-    assert re.search(r'pip install .*"\.\[http\]"', text)
+    # the http extra by default; http,otel with STUDIO_APP_EXTRAS (traces)
+    assert re.search(r'pip install .*"\.\[\$\{EXTRAS\}\]"', text)
+    assert re.search(r"^ARG EXTRAS=http$", text, re.M)
     assert re.search(r"^USER 10001:10001$", text, re.M)
     json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
 

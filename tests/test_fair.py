@@ -200,10 +200,11 @@ def test_api_says_where_a_run_waits(redis_server: Any, tmp_path: Any, make_setti
         bob = client.submit(TRIVIAL, "python", {}, user="bob")
         app = create_app(settings, client=client)
 
-        async def get(path: str, user: str) -> Any:
+        async def get(path: str, user: str, admin: bool = False) -> Any:
             transport = httpx.ASGITransport(app=app)
+            headers = {"X-Studio-User": user, **({"X-Studio-Admin": "1"} if admin else {})}
             async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as h:
-                r = await h.get(path, headers={"X-Studio-User": user})
+                r = await h.get(path, headers=headers)
                 assert r.status_code == 200, r.text
                 return r.json()
 
@@ -217,11 +218,19 @@ def test_api_says_where_a_run_waits(redis_server: Any, tmp_path: Any, make_setti
             "users_ahead": 0,  # bob came in at the clock, tied with ann: by name
             "users_waiting": 2,
         }
-        meta = asyncio.run(get("/api/meta/runtime", "ann"))["fairness"]
+        meta = asyncio.run(get("/api/meta/runtime", "root", admin=True))["fairness"]
         assert meta["mode"] == "users" and meta["user_slots"] is None
         assert meta["waiting"] == 3 and meta["users_waiting"] == 2
-        assert meta["top"][0] == {"user": "ann", "waiting": 2, "running": 2}
-        assert {"user": "bob", "waiting": 1, "running": 0} in meta["top"]
+        assert meta["top"] == [
+            {"rank": 1, "user": "ann", "waiting": 2, "running": 2},
+            {"rank": 2, "user": "bob", "waiting": 1, "running": 0},
+        ]
+        # a user is shown the ranks, never who the others are (admins only)
+        mine = asyncio.run(get("/api/meta/runtime", "ann"))["fairness"]
+        assert mine["top"] == [
+            {"rank": 1, "waiting": 2, "running": 2},
+            {"rank": 2, "waiting": 1, "running": 0},
+        ]
         assert client.where(bob) is not None
 
 

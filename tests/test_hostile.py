@@ -997,7 +997,7 @@ def _store_and_read(url: str, results: list[tuple[CodeJob, CodeResult]]) -> None
         # an output stored by an older version, unchecked: still readable
         from sqlalchemy import update
 
-        from executor.store.sql import jobs
+        from executor.store.schema import jobs
 
         first = results[0][0].job_id
         with store._write() as conn:  # type: ignore[attr-defined]

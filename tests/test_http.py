@@ -221,6 +221,12 @@ def test_submit_then_poll_gives_the_result(stack: Stack) -> None:
     assert done["output"] == {"double": 42}
     assert done["runtime"] == "docker" and done["worker"]
     assert [t["step"] for t in done["trace"]] == ["sandbox.start", "code.run"]
+    # what it used, measured by the worker's host, stored and shown (issue 33)
+    used = done["usage"]
+    assert used["source"] in ("cgroup-v1", "cgroup-v2"), used
+    assert 1_000_000 < used["memory_peak_bytes"] < 256 * 2**20 and used["cpu_ms"] > 0, used
+    history = stack.http.get("/api/runs", headers=stack.as_user(user)).json()["runs"]
+    assert [r["usage"] for r in history if r["job_id"] == run["job_id"]] == [used]
 
 
 def test_an_invalid_run_is_refused_at_submit(stack: Stack) -> None:

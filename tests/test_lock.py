@@ -36,7 +36,8 @@ def _pins() -> dict[str, Version]:
 def _wanted() -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    return [Requirement(r) for r in [*project["dependencies"], *extras["http"], *extras["dev"]]]
+    wanted = [*project["dependencies"], *extras["http"], *extras["otel"], *extras["dev"]]
+    return [Requirement(r) for r in wanted]
 
 
 def test_the_lock_pins_every_dependency_inside_its_range() -> None:
@@ -75,7 +76,8 @@ def test_make_install_and_the_app_image_install_the_lock() -> None:
     # the app image (deploy/build-images.sh and Compose's build both use deploy/Dockerfile)
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     assert re.search(r"^COPY [^\n]*requirements\.lock", dockerfile, re.M)
-    assert re.search(r'-c requirements\.lock \\\n\s+hatchling "\.\[http\]"', dockerfile)
+    assert re.search(r'-c requirements\.lock \\\n\s+hatchling "\.\[\$\{EXTRAS\}\]"', dockerfile)
+    assert re.search(r"^ARG EXTRAS=http$", dockerfile, re.M)  # the API's extra by default
     ignore = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text().splitlines()
     assert "!requirements.lock" in ignore
     assert '"$ROOT/requirements.lock"' in (ROOT / "deploy" / "build-images.sh").read_text()

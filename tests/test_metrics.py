@@ -127,7 +127,8 @@ def test_scraped_counts_equal_the_jobs_run(
         client.cancel(cancel_id)
         ids[cancel_id] = "cancelled"
 
-        got = {job_id: client.wait(job_id, 60).status.value for job_id in ids}
+        results = {job_id: client.wait(job_id, 60) for job_id in ids}
+        got = {job_id: r.status.value for job_id, r in results.items()}
         assert got == ids
 
         # the pool process counts right after it stores the result: allow it a moment
@@ -158,6 +159,15 @@ def test_scraped_counts_equal_the_jobs_run(
         assert total(samples, "studio_code_run_seconds_count") == jobs
         assert total(samples, "studio_code_queue_wait_seconds_count", queue="code.run") == jobs
         assert total(samples, "studio_code_sandboxes_running") == 0
+        # what each run used, as measured and stored: one observation per measured run (a
+        # timeout and a cancel are measured before their sandbox goes), the OOM near 64m
+        measured = [r.usage for r in results.values() if r.usage is not None]
+        assert len(measured) == jobs, [r.usage for r in results.values()]
+        peak = "studio_code_run_memory_peak_bytes"
+        assert total(samples, f"{peak}_count", language="python", runtime="docker") == jobs
+        assert total(samples, f"{peak}_sum") == sum(u.memory_peak_bytes or 0 for u in measured)
+        assert total(samples, f"{peak}_sum") >= 60 * 2**20  # the OOM run alone
+        assert total(samples, "studio_code_run_cpu_seconds_count") == jobs
         # multiprocess mode is what served these: value files of the pool processes
         assert list(prom.glob("counter_*.db"))
 
@@ -382,6 +392,8 @@ def test_metric_names_follow_the_conventions() -> None:
     m.cancel_latency.observe(0.1)
     m.oom.labels("python", "docker").inc()
     m.timeouts.labels("python", "docker").inc()
+    m.memory_peak.labels("python", "docker").observe(5e6)
+    m.cpu.labels("python", "docker").observe(0.01)
 
     from api_client.http.kit import RATE_LIMITED_TOTAL
 
@@ -400,6 +412,8 @@ def test_metric_names_follow_the_conventions() -> None:
         "studio_code_cancel_latency_seconds",
         "studio_code_oom",
         "studio_code_timeouts",
+        "studio_code_run_memory_peak_bytes",
+        "studio_code_run_cpu_seconds",
         "studio_code_rate_limited",
     ):
         assert wanted in names, (wanted, names)
@@ -410,8 +424,8 @@ def test_metric_names_follow_the_conventions() -> None:
             assert not s.name.startswith("celery_"), s.name
             if f.type == "counter":
                 assert s.name.endswith(("_total", "_created")), s.name
-            if f.type == "histogram":
-                assert f.name.endswith("_seconds"), f.name
+            if f.type == "histogram":  # in base units
+                assert f.name.endswith(("_seconds", "_bytes")), f.name
     assert {
         s.labels.get("status") for f in families if f.name == "studio_code_jobs" for s in f.samples
     } >= {"succeeded"}
@@ -438,6 +452,8 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
         "studio_code_cancel_latency_seconds_bucket",
         "studio_code_oom_total",
         "studio_code_timeouts_total",
+        "studio_code_run_memory_peak_bytes_bucket",
+        "studio_code_run_cpu_seconds_bucket",
         "studio_code_rate_limited_total",
         "studio_code_language_ready",
         "studio_code_engine_vulnerable",

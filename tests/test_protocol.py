@@ -18,7 +18,6 @@ import pytest
 import redis
 
 from worker.glue.app import make_app
-from worker.glue.poison import TRANSPORT
 from worker.protocol import (
     KOMBU_PRIORITY_STEPS,
     KOMBU_UNACKED,
@@ -39,9 +38,9 @@ PRIORITIES = (0, 1, 3, 4, 6, 8, 9)
 
 @pytest.fixture
 def broker(redis_server: Any, make_settings: Any) -> Iterator[tuple[Any, redis.Redis]]:
-    """The project's Celery app on the worker's transport, and a client of the same Redis."""
+    """The project's Celery app (its broker layer's transport, as every process has it), and a
+    client of the same Redis."""
     app = make_app(make_settings(redis_url=redis_server.url))
-    app.conf.broker_transport = TRANSPORT  # the worker's transport, as worker_app sets it
     client = redis.Redis.from_url(redis_server.url)
     try:
         yield app, client

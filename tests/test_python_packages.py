@@ -1,7 +1,8 @@
-"""Python packages like TypeScript's: ONE list (docker/studio-code/requirements.txt) drives
-the image, the offline build and STUDIO_CODE_PACKAGES' default; the image records what it can
-import; the save-time check refuses an import the image cannot satisfy; readiness imports
-every listed package. Real Docker, the real image (STUDIO_CODE_IMAGE)."""
+"""Python packages like TypeScript's: ONE list (docker/studio-code/requirements.txt) is what
+`make image` (studio-code image build) builds and STUDIO_CODE_PACKAGES' fallback default; the
+image records what it can import; the save-time check refuses an import the image cannot
+satisfy; readiness imports every listed package. Real Docker, the real image
+(STUDIO_CODE_IMAGE). Other lists, offline builds and versions: tests/test_image_packages.py."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ def _listed() -> list[str]:
 
 
 def test_packages_default_equals_the_requirements_file() -> None:
+    from api_client.image import DEFAULT_REQUIREMENTS
     from executor.settings import Settings
 
     default = Settings.model_fields["code_packages"].default
     assert default.split(",") == _listed()
+    assert DEFAULT_REQUIREMENTS == REQUIREMENTS  # what `make image` builds
     dockerfile = (ROOT / "docker" / "studio-code" / "Dockerfile").read_text()
-    assert "pip install --no-cache-dir -r /usr/share/studio-code/requirements.txt" in dockerfile
+    assert "-r /tmp/build/requirements.txt" in dockerfile
 
 
 def test_build_sh_maps_the_requirements_to_debian_names(tmp_path: Path) -> None:
@@ -62,15 +65,45 @@ def test_build_sh_maps_the_requirements_to_debian_names(tmp_path: Path) -> None:
 
 
 @pytest.mark.docker
-def test_the_image_records_what_it_can_import(python_image: str) -> None:
+def test_the_image_records_what_it_can_import(make_settings: Any, python_image: str) -> None:
     from executor.languages.python_modules import read_image_modules
 
-    found = read_image_modules(python_image)
+    found = read_image_modules(python_image, make_settings(code_image=python_image))
     assert found is not None, f"{python_image} has no modules.json: rebuild it (make image)"
     assert sorted(found.packages) == sorted(_listed())
     assert found.packages["python-dateutil"] == ["dateutil"]
     assert {"pydantic", "dateutil"} <= found.modules
     assert "json" in found.stdlib and "requests" not in found.modules
+
+
+@pytest.mark.docker
+def test_a_file_is_read_out_of_an_image_with_the_settings_given(
+    make_settings: Any, python_image: str, docker_client: Any
+) -> None:
+    """The docker runtime reads the file (executor/runtimes/docker/images.py) in a container
+    made with the caller's settings, not settings re-read from the environment: its process
+    limit is the one given. The real engine; the container is removed."""
+    from executor.languages.python_modules import MODULES_PATH
+    from executor.runtimes.docker.images import read_file
+
+    settings = make_settings(code_image=python_image, code_pids=77)  # the default is 64
+    made: list[dict[str, Any]] = []
+    real = docker_client.api
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def create_container(self, **kwargs: Any) -> Any:
+            made.append(kwargs)
+            return real.create_container(**kwargs)
+
+    data = json.loads(read_file(Recording(), settings, python_image, MODULES_PATH))
+    assert "json" in data["stdlib"]
+    [create] = made
+    assert create["host_config"]["PidsLimit"] == 77
+    assert create["labels"]["studio.owner"]
+    assert real.containers(all=True, filters={"name": create["name"]}) == []
 
 
 @pytest.mark.docker

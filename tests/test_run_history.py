@@ -14,7 +14,7 @@ from sqlalchemy import insert, inspect, text
 
 from executor.models import CodeJob, CodeResult, Status
 from executor.store import RunFilter, SqlRunStore, decode_cursor, encode_cursor, open_store
-from executor.store.sql import job_inputs, jobs
+from executor.store.schema import job_inputs, jobs
 
 
 def _rows(n: int, *, start: datetime, step_s: float = 1.0, **fixed: Any) -> list[dict]:
@@ -149,9 +149,9 @@ def store_list_stmt(where: RunFilter) -> str:
     from sqlalchemy import select
     from sqlalchemy.dialects import sqlite
 
-    from executor.store.sql import _SUMMARY_COLUMNS
+    from executor.store.statements import SUMMARY_COLUMNS
 
-    stmt = select(*_SUMMARY_COLUMNS)
+    stmt = select(*SUMMARY_COLUMNS)
     if where.user:
         stmt = stmt.where(jobs.c.user == where.user)
     stmt = stmt.order_by(jobs.c.queued_at.desc(), jobs.c.job_id.desc()).limit(50)

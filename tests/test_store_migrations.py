@@ -2,7 +2,7 @@
 real PostgreSQL (a schema of the test's own):
 
 * an empty database is brought to HEAD, and the schema the revisions make is the one the
-  store's code describes (``sql.metadata``);
+  store's code describes (``schema.metadata``);
 * a store made by each release before migrations (tests/data/store_schemas: the DDL its
   code ran, the rows its calls wrote and the records its own ``get`` returned, captured
   from that commit) is brought to HEAD, and every record reads back the same;
@@ -25,22 +25,23 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 
 from executor.models import CodeJob, CodeResult, Status
-from executor.store import JobRecord, SqlRunStore, migrations, open_store, sql
+from executor.store import JobRecord, SqlRunStore, migrations, open_store, schema, sqlite
+from executor.store.sql import normalize_url
 from tests.services import CAPTURES, TODAY, in_processes, made_by_an_older_release
 
 
 def _engine_of(url: str) -> Any:
-    return create_engine(sql.normalize_url(url))
+    return create_engine(normalize_url(url))
 
 
 def _schema_differences(url: str) -> list[Any]:
-    """What Alembic's autogenerate would change to make the store match ``sql.metadata``."""
+    """What Alembic's autogenerate would change to make the store match ``schema.metadata``."""
     from alembic.autogenerate import compare_metadata
 
     engine = _engine_of(url)
     try:
         with engine.connect() as conn:
-            return list(compare_metadata(migrations.context(conn), sql.metadata))
+            return list(compare_metadata(migrations.context(conn), schema.metadata))
     finally:
         engine.dispose()
 
@@ -72,7 +73,9 @@ def test_an_empty_database_is_brought_to_head(store_url: str) -> None:
         check=True,
     )
     report = json.loads(cli.stdout.splitlines()[-1])
-    assert report["steps"] == list(migrations.revisions()) and report["revision"] == "0001"
+    assert (
+        report["steps"] == list(migrations.revisions()) and report["revision"] == migrations.head()
+    )
     assert _versions(store_url) == [migrations.head()]
     assert _schema_differences(store_url) == []
     # at HEAD, an open is one SELECT: a fresh interpreter opens it without loading Alembic
@@ -99,18 +102,18 @@ def test_the_migration_at_open_holds_the_fork_gate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SQLite: a fork while this process holds the write lock leaves the child a store
-    that fails "database is locked" (sql._ForkGate): the migration at open is a store call
+    that fails "database is locked" (sqlite.ForkGate): the migration at open is a store call
     like the others."""
     depths: list[int] = []
     upgrade = migrations.upgrade
 
     def watched(conn: Any, *args: Any) -> tuple[str, ...]:
-        depths.append(getattr(sql._FORK_GATE._mine, "depth", 0))
+        depths.append(getattr(sqlite.FORK_GATE._mine, "depth", 0))
         return upgrade(conn, *args)
 
     monkeypatch.setattr(migrations, "upgrade", watched)
     with open_store(f"sqlite:///{tmp_path / 'new.db'}") as store:
-        assert isinstance(store, SqlRunStore) and store.schema_steps == ("0001",)
+        assert isinstance(store, SqlRunStore) and store.schema_steps == migrations.revisions()
     assert depths and depths[0] >= 1
 
 
@@ -224,6 +227,8 @@ def test_revision_files_are_one_line_of_ids_ending_at_head() -> None:
 def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_working(
     store_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    head = migrations.head()
+    nxt = f"{int(head) + 1:04d}"
     location = tmp_path / "migrations"
     shutil.copytree(
         migrations.LOCATION, location, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -236,10 +241,10 @@ def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_worki
         timeout=120,
         check=True,
     )
-    path = location / "versions" / "0002_a_note_on_each_run.py"
+    path = location / "versions" / f"{nxt}_a_note_on_each_run.py"
     assert new.stdout.splitlines()[-1] == str(path)
     source = path.read_text()
-    assert 'revision = "0002"\ndown_revision = "0001"\n' in source
+    assert f'revision = "{nxt}"\ndown_revision = "{head}"\n' in source
     path.write_text(
         source.replace(
             "    pass\n",
@@ -247,23 +252,23 @@ def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_worki
         )
     )
 
-    with open_store(store_url) as store:  # this release: HEAD is 0001
+    with open_store(store_url) as store:  # this release: HEAD is head
         assert isinstance(store, SqlRunStore)
         before = CodeJob(code="def main(state):\n    return state\n")
         store.create(before, code_runtime="docker")
-        with sql.no_fork_inside(), store.engine.begin() as conn:
-            assert migrations.upgrade(conn, location) == ("0002",)
-        with sql.no_fork_inside(), store.engine.begin() as conn:
+        with sqlite.no_fork_inside(), store.engine.begin() as conn:
+            assert migrations.upgrade(conn, location) == (nxt,)
+        with sqlite.no_fork_inside(), store.engine.begin() as conn:
             assert migrations.upgrade(conn, location) == ()
             assert "note" in {c["name"] for c in inspect(conn).get_columns("code_jobs")}
-    assert _versions(store_url) == ["0002"]
+    assert _versions(store_url) == [nxt]
 
     # a worker of this release, started after a newer one upgraded the store
     with caplog.at_level(logging.INFO, logger="studio_code.store"):
         older = open_store(store_url)
     with older:
         assert isinstance(older, SqlRunStore) and older.schema_steps == ()
-        assert "newer than this release's 0001" in caplog.text
+        assert f"newer than this release's {head}" in caplog.text
         job = CodeJob(code="def main(state):\n    return 1\n", state_json='{"b": 2}')
         assert older.create(job, code_runtime="docker")
         claimed = older.claim(job.job_id, "w1")
@@ -280,4 +285,4 @@ def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_worki
         rec = older.get(job.job_id)
         assert rec is not None and rec.output == 1 and rec.status is Status.SUCCEEDED
         assert older.get(before.job_id) is not None
-    assert _versions(store_url) == ["0002"]
+    assert _versions(store_url) == [nxt]

@@ -41,6 +41,24 @@ pytestmark = pytest.mark.skipif(
 
 DENIED = {"EACCES", "EPERM"}
 
+#: the programs that write outside their own folder (files left for the sweep to remove)
+#: run without Landlock, which would refuse those writes: they prove the fences under it,
+#: what holds on a kernel without Landlock. tests/test_subprocess_landlock.py proves
+#: Landlock itself. The others tell the test what it needs in a file of their own folder
+#: (``run_file``), and the test answers in ``shared``, which they read.
+NO_LANDLOCK = {"code_subprocess_landlock": "off"}
+
+
+def run_file(name: str) -> Path | None:
+    """The file ``name`` a run wrote in its own folder (the runtime's ``studio-code-*`` in
+    the temporary folder; a server of another uid, with no TMPDIR, uses /tmp)."""
+    for tmp in {tempfile.gettempdir(), "/tmp"}:
+        found = sorted(Path(tmp).glob(f"studio-code-*/{name}"))
+        if found:
+            return found[0]
+    return None
+
+
 #: shared by the programs: try one thing, report "ok" or the errno's name
 PRELUDE = r"""
 import ctypes, errno, os, signal, sys, time, json
@@ -375,6 +393,7 @@ def main(state):
     return {"made": made}
 """,
         _files_gone,
+        settings=NO_LANDLOCK,
         state=lambda ctx: {
             "token": ctx["token"],
             "victim": str(ctx["victim"]),
@@ -400,6 +419,7 @@ def main(state):
 """,
         _deep_tree_gone,
         state=lambda ctx: {"token": ctx["token"]},
+        settings=NO_LANDLOCK,
     ),
     Case(
         "5 x 60 MB in /dev/shm under 256 MB",
@@ -420,7 +440,7 @@ def main(state):
 """,
         _shm_charged,
         state=lambda ctx: {"token": ctx["token"]},
-        settings={"code_memory": "256m"},
+        settings={"code_memory": "256m", **NO_LANDLOCK},
     ),
     Case(
         "4 processes x 100 MB under 256 MB",
@@ -548,10 +568,10 @@ PAIR = (
     PRELUDE
     + r"""
 def main(state):
-    d, me = state["dir"], state["name"]
-    with open(f"{d}/{me}.tmp", "w") as f:
+    d, me = state["dir"], f"{state['token']}-{state['name']}"
+    with open(f"{me}.tmp", "w") as f:  # in its own folder: the test finds it there
         f.write(str(os.getpid()))
-    os.rename(f"{d}/{me}.tmp", f"{d}/{me}.pid")
+    os.rename(f"{me}.tmp", f"{me}.pid")
     go = f"{d}/{me}.go"
     for _ in range(2000):
         if os.path.exists(go):
@@ -560,9 +580,9 @@ def main(state):
     # only the pids the test wrote here: the other test run and this test's Docker sandbox
     targets = json.load(open(go))
     report = {label: probe(pid, kill=True) for label, pid in targets.items()}
-    open(f"{d}/{me}.done", "w").close()
-    for _ in range(1000):  # stay alive (a target) until the other run is done too
-        if os.path.exists(f"{d}/{state['other']}.done"):
+    open(f"{me}.done", "w").close()
+    for _ in range(1000):  # stay alive (a target) until the test saw both runs done
+        if os.path.exists(f"{d}/{state['token']}.release"):
             break
         time.sleep(0.01)
     return {"pid": os.getpid(), "uid": os.getuid(), "targets": targets, "report": report}
@@ -587,8 +607,9 @@ def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
 
     sleeper = CodeJob(code=SLEEPER, timeout_s=30)
     threads = [start("docker", docker_executor, sleeper)]
-    for me, other in (("a", "b"), ("b", "a")):
-        state = {"dir": str(shared), "name": me, "other": other}
+    token = uuid.uuid4().hex[:10]
+    for me in ("a", "b"):
+        state = {"dir": str(shared), "name": me, "token": token}
         threads.append(
             start(me, iso, CodeJob(code=PAIR, state_json=json.dumps(state), timeout_s=30))
         )
@@ -605,13 +626,8 @@ def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
     docker_pid = wait_for(container_pid, 60, "the Docker sandbox to start")
     pids = {}
     for me in ("a", "b"):
-        pids[me] = wait_for(
-            lambda me=me: (
-                (shared / f"{me}.pid").exists() and int((shared / f"{me}.pid").read_text())
-            ),
-            30,
-            f"run {me} to start",
-        )
+        path = wait_for(lambda me=me: run_file(f"{token}-{me}.pid"), 30, f"run {me} to start")
+        pids[me] = int(path.read_text())
     # what each run is told is a process this test started: a run (our child, under a run
     # uid) and the sandbox (under the Docker sandboxes' uid)
     uids = iso.settings.subprocess_uids
@@ -625,9 +641,14 @@ def test_two_concurrent_runs_and_a_docker_sandbox_cannot_reach_each_other(
     docker_uid = uid_of(docker_pid)
     assert docker_uid is not None and docker_uid not in uids
     for me, other in (("a", "b"), ("b", "a")):
-        go = shared / f"{me}.go"
+        go = shared / f"{token}-{me}.go"
         go.with_suffix(".tmp").write_text(json.dumps({"peer": pids[other], "docker": docker_pid}))
         go.with_suffix(".tmp").rename(go)
+    try:  # each stays a target until both are done
+        for me in ("a", "b"):
+            wait_for(lambda me=me: run_file(f"{token}-{me}.done"), 30, f"run {me} to probe")
+    finally:
+        (shared / f"{token}.release").touch()
     for t in threads:
         t.join(timeout=60)
 
@@ -659,7 +680,7 @@ def main(state):
             time.sleep(30)
             os._exit(0)
         kids.append(pid)
-    open(state["holding"], "w").close()
+    open(f"{state['token']}.holding", "w").close()  # in its own folder: the test finds it
     for _ in range(1500):
         if os.path.exists(state["release"]):
             break
@@ -692,17 +713,17 @@ def test_one_run_holding_many_processes_does_not_stop_a_concurrent_run(
     # 60 sleeping processes of one run under STUDIO_CODE_PIDS=64; the same uid for both
     # would leave the second run 3 forks; its own uid leases it all 64
     ex = make_subprocess_executor(code_languages="python", code_pids=64)
-    holding, release = shared / "holding", shared / "release"
+    token, release = uuid.uuid4().hex[:10], shared / "release"
     results: dict[str, CodeResult] = {}
     t = threading.Thread(
         target=lambda: results.__setitem__(
             "holder",
-            run(ex, HOLDER, {"n": 60, "holding": str(holding), "release": str(release)}, 30),
+            run(ex, HOLDER, {"n": 60, "token": token, "release": str(release)}, 30),
         )
     )
     t.start()
     try:
-        wait_for(holding.exists, 30, "the holder to start its processes")
+        wait_for(lambda: run_file(f"{token}.holding"), 30, "the holder to start its processes")
         second = run(ex, FORKER, {"n": 30})
     finally:
         release.touch()
@@ -715,7 +736,8 @@ def test_one_run_holding_many_processes_does_not_stop_a_concurrent_run(
     assert all(gone(pid, uid) for pid in held.output["kids"])  # ended with their run
 
 
-def test_the_next_run_does_not_find_what_a_run_left(iso: Executor) -> None:
+def test_the_next_run_does_not_find_what_a_run_left(make_subprocess_executor) -> None:  # type: ignore[no-untyped-def]
+    iso = make_subprocess_executor(code_languages="python", **NO_LANDLOCK)
     token = uuid.uuid4().hex[:10]
     writer = r"""
 import os
@@ -856,13 +878,13 @@ def signal0(pid):
     os.kill(pid, 0)
     return "ok"
 def main(state):
-    d, me = state["dir"], state["name"]
+    d, me = state["dir"], f"{state['token']}-{state['name']}"
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                              start_new_session=True)
     ns = os.readlink("/proc/self/ns/pid")
-    with open(f"{d}/{me}.tmp", "w") as f:
+    with open(f"{me}.tmp", "w") as f:  # in its own folder: the test finds it there
         json.dump({"ns": ns, "pid": os.getpid()}, f)
-    os.rename(f"{d}/{me}.tmp", f"{d}/{me}.ready")
+    os.rename(f"{me}.tmp", f"{me}.ready")
     for _ in range(3000):
         if os.path.exists(f"{d}/{me}.go"):
             break
@@ -873,9 +895,9 @@ def main(state):
                     "signal0": attempt(lambda: signal0(pid))}
             for label, pid in targets.items()}
     procs = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-    open(f"{d}/{me}.done", "w").close()
-    for _ in range(3000):  # stay a target until the other run is done too
-        if os.path.exists(f"{d}/{state['other']}.done"):
+    open(f"{me}.done", "w").close()
+    for _ in range(3000):  # stay a target until the test saw both runs done
+        if os.path.exists(f"{d}/{state['token']}.release"):
             break
         time.sleep(0.01)
     nnp = [l for l in open("/proc/self/status") if l.startswith("NoNewPrivs:")][0]
@@ -891,16 +913,17 @@ from executor.models import CodeJob
 from executor.service import Executor
 from executor.settings import load_settings
 
-data_dir, shared, mode, CODE, prewarm = sys.argv[1:6]
+data_dir, shared, mode, CODE, prewarm, landlock, token = sys.argv[1:8]
 ex = Executor(load_settings(enable_code_nodes=True, code_runtime="subprocess",
                             code_languages="python", data_dir=data_dir,
-                            code_subprocess_namespaces=mode, code_prewarm=int(prewarm)))
+                            code_subprocess_namespaces=mode, code_prewarm=int(prewarm),
+                            code_subprocess_landlock=landlock))
 if int(prewarm):
     ex.prepare()
     assert ex.runtime.pool.wait_ready(30)
 results = {}
 def start(me, other):
-    state = {"dir": shared, "name": me, "other": other}
+    state = {"dir": shared, "name": me, "token": token}
     job = CodeJob(code=CODE, state_json=json.dumps(state), timeout_s=60)
     results[me] = ex.run(job)
 threads = [threading.Thread(target=start, args=pair) for pair in (("a", "b"), ("b", "a"))]
@@ -923,8 +946,10 @@ print(json.dumps({
 """
 
 
-def _non_root_python(script: str, *args: str, **kw: Any) -> subprocess.Popen[str]:
-    """``script`` as a server of uid SERVER_UID (no supplementary group), with a secret in
+def _non_root_python(
+    script: str, *args: str, uid: int = SERVER_UID, **kw: Any
+) -> subprocess.Popen[str]:
+    """``script`` as a server of uid ``uid`` (no supplementary group), with a secret in
     its environment."""
     root = Path(__file__).resolve().parent.parent
     venv = Path(sys.prefix)  # the tests' own virtualenv (a worktree has none of its own)
@@ -938,8 +963,8 @@ def _non_root_python(script: str, *args: str, **kw: Any) -> subprocess.Popen[str
     }
     return subprocess.Popen(
         ["/usr/bin/python3", "-c", script, *args],
-        user=SERVER_UID,
-        group=SERVER_UID,
+        user=uid,
+        group=uid,
         extra_groups=[],
         env=env,
         text=True,
@@ -988,20 +1013,25 @@ def _global_pid(candidates: list[int], ns: str, inner: int) -> int:
     raise AssertionError(f"no process is pid {inner} of {ns} among {candidates}")
 
 
-@pytest.mark.parametrize("prewarm", [0, 2], ids=["cold", "prestarted"])
-@pytest.mark.parametrize("mode", ["auto", "off"])
+@pytest.mark.parametrize(
+    "mode, prewarm, landlock",
+    [("auto", 0, "auto"), ("auto", 2, "auto"), ("off", 0, "auto"), ("off", 2, "off")],
+    ids=["auto-cold", "auto-prestarted", "off-cold", "off-prestarted-no-landlock"],
+)
 def test_a_non_root_server_claims_what_its_runs_can_really_do(
-    mode: str, prewarm: int, shared: Path
+    mode: str, prewarm: int, landlock: str, shared: Path
 ) -> None:
     """A server of an unprivileged uid with a secret in its environment, two concurrent runs:
     each reports from inside what it could do to the server, to its parent and to the other
-    run, and every claim of meta (holds / does_not_hold) is checked against it."""
+    run, and every claim of meta (holds / does_not_hold) is checked against it. Landlock
+    (where the kernel has it) in three of the four; the fourth, neither namespaces nor
+    Landlock, is a run with every door the server's uid leaves open."""
     from tests.services import kill_pids, process_tree
 
-    marker = uuid.uuid4().hex
+    marker, token = uuid.uuid4().hex, uuid.uuid4().hex[:10]
     server = _non_root_python(
         NON_ROOT_SERVER,
-        *(str(shared), str(shared), mode, NON_ROOT_RUN, str(prewarm)),
+        *(str(shared), str(shared), mode, NON_ROOT_RUN, str(prewarm), landlock, token),
         marker=marker,
         cwd=shared,
         stdin=subprocess.DEVNULL,
@@ -1010,9 +1040,8 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
     try:
         ready = {}
         for me in ("a", "b"):
-            path = shared / f"{me}.ready"
-            wait_for(
-                lambda path=path: path.exists() or server.poll() is not None,
+            path = wait_for(
+                lambda me=me: run_file(f"{token}-{me}.ready") or server.poll() is not None,
                 60,
                 f"run {me} to start",
             )
@@ -1029,11 +1058,16 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
         }
         assert pids["a"] != pids["b"] and all(uid_of(p) == SERVER_UID for p in pids.values())
         for me, other in (("a", "b"), ("b", "a")):
-            go = shared / f"{me}.go"
+            go = shared / f"{token}-{me}.go"
             go.with_suffix(".tmp").write_text(
                 json.dumps({"server": server.pid, "peer": pids[other]})
             )
             go.with_suffix(".tmp").rename(go)
+        try:  # each stays a target until both are done
+            for me in ("a", "b"):
+                wait_for(lambda me=me: run_file(f"{token}-{me}.done"), 60, f"run {me} to probe")
+        finally:
+            (shared / f"{token}.release").touch()
         stdout, stderr = server.communicate(timeout=120)
     finally:
         if server.poll() is None:
@@ -1059,6 +1093,9 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
         # this kernel allows unprivileged user namespaces unless a knob says otherwise
         assert namespaced == (refusing_knob() is None), iso["namespaces_reason"]
     assert iso["separate_uids"] is False and iso["server_dumpable"] is False
+    from executor.runtimes.subprocess.landlock import abi_version
+
+    assert iso["landlock"] is (landlock == "auto" and abi_version()[1] is None), iso
     closed = DENIED | {"ENOENT", "ESRCH"}
     try:
         for me, other in (("a", "b"), ("b", "a")):
@@ -1079,8 +1116,13 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
             signals_open = got["server"]["signal0"] == "ok"
             assert ("signal the server" in lacks) == signals_open, (lacks, got)
             assert (got["peer"]["signal0"] == "ok") == signals_open, got
+            assert iso["run_can"]["signal"] is signals_open, (iso["run_can"], got)
             sees_host = server.pid in out["procs"] or pids[other] in out["procs"]
             assert ("see every process of the host" in lacks) == sees_host, (lacks, out)
+            assert iso["run_can"]["see"] is sees_host, (iso["run_can"], out["procs"])
+            # the other run's environment: open only without namespaces and Landlock
+            peer_open = got["peer"]["environ"] not in closed
+            assert ("of concurrent runs" in lacks) == peer_open, (lacks, got["peer"])
             if namespaced:
                 assert "namespace of its own" in held
                 assert got["server"]["signal0"] == got["peer"]["signal0"] == "ESRCH"
@@ -1090,7 +1132,8 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
                 assert out["ppid"] == 1 and out["pid"] == 2
             else:
                 assert out["ppid"] == server.pid
-                assert got["peer"]["environ"] not in closed  # same uid, dumpable
+                # same uid, dumpable: only Landlock keeps the other run's environment
+                assert peer_open is not iso["landlock"], got["peer"]
             # a setsid() grandchild: gone with the run's namespace, or left (meta says so)
             if namespaced:
                 assert len(members[me]) == 3, members[me]  # init, the run, its grandchild

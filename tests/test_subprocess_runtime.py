@@ -7,8 +7,6 @@ import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -113,29 +111,19 @@ def test_fork_bomb_stops_at_the_nproc_limit_of_the_dropped_user(make_subprocess_
 
 
 def test_timeout_kills_the_whole_process_group(subprocess_executor):
-    # a folder the dropped-privilege child can write to (pytest's tmp_path is root-only)
-    shared = Path(tempfile.mkdtemp(prefix="studio-code-test-"))
-    os.chmod(shared, 0o777)
-    pidfile = shared / "grandchild.pid"
     code = (
         "import subprocess, sys\n"
         "def main(state):\n"
         "    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        "    open(state['pidfile'], 'w').write(str(p.pid))\n"
         "    print('grandchild', p.pid, flush=True)\n"
         "    while True:\n"
         "        pass\n"
     )
     t0 = time.monotonic()
-    r = run(subprocess_executor, code, json.dumps({"pidfile": str(pidfile)}), timeout_s=2)
+    r = run(subprocess_executor, code, timeout_s=2)
     assert time.monotonic() - t0 < 3
     assert r.status is Status.TIMED_OUT and r.error.code == "CODE_TIMEOUT", r.error
     grandchild = int(r.logs.split("grandchild ")[1].split()[0])
-    if os.getuid() == 0:  # a run of its own uid: what it wrote in /tmp is gone with it
-        assert not pidfile.exists()
-    else:
-        assert int(pidfile.read_text()) == grandchild
-    shutil.rmtree(shared)
     for _ in range(50):
         if not _alive(grandchild):
             break

@@ -3,10 +3,11 @@ run behind it, and an optional cap on one user's runs in flight.
 
 Celery stays the engine; only WHERE a workflow run's message waits changes. The API sends
 the run as ever (``send_task``: kombu builds the message), with the header
-``HEADER_FAIR_USER``; its broker channel (``Channel`` below) puts that message on the
-user's waiting list in Redis instead of ``code.run``. A release moves messages from the
-users' lists into ``code.run``, in turns, as the real Celery messages they are; from there
-the worker consumes, claims and acknowledges exactly as before.
+``HEADER_FAIR_USER``; its broker channel (``FairChannel`` below, a part of every channel
+worker.broker composes) puts that message on the user's waiting list in Redis instead of
+``code.run``. A release moves messages from the users' lists into ``code.run``, in turns,
+as the real Celery messages they are; from there the worker consumes, claims and
+acknowledges exactly as before.
 
 The state (keys in worker.protocol, all changed by the scripts below and nothing else):
 
@@ -43,7 +44,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from kombu.transport import redis as kombu_redis
@@ -318,12 +319,20 @@ class FairStats:
     held: int
     top: tuple[UserLoad, ...]
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, *, names: bool = False) -> dict[str, Any]:
+        """``top`` by rank (1: the most runs waiting); each entry names its user only with
+        ``names`` (an admin's view: user ids are shown to no one else)."""
+        top = []
+        for rank, u in enumerate(self.top, 1):
+            entry: dict[str, Any] = {"rank": rank, "waiting": u.waiting, "running": u.held}
+            if names:
+                entry["user"] = u.user
+            top.append(entry)
         return {
             "waiting": self.waiting,
             "users_waiting": self.users_waiting,
             "released_not_ended": self.held,
-            "top": [{"user": u.user, "waiting": u.waiting, "running": u.held} for u in self.top],
+            "top": top,
         }
 
 
@@ -411,26 +420,23 @@ class FairQueue:
         return self.ended(sorted(finished)) if finished else 0
 
 
-# --- the API's broker channel ------------------------------------------------------------------
+# --- the broker channel's part (worker.broker composes it) -----------------------------------
+
+#: the broker transport option that carries the per-user cap to the channel
+CAP_OPTION = "studio_fair_user_cap"
+
+if TYPE_CHECKING:
+    _ChannelBase = kombu_redis.Channel
+else:
+    _ChannelBase = object
 
 
-class Channel(kombu_redis.Channel):
-    """kombu's Redis channel; a message for code.run carrying ``HEADER_FAIR_USER`` goes to
-    its user's waiting list instead (the message kombu built, unchanged)."""
+class FairChannel(_ChannelBase):
+    """A part of kombu's Redis channels (plain and Sentinel: worker.broker composes them):
+    a message for code.run carrying ``HEADER_FAIR_USER`` goes to its user's waiting list
+    instead (the message kombu built, unchanged). Every other message is kombu's."""
 
     _fair: FairQueue | None = None
-    _sync_client: Any = None
-
-    def _create_client(self, asynchronous: bool = False) -> Any:
-        """kombu makes a new redis.Redis on its pool for every publish (its __init__ was a
-        fifth of a submit's CPU); one per channel and pool does (redis.Redis is thread
-        safe: each command takes a connection from the pool)."""
-        if asynchronous:
-            return super()._create_client(asynchronous=True)
-        client = self._sync_client
-        if client is None or client.connection_pool is not self.pool:
-            client = self._sync_client = super()._create_client()
-        return client
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> Any:
         headers = message.get("headers") or {}
@@ -445,24 +451,9 @@ class Channel(kombu_redis.Channel):
         return None
 
 
-class Transport(kombu_redis.Transport):
-    """The API's broker transport: Redis, workflow runs waiting per user (see Channel)."""
-
-    Channel = Channel
-
-
-TRANSPORT = "worker.fair:Transport"
-#: the broker transport option that carries the per-user cap to the API's channel
-CAP_OPTION = "studio_fair_user_cap"
-
-
-def use_fair_transport(app: Any, settings: Settings) -> None:
-    """Make ``app`` (the API's Celery app, before its first send) put workflow runs that
-    carry HEADER_FAIR_USER on their users' lists."""
-    app.conf.broker_transport = TRANSPORT
-    options = dict(app.conf.broker_transport_options or {})
-    options[CAP_OPTION] = user_cap(settings)
-    app.conf.broker_transport_options = options
+def transport_options(settings: Settings) -> dict[str, Any]:
+    """The broker transport options the channel's part reads (worker.broker adds them)."""
+    return {CAP_OPTION: user_cap(settings)}
 
 
 # --- the worker's side: releases ---------------------------------------------------------------
@@ -505,11 +496,11 @@ def job_ended(queue: FairQueue, job_id: str) -> None:
 __all__ = [
     "FairQueue",
     "FairStats",
+    "FairChannel",
     "release_loop",
-    "TRANSPORT",
+    "transport_options",
     "Waiting",
     "fair_wait_key",
     "job_ended",
-    "use_fair_transport",
     "user_cap",
 ]

@@ -275,7 +275,7 @@ def queue_lists(queue: str) -> list[str]:
 FAIRNESS_MODES = ("users", "off")
 
 #: a Celery message header the API adds to a workflow run when fairness is on: the run's
-#: user. The API's broker channel (worker.fair.Channel) puts such a message on the user's
+#: user. The broker channel (worker.fair.FairChannel) puts such a message on the user's
 #: waiting list instead of code.run; released, the same message goes to code.run.
 HEADER_FAIR_USER = "studio_fair_user"
 

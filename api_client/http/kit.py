@@ -202,8 +202,18 @@ async def caller(
         )
     if len(user) > 200:
         raise ApiError(422, "REQUEST_INVALID", f"{USER_HEADER} is longer than 200 characters.")
-    admin = (x_studio_admin or "").strip().lower() in ("1", "true", "yes")
-    return Caller(user=user, admin=admin)
+    return Caller(user=user, admin=says_admin(x_studio_admin))
+
+
+def says_admin(header: str | None) -> bool:
+    """Whether an ``X-Studio-Admin`` value says the caller is an admin."""
+    return (header or "").strip().lower() in ("1", "true", "yes")
+
+
+def admin_caller(headers: Any) -> bool:
+    """A route that needs no user (GET /api/meta/runtime) shows an admin's view only to a
+    named caller (X-Studio-User) the studio says is an admin (X-Studio-Admin: 1)."""
+    return bool((headers.get(USER_HEADER) or "").strip()) and says_admin(headers.get(ADMIN_HEADER))
 
 
 CallerDep = Annotated[Caller, Depends(caller)]
@@ -288,3 +298,10 @@ def own_record(services: Services, job_id: str, who: Caller) -> JobRecord:
     if rec is None or not who.may_see(rec):
         raise ApiError(404, "NOT_FOUND", f"No run {job_id!r} that you can see.")
     return rec
+
+
+def trace_headers(request: Request) -> dict[str, str | None]:
+    """The caller's W3C trace context (``traceparent``, ``tracestate`` headers), as the
+    client's submit and wait take it (executor.tracing)."""
+    headers = request.headers
+    return {"traceparent": headers.get("traceparent"), "tracestate": headers.get("tracestate")}

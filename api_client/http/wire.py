@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from executor.models import CodeErrorInfo, Status, TraceRow
+from executor.models import CodeErrorInfo, Status, TraceRow, Usage
 from executor.store.base import JobRecord, RunSummary
 
 #: the longest source a request may carry, in characters
@@ -125,6 +125,11 @@ class RunView(BaseModel):
     exit_code: int | None = None
     warnings: list[str] = Field(default_factory=list)
     trace: list[TraceRow] = Field(default_factory=list)
+    usage: Usage | None = Field(
+        None,
+        description="What the run used, measured by the host: memory_peak_bytes, cpu_ms, "
+        "pids_peak and their source; null when not measured (never 0 for unknown).",
+    )
     queued_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -150,6 +155,16 @@ class LanguageMeta(BaseModel):
     reason: str | None = None
     image: str | None = None
     packages: list[str] = Field(default_factory=list)
+    versions: dict[str, str] = Field(
+        default_factory=dict,
+        description="The image's packages at the versions built in (its studio.packages "
+        "label): PyPI name or npm:name@major -> version; empty when the image does not say.",
+    )
+    packages_warning: str | None = Field(
+        None,
+        description="STUDIO_CODE_PACKAGES or STUDIO_CODE_TS_PACKAGES disagrees with the image: "
+        "the names that differ, in one sentence.",
+    )
 
 
 class LimitsMeta(BaseModel):

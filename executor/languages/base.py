@@ -44,6 +44,11 @@ class Language(ABC):
     def environment(self, settings: Settings, *, in_container: bool) -> dict[str, str]:
         """The sandbox's whole environment: nothing of the server's is inherited."""
 
+    def preimport(self, settings: Settings) -> dict[str, str]:
+        """What a pre-started sandbox adds to its environment so its runner imports modules
+        while it waits for its job (STUDIO_CODE_PREIMPORT); none by default."""
+        return {}
+
     @abstractmethod
     def check(self, code: str, settings: Settings) -> list[Problem]:
         """Save-time problems of ``code``; empty when it may be saved."""

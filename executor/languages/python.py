@@ -57,6 +57,10 @@ class Python(Language):
             return {}
         return {"HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 
+    def preimport(self, settings: Settings) -> dict[str, str]:
+        # read, and removed from the environment, by python_runner.py's _preimport
+        return {"STUDIO_PREIMPORT": settings.code_preimport} if settings.code_preimport else {}
+
     def check(self, code: str, settings: Settings) -> list[Problem]:
         try:
             with _PARSE_LOCK:
@@ -74,7 +78,10 @@ class Python(Language):
         return _unavailable_imports(tree, settings)
 
     def packages(self, settings: Settings) -> list[str]:
-        return list(settings.python_packages)
+        # STUDIO_CODE_PACKAGES when set, else the image's own list (executor.packages)
+        from executor.packages import image_packages, shown_packages
+
+        return shown_packages(settings, self.name, image_packages(settings, self.name))
 
 
 def _binds_main(node: ast.stmt) -> bool:
@@ -97,7 +104,9 @@ def _unavailable_imports(tree: ast.Module, settings: Settings) -> list[Problem]:
     found = imports(tree)
     if not found:
         return []
-    available = read_image_modules(settings.code_image, settings.data_dir / "image-modules")
+    available = read_image_modules(
+        settings.code_image, settings, settings.data_dir / "image-modules"
+    )
     if available is None:
         return []
     problems = []

@@ -5,9 +5,9 @@ The image records it at build time in ``/usr/share/studio-code/modules.json``
 top-level modules, and every installed top-level module. The executor copies that file out
 of the image (a container created, never started, then removed) once per image id, and
 keeps it in the process and under STUDIO_DATA_DIR/image-modules/, so a save costs nothing
-after the first, nor does a later process's. That container is made in the sandboxes'
-own shape (``sandbox_policy``, labelled, with a deadline any reaper honours), so the socket
-guard (executor/runtimes/docker/sockguard.py) passes its create and the read of this one file.
+after the first, nor does a later process's. Reading the file is the docker runtime's
+operation (executor/runtimes/docker/images.py, with the caller's settings): a container in
+the sandboxes' own shape, so the socket guard passes its create and the read of this file.
 
 No file (an image built before this), no Docker, or the subprocess runtime: ``None``, and
 the check of imports is skipped (readiness still imports every listed package).
@@ -20,9 +20,12 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from executor.settings import Settings
 
 log = logging.getLogger("studio_code.executor")
 
@@ -37,6 +40,8 @@ class ImageModules:
     stdlib: frozenset[str]
     packages: dict[str, list[str]]  # listed package -> its top-level modules
     modules: frozenset[str]  # every installed top-level module
+    # listed package -> its version; empty for an image built before versions were recorded
+    versions: dict[str, str] = field(default_factory=dict)
 
     def allows(self, module: str) -> bool:
         return module in self.stdlib or module in self.modules
@@ -46,11 +51,14 @@ _cache: dict[str, ImageModules | None] = {}
 _lock = threading.Lock()
 
 
-def read_image_modules(image: str, cache_dir: Path | None = None) -> ImageModules | None:
+def read_image_modules(
+    image: str, settings: Settings, cache_dir: Path | None = None
+) -> ImageModules | None:
     """The modules file of ``image``, cached per image id in this process and, with
     ``cache_dir``, in a file there (an image id names its content, so the file never goes
     stale): a one-shot process (``studio-code run``) then creates no container to read it.
-    None when it cannot be read."""
+    ``settings``: the caller's, for the container the file is read from. None when it
+    cannot be read."""
     try:
         from executor.docker_api import shared_api
 
@@ -65,7 +73,7 @@ def read_image_modules(image: str, cache_dir: Path | None = None) -> ImageModule
     saved = cache_dir / f"{image_id.replace(':', '-')}.json" if cache_dir else None
     data = _read_saved(saved) if saved else None
     if data is None:
-        data = _copy_out(api, image)
+        data = _copy_out(api, settings, image)
         if data is not None and saved is not None:
             _save(saved, data)
     found = None
@@ -75,28 +83,20 @@ def read_image_modules(image: str, cache_dir: Path | None = None) -> ImageModule
             stdlib=frozenset(data["stdlib"]),
             packages={k: list(v) for k, v in data["packages"].items()},
             modules=frozenset(data["modules"]),
+            versions={str(k): str(v) for k, v in (data.get("versions") or {}).items()},
         )
     with _lock:
         _cache[image_id] = found
     return found
 
 
-def _copy_out(api: Any, image: str) -> dict[str, Any] | None:
-    """The image's modules file, copied out of a container created (never started) and
-    removed; None for an image built before the file existed."""
-    import io
-    import tarfile
+def _copy_out(api: Any, settings: Settings, image: str) -> dict[str, Any] | None:
+    """The image's modules file, read out of the image by the docker runtime
+    (``images.read_file``); None for an image built before the file existed."""
+    from executor.runtimes.docker.images import read_file
 
     try:
-        cid = api.create_container(**_never_started(api, image))["Id"]
-        try:
-            stream, _ = api.get_archive(cid, MODULES_PATH)
-            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
-                member = tar.extractfile(tar.getmembers()[0])
-                assert member is not None
-                data = json.loads(member.read())
-        finally:
-            api.remove_container(cid, force=True)
+        data = json.loads(read_file(api, settings, image, MODULES_PATH))
         _ = data["stdlib"], data["packages"], data["modules"]
         return data  # type: ignore[no-any-return]
     except Exception as e:  # noqa: BLE001 - an image built before the file existed
@@ -122,37 +122,6 @@ def _save(path: Path, data: dict[str, Any]) -> None:
         os.replace(tmp, path)
     except OSError as e:
         log.debug("image modules not saved in %s: %s", path.parent, e)
-
-
-def _never_started(api: Any, image: str) -> dict[str, Any]:
-    """The create arguments of the container the file is copied out of: a sandbox's (no
-    network, no mounts, every control of ``sandbox_policy``) running ``true``, never started."""
-    import uuid
-
-    from executor.languages import get_language
-    from executor.models import CodeJob, Limits
-    from executor.runtimes.base import owner_id
-    from executor.runtimes.docker.policy import sandbox_policy
-    from executor.settings import load_settings
-
-    settings = load_settings()
-    limits = Limits(
-        memory_bytes=settings.memory_bytes,
-        cpus=settings.code_cpus,
-        pids=settings.code_pids,
-        timeout_s=1,
-        log_max_bytes=1,
-        output_max_bytes=1,
-    )
-    job = CodeJob(job_id=f"modules-{uuid.uuid4().hex[:12]}", code="")
-    policy = sandbox_policy(settings, get_language("python"), job, limits, owner_id())
-    return {
-        **policy,
-        "name": f"studio-code-{job.job_id}",
-        "image": image,
-        "command": ["true"],
-        "host_config": api.create_host_config(**policy["host_config"]),
-    }
 
 
 _IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}

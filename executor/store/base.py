@@ -36,6 +36,7 @@ from executor.models import (
     Language,
     Status,
     TraceRow,
+    Usage,
 )
 
 CANCELLED_BEFORE_START = CodeErrorInfo(
@@ -84,6 +85,7 @@ class JobRecord(BaseModel):
     pruned_at: datetime | None = None  # retention cleared code, state, output and logs
     memory_bytes: int | None = None  # what the node asked for (None: the server's default)
     cpus: float | None = None
+    usage: Usage | None = None  # what the run used, measured by the host (None: not measured)
 
     @property
     def finished(self) -> bool:
@@ -134,6 +136,7 @@ class RunSummary(BaseModel):
     finished_at: datetime | None = None
     worker: str | None = None
     attempts: int = 0
+    usage: Usage | None = None
 
     @property
     def finished(self) -> bool:

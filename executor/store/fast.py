@@ -1,5 +1,5 @@
-"""The queue's three writes per job (``create``, ``claim``, ``finish``) as plain DBAPI
-statements on SQLite (sqlite3) and PostgreSQL (psycopg 3), for ``SqlRunStore``.
+"""The queue's three writes per job (``create``, ``claim``, ``finish``) on the engine's DBAPI
+connection (sqlite3 or psycopg 3), for ``SqlRunStore``.
 
 Why: those three run on every job's path, between the caller's submit and its answer.
 Measured on this project's machines, SQLAlchemy's execution layer (connection and
@@ -8,13 +8,16 @@ transaction objects, the begin event, compiled-cache lookup, result objects) cos
 jobs, an API between clicks), where the same statements on the DBAPI connection cost about
 0.3 ms. Everything else in the store stays on SQLAlchemy Core.
 
-The statements are the ones ``sql.py`` builds (``_CLAIM_RETURNING``, ``_FINISH_RETURNING``,
-the insert of ``create``), written out here for the two dialects; the values are converted
-as the column types there convert them (``UtcDateTime``, ``Boolean``, ``SafeText``), and
-a test compares every record this lane returns with the record SQLAlchemy reads back from
-the same row, on both databases. A row whose value cannot be converted reads as it does
-through SQLAlchemy (``_record`` falls back to the tolerant reader: the conversion runs when
-the column is read, not when the row is fetched).
+Nothing here is written twice: the statements are ``statements.py``'s (``insert_job``,
+``INSERT_INPUTS``, ``CLAIM_RETURNING``, ``SELECT_INPUTS``, ``FINISH_RETURNING``), compiled
+once per lane for the engine's dialect (``Prepared``: its SQL text in the DBAPI's
+paramstyle, its parameters in order), and every value goes through its type's own bind and
+result processors (``UtcDateTime``, ``SafeText``, the dialect's ``DateTime`` and
+``Boolean``), as SQLAlchemy's execution would apply them. A test compares every record this
+lane returns with the record SQLAlchemy reads back from the same row, on both databases. A
+row whose value cannot be converted reads as it does through SQLAlchemy (``rows.record``
+falls back to the tolerant reader: the conversion runs when the column is read, not when
+the row is fetched).
 
 The connection comes from the engine's pool (``raw_connection``): the pool's events (the
 fork guard, ``pool_pre_ping``, SQLite's PRAGMAs on connect) apply as to every other call.
@@ -23,20 +26,92 @@ A connection whose statement failed is closed, not put back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from datetime import UTC, datetime
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import cached_property
+from operator import itemgetter
 from typing import Any
 
-from executor.models import Status
+from executor.store import statements as st
 
-#: one value's conversion on its way in or out (as a column type's bind/result processor)
+#: one value's conversion on its way in or out (a column type's bind/result processor)
 Converter = Callable[[Any], Any]
+
+
+class Prepared:
+    """One SQLAlchemy statement as the DBAPI takes it on ``dialect``: ``sql``, its text in
+    the dialect's paramstyle (IN lists of the statement's own values expanded, as
+    ``render_postcompile`` would), and ``params(values)``, the parameters in the form that
+    paramstyle wants (a tuple in ``positiontup``'s order, or a dict), each value passed
+    through its type's bind processor. The values the statement holds itself (its
+    literals: the statuses, the cancel's error) are converted once, here. ``columns``: what
+    its rows hold, converted by ``row`` with the columns' result processors."""
+
+    def __init__(self, stmt: Any, dialect: Any, column_keys: Sequence[str] | None = None) -> None:
+        compiled = stmt.compile(dialect=dialect, column_keys=column_keys)
+        #: the parameters the caller gives (the others are the statement's own)
+        given = {name for name, bind in compiled.binds.items() if bind.required}
+        expanded = compiled.construct_expanded_state(dict.fromkeys(given))
+        self.sql: str = expanded.statement
+        self._dialect = dialect
+        own = dict(expanded.parameters)
+        # an INSERT's columns not given take their defaults (as SQLAlchemy's execution fills
+        # them in): the store gives every column, but a default is never bound as NULL
+        for column in getattr(compiled, "insert_prefetch", ()):
+            if column.default is None or not column.default.is_scalar:
+                raise ValueError(f"{column.key} has no value and no scalar default")
+            own[column.key] = column.default.arg
+        convert: dict[str, Converter] = {}
+        for name, bind in compiled.binds.items():
+            process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if process is not None:
+                for each in expanded.parameter_expansion.get(name, [name]):
+                    convert[each] = process
+        #: the caller's parameters, each with its conversion (None: taken as it is)
+        self._given = tuple((name, convert.get(name)) for name in sorted(given))
+        self._fixed = {
+            name: convert[name](value) if name in convert else value
+            for name, value in own.items()
+            if name not in given
+        }
+        #: positional paramstyles (SQLite's qmark): the values in the statement's order
+        self._order: Callable[[dict[str, Any]], Any] | None = None
+        if compiled.positional:
+            pick = itemgetter(*expanded.positiontup)
+            one = len(expanded.positiontup) == 1
+            self._order = (lambda bound: (pick(bound),)) if one else pick
+        self._columns = tuple(stmt.exported_columns)  # a SELECT's columns, or RETURNING's
+        self._index = {c.key: i for i, c in enumerate(self._columns)}
+        self._results: dict[str, Converter] | None = None
+
+    def params(self, values: Mapping[str, Any]) -> Any:
+        """The parameters of one execution (``values``: the caller's, by bind name; a name
+        the statement does not take is left out, as SQLAlchemy does)."""
+        bound = self._fixed.copy()
+        for name, fn in self._given:
+            value = values[name]
+            bound[name] = value if fn is None else fn(value)
+        return bound if self._order is None else self._order(bound)
+
+    def row(self, values: Sequence[Any], cur: Any) -> _LazyRow:
+        """A row ``cur`` fetched, its values converted by their columns' result processors
+        when read (the processors looked up once, from the first cursor's type codes, as
+        SQLAlchemy does per compiled statement: psycopg builds ``description`` anew at each
+        read, 25 column objects, so it is read only then)."""
+        if self._results is None:
+            results: dict[str, Converter] = {}
+            for column, described in zip(self._columns, cur.description, strict=True):
+                impl = column.type.dialect_impl(self._dialect)
+                fn = impl.result_processor(self._dialect, described[1])
+                if fn is not None:
+                    results[column.key] = fn
+            self._results = results
+        return _LazyRow(_Values(self._index, tuple(values), self._results))
 
 
 class _LazyRow:
     """A fetched row seen as SQLAlchemy's ``Row``: ``row._mapping[name]`` and ``row.name``,
     each value converted when it is read (so an unconvertible one raises there, as
-    SQLAlchemy's result processors do, and ``_record`` reads the row field by field)."""
+    SQLAlchemy's result processors do, and ``rows.record`` reads the row field by field)."""
 
     __slots__ = ("_mapping",)
 
@@ -61,7 +136,7 @@ class _Values(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         value = self._values[self._index[name]]
         fn = self._convert.get(name)
-        return value if fn is None or value is None else fn(value)
+        return value if fn is None or value is None else fn(value)  # NULL reads as None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
@@ -70,109 +145,35 @@ class _Values(Mapping[str, Any]):
         return len(self._index)
 
 
-def _sqlite_time_in(value: datetime) -> str:
-    # sql.UtcDateTime + SQLAlchemy's SQLite DATETIME: naive UTC, "YYYY-MM-DD HH:MM:SS.ffffff"
-    if value.tzinfo is None:
-        raise ValueError("the run store only takes timezone-aware datetimes")
-    return value.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
-
-
-def _sqlite_time_out(value: Any) -> datetime:
-    if isinstance(value, datetime):
-        parsed = value
-    else:
-        parsed = datetime.fromisoformat(str(value))
-    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
-
-
-def _pg_time_in(value: datetime) -> datetime:
-    if value.tzinfo is None:
-        raise ValueError("the run store only takes timezone-aware datetimes")
-    return value.astimezone(UTC)
-
-
-def _pg_time_out(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-def _pg_text(value: str | None) -> str | None:
-    # sql.SafeText: PostgreSQL refuses NUL in text
-    if value is not None and "\x00" in value:
-        return value.replace("\x00", "\ufffd")
-    return value
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
 class FastLane:
     """create / claim / finish of one job on the engine's DBAPI connections. Built by
     ``SqlRunStore`` when its dialect and driver are one of the two above and the database
-    has RETURNING (SQLite >= 3.35); else the store keeps its SQLAlchemy statements.
+    has RETURNING (SQLite >= 3.35); else the store keeps its SQLAlchemy statements. Each
+    statement is compiled on its first use."""
 
-    ``columns``: the job row's columns a record reads, in order; ``times``, ``bools``,
-    ``texts``: which of the table's columns are UtcDateTime, Boolean and SafeText."""
-
-    def __init__(
-        self,
-        engine: Any,
-        columns: tuple[str, ...],
-        *,
-        times: frozenset[str],
-        bools: frozenset[str],
-        texts: frozenset[str],
-        open_statuses: tuple[str, ...],
-        cancelled_while_running: str,
-    ) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.dialect = engine.dialect
         self.sqlite = engine.dialect.name == "sqlite"
-        self.columns = columns
-        self._index = {name: i for i, name in enumerate(columns)}
-        self.times, self.bools, self.texts = times, bools, texts
-        if self.sqlite:
-            self._time_in: Converter = _sqlite_time_in
-            self._bool_in: Converter = int
-            self._text_in: Converter = _same
-            time_out: Converter = _sqlite_time_out
-        else:
-            self._time_in, self._bool_in, self._text_in = _pg_time_in, bool, _pg_text
-            time_out = _pg_time_out
-        self._convert: dict[str, Converter] = {name: time_out for name in times if name in columns}
-        self._convert.update({name: bool for name in bools if name in columns})
-        p = self._param
-        returning = ", ".join(_q(c) for c in columns)
-        self._claim = (
-            f"UPDATE code_jobs SET status = {p('c_running')}, started_at = {p('c_at')}, "
-            f"started_ts = {p('c_ts')}, worker = {p('c_by')}, attempts = attempts + 1 "
-            f"WHERE job_id = {p('c_id')} AND status IN ({p('c_queued')}, {p('c_running')}) "
-            f"RETURNING {returning}"
-        )
-        self._inputs = f"SELECT code, state_json FROM code_job_inputs WHERE job_id = {p('r_id')}"
-        cancelling = f"status = {p('f_cancelling')}"
-        open_in = ", ".join(p(f"f_open{i}") for i in range(len(open_statuses)))
-        self._open = {f"f_open{i}": s for i, s in enumerate(open_statuses)}
-        self._cancel_error = cancelled_while_running
-        self._finish = (
-            "UPDATE code_jobs SET "
-            f"status = CASE WHEN {cancelling} THEN {p('f_cancelled')} ELSE {p('f_status')} END, "
-            f"error = CASE WHEN {cancelling} THEN {p('f_cancel_error')} ELSE {p('f_error')} END, "
-            f"output = CASE WHEN {cancelling} THEN NULL ELSE {p('f_output')} END, "
-            f"logs = {p('f_logs')}, logs_truncated = {p('f_logs_truncated')}, "
-            f"warnings = {p('f_warnings')}, trace = {p('f_trace')}, "
-            f"exit_code = {p('f_exit_code')}, duration_ms = {p('f_duration_ms')}, "
-            f"runtime = {p('f_runtime')}, code_runtime = {p('f_code_runtime')}, "
-            f"finished_at = {p('f_finished_at')}, worker = {p('f_worker')} "
-            f"WHERE job_id = {p('f_id')} AND status IN ({open_in}) RETURNING {returning}"
-        )
-        self._insert_inputs = (
-            "INSERT INTO code_job_inputs (job_id, code, state_json) "
-            f"VALUES ({p('job_id')}, {p('code')}, {p('state_json')})"
-        )
-        self._insert_job: dict[tuple[str, ...], str] = {}
+        #: create's INSERT of the job row, per set of columns given (as SQLAlchemy compiles
+        #: an insert for the keys of the values it is executed with)
+        self._insert_job: dict[tuple[str, ...], Prepared] = {}
 
-    def _param(self, name: str) -> str:
-        return f":{name}" if self.sqlite else f"%({name})s"
+    @cached_property
+    def _claim(self) -> Prepared:
+        return Prepared(st.CLAIM_RETURNING, self.dialect)
+
+    @cached_property
+    def _finish(self) -> Prepared:
+        return Prepared(st.FINISH_RETURNING, self.dialect)
+
+    @cached_property
+    def _inputs(self) -> Prepared:
+        return Prepared(st.SELECT_INPUTS, self.dialect)
+
+    @cached_property
+    def _insert_inputs(self) -> Prepared:
+        return Prepared(st.INSERT_INPUTS, self.dialect, ("job_id", "code", "state_json"))
 
     # --- the three writes ---------------------------------------------------------------
 
@@ -180,90 +181,53 @@ class FastLane:
         """INSERT the job's row (nothing when its id exists) and, if it was new, its inputs'
         row, in one transaction; True when this call made it."""
         names = tuple(values)
-        sql = self._insert_job.get(names)
-        if sql is None:
-            cols = ", ".join(_q(n) for n in names)
-            params = ", ".join(self._param(n) for n in names)
-            sql = (
-                f"INSERT INTO code_jobs ({cols}) VALUES ({params}) "
-                "ON CONFLICT (job_id) DO NOTHING RETURNING job_id"
-            )
-            self._insert_job[names] = sql
-        bound = {name: self._bind(name, value) for name, value in values.items()}
-        own = {name: self._bind(name, value) for name, value in inputs.items()}
+        job = self._insert_job.get(names)
+        if job is None:
+            job = Prepared(st.insert_job(self.dialect), self.dialect, names)
+            self._insert_job[names] = job
+        own = self._insert_inputs
 
         def work(cur: Any) -> bool:
-            cur.execute(sql, bound)
+            cur.execute(job.sql, job.params(values))
             created = cur.fetchone() is not None
             if created:  # same transaction: both rows or neither
-                cur.execute(self._insert_inputs, own)
+                cur.execute(own.sql, own.params(inputs))
             return created
 
         try:
             return bool(self._write(work))
-        except self.engine.dialect.dbapi.IntegrityError:  # an inputs row without its job
+        except self.dialect.dbapi.IntegrityError:  # an inputs row without its job
             return False
 
-    def claim(self, params: dict[str, Any]) -> tuple[_LazyRow, Any] | None:
-        """queued/running -> running (``sql._CLAIM``); the row as written and its inputs'
-        row (None: retention removed it), or None when the job was not claimable."""
-        bound = {
-            "c_id": params["c_id"],
-            "c_at": self._time_in(params["c_at"]),
-            "c_ts": params["c_ts"],
-            "c_by": params["c_by"],
-            "c_running": Status.RUNNING.value,
-            "c_queued": Status.QUEUED.value,
-        }
+    def claim(self, params: dict[str, Any]) -> tuple[_LazyRow, _LazyRow | None] | None:
+        """queued/running -> running (``statements.CLAIM``); the row as written and its
+        inputs' row (None: retention removed it), or None when the job was not claimable."""
+        claim, inputs = self._claim, self._inputs
 
-        def work(cur: Any) -> tuple[_LazyRow, Any] | None:
-            cur.execute(self._claim, bound)
+        def work(cur: Any) -> tuple[_LazyRow, _LazyRow | None] | None:
+            cur.execute(claim.sql, claim.params(params))
             row = cur.fetchone()
             if row is None:
                 return None
-            cur.execute(self._inputs, {"r_id": params["c_id"]})
+            claimed = claim.row(row, cur)
+            cur.execute(inputs.sql, inputs.params({"r_id": params["c_id"]}))
             own = cur.fetchone()
-            inputs = None if own is None else _LazyRow({"code": own[0], "state_json": own[1]})
-            return self._row(row), inputs
+            return claimed, None if own is None else inputs.row(own, cur)
 
         return self._write(work)  # type: ignore[no-any-return]
 
     def finish(self, params: dict[str, Any]) -> _LazyRow | None:
-        """The result on an open job (``sql._FINISH``); the row as written, or None."""
-        bound = {
-            **params,
-            **self._open,
-            "f_cancelling": Status.CANCELLING.value,
-            "f_cancelled": Status.CANCELLED.value,
-            "f_cancel_error": self._text_in(self._cancel_error),
-            "f_finished_at": self._time_in(params["f_finished_at"]),
-            "f_logs_truncated": self._bool_in(params["f_logs_truncated"]),
-        }
-        for name in ("f_error", "f_output", "f_logs", "f_warnings", "f_trace"):
-            bound[name] = self._text_in(bound[name])
+        """The result on an open job (``statements.FINISH``); the row as written, or None."""
+        finish = self._finish
 
         def work(cur: Any) -> _LazyRow | None:
-            cur.execute(self._finish, bound)
+            cur.execute(finish.sql, finish.params(params))
             row = cur.fetchone()
-            return None if row is None else self._row(row)
+            return None if row is None else finish.row(row, cur)
 
         return self._write(work)  # type: ignore[no-any-return]
 
     # --- plumbing -----------------------------------------------------------------------
-
-    def _bind(self, column: str, value: Any) -> Any:
-        if value is None:
-            return None
-        if column in self.times:
-            return self._time_in(value)
-        if column in self.bools:
-            return self._bool_in(value)
-        if column in self.texts:
-            return self._text_in(value)
-        return value
-
-    def _row(self, values: tuple[Any, ...]) -> _LazyRow:
-        return _LazyRow(_Values(self._index, tuple(values), self._convert))
 
     def _write(self, work: Callable[[Any], Any]) -> Any:
         """``work(cursor)`` in one write transaction (SQLite: BEGIN IMMEDIATE, as the
@@ -307,16 +271,11 @@ class FastLane:
         raw.close()
 
 
-def _q(name: str) -> str:
-    """A column name quoted for both dialects (``user`` is a reserved word in PostgreSQL)."""
-    return '"' + name.replace('"', '""') + '"'
-
-
-def lane_for(engine: Any, **kwargs: Any) -> FastLane | None:
+def lane_for(engine: Any) -> FastLane | None:
     """The lane for ``engine``, or None when its dialect, driver or database cannot take it
     (another driver, SQLite without RETURNING): the store then uses SQLAlchemy throughout."""
     dialect = engine.dialect
     ok = (dialect.name, dialect.driver) in (("sqlite", "pysqlite"), ("postgresql", "psycopg"))
     if not ok or not (dialect.insert_returning and dialect.update_returning):
         return None
-    return FastLane(engine, **kwargs)
+    return FastLane(engine)

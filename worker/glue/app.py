@@ -2,8 +2,9 @@
 
 ``celery -A worker worker`` finds the app through ``worker.celery`` (built from the STUDIO_*
 environment on first use); ``studio-code worker`` builds the same app from its Settings.
-The studio's API (``api_client``) builds a client-side app with ``make_app``: same broker,
-queues and options, no worker hooks.
+The studio's API and CLI (``api_client``) build a client-side app with ``make_app``: same
+broker (the transport and channel worker.broker chooses from the URL), queues and options,
+no worker hooks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kombu import Exchange, Queue
 
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.settings import Settings, load_settings
-from worker import redis_conn
+from worker import broker, redis_conn
 from worker.context import StudioCelery
 from worker.protocol import (
     QUEUE_RUN,
@@ -35,7 +36,6 @@ def make_app(settings: Settings) -> StudioCelery:
     # sentinel:// URL gets its master's name (worker.redis_conn)
     redis_options = redis_conn.transport_options(settings)
     app.conf.update(
-        broker_url=settings.redis_url,
         # Celery's result backend carries no data: the run store is the result. Every send
         # passes ignore_result so no client subscribes to result channels.
         result_backend=settings.redis_url,
@@ -68,7 +68,6 @@ def make_app(settings: Settings) -> StudioCelery:
             # (kombu's default sweeps every 100 s).
             "unacked_restore_interval": restore_interval_s(settings),
             "unacked_restore_throttle": 1,
-            **redis_options,
         },
         broker_connection_retry_on_startup=True,
         # A Redis blip must not kill running sandboxes: their result goes to the run store
@@ -87,6 +86,10 @@ def make_app(settings: Settings) -> StudioCelery:
         worker_send_task_events=False,
         task_send_sent_event=False,
     )
+    # the broker: STUDIO_REDIS_URL's transport (plain or Sentinel) with fair share and
+    # poison handling, its URL and the options of every connection, for every process
+    # alike (worker.broker)
+    broker.configure(app, settings)
     return app
 
 
@@ -94,7 +97,7 @@ def worker_app(settings: Settings) -> StudioCelery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker.glue import broker_watch, outcomes, poison, slots
+    from worker.glue import broker_watch, outcomes, slots
     from worker.job import tasks
     from worker.upkeep import gate as gate_watch
     from worker.upkeep import heartbeat, owner
@@ -111,8 +114,8 @@ def worker_app(settings: Settings) -> StudioCelery:
         )
 
     tasks.register(app)
-    # Items that are not kombu messages are set aside, not fatal (worker.glue.poison).
-    app.conf.broker_transport = poison.transport_for(settings.redis_url)
+    # Task events on Flower's request, without blocking the loop while Redis is away
+    app.events.dispatcher_cls = "worker.glue.events:QuietDispatcher"
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
     app.steps["consumer"].add(gate_watch.GateStep)

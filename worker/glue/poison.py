@@ -5,7 +5,8 @@ Where an item can go bad, and who catches it:
 
 * not a kombu message at all (``LPUSH code.run 'not a kombu message'``, JSON that is not a
   message): kombu's Redis channel would raise in the worker's event loop and stop the worker.
-  ``Transport`` (the worker's broker transport) checks each item it pops first;
+  ``PoisonChannel`` (a part of every broker channel, composed in worker.broker) checks
+  each item it pops first;
 * a message whose body cannot be decoded, of an unknown task, or invalid for Celery:
   ``StudioConsumer`` (worker.glue.slots) sends it here instead of Celery's log-and-drop;
 * a message of our task with arguments that are not one job id: the task itself.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
@@ -93,11 +94,18 @@ def valid_payload(payload: Any) -> bool:
     return isinstance(props, dict) and "delivery_tag" in props and "body" in payload
 
 
-# --- the broker transport ---------------------------------------------------------------------
+# --- the broker channel's part (worker.broker composes it) -----------------------------------
+
+if TYPE_CHECKING:
+    _ChannelBase = kombu_redis.Channel
+else:
+    _ChannelBase = object
 
 
-class Channel(kombu_redis.Channel):
-    """kombu's Redis channel, checking each popped item before delivering it."""
+class PoisonChannel(_ChannelBase):
+    """A part of kombu's Redis channels (plain and Sentinel: worker.broker composes them):
+    each popped item is checked before it is delivered; a job's channel closed under it
+    keeps its message unacked."""
 
     #: when its BRPOP was last answered (monotonic; 0: never)
     answered_at = 0.0
@@ -200,40 +208,6 @@ def keep_running_unacked(qos: Any) -> None:
                 qos._delivered.pop(tag, None)
     except Exception as e:  # noqa: BLE001 - closing goes on; kombu's restore applies
         log.warning("could not keep the running jobs' messages unacked: %s", e)
-
-
-class Transport(kombu_redis.Transport):
-    """The worker's broker transport (``broker_transport``): Redis, poison set aside."""
-
-    Channel = Channel
-
-
-class SentinelChannel(Channel, kombu_redis.SentinelChannel):
-    """The same, for a master found through Redis Sentinel."""
-
-
-class SentinelTransport(kombu_redis.SentinelTransport):
-    """The worker's broker transport for a sentinel:// STUDIO_REDIS_URL."""
-
-    Channel = SentinelChannel
-
-
-TRANSPORT = "worker.glue.poison:Transport"
-SENTINEL_TRANSPORT = "worker.glue.poison:SentinelTransport"
-
-
-def transport_for(redis_url: str) -> str:
-    """The worker's broker transport for STUDIO_REDIS_URL. With sentinels, kombu moves to
-    the next sentinel:// of the URL after a connection error and takes that URL's
-    transport by its scheme: in a worker, the scheme names this one too."""
-    from kombu.transport import TRANSPORT_ALIASES
-
-    from worker.redis_conn import is_sentinel
-
-    if not is_sentinel(redis_url):
-        return TRANSPORT
-    TRANSPORT_ALIASES["sentinel"] = SENTINEL_TRANSPORT
-    return SENTINEL_TRANSPORT
 
 
 # --- consumer-level hooks (StudioConsumer) ----------------------------------------------------

@@ -31,6 +31,7 @@ from celery.worker.consumer import Consumer
 
 from worker.context import context_of, studio_app
 from worker.glue import poison
+from worker.glue.events import events_on_request
 from worker.protocol import QUEUE_TEST
 
 log = logging.getLogger("studio_code.worker")
@@ -94,7 +95,10 @@ class StudioConsumer(Consumer):
     worker heartbeat events (--without-heartbeat): they are published from the event loop
     with a retry that never ends while Redis cannot be reached, so a lost broker stopped
     the whole loop (no broker watch, no reconnect) until Redis came back. The studio's
-    heartbeat (worker.upkeep.heartbeat) is what the API reads."""
+    heartbeat (worker.upkeep.heartbeat) is what the API reads.
+
+    Its event dispatcher stays on all the same (worker.glue.events), so Flower's and
+    celery-exporter's ``enable_events`` broadcast turns task events on."""
 
     def __init__(self, *args: Any, worker_options: Any = None, **kwargs: Any) -> None:
         off = {"without_mingle": True, "without_gossip": True}
@@ -102,6 +106,7 @@ class StudioConsumer(Consumer):
             off["without_heartbeat"] = True
         worker_options = {**(worker_options or {}), **off}
         super().__init__(*args, worker_options=worker_options, **kwargs)
+        events_on_request(self)
         self.test_slots = context_of(self.app).test_slots
         initial: int = self.initial_prefetch_count  # type: ignore[has-type]
         if self.test_slots and initial:

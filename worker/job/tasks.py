@@ -27,6 +27,7 @@ import redis
 from celery import Celery, Task, current_app, signals
 from celery.exceptions import Reject, Terminated
 
+from executor import tracing
 from executor.errors import ErrorCode
 from executor.models import CodeResult, Status
 from executor.outage import is_store_outage
@@ -34,6 +35,7 @@ from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
 from worker import fair, metrics, redis_conn
+from worker import tracing as worker_tracing
 from worker.context import studio_app
 from worker.glue import poison
 from worker.glue.outcomes import NodeFailed, report_outcome
@@ -213,6 +215,7 @@ def connect_process_signals() -> None:
     if not _connected:
         signals.worker_process_init.connect(_on_process_init, weak=False)
         signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
+        worker_tracing.connect()  # only when the OTEL_* variables ask for traces
         _connected = True
 
 
@@ -232,6 +235,12 @@ def register(app: Celery) -> None:
 
 
 def run_job(task: Task, *args: Any, **kwargs: Any) -> str:
+    """The task: ``_run_job`` in the job's trace span (when the worker traces)."""
+    with worker_tracing.job(task.request, _job_id_of(args, kwargs)):
+        return _run_job(task, *args, **kwargs)
+
+
+def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     """Run job ``job_id`` (its code and state are in the run store). Returns what happened,
     for the worker's log: ``finished``, ``duplicate``, ``skipped``, ``parked`` (the result
     waits in Redis for the store), ``parked-duplicate`` (a redelivery found a parked result
@@ -463,6 +472,13 @@ def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: Job
 
 
 def _finish(
+    state: ProcessState, result: CodeResult, rec: JobRecord, worker: str, queue: str
+) -> Outcome:
+    with tracing.result_store(result):  # a span when the worker traces
+        return _store_result(state, result, rec, worker, queue)
+
+
+def _store_result(
     state: ProcessState, result: CodeResult, rec: JobRecord, worker: str, queue: str
 ) -> Outcome:
     """Store the result; while the store cannot take it, park it in Redis (written by the

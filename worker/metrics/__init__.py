@@ -36,6 +36,12 @@ QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 30
 START_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
 RUN_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
 CANCEL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+MIB = 1 << 20
+#: a run's peak memory: 8 MiB .. 4 GiB (the usual STUDIO_CODE_MEMORY steps are edges)
+MEMORY_BUCKETS = tuple(
+    float(n * MIB) for n in (8, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048, 4096)
+)
+CPU_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
 # --- the catalogue --------------------------------------------------------------------
@@ -55,6 +61,8 @@ class WorkerMetrics:
     cancel_latency: Histogram
     oom: Counter
     timeouts: Counter
+    memory_peak: Histogram
+    cpu: Histogram
 
     def all(self) -> list[Counter | Gauge | Histogram]:
         return [getattr(self, f) for f in self.__dataclass_fields__]
@@ -126,6 +134,22 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> WorkerMetric
         timeouts=Counter(
             f"{PREFIX}_timeouts", "Jobs stopped at their timeout.", lr, registry=registry
         ),
+        memory_peak=Histogram(
+            f"{PREFIX}_run_memory_peak_bytes",
+            "A run's peak memory as the host measured it (its sandbox's cgroup, interpreter "
+            "included): size STUDIO_CODE_MEMORY from its p99. Runs not measured are left out.",
+            lr,
+            buckets=MEMORY_BUCKETS,
+            registry=registry,
+        ),
+        cpu=Histogram(
+            f"{PREFIX}_run_cpu_seconds",
+            "A run's CPU time (user + system) as the host measured it; a pre-started "
+            "sandbox's start is not in it. Runs not measured are left out.",
+            lr,
+            buckets=CPU_BUCKETS,
+            registry=registry,
+        ),
     )
 
 
@@ -166,6 +190,12 @@ def record_result(
     run_s = _trace_seconds(result, "code.run")
     if run_s is not None:
         m.run.labels(language, runtime).observe(run_s)
+    used = result.usage
+    if used is not None:
+        if used.memory_peak_bytes is not None:
+            m.memory_peak.labels(language, runtime).observe(used.memory_peak_bytes)
+        if used.cpu_ms is not None:
+            m.cpu.labels(language, runtime).observe(used.cpu_ms / 1000)
     if queue_wait_s is not None:
         record_queue_wait(queue_wait_s, queue=queue)
 

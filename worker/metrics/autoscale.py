@@ -6,9 +6,10 @@ workers and busy/idle slots per queue.
   Redis lists plus, for code.run, the runs waiting on their users' lists (worker.fair; see
   docs/operations.md for what KEDA reads), and ``studio_code_queue_oldest_seconds{queue}``
   the age of the oldest job still ``queued`` in the run store (0 when none waits). With
-  them: ``studio_code_queue_fairness{mode}`` and, for the TOP_USERS users with the most
-  runs waiting, ``studio_code_queue_user_waiting{rank,user}`` (rank 1..TOP_USERS and
-  ``rest``: at most TOP_USERS + 1 series at a time, never one per user) and
+  them: ``studio_code_queue_fairness{mode}``, ``studio_code_queue_user_waiting{rank}`` (the
+  runs waiting of the TOP_USERS users with the most, rank 1..TOP_USERS, 0 where fewer users
+  wait, and of all others, rank ``rest``: always TOP_USERS + 1 series, never one per user,
+  and no user id: a user's name is no label value, docs/operations.md "Fair share") and
   ``studio_code_queue_users_waiting``.
 * ``SlotsCollector`` (served by each worker's ``/metrics``): ``studio_code_worker_up{queue}``
   is 1 for each queue this worker consumes once it is ready (0 before), so its sum over
@@ -69,8 +70,9 @@ class QueueCollector(Collector):
             GaugeMetricFamily(
                 f"{PREFIX}_queue_user_waiting",
                 f"Runs waiting on the lists of the {TOP_USERS} users with the most (rank "
-                "1 = the most), and of all other users together (rank rest).",
-                labels=["rank", "user"],
+                "1 = the most; 0 where fewer users wait), and of all other users together "
+                "(rank rest). No user id: who they are is in admin-only meta.",
+                labels=["rank"],
             ),
             GaugeMetricFamily(
                 f"{PREFIX}_queue_users_waiting",
@@ -111,10 +113,12 @@ class QueueCollector(Collector):
                 if queue == QUEUE_RUN:  # and the runs held back on their users' lists
                     waiting += stats.waiting
                 backlog.add_metric([queue], float(waiting))
-            for rank, load in enumerate(stats.top, 1):
-                by_user.add_metric([str(rank), load.user], float(load.waiting))
-            rest = stats.waiting - sum(u.waiting for u in stats.top)
-            by_user.add_metric(["rest", ""], float(rest))
+            # ranks only, every one of them each scrape: a bounded, stable set of series
+            counts = [load.waiting for load in stats.top[:TOP_USERS]]
+            for rank in range(1, TOP_USERS + 1):
+                waiting = counts[rank - 1] if rank <= len(counts) else 0
+                by_user.add_metric([str(rank)], float(waiting))
+            by_user.add_metric(["rest"], float(stats.waiting - sum(counts)))
             users.add_metric([], float(stats.users_waiting))
         except Exception as e:  # noqa: BLE001 - a scrape never fails for a dependency
             log.warning("queue backlog unreadable: %s", e)

@@ -117,13 +117,13 @@ def store_write_problem(store: Any) -> str | None:
 def _sqlite_write_probe(engine: Any) -> None:
     import sqlite3
 
-    from executor.store.sql import no_fork_inside
+    from executor.store.sqlite import no_fork_inside
 
     path = engine.url.database
     if not path or path == ":memory:":
         return
     # It takes the write lock: a pool process forked meanwhile would inherit it for good
-    # (see executor/store/sql.py, _ForkGate), so no fork while it runs.
+    # (see executor/store/sqlite.py, ForkGate), so no fork while it runs.
     with no_fork_inside():
         conn = sqlite3.connect(path, timeout=2.0, isolation_level=None)
         try:

@@ -27,7 +27,9 @@ from api_client.http.kit import (
     CallerDep,
     ErrorRoute,
     ServicesDep,
+    admin_caller,
     error_response,
+    trace_headers,
 )
 from api_client.http.wire import (
     CodeBody,
@@ -69,10 +71,12 @@ router = APIRouter(route_class=ErrorRoute)
     tags=["meta"],
     responses={503: {"model": ErrorBody}},
 )
-def get_runtime_meta(services: ServicesDep) -> dict[str, Any]:
+def get_runtime_meta(services: ServicesDep, request: Request) -> dict[str, Any]:
     """Enabled, runtime, each language's readiness (its test program ran) and packages,
-    and the limits in force."""
-    return services.client.meta()  # type: ignore[no-any-return]
+    the limits in force, the workers and the fair share of code.run. ``fairness.top`` is
+    by rank; it names the users only to an admin (X-Studio-User with X-Studio-Admin: 1)."""
+    names = admin_caller(request.headers)
+    return services.client.meta(names=names)  # type: ignore[no-any-return]
 
 
 @router.post("/api/code/validate", response_model=ValidateResult, tags=["code"], responses=ERRORS)
@@ -126,7 +130,8 @@ async def test_code(
     """An editor test call: at most STUDIO_CODE_TEST_PER_MINUTE per user per minute and
     STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
     code.test queue, answered with the result (200) or, when it takes longer than its
-    timeout plus a margin, with the run so far (202)."""
+    timeout plus a margin, with the run so far (202). A W3C ``traceparent`` header (and
+    ``tracestate``) puts the call's spans in the caller's trace when tracing is on."""
     s = services.settings
     # the first call of a process opens the run store: never on the event loop
     client = services.opened or await run_in_threadpool(lambda: services.client)
@@ -189,9 +194,11 @@ async def test_code(
             if not served.done():
                 served.cancel()  # the job's own error is said: the served check is moot
             await asyncio.gather(served, return_exceptions=True)
-        job_id = await run_in_threadpool(lambda: client.enqueue(job, rate_checked=True))
+        traced = trace_headers(request)  # the caller's W3C trace, if it sent one
+        job_id = await run_in_threadpool(lambda: client.enqueue(job, rate_checked=True, **traced))
         queued = True
-        rec = await _unless_disconnected(request, client.wait_async(job_id, wait_s, submitted=True))
+        wait = client.wait_async(job_id, wait_s, submitted=True, **traced)
+        rec = await _unless_disconnected(request, wait)
     except BaseException:
         # a call refused before its job was queued (bad code, no worker, the store or
         # Redis away) does not count against the per-minute limit

@@ -29,6 +29,7 @@ from api_client.http.kit import (
     JobIdPath,
     ServicesDep,
     own_record,
+    trace_headers,
 )
 from api_client.http.wire import ErrorBody, RunBody, RunList, RunLogs, RunView, RunWaiting
 from api_client.live_logs import follow_async
@@ -40,8 +41,10 @@ _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 
 @router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"], responses=ERRORS)
-def submit_run(body: RunBody, who: CallerDep, services: ServicesDep) -> RunView:
-    """Queue a workflow run's Code node (queue code.run); poll GET /api/runs/{job_id}."""
+def submit_run(body: RunBody, who: CallerDep, services: ServicesDep, request: Request) -> RunView:
+    """Queue a workflow run's Code node (queue code.run); poll GET /api/runs/{job_id}. A
+    W3C ``traceparent`` header (and ``tracestate``) puts the run's spans in the caller's
+    trace when the API and the workers export traces (docs/operations.md, Traces)."""
     job_id = services.client.submit(
         body.code,
         body.language,
@@ -51,6 +54,7 @@ def submit_run(body: RunBody, who: CallerDep, services: ServicesDep) -> RunView:
         kind="run",
         memory=body.memory,
         cpus=body.cpus,
+        **trace_headers(request),
     )
     rec = services.record(job_id)
     if rec is None:  # pragma: no cover

@@ -74,6 +74,7 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.constants import KILL_GRACE_S
+from executor.runtimes.docker import usage
 from executor.runtimes.docker.attached import RunLogs, run_attached, sandbox_failures
 from executor.runtimes.docker.policy import (
     LABEL_DEADLINE,
@@ -402,6 +403,7 @@ class SandboxPool(IdlePoolStats):
         lost = False
         try:
             with sandbox_failures(job.job_id):
+                usage.hand_over(api, p.cid)  # its start so far is not the job's
                 started = time.monotonic()
                 mark = f"\x1estudio-end:{secrets.token_hex(16)}\x1e"
                 payload = language.stdin_payload(job, end_mark=mark)
@@ -427,6 +429,7 @@ class SandboxPool(IdlePoolStats):
                     answered=answered,
                     pooled=True,
                 )
+                run.usage = usage.read(api, p.cid)
                 if answered_now:
                     # the answer is complete: the container's exit and its removal happen
                     # off the caller's path (when the job's path ends)
@@ -587,6 +590,9 @@ class SandboxPool(IdlePoolStats):
         )
         policy = sandbox_policy(self.settings, language, placeholder, self.limits, self.owner)
         shape = _shape(policy)
+        # what it imports while it waits (STUDIO_CODE_PREIMPORT): not in the shape a job
+        # matches, since a cold run of that job imports nothing ahead
+        policy["environment"] = {**policy["environment"], **language.preimport(self.settings)}
         labels = dict(policy["labels"])
         labels.pop(LABEL_JOB, None)
         labels[LABEL_POOL] = self.owner
@@ -600,16 +606,18 @@ class SandboxPool(IdlePoolStats):
                 + KILL_GRACE_S
             )
         )
+        meter = usage.new_meter(api)
         args = {
             **policy,
             "labels": labels,
-            "host_config": api.create_host_config(**policy["host_config"]),
+            "host_config": api.create_host_config(**usage.host_config(meter, policy)),
         }
         name = f"studio-code-pool-{uuid.uuid4().hex[:12]}"
         # The id _maintain read last (every IMAGE_CHECK_S), not an inspect per container: a
         # rebuild in between makes this one look old at the next check, and it is replaced.
         image_id = self._image_id(language)
         cid = api.create_container(name=name, **args)["Id"]
+        usage.attach(meter, cid)
         sock = None
         try:
             sock = api.attach_socket(

@@ -29,6 +29,7 @@ from executor.runtimes.base import (
     owner_dead,
     owner_id,
 )
+from executor.runtimes.docker import usage
 from executor.runtimes.docker.attached import (
     docker_down,
     engine_stopping,
@@ -163,6 +164,7 @@ class DockerRuntime(Runtime):
                 "reaper: removed the sandbox %s (%s, owner %s)", what, why, labels.get(LABEL_OWNER)
             )
             reaped.append(what)
+        usage.sweep(api, self.settings.code_max_seconds + usage.SWEEP_GRACE_S)
         return reaped
 
     @property
@@ -245,6 +247,12 @@ class DockerRuntime(Runtime):
             raise InfrastructureLost(
                 InfrastructureLost.ENGINE_UNREACHABLE, e.message, message=e.message
             ) from e
+        if self.settings.code_engine_refuse_vulnerable:
+            # the readiness rule, on every run's path too: a process that runs a node without
+            # asking readiness first (`studio-code run`) refuses it all the same
+            refused = self._refused_engine()
+            if refused is not None:
+                raise RuntimeUnavailable(refused)
         if self._leftovers and self.pool is None:  # the pool's remover retries them itself
             self.retry_leftovers()
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
@@ -256,9 +264,11 @@ class DockerRuntime(Runtime):
         if should_cancel is not None and should_cancel():
             # e.g. cancelled while it waited for a pre-started one: make nothing
             raise CancelledBeforeStart()
-        policy["host_config"] = api.create_host_config(**policy["host_config"])
+        meter = usage.new_meter(api)
+        policy["host_config"] = api.create_host_config(**usage.host_config(meter, policy))
         t0 = time.monotonic()
         cid = self._create(api, policy, job.job_id)
+        usage.attach(meter, cid)
         sock = None
         lost = False
         try:
@@ -270,9 +280,11 @@ class DockerRuntime(Runtime):
                 api.start(cid)
                 started = time.monotonic()
                 payload = language.stdin_payload(job)
-                return run_attached(
+                run = run_attached(
                     api, cid, raw, payload, limits, should_cancel, started=started, t0=t0
                 ).run
+                run.usage = usage.read(api, cid)
+                return run
         except InfrastructureLost:
             lost = True
             raise
@@ -370,8 +382,10 @@ class DockerRuntime(Runtime):
         another process (409), counts as done."""
         try:
             api.remove_container(cid, force=True)
+            usage.released(cid)
             return True
         except NotFound:
+            usage.released(cid)
             return False
         except APIError as e:
             if e.status_code == 409:

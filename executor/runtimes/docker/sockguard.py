@@ -1,46 +1,79 @@
 """The socket guard: what a worker may ask of the Docker engine.
 
 Whoever reaches the Docker socket is root on the host. A worker needs only a few of the
-engine's calls, so the guard listens on a unix socket of its own and passes to the real
-socket only those (``studio-code sockguard --listen ... --upstream ...``); everything else
-gets HTTP 403 with a JSON ``{"message": ...}`` body, which the Docker SDK shows as the
-error, and a WARNING in the guard's log naming what was refused.
+engine's calls, so the guard listens on a unix socket of its own and gives the real socket
+only those (``studio-code sockguard --listen ... --upstream ...``); everything else gets
+HTTP 403 with a JSON ``{"message": "sockguard: ..."}`` body, which the Docker SDK shows as
+the error, and a WARNING in the guard's log naming what was refused.
 
-Passed on (any ``/v1.NN`` API version prefix):
+Rebuilt, never forwarded. The guard never passes the client's bytes on: it reads each
+request strictly (its own checks on the raw head, then ``h11``), decides on what it read, and
+sends the engine a request it writes itself: the method, a canonical path, the allowed query
+parameters re-encoded, its own few headers (``Host``, ``Content-Type`` and ``Content-Length``
+on create, ``Connection: Upgrade``/``Upgrade: tcp`` on attach) and, for a create, the body it
+checked, serialised again. The only client bytes that reach the engine as written are that
+validated body (re-serialised JSON) and, after an allowed attach is upgraded, the stream.
+Refused before any decision (HTTP 400): a head with a bare CR or LF, a control or non-ASCII
+byte, an obs-fold or a header line of another shape; ``Transfer-Encoding``, ``Expect``,
+``TE``, ``Trailer``, two ``Content-Length`` or ``Host`` headers; a request line other than
+``GET|HEAD|POST|DELETE /origin-form HTTP/1.1`` (no absolute form, no ``OPTIONS *``, no
+HTTP/1.0); a body on any call but create. Other client headers (User-Agent, Accept,
+X-Registry-Auth...) are dropped.
+
+One API version: ``/v1.41`` (what the Docker SDK negotiates with this project's engines,
+API 1.41 on Docker 20.10) or newer; an older prefix (which gives calls their legacy
+meanings: below 1.24 a start takes a host config) or none is refused, except the SDK's
+unversioned ``GET /version`` and ``/_ping``.
+
+The engine's answers are framed by the guard: read whole with ``h11`` (a ``1xx`` is
+consumed, never passed on), sent to the client with the guard's own status line, a few of the
+engine's headers and its own ``Content-Length``. An engine connection is reused only after
+an answer read completely; the lookup of a container's labels uses an engine connection of
+its own and checks that the answer is for the container asked for (its ``Id`` starts with
+the reference, or its ``Name`` is it).
+
+Passed on:
 
 * ``GET|HEAD /_ping``, ``GET /version``, ``GET /info``: the SDK's version negotiation,
   health and readiness probes, the engine's posture;
 * ``GET /images/<name>/json`` for the configured images only (readiness, the pool's image
   id check);
-* ``POST /containers/create`` only in exactly the shape ``sandbox_policy``
-  (executor/runtimes/docker/policy.py) makes: its host config's fixed fields equal (network none,
-  read-only root, the tmpfs, no binds, CapDrop ALL, no-new-privileges and the project's own
-  seccomp profile, ipc none, the ulimits, no log driver, the configured OCI runtime), the
-  limits present and within the settings' caps, every other field of the request empty
-  (no Privileged, Mounts, Devices, CapAdd, host namespaces, MaskedPaths...), a configured
-  image, a user other than root, the project's labels, a ``studio-code-`` name;
+* ``POST /containers/create?name=studio-code-...`` (the name is required) only in exactly the
+  shape ``sandbox_policy`` (executor/runtimes/docker/policy.py) makes: its host config's fixed
+  fields equal (network none, read-only root, the tmpfs, no binds, CapDrop ALL,
+  no-new-privileges and the project's own seccomp profile, ipc none, the ulimits, no log
+  driver, the configured OCI runtime), the limits present and within the settings' caps,
+  every other field of the request empty (no Privileged, Mounts, Devices, CapAdd, host
+  namespaces, MaskedPaths...), a configured image, the project's labels, and ``User`` the
+  sandbox's ``uid:gid`` (``sandbox_ids``) or another ``uid:gid`` of decimal digits, both
+  non-zero (no ``0``, ``00``, ``+0``, ``root``, no name);
 * on a container carrying the project's labels (``studio.owner`` with ``studio.job_id`` or
-  ``studio.pool``): attach (the hijacked stream is passed on raw both ways), start, wait,
-  rename (to a ``studio-code-`` name), inspect, remove, and a read of the
-  image's modules file (``GET .../archive`` of that one path: the save-time import check).
-  The guard looks a container up upstream (its labels), remembers the ids it checked or
-  created, and passes the call on by id, so a name cannot change hands in between;
+  ``studio.pool``): attach (upgraded; the stream is then passed on raw both ways), start,
+  wait, rename (to a ``studio-code-`` name), inspect, remove, and a read of the image's
+  modules file (``GET .../archive`` of that one path: the save-time import check). The guard
+  looks a container up (its labels), remembers the ids it checked or created, and passes the
+  call on by full id, so a name cannot change hands in between;
 * ``GET /containers/json`` only with a label filter of the project's.
 
-That is exactly what the runtime, the pool, the reaper, the readiness and posture probes and
-the save-time import check call (their tests run through a guard with every passed call
-logged: ``STUDIO_TEST_THROUGH_SOCKGUARD=1``); kill, stop and events, which nothing of the
-project calls (a sandbox is ended by a forced remove), are refused too.
+Each route's query parameters are an allow-list, each value checked. That is exactly what
+the runtime, the pool, the reaper, the readiness and posture probes and the save-time import
+check call (their tests run through a guard with every passed call logged:
+``STUDIO_TEST_THROUGH_SOCKGUARD=1``); kill, stop and events, which nothing of the project
+calls (a sandbox is ended by a forced remove), are refused too. Everything else (exec, image
+pull/build/load/push, volumes, networks, swarm, plugins, secrets, commit, update, copy into a
+container...) is refused.
 
-Everything else (exec, image pull/build/load/push, volumes, networks, swarm, plugins,
-secrets, commit, update, copy into a container...) is refused.
+What it does not stop: a client of the guard can attach to, start, wait on, rename and remove
+any labelled sandbox on this engine, other jobs' included (the power of a job's worker, plus
+reading their stdin). docs/security.md "The socket guard".
 
-One thread per client connection, one upstream connection per client connection, kept
-alive: a request costs a parse and a copy, not a connect.
+One thread per client connection; engine connections are kept between calls and reused (a
+call costs a parse and a copy, not a connect).
 """
 
 from __future__ import annotations
 
+import http
 import json
 import logging
 import os
@@ -49,9 +82,11 @@ import select
 import socket
 import stat
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode
+
+import h11
 
 log = logging.getLogger("studio_code.sockguard")
 
@@ -67,16 +102,25 @@ OUR_LABELS = frozenset({OWNER, JOB, POOL, DEADLINE, LANGUAGE})
 NAME_PREFIX = "studio-code-"
 #: the one file a container may be read from (executor/languages/python_modules.py)
 MODULES_PATH = "/usr/share/studio-code/modules.json"
+#: the oldest API version passed on: what the Docker SDK negotiates with Docker 20.10 (the
+#: oldest engine the project runs on); older versions give calls legacy meanings (below
+#: 1.24 a start replaces the container's host config)
+MIN_API_MINOR = 41
+LOOKUP_VERSION = f"/v1.{MIN_API_MINOR}"
 
 MAX_HEAD = 64 * 1024
 MAX_BODY = 4 * 1024 * 1024
+MAX_ANSWER = 64 * 1024 * 1024
 CHUNK = 1 << 16
 IDLE_UPSTREAM = 16
 
-_VERSION = re.compile(r"^/v[0-9]{1,2}\.[0-9]{1,3}(?=/)")
-_CONTAINER_OP = re.compile(r"^/containers/([A-Za-z0-9][A-Za-z0-9_.-]*)/([a-z]+)$")
-_CONTAINER = re.compile(r"^/containers/([A-Za-z0-9][A-Za-z0-9_.-]*)$")
+_VERSION = re.compile(r"^/v1\.([1-9][0-9]{0,2})(?=/)")
+_CONTAINER_OP = re.compile(r"^/containers/([A-Za-z0-9][A-Za-z0-9_.-]{0,127})/([a-z]+)$")
+_CONTAINER = re.compile(r"^/containers/([A-Za-z0-9][A-Za-z0-9_.-]{0,127})$")
 _IMAGE = re.compile(r"^/images/([A-Za-z0-9][A-Za-z0-9_.:/@-]*)/json$")
+_PATH = re.compile(r"^(/[A-Za-z0-9_.:@-]+)+$|^/$")
+_NAME = re.compile(rf"^{NAME_PREFIX}[A-Za-z0-9_.-]{{1,200}}$")
+_USER = re.compile(r"^([1-9][0-9]{0,9}):([1-9][0-9]{0,9})$")
 #: the operations on one of our containers, by method
 CONTAINER_OPS = {
     ("POST", "attach"),
@@ -86,20 +130,40 @@ CONTAINER_OPS = {
     ("GET", "json"),
     ("GET", "archive"),
 }
-#: query parameters each route may carry (anything else is refused)
-QUERY = {
-    "create": {"name"},
-    "list": {"all", "limit", "size", "filters", "trunc_cmd", "since", "before"},
-    "attach": {"stdin", "stdout", "stderr", "stream", "logs", "detachKeys"},
-    "start": set(),
-    "wait": {"condition"},
-    "rename": {"name"},
-    "json": {"size"},
-    "archive": {"path"},
-    "remove": {"force", "v", "link"},
-    "image": set(),
-    "plain": set(),
+_BOOL = re.compile(r"^(0|1|true|false|True|False)$")
+_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+#: query parameters each route may carry, each with the shape of its value (anything else
+#: is refused); what the Docker SDK sends for the project's calls
+QUERY: dict[str, dict[str, re.Pattern[str]]] = {
+    "create": {"name": _NAME},
+    "list": {
+        "all": _BOOL,
+        "limit": re.compile(r"^-?[0-9]{1,6}$"),
+        "size": _BOOL,
+        "filters": re.compile(r"^[ -~]{1,4096}$"),
+        "trunc_cmd": _BOOL,
+        "since": _REF,
+        "before": _REF,
+    },
+    "attach": {
+        "stdin": _BOOL,
+        "stdout": _BOOL,
+        "stderr": _BOOL,
+        "stream": _BOOL,
+        "logs": _BOOL,
+        "detachKeys": re.compile(r"^[a-z0-9,@\[\\\]^_-]{1,64}$"),
+    },
+    "start": {},
+    "wait": {"condition": re.compile(r"^(not-running|next-exit|removed)$")},
+    "rename": {"name": _NAME},
+    "json": {"size": _BOOL},
+    "archive": {"path": re.compile(rf"^{re.escape(MODULES_PATH)}$")},
+    "remove": {"force": _BOOL, "v": _BOOL, "link": _BOOL},
+    "image": {},
+    "plain": {},
 }
+#: the engine's answer headers passed back (framing and connection headers are the guard's)
+ANSWER_HEADERS = ("content-type", "api-version", "docker-experimental", "ostype", "server", "date")
 
 
 class Refused(Exception):
@@ -126,6 +190,7 @@ class Policy:
     max_memory: int
     max_nano_cpus: int
     max_pids: int
+    user: str = ""  # the sandboxes' uid:gid (sandbox_ids), as the workers send it
 
     @classmethod
     def from_settings(cls, settings: Any, images: list[str] | None = None) -> Policy:
@@ -134,6 +199,7 @@ class Policy:
         from executor.languages import get_language
         from executor.models import CodeJob, Limits
         from executor.runtimes.docker.policy import sandbox_policy
+        from executor.settings import sandbox_ids
 
         limits = Limits(
             memory_bytes=settings.max_memory_bytes,
@@ -154,12 +220,15 @@ class Policy:
             max_memory=settings.max_memory_bytes,
             max_nano_cpus=int(settings.max_cpus * 1e9),
             max_pids=settings.code_pids,
+            user="{}:{}".format(*sandbox_ids()),
         )
 
     def check_create(self, body: dict[str, Any], name: str | None) -> None:
         """Raise Refused unless ``body`` is a sandbox exactly as ``sandbox_policy`` makes it."""
-        if name is not None and not name.startswith(NAME_PREFIX):
-            raise Refused(f"container name {name!r}: a sandbox's name starts with {NAME_PREFIX}")
+        if name is None or not _NAME.match(name):
+            raise Refused(
+                f"container name {name!r}: a sandbox is created with ?name={NAME_PREFIX}..."
+            )
         top = _fields(body, "the create request")
         image = top.get("image")
         if image not in self.images:
@@ -175,8 +244,11 @@ class Policy:
                 f"labels {labels!r}: a sandbox carries {OWNER}, {DEADLINE} and {JOB} or {POOL}"
             )
         user = top.get("user")
-        if not isinstance(user, str) or user.split(":")[0] in ("", "0", "root"):
-            raise Refused(f"User {user!r}: a sandbox never runs as root or the image's user")
+        if not isinstance(user, str) or not _sandbox_user(user, self.user):
+            raise Refused(
+                f"User {user!r}: a sandbox runs as {self.user or 'uid:gid'} (decimal uid:gid, "
+                "both non-zero), never as root or the image's user"
+            )
         if top.get("networkdisabled") is not True:
             raise Refused("NetworkDisabled is not true: a sandbox has no network")
         allowed_top = {
@@ -271,6 +343,13 @@ def _fields(obj: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def _sandbox_user(user: str, configured: str) -> bool:
+    """The sandbox's configured ``uid:gid``, or another of plain decimal digits (no sign, no
+    leading zero: runc reads ``00`` and ``+0`` as 0) naming a non-zero uid and gid."""
+    m = _USER.match(user)
+    return m is not None and (user == configured or all(0 < int(n) < 2**31 for n in m.groups()))
+
+
 def _only_empty(fields: dict[str, Any], allowed: set[str], prefix: str) -> None:
     for key, value in fields.items():
         if key not in allowed and value not in (None, False, 0, "", [], {}):
@@ -300,11 +379,51 @@ def _label_filter(query: dict[str, str], what: str) -> None:
         raise Refused(f"{what} without a filter on a studio.* label: only sandboxes are listed")
 
 
-# --- HTTP on a socket ----------------------------------------------------------------------
+# --- reading a request ---------------------------------------------------------------------
+
+_REQUEST_LINE = re.compile(rb"^(GET|HEAD|POST|DELETE) (/[!-~]*) HTTP/1\.1$")
+_HEADER_LINE = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+: *(?:[!-~](?:[ -~]*[!-~])?)? *$")
+_NOT_HEAD_BYTE = re.compile(rb"[^\x20-\x7e\r\n]")
+_BARE_LF = re.compile(rb"(?<!\r)\n")
+_BARE_CR = re.compile(rb"\r(?!\n)")
+_FOLD = re.compile(rb"\n[ \t]")
+#: headers a request to the guard never carries (the framing is Content-Length only)
+_NEVER = {b"transfer-encoding", b"expect", b"te", b"trailer", b"proxy-connection"}
+_LENGTH = re.compile(rb"^(0|[1-9][0-9]{0,8})$")
+_CONNECTION = {b"keep-alive", b"close", b"upgrade"}
 
 
-class _Stream:
-    """A socket with a read buffer: lines, exact reads, and what is buffered so far."""
+def _check_raw(region: bytes, complete: bool) -> None:
+    """Refuse what h11 would read leniently (or Go's net/textproto differently): a bare LF
+    or CR, a control or non-ASCII byte, an obs-fold. ``region``: the head so far."""
+    if not complete and region.endswith(b"\r"):
+        region = region[:-1]  # its LF may come with the next read
+    if m := _NOT_HEAD_BYTE.search(region):
+        raise Refused(f"a control or non-ASCII byte {m.group(0)!r} in the request head", 400)
+    if _BARE_LF.search(region):
+        raise Refused("a bare LF in the request head: lines end with CRLF", 400)
+    if _BARE_CR.search(region):
+        raise Refused("a bare CR in the request head: lines end with CRLF", 400)
+    if _FOLD.search(region):
+        raise Refused("a folded header line (obs-fold) in the request head", 400)
+
+
+@dataclass
+class Request:
+    """A request as the guard read it (h11's reading, after the guard's own checks)."""
+
+    method: str
+    target: str
+    headers: list[tuple[str, str]]  # names lowercased
+    body: bytes = b""
+
+    def get(self, name: str) -> str | None:
+        values = [v for k, v in self.headers if k == name]
+        return values[0] if values else None
+
+
+class _Client:
+    """The client's socket and what was read of it past the last request."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -317,28 +436,18 @@ class _Stream:
         self.buf += data
 
     def head(self) -> bytes:
-        """Up to and including the blank line ending a message's head."""
-        start = 0
+        """Up to and including the blank line ending a request's head, checked as it comes."""
         while True:
-            end = self.buf.find(b"\r\n\r\n", start)
+            end = self.buf.find(b"\r\n\r\n")
+            region = bytes(self.buf[: end + 4] if end >= 0 else self.buf[: MAX_HEAD + 4])
+            _check_raw(region, end >= 0)
             if end >= 0:
-                out = bytes(self.buf[: end + 4])
+                if end + 4 > MAX_HEAD:
+                    raise Refused("the request head is too long", 431)
                 del self.buf[: end + 4]
-                return out
+                return region
             if len(self.buf) > MAX_HEAD:
                 raise Refused("the request head is too long", 431)
-            start = max(0, len(self.buf) - 3)
-            self._fill()
-
-    def line(self) -> bytes:
-        while True:
-            end = self.buf.find(b"\n")
-            if end >= 0:
-                out = bytes(self.buf[: end + 1])
-                del self.buf[: end + 1]
-                return out
-            if len(self.buf) > MAX_HEAD:
-                raise _Closed()
             self._fill()
 
     def exact(self, n: int) -> bytes:
@@ -348,43 +457,74 @@ class _Stream:
         del self.buf[:n]
         return out
 
-    def some(self, n: int) -> bytes:
-        """Up to ``n`` bytes: what is buffered, else one recv."""
-        if not self.buf:
-            self._fill()
-        out = bytes(self.buf[:n])
-        del self.buf[:n]
-        return out
 
-
-@dataclass
-class _Message:
-    first: str  # the request or status line
-    headers: list[tuple[str, str]]
-    body: bytes | None = None  # a request body to send instead of the one read
-
-    def get(self, name: str) -> str | None:
-        name = name.lower()
-        for k, v in self.headers:
-            if k.lower() == name:
-                return v
-        return None
-
-    def render(self, first: str | None = None) -> bytes:
-        lines = [first or self.first] + [f"{k}: {v}" for k, v in self.headers]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def _parse(head: bytes) -> _Message:
-    text = head.decode("latin-1")
-    lines = text[:-4].split("\r\n")
-    headers = []
+def _parse_head(head: bytes) -> tuple[h11.Connection, Request, int]:
+    """The request ``head`` names, read by the guard's line rules and by h11 (which must
+    agree), and the length of its body."""
+    lines = head[:-4].split(b"\r\n")
+    m = _REQUEST_LINE.match(lines[0])
+    if not m:
+        raise Refused(
+            f"the request line {lines[0][:100]!r}: the guard takes GET, HEAD, POST or DELETE "
+            "of a path, HTTP/1.1",
+            400,
+        )
+    names: list[bytes] = []
     for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or name != name.strip() or not name:
+        if not _HEADER_LINE.match(line):
             raise Refused(f"a malformed header line {line[:80]!r}", 400)
-        headers.append((name, value.strip()))
-    return _Message(lines[0], headers)
+        name, _, value = line.partition(b":")
+        names.append(name.lower())
+        if name.lower() == b"content-length" and not _LENGTH.match(value.strip()):
+            raise Refused(f"Content-Length {value.strip()[:40]!r}: not a length", 400)
+    for name in set(names):
+        if name in _NEVER:
+            raise Refused(f"the header {name.decode()}: the guard takes a plain request", 400)
+        if names.count(name) > 1 and name in (
+            b"content-length",
+            b"host",
+            b"connection",
+            b"upgrade",
+        ):
+            raise Refused(f"the header {name.decode()} given twice", 400)
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD + 1)
+    conn.receive_data(head)
+    try:
+        event = conn.next_event()
+    except h11.RemoteProtocolError as e:
+        raise Refused(f"a malformed request ({e})", 400) from e
+    if not isinstance(event, h11.Request) or event.http_version != b"1.1":
+        raise Refused("a malformed request", 400)
+    headers = [(k.decode("ascii"), v.decode("ascii")) for k, v in event.headers]
+    req = Request(event.method.decode("ascii"), event.target.decode("ascii"), headers)
+    if req.method != m.group(1).decode() or req.target != m.group(2).decode():
+        raise Refused("a request line read two ways", 400)
+    connection = req.get("connection")
+    for option in connection.split(",") if connection is not None else []:
+        if option.strip().lower().encode() not in _CONNECTION:
+            raise Refused(f"Connection {req.get('connection')!r}: not a connection option", 400)
+    return conn, req, int(req.get("content-length") or "0")
+
+
+def _read_body(cs: _Client, conn: h11.Connection, req: Request, length: int) -> None:
+    if length > MAX_BODY:
+        raise Refused("the request body is too large for a sandbox call", 413)
+    conn.receive_data(cs.exact(length) if length else b"")
+    body = bytearray()
+    while True:
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError as e:
+            raise Refused(f"a malformed request body ({e})", 400) from e
+        if isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            break
+        else:  # NEED_DATA: h11 and the guard disagree on the framing
+            raise Refused("a request body framed two ways", 400)
+    if len(body) != length:
+        raise Refused("a request body framed two ways", 400)
+    req.body = bytes(body)
 
 
 def _refusal(status: int, message: str) -> bytes:
@@ -395,6 +535,155 @@ def _refusal(status: int, message: str) -> bytes:
         "Content-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode() + body
+
+
+# --- what is sent upstream -----------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    """The request the guard sends the engine, written by the guard."""
+
+    method: str
+    path: str  # canonical, with the version prefix
+    query: list[tuple[str, str]] = field(default_factory=list)
+    body: bytes | None = None  # create's validated body
+    upgrade: bool = False  # attach
+    op: str = ""
+
+    @property
+    def target(self) -> str:
+        return self.path + (f"?{urlencode(self.query)}" if self.query else "")
+
+    def request(self) -> list[Any]:
+        """The h11 events of this call."""
+        headers = [("Host", "docker")]
+        if self.body is not None:
+            headers += [("Content-Type", "application/json")]
+        if self.method == "POST":
+            headers += [("Content-Length", str(len(self.body or b"")))]
+        if self.upgrade:
+            headers += [("Connection", "Upgrade"), ("Upgrade", "tcp")]
+        events: list[Any] = [h11.Request(method=self.method, target=self.target, headers=headers)]
+        if self.body:
+            events.append(h11.Data(data=self.body))
+        events.append(h11.EndOfMessage())
+        return events
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    upgraded: bytes | None = None  # after a 101: what the engine sent past the head
+
+    def render(self, head_only: bool = False, closing: bool = False) -> bytes:
+        """The answer as the guard frames it for the client."""
+        try:
+            reason = http.HTTPStatus(self.status).phrase
+        except ValueError:
+            reason = "Unknown"
+        lines = [f"HTTP/1.1 {self.status} {reason}"]
+        lines += [f"{k.title()}: {v}" for k, v in self.headers if k in ANSWER_HEADERS]
+        if self.status == 101:
+            lines += ["Connection: Upgrade", "Upgrade: tcp"]
+        elif head_only:
+            length = next((v for k, v in self.headers if k == "content-length"), None)
+            lines += [f"Content-Length: {length}"] if length is not None else []
+        elif self.status not in (204, 304):
+            lines += [f"Content-Length: {len(self.body)}"]
+        if closing:
+            lines += ["Connection: close"]
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return head if head_only or self.status in (101, 204, 304) else head + self.body
+
+
+class _Upstream:
+    """A connection to the engine and h11's state of it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+
+    def reusable(self) -> bool:
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+            self.conn.start_next_cycle()
+            return True
+        return False
+
+
+def _wait_readable(up: socket.socket, client: socket.socket | None) -> None:
+    """Wait for the engine to send; raise _Closed if the client closes meanwhile (a client
+    that gave up on a long poll: the call ends with it)."""
+    if client is None:
+        return
+    ready, _, _ = select.select([up, client], [], [])
+    if up in ready:
+        return
+    if not client.recv(1, socket.MSG_PEEK):
+        raise _Closed()
+    select.select([up], [], [])  # a pipelined request waits in the kernel
+
+
+def _exchange(up: _Upstream, call: Call, client: socket.socket | None = None) -> Answer:
+    """Send ``call`` on ``up`` and read its answer whole (1xx consumed), or up to a 101."""
+    up.sock.sendall(b"".join(up.conn.send(e) or b"" for e in call.request()))
+    status, headers, body = 0, [], bytearray()
+    while True:
+        try:
+            event = up.conn.next_event()
+        except h11.RemoteProtocolError as e:
+            raise _Broken(f"the engine's answer to {call.method} {call.path} ({e})") from e
+        if event is h11.NEED_DATA:
+            _wait_readable(up.sock, client)
+            up.conn.receive_data(up.sock.recv(CHUNK))
+        elif isinstance(event, h11.InformationalResponse):
+            if event.status_code == 101 and call.upgrade:
+                data, _ = up.conn.trailing_data
+                hdrs = [(k.decode(), v.decode("latin-1")) for k, v in event.headers]
+                return Answer(101, hdrs, b"", upgraded=bytes(data))
+            continue  # a 1xx (100 Continue...) is never passed on
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+            headers = [(k.decode(), v.decode("latin-1")) for k, v in event.headers]
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > MAX_ANSWER:
+                raise _Broken(f"the engine's answer to {call.method} {call.path} is too long")
+        elif isinstance(event, h11.EndOfMessage):
+            return Answer(status, headers, bytes(body))
+        else:  # ConnectionClosed, PAUSED
+            raise _Broken(f"the engine closed before answering {call.method} {call.path}")
+
+
+class _Broken(Exception):
+    """The engine's side failed or answered in a way the guard cannot frame."""
+
+
+def _splice(client: socket.socket, pending: bytes, up: socket.socket, upgraded: bytes) -> None:
+    """After an upgrade (attach): raw bytes both ways until both ends closed. A half-close
+    (the sandbox's stdin EOF) is passed on as one."""
+    if upgraded:
+        client.sendall(upgraded)
+    if pending:
+        up.sendall(pending)
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(CHUNK):
+                dst.sendall(data)
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    other = threading.Thread(target=pump, args=(client, up), daemon=True)
+    other.start()
+    pump(up, client)
+    other.join()
 
 
 # --- the server ------------------------------------------------------------------------------
@@ -412,7 +701,7 @@ class SockGuard:
         self._ours_lock = threading.Lock()
         self._server: socket.socket | None = None
         self._closing = False
-        self._idle: list[_Stream] = []  # upstream connections between two calls
+        self._idle: list[_Upstream] = []  # engine connections between two calls
         self._idle_lock = threading.Lock()
 
     def bind(self) -> None:
@@ -466,48 +755,79 @@ class SockGuard:
     # --- one client connection ---------------------------------------------------------
 
     def _serve(self, client: socket.socket) -> None:
-        up: _Stream | None = None
-        cs = _Stream(client)
+        cs = _Client(client)
         try:
-            while True:
-                try:
-                    head = cs.head()
-                except _Closed:
-                    if up is not None and not up.buf:  # its last answer complete: reusable
-                        self._put_back(up)
-                        up = None
-                    return
-                what = head.split(b"\r\n", 1)[0].decode("latin-1").rsplit(" ", 1)[0][:200]
-                try:
-                    req = _parse(head)
-                    method, target, body = self._read_request(cs, req)
-                    if up is None:
-                        up = self._connect()
-                    target = self._decide(up, method, target, req, body)
-                    body = body if req.body is None else req.body
-                except Refused as e:
-                    if e.status == 404:  # the engine's own answer, not a refusal
-                        log.info("sockguard: %s: %s", what, e.message)
-                    else:
-                        log.warning("sockguard refused %s: %s", what, e.message)
-                    client.sendall(_refusal(e.status, f"sockguard: {e.message}"))
-                    return
-                if self.trace:
-                    log.info("sockguard passed %s %s", method, target)
-                keep = self._forward(cs, up, req, method, target, body)
-                if not keep:
-                    return
+            while self._one(cs):
+                pass
         except (OSError, _Closed):
-            return
+            pass
         finally:
             client.close()
-            if up is not None:
-                up.sock.close()
 
-    def _connect(self) -> _Stream:
-        """An idle upstream connection the engine still holds open, else a new one (the
-        Docker SDK opens a connection per URL, so most client connections carry one call:
-        reusing the engine's side saves a connect per call)."""
+    def _one(self, cs: _Client) -> bool:
+        """Read, decide and pass on one request; False: close the client connection."""
+        what = ""
+        try:
+            head = cs.head()
+            what = head.split(b"\r\n", 1)[0].decode("ascii")[:200]
+            conn, req, length = _parse_head(head)
+            call = self._decide(req, length)
+            _read_body(cs, conn, req, length)
+            if call.op == "create":
+                call.body = self._check_create(req, call)
+        except Refused as e:
+            if not what and cs.buf:
+                first = bytes(cs.buf[:200]).split(b"\n", 1)[0]
+                what = first.decode("ascii", "backslashreplace").rstrip("\r")
+            if e.status == 404:  # the engine's own answer, not a refusal
+                log.info("sockguard: %s: %s", what, e.message)
+            else:
+                log.warning("sockguard refused %s: %s", what, e.message)
+            cs.sock.sendall(_refusal(e.status, f"sockguard: {e.message}"))
+            return False
+        if self.trace:
+            log.info("sockguard passed %s %s", call.method, call.target)
+        up = self._connect()
+        try:
+            answer = _exchange(up, call, cs.sock)
+        except (_Broken, _Closed, OSError) as e:
+            up.sock.close()
+            if isinstance(e, _Broken):
+                log.warning("sockguard: %s", e)
+            return False
+        if answer.upgraded is not None:
+            cs.sock.sendall(answer.render())
+            pending, cs.buf = bytes(cs.buf), bytearray()
+            try:
+                _splice(cs.sock, pending, up.sock, answer.upgraded)
+            finally:
+                up.sock.close()
+            return False
+        self._after(call, answer)
+        keep = up.reusable()
+        if keep:
+            self._put_back(up)
+        else:
+            up.sock.close()
+        closing = (req.get("connection") or "").lower() == "close"
+        cs.sock.sendall(answer.render(head_only=call.method == "HEAD", closing=closing))
+        return not closing
+
+    def _after(self, call: Call, answer: Answer) -> None:
+        """What the guard learns from an answer: the ids it created, the ids removed."""
+        if call.op == "create" and answer.status == 201:
+            try:
+                self._remember(str(json.loads(answer.body)["Id"]))
+            except (ValueError, KeyError, TypeError):
+                pass
+        elif call.op == "remove" and 200 <= answer.status < 300:
+            with self._ours_lock:
+                self._ours.discard(call.path.rsplit("/", 1)[1])
+
+    def _connect(self) -> _Upstream:
+        """An idle engine connection the engine still holds open, else a new one (the Docker
+        SDK opens a connection per URL, so most client connections carry one call: reusing
+        the engine's side saves a connect per call)."""
         while True:
             with self._idle_lock:
                 if not self._idle:
@@ -524,95 +844,73 @@ class SockGuard:
             up.sock.close()  # unread bytes or an error: not reusable
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(self.upstream)
-        return _Stream(s)
+        return _Upstream(s)
 
-    def _put_back(self, up: _Stream) -> None:
+    def _put_back(self, up: _Upstream) -> None:
         with self._idle_lock:
             if len(self._idle) < IDLE_UPSTREAM:
                 self._idle.append(up)
                 return
         up.sock.close()
 
-    def _read_request(self, cs: _Stream, req: _Message) -> tuple[str, str, bytes]:
-        parts = req.first.split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            raise Refused(f"a malformed request line {req.first[:80]!r}", 400)
-        method, target = parts[0], parts[1]
-        te, length = req.get("Transfer-Encoding"), req.get("Content-Length")
-        if te is not None:
-            if te.lower() != "chunked" or length is not None:
-                raise Refused(f"Transfer-Encoding {te!r}: the guard takes a plain body", 400)
-            body = bytearray()
-            while True:
-                size = int(cs.line().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while cs.line() not in (b"\r\n", b"\n"):
-                        pass
-                    break
-                body += cs.exact(size)
-                cs.exact(2)
-                if len(body) > MAX_BODY:
-                    raise Refused("the request body is too large for a sandbox call")
-            req.headers = [(k, v) for k, v in req.headers if k.lower() != "transfer-encoding"]
-            req.headers.append(("Content-Length", str(len(body))))
-            return method, target, bytes(body)
-        n = int(length) if length and length.isdigit() else 0
-        if n > MAX_BODY:
-            raise Refused("the request body is too large for a sandbox call")
-        return method, target, cs.exact(n) if n else b""
+    # --- the decision ------------------------------------------------------------------
 
-    def _decide(self, up: _Stream, method: str, target: str, req: _Message, body: bytes) -> str:
-        """The target to send upstream, or Refused."""
-        split = urlsplit(target)
-        raw_path, query_text = split.path, split.query
-        if split.scheme or split.netloc or split.fragment or not raw_path.startswith("/"):
+    def _decide(self, req: Request, length: int) -> Call:
+        """The call to send the engine for ``req`` (its body not read yet), or Refused."""
+        method, target = req.method, req.target
+        raw_path, _, query_text = target.partition("?")
+        if not _PATH.match(raw_path) or "/." in raw_path or "#" in query_text:
             raise Refused(f"{method} {target[:100]}: not a plain path")
-        if "%" in raw_path or "//" in raw_path or "/." in raw_path or ";" in query_text:
-            raise Refused(f"{method} {raw_path[:100]}: an encoded or dotted path")
         m = _VERSION.match(raw_path)
-        prefix = m.group(0) if m else ""
-        path = raw_path[len(prefix) :]
-        pairs = parse_qsl(query_text, keep_blank_values=True)
+        path = raw_path[m.end() :] if m else raw_path
+        version = f"/v1.{m.group(1)}" if m else ""
+        if m and int(m.group(1)) < MIN_API_MINOR:
+            raise Refused(
+                f"{method} {raw_path[:100]}: API version 1.{m.group(1)}; the guard passes on "
+                f"1.{MIN_API_MINOR} and newer only (older versions give calls other meanings)"
+            )
+        try:
+            pairs = parse_qsl(query_text, keep_blank_values=True, strict_parsing=bool(query_text))
+        except ValueError as e:
+            raise Refused(f"{method} {path}: a malformed query") from e
         query = dict(pairs)
         if len(query) != len(pairs):
             raise Refused(f"{method} {path}: a query parameter given twice")
+        if not version and not (
+            (path == "/_ping" and method in ("GET", "HEAD"))
+            or (path == "/version" and method == "GET")
+        ):
+            raise Refused(
+                f"{method} {path}: no API version (the guard passes on /v1.{MIN_API_MINOR}+)"
+            )
+        if length and not (path == "/containers/create" and method == "POST"):
+            raise Refused(f"{method} {path} with a body: only a create carries one")
+        upgrade = req.get("upgrade")
+        if upgrade is not None and not (method == "POST" and path.endswith("/attach")):
+            raise Refused(f"{method} {path} with Upgrade: only an attach is upgraded")
 
-        def allow(route: str) -> None:
-            extra = set(query) - QUERY[route]
+        def allow(route: str, op: str, call_path: str, **kw: Any) -> Call:
+            shapes = QUERY[route]
+            extra = set(query) - set(shapes)
             if extra:
                 raise Refused(f"{method} {path} with {', '.join(sorted(extra))}: not passed on")
+            for key, value in pairs:
+                if not shapes[key].match(value):
+                    raise Refused(f"{method} {path}: {key}={value[:100]!r} is not a value it takes")
+            return Call(method, version + call_path, list(pairs), op=op, **kw)
 
         if path in ("/_ping", "/version", "/info") and method in ("GET", "HEAD"):
-            allow("plain")
-            return target
+            return allow("plain", "plain", path)
         if path == "/containers/create" and method == "POST":
-            allow("create")
-            try:
-                spec = json.loads(body or b"null")
-            except ValueError as e:
-                raise Refused(f"the create body is not JSON ({e})", 400) from e
-            if not isinstance(spec, dict):
-                raise Refused("the create body is not a JSON object", 400)
-            try:
-                self.policy.check_create(spec, query.get("name"))
-            except Refused as e:
-                raise Refused(f"a sandbox create refused: {e.message}") from e
-            # what was checked is what the engine reads: no duplicate key whose last copy
-            # the engine and this parser might disagree on
-            req.body = json.dumps(spec).encode()
-            req.headers = [(k, v) for k, v in req.headers if k.lower() != "content-length"]
-            req.headers.append(("Content-Length", str(len(req.body))))
-            return target
+            return allow("create", "create", path)
         if path == "/containers/json" and method == "GET":
-            allow("list")
             _label_filter(query, "GET /containers/json")
-            return target
+            return allow("list", "list", path)
         im = _IMAGE.match(path)
         if im and method == "GET":
-            allow("image")
             if im.group(1) not in self.policy.images:
                 raise Refused(f"image inspect of {im.group(1)!r}: not a configured sandbox image")
-            return target
+            return allow("image", "image", path)
         ref, op = None, None
         cm = _CONTAINER_OP.match(path)
         if cm and (method, cm.group(2)) in CONTAINER_OPS:
@@ -621,32 +919,63 @@ class SockGuard:
             ref, op = cm2.group(1), "remove"
         if ref is None or op is None:
             raise Refused(f"{method} {path}: not a call sandboxes need")
-        allow(op)
-        if op == "rename" and not query.get("name", "").startswith(NAME_PREFIX):
+        if op == "rename" and not _NAME.match(query.get("name", "")):
             raise Refused(f"rename to {query.get('name')!r}: a sandbox's name starts {NAME_PREFIX}")
         if op == "archive" and query.get("path") != MODULES_PATH:
             raise Refused(f"archive of {query.get('path')!r}: only {MODULES_PATH} is read")
-        cid = self._sandbox_id(up, prefix, ref)
-        tail = f"/{op}" if op != "remove" else ""
-        return f"{prefix}/containers/{cid}{tail}" + (f"?{query_text}" if query_text else "")
+        if op == "attach" and (
+            (upgrade or "").lower() != "tcp"
+            or "upgrade" not in (req.get("connection") or "").lower()
+        ):
+            raise Refused(f"{method} {path}: an attach asks for Upgrade: tcp")
+        call = allow(op, op, "", upgrade=op == "attach")
+        cid = self._sandbox_id(ref)
+        call.path = f"{version}/containers/{cid}" + (f"/{op}" if op != "remove" else "")
+        return call
 
-    def _sandbox_id(self, up: _Stream, prefix: str, ref: str) -> str:
-        """The full id of the container ``ref`` names if it is one of ours, else Refused."""
+    def _check_create(self, req: Request, call: Call) -> bytes:
+        """The create body to send: ``req``'s, checked against the policy, serialised again."""
+        try:
+            spec = json.loads(req.body or b"null")
+        except ValueError as e:
+            raise Refused(f"the create body is not JSON ({e})", 400) from e
+        if not isinstance(spec, dict):
+            raise Refused("the create body is not a JSON object", 400)
+        try:
+            self.policy.check_create(spec, dict(call.query).get("name"))
+        except Refused as e:
+            raise Refused(f"a sandbox create refused: {e.message}") from e
+        # what was checked is what the engine reads: no duplicate key whose last copy the
+        # engine and this parser might disagree on
+        return json.dumps(spec).encode()
+
+    def _sandbox_id(self, ref: str) -> str:
+        """The full id of the container ``ref`` names if it is one of ours, else Refused. The
+        lookup has an engine connection of its own."""
         with self._ours_lock:
             if ref in self._ours:
                 return ref
-        up.sock.sendall(
-            f"GET {prefix}/containers/{ref}/json HTTP/1.1\r\nHost: docker\r\n\r\n".encode()
-        )
-        resp = _parse(up.head())
-        status = int(resp.first.split(" ")[1])
-        data = self._read_whole(up, resp)
-        if status == 404:
+        up = self._connect()
+        try:
+            answer = _exchange(up, Call("GET", f"{LOOKUP_VERSION}/containers/{ref}/json"))
+        except (_Broken, OSError) as e:
+            up.sock.close()
+            raise Refused(f"looking up {ref}: {e}", 502) from e
+        if up.reusable():
+            self._put_back(up)
+        else:
+            up.sock.close()
+        if answer.status == 404:
             raise Refused(f"No such container: {ref}", 404)
-        if status != 200:
-            raise Refused(f"the engine answered {status} looking up {ref}", 502)
-        info = json.loads(data)
-        cid = str(info["Id"])
+        if answer.status != 200:
+            raise Refused(f"the engine answered {answer.status} looking up {ref}", 502)
+        try:
+            info = json.loads(answer.body)
+            cid, name = str(info["Id"]), info.get("Name")
+        except (ValueError, KeyError, TypeError) as e:
+            raise Refused(f"the engine's answer looking up {ref} is not an inspect", 502) from e
+        if not (re.match(r"^[0-9a-f]{64}$", cid) and (cid.startswith(ref) or name == f"/{ref}")):
+            raise Refused(f"the engine's answer looking up {ref} is for another container", 502)
         if not _ours((info.get("Config") or {}).get("Labels")):
             raise Refused(f"container {ref}: not a sandbox (no {OWNER} label with a job or pool)")
         self._remember(cid)
@@ -657,131 +986,3 @@ class SockGuard:
             if len(self._ours) > 100_000:
                 self._ours.clear()
             self._ours.add(cid)
-
-    def _read_whole(self, up: _Stream, resp: _Message) -> bytes:
-        if (resp.get("Transfer-Encoding") or "").lower() == "chunked":
-            out = bytearray()
-            while size := int(up.line().split(b";")[0].strip() or b"0", 16):
-                out += up.exact(size)
-                up.exact(2)
-            while up.line() not in (b"\r\n", b"\n"):
-                pass
-            return bytes(out)
-        return up.exact(int(resp.get("Content-Length") or "0"))
-
-    # --- passing it on -----------------------------------------------------------------
-
-    def _forward(
-        self, cs: _Stream, up: _Stream, req: _Message, method: str, target: str, body: bytes
-    ) -> bool:
-        """Send the request upstream and its answer back; False: close the connection."""
-        up.sock.sendall(req.render(f"{method} {target} HTTP/1.1") + body)
-        head = up.head()
-        resp = _parse(head)
-        status = int(resp.first.split(" ")[1])
-        client = cs.sock
-        if status == 101 or (
-            target.split("?")[0].endswith("/attach")
-            and resp.get("Content-Length") is None
-            and resp.get("Transfer-Encoding") is None
-        ):
-            client.sendall(head)
-            _splice(cs, up)
-            return False
-        if method == "POST" and target.split("?")[0].endswith("/containers/create"):
-            data = self._read_whole(up, resp)
-            if status == 201:
-                self._remember(str(json.loads(data)["Id"]))
-            if (resp.get("Transfer-Encoding") or "").lower() == "chunked":
-                resp.headers = [(k, v) for k, v in resp.headers if k.lower() != "transfer-encoding"]
-                resp.headers.append(("Content-Length", str(len(data))))
-                head = resp.render()
-            client.sendall(head + data)
-        elif method == "HEAD" or status in (204, 304) or 100 <= status < 200:
-            client.sendall(head)
-        elif (resp.get("Transfer-Encoding") or "").lower() == "chunked":
-            client.sendall(head)
-            while True:
-                if not up.buf:
-                    _await(up, cs)
-                line = up.line()
-                client.sendall(line)
-                size = int(line.split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while True:
-                        trailer = up.line()
-                        client.sendall(trailer)
-                        if trailer in (b"\r\n", b"\n"):
-                            break
-                    break
-                _copy(up, cs, size + 2)
-        elif resp.get("Content-Length") is not None:
-            client.sendall(head)
-            _copy(up, cs, int(resp.get("Content-Length") or "0"))
-        else:  # no length: until the engine closes
-            client.sendall(head)
-            try:
-                while True:
-                    _copy(up, cs, CHUNK, until_close=True)
-            except _Closed:
-                return False
-        if status == 200 and method == "DELETE":
-            with self._ours_lock:
-                self._ours.discard(target.split("?")[0].rsplit("/", 1)[1])
-        closing = (resp.get("Connection") or "").lower() == "close"
-        if closing:
-            up.sock.close()
-            return False
-        return (req.get("Connection") or "").lower() != "close"
-
-
-def _copy(src: _Stream, dst: _Stream, n: int, until_close: bool = False) -> None:
-    """Copy ``n`` bytes from ``src`` to ``dst``; while waiting, notice ``dst`` closing (a
-    client that gave up on a long poll) so the upstream call ends with it."""
-    while n > 0:
-        if not src.buf:
-            _await(src, dst)
-        piece = src.some(min(n, CHUNK))
-        dst.sock.sendall(piece)
-        if not until_close:
-            n -= len(piece)
-
-
-def _await(src: _Stream, dst: _Stream) -> None:
-    """Wait for ``src`` to have data; raise _Closed if ``dst`` closes meanwhile."""
-    while True:
-        ready, _, _ = select.select([src.sock, dst.sock], [], [])
-        if src.sock in ready:
-            return
-        if not dst.sock.recv(1, socket.MSG_PEEK):
-            raise _Closed()
-        # a pipelined request waits in the kernel: wait for this answer only
-        select.select([src.sock], [], [])
-        return
-
-
-def _splice(cs: _Stream, up: _Stream) -> None:
-    """After an upgrade (attach): raw bytes both ways until both ends closed. A half-close
-    (the sandbox's stdin EOF) is passed on as one."""
-    if up.buf:
-        cs.sock.sendall(bytes(up.buf))
-        up.buf.clear()
-    if cs.buf:
-        up.sock.sendall(bytes(cs.buf))
-        cs.buf.clear()
-
-    def pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(CHUNK):
-                dst.sendall(data)
-        except OSError:
-            pass
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    other = threading.Thread(target=pump, args=(cs.sock, up.sock), daemon=True)
-    other.start()
-    pump(up.sock, cs.sock)
-    other.join()

@@ -23,6 +23,10 @@ its ``/proc`` files, and where the kernel allows unprivileged user namespaces
 of its own: it cannot see, signal or trace the server, its other children or other runs,
 and the end of the run kills everything it started.
 
+Root or not, where the kernel offers Landlock (STUDIO_CODE_SUBPROCESS_LANDLOCK=auto,
+``landlock``) each run may write only beneath its own temporary folder (and /dev/null), and
+cannot trace processes outside its run nor (Landlock ABI >= 6) signal them.
+
 It can still use the network and read any file its uid can read.
 """
 
@@ -56,7 +60,7 @@ from executor.runtimes.base import (
     PoolObserver,
     Runtime,
 )
-from executor.runtimes.subprocess import namespaces
+from executor.runtimes.subprocess import landlock, namespaces, usage
 from executor.runtimes.subprocess.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
 from executor.runtimes.subprocess.prestarted import Runner, RunnerPool
 from executor.runtimes.subprocess.uids import (
@@ -79,11 +83,6 @@ RSS_POLL_S = 0.02
 INIT_EXIT_WAIT_S = 5.0
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-WARNING = (
-    "STUDIO_CODE_RUNTIME=subprocess: Code nodes run on the host as child processes, NOT in "
-    "a sandbox. Code can use the network and read any file the server user can read "
-    "(including a SQLite database and secret.key). Use it only for trusted local work."
-)
 RUN_WARNING = (
     "Runs on host: this node ran as a child process of the server (STUDIO_CODE_RUNTIME="
     "subprocess), not in a sandbox."
@@ -111,7 +110,7 @@ class SubprocessRuntime(Runtime):
 
     name = "subprocess"
     isolated = False
-    warnings = (WARNING,)
+    warnings: tuple[str, ...] = ()  # set per instance: startup_warning, what holds here
     run_warnings = (RUN_WARNING,)
     audit_event = SUBPROCESS_RUNTIME_USED
 
@@ -132,6 +131,7 @@ class SubprocessRuntime(Runtime):
         undumpable = namespaces.make_undumpable()
         self._namespaces_note = _namespaces_note(settings)
         self._namespaces = self._namespaces_note is None
+        self._landlock_abi, self._landlock_note = _landlock(settings)
         self.isolation = isolation_report(
             settings,
             self._uids,
@@ -139,7 +139,10 @@ class SubprocessRuntime(Runtime):
             self._cgroup_note,
             namespaces_note=self._namespaces_note,
             undumpable=undumpable,
+            landlock_abi=self._landlock_abi if self._landlock_note is None else 0,
+            landlock_note=self._landlock_note,
         )
+        self.warnings = (startup_warning(self.isolation),)
         log.warning(isolation_warning(self.isolation))
 
     def unavailable_reason(self, language: Language) -> str | None:
@@ -238,7 +241,11 @@ class SubprocessRuntime(Runtime):
             policy[resource.RLIMIT_CPU] = (policy[resource.RLIMIT_CPU][0], resource.RLIM_INFINITY)
         argv = language.command(self.settings, limits, in_container=False)
         env = language.environment(self.settings, in_container=False)
+        ruleset = None
         try:
+            if linux and self._landlock_note is None:  # made here: the child only enters it
+                ruleset = landlock.ruleset(self._landlock_abi, workdir)
+            setup = _child_setup(policy, group, ids, self._namespaces, ruleset) if linux else None
             child = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
@@ -248,7 +255,7 @@ class SubprocessRuntime(Runtime):
                 env=env,
                 start_new_session=True,
                 close_fds=True,
-                preexec_fn=_child_setup(policy, group, ids, self._namespaces) if linux else None,
+                preexec_fn=setup,
                 # not Linux: no uid of its own, but never root (nobody, as before)
                 user=shared_ids[0] if shared_ids else None,
                 group=shared_ids[1] if shared_ids else None,
@@ -258,6 +265,9 @@ class SubprocessRuntime(Runtime):
             shutil.rmtree(workdir, ignore_errors=True)
             self._end(group, lease)
             raise RuntimeUnavailable(f"Could not start {argv[0]}: {e}.") from e
+        finally:
+            if ruleset is not None:
+                os.close(ruleset)
         key = self._key(language, limits)
         return Runner(child, lease, group, workdir, key, self._namespaces, prestarted=prestart)
 
@@ -274,6 +284,7 @@ class SubprocessRuntime(Runtime):
         child = runner.child
         with self._lock:
             self._children[job.job_id] = child
+        base = usage.hand_over(runner)
         started = time.monotonic()  # the time limit counts from here (a hand-out too)
         out = BoundedBuffer(limits.output_max_bytes + 4096)
         logs = BoundedBuffer(limits.log_max_bytes, tap=LOG_TAP.get())  # live logs
@@ -298,6 +309,7 @@ class SubprocessRuntime(Runtime):
                 t.join(timeout=2)
             with self._lock:
                 self._children.pop(job.job_id, None)
+            used = usage.measure(child, runner.group, base)  # before its cgroup goes
             oom_kills = self._release(runner)
         if oom_kills and ending == "eof":
             ending = "memory"  # the cgroup's limit (e.g. pages written to /dev/shm)
@@ -317,6 +329,7 @@ class SubprocessRuntime(Runtime):
             pooled=runner.prestarted,
             start_ms=(started - t0) * 1000,
             run_ms=(time.monotonic() - started) * 1000,
+            usage=used,
         )
 
     def _kill(self, runner: Runner) -> int:
@@ -325,7 +338,7 @@ class SubprocessRuntime(Runtime):
         killed before it ended returns once its namespace is empty: the relay dies at once,
         its init a moment later, and only then does the kernel kill what is left in it."""
         init = None
-        if runner.in_namespaces and runner.child.poll() is None:
+        if runner.in_namespaces and not usage.exited(runner.child):
             init = namespaces.open_init(runner.child.pid)
         _kill_group(runner.child.pid)
         emptied = runner.group.kill_all() if runner.group is not None else False
@@ -334,7 +347,7 @@ class SubprocessRuntime(Runtime):
             # before the child, which joined the group before exec, and no process can
             # leave a group whose files only root may write.
             kill_uid(runner.lease.uid, runner.lease.gid)
-        status = runner.child.wait()
+        status = usage.reap(runner.child)  # with its rusage (the run's CPU)
         if init is not None:
             namespaces.wait_closed(init, INIT_EXIT_WAIT_S)
         return status
@@ -410,11 +423,37 @@ def isolation_report(
     *,
     namespaces_note: str | None = "not asked for",
     undumpable: bool = False,
+    landlock_abi: int = 0,
+    landlock_note: str | None = "not asked for",
 ) -> dict[str, Any]:
     """What keeps subprocess runs apart on this host, and what does not: meta's
     ``subprocess_isolation`` and the start-up warning. ``namespaces_note`` is None when
     each run gets namespaces of its own, else why not; ``undumpable``: the server is not
-    dumpable."""
+    dumpable; ``landlock_note`` is None when each run enters a Landlock ruleset of ABI
+    ``landlock_abi``, else why not.
+
+    ``run_can`` sums it up from what was applied, one flag per claim: ``read`` files outside
+    its own folder that its uid may read; ``write`` (create, change, truncate, remove) files
+    outside its own folder that its uid may write; ``signal`` a process outside its run;
+    ``see`` the processes outside its run in /proc."""
+    root_uids = uids is not None
+    landlocked = landlock_note is None
+    scoped = landlocked and landlock.scopes(landlock_abi) != 0
+    # before ABI 3 (Linux 6.2) Landlock cannot refuse truncate(2): emptying a file is a write
+    truncates = landlocked and not landlock.handled_fs(landlock_abi) & landlock.ACCESS_FS_TRUNCATE
+    non_root = not root_uids and os.getuid() != 0
+    if scoped or root_uids:  # Landlock's scope, or a uid no process outside the run has
+        signal = False
+    elif non_root:
+        signal = namespaces_note is not None  # in namespaces, no outside pid exists for it
+    else:
+        signal = True  # root off Linux: every run is nobody
+    run_can = {
+        "read": True,
+        "write": not landlocked or truncates,
+        "signal": signal,
+        "see": not (non_root and namespaces_note is None),
+    }
     holds: list[str] = [
         "Each run starts with an empty environment, in a temporary folder of its own "
         "(removed afterwards), in a session of its own that the end of the run kills, with "
@@ -422,6 +461,13 @@ def isolation_report(
     ]
     lacks: list[str] = []
     swept = ", ".join(d for d in SWEPT_DIRS if os.path.isdir(d))
+    if landlocked:
+        holds.append(_landlock_holds(landlock_abi, scoped, truncates))
+    if truncates:
+        lacks.append(
+            f"Landlock ABI {landlock_abi} (before Linux 6.2) cannot refuse truncate(2): a run "
+            "can still empty any file its uid may write."
+        )
     if uids is not None:
         holds.append(
             f"Each run has its own uid and gid from STUDIO_CODE_SUBPROCESS_UIDS="
@@ -441,9 +487,15 @@ def isolation_report(
         )
         lacks.append(
             "A run can read every file readable by all users (check that the "
-            "database and secret.key are not) and use the network; what it leaves "
-            "outside those folders (a file in another world-writable folder, an "
-            "abstract Unix socket while it runs) is not looked for."
+            "database and secret.key are not) and use the network"
+            + (
+                "."
+                if landlocked
+                else f"; with no Landlock ({landlock_note}) it can write every file and "
+                "folder writable by all users, and what it leaves outside those folders (a "
+                "file in another world-writable folder, an abstract Unix socket while it "
+                "runs) is not looked for."
+            )
         )
         lacks.append(
             "A run sees every process of the host in /proc (their pids and command lines), "
@@ -456,7 +508,9 @@ def isolation_report(
             "files are not removed."
         )
     else:
-        _non_root(holds, lacks, namespaces_note, undumpable, swept)
+        _non_root(
+            holds, lacks, namespaces_note, undumpable, swept, landlock_note, scoped, truncates
+        )
     if cgroups is not None:
         holds.append(
             f"Each run has its own {cgroups.describe()}: memory, /dev/shm and tmpfs pages "
@@ -482,15 +536,45 @@ def isolation_report(
         "namespaces": namespaces_note is None,
         "namespaces_reason": namespaces_note,
         "server_dumpable": not undumpable,
+        "landlock": landlocked,
+        "landlock_abi": landlock_abi if landlocked else None,
+        "landlock_reason": landlock_note,
+        "run_can": run_can,
         "holds": holds,
         "does_not_hold": lacks,
     }
 
 
+def _landlock_holds(abi: int, scoped: bool, truncates: bool) -> str:
+    writable = ", ".join(landlock.WRITABLE_FILES)
+    if truncates:
+        write, verbs = "write (truncating aside)", "create, change, rename or remove"
+    else:
+        write, verbs = "write", "create, change, truncate, rename or remove"
+    text = (
+        f"Landlock (ABI {abi}): a run cannot {write} anywhere but beneath its own temporary "
+        f"folder (and {writable}): it cannot {verbs} any "
+        "other file, such as the run store, the data folder, secret.key or the server's "
+        "home, nor mount anything; and it cannot trace, or read the memory or environment "
+        "(/proc/<pid>/mem, environ) of, a process outside its run"
+    )
+    if scoped:
+        return f"{text}, signal one, or connect to an abstract Unix socket made outside its run."
+    return f"{text} (Landlock ABI {abi} cannot keep it from signalling one: ABI 6 can)."
+
+
 def _non_root(
-    holds: list[str], lacks: list[str], namespaces_note: str | None, undumpable: bool, swept: str
+    holds: list[str],
+    lacks: list[str],
+    namespaces_note: str | None,
+    undumpable: bool,
+    swept: str,
+    landlock_note: str | None = "not asked for",
+    scoped: bool = False,
+    truncates: bool = False,
 ) -> None:
     """A non-root server's runs share its uid: what the kernel's other fences still hold."""
+    landlocked = landlock_note is None
     if undumpable:
         holds.append(
             "The server process is not dumpable (PR_SET_DUMPABLE 0): its /proc files belong "
@@ -506,7 +590,7 @@ def _non_root(
             "kills every process it started (a grandchild that called setsid() too)."
         )
     can = []
-    if not undumpable:
+    if not undumpable and not landlocked:
         mem = (
             "and memory (/proc/<ppid>/mem: ptrace is not restricted by Yama here)"
             if _ptrace_scope() == 0
@@ -519,12 +603,22 @@ def _non_root(
             if _ptrace_scope() == 0
             else "environment (/proc/<pid>/environ; Yama's ptrace_scope keeps their memory)"
         )
+        reach = ["see every process of the host in /proc"]
+        if not scoped:
+            reach.append("signal the server, its other children and concurrent runs")
+        if not landlocked:
+            reach.append(f"read the {peers} of concurrent runs")
+        can.append(f"{_and(reach)} (no namespaces per run: {namespaces_note})")
+    if landlocked:
         can.append(
-            f"see every process of the host in /proc, signal the server, its other children "
-            f"and concurrent runs, and read the {peers} of concurrent runs (no namespaces per "
-            f"run: {namespaces_note})"
+            "read every file the server can (but write none outside its own folder"
+            + (", except emptying one with truncate(2))" if truncates else ")")
         )
-    can.append("read and write every file the server can")
+    else:
+        can.append(
+            "read and write every file the server can (the run store, the data folder, "
+            f"secret.key, its home: no Landlock, {landlock_note})"
+        )
     lacks.append(
         f"The server is not root, so every run runs as the server's own uid {os.getuid()}: a "
         f"run can {'; '.join(can)}; and it shares the RLIMIT_NPROC count of every process "
@@ -532,8 +626,17 @@ def _non_root(
     )
     lacks.append(
         f"Files a run leaves in {swept} are not removed (they cannot be told "
-        "from the server user's own)."
+        "from the server user's own)"
+        + (
+            ", but under Landlock it can leave none: it writes only in its own folder."
+            if landlocked
+            else "."
+        )
     )
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def _namespaces_note(settings: Settings) -> str | None:
@@ -547,6 +650,53 @@ def _namespaces_note(settings: Settings) -> str | None:
     if settings.code_subprocess_namespaces == "off":
         return "STUDIO_CODE_SUBPROCESS_NAMESPACES=off"
     return namespaces.probe()
+
+
+def _landlock(settings: Settings) -> tuple[int, str | None]:
+    """The Landlock ABI each run gets and None, or 0 and why none (probed once)."""
+    if settings.code_subprocess_landlock == "off":
+        return 0, "STUDIO_CODE_SUBPROCESS_LANDLOCK=off"
+    abi, why = landlock.abi_version()
+    if why is None:
+        why = landlock.probe(abi)
+    return (abi, None) if why is None else (0, why)
+
+
+def startup_warning(report: dict[str, Any]) -> str:
+    """The start-up warning: not a sandbox, and what a run can read, write, signal and see
+    here (``run_can``)."""
+    root = report["separate_uids"]
+    read = (
+        "read any file readable by all users (check that a SQLite database and secret.key are not)"
+        if root
+        else "read any file the server user can read (including a SQLite database and secret.key)"
+    )
+    if not report["landlock"]:
+        write = (
+            "It can also write every file and folder writable by all users."
+            if root
+            else "It can also write every file the server user can write (the same ones)."
+        )
+    elif report["run_can"]["write"]:
+        write = (
+            f"It cannot write outside its own temporary folder, but it can empty a file it "
+            f"may write with truncate(2) (Landlock ABI {report['landlock_abi']}: refusing "
+            "that needs ABI 3, Linux 6.2)."
+        )
+    else:
+        write = (
+            f"It cannot write outside its own temporary folder (Landlock ABI "
+            f"{report['landlock_abi']})."
+        )
+    can = report["run_can"]
+    reach = f"It {'can' if can['signal'] else 'cannot'} signal a process outside its run, and " + (
+        "it sees every process of the host." if can["see"] else "it sees only its own."
+    )
+    return (
+        "STUDIO_CODE_RUNTIME=subprocess: Code nodes run on the host as child processes, NOT "
+        f"in a sandbox. Code can use the network and {read}. {write} {reach} Use it only for "
+        "trusted local work."
+    )
 
 
 def isolation_warning(report: dict[str, Any]) -> str:
@@ -584,6 +734,7 @@ def _child_setup(
     group: RunCgroup | None,
     ids: tuple[int, int] | None,
     in_namespaces: bool = False,
+    ruleset: int | None = None,
 ):  # type: ignore[no-untyped-def]
     """What the child does between fork and exec, still as the server's user: join the
     run's cgroup (so nothing it starts is ever outside it), set its rlimits, then drop to
@@ -591,7 +742,9 @@ def _child_setup(
     gives a uid back). Popen's own user= would drop the uid BEFORE this runs, and a
     dropped uid may not write to the cgroup's files. ``in_namespaces``: then enter the
     run's namespaces (``namespaces.enter``), and only the runner sets the rlimits (the
-    relay and init are copies of the server, whose address space RLIMIT_AS may not fit)."""
+    relay and init are copies of the server, whose address space RLIMIT_AS may not fit).
+    ``ruleset``: last, the runner enters this Landlock ruleset (``landlock``; made by the
+    server before the fork), after the namespaces' mount of /proc, which it would refuse."""
     procs_files = group.procs_files if group is not None else []
 
     def setup() -> None:
@@ -614,6 +767,8 @@ def _child_setup(
         if in_namespaces:
             namespaces.enter()  # returns in the runner only
             _set_rlimits()
+        if ruleset is not None:
+            landlock.restrict(ruleset)
 
     def _set_rlimits() -> None:
         for which, value in policy.items():
@@ -646,7 +801,7 @@ def _wait(
     step_max = RSS_POLL_S if rss_cap else POLL_S * 2
     watched = None if in_namespaces else child.pid
     try:
-        while child.poll() is None:
+        while not usage.exited(child):  # not reaped here: _kill reaps it with its rusage
             now = time.monotonic()
             if now >= deadline:
                 return "deadline"

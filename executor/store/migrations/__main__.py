@@ -40,7 +40,8 @@ def _url(args: argparse.Namespace) -> str:
 
 
 def _current(url: str) -> str | None:
-    from executor.store.sql import SqlRunStore, no_fork_inside
+    from executor.store.sql import SqlRunStore
+    from executor.store.sqlite import no_fork_inside
 
     store = SqlRunStore(url, create_tables=False)
     try:

@@ -27,13 +27,18 @@ from executor.errors import ErrorCode
 from executor.models import CodeErrorInfo, CodeJob, CodeResult, Status, TraceRow
 from executor.store import sql
 
+try:
+    from executor.store.schema import metadata
+except ImportError:  # a release before sql.py was split (issue 32)
+    metadata = sql.metadata  # type: ignore[attr-defined]
+
 HERE = Path(__file__).resolve().parent
 PYTHON_CODE = "def main(state):\n    return {'n': state['n'] + 1}\n"
 
 
 def ddl(dialect: Any) -> list[str]:
     out = []
-    for table in sql.metadata.sorted_tables:
+    for table in metadata.sorted_tables:
         out.append(str(CreateTable(table).compile(dialect=dialect)).strip())
         out += [
             str(CreateIndex(i).compile(dialect=dialect)).strip()
@@ -113,7 +118,7 @@ def main() -> None:
                 t.name: [
                     {k: plain(v) for k, v in r._mapping.items()} for r in conn.execute(select(t))
                 ]
-                for t in sql.metadata.sorted_tables
+                for t in metadata.sorted_tables
             }
         records = {j: store.get(j).model_dump(mode="json") for j in job_ids}
         audit = [e.model_dump(mode="json") for e in store.list_audit()]

@@ -1,0 +1,379 @@
+"""What a sandbox used, read by the host from its cgroup (never claimed by the code in it).
+
+A container's own cgroup is removed by the engine (runc) the moment its last process exits,
+before ``docker rm``: a cold sandbox whose code ran to its end, or was OOM-killed, has no
+cgroup left to read when its exit is seen (measured on Docker 20.10, cgroup v1: an fd opened
+before reads ENODEV after). So where this process can read the host's cgroup fs, each
+sandbox is created under a cgroup parent of its own, ``/studio-code-usage-<random>``: the
+kernel charges the container's memory peak, CPU and processes to that parent too, the
+parent outlives the container, and it is removed (``release``) when the container is.
+
+- **cgroup v1**: ``memory.max_usage_in_bytes``, ``cpuacct.usage`` (ns), ``pids.peak``.
+- **cgroup v2**: ``memory.peak`` (Linux >= 5.19, else no memory figure), ``cpu.stat``
+  ``usage_usec``, ``pids.peak`` (Linux >= 6.1?, else none).
+- **no view** (a worker in a container under Compose, its own cgroup namespace): not
+  measured (null). The engine's stats call is no way out: on Docker 20.10 one
+  ``GET /containers/<id>/stats?stream=false&one-shot=true`` takes ~0.8 s (the engine samples
+  every second), twice a job, and a container that exited meanwhile has nothing left.
+
+A pre-started sandbox (pool.py) is handed its job long after its interpreter started:
+``hand_over`` reads its CPU then, and the job's CPU is what it used after; on v1 it also
+resets the memory peak to the current usage, so the peak counts the idle interpreter's
+resident memory (the job runs in it) but not the transient peak of its start.
+
+Per-run parents are used only for the cgroupfs driver (systemd's parents are slices it
+manages) and only when talking to the engine's own socket: a socket guard refuses a
+``CgroupParent`` it does not know. ``STUDIO_CODE_USAGE=0`` turns the reading off (usage
+null): the bench's comparison.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from executor.models import Usage, UsageSource, usage_on
+
+log = logging.getLogger("studio_code")
+
+MOUNTINFO = "/proc/self/mountinfo"
+PARENT_PREFIX = "studio-code-usage-"
+#: a parent left this long past the longest run is a dead process's (``sweep``)
+SWEEP_GRACE_S = 600.0
+V1_FILES = {
+    "memory": "memory/memory.max_usage_in_bytes",
+    "cpu": "cpuacct/cpuacct.usage",
+    "pids": "pids/pids.peak",
+}
+
+
+@dataclass(frozen=True)
+class CgroupHost:
+    """How this process sees the sandboxes' cgroups: v1 (a mount per controller) or v2."""
+
+    version: int
+    #: v1: controller -> mount point ("memory", "cpuacct", "pids"); v2: {"": mount point}
+    mounts: dict[str, str]
+    driver: str
+    #: per-run parents are made (cgroupfs driver, the engine's own socket)
+    parents: bool
+
+    @property
+    def source(self) -> UsageSource:
+        return "cgroup-v2" if self.version == 2 else "cgroup-v1"
+
+    def own_dir(self, controller: str, cid: str, parent: str | None) -> str:
+        """The container's own cgroup directory (gone once it exited)."""
+        base = self.mounts["" if self.version == 2 else controller]
+        if parent is not None:
+            return f"{base}/{parent}/{cid}"
+        if self.driver == "systemd":
+            return f"{base}/system.slice/docker-{cid}.scope"
+        return f"{base}/docker/{cid}"
+
+    def parent_dir(self, controller: str, parent: str) -> str:
+        return f"{self.mounts['' if self.version == 2 else controller]}/{parent}"
+
+    def all_parent_dirs(self, parent: str) -> list[str]:
+        """Every hierarchy's directory of ``parent`` (runc makes it in each: v1 mounts them
+        all, hybrid hosts the unified one too)."""
+        root = os.path.dirname(next(iter(self.mounts.values())))
+        if self.version == 2:
+            return [f"{self.mounts['']}/{parent}"]
+        dirs = []
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return [self.parent_dir(c, parent) for c in self.mounts]
+        for name in names:
+            d = f"{root}/{name}/{parent}"
+            if os.path.isdir(d):
+                dirs.append(d)
+        return dirs
+
+
+#: memory peak (bytes), CPU (ns), processes peak, source
+Reading = tuple[int | None, int | None, int | None, UsageSource]
+
+#: by DOCKER_HOST (a socket guard or a test's engine put in front later is another view):
+#: the view, and when to look again for one not found
+_hosts: dict[str, tuple[CgroupHost | None, float]] = {}
+_host_lock = threading.Lock()
+#: how often a process that found no view of the engine's cgroups looks again
+REDETECT_S = 60.0
+
+
+def cgroup_host(api: Any) -> CgroupHost | None:
+    """This process's view of the host's cgroups (read once per engine), or None: they
+    cannot be seen from here (a worker in a container): its runs are not measured."""
+    key = os.environ.get("DOCKER_HOST", "")
+    got = _hosts.get(key)
+    if got is not None and (got[0] is not None or time.monotonic() < got[1]):
+        return got[0]
+    with _host_lock:
+        host = _detect()
+        _hosts[key] = (host, time.monotonic() + REDETECT_S)
+        return host
+
+
+def _detect() -> CgroupHost | None:
+    mounts: dict[str, str] = {}
+    v2: str | None = None
+    try:
+        with open(MOUNTINFO, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        parts, rest = left.split(), right.split()
+        if len(parts) < 5 or not rest:
+            continue
+        root, point = parts[3], parts[4]
+        if root != "/":
+            continue  # a view of a sub-group (a container's own): not the host's sandboxes
+        if rest[0] == "cgroup2" and point == "/sys/fs/cgroup":
+            v2 = point
+        elif rest[0] == "cgroup" and len(rest) >= 3:
+            for opt in rest[2].split(","):
+                if opt in ("memory", "cpuacct", "pids"):
+                    mounts[opt] = point
+    own_socket = os.environ.get("DOCKER_HOST", "") in ("", "unix:///var/run/docker.sock")
+    if v2 is not None:
+        version, found = 2, {"": v2}
+    elif "memory" in mounts and "cpuacct" in mounts:
+        version, found = 1, mounts
+    else:
+        return None
+    base = found["" if version == 2 else "memory"]
+    # the engine's cgroup driver, from the groups it made (no engine call on a one-shot run's
+    # path: `docker info` is 10-15 ms). Neither there: this view is not the engine's host
+    # (a worker in a container with a cgroup namespace of its own), or the engine never ran
+    # a container yet: not measured, and ``cgroup_host`` looks again later.
+    if os.path.isdir(f"{base}/docker"):
+        driver = "cgroupfs"
+    elif any(n.startswith("docker-") for n in _listdir(f"{base}/system.slice")):
+        driver = "systemd"
+    else:
+        return None
+    # a parent is removed by this process: a view it cannot write (mounted read-only into
+    # a worker's container) reads the sandboxes' own groups only
+    writable = os.access(base, os.W_OK)
+    return CgroupHost(version, found, driver, driver == "cgroupfs" and own_socket and writable)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+@dataclass
+class Meter:
+    """One sandbox's readings, from its creation to its removal."""
+
+    host: CgroupHost | None
+    parent: str | None
+    cid: str = ""
+    #: CPU (ns) at hand-over: a pre-started sandbox's start is not its job's
+    base_cpu_ns: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def host_config(self, hc: dict[str, Any]) -> dict[str, Any]:
+        """``hc`` (sandbox_policy's host config keywords) under this sandbox's parent."""
+        return {**hc, "cgroup_parent": f"/{self.parent}"} if self.parent else hc
+
+    def hand_over(self, api: Any) -> None:
+        """A pre-started sandbox gets its job now: what it used so far is not the job's."""
+        got = self._read(api)
+        self.base_cpu_ns = (got[1] or 0) if got is not None else 0
+        if self.host is not None and self.host.version == 1:
+            # resets the peak to the current usage (the idle interpreter's memory stays in)
+            for d in self._dirs("memory"):
+                try:
+                    _write(f"{d}/memory.max_usage_in_bytes", b"0")
+                except OSError:
+                    pass  # not ours to write (a non-root worker): the peak counts the start
+
+    def read(self, api: Any) -> Usage | None:
+        """What the sandbox used so far (its job's share), or None when it cannot be read."""
+        got = self._read(api)
+        if got is None:
+            return None
+        memory, cpu_ns, pids, source = got
+        cpu_ms = None if cpu_ns is None else round(max(0, cpu_ns - self.base_cpu_ns) / 1e6, 3)
+        if memory is None and cpu_ms is None:
+            return None
+        return Usage(memory_peak_bytes=memory, cpu_ms=cpu_ms, pids_peak=pids, source=source)
+
+    def _dirs(self, controller: str) -> list[str]:
+        """Where to read ``controller``: the parent (outlives the container), else its own."""
+        h = self.host
+        if h is None:
+            return []
+        if self.parent is not None:
+            return [h.parent_dir(controller, self.parent)]
+        return [h.own_dir(controller, self.cid, None)]
+
+    def _read(self, api: Any) -> Reading | None:
+        h = self.host
+        if h is None:
+            return None
+        if h.version == 1:
+            memory = _int_file(f"{self._dirs('memory')[0]}/memory.max_usage_in_bytes")
+            cpu = _int_file(f"{self._dirs('cpuacct')[0]}/cpuacct.usage")
+            pids = _int_file(f"{self._dirs('pids')[0]}/pids.peak") if "pids" in h.mounts else None
+        else:
+            d = self._dirs("")[0]
+            memory = _int_file(f"{d}/memory.peak")
+            usec = _stat_field(f"{d}/cpu.stat", "usage_usec")
+            cpu = None if usec is None else usec * 1000
+            pids = _int_file(f"{d}/pids.peak")
+        if memory is None and cpu is None:
+            return None
+        return memory, cpu, pids, h.source
+
+    def release(self) -> None:
+        """After the container's removal: its parent's directories go."""
+        if self.host is None or self.parent is None:
+            return
+        for d in self.host.all_parent_dirs(self.parent):
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.debug("usage: could not remove %s: %s", d, e)
+
+
+#: the meters of this process's sandboxes, by container id (until removed)
+_meters: dict[str, Meter] = {}
+_meters_lock = threading.Lock()
+
+
+def new_meter(api: Any) -> Meter | None:
+    """A meter for a sandbox about to be created, or None when usage is off."""
+    if not usage_on():
+        return None
+    host = cgroup_host(api)
+    if host is None:
+        return None
+    return Meter(host, PARENT_PREFIX + secrets.token_hex(8) if host.parents else None)
+
+
+def host_config(meter: Meter | None, policy: dict[str, Any]) -> dict[str, Any]:
+    """sandbox_policy's host config keywords, under the meter's parent cgroup if any."""
+    hc: dict[str, Any] = policy["host_config"]
+    return meter.host_config(hc) if meter is not None else hc
+
+
+def attach(meter: Meter | None, cid: str) -> None:
+    """The sandbox of ``meter`` was created as ``cid``."""
+    if meter is None:
+        return
+    meter.cid = cid
+    with _meters_lock:
+        _meters[cid] = meter
+
+
+def of(cid: str) -> Meter | None:
+    with _meters_lock:
+        return _meters.get(cid)
+
+
+#: read at hand-over and at the end (the bench turns it off for its without-usage side, the
+#: sandboxes made alike: what it measures is the cost on a job's path)
+READING = True
+
+
+def hand_over(api: Any, cid: str) -> None:
+    meter = of(cid) if READING else None
+    if meter is not None:
+        meter.hand_over(api)
+
+
+def read(api: Any, cid: str) -> Usage | None:
+    """The usage of the sandbox ``cid`` so far, or None (off, or it could not be read)."""
+    meter = of(cid) if READING else None
+    if meter is None:
+        return None
+    try:
+        return meter.read(api)
+    except Exception as e:  # noqa: BLE001 - figures never fail a run
+        log.debug("usage of %s not read: %s", cid[:12], e)
+        return None
+
+
+def released(cid: str) -> None:
+    """``cid`` was removed (or found gone): its parent cgroup goes too."""
+    with _meters_lock:
+        meter = _meters.pop(cid, None)
+    if meter is not None:
+        meter.release()
+
+
+def sweep(api: Any, older_than_s: float) -> int:
+    """Remove the empty per-run parents made more than ``older_than_s`` ago: those of a
+    process that died before it removed its sandboxes (the reaper removed them). A parent of
+    a run still going holds its container's group (rmdir fails: EBUSY), and one whose
+    container just ended is younger than the longest run. Returns how many went."""
+    host = cgroup_host(api)
+    if host is None or not host.parents:
+        return 0
+    with _meters_lock:
+        mine = {m.parent for m in _meters.values()}
+    base = host.mounts["" if host.version == 2 else "memory"]
+    cutoff = time.time() - older_than_s
+    gone = 0
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(PARENT_PREFIX) and n not in mine]
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            if os.stat(f"{base}/{name}").st_mtime > cutoff:
+                continue
+        except OSError:
+            continue
+        Meter(host, name).release()
+        gone += not os.path.exists(f"{base}/{name}")
+    return gone
+
+
+def _int_file(path: str) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return int(os.read(fd, 64))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _stat_field(path: str, key: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                k, _, v = line.partition(b" ")
+                if k == key.encode():
+                    return int(v)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _write(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)

@@ -1,0 +1,424 @@
+"""Landlock for subprocess runs (issue 30, item 6): a run may write only beneath its own
+temporary folder, under a non-root server and a root one alike, on the cold path and the
+pre-started one; and meta's ``run_can`` (read / write / signal / see) and warnings say what
+the run really could do.
+
+Each run tries, from inside, to write what the server owns (a file of the data folder, the
+SQLite run store, ``secret.key`` beside it), to create files in the data folder, in the
+server's home (a test-owned folder, never the real one) and in /tmp, and to write its own
+folder; then to signal and read a helper ``sleep`` THIS TEST started (the only pid it is
+given), to list /proc and to connect to an abstract Unix socket this test listens on. The
+test then checks the host from outside (the files unchanged or changed). With
+STUDIO_CODE_SUBPROCESS_LANDLOCK=off every write outside succeeds: the same claims flip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.services import require
+from tests.test_subprocess_isolation import PRELUDE, _last_json_line, _non_root_python
+
+pytestmark = pytest.mark.skipif(
+    os.getuid() != 0 or not sys.platform.startswith("linux"),
+    reason="the test starts a server of another uid and runs of their own uids: root on Linux",
+)
+
+SERVER_UID = 300124  # no account, outside the run range; not test_subprocess_isolation's
+
+#: the run: what it could do, each attempt's errno name or "ok"
+PROBE = (
+    PRELUDE
+    + r"""
+import socket, tempfile
+
+def create(path):
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+def open_for_writing(path):  # the run store and secret.key: opened, never changed
+    os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+
+def append(path):
+    with open(path, "a") as f:
+        f.write("changed by the run")
+
+def connect(name):
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect("\0" + name)
+    finally:
+        s.close()
+
+def own_folder():
+    create("own")
+    append("own")
+    os.truncate("own", 1)
+    os.mkdir("sub")
+    os.rename("own", "sub/own")
+    os.symlink("sub/own", "link")
+    os.mkfifo("fifo")
+    for p in ("link", "fifo", "sub/own"):
+        os.unlink(p)
+    os.rmdir("sub")
+
+def main(state):
+    d, home, tag = state["data"], state["home"], state["tag"]
+    t = f"{state['token']}-{tag}"
+    outside = {
+        "append_to_a_data_file": attempt(lambda: append(f"{d}/victim-{tag}")),
+        "truncate_a_data_file": attempt(lambda: os.truncate(f"{d}/victim-{tag}", 0)),
+        "remove_a_data_file": attempt(lambda: os.unlink(f"{d}/doomed-{tag}")),
+        "open_the_run_store_for_writing": attempt(lambda: open_for_writing(state["store"])),
+        "open_secret_key_for_writing": attempt(lambda: open_for_writing(state["secret"])),
+        "create_in_the_data_folder": attempt(lambda: create(f"{d}/new-{t}")),
+        "mkdir_in_the_data_folder": attempt(lambda: os.mkdir(f"{d}/dir-{t}")),
+        "symlink_in_the_data_folder": attempt(lambda: os.symlink("x", f"{d}/link-{t}")),
+        "create_in_the_home": attempt(lambda: create(f"{home}/.profile-{t}")),
+        "create_in_tmp": attempt(lambda: create(f"/tmp/studio-ll-{t}")),
+    }
+    fd, tmp = tempfile.mkstemp()
+    os.close(fd)
+    os.unlink(tmp)
+    helper = state["helper"]
+    return {
+        "outside": outside,
+        "own_folder": attempt(own_folder),
+        "tempfile_in_own_folder": os.path.dirname(tmp) == os.getcwd(),
+        "dev_null": attempt(lambda: append("/dev/null")),
+        "read": {
+            "store": attempt(lambda: open(state["store"], "rb").read(16)),
+            "secret": attempt(lambda: open(state["secret"], "rb").read()),
+        },
+        "signal0": attempt(lambda: os.kill(helper, 0)),
+        "sigcont": attempt(lambda: os.kill(helper, signal.SIGCONT)),
+        "environ": attempt(lambda: open(f"/proc/{helper}/environ", "rb").read()),
+        "sees": str(helper) in os.listdir("/proc"),
+        "abstract": attempt(lambda: connect(state["abstract"])),
+    }
+"""
+)
+
+#: a non-root server: makes its data folder's files (the SQLite run store, secret.key, the
+#: files the runs try to change), then one run on a pre-started runner and one cold
+SERVER = r"""
+import json, os, sys
+from pathlib import Path
+from executor.meta import runtime_meta
+from executor.models import CodeJob
+from executor.service import Executor
+from executor.settings import load_settings
+from executor.store import open_store
+
+data_dir, landlock, namespaces, code, state = sys.argv[1:6]
+state = json.loads(state)
+settings = load_settings(enable_code_nodes=True, code_runtime="subprocess",
+                         code_languages="python", data_dir=data_dir, code_prewarm=1,
+                         code_subprocess_landlock=landlock,
+                         code_subprocess_namespaces=namespaces)
+open_store(settings.sqlalchemy_url).close()
+ex = Executor(settings)
+ex.prepare()
+assert ex.runtime.pool.wait_ready(30)
+runs = {}
+for tag, memory in (("prestarted", None), ("cold", 200 << 20)):
+    job = CodeJob(code=code, state_json=json.dumps({**state, "tag": tag}), timeout_s=30,
+                  memory_bytes=memory)
+    r = ex.run(job)
+    runs[tag] = {"status": str(r.status), "output": r.output,
+                 "error": r.error and r.error.message, "logs": r.logs}
+pool = ex.runtime.pool_stats()  # before meta, whose readiness check runs a program
+meta = runtime_meta(ex)
+print(json.dumps({"isolation": meta["subprocess_isolation"], "warnings": meta["warnings"],
+                  "runs": runs, "pool": pool}))
+ex.close()
+"""
+
+TAGS = ("prestarted", "cold")
+
+
+def _data_folder(base: Path, owner: int, mode_dir: int, mode_file: int) -> dict[str, Path]:
+    """The data folder (the run store is made in it by the server), secret.key and the
+    files the runs try to change, one set per run; a home folder beside it."""
+    data, home = base / "data", base / "home"
+    for d in (data, home):
+        d.mkdir()
+        os.chmod(d, mode_dir)
+        os.chown(d, owner, owner)
+    files = {"secret": data / "secret.key"}
+    for tag in TAGS:
+        files[f"victim-{tag}"] = data / f"victim-{tag}"
+        files[f"doomed-{tag}"] = data / f"doomed-{tag}"
+    for name, path in files.items():
+        path.write_text("the server's own" if name != "secret" else uuid.uuid4().hex)
+        os.chmod(path, mode_file)
+        os.chown(path, owner, owner)
+    return {"data": data, "home": home, "store": data / "studio-code.db", **files}
+
+
+def _state(paths: dict[str, Path], token: str, helper: int, abstract: Abstract) -> dict[str, Any]:
+    """What a run is told: the paths to try, and the only pid and socket it may reach."""
+    return {
+        **{k: str(paths[k]) for k in ("data", "home", "store", "secret")},
+        "token": token,
+        "helper": helper,
+        "abstract": abstract.name,
+    }
+
+
+def _landlock_abi() -> int:
+    from executor.runtimes.subprocess.landlock import abi_version
+
+    abi, why = abi_version()
+    require(why is None, f"this kernel offers no Landlock ({why})")
+    return abi
+
+
+class Abstract:
+    """An abstract Unix socket this test listens on (never accepts)."""
+
+    def __init__(self) -> None:
+        self.name = f"studio-ll-{uuid.uuid4().hex}"
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind("\0" + self.name)
+        self.sock.listen(8)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _check(seen: dict[str, Any], paths: dict[str, Path], landlock: str, abi: int) -> None:
+    """Every claim of meta against what each run did, and the host from outside."""
+    iso = seen["isolation"]
+    can = iso["run_can"]
+    held, lacks = " ".join(iso["holds"]), " ".join(iso["does_not_hold"])
+    warning = seen["warnings"][0]
+    if landlock == "auto":  # this kernel offers it: applied, at the ABI the kernel says
+        assert iso["landlock"] is True and iso["landlock_abi"] == abi, iso
+        assert can["write"] is False
+        assert "cannot write outside its own temporary folder" in warning, warning
+        assert "cannot write anywhere but beneath its own temporary folder" in held
+    else:
+        assert iso["landlock"] is False and iso["landlock_abi"] is None
+        assert iso["landlock_reason"] == "STUDIO_CODE_SUBPROCESS_LANDLOCK=off"
+        assert can["write"] is True
+        assert "It can also write" in warning, warning
+        assert "write every file" in lacks, lacks
+    assert "write" in warning and "NOT in a sandbox" in warning
+    assert ("It can signal a process outside its run" in warning) is can["signal"], warning
+    assert ("it sees every process of the host" in warning) is can["see"], warning
+    for tag in TAGS:
+        run = seen["runs"][tag]
+        assert run["status"] == "succeeded", (tag, run)
+        out = run["output"]
+        # write: every attempt outside its folder is refused exactly when meta says so
+        refused = {k: v for k, v in out["outside"].items() if v != "ok"}
+        if can["write"]:
+            assert not refused, (tag, refused)
+        else:
+            assert set(out["outside"].values()) == {"EACCES"}, (tag, out["outside"])
+        assert out["own_folder"] == "ok" and out["dev_null"] == "ok", (tag, out)
+        # under Landlock tempfile skips /tmp (refused) for the run's own folder
+        assert out["tempfile_in_own_folder"] is (not can["write"]), out
+        # read: still holds, and meta says so
+        assert can["read"] is True and out["read"] == {"store": "ok", "secret": "ok"}, out
+        # signal / see: the helper this test started, exactly as meta says
+        for sig in ("signal0", "sigcont"):
+            assert (out[sig] == "ok") is can["signal"], (tag, sig, out[sig], can)
+        assert out["sees"] is can["see"], (tag, out["sees"], can)
+        # an abstract socket and the helper's environment: refused where meta says so
+        scoped = "connect to an abstract Unix socket made outside its run" in held
+        assert (out["abstract"] != "ok") is scoped, (out["abstract"], held)
+        assert scoped is (landlock == "auto" and abi >= 6)
+        if landlock == "auto":
+            assert out["abstract"] == "EPERM"
+            assert "read the memory or environment" in held and out["environ"] != "ok"
+        # and from outside: the server's files changed exactly when meta says they can be
+        victim = paths[f"victim-{tag}"]
+        assert (victim.read_text() == "the server's own") is (not can["write"]), tag
+        assert paths[f"doomed-{tag}"].exists() is (not can["write"]), tag
+        made = [p for p in (*paths["data"].iterdir(), *paths["home"].iterdir()) if "-" in p.name]
+        made = [p for p in made if p.name.split("-")[0] in ("new", "dir", "link", ".profile")]
+        assert bool(made) is can["write"], made
+
+
+@pytest.mark.parametrize(
+    "landlock, namespaces",
+    [("auto", "off"), ("off", "off"), ("auto", "auto")],
+    ids=["landlock", "no-landlock", "landlock+namespaces"],
+)
+def test_a_non_root_servers_runs_write_only_their_own_folder(
+    landlock: str, namespaces: str
+) -> None:
+    """A server of an unprivileged uid, its data folder and home its own (0700, files
+    0600): a pre-started run and a cold one. Without namespaces (the first two), the helper
+    ``sleep`` of the server's uid is in the run's reach but for Landlock's scopes."""
+    abi = _landlock_abi()
+    base = Path(tempfile.mkdtemp(prefix="studio-ll-"))
+    os.chmod(base, 0o755)
+    paths = _data_folder(base, SERVER_UID, 0o700, 0o600)
+    helper = subprocess.Popen(
+        ["/bin/sleep", "300"], user=SERVER_UID, group=SERVER_UID, extra_groups=[]
+    )
+    abstract = Abstract()
+    token = uuid.uuid4().hex[:10]
+    state = _state(paths, token, helper.pid, abstract)
+    try:
+        server = _non_root_python(
+            SERVER,
+            *(str(paths["data"]), landlock, namespaces, PROBE, json.dumps(state)),
+            uid=SERVER_UID,
+            marker="x",
+            cwd=base,
+            stdin=subprocess.DEVNULL,
+        )
+        seen = _last_json_line(server, 120)
+        assert helper.poll() is None  # SIGCONT and signal 0 only: it sleeps on
+        pool = seen["pool"]["languages"]["python"]
+        assert (pool["hits"], pool["misses"]) == (1, 1), pool  # one pre-started, one cold
+        iso = seen["isolation"]
+        assert iso["namespaces"] is (namespaces == "auto"), iso["namespaces_reason"]
+        _check(seen, paths, landlock, abi)
+    finally:
+        helper.kill()
+        helper.wait()
+        abstract.close()
+        shutil.rmtree(base, ignore_errors=True)
+        for tag in TAGS:  # what a run without Landlock made in /tmp (not swept: not root)
+            Path(f"/tmp/studio-ll-{token}-{tag}").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("landlock", ["auto", "off"], ids=["landlock", "no-landlock"])
+def test_a_root_servers_runs_write_only_their_own_folder(landlock: str, make_settings) -> None:  # type: ignore[no-untyped-def]
+    """A root server whose data folder and home are world-writable (0777, files 0666): the
+    run's own uid would let it write them all, so Landlock is what refuses. The helper is
+    root's: no run uid may signal it, Landlock or not."""
+    from executor.meta import runtime_meta
+    from executor.models import CodeJob
+    from executor.service import Executor
+    from executor.store import open_store
+
+    abi = _landlock_abi()
+    base = Path(tempfile.mkdtemp(prefix="studio-ll-"))
+    os.chmod(base, 0o755)
+    paths = _data_folder(base, 0, 0o777, 0o666)
+    helper = subprocess.Popen(["/bin/sleep", "300"])
+    abstract = Abstract()
+    token = uuid.uuid4().hex[:10]
+    state = _state(paths, token, helper.pid, abstract)
+    settings = make_settings(
+        code_runtime="subprocess",
+        code_languages="python",
+        data_dir=paths["data"],
+        code_prewarm=1,
+        code_subprocess_landlock=landlock,
+    )
+    open_store(settings.sqlalchemy_url).close()
+    os.chmod(paths["store"], 0o666)
+    ex = Executor(settings)
+    try:
+        ex.prepare()
+        assert ex.runtime.pool.wait_ready(30)  # type: ignore[union-attr]
+        runs = {}
+        for tag, memory in (("prestarted", None), ("cold", 200 << 20)):
+            job = CodeJob(
+                code=PROBE,
+                state_json=json.dumps({**state, "tag": tag}),
+                timeout_s=30,
+                memory_bytes=memory,
+            )
+            r = ex.run(job)
+            runs[tag] = {"status": str(r.status), "output": r.output, "logs": r.logs}
+        pool = ex.runtime.pool_stats()["languages"]["python"]  # type: ignore[union-attr]
+        assert (pool["hits"], pool["misses"]) == (1, 1), pool
+        meta = runtime_meta(ex)  # after: its readiness check runs a program
+        seen = {
+            "isolation": meta["subprocess_isolation"],
+            "warnings": meta["warnings"],
+            "runs": runs,
+        }
+        assert seen["isolation"]["separate_uids"] is True
+        _check(seen, paths, landlock, abi)
+    finally:
+        ex.close()
+        helper.kill()
+        helper.wait()
+        abstract.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_kernel_without_landlock_is_named_and_meta_says_runs_write(
+    make_settings, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """An old kernel (faked: this one has Landlock, proved above): the reason is named, the
+    runs go on as before, and meta and the warning say they can write."""
+    from executor.runtimes.subprocess import landlock, runtime
+
+    monkeypatch.setattr(
+        landlock, "abi_version", lambda: (0, "the kernel has no Landlock (Linux before 5.13)")
+    )
+    settings = make_settings(code_runtime="subprocess", code_languages="python")
+    abi, why = runtime._landlock(settings)
+    assert (abi, why) == (0, "the kernel has no Landlock (Linux before 5.13)")
+    monkeypatch.setattr(runtime.os, "getuid", lambda: SERVER_UID)  # a non-root server's
+    report = runtime.isolation_report(
+        settings, None, None, "off", namespaces_note=None, undumpable=True, landlock_note=why
+    )
+    assert report["landlock"] is False and report["landlock_reason"] == why
+    assert report["run_can"] == {"read": True, "write": True, "signal": False, "see": False}
+    lacks = " ".join(report["does_not_hold"])
+    assert "read and write every file the server can" in lacks and why in lacks
+    assert "It can also write every file" in runtime.startup_warning(report)
+
+
+def test_an_abi_2_ruleset_leaves_truncate_open_and_meta_says_so(make_settings, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Linux 5.19 to 6.1 (Landlock ABI 2) cannot refuse truncate(2). This kernel enforces an
+    ABI 2 ruleset as such a kernel would (the rights it handles are ABI 2's): a real run
+    empties a world-writable data file and creates nothing, and meta says it can write."""
+    from executor.meta import runtime_meta
+    from executor.models import CodeJob
+    from executor.runtimes.subprocess import runtime
+    from executor.service import Executor
+
+    require(_landlock_abi() >= 2, "this kernel's Landlock is older than ABI 2")
+    monkeypatch.setattr(runtime, "_landlock", lambda settings: (2, None))
+    base = Path(tempfile.mkdtemp(prefix="studio-ll-"))
+    os.chmod(base, 0o755)
+    paths = _data_folder(base, 0, 0o777, 0o666)
+    paths["store"].write_text("a store")
+    os.chmod(paths["store"], 0o666)
+    helper = subprocess.Popen(["/bin/sleep", "300"])
+    abstract = Abstract()
+    try:
+        ex = Executor(make_settings(code_runtime="subprocess", code_languages="python"))
+        state = _state(paths, uuid.uuid4().hex[:10], helper.pid, abstract)
+        r = ex.run(CodeJob(code=PROBE, state_json=json.dumps({**state, "tag": "cold"})))
+        meta = runtime_meta(ex)
+    finally:
+        helper.kill()
+        helper.wait()
+        abstract.close()
+    try:
+        iso = meta["subprocess_isolation"]
+        assert iso["landlock_abi"] == 2 and iso["run_can"]["write"] is True
+        assert "truncate(2)" in " ".join(iso["does_not_hold"])
+        assert "empty a file it may write with truncate(2)" in meta["warnings"][0]
+        assert r.output is not None, (r.status, r.error, r.logs)
+        outside = dict(r.output["outside"])
+        assert outside.pop("truncate_a_data_file") == "ok"  # what ABI 2 leaves open...
+        assert paths["victim-cold"].read_text() == ""  # ...seen from outside: emptied
+        assert set(outside.values()) == {"EACCES"}, outside  # the rest is refused
+        assert r.output["abstract"] == "ok"  # no scopes before ABI 6: meta does not claim it
+        assert "abstract Unix socket" not in " ".join(iso["holds"])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,330 @@
+"""What a run used (issue 33): peak memory, CPU and processes measured by the HOST (the
+sandbox's cgroup, a subprocess run's cgroup and rusage), never claimed by the code, for both
+languages, in cold and pre-started sandboxes of both runtimes, against the real Docker
+engine and the real Deno.
+
+The CPU-bound nodes spin on their OWN CPU clock (``time.process_time``,
+``process.cpuUsage``) until they used 0.5 s, so the host's figure is checked against CPU, not
+wall time (a shared machine stretches wall time, never CPU time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from executor.errors import ErrorCode
+from executor.models import CodeJob, Status
+from tests.conftest import run_cli
+from tests.test_typescript import deno_bin  # noqa: F401 - the fixture
+
+#: the subprocess ways need Deno, the docker ways the engine (and the CLI's test)
+pytestmark = [pytest.mark.docker, pytest.mark.deno]
+
+MB = 1_000_000
+LIMIT = 256 * 1024 * 1024
+
+CODE = {
+    "python": {
+        "idle": "def main(state):\n    return 1\n",
+        "memory": (
+            "def main(state):\n"
+            "    b = bytearray(100_000_000)\n"
+            "    b[::4096] = b'x' * len(b[::4096])\n"
+            "    return len(b)\n"
+        ),
+        "cpu": (
+            "import time\n"
+            "def main(state):\n"
+            "    t = time.process_time()\n"
+            "    while time.process_time() - t < 0.5:\n"
+            "        pass\n"
+            "    return round(time.process_time() - t, 3)\n"
+        ),
+        "oom": (
+            "def main(state):\n"
+            "    x = []\n"
+            "    while True:\n"
+            "        x.append(bytearray(10_000_000))\n"
+        ),
+    },
+    "typescript": {
+        "idle": "export default function main(state: unknown) { return 1 }\n",
+        "memory": (
+            "export default function main(state: unknown) {\n"
+            "  const b = new Uint8Array(100_000_000)\n"
+            "  for (let i = 0; i < b.length; i += 4096) b[i] = 1\n"
+            "  return b.length\n"
+            "}\n"
+        ),
+        "cpu": (
+            "export default function main(state: unknown) {\n"
+            "  const p = (globalThis as any).process\n"
+            "  const t = p.cpuUsage()\n"
+            "  for (;;) {\n"
+            "    const u = p.cpuUsage(t)\n"
+            "    if (u.user + u.system >= 500_000) return (u.user + u.system) / 1e6\n"
+            "  }\n"
+            "}\n"
+        ),
+        "oom": (
+            "export default function main(state: unknown) {\n"
+            "  const a: Uint8Array[] = []\n"
+            "  for (;;) { const b = new Uint8Array(10_000_000); b.fill(1); a.push(b) }\n"
+            "}\n"
+        ),
+    },
+}
+
+#: (runtime, pre-started): the four ways a run gets its sandbox
+WAYS = [("docker", False), ("docker", True), ("subprocess", False), ("subprocess", True)]
+
+
+@pytest.fixture(
+    scope="module", params=WAYS, ids=["docker-cold", "docker-pool", "sub-cold", "sub-pre"]
+)
+def executor(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    from executor.service import Executor
+    from executor.settings import load_settings
+
+    runtime, pre = request.param
+    if runtime == "docker":
+        request.getfixturevalue("python_image")
+        request.getfixturevalue("ts_image")
+    else:
+        request.getfixturevalue("deno_bin")
+    settings = load_settings(
+        enable_code_nodes=True,
+        data_dir=tmp_path_factory.mktemp("usage"),
+        code_runtime=runtime,
+        code_languages="python,typescript",
+        code_prewarm=1 if pre else 0,
+        code_memory="256m",
+    )
+    ex = Executor(settings)
+    if pre:
+        ex.prepare()
+        assert ex.runtime is not None and ex.runtime.pool is not None
+        assert ex.runtime.pool.wait_ready(90)
+    yield ex
+    ex.close()
+
+
+def run(ex: Any, language: str, what: str) -> Any:
+    pre = ex.settings.code_prewarm > 0
+    if pre:
+        assert ex.runtime.pool.wait_ready(90)
+    r = ex.run(CodeJob(code=CODE[language][what], language=language))  # type: ignore[arg-type]
+    start = next(t.detail for t in r.trace if t.step == "sandbox.start")
+    assert start == ("pool" if pre else "cold"), "the run did not get the sandbox it should"
+    assert r.usage is not None, f"{what}: no usage ({r.status}, {r.error})"
+    want = "cgroup-v2" if _v2() else "cgroup-v1"
+    assert r.usage.source == want
+    if ex.settings.code_runtime == "subprocess":
+        assert r.usage.cpu_source == "rusage"
+    return r
+
+
+def _v2() -> bool:
+    return os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+
+
+LANGS = ["python", "typescript"]
+
+
+@pytest.mark.parametrize("language", LANGS)
+def test_a_node_that_allocates_100_mb_reports_a_peak_between_100_mb_and_the_limit(
+    executor: Any, language: str
+) -> None:
+    r = run(executor, language, "memory")
+    assert r.status is Status.SUCCEEDED, r.error
+    assert 100 * MB <= r.usage.memory_peak_bytes <= LIMIT, r.usage
+
+
+@pytest.mark.parametrize("language", LANGS)
+def test_a_node_of_half_a_second_of_cpu_reports_400_to_700_ms(executor: Any, language: str) -> None:
+    r = run(executor, language, "cpu")
+    assert r.status is Status.SUCCEEDED, r.error
+    assert r.output >= 0.5  # what the code's own clock said it used
+    assert 400 <= r.usage.cpu_ms <= 700, r.usage
+
+
+@pytest.mark.parametrize("language", LANGS)
+def test_an_idle_node_reports_little(executor: Any, language: str) -> None:
+    r = run(executor, language, "idle")
+    assert r.status is Status.SUCCEEDED, r.error
+    assert r.usage.memory_peak_bytes < 64 * MB, r.usage
+    # an interpreter's start (a cold one's) is its job's: less than the CPU node's anyway
+    assert 0 < r.usage.cpu_ms < 300, r.usage
+    assert r.usage.pids_peak is None or r.usage.pids_peak >= 1
+
+
+@pytest.mark.parametrize("language", LANGS)
+def test_an_oom_killed_node_reports_the_limit_it_hit(executor: Any, language: str) -> None:
+    from executor.service import mib
+
+    r = run(executor, language, "oom")
+    assert r.status is Status.FAILED and r.error.code is ErrorCode.CODE_MEMORY, r.error
+    peak = r.usage.memory_peak_bytes
+    # Python in a subprocess meets RLIMIT_AS (MemoryError) a little below the cgroup's limit;
+    # a cgroup's own peak may pass the limit by a few kernel pages
+    assert 0.9 * LIMIT <= peak <= 1.01 * LIMIT, r.usage
+    assert f"used {mib(peak)} of 256 MiB" in r.error.message
+
+
+@pytest.mark.parametrize("language", LANGS)
+def test_a_pre_started_sandbox_start_is_not_in_its_job_cpu(executor: Any, language: str) -> None:
+    """The same idle node, in a pre-started sandbox, is charged a fraction of a cold start's
+    CPU: the interpreter's start (and the idle wait) happened before the job."""
+    if executor.settings.code_prewarm == 0:
+        pytest.skip("pre-started sandboxes only")
+    cold = cold_idle_cpu(executor, language)
+    r = run(executor, language, "idle")
+    assert r.usage.cpu_ms < cold / 2, (r.usage, cold)
+
+
+_COLD: dict[tuple[str, str], float] = {}
+
+
+def cold_idle_cpu(ex: Any, language: str) -> float:
+    """The CPU of an idle node in a cold sandbox of the same runtime (its start included)."""
+    from executor.service import Executor
+
+    key = (ex.settings.code_runtime, language)
+    if key not in _COLD:
+        cold = Executor(ex.settings.model_copy(update={"code_prewarm": 0}))
+        try:
+            r = cold.run(CodeJob(code=CODE[language]["idle"], language=language))  # type: ignore[arg-type]
+            assert r.usage is not None and r.usage.cpu_ms is not None
+            _COLD[key] = r.usage.cpu_ms
+        finally:
+            cold.close()
+    return _COLD[key]
+
+
+def test_usage_off_is_null_never_zero(
+    make_settings: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STUDIO_CODE_USAGE=0: not measured, so null in the result and the CLI's JSON."""
+    from executor.service import Executor
+
+    monkeypatch.setenv("STUDIO_CODE_USAGE", "0")
+    ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
+    r = ex.run(CodeJob(code=CODE["python"]["idle"]))
+    assert r.status is Status.SUCCEEDED
+    assert r.usage is None
+    assert r.cli_dict()["usage"] is None
+
+
+def test_the_cli_prints_the_usage(python_image: str, tmp_path: Path) -> None:
+    """``studio-code run`` prints ``usage`` (a key added to its JSON; the others stay)."""
+    src = tmp_path / "node.py"
+    src.write_text(CODE["python"]["memory"])
+    proc = run_cli(
+        "run", str(src), env={"STUDIO_ENABLE_CODE_NODES": "1", "STUDIO_CODE_RUNTIME": "docker"}
+    )
+    out = json.loads(proc.stdout)
+    assert out["status"] == "succeeded", proc.stderr
+    assert {"status", "output", "error", "logs", "runtime", "duration_ms"} <= set(out)
+    assert out["usage"]["memory_peak_bytes"] >= 100 * MB
+    assert out["usage"]["source"] in ("cgroup-v1", "cgroup-v2")
+
+
+def test_a_cold_sandbox_parent_cgroup_goes_with_it(
+    make_settings: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-run parent that outlives a cold sandbox is removed with it (OOM too)."""
+    from executor.runtimes.docker import usage
+    from executor.service import Executor
+
+    made: list[Any] = []
+    real = usage.new_meter
+
+    def recording(api: Any) -> Any:
+        meter = real(api)
+        made.append(meter)
+        return meter
+
+    monkeypatch.setattr(usage, "new_meter", recording)
+    ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
+    for what in ("idle", "oom"):
+        assert ex.run(CodeJob(code=CODE["python"][what])).usage is not None
+    host = usage.cgroup_host(ex.runtime.api)  # type: ignore[union-attr]
+    if host is None or not host.parents:
+        pytest.skip("no per-run parents here")
+    parents = [m.parent for m in made]
+    assert len(parents) == 2 and all(parents)
+    left = [d for p in parents for d in host.all_parent_dirs(p)]
+    assert left == []
+    assert not any(usage.of(m.cid) for m in made)
+
+
+def test_the_reaper_sweeps_a_dead_process_parents_and_keeps_the_live_ones(
+    make_settings: Any, python_image: str
+) -> None:
+    """A parent left by a process that died (empty, old) goes at the reaper's pass; a parent
+    holding a running sandbox's group stays, and so does one this process still uses."""
+    import secrets
+
+    from executor.runtimes.docker import usage
+    from executor.service import Executor
+
+    ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
+    api = ex.runtime.api  # type: ignore[union-attr]
+    host = usage.cgroup_host(api)
+    if host is None or not host.parents:
+        pytest.skip("no per-run parents here")
+    left = usage.PARENT_PREFIX + secrets.token_hex(8)
+    busy = usage.PARENT_PREFIX + secrets.token_hex(8)
+    for name in (left, busy):
+        for c in host.mounts:
+            os.makedirs(host.parent_dir(c, name))
+    os.makedirs(host.parent_dir("memory", busy) + "/held")  # a group inside: in use
+    day_ago = time.time() - 86400  # made a day ago: only such old ones are swept
+    for name in (left, busy):
+        os.utime(host.parent_dir("memory", name), (day_ago, day_ago))
+    try:
+        assert usage.sweep(api, older_than_s=3600) >= 1
+        assert host.all_parent_dirs(left) == []
+        assert os.path.isdir(host.parent_dir("memory", busy))
+    finally:
+        os.rmdir(host.parent_dir("memory", busy) + "/held")
+        usage.Meter(host, busy).release()
+        usage.Meter(host, left).release()
+
+
+def test_a_worker_that_cannot_see_the_cgroups_reports_null(
+    make_settings: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker in a container (no view of the engine's cgroups) measures nothing: usage is
+    null, never 0, for a pre-started sandbox's job and a cold one alike."""
+    from executor.runtimes.docker import usage
+    from executor.service import Executor
+
+    monkeypatch.setattr(usage, "_hosts", {})
+    monkeypatch.setattr(usage, "_detect", lambda: None)  # this process sees no cgroups
+    ex = Executor(
+        make_settings(
+            code_runtime="docker", code_image=python_image, code_languages="python", code_prewarm=1
+        )
+    )
+    ex.prepare()
+    try:
+        assert ex.runtime is not None and ex.runtime.pool is not None
+        assert ex.runtime.pool.wait_ready(60)
+        pooled = ex.run(CodeJob(code=CODE["python"]["idle"]))
+        assert next(t.detail for t in pooled.trace if t.step == "sandbox.start") == "pool"
+    finally:
+        ex.close()
+    cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
+    r = cold.run(CodeJob(code=CODE["python"]["idle"]))
+    for run in (pooled, r):
+        assert run.status is Status.SUCCEEDED and run.usage is None
+        assert run.cli_dict()["usage"] is None
