@@ -14,6 +14,7 @@ namespace of its own without that cgroup2 mount, for both runtimes alike.
     python -m bench.engine [--n 15]                      # the benchmark
     python -m bench.engine --pytest tests/test_docker_isolation.py   # tests under crun
     python -m bench.engine --crun /path/to/crun           # a crun other than PATH's
+    python -m bench.engine --restarts 5   # only: engine restart -> killed run claimed again
 """
 
 from __future__ import annotations
@@ -244,12 +245,212 @@ def _bench(engine: OwnEngine, n: int, runtimes: list[str]) -> None:
         ex.close()
 
 
+LONG = (
+    "import time\n\n"
+    "def main(state):\n"
+    "    time.sleep(max(0, state['until'] - time.time()))\n"
+    "    return state['i']\n"
+)
+
+
+def restarts(rounds: int = 5) -> int:
+    """Engine restart -> the killed run started again on the other engine: two workers, the
+    machine's engine (e1) and one of this bench's own (e2, tests.test_two_hosts's
+    KillableEngine: the only one ever stopped), a Redis and a PostgreSQL schema of its own.
+    Each round a long job runs on e2 (a long job that lands on e1 is cancelled, so e1 has a
+    free slot) when e2's engine crashes (SIGKILL of its dockerd, containerd and shims; then
+    started again), or is restarted gracefully (SIGTERM: dockerd kills its containers 10 s
+    later; then started again); measured: from the fault to the claim of the killed job's
+    re-run (its ``started_at``), against the floor of an idle deployment: submit -> claim."""
+    import signal as sig
+    import uuid
+
+    from api_client.client import CodeClient
+    from executor.settings import load_settings
+    from tests.services import BIN, Service, pg_schema, start_redis
+    from tests.test_two_hosts import KillableEngine
+
+    if os.geteuid() != 0 or not shutil.which("dockerd"):
+        print("bench.engine --restarts: skipped (needs root and dockerd)")
+        return 0
+    image = load_settings().code_image
+    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-restarts-"))
+    engine = KillableEngine()
+    workers: dict[str, Service] = {}
+    client = None
+    try:
+        engine.start()
+        engine.load(image)
+        with pg_schema(prefix="bench_restarts") as db, start_redis(tmp) as redis:
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith(("STUDIO_", "DOCKER_")) and k != "PROMETHEUS_MULTIPROC_DIR"
+            }
+            env.update(
+                STUDIO_ENABLE_CODE_NODES="1",
+                STUDIO_CODE_IMAGE=image,
+                STUDIO_CODE_LANGUAGES="python",
+                STUDIO_REDIS_URL=redis.url,
+                STUDIO_DATABASE_URL=db,
+                STUDIO_CODE_MAX_SECONDS="40",
+            )
+            tag = uuid.uuid4().hex[:4]
+            names = {"e1": f"e1-{tag}", "e2": f"e2-{tag}"}
+            hosts = {"e1": "unix:///var/run/docker.sock", "e2": engine.host}
+            for key, host in hosts.items():
+                workers[key] = Service(
+                    [
+                        str(BIN / "studio-code"),
+                        "worker",
+                        "-c",
+                        "3",
+                        "-n",
+                        f"{names[key]}@%h",
+                        "--loglevel",
+                        "INFO",
+                    ],
+                    {**env, "DOCKER_HOST": host},
+                    tmp / f"{key}.log",
+                )
+            deadline = time.monotonic() + 120
+            while not all(" ready." in w.output() for w in workers.values()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the workers did not start")
+                time.sleep(0.2)
+            settings = load_settings(
+                enable_code_nodes=True, redis_url=redis.url, database_url=db, code_image=image
+            )
+            client = CodeClient(settings)
+
+            def on(job: str) -> str:
+                worker = client.status(job).worker or ""
+                return next((k for k, n in names.items() if worker.startswith(n)), "")
+
+            def e2_serving() -> None:
+                end = time.monotonic() + 60
+                while time.monotonic() < end:
+                    out = workers["e2"].output()
+                    if out.count("consumers resumed") >= out.count("consumers paused"):
+                        return
+                    time.sleep(0.2)
+                raise RuntimeError("the e2 worker did not take jobs again")
+
+            def long_on_e2() -> tuple[str, list[str]]:
+                """Long jobs until one runs on e2 (the others hold e1 slots, one stays free)."""
+                until = time.time() + 25
+                held: list[str] = []
+                for i in range(3):
+                    job = client.submit(LONG, "python", {"i": i, "until": until}, timeout_s=40)
+                    end = time.monotonic() + 30
+                    while client.status(job).status.value == "queued":
+                        if time.monotonic() > end:
+                            raise RuntimeError("a long job was not taken")
+                        time.sleep(0.05)
+                    if on(job) == "e2":
+                        return job, held
+                    client.cancel(job)  # its e1 slot stays free for the re-run
+                    held.append(job)
+                raise RuntimeError("no long job ran on e2")
+
+            def start_again() -> None:
+                try:
+                    engine.start()
+                except BaseException as e:  # noqa: BLE001 - pytest's skip: a slow containerd
+                    print(f"  the engine did not start at once ({str(e)[:80]}...): again")
+                    engine.stop()
+                    engine.start()
+
+            floor = []
+            for i in range(rounds):
+                asked = time.time()
+                job = client.submit(LONG, "python", {"i": i, "until": 0}, timeout_s=40)
+                rec = client.wait(job, 60)
+                assert rec.status.value == "succeeded" and rec.started_at is not None, rec
+                floor.append((rec.started_at.timestamp() - asked) * 1000)
+            rows: dict[str, list[float]] = {}
+            for kind in ["SIGKILL"] * rounds + ["SIGTERM"] * max(2, rounds // 2):
+                e2_serving()
+                job, held = long_on_e2()
+                assert engine.proc is not None
+                t0 = time.time()
+                if kind == "SIGKILL":  # a crash: its dockerd, containerd and every shim at once
+                    pidfile = engine.root / "exec" / "containerd" / "containerd.pid"
+                    own = [engine.proc.pid, *engine.shims("")]
+                    if pidfile.exists():
+                        own.append(int(pidfile.read_text().strip() or 0))
+                    for pid in own:
+                        try:
+                            os.kill(pid, sig.SIGKILL)
+                        except (ProcessLookupError, ValueError):
+                            pass  # gone with its dockerd already
+                    engine.proc.wait(30)
+                else:
+                    engine.stop()
+                start_again()
+                rec = client.wait(job, 120)
+                assert rec.status.value == "succeeded" and rec.attempts >= 2, rec
+                assert rec.started_at is not None
+                rows.setdefault(kind, []).append((rec.started_at.timestamp() - t0) * 1000)
+                print(
+                    f"  {kind}: re-run claimed {rows[kind][-1]:.0f} ms after the fault, on "
+                    f"{on(job)}, attempts {rec.attempts}, {rec.trace[0].detail}",
+                    flush=True,
+                )
+                for h in held:
+                    assert client.wait(h, 120).status.value == "cancelled"
+            print(
+                "# bench.engine --restarts: two workers on two engines; a long job on e2 "
+                "when its engine goes; ms"
+            )
+            print("| what | n | p50 | max |")
+            print("|---|---|---|---|")
+            print(
+                f"| floor: submit -> claim on an idle deployment | {len(floor)} | "
+                f"{pct(floor, 50):.0f} | {max(floor):.0f} |"
+            )
+            what = {
+                "SIGKILL": "engine SIGKILLed (then started again) -> killed run claimed again",
+                "SIGTERM": "engine restarted (SIGTERM: its kill comes 10 s later) -> killed "
+                "run claimed again",
+            }
+            for kind, times in rows.items():
+                print(f"| {what[kind]} | {len(times)} | {pct(times, 50):.0f} | {max(times):.0f} |")
+    finally:
+        if client is not None:
+            client.close()
+        for w in workers.values():
+            w.stop(60)
+        engine.stop()
+        engine.end_leftovers()
+        engine.unmount_own()
+        engine.remove()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
 def _self_cpu_ms() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return (r.ru_utime + r.ru_stime) * 1000
 
 
-def main(n: int = 15, pytest_args: list[str] | None = None, crun: str | None = None) -> int:
+def main(
+    n: int = 15,
+    pytest_args: list[str] | None = None,
+    crun: str | None = None,
+    restart_rounds: int = 3,
+    only_restarts: bool = False,
+) -> int:
+    """The runc/crun bench, then the engine-restart rows (``restart_rounds`` SIGKILL rounds;
+    0: none); ``only_restarts``: the latter alone."""
+    rc = 0 if only_restarts else _engines(n, pytest_args, crun)
+    if rc == 0 and pytest_args is None and restart_rounds > 0:
+        print(flush=True)
+        rc = restarts(restart_rounds)
+    return rc
+
+
+def _engines(n: int, pytest_args: list[str] | None, crun: str | None) -> int:
     if os.geteuid() != 0 or not shutil.which("dockerd") or not CPUACCT.exists():
         print("bench.engine: skipped (needs root, dockerd and cgroup v1 cpuacct)")
         return 0
@@ -297,5 +498,14 @@ if __name__ == "__main__":
         help="instead of the bench: run pytest with these arguments against the "
         "own engine with STUDIO_CODE_OCI_RUNTIME=crun",
     )
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=None,
+        help="only the engine-restart rows (engine restart -> the killed run claimed again "
+        "on the other engine), over this many rounds; without it, both sections (3 rounds)",
+    )
     a = p.parse_args()
+    if a.restarts is not None:
+        raise SystemExit(main(restart_rounds=a.restarts, only_restarts=True))
     raise SystemExit(main(a.n, a.pytest, a.crun))

@@ -96,3 +96,32 @@ class StoreUnavailable(RuntimeUnavailable):
     (its URL without the password) and says what to check."""
 
     code = ErrorCode.RUNTIME_UNAVAILABLE
+
+
+class InfrastructureLost(RuntimeUnavailable):
+    """Raised by a runtime when a sandbox ended because of the infrastructure, not its code:
+    the engine went away or restarted, the sandbox vanished, its stream or its wait broke
+    with an engine error. Never a ``CODE_*`` outcome: a runtime whose re-run is harmless
+    (``Runtime.rerun_safe``) has the job run again elsewhere (worker/job/tasks.py); otherwise,
+    and once the attempts are spent, the job ends RUNTIME_UNAVAILABLE with this message.
+
+    ``cause`` is machine-readable (one of CAUSES): the trace row ``sandbox.lost`` carries it."""
+
+    ENGINE_UNREACHABLE = "engine_unreachable"
+    ENGINE_STOPPING = "engine_stopping"
+    SANDBOX_VANISHED = "sandbox_vanished"
+    STREAM_BROKEN = "stream_broken"
+    ENGINE_ERROR = "engine_error"
+    CAUSES = (ENGINE_UNREACHABLE, ENGINE_STOPPING, SANDBOX_VANISHED, STREAM_BROKEN, ENGINE_ERROR)
+
+    def __init__(self, cause: str, detail: str, *, message: str | None = None) -> None:
+        """``message``: the sentence, when the sandbox never started (the engine was away
+        before it): nothing was lost, the runtime's own words say why."""
+        super().__init__(
+            message
+            or f"The job's sandbox was lost to the infrastructure, not to its code ({cause}: "
+            f"{detail}). Check the Docker engine (docker info, its log); the job can be run "
+            "again as it is."
+        )
+        self.cause = cause
+        self.detail = detail

@@ -19,6 +19,7 @@ from executor.errors import (
     CodeInvalid,
     CodeNodesDisabled,
     ErrorCode,
+    InfrastructureLost,
     RuntimeUnavailable,
     StudioCodeError,
 )
@@ -58,6 +59,11 @@ RUNNER_CODES = {
     )
 }
 READINESS_TIMEOUT_S = 20.0
+#: the trace row of a run whose sandbox the infrastructure killed (InfrastructureLost): its
+#: detail is the machine-readable cause
+LOST_STEP = "sandbox.lost"
+#: the trace row of a run that is a re-run: its detail says why the job ran again
+RERUN_STEP = "job.rerun"
 
 
 @dataclass(frozen=True)
@@ -346,6 +352,13 @@ class Executor:
             return self._result(
                 job, Status.CANCELLED, error=ErrorCode.CODE_CANCELLED, message=str(e), t0=t0
             )
+        except InfrastructureLost as e:
+            # never the code's: RUNTIME_UNAVAILABLE, and the trace row says the cause (the
+            # worker runs it again elsewhere when the runtime's re-run is harmless)
+            log.warning("job %s: sandbox lost to the infrastructure: %s", job.job_id, e.message)
+            return self._result(
+                job, Status.FAILED, error=e.code, message=e.message, t0=t0, lost=e.cause
+            )
         except StudioCodeError as e:
             return self._result(job, Status.FAILED, error=e.code, message=e.message, t0=t0)
         result = self._read(job, language, limits, raw, t0)
@@ -481,10 +494,20 @@ class Executor:
         message: str = "",
         logs: str = "",
         raw: RawRun | None = None,
+        lost: str | None = None,
     ) -> CodeResult:
         runtime = self.runtime_name
         trace = []
-        if raw is not None:
+        if lost is not None:
+            trace = [
+                TraceRow(
+                    step=LOST_STEP,
+                    runtime=runtime,
+                    duration_ms=round((time.monotonic() - t0) * 1000, 3),
+                    detail=lost,
+                )
+            ]
+        elif raw is not None:
             trace = [
                 TraceRow(
                     step="sandbox.start",

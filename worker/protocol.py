@@ -49,6 +49,13 @@ def done_key(job_id: str) -> str:
     return f"{_PREFIX}:done:{job_id}"
 
 
+def lost_key(job_id: str) -> str:
+    """A list of the attempts of a job whose sandbox the infrastructure killed (each a JSON
+    object: attempt, cause, worker), pushed before the job is handed back; the next attempt
+    reads it for its trace row (worker.job.rerun)."""
+    return f"{_PREFIX}:lost:{job_id}"
+
+
 def rate_key(user: str) -> str:
     """The sorted set of one user's editor test calls in the last minute."""
     return f"{_PREFIX}:rate:test:{user or '-'}"

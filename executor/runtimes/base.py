@@ -127,6 +127,10 @@ class Runtime(ABC):
     audit_event: str | None = None
     #: the service it needs, checked by health probes under this key (None: none)
     service: str | None = None
+    #: True when a run the infrastructure killed (``InfrastructureLost``) can run again
+    #: elsewhere without harm (no network, no host files, nothing kept): the worker hands
+    #: it back. False: it ends RUNTIME_UNAVAILABLE naming the cause.
+    rerun_safe: bool = False
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

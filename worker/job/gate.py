@@ -17,15 +17,18 @@ import time
 
 log = logging.getLogger("studio_code.worker")
 
+#: the longest a reported failure that no probe answered holds a pool process's claims
+PENDING_MAX_S = 5.0
 RUN_STORE = "run_store"
 RUNTIME = "runtime"
 KINDS = (RUN_STORE, RUNTIME)
 
 # --- the page shared with the pool processes ----------------------------------------------
 
-# Layout: [closed flag: double][report time per kind: double...]. An anonymous mmap is
-# MAP_SHARED: made in the main process before the pool forks, every child sees one page.
-_FMT = "d" * (1 + len(KINDS))
+# Layout: [closed flag: double][report time per kind: double...][answered report time per
+# kind: double...]. An anonymous mmap is MAP_SHARED: made in the main process before the
+# pool forks, every child sees one page.
+_FMT = "d" * (1 + 2 * len(KINDS))
 _page = mmap.mmap(-1, mmap.PAGESIZE)
 
 
@@ -51,6 +54,24 @@ def closed_in_child() -> bool:
 def last_report(kind: str) -> float:
     """When a pool process last reported ``kind`` failing (read by the main process)."""
     return _read()[1 + KINDS.index(kind)]
+
+
+def pending_in_child() -> bool:
+    """True while a failure a pool process reported has not been probed yet by the main
+    process (read in a pool process): the gate may be about to close, so a job is handed
+    back before its claim (no attempt counted) instead of meeting the same failure."""
+    page = _read()
+    n = len(KINDS)
+    now = time.time()
+    return any(
+        page[1 + n + i] < page[1 + i] > now - PENDING_MAX_S  # a main process that never
+        for i in range(n)  # probes (no gate) holds it up PENDING_MAX_S at most
+    )
+
+
+def answered(kind: str, reported_at: float) -> None:
+    """The main process probed ``kind`` after its report of ``reported_at``."""
+    _write(1 + len(KINDS) + KINDS.index(kind), reported_at)
 
 
 def set_closed(closed: bool) -> None:

@@ -39,7 +39,7 @@ from worker import tracing as worker_tracing
 from worker.context import studio_app
 from worker.glue import poison
 from worker.glue.outcomes import NodeFailed, report_outcome
-from worker.job import gate, pending, unrunnable
+from worker.job import gate, pending, rerun, unrunnable
 from worker.job.cancel import CancelWatch
 from worker.job.live_logs import add_end_mark, publishing
 from worker.protocol import (
@@ -96,14 +96,16 @@ class ProcessState:
             job_id, store=self.store, client=self.redis, nudged=self.take_signal, flagged=flagged
         )
 
-    def start_reads(self, job_id: str) -> tuple[Any, bool]:
+    def start_reads(self, job_id: str) -> tuple[Any, bool, list[dict[str, Any]]]:
         """The job's start in one round trip: its parked result (if a run before this one
-        parked it) and its cancel flag. Raises redis.RedisError."""
+        parked it), its cancel flag and its attempts the infrastructure lost (worker.job.
+        rerun). Raises redis.RedisError."""
         pipe = self.redis.pipeline(transaction=False)
         pending.add_lookup(pipe, job_id)
         pipe.exists(cancel_key(job_id))
-        found, flagged = pipe.execute()
-        return found, bool(flagged)
+        rerun.add_lookup(pipe, job_id)
+        found, flagged, lost = pipe.execute()
+        return found, bool(flagged), rerun.decode(lost)
 
     def end_job(
         self, job_id: str, *, done: bool, fair_end: bool, record: JobRecord | None = None
@@ -316,11 +318,14 @@ def _hand_back(why: str) -> NoReturn:
 
 
 def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any = None) -> Outcome:
-    if gate.closed_in_child():
+    if gate.closed_in_child() or gate.pending_in_child():
+        # closed, or a failure reported here not probed yet: another worker (or this one
+        # once its gate decided) takes it, and no attempt is counted
         _hand_back(f"job {job_id} handed back: {gate.RUN_STORE} or runtime unavailable here")
     flagged: bool | None = None
+    lost: list[dict[str, Any]] = []
     try:
-        found, flagged = state.start_reads(job_id)
+        found, flagged, lost = state.start_reads(job_id)
         written = pending.write_one(state.store, state.redis, job_id, found=found)
     except redis.RedisError as e:
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
@@ -400,9 +405,46 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         state.current_job = None
     if watch.cancelled_at is not None:
         _metrics(metrics.record_cancel, time.monotonic() - watch.cancelled_at, stage="running")
-    if _runtime_down_before_start(state, result, rec):
+    cause = rerun.lost_cause(result)
+    if cause is not None:
+        result = _lost(state, result, rec, worker, cause, lost)
+    elif _runtime_down_before_start(state, result, rec):
         _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
+    if lost:
+        result = rerun.with_rerun_row(result, rec.attempts, lost)
     return _finish(state, result, rec, worker, queue)
+
+
+def _lost(
+    state: ProcessState,
+    result: CodeResult,
+    rec: JobRecord,
+    worker: str,
+    cause: str,
+    lost: list[dict[str, Any]],
+) -> CodeResult:
+    """The infrastructure killed this run's sandbox (worker.job.rerun): hand the job back
+    to run again elsewhere while the runtime's re-run is harmless and attempts are left
+    (the main process probes the runtime at once: this worker steps aside while it is
+    unhealthy); else the result, its message naming every cause."""
+    runtime = state.executor.runtime
+    if runtime is not None and runtime.rerun_safe and rec.attempts < MAX_ATTEMPTS:
+        rerun.record(state.redis, rec.job_id, rec.attempts, cause, worker)
+        # No engine call here: an engine starting again accepts connections before it
+        # answers (a ping waited 15 s for it, measured); the gate's probe asks instead.
+        gate.report(gate.RUNTIME, f"a sandbox was lost to the infrastructure ({cause})")
+        log.error(
+            "job %s handed back to run again (attempt %d of %d): its sandbox was lost to "
+            "the infrastructure (%s)",
+            rec.job_id,
+            rec.attempts,
+            MAX_ATTEMPTS,
+            cause,
+        )
+        _hand_back(f"job {rec.job_id}: its sandbox was lost to the infrastructure ({cause})")
+    if runtime is not None and runtime.rerun_safe:
+        return rerun.exhausted(result, rec.attempts, lost)
+    return result
 
 
 def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: JobRecord) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 from celery import bootsteps
 
 from executor.errors import StoreUnavailable
-from worker.job.gate import KINDS, RUN_STORE, RUNTIME, last_report, set_closed
+from worker.job.gate import KINDS, RUN_STORE, RUNTIME, answered, last_report, set_closed
 from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
@@ -201,6 +201,8 @@ class GateWatch:
                     self.probe_once()
                 except Exception:  # noqa: BLE001 - keep probing
                     log.exception("gate probe failed")
+                for kind, reported_at in self._seen.items():
+                    answered(kind, reported_at)  # the pool processes take jobs again
                 closed = _gate.reason() is not None
                 next_probe = time.monotonic() + (FAST_PROBE_S if closed else self.interval_s)
             self._stop.wait(0.2)

@@ -6,6 +6,13 @@ Docker's attach stream into stdout and logs (``pump``) until EOF, the node's dea
 cancel or (a pre-started sandbox) a complete answer, then on EOF reads the exit status and
 OOM from the container's state (``exit_state``, bounded by the same deadline). What makes
 the sandbox and what removes it stay with the caller.
+
+Infrastructure or code (``InfrastructureLost``, never a ``CODE_*`` outcome): a sandbox whose
+wait or stream broke with an engine error, that vanished without a cancel, or that ended
+without the runner's clean exit while its engine takes no new connection (a stopping engine
+closes its socket first, then kills its containers: what an upgrade's restart does; a
+killed engine takes none at all) was lost to the infrastructure. A sandbox that ended on its
+own (any exit status) while its engine answers on a fresh connection is the code's.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import docker
 import requests
 from docker.errors import APIError, NotFound
 
-from executor.errors import RuntimeUnavailable
+from executor.errors import InfrastructureLost, RuntimeUnavailable
 from executor.models import Limits, RawRun
 from executor.runtimes.base import LOG_TAP, POLL_S, BoundedBuffer, CancelCheck
 
@@ -38,14 +45,59 @@ def docker_down(e: BaseException) -> str:
 
 @contextmanager
 def sandbox_failures(job_id: str) -> Iterator[None]:
-    """An engine call or a socket that fails while a sandbox runs its job: RuntimeUnavailable."""
+    """An engine call or a socket that fails while a sandbox runs its job: InfrastructureLost
+    when the engine broke (a connection or stream error, a 5xx, the sandbox gone), else
+    RuntimeUnavailable (the engine refused: a 4xx, e.g. a socket guard's 403)."""
     try:
         yield
-    except (APIError, OSError) as e:
+    except InfrastructureLost:
+        raise
+    except NotFound as e:
+        raise InfrastructureLost(
+            InfrastructureLost.SANDBOX_VANISHED,
+            f"the sandbox of job {job_id} was removed while it ran ({e})",
+        ) from e
+    except APIError as e:
+        if e.is_server_error():
+            raise InfrastructureLost(
+                InfrastructureLost.ENGINE_ERROR, f"the engine failed the sandbox: {e}"
+            ) from e
         raise RuntimeUnavailable(
             f"The sandbox for job {job_id} failed to run: {e}. Check the Docker "
             "engine (docker info) and the image."
         ) from e
+    except requests.exceptions.ConnectionError as e:
+        raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
+    except OSError as e:
+        raise InfrastructureLost(
+            InfrastructureLost.STREAM_BROKEN, f"the sandbox's stream to the engine broke: {e}"
+        ) from e
+
+
+def engine_stopping(api: docker.APIClient) -> str | None:
+    """Why the engine behind ``api`` takes no new connection now (None: it does), asked on a
+    connection of its own, made as ``api`` was (DOCKER_HOST): the kept-alive connections of
+    ``api`` are still served by an engine that is shutting down (dockerd closes its socket
+    first, then stops its containers)."""
+    import docker as sdk
+    from docker.utils import kwargs_from_env
+
+    try:
+        fresh = sdk.APIClient(**kwargs_from_env(), version=api.api_version, timeout=FRESH_PING_S)
+    except Exception as e:  # noqa: BLE001 - any failure to reach it is the answer
+        return str(e)
+    try:
+        fresh.ping()
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    finally:
+        fresh.close()
+    return None
+
+
+#: how long the fresh-connection check of a sandbox that ended without its runner's clean
+#: exit waits for the engine
+FRESH_PING_S = 5.0
 
 
 class RunLogs(BoundedBuffer):
@@ -115,6 +167,22 @@ def run_attached(
     if ending == "eof" and exit_code in (None, 137) and not oom and should_cancel:
         # Killed from outside (cancel by label from another process) before we polled.
         ending = "cancel" if should_cancel() else ending
+    if ending == "eof" and exit_code is None:
+        raise InfrastructureLost(
+            InfrastructureLost.SANDBOX_VANISHED,
+            "the sandbox was removed while it ran, and not by a cancel",
+        )
+    if ending == "eof" and exit_code != 0 and not oom:
+        # Not the runner's clean exit: the code's own end (os._exit, a crash), or a kill
+        # from outside. An engine shutting down kills its containers after it closed its
+        # socket: the engine, not the code, when it takes no new connection now.
+        down = engine_stopping(api)
+        if down is not None:
+            raise InfrastructureLost(
+                InfrastructureLost.ENGINE_STOPPING,
+                f"the sandbox ended (exit status {exit_code}) while its engine took no new "
+                f"connection: {down}",
+            )
     run.exit_code = exit_code
     run.oom_killed = oom
     run.timed_out = ending == "deadline"
@@ -128,19 +196,24 @@ def exit_state(api: docker.APIClient, cid: str, deadline: float) -> tuple[int | 
     try:
         code = api.wait(cid, timeout=max(0.5, deadline - time.monotonic()))["StatusCode"]
     except NotFound:
-        return None, False, "eof"  # removed from outside (a cancel by label)
+        return None, False, "eof"  # removed from outside (a cancel by label, or not)
     except requests.exceptions.ConnectionError as e:
         # The engine itself went away (stopped or crashed, and the sandbox with it): not
         # the code's timeout, which is what a read timeout below means.
-        raise RuntimeUnavailable(docker_down(e)) from e
+        raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
     except requests.exceptions.RequestException:
         return None, False, "deadline"  # still running with its streams closed
     oom = False
     if code == 137:  # only a SIGKILL can be the OOM killer's
         try:
-            oom = bool(api.inspect_container(cid)["State"].get("OOMKilled"))
+            state = api.inspect_container(cid)["State"]
         except NotFound:
-            pass
+            state = {"Status": "removing"}
+        if state.get("Status") in ("removing", "dead") or state.get("Dead"):
+            # killed by a removal from outside (a `docker rm -f`, a cancel by label: the
+            # engine marks it before its kill): the caller asks whether it was a cancel
+            return None, False, "eof"
+        oom = bool(state.get("OOMKilled"))
     return code, oom, "eof"
 
 

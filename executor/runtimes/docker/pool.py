@@ -61,7 +61,7 @@ from typing import Any, Protocol
 import docker
 from docker.errors import APIError, DockerException
 
-from executor.errors import RuntimeUnavailable
+from executor.errors import InfrastructureLost, RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes.base import (
@@ -117,6 +117,8 @@ class SandboxHost(Protocol):
     def remove(self, api: docker.APIClient, cid: str) -> bool: ...
 
     def remove_surely(self, api: docker.APIClient, cid: str) -> None: ...
+
+    def leave(self, cid: str) -> None: ...
 
     def retry_leftovers(self, timeout_s: float = 0.0) -> None: ...
 
@@ -398,6 +400,7 @@ class SandboxPool(IdlePoolStats):
         # finds the container by id (taken_by), a dead owner's reaper by its pool label;
         # its removal waits for it (_drain_retired).
         renamer = p.renamer = _Renamer(self, p, job.job_id)
+        lost = False
         try:
             with sandbox_failures(job.job_id):
                 usage.hand_over(api, p.cid)  # its start so far is not the job's
@@ -433,10 +436,16 @@ class SandboxPool(IdlePoolStats):
                     self._hand_off(p)
                     handed_off = True
                 return run
+        except InfrastructureLost:
+            lost = True
+            raise
         finally:
             with self._cond:
                 self._taken.pop(job.job_id, None)
-            if not handed_off:
+            if lost:  # its engine is away: removed later, off the job's path
+                _close(p)
+                runtime.leave(p.cid)
+            elif not handed_off:
                 renamer.join()
                 _close(p)
                 runtime.remove_surely(api, p.cid)

@@ -18,7 +18,7 @@ import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from executor.docker_api import shared_api
-from executor.errors import RuntimeUnavailable
+from executor.errors import InfrastructureLost, RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes.base import (
@@ -30,7 +30,12 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.docker import usage
-from executor.runtimes.docker.attached import docker_down, run_attached, sandbox_failures
+from executor.runtimes.docker.attached import (
+    docker_down,
+    engine_stopping,
+    run_attached,
+    sandbox_failures,
+)
 from executor.runtimes.docker.policy import (
     LABEL_DEADLINE,
     LABEL_JOB,
@@ -56,6 +61,9 @@ class DockerRuntime(Runtime):
     name = "docker"
     isolated = True
     service = "docker"
+    #: no network, no host files, nothing kept after the call: a run the infrastructure
+    #: killed runs again elsewhere without harm
+    rerun_safe = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -94,11 +102,15 @@ class DockerRuntime(Runtime):
         return language.image(self.settings)
 
     def health_problem(self) -> str | None:
+        """Asked on a fresh connection (``engine_stopping``): an engine shutting down still
+        answers on the connections kept alive from before, not on a new one; a ping on a
+        kept one said "healthy" while every new sandbox failed (measured in the soak)."""
         try:
-            self.api.ping()
-        except (DockerException, RuntimeUnavailable, OSError) as e:
-            return docker_down(e)
-        return None
+            api = self.api
+        except RuntimeUnavailable as e:
+            return e.message
+        down = engine_stopping(api)
+        return None if down is None else docker_down(RuntimeError(down))
 
     def pool_stats(self) -> dict[str, Any] | None:
         return self.pool.stats() if self.pool is not None else None
@@ -226,7 +238,15 @@ class DockerRuntime(Runtime):
         *,
         should_cancel: CancelCheck | None = None,
     ) -> RawRun:
-        api = self.api
+        try:
+            api = self.api
+        except InfrastructureLost:
+            raise
+        except RuntimeUnavailable as e:
+            # nothing started: the engine is away (a restart, a host that lost it)
+            raise InfrastructureLost(
+                InfrastructureLost.ENGINE_UNREACHABLE, e.message, message=e.message
+            ) from e
         if self.settings.code_engine_refuse_vulnerable:
             # the readiness rule, on every run's path too: a process that runs a node without
             # asking readiness first (`studio-code run`) refuses it all the same
@@ -250,6 +270,7 @@ class DockerRuntime(Runtime):
         cid = self._create(api, policy, job.job_id)
         usage.attach(meter, cid)
         sock = None
+        lost = False
         try:
             with sandbox_failures(job.job_id):
                 sock = api.attach_socket(
@@ -264,11 +285,17 @@ class DockerRuntime(Runtime):
                 ).run
                 run.usage = usage.read(api, cid)
                 return run
+        except InfrastructureLost:
+            lost = True
+            raise
         finally:
             if sock is not None:
                 getattr(sock, "_sock", sock).close()  # SocketIO.close leaves the socket open
                 sock.close()
-            self.remove_surely(api, cid)
+            if lost:
+                self.leave(cid)
+            else:
+                self.remove_surely(api, cid)
 
     def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> str:
         name = container_name(job_id)
@@ -279,8 +306,14 @@ class DockerRuntime(Runtime):
                 f"The image {policy['image']} is missing: build it with `make image`."
             ) from e
         except APIError as e:
+            if e.is_server_error():
+                raise InfrastructureLost(
+                    InfrastructureLost.ENGINE_ERROR, f"the engine failed to create the sandbox: {e}"
+                ) from e
             if e.status_code != 409:
                 raise RuntimeUnavailable(f"Docker refused to create the sandbox: {e}") from e
+        except requests.exceptions.ConnectionError as e:
+            raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
         # A container of this job already exists: a redelivery after a crash. It must not
         # run twice, so the old one goes first.
         self.kill(job_id)
@@ -298,6 +331,13 @@ class DockerRuntime(Runtime):
             except (APIError, requests.exceptions.RequestException) as e:
                 log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12], attempt + 1, e)
                 time.sleep(0.2 * (attempt + 1))
+        with self._lock:
+            self._leftovers.add(cid)
+
+    def leave(self, cid: str) -> None:
+        """A sandbox the infrastructure took (its engine away, restarting or gone): removed
+        later by ``retry_leftovers``, never on its job's path (a removal that waits for an
+        engine coming back held the job's hand-back 15 s, measured)."""
         with self._lock:
             self._leftovers.add(cid)
 

@@ -1,0 +1,96 @@
+"""Infrastructure or code, told apart on the machine's Docker engine (the engine itself going
+away is tests/test_two_hosts.py, on an engine of the test's own): a sandbox removed from
+outside while it runs (not by a cancel) is lost to the infrastructure, never the code's; a
+sandbox whose code ends its own process with the very status a kill gives (137) stays the
+code's, because its engine still takes new connections. Cold and pre-started sandboxes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from executor.models import CodeJob
+
+pytestmark = pytest.mark.docker
+
+SLEEPS = "import time\n\ndef main(state):\n    time.sleep(20)\n    return 1\n"
+EXITS_137 = "import os\n\ndef main(state):\n    os._exit(137)\n"
+
+
+@pytest.fixture(params=["cold", "pool"])
+def executor(request: pytest.FixtureRequest, docker_executor: Any) -> Any:
+    if request.param == "pool":
+        return request.getfixturevalue("docker_pool_executor")
+    return docker_executor
+
+
+def test_a_sandbox_removed_from_outside_is_not_the_codes(executor: Any, docker_client: Any) -> None:
+    job = CodeJob(code=SLEEPS, timeout_s=30)
+    out: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: out.setdefault("r", executor.run(job)))
+    runner.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the job's sandbox is named after it once it runs
+        found = docker_client.containers.list(filters={"name": f"studio-code-{job.job_id}"})
+        if found:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the job's sandbox never ran")
+    time.sleep(0.5)  # its code is sleeping now
+    found[0].remove(force=True)  # what an operator's `docker rm -f` does
+    runner.join(30)
+    r = out["r"]
+    print(f"\n{r.status.value} {r.error} {[(t.step, t.detail) for t in r.trace]}")
+    assert r.status.value == "failed" and r.error is not None, r
+    assert r.error.code == "RUNTIME_UNAVAILABLE", r.error
+    assert "not to its code" in r.error.message and "sandbox_vanished" in r.error.message
+    assert [(t.step, t.detail) for t in r.trace] == [("sandbox.lost", "sandbox_vanished")]
+
+
+def test_code_that_exits_137_itself_is_still_the_codes(executor: Any) -> None:
+    r = executor.run(CodeJob(code=EXITS_137, timeout_s=20))
+    assert r.status.value == "failed" and r.error is not None, r
+    assert r.error.code == "CODE_ERROR", r.error
+    assert "exit status 137" in r.error.message, r.error
+    assert [t.step for t in r.trace] == ["sandbox.start", "code.run"]
+
+
+@pytest.mark.redis
+def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
+    queue_env: Any, docker_client: Any
+) -> None:
+    """One worker; the job's sandbox is removed from outside on each attempt (`docker rm -f`
+    of the test's own container): it is handed back and runs again, twice, then ends
+    ``failed`` RUNTIME_UNAVAILABLE with every cause named, attempts 3 (MAX_ATTEMPTS), never
+    a CODE_* outcome; its trace begins with the re-run row."""
+    from worker.protocol import MAX_ATTEMPTS
+
+    q = queue_env(code_concurrency=1)
+    q.start_worker("lost", concurrency=1)
+    job = q.client.submit(SLEEPS, "python", {}, timeout_s=25)
+    removed: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not q.client.status(job).status.finished:
+        running = [
+            c
+            for c in docker_client.containers.list(filters={"name": f"studio-code-{job}"})
+            if c.id not in removed
+        ]
+        for c in running:
+            time.sleep(0.3)  # its code is sleeping now
+            c.remove(force=True)
+            removed.append(c.id)
+        time.sleep(0.05)
+    r = q.client.wait(job, 30)
+    print(f"\nremoved {len(removed)} sandboxes; {r.status.value} {r.attempts} {r.error}")
+    assert len(removed) == MAX_ATTEMPTS, removed
+    assert r.status.value == "failed" and r.error is not None, r
+    assert r.error.code == "RUNTIME_UNAVAILABLE", r.error
+    assert r.attempts == MAX_ATTEMPTS, r
+    assert r.error.message.count("sandbox_vanished") == MAX_ATTEMPTS, r.error.message
+    assert f"It was attempt {MAX_ATTEMPTS}, the last" in r.error.message, r.error.message
+    assert [t.step for t in r.trace] == ["job.rerun", "sandbox.lost"], r.trace
