@@ -78,7 +78,8 @@ worker: install ## a Celery worker on this machine (STUDIO_REDIS_URL, STUDIO_DAT
 	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code worker
 
 up: host ## start API, WORKERS workers, Redis, PostgreSQL, Prometheus with Compose (images built if no registry)
-	@docker image inspect studio-code:1 studio-code-ts:1 >/dev/null 2>&1 || $(MAKE) image
+	@docker image inspect $${STUDIO_CODE_IMAGE:-studio-code:1} \
+	  $${STUDIO_CODE_TS_IMAGE:-studio-code-ts:1} >/dev/null 2>&1 || $(MAKE) image
 	$(COMPOSE) up $(WORKERS)
 
 down: ## stop the Compose deployment (workers finish their nodes); PURGE=1 also drops volumes and secrets

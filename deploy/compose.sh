@@ -78,6 +78,14 @@ write_env() { # $@: NAME=image lines from build-images.sh
     echo "STATE_DIR=$STATE_DIR"
     echo "NETWORK=$network"
     printf '%s\n' "$@"
+    # the sandbox images and lists (studio-code image build's tags and printed lists): from
+    # this shell, else kept from the last env file; none: the executor's defaults
+    local v val
+    for v in STUDIO_CODE_IMAGE STUDIO_CODE_TS_IMAGE STUDIO_CODE_PACKAGES STUDIO_CODE_TS_PACKAGES \
+        STUDIO_CODE_PREIMPORT; do
+      val=${!v:-$(old "$v")}
+      [[ -z $val ]] || echo "$v=$val"
+    done
     if [[ $network == host ]]; then
       local rp pp ap mp
       rp=${REDIS_PORT:-$(old REDIS_PORT)}; pp=${POSTGRES_PORT:-$(old POSTGRES_PORT)}

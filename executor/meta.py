@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from executor.packages import image_packages, packages_warning, shown_packages
+from executor.runtimes.docker import preimport_memory
 from executor.runtimes.docker.engine import sandbox_proof
 from executor.runtimes.docker.policy import TMPFS_SIZE
 from executor.runtimes.docker.seccomp import profile_sha256
@@ -121,6 +122,18 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             "prewarm": s.code_prewarm,
             # what a pre-started sandbox imports while it waits (STUDIO_CODE_PREIMPORT)
             "preimport": s.code_preimport or None,
+            # per language: what an idle pre-started sandbox holds once its pre-imports are
+            # done and without them, measured by the host from its cgroup (null until the
+            # pool of this process measured it; counted against the sandbox's own limit)
+            "preimport_memory": (
+                preimport_memory.shown(
+                    s,
+                    [n for n in KNOWN_LANGUAGES if n in s.languages],
+                    getattr(runtime, "pool", None),
+                )
+                if s.code_runtime == "docker"
+                else None
+            ),
             "max_idle_s": s.code_prewarm_max_idle_s,
             "this_process": runtime.pool_stats() if runtime is not None else None,
         },

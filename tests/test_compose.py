@@ -138,8 +138,6 @@ def test_compose_config_is_valid_and_has_every_service(config: dict[str, Any]) -
         "worker",
         "sockguard",
         "prometheus",
-        "sandbox-python",
-        "sandbox-typescript",
     } <= set(config["services"])
 
 
@@ -289,16 +287,37 @@ def test_workers_can_be_scaled(config: dict[str, Any]) -> None:
     assert "/healthz/ready" in " ".join(config["services"]["api"]["healthcheck"]["test"])
 
 
-def test_sandbox_images_are_built_on_the_engine_compose_talks_to(config: dict[str, Any]) -> None:
-    py = config["services"]["sandbox-python"]
-    ts = config["services"]["sandbox-typescript"]
-    assert py["image"] == "studio-code:1" and ts["image"] == "studio-code-ts:1"
-    assert py["profiles"] == ["images"] and ts["profiles"] == ["images"]
-    assert py["network_mode"] == ts["network_mode"] == "none"
-    dockerfile = Path(ts["build"]["context"]) / ts["build"]["dockerfile"]
-    assert dockerfile.resolve() == (ROOT / "deploy" / "sandbox-ts.Dockerfile").resolve()
-    deps = (ROOT / "docker" / "studio-code-ts" / "deps.ts").read_text()
-    assert "deps.ts" in dockerfile.read_text() and "npm:zod@3" in deps
+def test_compose_builds_no_sandbox_image_and_follows_the_built_tags_and_lists(
+    config: dict[str, Any], tmp_path: Path
+) -> None:
+    """The sandbox images come from `studio-code image build` (the package lists, pinned and
+    recorded, smoke-tested under the sandbox policy), never from a Compose build of the
+    repository's files; Compose's services take the tags and lists that build printed from
+    the env file (deploy/compose.sh keeps them there), the executor's defaults when unset."""
+    assert not (ROOT / "deploy" / "sandbox-ts.Dockerfile").exists()
+    for name, svc in config["services"].items():
+        image = str(svc.get("image", ""))
+        assert not (image.startswith("studio-code:") or image.startswith("studio-code-ts:")), name
+    built = {
+        "STUDIO_CODE_IMAGE": "studio-code:2",
+        "STUDIO_CODE_TS_IMAGE": "studio-code-ts:2",
+        "STUDIO_CODE_PACKAGES": "pydantic,python-dateutil,requests",
+        "STUDIO_CODE_TS_PACKAGES": "npm:zod@3,npm:date-fns@4,npm:ulid@2",
+        "STUDIO_CODE_PREIMPORT": "pydantic.main",
+    }
+    base = {**SECRETS, "DOCKER_GID": "4242", "STATE_DIR": str(tmp_path)}
+    chosen = _parse(compose_config(tmp_path, COMPOSE_FILE, BRIDGE_FILE, env={**base, **built}))
+    for svc in ("api", "worker", "sockguard"):
+        env = config["services"][svc]["environment"]
+        assert env["STUDIO_CODE_IMAGE"] == "studio-code:1", svc
+        assert env["STUDIO_CODE_TS_IMAGE"] == "studio-code-ts:1", svc
+        # unset: no value reaches the container, so the executor's default applies
+        unset = ("STUDIO_CODE_PACKAGES", "STUDIO_CODE_TS_PACKAGES", "STUDIO_CODE_PREIMPORT")
+        assert all(env.get(n) is None for n in unset), (svc, env)
+        env = chosen["services"][svc]["environment"]
+        assert {k: env.get(k) for k in built} == built, svc
+    script = (ROOT / "deploy" / "compose.sh").read_text()
+    assert all(name in script for name in built)  # kept in the env file across `make up`s
 
 
 def test_prometheus_scrapes_every_worker_and_the_api(config: dict[str, Any]) -> None:

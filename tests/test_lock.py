@@ -81,10 +81,3 @@ def test_make_install_and_the_app_image_install_the_lock() -> None:
     ignore = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text().splitlines()
     assert "!requirements.lock" in ignore
     assert '"$ROOT/requirements.lock"' in (ROOT / "deploy" / "build-images.sh").read_text()
-
-
-def test_the_compose_built_ts_image_takes_the_locked_deno() -> None:
-    # docker/build.sh copies the venv's deno (locked); Compose's image pip-installs its own
-    text = (ROOT / "deploy" / "sandbox-ts.Dockerfile").read_text()
-    arg = re.search(r"^ARG DENO_VERSION=(\S+)$", text, re.M)
-    assert arg and Version(arg.group(1)) == _pins()["deno"]

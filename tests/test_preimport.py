@@ -135,7 +135,57 @@ def test_meta_shows_the_setting(make_settings: Any) -> None:
     from executor.service import Executor
 
     ex = Executor(make_settings(code_runtime="subprocess", code_preimport=" pandas, numpy ,pandas"))
-    assert runtime_meta(ex)["pool"]["preimport"] == "pandas,numpy"
+    pool = runtime_meta(ex)["pool"]
+    assert pool["preimport"] == "pandas,numpy"
+    assert pool["preimport_memory"] is None  # no Docker sandboxes: nothing to measure
+
+
+def _memory(ex: Any) -> dict[str, Any]:
+    """Meta's figure for the Python pool of ``ex``, once its pool has measured it."""
+    from executor.meta import runtime_meta
+
+    def shown() -> dict[str, Any] | None:
+        got = runtime_meta(ex)["pool"]["preimport_memory"]["python"]
+        return got if got["idle_memory_bytes"] is not None else None
+
+    wait_for(shown, 180, "the pool to measure its idle sandbox")
+    got = shown()
+    assert got is not None
+    return got
+
+
+@pytest.mark.timeout(400)
+def test_meta_shows_the_memory_pre_imports_hold_measured_by_the_host(
+    pooled: Any, docker_client: Any
+) -> None:
+    """What an idle pre-started sandbox holds once its pre-imports are done, read by the host
+    from its cgroup: more than a sandbox without pre-import holds (measured both by the
+    pool itself, side by side, and by another pool with no pre-import at all), and below the
+    sandbox's own memory limit, against which it counts."""
+    from executor.runtimes.docker.usage import cgroup_host
+
+    ex = pooled(code_preimport="pydantic.main,dateutil.parser", code_prewarm=1)
+    if cgroup_host(ex.runtime.api) is None:
+        pytest.skip("this process cannot read the sandboxes' cgroups")
+    before = _memory(ex)
+    bare = pooled(code_prewarm=1)
+    without = _memory(bare)
+    print("pre-import memory:", before, "without pre-import (another pool):", without)
+    assert before["modules"] == ["pydantic.main", "dateutil.parser"]
+    assert before["source"].startswith("host, cgroup-v")
+    # pydantic alone holds megabytes: the pre-imported sandbox holds more, by over 1 MiB
+    assert before["idle_memory_bytes"] > before["without_preimport_bytes"] + 2**20
+    assert before["idle_memory_bytes"] > without["idle_memory_bytes"] + 2**20
+    assert without["without_preimport_bytes"] == without["idle_memory_bytes"]
+    assert before["memory_limit_bytes"] == ex.settings.memory_bytes
+    assert 0 < before["without_preimport_bytes"] < before["idle_memory_bytes"]
+    assert before["idle_memory_bytes"] < before["memory_limit_bytes"]
+    # the sandbox measured without pre-import went, like any other one not handed out
+    wait_for(
+        lambda: len(test_pool.pool_containers(docker_client, ex.runtime.pool.owner)) <= 2,
+        60,
+        "the sandbox measured aside to be removed",
+    )
 
 
 @pytest.mark.parametrize("value", ["pandas,numpy-x", "image,pandas", "../etc"])

@@ -74,7 +74,7 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.constants import KILL_GRACE_S
-from executor.runtimes.docker import usage
+from executor.runtimes.docker import preimport_memory, usage
 from executor.runtimes.docker.attached import RunLogs, run_attached, sandbox_failures
 from executor.runtimes.docker.policy import (
     LABEL_DEADLINE,
@@ -580,8 +580,10 @@ class SandboxPool(IdlePoolStats):
                     self._idle[name].append(made)
             self._cond.notify_all()
         self._notify()
+        if made is not None and not self._stop:  # what it holds once idle (meta)
+            preimport_memory.after_fill(self, made)
 
-    def _create(self, language: Language) -> Pooled:
+    def _create(self, language: Language, *, preimport: bool = True) -> Pooled:
         api = self.runtime.api
         placeholder = CodeJob(
             job_id=f"pool-{uuid.uuid4().hex[:12]}",
@@ -592,7 +594,8 @@ class SandboxPool(IdlePoolStats):
         shape = _shape(policy)
         # what it imports while it waits (STUDIO_CODE_PREIMPORT): not in the shape a job
         # matches, since a cold run of that job imports nothing ahead
-        policy["environment"] = {**policy["environment"], **language.preimport(self.settings)}
+        if preimport:  # (off: preimport_memory.py's figure without it)
+            policy["environment"] = {**policy["environment"], **language.preimport(self.settings)}
         labels = dict(policy["labels"])
         labels.pop(LABEL_JOB, None)
         labels[LABEL_POOL] = self.owner

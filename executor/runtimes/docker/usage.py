@@ -212,6 +212,19 @@ class Meter:
             return None
         return Usage(memory_peak_bytes=memory, cpu_ms=cpu_ms, pids_peak=pids, source=source)
 
+    def resident(self) -> int | None:
+        """The anonymous memory the sandbox holds now (v1 ``memory.stat`` ``total_rss``,
+        v2 ``anon``; file cache left out), or None when it cannot be read
+        (preimport_memory.py: what an idle pre-started sandbox holds)."""
+        h = self.host
+        if h is None:
+            return None
+        d = self._dirs("memory" if h.version == 1 else "")[0]
+        return _stat_field(f"{d}/memory.stat", "total_rss" if h.version == 1 else "anon")
+
+    def source(self) -> UsageSource | None:
+        return self.host.source if self.host is not None else None
+
     def _dirs(self, controller: str) -> list[str]:
         """Where to read ``controller``: the parent (outlives the container), else its own."""
         h = self.host
