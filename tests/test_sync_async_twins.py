@@ -1,0 +1,115 @@
+"""The sync/async twins decide alike: the same input, on a real redis-server of the module's
+own and a real SQLite run store, gives the same outcome through the sync driver and the
+asyncio one (``CodeClient.wait`` / ``wait_async``, ``follow`` / ``follow_async``,
+``WorkerRegistry`` / ``AsyncWorkerRegistry``, ``_check_served`` / ``check_served_async``).
+No worker runs: the jobs are rows and Redis keys the test writes as a worker would."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import redis
+
+from api_client.client import CodeClient, JobNotFound
+from executor.errors import ErrorCode
+from executor.models import Status
+from tests.services import RedisServer, start_redis
+from worker.protocol import done_key, leave_notice
+
+#: this module's own redis-server (its command counts are the test's alone)
+SERVICE_FIXTURES = {"own_redis": ("redis",)}
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with start_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(own_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from executor.settings import load_settings
+
+    data = tmp_path_factory.mktemp("store")
+    settings = load_settings(
+        enable_code_nodes=True,
+        data_dir=data,
+        redis_url=own_redis.url,
+        database_url=f"sqlite:///{data / 'runs.db'}",
+        queue_require_worker=False,
+    )
+    with CodeClient(settings) as c:
+        yield c
+
+
+def on_loop(client: Any, make: Callable[[], Awaitable[T]]) -> T:
+    """``make()`` awaited on a fresh event loop, the client's redis.asyncio side closed
+    after it (as the API's lifespan does)."""
+
+    async def run() -> T:
+        try:
+            return await make()
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+def queued(client: Any) -> str:
+    """A job queued in the store with no message sent (no worker would take it)."""
+    job = client.prepare("def main(state):\n    return 1\n", "python", {}, kind="run")
+    client.store.create(job, code_runtime=client.settings.code_runtime)
+    return str(job.job_id)
+
+
+def blmoves(server: RedisServer) -> int:
+    stats = redis.Redis.from_url(server.url).info("commandstats")
+    return int(stats.get("cmdstat_blmove", {}).get("calls", 0))
+
+
+# --- wait / wait_async -----------------------------------------------------------------
+
+
+def test_wait_settles_a_job_another_store_received_on_its_first_read(
+    client: Any, own_redis: RedisServer
+) -> None:
+    """A job a worker on ANOTHER run store received (its notice in Redis) ends failed with
+    the notice's message on the wait's first read, sync and async alike: no BLMOVE is
+    needed to answer it (wait_async used to block on the done notice until its first
+    settle, 5 s in, while wait answered at once)."""
+    message = "No job of this id in the worker's run store (another store): give both ..."
+    jobs = [queued(client), queued(client)]
+    for job_id in jobs:
+        leave_notice(client.redis, job_id, ErrorCode.RUNTIME_UNAVAILABLE.value, message)
+    before = blmoves(own_redis)
+    sync = client.wait(jobs[0], 30)
+    asynced = on_loop(client, lambda: client.wait_async(jobs[1], 30))
+    assert blmoves(own_redis) == before, "a wait blocked on the notice before settling"
+    for rec in (sync, asynced):
+        assert rec.status is Status.FAILED
+        assert rec.error is not None and rec.error.message == message
+
+
+def test_wait_answers_from_the_notice_alike(client: Any) -> None:
+    """A just-submitted job whose done notice carries its finished record: both drivers
+    return that record; an unknown job raises JobNotFound in both."""
+    jobs = [queued(client), queued(client)]
+    for job_id in jobs:
+        rec = client.store.get(job_id, inputs=False)
+        done = rec.model_copy(update={"status": Status.SUCCEEDED}).model_dump_json()
+        client.redis.rpush(done_key(job_id), done)
+    sync = client.wait(jobs[0], 30, submitted=True)
+    asynced = on_loop(client, lambda: client.wait_async(jobs[1], 30, submitted=True))
+    assert (sync.job_id, sync.status) == (jobs[0], Status.SUCCEEDED)
+    assert (asynced.job_id, asynced.status) == (jobs[1], Status.SUCCEEDED)
+    missing = uuid.uuid4().hex
+    with pytest.raises(JobNotFound):
+        client.wait(missing, 5)
+    with pytest.raises(JobNotFound):
+        on_loop(client, lambda: client.wait_async(missing, 5))
