@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
 import redis
 
 from api_client.client import CodeClient, JobNotFound
+from api_client.live_logs import LogEvent, follow, follow_async
 from executor.errors import ErrorCode
 from executor.models import Status
 from tests.services import RedisServer, start_redis
-from worker.protocol import done_key, leave_notice
+from worker.protocol import done_key, leave_notice, logs_key
 
 #: this module's own redis-server (its command counts are the test's alone)
 SERVICE_FIXTURES = {"own_redis": ("redis",)}
@@ -113,3 +114,40 @@ def test_wait_answers_from_the_notice_alike(client: Any) -> None:
         client.wait(missing, 5)
     with pytest.raises(JobNotFound):
         on_loop(client, lambda: client.wait_async(missing, 5))
+
+
+# --- follow / follow_async -------------------------------------------------------------
+
+
+def test_follow_yields_the_same_events(client: Any) -> None:
+    """A finished job's stream (a character split between two entries, then the end):
+    both followers yield the same events, then the stored outcome's end."""
+    job_id = queued(client)
+    job = client.store.get(job_id, inputs=True).to_job()
+    client.store.finish(
+        client._ended(job, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE, "gone"), worker="t"
+    )
+    client.redis.xadd(logs_key(job_id), {"d": b"caf\xc3"})
+    client.redis.xadd(logs_key(job_id), {"d": b"\xa9!\n", "end": b"1"})
+
+    def status() -> Any:
+        return client.store.get_summary(job_id)
+
+    def final() -> Any:
+        return client.store.get(job_id, inputs=False)
+
+    sync = list(follow(client._blocking, job_id, status, final, timeout_s=30))
+
+    async def collect() -> list[LogEvent]:
+        events: AsyncIterator[LogEvent] = follow_async(
+            client.async_redis, job_id, status, final, timeout_s=30
+        )
+        return [e async for e in events]
+
+    asynced = on_loop(client, collect)
+    assert [(e.event, e.data) for e in sync] == [
+        ("log", "caf"),
+        ("log", "é!\n"),
+        ("end", '{"status": "failed", "logs_truncated": false}'),
+    ]
+    assert asynced == sync
