@@ -19,7 +19,8 @@ from api_client.live_logs import LogEvent, follow, follow_async
 from executor.errors import ErrorCode
 from executor.models import Status
 from tests.services import RedisServer, start_redis
-from worker.protocol import done_key, leave_notice, logs_key
+from worker.protocol import QUEUE_RUN, QUEUE_TEST, done_key, leave_notice, logs_key
+from worker.upkeep.heartbeat import AsyncWorkerRegistry, Heartbeat, WorkerRegistry
 
 #: this module's own redis-server (its command counts are the test's alone)
 SERVICE_FIXTURES = {"own_redis": ("redis",)}
@@ -151,3 +152,34 @@ def test_follow_yields_the_same_events(client: Any) -> None:
         ("end", '{"status": "failed", "logs_truncated": false}'),
     ]
     assert asynced == sync
+
+
+# --- WorkerRegistry / AsyncWorkerRegistry; _check_served / check_served_async ----------
+
+
+def beat(client: Any, nodename: str, reason: str | None) -> Heartbeat:
+    hb = Heartbeat(
+        client.settings.redis_url,
+        nodename,
+        {QUEUE_TEST: 1, QUEUE_RUN: 2},
+        interval_s=60,
+        ttl_s=60,
+        not_serving_reason=lambda: reason,
+        store_id=client.store.store_id,
+        client=redis.Redis.from_url(client.settings.redis_url),
+    )
+    hb.beat()
+    return hb
+
+
+def test_registries_read_the_same_workers(client: Any) -> None:
+    """Both registries read the same announcements, with the same default queues."""
+    hb = beat(client, "twin-a@test", None)
+    try:
+        sync = WorkerRegistry(client.redis).live()
+        asynced = on_loop(client, lambda: AsyncWorkerRegistry(client.async_redis).live())
+        assert sync == asynced
+        assert [i.nodename for i in sync[QUEUE_TEST]] == ["twin-a@test"]
+        assert [i.slots for i in sync[QUEUE_RUN]] == [2]
+    finally:
+        hb.stop()
