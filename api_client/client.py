@@ -268,10 +268,10 @@ class CodeClient:
         if not self._served_asked(queue):
             return
         try:
-            infos = self.workers.live([queue])[queue]
+            live: Any = self.workers.live([queue])
         except redis.RedisError as e:
-            raise _registry_unreadable(e) from e
-        self._judge_served(queue, infos)
+            live = e
+        self._judge_served(queue, live)
 
     async def check_served_async(self, queue: str) -> None:
         """``_check_served`` on the event loop (redis.asyncio), so the HTTP test call asks
@@ -284,10 +284,10 @@ class CodeClient:
         if registry is None or registry.client is not aredis:
             registry = self._aworkers = AsyncWorkerRegistry(aredis)
         try:
-            infos = (await registry.live([queue]))[queue]
+            live: Any = await registry.live([queue])
         except redis.RedisError as e:
-            raise _registry_unreadable(e) from e
-        self._judge_served(queue, infos)
+            live = e
+        self._judge_served(queue, live)
 
     def _served_asked(self, queue: str) -> bool:
         """Whether a job of ``queue`` needs the registry read now (not believed)."""
@@ -295,7 +295,15 @@ class CodeClient:
             return False
         return self._served_until.get(queue, 0.0) <= time.monotonic()
 
-    def _judge_served(self, queue: str, infos: list[WorkerInfo]) -> None:
+    def _judge_served(
+        self, queue: str, live: dict[str, list[WorkerInfo]] | redis.RedisError
+    ) -> None:
+        """The answer of both checks, from what their registry read gave (the live
+        workers, or the error Redis raised): returns (a yes, believed SERVED_CACHE_S) or
+        raises RuntimeUnavailable saying why no job of ``queue`` would be taken."""
+        if isinstance(live, redis.RedisError):
+            raise _registry_unreadable(live) from live
+        infos = live[queue]
         mine = self.store.store_id
         serving = [i for i in infos if i.serving]
         elsewhere = [i for i in serving if i.store_id and mine and i.store_id != mine]

@@ -16,7 +16,7 @@ import redis
 
 from api_client.client import CodeClient, JobNotFound
 from api_client.live_logs import LogEvent, follow, follow_async
-from executor.errors import ErrorCode
+from executor.errors import ErrorCode, RuntimeUnavailable
 from executor.models import Status
 from tests.services import RedisServer, start_redis
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, done_key, leave_notice, logs_key
@@ -183,3 +183,56 @@ def test_registries_read_the_same_workers(client: Any) -> None:
         assert [i.slots for i in sync[QUEUE_RUN]] == [2]
     finally:
         hb.stop()
+
+
+def test_check_served_refuses_alike(client: Any) -> None:
+    """With STUDIO_QUEUE_REQUIRE_WORKER: no worker, or a paused one only, is refused with
+    the same sentence by both checks; a serving one passes both."""
+    settings = client.settings
+    client.settings = settings.model_copy(update={"queue_require_worker": True})
+    try:
+        answers = []
+        for hb in (None, beat(client, "twin-p@test", "its runtime is unavailable")):
+            refusals = []
+            for check in (
+                lambda: client._check_served(QUEUE_TEST),
+                lambda: on_loop(client, lambda: client.check_served_async(QUEUE_TEST)),
+            ):
+                with pytest.raises(RuntimeUnavailable) as e:
+                    check()
+                refusals.append(str(e.value))
+            assert refusals[0] == refusals[1]
+            answers.append(refusals[0])
+            if hb is not None:
+                hb.stop()
+        assert "Paused: twin-p@test (its runtime is unavailable)" in answers[1]
+        hb = beat(client, "twin-s@test", None)
+        try:
+            client._check_served(QUEUE_TEST)
+            client._served_until.clear()  # the yes is believed SERVED_CACHE_S: ask again
+            on_loop(client, lambda: client.check_served_async(QUEUE_TEST))
+        finally:
+            hb.stop()
+    finally:
+        client.settings = settings
+        client._served_until.clear()
+
+
+def test_check_served_refuses_alike_when_redis_is_down(client: Any) -> None:
+    """A registry that cannot be read (nothing listens on its port) is the same refusal
+    in both checks."""
+    from tests.services import free_port
+
+    settings = client.settings.model_copy(
+        update={"queue_require_worker": True, "redis_url": f"redis://127.0.0.1:{free_port()}/0"}
+    )
+    with CodeClient(settings, store=client.store) as down:
+        refusals = []
+        for check in (
+            lambda: down._check_served(QUEUE_RUN),
+            lambda: on_loop(down, lambda: down.check_served_async(QUEUE_RUN)),
+        ):
+            with pytest.raises(RuntimeUnavailable) as e:
+                check()
+            refusals.append(str(e.value).split(" (Error")[0])
+    assert refusals == ["The queue (Redis at STUDIO_REDIS_URL) cannot be read"] * 2, refusals
