@@ -185,6 +185,19 @@ def test_registries_read_the_same_workers(client: Any) -> None:
         hb.stop()
 
 
+def refused(client: Any, queue: str) -> list[str]:
+    """The refusals of ``_check_served`` and ``check_served_async`` (each must refuse)."""
+    out = []
+    for check in (
+        lambda: client._check_served(queue),
+        lambda: on_loop(client, lambda: client.check_served_async(queue)),
+    ):
+        with pytest.raises(RuntimeUnavailable) as e:
+            check()
+        out.append(str(e.value))
+    return out
+
+
 def test_check_served_refuses_alike(client: Any) -> None:
     """With STUDIO_QUEUE_REQUIRE_WORKER: no worker, or a paused one only, is refused with
     the same sentence by both checks; a serving one passes both."""
@@ -193,14 +206,7 @@ def test_check_served_refuses_alike(client: Any) -> None:
     try:
         answers = []
         for hb in (None, beat(client, "twin-p@test", "its runtime is unavailable")):
-            refusals = []
-            for check in (
-                lambda: client._check_served(QUEUE_TEST),
-                lambda: on_loop(client, lambda: client.check_served_async(QUEUE_TEST)),
-            ):
-                with pytest.raises(RuntimeUnavailable) as e:
-                    check()
-                refusals.append(str(e.value))
+            refusals = refused(client, QUEUE_TEST)
             assert refusals[0] == refusals[1]
             answers.append(refusals[0])
             if hb is not None:
@@ -227,12 +233,5 @@ def test_check_served_refuses_alike_when_redis_is_down(client: Any) -> None:
         update={"queue_require_worker": True, "redis_url": f"redis://127.0.0.1:{free_port()}/0"}
     )
     with CodeClient(settings, store=client.store) as down:
-        refusals = []
-        for check in (
-            lambda: down._check_served(QUEUE_RUN),
-            lambda: on_loop(down, lambda: down.check_served_async(QUEUE_RUN)),
-        ):
-            with pytest.raises(RuntimeUnavailable) as e:
-                check()
-            refusals.append(str(e.value).split(" (Error")[0])
+        refusals = [r.split(" (Error")[0] for r in refused(down, QUEUE_RUN)]
     assert refusals == ["The queue (Redis at STUDIO_REDIS_URL) cannot be read"] * 2, refusals
