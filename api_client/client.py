@@ -287,6 +287,10 @@ class CodeClient:
             live: Any = await registry.live([queue])
         except redis.RedisError as e:
             live = e
+        else:
+            # the judge compares store ids: this API's is read (once, then kept) off the
+            # loop, as the sync check reads it in the submit's thread
+            await asyncio.to_thread(lambda: self.store.store_id)
         self._judge_served(queue, live)
 
     def _served_asked(self, queue: str) -> bool:
