@@ -24,7 +24,9 @@ from typing import Any
 import redis
 from pydantic import BaseModel
 
+from api_client import waiting
 from api_client.live_logs import LogEvent
+from api_client.waiting import WAIT_SLICE_S
 from executor import inputs, tracing
 from executor.errors import (
     CodeInvalid,
@@ -64,7 +66,6 @@ from worker.protocol import (
     notice_key,
     queue_of,
     rate_key,
-    record_of_notice,
     visibility_timeout_s,
 )
 from worker.upkeep.heartbeat import AsyncWorkerRegistry, WorkerInfo, WorkerRegistry, summary
@@ -75,13 +76,10 @@ log = logging.getLogger("studio_code.api_client")
 RUNS_PAGE_MAX = 200
 
 RATE_WINDOW_S = 60
-WAIT_SLICE_S = 1.0  # wait() re-reads the store at least this often
 BLOCK_GRACE_S = 1.0  # a BLMOVE answered this much later than its block time is given up
 SERVED_CACHE_S = 1.0  # "a live worker serves this queue" is believed this long per process
 #: threads of wait_async's store reads (a read takes milliseconds; a wait holds none)
 WAIT_READ_THREADS = 4
-#: how often wait_async gives a still-queued job the full read that settles it
-SETTLE_EVERY_S = 5.0
 #: redis.asyncio connections per API process (waiting test calls hold one each, briefly)
 ASYNC_REDIS_CONNECTIONS = 1000
 
@@ -270,10 +268,10 @@ class CodeClient:
         if not self._served_asked(queue):
             return
         try:
-            infos = self.workers.live([queue])[queue]
+            live: Any = self.workers.live([queue])
         except redis.RedisError as e:
-            raise _registry_unreadable(e) from e
-        self._judge_served(queue, infos)
+            live = e
+        self._judge_served(queue, live)
 
     async def check_served_async(self, queue: str) -> None:
         """``_check_served`` on the event loop (redis.asyncio), so the HTTP test call asks
@@ -286,10 +284,14 @@ class CodeClient:
         if registry is None or registry.client is not aredis:
             registry = self._aworkers = AsyncWorkerRegistry(aredis)
         try:
-            infos = (await registry.live([queue]))[queue]
+            live: Any = await registry.live([queue])
         except redis.RedisError as e:
-            raise _registry_unreadable(e) from e
-        self._judge_served(queue, infos)
+            live = e
+        else:
+            # the judge compares store ids: this API's is read (once, then kept) off the
+            # loop, as the sync check reads it in the submit's thread
+            await asyncio.to_thread(lambda: self.store.store_id)
+        self._judge_served(queue, live)
 
     def _served_asked(self, queue: str) -> bool:
         """Whether a job of ``queue`` needs the registry read now (not believed)."""
@@ -297,7 +299,15 @@ class CodeClient:
             return False
         return self._served_until.get(queue, 0.0) <= time.monotonic()
 
-    def _judge_served(self, queue: str, infos: list[WorkerInfo]) -> None:
+    def _judge_served(
+        self, queue: str, live: dict[str, list[WorkerInfo]] | redis.RedisError
+    ) -> None:
+        """The answer of both checks, from what their registry read gave (the live
+        workers, or the error Redis raised): returns (a yes, believed SERVED_CACHE_S) or
+        raises RuntimeUnavailable saying why no job of ``queue`` would be taken."""
+        if isinstance(live, redis.RedisError):
+            raise _registry_unreadable(live) from live
+        infos = live[queue]
         mine = self.store.store_id
         serving = [i for i in infos if i.serving]
         elsewhere = [i for i in serving if i.store_id and mine and i.store_id != mine]
@@ -507,45 +517,43 @@ class CodeClient:
         ``.finished``). Default timeout: the queue's visibility timeout. Wakes on the
         worker's done notice (BLMOVE, which leaves it for other waiters), which carries the
         finished record when it is short (then the store is not read again), and re-reads
-        the store at least every second.
+        the job's status at least every second (api_client.waiting decides; this thread
+        does the I/O).
 
         ``submitted=True``: the caller has just submitted the job, so it is queued and its
         end leaves a done notice (kept DONE_TTL_S) that BLMOVE finds even if it came first:
         the wait starts on the notice, without the first status read."""
         if timeout_s is None:
             timeout_s = visibility_timeout_s(self.settings)
-        deadline = time.monotonic() + timeout_s
+        steps = waiting.plan(timeout_s, submitted=submitted)
         key = done_key(job_id)
-        woke = False
+        seen: Any = None
         while True:
-            left = deadline - time.monotonic()
-            if not submitted or left <= 0:
-                rec = self.status(job_id)
-                left = deadline - time.monotonic()
-                if rec.finished or left <= 0:
-                    return rec
-            submitted = False
-            if woke:
-                # A notice of a run that did not finish the job (a duplicate delivery): the
-                # notice stays, so do not spin on it.
-                time.sleep(min(left, 0.05))
             try:
-                # BLMOVE from the list to itself: wakes on the worker's notice without
-                # taking it, so every waiter of the job wakes (and the count stays).
-                notice = self._blocking.blmove(  # Redis >= 6 takes a fractional timeout
-                    key,
-                    key,
-                    max(0.01, min(left, WAIT_SLICE_S)),  # type: ignore[arg-type]
-                    "LEFT",
-                    "RIGHT",
-                )
-                woke = notice is not None
-                ended = record_of_notice(notice)
-                if ended is not None:
-                    return ended
-            except redis.RedisError:
-                woke = False
-                time.sleep(min(max(left, 0), 0.2))
+                step = steps.send(seen)
+            except StopIteration as end:
+                return end.value  # type: ignore[no-any-return]
+            if step is waiting.READ_RECORD:
+                seen = self.status(job_id)
+            elif step is waiting.READ_STATUS:
+                seen = self.store.statuses([job_id]).get(job_id)
+            elif isinstance(step, waiting.Pause):
+                time.sleep(step.seconds)
+                seen = None
+            elif isinstance(step, waiting.Block):
+                if step.pause_s > 0:
+                    time.sleep(step.pause_s)
+                try:
+                    # Redis >= 6 takes a fractional timeout
+                    seen = self._blocking.blmove(
+                        key,
+                        key,
+                        step.block_s,  # type: ignore[arg-type]
+                        "LEFT",
+                        "RIGHT",
+                    )
+                except redis.RedisError:
+                    seen = waiting.REDIS_FAILED
 
     @property
     def async_redis(self) -> Any:
@@ -582,12 +590,12 @@ class CodeClient:
     async def _wait_async(
         self, job_id: str, timeout_s: float | None = None, *, submitted: bool = False
     ) -> JobRecord:
-        """``wait`` for an event loop: holds no thread while it waits. BLMOVE on the done
-        notice through redis.asyncio; the job's status is re-read at least every second,
-        the re-reads of every waiting call of this process coalesced into one small query
-        (status only: no code, state or output) on one of WAIT_READ_THREADS threads of
-        their own, so waits never take the threads sync routes run on. The whole record
-        comes with the notice, or is read once, at the end. ``submitted``: as for ``wait``."""
+        """``wait`` for an event loop (the same decision, api_client.waiting): holds no
+        thread while it waits. BLMOVE on the done notice through redis.asyncio; the status
+        re-reads of every waiting call of this process are coalesced into one small query
+        (status only: no code, state or output) on one of WAIT_READ_THREADS threads of their
+        own, so waits never take the threads sync routes run on; a whole record is read on
+        those threads too. ``submitted``: as for ``wait``."""
         if timeout_s is None:
             timeout_s = visibility_timeout_s(self.settings)
         loop = asyncio.get_running_loop()
@@ -597,55 +605,32 @@ class CodeClient:
         if reads is None or reads.loop is not loop:
             reads = self._status_reads = _StatusReads(self.store, self._readers, loop)
         aredis = self.async_redis
-        deadline = time.monotonic() + timeout_s
+        steps = waiting.plan(timeout_s, submitted=submitted)
         key = done_key(job_id)
-        woke = False
-        next_settle = time.monotonic() + SETTLE_EVERY_S
-        first = not submitted
+        seen: Any = None
         while True:
-            # A new wait reads at once (a just-submitted one goes straight to the notice),
-            # the worker's done notice reads the whole record at once; only the re-reads
-            # after a quiet slice wait for the coalescing window (its 20 ms, twice on every
-            # call's path, were most of a test call's own overhead).
-            if woke:
-                rec = await loop.run_in_executor(self._readers, self.status, job_id)
-                if rec.finished or deadline - time.monotonic() <= 0:
-                    return rec
-                status: Status | None = rec.status
-            elif first:
-                found = await loop.run_in_executor(self._readers, self.store.statuses, [job_id])
-                status = found.get(job_id)
-            elif submitted:  # queued a moment ago: straight to the notice
-                status = Status.QUEUED
-            else:
-                status = await reads.get(job_id)
-            first = submitted = False
-            left = deadline - time.monotonic()
-            if status is None or status.finished or left <= 0:
-                return await loop.run_in_executor(self._readers, self.status, job_id)
-            if status is Status.QUEUED and not woke and time.monotonic() >= next_settle:
-                # still queued: past its queue's bound, or a worker on another store left a
-                # notice (status() ends it failed then, as wait() does; after a notice the
-                # read above was status() already)
-                next_settle = time.monotonic() + SETTLE_EVERY_S
-                rec = await loop.run_in_executor(self._readers, self.status, job_id)
-                if rec.finished:
-                    return rec
-            if woke:  # a notice of a run that did not finish the job: do not spin on it
-                await asyncio.sleep(min(left, 0.05))
-            block_s = max(0.01, min(left, WAIT_SLICE_S))
             try:
-                # A silent connection must not hold the wait past its own deadline (its
-                # socket timeout is STUDIO_REDIS_DEAD_AFTER_S): the store is re-read on time.
-                async with asyncio.timeout(block_s + BLOCK_GRACE_S):
-                    notice = await aredis.blmove(key, key, block_s, "LEFT", "RIGHT")
-                woke = notice is not None
-                ended = record_of_notice(notice)
-                if ended is not None:  # the notice carries the finished record
-                    return ended
-            except (redis.RedisError, TimeoutError):
-                woke = False
-                await asyncio.sleep(min(max(left, 0), 0.2))
+                step = steps.send(seen)
+            except StopIteration as end:
+                return end.value  # type: ignore[no-any-return]
+            if step is waiting.READ_RECORD:
+                seen = await loop.run_in_executor(self._readers, self.status, job_id)
+            elif step is waiting.READ_STATUS:
+                seen = await reads.get(job_id)
+            elif isinstance(step, waiting.Pause):
+                await asyncio.sleep(step.seconds)
+                seen = None
+            elif isinstance(step, waiting.Block):
+                if step.pause_s > 0:
+                    await asyncio.sleep(step.pause_s)
+                try:
+                    # A silent connection must not hold the wait past its own deadline (its
+                    # socket timeout is STUDIO_REDIS_DEAD_AFTER_S): the store is re-read on
+                    # time.
+                    async with asyncio.timeout(step.block_s + BLOCK_GRACE_S):
+                        seen = await aredis.blmove(key, key, step.block_s, "LEFT", "RIGHT")
+                except (redis.RedisError, TimeoutError):
+                    seen = waiting.REDIS_FAILED
 
     async def aclose(self) -> None:
         """Close what the event loop side opened (the sync side: ``close``)."""

@@ -19,12 +19,13 @@ import asyncio
 import codecs
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from api_client.waiting import REDIS_FAILED, Pause
 from executor.store import JobRecord, RunSummary
 from worker.protocol import logs_key
 
@@ -96,6 +97,56 @@ class _Follower:
         return events
 
 
+class _ReadStatus:
+    """Read the job's summary (``status``); send it (None: unknown)."""
+
+
+class _ReadFinal:
+    """Read the job's whole record (``final``); send it (None: unknown)."""
+
+
+@dataclass(frozen=True)
+class _Xread:
+    """XREAD the stream after ``last_id`` (``block_ms`` None: do not block); send the reply,
+    or REDIS_FAILED when Redis failed (or did not answer in time)."""
+
+    key: str
+    last_id: str
+    block_ms: int | None
+
+
+_READ_STATUS = _ReadStatus()
+_READ_FINAL = _ReadFinal()
+
+_Step = LogEvent | _ReadStatus | _ReadFinal | _Xread | Pause
+
+
+def _steps(job_id: str, timeout_s: float, last_id: str) -> Generator[_Step, Any, None]:
+    """The decision of both followers, written once: yields the events to pass on and the
+    I/O to do next (each driver does it and sends what it read). Until the deadline: read
+    the job's summary (unknown: stop); read the stream, blocking BLOCK_MS while the job
+    runs; once the job has finished and its stream has nothing more, end with the stored
+    outcome (with the stored logs when the stream gave none)."""
+    f = _Follower(last_id)
+    key = logs_key(job_id)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = yield _READ_STATUS
+        if run is None:
+            return
+        done = run.finished
+        reply = yield _Xread(key, f.last_id, None if done else BLOCK_MS)
+        if reply is REDIS_FAILED:  # a dead connection times out (STUDIO_REDIS_DEAD_AFTER_S)
+            yield Pause(0.2)
+            continue
+        yield from f.take(reply)
+        if done and not reply:
+            rec = yield _READ_FINAL
+            if rec is not None:
+                yield from _ending(rec, with_logs=not f.seen_any)
+            return
+
+
 def follow(
     client: Any,
     job_id: str,
@@ -107,25 +158,27 @@ def follow(
 ) -> Iterator[LogEvent]:
     """Follow with a sync Redis client. ``status`` gives the job's summary (cheap, read
     each turn), ``final`` its whole record (read once, at the end); None: unknown."""
-    f = _Follower(last_id)
-    key = logs_key(job_id)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        run = status()
-        if run is None:
+    steps = _steps(job_id, timeout_s, last_id)
+    seen: Any = None
+    while True:
+        try:
+            step = steps.send(seen)
+        except StopIteration:
             return
-        done = run.finished
-        try:  # a dead connection times out (STUDIO_REDIS_DEAD_AFTER_S): ask again
-            reply = client.xread({key: f.last_id}, count=1000, block=None if done else BLOCK_MS)
-        except redis.RedisError:
-            time.sleep(0.2)
-            continue
-        yield from f.take(reply)
-        if done and not reply:
-            rec = final()
-            if rec is not None:
-                yield from _ending(rec, with_logs=not f.seen_any)
-            return
+        seen = None
+        if isinstance(step, LogEvent):
+            yield step
+        elif step is _READ_STATUS:
+            seen = status()
+        elif step is _READ_FINAL:
+            seen = final()
+        elif isinstance(step, Pause):
+            time.sleep(step.seconds)
+        elif isinstance(step, _Xread):
+            try:
+                seen = client.xread({step.key: step.last_id}, count=1000, block=step.block_ms)
+            except redis.RedisError:
+                seen = REDIS_FAILED
 
 
 async def follow_async(
@@ -138,29 +191,29 @@ async def follow_async(
     last_id: str = "0-0",
 ) -> AsyncIterator[LogEvent]:
     """``follow`` with a redis.asyncio client; the store is read in a worker thread."""
-    f = _Follower(last_id)
-    key = logs_key(job_id)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        run = await asyncio.to_thread(status)
-        if run is None:
-            return
-        done = run.finished
+    steps = _steps(job_id, timeout_s, last_id)
+    seen: Any = None
+    while True:
         try:
-            # a silent connection must not hold the follower (its socket timeout is
-            # STUDIO_REDIS_DEAD_AFTER_S): give up the read, ask again on a fresh one
-            async with asyncio.timeout(BLOCK_MS / 1000 + BLOCK_GRACE_S):
-                reply = await client.xread(
-                    {key: f.last_id}, count=1000, block=None if done else BLOCK_MS
-                )
-        except (redis.RedisError, TimeoutError):
-            await asyncio.sleep(0.2)
-            continue
-        for event in f.take(reply):
-            yield event
-        if done and not reply:
-            rec = await asyncio.to_thread(final)
-            if rec is not None:
-                for event in _ending(rec, with_logs=not f.seen_any):
-                    yield event
+            step = steps.send(seen)
+        except StopIteration:
             return
+        seen = None
+        if isinstance(step, LogEvent):
+            yield step
+        elif step is _READ_STATUS:
+            seen = await asyncio.to_thread(status)
+        elif step is _READ_FINAL:
+            seen = await asyncio.to_thread(final)
+        elif isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+        elif isinstance(step, _Xread):
+            try:
+                # a silent connection must not hold the follower (its socket timeout is
+                # STUDIO_REDIS_DEAD_AFTER_S): give up the read, ask again on a fresh one
+                async with asyncio.timeout(BLOCK_MS / 1000 + BLOCK_GRACE_S):
+                    seen = await client.xread(
+                        {step.key: step.last_id}, count=1000, block=step.block_ms
+                    )
+            except (redis.RedisError, TimeoutError):
+                seen = REDIS_FAILED

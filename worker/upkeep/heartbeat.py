@@ -99,29 +99,40 @@ class WorkerInfo:
             return None
 
 
-class WorkerRegistry:
-    """Reads the announcements (what the API and an autoscaler call)."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self._read = client.register_script(_READ_LUA)
-
-    def live(self, queues: Iterable[str] = (QUEUE_TEST, QUEUE_RUN)) -> dict[str, list[WorkerInfo]]:
-        """The live workers of each queue (paused ones included; check ``serving``), in
-        ONE round trip. Raises redis.RedisError when Redis cannot be read."""
-        names = list(queues)
-        return _parse_live(names, self._read(keys=[workers_key(q) for q in names]))
+#: the queues a registry read asks about when none are named
+ALL_QUEUES = (QUEUE_TEST, QUEUE_RUN)
 
 
-class AsyncWorkerRegistry:
-    """``WorkerRegistry.live`` on a redis.asyncio client (the API's event loop)."""
+class _Registry:
+    """What both registries share: the read script on ``client`` (sync or redis.asyncio),
+    the keys a read asks for, and how its reply becomes WorkerInfos (``_parse_live``)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self._read = client.register_script(_READ_LUA)
 
-    async def live(self, queues: Iterable[str]) -> dict[str, list[WorkerInfo]]:
+    @staticmethod
+    def _ask(queues: Iterable[str]) -> tuple[list[str], list[str]]:
         names = list(queues)
-        return _parse_live(names, await self._read(keys=[workers_key(q) for q in names]))
+        return names, [workers_key(q) for q in names]
+
+
+class WorkerRegistry(_Registry):
+    """Reads the announcements (what the API and an autoscaler call)."""
+
+    def live(self, queues: Iterable[str] = ALL_QUEUES) -> dict[str, list[WorkerInfo]]:
+        """The live workers of each queue (paused ones included; check ``serving``), in
+        ONE round trip. Raises redis.RedisError when Redis cannot be read."""
+        names, keys = self._ask(queues)
+        return _parse_live(names, self._read(keys=keys))
+
+
+class AsyncWorkerRegistry(_Registry):
+    """``WorkerRegistry.live`` on a redis.asyncio client (the API's event loop)."""
+
+    async def live(self, queues: Iterable[str] = ALL_QUEUES) -> dict[str, list[WorkerInfo]]:
+        names, keys = self._ask(queues)
+        return _parse_live(names, await self._read(keys=keys))
 
 
 def _parse_live(names: list[str], reply: Any) -> dict[str, list[WorkerInfo]]:

@@ -1,0 +1,237 @@
+"""The sync/async twins decide alike: the same input, on a real redis-server of the module's
+own and a real SQLite run store, gives the same outcome through the sync driver and the
+asyncio one (``CodeClient.wait`` / ``wait_async``, ``follow`` / ``follow_async``,
+``WorkerRegistry`` / ``AsyncWorkerRegistry``, ``_check_served`` / ``check_served_async``).
+No worker runs: the jobs are rows and Redis keys the test writes as a worker would."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import redis
+
+from api_client.client import CodeClient, JobNotFound
+from api_client.live_logs import LogEvent, follow, follow_async
+from executor.errors import ErrorCode, RuntimeUnavailable
+from executor.models import Status
+from tests.services import RedisServer, start_redis
+from worker.protocol import QUEUE_RUN, QUEUE_TEST, done_key, leave_notice, logs_key
+from worker.upkeep.heartbeat import AsyncWorkerRegistry, Heartbeat, WorkerRegistry
+
+#: this module's own redis-server (its command counts are the test's alone)
+SERVICE_FIXTURES = {"own_redis": ("redis",)}
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with start_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(own_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from executor.settings import load_settings
+
+    data = tmp_path_factory.mktemp("store")
+    settings = load_settings(
+        enable_code_nodes=True,
+        data_dir=data,
+        redis_url=own_redis.url,
+        database_url=f"sqlite:///{data / 'runs.db'}",
+        queue_require_worker=False,
+    )
+    with CodeClient(settings) as c:
+        yield c
+
+
+def on_loop(client: Any, make: Callable[[], Awaitable[T]]) -> T:
+    """``make()`` awaited on a fresh event loop, the client's redis.asyncio side closed
+    after it (as the API's lifespan does)."""
+
+    async def run() -> T:
+        try:
+            return await make()
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+def queued(client: Any) -> str:
+    """A job queued in the store with no message sent (no worker would take it)."""
+    job = client.prepare("def main(state):\n    return 1\n", "python", {}, kind="run")
+    client.store.create(job, code_runtime=client.settings.code_runtime)
+    return str(job.job_id)
+
+
+def blmoves(server: RedisServer) -> int:
+    stats = redis.Redis.from_url(server.url).info("commandstats")
+    return int(stats.get("cmdstat_blmove", {}).get("calls", 0))
+
+
+# --- wait / wait_async -----------------------------------------------------------------
+
+
+def test_wait_settles_a_job_another_store_received_on_its_first_read(
+    client: Any, own_redis: RedisServer
+) -> None:
+    """A job a worker on ANOTHER run store received (its notice in Redis) ends failed with
+    the notice's message on the wait's first read, sync and async alike: no BLMOVE is
+    needed to answer it (wait_async used to block on the done notice until its first
+    settle, 5 s in, while wait answered at once)."""
+    message = "No job of this id in the worker's run store (another store): give both ..."
+    jobs = [queued(client), queued(client)]
+    for job_id in jobs:
+        leave_notice(client.redis, job_id, ErrorCode.RUNTIME_UNAVAILABLE.value, message)
+    before = blmoves(own_redis)
+    sync = client.wait(jobs[0], 30)
+    asynced = on_loop(client, lambda: client.wait_async(jobs[1], 30))
+    assert blmoves(own_redis) == before, "a wait blocked on the notice before settling"
+    for rec in (sync, asynced):
+        assert rec.status is Status.FAILED
+        assert rec.error is not None and rec.error.message == message
+
+
+def test_wait_answers_from_the_notice_alike(client: Any) -> None:
+    """A just-submitted job whose done notice carries its finished record: both drivers
+    return that record; an unknown job raises JobNotFound in both."""
+    jobs = [queued(client), queued(client)]
+    for job_id in jobs:
+        rec = client.store.get(job_id, inputs=False)
+        done = rec.model_copy(update={"status": Status.SUCCEEDED}).model_dump_json()
+        client.redis.rpush(done_key(job_id), done)
+    sync = client.wait(jobs[0], 30, submitted=True)
+    asynced = on_loop(client, lambda: client.wait_async(jobs[1], 30, submitted=True))
+    assert (sync.job_id, sync.status) == (jobs[0], Status.SUCCEEDED)
+    assert (asynced.job_id, asynced.status) == (jobs[1], Status.SUCCEEDED)
+    missing = uuid.uuid4().hex
+    with pytest.raises(JobNotFound):
+        client.wait(missing, 5)
+    with pytest.raises(JobNotFound):
+        on_loop(client, lambda: client.wait_async(missing, 5))
+
+
+# --- follow / follow_async -------------------------------------------------------------
+
+
+def test_follow_yields_the_same_events(client: Any) -> None:
+    """A finished job's stream (a character split between two entries, then the end):
+    both followers yield the same events, then the stored outcome's end."""
+    job_id = queued(client)
+    job = client.store.get(job_id, inputs=True).to_job()
+    client.store.finish(
+        client._ended(job, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE, "gone"), worker="t"
+    )
+    client.redis.xadd(logs_key(job_id), {"d": b"caf\xc3"})
+    client.redis.xadd(logs_key(job_id), {"d": b"\xa9!\n", "end": b"1"})
+
+    def status() -> Any:
+        return client.store.get_summary(job_id)
+
+    def final() -> Any:
+        return client.store.get(job_id, inputs=False)
+
+    sync = list(follow(client._blocking, job_id, status, final, timeout_s=30))
+
+    async def collect() -> list[LogEvent]:
+        events: AsyncIterator[LogEvent] = follow_async(
+            client.async_redis, job_id, status, final, timeout_s=30
+        )
+        return [e async for e in events]
+
+    asynced = on_loop(client, collect)
+    assert [(e.event, e.data) for e in sync] == [
+        ("log", "caf"),
+        ("log", "é!\n"),
+        ("end", '{"status": "failed", "logs_truncated": false}'),
+    ]
+    assert asynced == sync
+
+
+# --- WorkerRegistry / AsyncWorkerRegistry; _check_served / check_served_async ----------
+
+
+def beat(client: Any, nodename: str, reason: str | None) -> Heartbeat:
+    hb = Heartbeat(
+        client.settings.redis_url,
+        nodename,
+        {QUEUE_TEST: 1, QUEUE_RUN: 2},
+        interval_s=60,
+        ttl_s=60,
+        not_serving_reason=lambda: reason,
+        store_id=client.store.store_id,
+        client=redis.Redis.from_url(client.settings.redis_url),
+    )
+    hb.beat()
+    return hb
+
+
+def test_registries_read_the_same_workers(client: Any) -> None:
+    """Both registries read the same announcements, with the same default queues."""
+    hb = beat(client, "twin-a@test", None)
+    try:
+        sync = WorkerRegistry(client.redis).live()
+        asynced = on_loop(client, lambda: AsyncWorkerRegistry(client.async_redis).live())
+        assert sync == asynced
+        assert [i.nodename for i in sync[QUEUE_TEST]] == ["twin-a@test"]
+        assert [i.slots for i in sync[QUEUE_RUN]] == [2]
+    finally:
+        hb.stop()
+
+
+def refused(client: Any, queue: str) -> list[str]:
+    """The refusals of ``_check_served`` and ``check_served_async`` (each must refuse)."""
+    out = []
+    for check in (
+        lambda: client._check_served(queue),
+        lambda: on_loop(client, lambda: client.check_served_async(queue)),
+    ):
+        with pytest.raises(RuntimeUnavailable) as e:
+            check()
+        out.append(str(e.value))
+    return out
+
+
+def test_check_served_refuses_alike(client: Any) -> None:
+    """With STUDIO_QUEUE_REQUIRE_WORKER: no worker, or a paused one only, is refused with
+    the same sentence by both checks; a serving one passes both."""
+    settings = client.settings
+    client.settings = settings.model_copy(update={"queue_require_worker": True})
+    try:
+        answers = []
+        for hb in (None, beat(client, "twin-p@test", "its runtime is unavailable")):
+            refusals = refused(client, QUEUE_TEST)
+            assert refusals[0] == refusals[1]
+            answers.append(refusals[0])
+            if hb is not None:
+                hb.stop()
+        assert "Paused: twin-p@test (its runtime is unavailable)" in answers[1]
+        hb = beat(client, "twin-s@test", None)
+        try:
+            client._check_served(QUEUE_TEST)
+            client._served_until.clear()  # the yes is believed SERVED_CACHE_S: ask again
+            on_loop(client, lambda: client.check_served_async(QUEUE_TEST))
+        finally:
+            hb.stop()
+    finally:
+        client.settings = settings
+        client._served_until.clear()
+
+
+def test_check_served_refuses_alike_when_redis_is_down(client: Any) -> None:
+    """A registry that cannot be read (nothing listens on its port) is the same refusal
+    in both checks."""
+    from tests.services import free_port
+
+    settings = client.settings.model_copy(
+        update={"queue_require_worker": True, "redis_url": f"redis://127.0.0.1:{free_port()}/0"}
+    )
+    with CodeClient(settings, store=client.store) as down:
+        refusals = [r.split(" (Error")[0] for r in refused(down, QUEUE_RUN)]
+    assert refusals == ["The queue (Redis at STUDIO_REDIS_URL) cannot be read"] * 2, refusals
