@@ -410,6 +410,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         statuses: Counter[str] = Counter()
         wrong = lost = stuck = 0
         not_succeeded: dict[str, Any] = {}
+        failed_by_infra = blamed_on_code = 0
         attempts: dict[str, int] = {}
         twice = {j: k for j, k in counter.starts.items() if k > 1 and j in jobs}
         ids = list(jobs)
@@ -425,8 +426,14 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
                     stuck += 1
                 elif r.status == "succeeded" and r.output != 2 * jobs[j]:
                     wrong += 1
-                elif r.finished and r.status != "succeeded" and len(not_succeeded) < 10:
-                    not_succeeded[j] = (r.status.value, r.error and r.error.message)
+                elif r.finished and r.status != "succeeded":
+                    # every soak job is a trivial node that succeeds: any other end is the
+                    # infrastructure's doing (the faults); a CODE_* one blames the code for it
+                    failed_by_infra += 1
+                    code = r.error.code.value if r.error is not None else None
+                    blamed_on_code += bool(code and code.startswith("CODE_"))
+                    if len(not_succeeded) < 10:
+                        not_succeeded[j] = (r.status.value, code, r.error and r.error.message)
                 if j in twice:
                     attempts[j] = r.attempts
     finally:
@@ -462,6 +469,8 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         "executed more than once": twice_list,
         "executed more than once without a worker dying mid-run": unexplained_twice,
         "not succeeded": not_succeeded,
+        "failed by infrastructure": failed_by_infra,
+        "blamed on code": blamed_on_code,
         "lost": lost,
         "stuck": stuck,
         "containers left": len(left),
@@ -485,7 +494,14 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
             )
         else:
             print("first vs last sample after warm-up: too few samples (--sample-every)")
-    ok = not lost and not stuck and not left and not wrong and not unexplained_twice
+    ok = (
+        not lost
+        and not stuck
+        and not left
+        and not wrong
+        and not unexplained_twice
+        and not failed_by_infra
+    )
     print("soak:", "PASS" if ok else "FAIL", f"(logs in {tmp})", flush=True)
     return ok
 

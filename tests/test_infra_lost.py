@@ -94,3 +94,51 @@ def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
     assert r.error.message.count("sandbox_vanished") == MAX_ATTEMPTS, r.error.message
     assert f"It was attempt {MAX_ATTEMPTS}, the last" in r.error.message, r.error.message
     assert [t.step for t in r.trace] == ["job.rerun", "sandbox.lost"], r.trace
+
+
+def test_a_rerun_waits_for_the_earlier_attempts_sandbox_to_be_removed(
+    executor: Any, docker_client: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-run on the same engine finds its job's name still held by the earlier attempt's
+    sandbox, whose removal another thread has under way (a lost sandbox is removed off its
+    attempt's path): the engine answers the new attempt's remove with 409 ("already in
+    progress") and its create or rename with 409 (name in use). The new attempt waits for
+    the name and runs; it does not fail. (The soak saw one such job fail: "The container
+    name ... is already in use".) The concurrent removal is played for real: the runtime's
+    first remove of the old sandbox is taken by a thread of the test's own, which removes it
+    half a second later, as the engine's own removal would end."""
+    from executor.runtimes.docker.runtime import DockerRuntime
+
+    job = CodeJob(code="def main(state):\n    return 7\n", timeout_s=20)
+    old = docker_client.containers.create(
+        python_image,
+        ["sleep", "60"],
+        name=f"studio-code-{job.job_id}",
+        labels={"studio.owner": "test:1", "studio.job_id": job.job_id, "studio.deadline": "0"},
+        network_disabled=True,
+    )
+    real_remove = DockerRuntime.remove
+    taken: list[threading.Thread] = []
+
+    def remove(api: Any, cid: str) -> bool:
+        if cid in (old.id, old.name, f"studio-code-{job.job_id}"):
+            if not taken:  # another process takes its removal, done half a second later
+                t = threading.Thread(target=lambda: (time.sleep(0.5), real_remove(api, old.id)))
+                taken.append(t)
+                t.start()
+            if taken[0].is_alive():  # the engine: "removal already in progress" (409)
+                return False
+        return real_remove(api, cid)
+
+    monkeypatch.setattr(DockerRuntime, "remove", staticmethod(remove))
+    try:
+        r = executor.run(job)
+    finally:
+        for t in taken:
+            t.join(10)
+        try:
+            old.remove(force=True)
+        except Exception:
+            pass
+    assert taken, "the runtime never asked to remove the earlier attempt's sandbox"
+    assert r.status.value == "succeeded" and r.output == 7, (r.status, r.error)

@@ -103,6 +103,9 @@ MAX_PENDING_REMOVALS = 1
 REMOVAL_WAIT_S = 10.0
 #: how long a stopping process keeps retrying removals that failed while the engine was away
 LEFTOVERS_AT_CLOSE_S = 15.0
+#: how long a new attempt waits for an earlier attempt's sandbox of the same job (same name)
+#: to be removed; past it a cold create counts as lost to the infrastructure
+NAME_FREE_S = 15.0
 
 
 class SandboxHost(Protocol):
@@ -459,18 +462,28 @@ class SandboxPool(IdlePoolStats):
         except APIError as e:
             if e.status_code != 409:
                 raise
-        # A container of this job already exists (a redelivery after a crash): it must not
-        # run twice, so the old one goes first (never ours: it has another id).
-        for c in api.containers(all=True, filters={"label": f"{LABEL_JOB}={job_id}"}):
-            if c["Id"] != p.cid:
-                self.runtime.remove(api, c["Id"])
-        try:
-            old = api.inspect_container(name)["Id"]
-            if old != p.cid:
-                self.runtime.remove(api, old)
-        except DockerException:
-            pass
-        api.rename(p.cid, name)
+        # A container of this job already exists (a redelivery after a crash, or a re-run
+        # after an earlier attempt's sandbox was lost, its removal perhaps still under way):
+        # it must not run twice, so the old one goes first (never ours: it has another id),
+        # and the name is taken once the engine has let it go.
+        deadline = time.monotonic() + NAME_FREE_S
+        while True:
+            for c in api.containers(all=True, filters={"label": f"{LABEL_JOB}={job_id}"}):
+                if c["Id"] != p.cid:
+                    self.runtime.remove(api, c["Id"])
+            try:
+                old = api.inspect_container(name)["Id"]
+                if old != p.cid:
+                    self.runtime.remove(api, old)
+            except DockerException:
+                pass
+            try:
+                api.rename(p.cid, name)
+                return
+            except APIError as e:
+                if e.status_code != 409 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
 
     def _hand_off(self, p: Pooled) -> None:
         """``p`` answered its job: removed when the job's path ends (at once outside one)."""

@@ -44,7 +44,7 @@ from executor.runtimes.docker.policy import (
     container_name,
     sandbox_policy,
 )
-from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, SandboxPool
+from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, NAME_FREE_S, SandboxPool
 from executor.settings import Settings
 
 if TYPE_CHECKING:
@@ -314,10 +314,25 @@ class DockerRuntime(Runtime):
                 raise RuntimeUnavailable(f"Docker refused to create the sandbox: {e}") from e
         except requests.exceptions.ConnectionError as e:
             raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
-        # A container of this job already exists: a redelivery after a crash. It must not
-        # run twice, so the old one goes first.
-        self.kill(job_id)
-        return api.create_container(name=name, **policy)["Id"]
+        # A container of this job already exists: a redelivery after a crash, or a re-run
+        # after the infrastructure lost the sandbox of an earlier attempt (whose removal may
+        # still be under way, off that attempt's path). It must not run twice, so the old
+        # one goes first, and the name is taken once the engine has let it go.
+        deadline = time.monotonic() + NAME_FREE_S
+        while True:
+            self.kill(job_id)
+            try:
+                return api.create_container(name=name, **policy)["Id"]
+            except APIError as e:
+                if e.status_code != 409 or time.monotonic() > deadline:
+                    if e.status_code == 409:
+                        raise InfrastructureLost(
+                            InfrastructureLost.ENGINE_ERROR,
+                            f"the sandbox of an earlier attempt, {name}, was still not removed "
+                            f"after {NAME_FREE_S:.0f} s: {e}",
+                        ) from e
+                    raise RuntimeUnavailable(f"Docker refused to create the sandbox: {e}") from e
+            time.sleep(0.1)
 
     def remove_surely(self, api: docker.APIClient, cid: str) -> None:
         """Remove in a ``finally``: retried, never raising. What still fails (the engine is
