@@ -237,12 +237,9 @@ def test_the_cli_prints_the_usage(python_image: str, tmp_path: Path) -> None:
     assert out["usage"]["source"] in ("cgroup-v1", "cgroup-v2")
 
 
-def test_a_cold_sandbox_parent_cgroup_goes_with_it(
-    make_settings: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The per-run parent that outlives a cold sandbox is removed with it (OOM too)."""
+def recording_meters(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The meters the docker runtime makes from now on (each cold or pre-started sandbox's)."""
     from executor.runtimes.docker import usage
-    from executor.service import Executor
 
     made: list[Any] = []
     real = usage.new_meter
@@ -253,6 +250,17 @@ def test_a_cold_sandbox_parent_cgroup_goes_with_it(
         return meter
 
     monkeypatch.setattr(usage, "new_meter", recording)
+    return made
+
+
+def test_a_cold_sandbox_parent_cgroup_goes_with_it(
+    make_settings: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-run parent that outlives a cold sandbox is removed with it (OOM too)."""
+    from executor.runtimes.docker import usage
+    from executor.service import Executor
+
+    made = recording_meters(monkeypatch)
     ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
     for what in ("idle", "oom"):
         assert ex.run(CodeJob(code=CODE["python"][what])).usage is not None
@@ -310,6 +318,56 @@ def test_a_worker_that_cannot_see_the_cgroups_reports_null(
 
     monkeypatch.setattr(usage, "_hosts", {})
     monkeypatch.setattr(usage, "_detect", lambda: None)  # this process sees no cgroups
+    pooled = pooled_run(make_settings, python_image, "idle")
+    cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
+    r = cold.run(CodeJob(code=CODE["python"]["idle"]))
+    for run in (pooled, r):
+        assert run.status is Status.SUCCEEDED and run.usage is None
+        assert run.cli_dict()["usage"] is None
+
+
+def test_runs_through_a_socket_guard_are_measured(
+    make_settings: Any,
+    python_image: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that reaches the engine through a real socket guard (``studio-code
+    sockguard``) on this host measures its runs as one on the engine's socket: a cold
+    sandbox under its run's own parent (the guard passes that shape), OOM-killed too, and a
+    pre-started one; the guard refused nothing and no parent is left."""
+    from executor.runtimes.docker import usage
+    from executor.service import Executor, mib
+    from tests.services import SockGuardProcess
+
+    with SockGuardProcess(tmp_path / "guard") as guard:
+        monkeypatch.setenv("DOCKER_HOST", guard.host)
+        cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
+        host = usage.cgroup_host(cold.runtime.api)  # type: ignore[union-attr]
+        assert host is not None and host.parents, host
+        want = "cgroup-v2" if _v2() else "cgroup-v1"
+        meters = recording_meters(monkeypatch)
+        r = cold.run(CodeJob(code=CODE["python"]["memory"]))
+        assert r.status is Status.SUCCEEDED, r.error
+        assert r.usage is not None and r.usage.source == want, r.usage
+        assert 100 * MB <= r.usage.memory_peak_bytes <= LIMIT, r.usage
+        oom = cold.run(CodeJob(code=CODE["python"]["oom"]))
+        assert oom.error is not None and oom.error.code is ErrorCode.CODE_MEMORY, oom.error
+        assert oom.usage is not None and oom.usage.memory_peak_bytes >= 0.9 * LIMIT, oom.usage
+        assert f"used {mib(oom.usage.memory_peak_bytes)} of 256 MiB" in oom.error.message
+        made = [m.parent for m in meters]
+        assert len(made) == 2 and all(made), made
+        assert [d for p in made for d in host.all_parent_dirs(p)] == []
+        p = pooled_run(make_settings, python_image, "cpu")
+        assert p.usage is not None and p.usage.source == want, p.usage
+        assert 400 <= p.usage.cpu_ms <= 700, p.usage
+        assert guard.refusals() == []
+
+
+def pooled_run(make_settings: Any, python_image: str, what: str) -> Any:
+    """The Python node ``what`` in a pre-started sandbox of a pool of its own."""
+    from executor.service import Executor
+
     ex = Executor(
         make_settings(
             code_runtime="docker", code_image=python_image, code_languages="python", code_prewarm=1
@@ -319,12 +377,8 @@ def test_a_worker_that_cannot_see_the_cgroups_reports_null(
     try:
         assert ex.runtime is not None and ex.runtime.pool is not None
         assert ex.runtime.pool.wait_ready(60)
-        pooled = ex.run(CodeJob(code=CODE["python"]["idle"]))
-        assert next(t.detail for t in pooled.trace if t.step == "sandbox.start") == "pool"
+        r = ex.run(CodeJob(code=CODE["python"][what]))
+        assert next(t.detail for t in r.trace if t.step == "sandbox.start") == "pool"
+        return r
     finally:
         ex.close()
-    cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
-    r = cold.run(CodeJob(code=CODE["python"]["idle"]))
-    for run in (pooled, r):
-        assert run.status is Status.SUCCEEDED and run.usage is None
-        assert run.cli_dict()["usage"] is None

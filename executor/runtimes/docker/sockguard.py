@@ -88,6 +88,8 @@ from urllib.parse import parse_qsl, urlencode
 
 import h11
 
+from executor.runtimes.docker.usage import PARENT_PREFIX
+
 log = logging.getLogger("studio_code.sockguard")
 
 #: what marks a container as one of ours (executor/runtimes/docker/policy.py's labels)
@@ -121,6 +123,9 @@ _IMAGE = re.compile(r"^/images/([A-Za-z0-9][A-Za-z0-9_.:/@-]*)/json$")
 _PATH = re.compile(r"^(/[A-Za-z0-9_.:@-]+)+$|^/$")
 _NAME = re.compile(rf"^{NAME_PREFIX}[A-Za-z0-9_.-]{{1,200}}$")
 _USER = re.compile(r"^([1-9][0-9]{0,9}):([1-9][0-9]{0,9})$")
+#: the one cgroup parent a create may name: a run's own, made by runc under the hierarchy's
+#: root (executor/runtimes/docker/usage.py), matched whole (``fullmatch``: no newline after)
+PARENT_SHAPE = re.compile(rf"/{PARENT_PREFIX}[0-9a-f]{{16}}")
 #: the operations on one of our containers, by method
 CONTAINER_OPS = {
     ("POST", "attach"),
@@ -317,8 +322,17 @@ class Policy:
             raise Refused(
                 f"HostConfig.PidsLimit {host.get('pidslimit')!r}: set, at most {self.max_pids}"
             )
+        parent = host.get("cgroupparent")
+        if parent not in (None, "") and not (
+            isinstance(parent, str) and PARENT_SHAPE.fullmatch(parent)
+        ):
+            raise Refused(
+                f"HostConfig.CgroupParent {str(parent)[:120]!r}: a sandbox's cgroup parent is "
+                f"its run's own /{PARENT_PREFIX}<16 hex> (usage per run), or none"
+            )
         fixed = {k.lower() for k in self.host_config}
-        _only_empty(host, fixed | {"memory", "memoryswap", "nanocpus", "pidslimit"}, "HostConfig.")
+        allowed = fixed | {"memory", "memoryswap", "nanocpus", "pidslimit", "cgroupparent"}
+        _only_empty(host, allowed, "HostConfig.")
 
 
 #: the engine's spelling of the fields the refusals name

@@ -143,7 +143,10 @@ def _detect() -> CgroupHost | None:
             for opt in rest[2].split(","):
                 if opt in ("memory", "cpuacct", "pids"):
                     mounts[opt] = point
-    own_socket = os.environ.get("DOCKER_HOST", "") in ("", "unix:///var/run/docker.sock")
+    # an engine on this host: its own socket or a socket guard's (which passes a parent of
+    # exactly this module's shape); an engine over TCP is another host's, whose groups these
+    # are not
+    local = (os.environ.get("DOCKER_HOST") or "unix://").startswith("unix://")
     if v2 is not None:
         version, found = 2, {"": v2}
     elif "memory" in mounts and "cpuacct" in mounts:
@@ -164,7 +167,7 @@ def _detect() -> CgroupHost | None:
     # a parent is removed by this process: a view it cannot write (mounted read-only into
     # a worker's container) reads the sandboxes' own groups only
     writable = os.access(base, os.W_OK)
-    return CgroupHost(version, found, driver, driver == "cgroupfs" and own_socket and writable)
+    return CgroupHost(version, found, driver, driver == "cgroupfs" and local and writable)
 
 
 def _listdir(path: str) -> list[str]:
