@@ -60,8 +60,11 @@ class CgroupHost:
     #: v1: controller -> mount point ("memory", "cpuacct", "pids"); v2: {"": mount point}
     mounts: dict[str, str]
     driver: str
-    #: per-run parents are made (cgroupfs driver, the engine's own socket)
+    #: per-run parents are made (cgroupfs driver, an engine on this host)
     parents: bool
+    #: this process removes them (its view is writable); else another does (Compose: the
+    #: usage-sweeper service)
+    removes: bool = True
 
     @property
     def source(self) -> UsageSource:
@@ -122,6 +125,7 @@ def cgroup_host(api: Any) -> CgroupHost | None:
 
 
 def _detect() -> CgroupHost | None:
+    view = os.environ.get("STUDIO_CODE_HOST_CGROUP", "/sys/fs/cgroup").rstrip("/")
     mounts: dict[str, str] = {}
     v2: str | None = None
     try:
@@ -137,9 +141,9 @@ def _detect() -> CgroupHost | None:
         root, point = parts[3], parts[4]
         if root != "/":
             continue  # a view of a sub-group (a container's own): not the host's sandboxes
-        if rest[0] == "cgroup2" and point == "/sys/fs/cgroup":
+        if rest[0] == "cgroup2" and point == view:
             v2 = point
-        elif rest[0] == "cgroup" and len(rest) >= 3:
+        elif rest[0] == "cgroup" and len(rest) >= 3 and point.startswith(view + "/"):
             for opt in rest[2].split(","):
                 if opt in ("memory", "cpuacct", "pids"):
                     mounts[opt] = point
@@ -164,10 +168,13 @@ def _detect() -> CgroupHost | None:
         driver = "systemd"
     else:
         return None
-    # a parent is removed by this process: a view it cannot write (mounted read-only into
-    # a worker's container) reads the sandboxes' own groups only
+    # a parent is removed by this process, or by a sweeper the deployment runs: a view it
+    # cannot write (mounted read-only into a worker's container) without one reads the
+    # sandboxes' own groups only
     writable = os.access(base, os.W_OK)
-    return CgroupHost(version, found, driver, driver == "cgroupfs" and local and writable)
+    swept = os.environ.get("STUDIO_CODE_USAGE_SWEEPER", "") == "1"
+    parents = driver == "cgroupfs" and local and (writable or swept)
+    return CgroupHost(version, found, driver, parents, removes=writable)
 
 
 def _listdir(path: str) -> list[str]:
@@ -244,7 +251,7 @@ class Meter:
 
     def release(self) -> None:
         """After the container's removal: its parent's directories go."""
-        if self.host is None or self.parent is None:
+        if self.host is None or self.parent is None or not self.host.removes:
             return
         for d in self.host.all_parent_dirs(self.parent):
             try:
@@ -327,7 +334,7 @@ def sweep(api: Any, older_than_s: float) -> int:
     a run still going holds its container's group (rmdir fails: EBUSY), and one whose
     container just ended is younger than the longest run. Returns how many went."""
     host = cgroup_host(api)
-    if host is None or not host.parents:
+    if host is None or not host.parents or not host.removes:
         return 0
     with _meters_lock:
         mine = {m.parent for m in _meters.values()}
@@ -347,6 +354,75 @@ def sweep(api: Any, older_than_s: float) -> int:
         Meter(host, name).release()
         gone += not os.path.exists(f"{base}/{name}")
     return gone
+
+
+#: how long a parent must have been seen empty before the sweeper removes it: its sandbox
+#: exited that long ago, and its worker reads the figures on the run's path (milliseconds)
+EMPTY_FOR_S = 20.0
+SWEEP_EVERY_S = 5.0
+
+
+def sweep_empty(seen: dict[str, float], empty_for_s: float = EMPTY_FOR_S) -> int:
+    """One pass of the sweeper (a process that can write the host's cgroup fs, for workers
+    whose view is read-only): remove the per-run parents seen empty (no sandbox group in them)
+    for ``empty_for_s``; ``seen`` carries when each was first seen empty. Returns how many
+    went."""
+    host = cgroup_host(None)
+    if host is None or not host.parents or not host.removes:
+        return 0
+    base = host.mounts["" if host.version == 2 else "memory"]
+    now = time.monotonic()
+    names = {n for n in _listdir(base) if n.startswith(PARENT_PREFIX)}
+    for gone in set(seen) - names:
+        del seen[gone]
+    removed = 0
+    for name in sorted(names):
+        try:
+            busy = any(e.is_dir() for e in os.scandir(f"{base}/{name}"))
+        except OSError:
+            continue
+        if busy:
+            seen.pop(name, None)
+            continue
+        if now - seen.setdefault(name, now) < empty_for_s:
+            continue
+        Meter(host, name).release()
+        if not os.path.exists(f"{base}/{name}"):
+            removed += 1
+            del seen[name]
+    return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m executor.runtimes.docker.usage``: the sweeper (Compose's usage-sweeper
+    service): every ``--every`` s, remove the per-run parents empty for ``--empty-for`` s;
+    at SIGTERM (the workers stopped first) every empty one."""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--every", type=float, default=SWEEP_EVERY_S)
+    ap.add_argument("--empty-for", type=float, default=EMPTY_FOR_S)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    host = cgroup_host(None)
+    if host is None or not host.removes:
+        log.error(
+            "usage sweeper: no writable view of the engine's cgroups (cgroupfs driver) under "
+            "STUDIO_CODE_HOST_CGROUP=%s: mount the host's /sys/fs/cgroup there, read-write",
+            os.environ.get("STUDIO_CODE_HOST_CGROUP", "/sys/fs/cgroup"),
+        )
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log.info("usage sweeper: removing per-run parents empty for %.0f s", args.empty_for)
+    seen: dict[str, float] = {}
+    while not stop.wait(args.every):
+        if n := sweep_empty(seen, args.empty_for):
+            log.info("usage sweeper: removed %d empty per-run parents", n)
+    n = sweep_empty(seen, 0.0)
+    log.info("usage sweeper: stopping, removed %d empty per-run parents", n)
+    return 0
 
 
 def _int_file(path: str) -> int | None:
@@ -380,3 +456,7 @@ def _write(path: str, data: bytes) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
