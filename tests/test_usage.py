@@ -382,3 +382,105 @@ def pooled_run(make_settings: Any, python_image: str, what: str) -> Any:
         return r
     finally:
         ex.close()
+
+
+#: run in a mount namespace of its own whose view of the host's cgroup fs is a read-only
+#: bind (what Compose gives a worker): one cold run through the guard, its usage and parent
+IN_A_READ_ONLY_VIEW = """
+set -e
+mkdir -p "$VIEW"
+mount --rbind /sys/fs/cgroup "$VIEW"
+for m in $(awk -v v="$VIEW" '$5 ~ "^"v {print $5}' /proc/self/mountinfo); do
+  mount -o remount,bind,ro "$m"
+done
+exec "$PYTHON" -c '
+import json, sys
+from executor.models import CodeJob
+from executor.runtimes.docker import usage
+from executor.service import Executor
+from executor.settings import load_settings
+made = []
+real = usage.new_meter
+usage.new_meter = lambda api: made.append(real(api)) or made[-1]
+ex = Executor(load_settings(enable_code_nodes=True, code_runtime="docker", code_memory="256m"))
+r = ex.run(CodeJob(code=sys.argv[1]))
+host = usage.cgroup_host(None)
+print(json.dumps({"status": r.status, "usage": r.usage and r.usage.model_dump(),
+    "parents": [m and m.parent for m in made], "writable": host and host.removes}))
+' "$CODE"
+"""
+
+
+def test_a_worker_with_a_read_only_view_is_measured_and_the_sweeper_removes_its_parents(
+    python_image: str, tmp_path: Path
+) -> None:
+    """The Compose shape without Compose: a worker whose view of the host's cgroups is a
+    read-only bind (STUDIO_CODE_HOST_CGROUP) behind a real socket guard measures a cold run
+    under its run's own parent (STUDIO_CODE_USAGE_SWEEPER=1), which it cannot remove; the
+    sweeper's pass (a process that can write) removes it once empty long enough. Without a
+    sweeper it makes no parent: the cold run is not measured (null)."""
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+
+    from executor.runtimes.docker import usage
+    from tests.services import SockGuardProcess, require
+
+    require(
+        os.geteuid() == 0 and shutil.which("unshare") is not None,
+        "root and unshare (a mount namespace with a read-only view of the cgroups)",
+    )
+    with SockGuardProcess(tmp_path / "guard") as guard:
+        env = {
+            **os.environ,
+            "DOCKER_HOST": guard.host,
+            "STUDIO_CODE_IMAGE": python_image,
+            "STUDIO_CODE_HOST_CGROUP": str(tmp_path / "view"),
+            "STUDIO_CODE_USAGE_SWEEPER": "1",
+            "VIEW": str(tmp_path / "view"),
+            "PYTHON": sys.executable,
+            "CODE": CODE["python"]["memory"],
+        }
+
+        def worker(**over: str) -> dict[str, Any]:
+            proc = subprocess.run(
+                ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+                + [IN_A_READ_ONLY_VIEW],
+                env={**env, **over},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            return dict(json.loads(proc.stdout.splitlines()[-1]))
+
+        got = worker()
+        assert got["writable"] is False, got  # the view was read-only
+        assert got["status"] == "succeeded", got
+        assert got["usage"] is not None, got
+        assert got["usage"]["source"] in ("cgroup-v1", "cgroup-v2"), got
+        assert got["usage"]["memory_peak_bytes"] >= 100 * MB, got
+        (parent,) = got["parents"]
+        host = usage.cgroup_host(None)
+        assert host is not None and host.removes
+        assert host.all_parent_dirs(parent), "the worker could not remove it: still there"
+        seen: dict[str, float] = {}
+        usage.sweep_empty(seen, empty_for_s=3600)
+        assert host.all_parent_dirs(parent) and parent in seen  # empty, not long enough
+        # a parent holding a sandbox's group (a run going on) stays, however long seen
+        busy = usage.PARENT_PREFIX + secrets.token_hex(8)
+        os.makedirs(host.parent_dir("memory", busy) + "/held")
+        try:
+            seen[parent] -= 3600
+            seen[busy] = seen[parent]
+            assert usage.sweep_empty(seen, empty_for_s=3600) >= 1
+            assert host.all_parent_dirs(parent) == []
+            assert os.path.isdir(host.parent_dir("memory", busy)) and busy not in seen
+        finally:
+            os.rmdir(host.parent_dir("memory", busy) + "/held")
+            os.rmdir(host.parent_dir("memory", busy))
+        without = worker(STUDIO_CODE_USAGE_SWEEPER="")
+        assert without["status"] == "succeeded" and without["parents"] == [None], without
+        assert without["usage"] is None, without
+        assert guard.refusals() == []
