@@ -44,9 +44,10 @@ Passed on:
   no-new-privileges and the project's own seccomp profile, ipc none, the ulimits, no log
   driver, the configured OCI runtime), the limits present and within the settings' caps,
   every other field of the request empty (no Privileged, Mounts, Devices, CapAdd, host
-  namespaces, MaskedPaths...), a configured image, the project's labels, and ``User`` the
-  sandbox's ``uid:gid`` (``sandbox_ids``) or another ``uid:gid`` of decimal digits, both
-  non-zero (no ``0``, ``00``, ``+0``, ``root``, no name);
+  namespaces, MaskedPaths...) but ``CgroupParent`` of exactly ``/studio-code-usage-<16
+  hex>`` (a run's own, for its usage figures: ``PARENT_SHAPE``), a configured image, the
+  project's labels, and ``User`` the sandbox's ``uid:gid`` (``sandbox_ids``) or another
+  ``uid:gid`` of decimal digits, both non-zero (no ``0``, ``00``, ``+0``, ``root``, no name);
 * on a container carrying the project's labels (``studio.owner`` with ``studio.job_id`` or
   ``studio.pool``): attach (upgraded; the stream is then passed on raw both ways), start,
   wait, rename (to a ``studio-code-`` name), inspect, remove, and a read of the image's

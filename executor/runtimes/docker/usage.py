@@ -11,10 +11,15 @@ parent outlives the container, and it is removed (``release``) when the containe
 - **cgroup v1**: ``memory.max_usage_in_bytes``, ``cpuacct.usage`` (ns), ``pids.peak``.
 - **cgroup v2**: ``memory.peak`` (Linux >= 5.19, else no memory figure), ``cpu.stat``
   ``usage_usec``, ``pids.peak`` (Linux >= 6.1?, else none).
-- **no view** (a worker in a container under Compose, its own cgroup namespace): not
-  measured (null). The engine's stats call is no way out: on Docker 20.10 one
-  ``GET /containers/<id>/stats?stream=false&one-shot=true`` takes ~0.8 s (the engine samples
-  every second), twice a job, and a container that exited meanwhile has nothing left.
+- **a read-only view** (a worker in a container under Compose: the host's /sys/fs/cgroup
+  bound read-only at ``STUDIO_CODE_HOST_CGROUP``): parents are made only when another
+  process removes them (``STUDIO_CODE_USAGE_SWEEPER=1``: Compose's usage-sweeper service,
+  ``python -m executor.runtimes.docker.usage``, ``sweep_empty``).
+- **no view**: not measured (null). The engine's stats call is no way out: on Docker 20.10
+  the engine samples every container in one loop (collect, publish, sleep 1 s), and a
+  ``GET /containers/<id>/stats?stream=false&one-shot=true`` waits for its next pass
+  (measured: 3 ms on an idle loop, 300-1000 ms otherwise; ~2 s without one-shot), and a
+  container that exited meanwhile has nothing left.
 
 A pre-started sandbox (pool.py) is handed its job long after its interpreter started:
 ``hand_over`` reads its CPU then, and the job's CPU is what it used after; on v1 it also
@@ -22,9 +27,9 @@ resets the memory peak to the current usage, so the peak counts the idle interpr
 resident memory (the job runs in it) but not the transient peak of its start.
 
 Per-run parents are used only for the cgroupfs driver (systemd's parents are slices it
-manages) and only when talking to the engine's own socket: a socket guard refuses a
-``CgroupParent`` it does not know. ``STUDIO_CODE_USAGE=0`` turns the reading off (usage
-null): the bench's comparison.
+manages) and an engine on this host (a ``unix://`` DOCKER_HOST: its own socket, or a socket
+guard's, which passes a ``CgroupParent`` of exactly ``/studio-code-usage-<16 hex>``).
+``STUDIO_CODE_USAGE=0`` turns the reading off (usage null): the bench's comparison.
 """
 
 from __future__ import annotations
