@@ -230,9 +230,39 @@ def _mounts(svc: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def _read_only(svc: dict[str, Any], target: str) -> bool:
+    for v in svc.get("volumes") or []:
+        if isinstance(v, str) and v.split(":")[1] == target:
+            return v.endswith(":ro")
+        if isinstance(v, dict) and v.get("target") == target:
+            return bool(v.get("read_only"))
+    raise AssertionError(f"no mount at {target}")
+
+
+def test_only_the_usage_sweeper_writes_the_host_cgroups(config: dict[str, Any]) -> None:
+    """The host's cgroup fs is mounted writable into one service: the sweeper, which has no
+    network and one capability; the workers read it; the rest do not see it."""
+    for name, svc in config["services"].items():
+        if ("/sys/fs/cgroup", "/host/sys/fs/cgroup") not in _mounts(svc):
+            continue
+        assert name in ("worker", "usage-sweeper"), name
+        assert _read_only(svc, "/host/sys/fs/cgroup") == (name == "worker"), name
+    sweeper = config["services"]["usage-sweeper"]
+    assert sweeper["network_mode"] == "none" and sweeper["cap_drop"] == ["ALL"]
+    # rmdir in a v1 hierarchy's root (root's, mode 0555): the one capability it gets
+    assert sweeper["cap_add"] == ["DAC_OVERRIDE"] and not sweeper.get("group_add")
+    assert config["services"]["worker"]["depends_on"]["usage-sweeper"]
+    assert config["services"]["worker"]["environment"]["STUDIO_CODE_USAGE_SWEEPER"] == "1"
+
+
 def test_the_workers_start_sandboxes_through_the_socket_guard(config: dict[str, Any]) -> None:
     worker = config["services"]["worker"]
-    assert _mounts(worker) == [("docker-guard", "/run/studio")]
+    # the guard's socket, and the host's cgroup fs (what each run used) read-only
+    assert sorted(_mounts(worker)) == [
+        ("/sys/fs/cgroup", "/host/sys/fs/cgroup"),
+        ("docker-guard", "/run/studio"),
+    ]
+    assert _read_only(worker, "/host/sys/fs/cgroup")
     guard = config["services"]["sockguard"]["command"]
     env = worker["environment"]
     assert env["DOCKER_HOST"] == f"unix://{guard[guard.index('--listen') + 1]}"
@@ -646,6 +676,9 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
         box = wait_for(lambda: seen_running(py), 90, "the Python sandbox running", 0.2)
         assert box.image.tags == [python_image]
         assert _owned_by_a_worker(docker_client, dep, box), box.labels
+        # a cold sandbox under its run's own cgroup parent (passed by the guard)
+        parent = box.attrs["HostConfig"]["CgroupParent"]
+        assert re.fullmatch(r"/studio-code-usage-[0-9a-f]{16}", parent), parent
         ts = submit(INSIDE_TS, "typescript", {"n": 21})
         tbox = wait_for(lambda: seen_running(ts), 90, "the TypeScript sandbox running", 0.2)
         assert tbox.image.tags == [ts_image]
@@ -658,11 +691,17 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
         # seccomp (our profile) refuses AF_INET: no network socket at all, only lo
         assert inside["ifaces"] == ["lo"] and inside["net"] == "PermissionError", inside
         assert rec["runtime"] == "docker" and rec["worker"], rec
+        # what it used, measured by the worker through its read-only view of the host's
+        # cgroups; the parent goes once empty (the usage-sweeper)
+        usage = rec["usage"]
+        assert usage is not None and usage["source"] in ("cgroup-v1", "cgroup-v2"), rec
+        assert usage["memory_peak_bytes"] > 1_000_000 and usage["cpu_ms"] > 0, usage
         rec = wait_for(
             lambda: (r := run(ts))["finished"] and r, 90, "the TypeScript node done", 0.2
         )
         assert rec["status"] == "succeeded", rec
         assert rec["output"]["doubled"] == 42 and rec["output"]["deno"], rec
+        assert rec["usage"] is not None and rec["usage"]["memory_peak_bytes"] > 1_000_000, rec
         _gone(docker_client, py)
         _gone(docker_client, ts)
 
@@ -698,6 +737,17 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
         assert rec["status"] == "cancelled", rec
         assert rec["error"]["code"] == "CODE_CANCELLED", rec
         wait_for(lambda: not containers_of(docker_client, long), 15, "its sandbox gone", 0.2)
+        # the first node's parent, empty since it ended (the batch between): removed by the
+        # usage-sweeper once empty for 20 s
+        wait_for(
+            lambda: (
+                not os.path.exists(f"/sys/fs/cgroup/memory{parent}")
+                and not os.path.exists(f"/sys/fs/cgroup{parent}")
+            ),
+            60,
+            f"the empty parent {parent} removed by the usage-sweeper",
+            1,
+        )
         http.close()
     finally:
         t1 = time.monotonic()

@@ -98,6 +98,42 @@ def test_a_create_outside_the_sandbox_policy_is_refused_naming_why(
     assert named in message, message
 
 
+#: cgroup parents of another shape than a run's own /studio-code-usage-<16 hex>: the engine's
+#: or another service's group, a path out of the hierarchy's root, a nested one, upper-case
+#: or one hex digit more or less, a trailing newline, no leading slash
+OTHER_PARENTS = [
+    "/docker",
+    "/system.slice",
+    "/studio-code-usage-0123456789abcdef/../docker",
+    "/studio-code-usage-0123456789abcdef/x",
+    "/studio-code-usage-0123456789ABCDEF",
+    "/studio-code-usage-0123456789abcde",
+    "/studio-code-usage-0123456789abcdef0",
+    "/studio-code-usage-0123456789abcdef\n",
+    "studio-code-usage-0123456789abcdef",
+]
+
+
+def test_a_cgroup_parent_of_another_shape_than_a_run_own_is_refused_named(
+    guard: Any, api: Any, docker_client: Any, python_image: str
+) -> None:
+    """A run's own parent (usage per run) passes; any other CgroupParent is refused, named:
+    a compromised worker cannot put a sandbox under the engine's or a service's group."""
+    for parent in OTHER_PARENTS:
+        args = sandbox_args(api, python_image, cgroup_parent=parent)
+        message = refused(guard, api, docker_client, args)
+        assert f"HostConfig.CgroupParent {parent!r}" in message, message
+    name = f"studio-code-guardtest-{uuid.uuid4().hex[:12]}"
+    parent = "/studio-code-usage-" + uuid.uuid4().hex[:16]
+    cid = api.create_container(name=name, **sandbox_args(api, python_image, cgroup_parent=parent))[
+        "Id"
+    ]
+    try:
+        assert docker_client.api.inspect_container(cid)["HostConfig"]["CgroupParent"] == parent
+    finally:
+        docker_client.api.remove_container(cid, force=True)
+
+
 def test_an_image_outside_the_list_and_a_root_user_are_refused(
     guard: Any, api: Any, docker_client: Any, python_image: str
 ) -> None:

@@ -237,12 +237,9 @@ def test_the_cli_prints_the_usage(python_image: str, tmp_path: Path) -> None:
     assert out["usage"]["source"] in ("cgroup-v1", "cgroup-v2")
 
 
-def test_a_cold_sandbox_parent_cgroup_goes_with_it(
-    make_settings: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The per-run parent that outlives a cold sandbox is removed with it (OOM too)."""
+def recording_meters(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The meters the docker runtime makes from now on (each cold or pre-started sandbox's)."""
     from executor.runtimes.docker import usage
-    from executor.service import Executor
 
     made: list[Any] = []
     real = usage.new_meter
@@ -253,6 +250,17 @@ def test_a_cold_sandbox_parent_cgroup_goes_with_it(
         return meter
 
     monkeypatch.setattr(usage, "new_meter", recording)
+    return made
+
+
+def test_a_cold_sandbox_parent_cgroup_goes_with_it(
+    make_settings: Any, python_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-run parent that outlives a cold sandbox is removed with it (OOM too)."""
+    from executor.runtimes.docker import usage
+    from executor.service import Executor
+
+    made = recording_meters(monkeypatch)
     ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
     for what in ("idle", "oom"):
         assert ex.run(CodeJob(code=CODE["python"][what])).usage is not None
@@ -310,6 +318,56 @@ def test_a_worker_that_cannot_see_the_cgroups_reports_null(
 
     monkeypatch.setattr(usage, "_hosts", {})
     monkeypatch.setattr(usage, "_detect", lambda: None)  # this process sees no cgroups
+    pooled = pooled_run(make_settings, python_image, "idle")
+    cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
+    r = cold.run(CodeJob(code=CODE["python"]["idle"]))
+    for run in (pooled, r):
+        assert run.status is Status.SUCCEEDED and run.usage is None
+        assert run.cli_dict()["usage"] is None
+
+
+def test_runs_through_a_socket_guard_are_measured(
+    make_settings: Any,
+    python_image: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that reaches the engine through a real socket guard (``studio-code
+    sockguard``) on this host measures its runs as one on the engine's socket: a cold
+    sandbox under its run's own parent (the guard passes that shape), OOM-killed too, and a
+    pre-started one; the guard refused nothing and no parent is left."""
+    from executor.runtimes.docker import usage
+    from executor.service import Executor, mib
+    from tests.services import SockGuardProcess
+
+    with SockGuardProcess(tmp_path / "guard") as guard:
+        monkeypatch.setenv("DOCKER_HOST", guard.host)
+        cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
+        host = usage.cgroup_host(cold.runtime.api)  # type: ignore[union-attr]
+        assert host is not None and host.parents, host
+        want = "cgroup-v2" if _v2() else "cgroup-v1"
+        meters = recording_meters(monkeypatch)
+        r = cold.run(CodeJob(code=CODE["python"]["memory"]))
+        assert r.status is Status.SUCCEEDED, r.error
+        assert r.usage is not None and r.usage.source == want, r.usage
+        assert 100 * MB <= r.usage.memory_peak_bytes <= LIMIT, r.usage
+        oom = cold.run(CodeJob(code=CODE["python"]["oom"]))
+        assert oom.error is not None and oom.error.code is ErrorCode.CODE_MEMORY, oom.error
+        assert oom.usage is not None and oom.usage.memory_peak_bytes >= 0.9 * LIMIT, oom.usage
+        assert f"used {mib(oom.usage.memory_peak_bytes)} of 256 MiB" in oom.error.message
+        made = [m.parent for m in meters]
+        assert len(made) == 2 and all(made), made
+        assert [d for p in made for d in host.all_parent_dirs(p)] == []
+        p = pooled_run(make_settings, python_image, "cpu")
+        assert p.usage is not None and p.usage.source == want, p.usage
+        assert 400 <= p.usage.cpu_ms <= 700, p.usage
+        assert guard.refusals() == []
+
+
+def pooled_run(make_settings: Any, python_image: str, what: str) -> Any:
+    """The Python node ``what`` in a pre-started sandbox of a pool of its own."""
+    from executor.service import Executor
+
     ex = Executor(
         make_settings(
             code_runtime="docker", code_image=python_image, code_languages="python", code_prewarm=1
@@ -319,12 +377,110 @@ def test_a_worker_that_cannot_see_the_cgroups_reports_null(
     try:
         assert ex.runtime is not None and ex.runtime.pool is not None
         assert ex.runtime.pool.wait_ready(60)
-        pooled = ex.run(CodeJob(code=CODE["python"]["idle"]))
-        assert next(t.detail for t in pooled.trace if t.step == "sandbox.start") == "pool"
+        r = ex.run(CodeJob(code=CODE["python"][what]))
+        assert next(t.detail for t in r.trace if t.step == "sandbox.start") == "pool"
+        return r
     finally:
         ex.close()
-    cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
-    r = cold.run(CodeJob(code=CODE["python"]["idle"]))
-    for run in (pooled, r):
-        assert run.status is Status.SUCCEEDED and run.usage is None
-        assert run.cli_dict()["usage"] is None
+
+
+#: run in a mount namespace of its own whose view of the host's cgroup fs is a read-only
+#: bind (what Compose gives a worker): one cold run through the guard, its usage and parent
+IN_A_READ_ONLY_VIEW = """
+set -e
+mkdir -p "$VIEW"
+mount --rbind /sys/fs/cgroup "$VIEW"
+for m in $(awk -v v="$VIEW" '$5 ~ "^"v {print $5}' /proc/self/mountinfo); do
+  mount -o remount,bind,ro "$m"
+done
+exec "$PYTHON" -c '
+import json, sys
+from executor.models import CodeJob
+from executor.runtimes.docker import usage
+from executor.service import Executor
+from executor.settings import load_settings
+made = []
+real = usage.new_meter
+usage.new_meter = lambda api: made.append(real(api)) or made[-1]
+ex = Executor(load_settings(enable_code_nodes=True, code_runtime="docker", code_memory="256m"))
+r = ex.run(CodeJob(code=sys.argv[1]))
+host = usage.cgroup_host(None)
+print(json.dumps({"status": r.status, "usage": r.usage and r.usage.model_dump(),
+    "parents": [m and m.parent for m in made], "writable": host and host.removes}))
+' "$CODE"
+"""
+
+
+def test_a_worker_with_a_read_only_view_is_measured_and_the_sweeper_removes_its_parents(
+    python_image: str, tmp_path: Path
+) -> None:
+    """The Compose shape without Compose: a worker whose view of the host's cgroups is a
+    read-only bind (STUDIO_CODE_HOST_CGROUP) behind a real socket guard measures a cold run
+    under its run's own parent (STUDIO_CODE_USAGE_SWEEPER=1), which it cannot remove; the
+    sweeper's pass (a process that can write) removes it once empty long enough. Without a
+    sweeper it makes no parent: the cold run is not measured (null)."""
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+
+    from executor.runtimes.docker import usage
+    from tests.services import SockGuardProcess, require
+
+    require(
+        os.geteuid() == 0 and shutil.which("unshare") is not None,
+        "root and unshare (a mount namespace with a read-only view of the cgroups)",
+    )
+    with SockGuardProcess(tmp_path / "guard") as guard:
+        env = {
+            **os.environ,
+            "DOCKER_HOST": guard.host,
+            "STUDIO_CODE_IMAGE": python_image,
+            "STUDIO_CODE_HOST_CGROUP": str(tmp_path / "view"),
+            "STUDIO_CODE_USAGE_SWEEPER": "1",
+            "VIEW": str(tmp_path / "view"),
+            "PYTHON": sys.executable,
+            "CODE": CODE["python"]["memory"],
+        }
+
+        def worker(**over: str) -> dict[str, Any]:
+            proc = subprocess.run(
+                ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+                + [IN_A_READ_ONLY_VIEW],
+                env={**env, **over},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            return dict(json.loads(proc.stdout.splitlines()[-1]))
+
+        got = worker()
+        assert got["writable"] is False, got  # the view was read-only
+        assert got["status"] == "succeeded", got
+        assert got["usage"] is not None, got
+        assert got["usage"]["source"] in ("cgroup-v1", "cgroup-v2"), got
+        assert got["usage"]["memory_peak_bytes"] >= 100 * MB, got
+        (parent,) = got["parents"]
+        host = usage.cgroup_host(None)
+        assert host is not None and host.removes
+        assert host.all_parent_dirs(parent), "the worker could not remove it: still there"
+        seen: dict[str, float] = {}
+        usage.sweep_empty(seen, empty_for_s=3600)
+        assert host.all_parent_dirs(parent) and parent in seen  # empty, not long enough
+        # a parent holding a sandbox's group (a run going on) stays, however long seen
+        busy = usage.PARENT_PREFIX + secrets.token_hex(8)
+        os.makedirs(host.parent_dir("memory", busy) + "/held")
+        try:
+            seen[parent] -= 3600
+            seen[busy] = seen[parent]
+            assert usage.sweep_empty(seen, empty_for_s=3600) >= 1
+            assert host.all_parent_dirs(parent) == []
+            assert os.path.isdir(host.parent_dir("memory", busy)) and busy not in seen
+        finally:
+            os.rmdir(host.parent_dir("memory", busy) + "/held")
+            os.rmdir(host.parent_dir("memory", busy))
+        without = worker(STUDIO_CODE_USAGE_SWEEPER="")
+        assert without["status"] == "succeeded" and without["parents"] == [None], without
+        assert without["usage"] is None, without
+        assert guard.refusals() == []

@@ -44,9 +44,10 @@ Passed on:
   no-new-privileges and the project's own seccomp profile, ipc none, the ulimits, no log
   driver, the configured OCI runtime), the limits present and within the settings' caps,
   every other field of the request empty (no Privileged, Mounts, Devices, CapAdd, host
-  namespaces, MaskedPaths...), a configured image, the project's labels, and ``User`` the
-  sandbox's ``uid:gid`` (``sandbox_ids``) or another ``uid:gid`` of decimal digits, both
-  non-zero (no ``0``, ``00``, ``+0``, ``root``, no name);
+  namespaces, MaskedPaths...) but ``CgroupParent`` of exactly ``/studio-code-usage-<16
+  hex>`` (a run's own, for its usage figures: ``PARENT_SHAPE``), a configured image, the
+  project's labels, and ``User`` the sandbox's ``uid:gid`` (``sandbox_ids``) or another
+  ``uid:gid`` of decimal digits, both non-zero (no ``0``, ``00``, ``+0``, ``root``, no name);
 * on a container carrying the project's labels (``studio.owner`` with ``studio.job_id`` or
   ``studio.pool``): attach (upgraded; the stream is then passed on raw both ways), start,
   wait, rename (to a ``studio-code-`` name), inspect, remove, and a read of the image's
@@ -88,6 +89,8 @@ from urllib.parse import parse_qsl, urlencode
 
 import h11
 
+from executor.runtimes.docker.usage import PARENT_PREFIX
+
 log = logging.getLogger("studio_code.sockguard")
 
 #: what marks a container as one of ours (executor/runtimes/docker/policy.py's labels)
@@ -121,6 +124,9 @@ _IMAGE = re.compile(r"^/images/([A-Za-z0-9][A-Za-z0-9_.:/@-]*)/json$")
 _PATH = re.compile(r"^(/[A-Za-z0-9_.:@-]+)+$|^/$")
 _NAME = re.compile(rf"^{NAME_PREFIX}[A-Za-z0-9_.-]{{1,200}}$")
 _USER = re.compile(r"^([1-9][0-9]{0,9}):([1-9][0-9]{0,9})$")
+#: the one cgroup parent a create may name: a run's own, made by runc under the hierarchy's
+#: root (executor/runtimes/docker/usage.py), matched whole (``fullmatch``: no newline after)
+PARENT_SHAPE = re.compile(rf"/{PARENT_PREFIX}[0-9a-f]{{16}}")
 #: the operations on one of our containers, by method
 CONTAINER_OPS = {
     ("POST", "attach"),
@@ -317,8 +323,17 @@ class Policy:
             raise Refused(
                 f"HostConfig.PidsLimit {host.get('pidslimit')!r}: set, at most {self.max_pids}"
             )
+        parent = host.get("cgroupparent")
+        if parent not in (None, "") and not (
+            isinstance(parent, str) and PARENT_SHAPE.fullmatch(parent)
+        ):
+            raise Refused(
+                f"HostConfig.CgroupParent {str(parent)[:120]!r}: a sandbox's cgroup parent is "
+                f"its run's own /{PARENT_PREFIX}<16 hex> (usage per run), or none"
+            )
         fixed = {k.lower() for k in self.host_config}
-        _only_empty(host, fixed | {"memory", "memoryswap", "nanocpus", "pidslimit"}, "HostConfig.")
+        allowed = fixed | {"memory", "memoryswap", "nanocpus", "pidslimit", "cgroupparent"}
+        _only_empty(host, allowed, "HostConfig.")
 
 
 #: the engine's spelling of the fields the refusals name

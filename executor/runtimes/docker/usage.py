@@ -11,10 +11,15 @@ parent outlives the container, and it is removed (``release``) when the containe
 - **cgroup v1**: ``memory.max_usage_in_bytes``, ``cpuacct.usage`` (ns), ``pids.peak``.
 - **cgroup v2**: ``memory.peak`` (Linux >= 5.19, else no memory figure), ``cpu.stat``
   ``usage_usec``, ``pids.peak`` (Linux >= 6.1?, else none).
-- **no view** (a worker in a container under Compose, its own cgroup namespace): not
-  measured (null). The engine's stats call is no way out: on Docker 20.10 one
-  ``GET /containers/<id>/stats?stream=false&one-shot=true`` takes ~0.8 s (the engine samples
-  every second), twice a job, and a container that exited meanwhile has nothing left.
+- **a read-only view** (a worker in a container under Compose: the host's /sys/fs/cgroup
+  bound read-only at ``STUDIO_CODE_HOST_CGROUP``): parents are made only when another
+  process removes them (``STUDIO_CODE_USAGE_SWEEPER=1``: Compose's usage-sweeper service,
+  ``python -m executor.runtimes.docker.usage``, ``sweep_empty``).
+- **no view**: not measured (null). The engine's stats call is no way out: on Docker 20.10
+  the engine samples every container in one loop (collect, publish, sleep 1 s), and a
+  ``GET /containers/<id>/stats?stream=false&one-shot=true`` waits for its next pass
+  (measured: 3 ms on an idle loop, 300-1000 ms otherwise; ~2 s without one-shot), and a
+  container that exited meanwhile has nothing left.
 
 A pre-started sandbox (pool.py) is handed its job long after its interpreter started:
 ``hand_over`` reads its CPU then, and the job's CPU is what it used after; on v1 it also
@@ -22,9 +27,9 @@ resets the memory peak to the current usage, so the peak counts the idle interpr
 resident memory (the job runs in it) but not the transient peak of its start.
 
 Per-run parents are used only for the cgroupfs driver (systemd's parents are slices it
-manages) and only when talking to the engine's own socket: a socket guard refuses a
-``CgroupParent`` it does not know. ``STUDIO_CODE_USAGE=0`` turns the reading off (usage
-null): the bench's comparison.
+manages) and an engine on this host (a ``unix://`` DOCKER_HOST: its own socket, or a socket
+guard's, which passes a ``CgroupParent`` of exactly ``/studio-code-usage-<16 hex>``).
+``STUDIO_CODE_USAGE=0`` turns the reading off (usage null): the bench's comparison.
 """
 
 from __future__ import annotations
@@ -60,8 +65,11 @@ class CgroupHost:
     #: v1: controller -> mount point ("memory", "cpuacct", "pids"); v2: {"": mount point}
     mounts: dict[str, str]
     driver: str
-    #: per-run parents are made (cgroupfs driver, the engine's own socket)
+    #: per-run parents are made (cgroupfs driver, an engine on this host)
     parents: bool
+    #: this process removes them (its view is writable); else another does (Compose: the
+    #: usage-sweeper service)
+    removes: bool = True
 
     @property
     def source(self) -> UsageSource:
@@ -122,6 +130,7 @@ def cgroup_host(api: Any) -> CgroupHost | None:
 
 
 def _detect() -> CgroupHost | None:
+    view = os.environ.get("STUDIO_CODE_HOST_CGROUP", "/sys/fs/cgroup").rstrip("/")
     mounts: dict[str, str] = {}
     v2: str | None = None
     try:
@@ -137,13 +146,16 @@ def _detect() -> CgroupHost | None:
         root, point = parts[3], parts[4]
         if root != "/":
             continue  # a view of a sub-group (a container's own): not the host's sandboxes
-        if rest[0] == "cgroup2" and point == "/sys/fs/cgroup":
+        if rest[0] == "cgroup2" and point == view:
             v2 = point
-        elif rest[0] == "cgroup" and len(rest) >= 3:
+        elif rest[0] == "cgroup" and len(rest) >= 3 and point.startswith(view + "/"):
             for opt in rest[2].split(","):
                 if opt in ("memory", "cpuacct", "pids"):
                     mounts[opt] = point
-    own_socket = os.environ.get("DOCKER_HOST", "") in ("", "unix:///var/run/docker.sock")
+    # an engine on this host: its own socket or a socket guard's (which passes a parent of
+    # exactly this module's shape); an engine over TCP is another host's, whose groups these
+    # are not
+    local = (os.environ.get("DOCKER_HOST") or "unix://").startswith("unix://")
     if v2 is not None:
         version, found = 2, {"": v2}
     elif "memory" in mounts and "cpuacct" in mounts:
@@ -161,10 +173,13 @@ def _detect() -> CgroupHost | None:
         driver = "systemd"
     else:
         return None
-    # a parent is removed by this process: a view it cannot write (mounted read-only into
-    # a worker's container) reads the sandboxes' own groups only
+    # a parent is removed by this process, or by a sweeper the deployment runs: a view it
+    # cannot write (mounted read-only into a worker's container) without one reads the
+    # sandboxes' own groups only
     writable = os.access(base, os.W_OK)
-    return CgroupHost(version, found, driver, driver == "cgroupfs" and own_socket and writable)
+    swept = os.environ.get("STUDIO_CODE_USAGE_SWEEPER", "") == "1"
+    parents = driver == "cgroupfs" and local and (writable or swept)
+    return CgroupHost(version, found, driver, parents, removes=writable)
 
 
 def _listdir(path: str) -> list[str]:
@@ -254,7 +269,7 @@ class Meter:
 
     def release(self) -> None:
         """After the container's removal: its parent's directories go."""
-        if self.host is None or self.parent is None:
+        if self.host is None or self.parent is None or not self.host.removes:
             return
         for d in self.host.all_parent_dirs(self.parent):
             try:
@@ -337,7 +352,7 @@ def sweep(api: Any, older_than_s: float) -> int:
     a run still going holds its container's group (rmdir fails: EBUSY), and one whose
     container just ended is younger than the longest run. Returns how many went."""
     host = cgroup_host(api)
-    if host is None or not host.parents:
+    if host is None or not host.parents or not host.removes:
         return 0
     with _meters_lock:
         mine = {m.parent for m in _meters.values()}
@@ -357,6 +372,75 @@ def sweep(api: Any, older_than_s: float) -> int:
         Meter(host, name).release()
         gone += not os.path.exists(f"{base}/{name}")
     return gone
+
+
+#: how long a parent must have been seen empty before the sweeper removes it: its sandbox
+#: exited that long ago, and its worker reads the figures on the run's path (milliseconds)
+EMPTY_FOR_S = 20.0
+SWEEP_EVERY_S = 5.0
+
+
+def sweep_empty(seen: dict[str, float], empty_for_s: float = EMPTY_FOR_S) -> int:
+    """One pass of the sweeper (a process that can write the host's cgroup fs, for workers
+    whose view is read-only): remove the per-run parents seen empty (no sandbox group in them)
+    for ``empty_for_s``; ``seen`` carries when each was first seen empty. Returns how many
+    went."""
+    host = cgroup_host(None)
+    if host is None or not host.parents or not host.removes:
+        return 0
+    base = host.mounts["" if host.version == 2 else "memory"]
+    now = time.monotonic()
+    names = {n for n in _listdir(base) if n.startswith(PARENT_PREFIX)}
+    for gone in set(seen) - names:
+        del seen[gone]
+    removed = 0
+    for name in sorted(names):
+        try:
+            busy = any(e.is_dir() for e in os.scandir(f"{base}/{name}"))
+        except OSError:
+            continue
+        if busy:
+            seen.pop(name, None)
+            continue
+        if now - seen.setdefault(name, now) < empty_for_s:
+            continue
+        Meter(host, name).release()
+        if not os.path.exists(f"{base}/{name}"):
+            removed += 1
+            del seen[name]
+    return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m executor.runtimes.docker.usage``: the sweeper (Compose's usage-sweeper
+    service): every ``--every`` s, remove the per-run parents empty for ``--empty-for`` s;
+    at SIGTERM (the workers stopped first) every empty one."""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--every", type=float, default=SWEEP_EVERY_S)
+    ap.add_argument("--empty-for", type=float, default=EMPTY_FOR_S)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    host = cgroup_host(None)
+    if host is None or not host.removes:
+        log.error(
+            "usage sweeper: no writable view of the engine's cgroups (cgroupfs driver) under "
+            "STUDIO_CODE_HOST_CGROUP=%s: mount the host's /sys/fs/cgroup there, read-write",
+            os.environ.get("STUDIO_CODE_HOST_CGROUP", "/sys/fs/cgroup"),
+        )
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log.info("usage sweeper: removing per-run parents empty for %.0f s", args.empty_for)
+    seen: dict[str, float] = {}
+    while not stop.wait(args.every):
+        if n := sweep_empty(seen, args.empty_for):
+            log.info("usage sweeper: removed %d empty per-run parents", n)
+    n = sweep_empty(seen, 0.0)
+    log.info("usage sweeper: stopping, removed %d empty per-run parents", n)
+    return 0
 
 
 def _int_file(path: str) -> int | None:
@@ -390,3 +474,7 @@ def _write(path: str, data: bytes) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
