@@ -37,8 +37,13 @@ from typing import TYPE_CHECKING, Any
 from executor.runtimes.docker import usage
 
 if TYPE_CHECKING:
-    from executor.runtimes.docker.pool import Pooled, SandboxPool
     from executor.settings import Settings
+
+#: executor.runtimes.docker.pool's SandboxPool and Pooled: the pool calls this module (after
+#: a fill, for meta), so naming its types here, even for the type checker only, would make
+#: an import circle (tests/test_imports.py)
+SandboxPool = Any
+Pooled = Any
 
 log = logging.getLogger("studio_code")
 
