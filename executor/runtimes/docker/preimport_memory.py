@@ -37,8 +37,13 @@ from typing import TYPE_CHECKING, Any
 from executor.runtimes.docker import usage
 
 if TYPE_CHECKING:
-    from executor.runtimes.docker.pool import Pooled, SandboxPool
     from executor.settings import Settings
+
+#: executor.runtimes.docker.pool's SandboxPool and Pooled: the pool calls this module (after
+#: a fill, for meta), so naming its types here, even for the type checker only, would make
+#: an import circle (tests/test_imports.py)
+SandboxPool = Any
+Pooled = Any
 
 log = logging.getLogger("studio_code")
 
@@ -109,7 +114,9 @@ def wait_quiet(api: Any, meter: usage.Meter, timeout_s: float = SETTLE_TIMEOUT_S
             return False
         if got[1] != last:
             last, since = got[1], time.monotonic()
-        elif time.monotonic() - since >= QUIET_S:
+        elif got[1] > 0 and time.monotonic() - since >= QUIET_S:
+            # quiet after it ran (a sandbox whose process has not started yet on a loaded
+            # engine shows no CPU at all: that is not quiet, and it would read 0 bytes)
             return True
         time.sleep(POLL_S)
     return False
@@ -125,7 +132,7 @@ def _idle_reading(pool: SandboxPool, p: Pooled) -> tuple[int, str] | None:
     figure = meter.resident()
     with pool._cond:
         idle = any(q is p for q in pool._idle[p.language])
-    if figure is None or not idle:
+    if not figure or not idle:  # nothing resident yet is not a figure
         return None
     return figure, str(meter.source())
 
@@ -173,7 +180,7 @@ def _bare_reading(pool: SandboxPool, bare: Pooled) -> int | None:
     meter = usage.of(bare.cid)
     if meter is None or not wait_quiet(pool.runtime.api, meter):
         return None
-    return meter.resident()
+    return meter.resident() or None  # nothing resident yet is not a figure
 
 
 def _record(
