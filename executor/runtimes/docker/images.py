@@ -41,18 +41,11 @@ def _never_started(api: Any, settings: Settings, image: str) -> dict[str, Any]:
     """The create arguments of the container a file is copied out of: a sandbox's, running
     ``true``, never started."""
     from executor.languages import get_language
-    from executor.models import CodeJob, Limits
+    from executor.models import CodeJob
     from executor.runtimes.base import owner_id
-    from executor.runtimes.docker.policy import sandbox_policy
+    from executor.runtimes.docker.policy import sandbox_policy, shape_limits
 
-    limits = Limits(
-        memory_bytes=settings.memory_bytes,
-        cpus=settings.code_cpus,
-        pids=settings.code_pids,
-        timeout_s=1,
-        log_max_bytes=1,
-        output_max_bytes=1,
-    )
+    limits = shape_limits(settings.memory_bytes, settings.code_cpus, settings.code_pids)
     job = CodeJob(job_id=f"modules-{uuid.uuid4().hex[:12]}", code="")
     policy = sandbox_policy(settings, get_language("python"), job, limits, owner_id())
     return {

@@ -84,3 +84,17 @@ def sandbox_policy(
 
 def container_name(job_id: str) -> str:
     return f"studio-code-{job_id}"
+
+
+def shape_limits(memory_bytes: int, cpus: float, pids: int) -> Limits:
+    """The limits of a sandbox that runs no job (the socket guard's reference shape, a
+    container a file is copied out of): only the resource caps matter, the job's own
+    timeout and output caps are placeholders."""
+    return Limits(
+        memory_bytes=memory_bytes,
+        cpus=cpus,
+        pids=pids,
+        timeout_s=1,
+        log_max_bytes=1,
+        output_max_bytes=1,
+    )

@@ -203,18 +203,11 @@ class Policy:
         from docker.types import HostConfig
 
         from executor.languages import get_language
-        from executor.models import CodeJob, Limits
-        from executor.runtimes.docker.policy import sandbox_policy
+        from executor.models import CodeJob
+        from executor.runtimes.docker.policy import sandbox_policy, shape_limits
         from executor.settings import sandbox_ids
 
-        limits = Limits(
-            memory_bytes=settings.max_memory_bytes,
-            cpus=settings.max_cpus,
-            pids=settings.code_pids,
-            timeout_s=1,
-            log_max_bytes=1,
-            output_max_bytes=1,
-        )
+        limits = shape_limits(settings.max_memory_bytes, settings.max_cpus, settings.code_pids)
         python = get_language("python")
         policy = sandbox_policy(settings, python, CodeJob(code=""), limits, "guard:0")
         fixed = dict(HostConfig(version="1.41", **policy["host_config"]))
