@@ -43,7 +43,10 @@ from pathlib import Path
 
 from bench.http import TRIVIAL, test_call_overhead
 from bench.queue import FLOOR_QUEUE, SETTLE_S, floor_sample, start_worker
-from tests.services import ROOT, ApiServer, CeleryWorker, children, process_tree, start_redis
+from testkit.api import ApiServer
+from testkit.processes import ROOT, children, process_tree
+from testkit.redis import start_redis
+from testkit.worker import CeleryWorker
 
 TICK = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.02

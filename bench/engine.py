@@ -255,7 +255,7 @@ LONG = (
 
 def restarts(rounds: int = 5) -> int:
     """Engine restart -> the killed run started again on the other engine: two workers, the
-    machine's engine (e1) and one of this bench's own (e2, tests.test_two_hosts's
+    machine's engine (e1) and one of this bench's own (e2, testkit.engine's
     KillableEngine: the only one ever stopped), a Redis and a PostgreSQL schema of its own.
     Each round a long job runs on e2 (a long job that lands on e1 is cancelled, so e1 has a
     free slot) when e2's engine crashes (SIGKILL of its dockerd, containerd and shims; then
@@ -267,8 +267,10 @@ def restarts(rounds: int = 5) -> int:
 
     from api_client.client import CodeClient
     from executor.settings import load_settings
-    from tests.services import BIN, Service, pg_schema, start_redis
-    from tests.test_two_hosts import KillableEngine
+    from testkit.engine import KillableEngine
+    from testkit.postgres import pg_schema
+    from testkit.processes import BIN, Service
+    from testkit.redis import start_redis
 
     if os.geteuid() != 0 or not shutil.which("dockerd"):
         print("bench.engine --restarts: skipped (needs root and dockerd)")

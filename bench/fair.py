@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.common import pct
 from bench.queue import TRIVIAL, start_worker
-from tests.services import start_redis
+from testkit.redis import start_redis
 
 
 def _wait(client: Any, ids: list[str], timeout_s: float) -> dict[str, Any]:

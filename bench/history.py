@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from bench.common import interleave, pct
 
 if TYPE_CHECKING:
-    from tests.services import ApiServer
+    from testkit.api import ApiServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,7 +101,7 @@ def raw_page(url: str) -> Any:
 def start_api(url: str, tmp: Path, redis_url: str = "redis://127.0.0.1:1/0") -> ApiServer:
     """``studio-code serve`` on the store at ``url`` (the tests' ApiServer, answering
     /healthz/live); the history needs no Redis (the default points nowhere), live logs do."""
-    from tests.services import ApiServer
+    from testkit.api import ApiServer
 
     env = {
         **os.environ,
@@ -168,7 +168,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="studio-bench-history-") as d:
         tmp = Path(d)
         bench_store("sqlite", f"sqlite:///{tmp / 'runs.db'}", args.rows, args.n, tmp)
-        from tests.services import POSTGRES_URL, pg_schema, pg_unreachable
+        from testkit.postgres import POSTGRES_URL, pg_schema, pg_unreachable
 
         why = pg_unreachable(POSTGRES_URL)
         if why is not None:  # no PostgreSQL here: SQLite rows only

@@ -27,7 +27,10 @@ from typing import Any
 
 from bench.common import pct
 from bench.queue import SETTLE_S
-from tests.services import ROOT, ApiServer, CeleryWorker, start_redis
+from testkit.api import ApiServer
+from testkit.processes import ROOT
+from testkit.redis import start_redis
+from testkit.worker import CeleryWorker
 
 SLEEP = "import time\n\ndef main(state):\n    time.sleep(60)\n    return 1\n"
 TRIVIAL = "def main(state):\n    return 1\n"

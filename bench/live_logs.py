@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench.common import pct
 from bench.queue import start_worker
-from tests.services import start_redis
+from testkit.redis import start_redis
 
 PRINTER = (
     "import time\n"

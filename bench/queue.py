@@ -28,14 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import pct, raw_container
-from tests.services import CeleryWorker, start_redis
+from testkit.redis import start_redis
+from testkit.worker import CeleryWorker
 
 TRIVIAL = "def main(state):\n    return 1\n"
 SPIN = "def main(state):\n    while True:\n        pass\n"
 LABEL_JOB = "studio.job_id"
 
 
-# --- the services it starts and stops: the tests' own (tests/services.py) -------------------
+# --- the services it starts and stops: the tests' own (testkit/) ---------------------------
 
 
 def start_worker(

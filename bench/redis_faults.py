@@ -1,5 +1,5 @@
-"""Benchmark of Redis faults, in ONE run, with the tests' own services (tests/services.py,
-tests/relay.py): how long after Redis is usable again a worker consumes a job. No
+"""Benchmark of Redis faults, in ONE run, with the tests' own services (testkit/,
+testkit/relay.py): how long after Redis is usable again a worker consumes a job. No
 assertions.
 
 * heal -> first job consumed: a worker reaches its redis-server through a loopback relay;
@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import pct
-from tests.relay import Relay
-from tests.services import CeleryWorker, start_redis, start_sentinels
+from testkit.redis import start_redis
+from testkit.relay import Relay
+from testkit.sentinel import start_sentinels
+from testkit.worker import CeleryWorker
 
 TRIVIAL = "def main(state):\n    return 1\n"
 

@@ -1,6 +1,6 @@
 """Benchmark of OpenTelemetry tracing, per job, on vs off, in ONE run: two prefork workers
 (pooled Docker sandboxes, 1 slot each) on their own redis-servers and SQLite stores, one
-exporting its spans over OTLP/HTTP to a receiver on loopback (tests/otlp_receiver.py), one
+exporting its spans over OTLP/HTTP to a receiver on loopback (testkit/otlp.py), one
 with no OTEL_* variable; the client in this process traces the "on" jobs (submit and wait
 with a caller's traceparent) and not the "off" ones. Jobs alternate between the two, one at
 a time, so both see the same machine noise. No assertions.
@@ -22,8 +22,8 @@ from typing import Any
 from bench.common import pct
 from bench.queue import SETTLE_S, TRIVIAL, start_worker
 from executor import tracing
-from tests.otlp_receiver import Receiver
-from tests.services import start_redis
+from testkit.otlp import Receiver
+from testkit.redis import start_redis
 
 
 def sample(client: Any, traced: bool) -> tuple[float, float] | None:

@@ -1,5 +1,5 @@
 """Benchmark of a worker's upkeep under a backlog: N trivial jobs queued at once on one
-worker (pre-started sandboxes on); sampled every 0.5 s (tests/services.py watch_backlog):
+worker (pre-started sandboxes on); sampled every 0.5 s (testkit/sandboxes.py watch_backlog):
 the most ended sandboxes awaiting removal at once, and the drift of the worker's fds, RSS
 and threads from job N/5 to job N. A worker whose upkeep starves grows here with N.
 
@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 from bench.queue import start_worker
-from tests.services import children, start_redis, watch_backlog
+from testkit.processes import children
+from testkit.redis import start_redis
+from testkit.sandboxes import watch_backlog
 
 TRIVIAL = "def main(state):\n    return 1\n"
 

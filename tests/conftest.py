@@ -14,31 +14,19 @@ from typing import Any
 
 import pytest
 
-from tests import services
-
-# ROOT, IN_CI, require and free_port are imported from here by many tests; RedisServer and
-# start_redis are used by this file's fixtures (their home is tests/services.py).
-from tests.services import (  # noqa: F401
-    IN_CI,
-    POSTGRES_URL,
-    REAL_DOCKER_HOST,
-    ROOT,
-    QueueEnv,
-    RedisServer,
-    SockGuardProcess,
-    free_port,
-    pg_schema,
-    pg_unreachable,
-    require,
-    start_redis,
-)
+from testkit import processes
+from testkit.postgres import POSTGRES_URL, pg_schema, pg_unreachable
+from testkit.processes import ROOT, require
+from testkit.redis import RedisServer, start_redis
+from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
+from testkit.stack import QueueEnv
 
 #: the services each fixture needs, by the fixture's name: a test whose fixture closure has
 #: one of these gets their markers (``pytest_collection_modifyitems``), so ``-m "not docker"``
 #: and the others are true. A module adds its own fixtures in a ``SERVICE_FIXTURES`` dict of
 #: the same shape (a module-scoped stack that starts its own redis-server, say). What a test
-#: starts itself (tests.services: start_redis, CeleryWorker) or takes by
-#: ``request.getfixturevalue`` is checked when it runs (``services.needs``,
+#: starts itself (testkit: start_redis, CeleryWorker) or takes by
+#: ``request.getfixturevalue`` is checked when it runs (``testkit.processes.needs``,
 #: ``_marked_for_what_it_uses``).
 SERVICE_FIXTURES: dict[str, tuple[str, ...]] = {
     "docker_client": ("docker",),
@@ -69,7 +57,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # before any fixture of the test (a module's stack too) is set up
-    services.CURRENT_MARKS = {m.name for m in item.iter_markers()}
+    processes.CURRENT_MARKS = {m.name for m in item.iter_markers()}
 
 
 @pytest.fixture(autouse=True)

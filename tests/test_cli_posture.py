@@ -17,8 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port, run_cli
-from tests.services import ApiServer, sandbox_events, wait_for
+from testkit.api import ApiServer
+from testkit.processes import free_port, wait_for
+from testkit.sandboxes import sandbox_events
+from tests.conftest import run_cli
 
 NODE = "def main(state):\n    return state.get('n', 0) + 1\n"
 

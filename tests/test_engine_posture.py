@@ -20,7 +20,7 @@ from executor.runtimes.docker.escapes import (
     load_table,
     parse_version,
 )
-from tests.services import require
+from testkit.processes import require
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNC_2025 = {"CVE-2025-31133", "CVE-2025-52565", "CVE-2025-52881"}

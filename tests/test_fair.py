@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.services import sandbox_events, wait_for
+from testkit.processes import wait_for
+from testkit.sandboxes import sandbox_events
 from tests.snippets import TRIVIAL, sleeper
 from tests.test_queue import containers_of
 

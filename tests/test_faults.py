@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sqlite3
 import tempfile
@@ -26,8 +25,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import free_port, require
-from tests.services import PgCluster, QueueEnv, health, pg_bin, wait_for
+from testkit.postgres import PgCluster, start_pg_cluster
+from testkit.processes import free_port, require, wait_for
+from testkit.stack import QueueEnv
+from testkit.worker import health
 
 #: a trivial node that takes a moment, so a store outage finds jobs mid-run
 WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['n'] * 2\n"
@@ -38,21 +39,8 @@ WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['
 
 @pytest.fixture
 def pg_cluster() -> Iterator[PgCluster]:
-    require(
-        pg_bin("initdb") is not None and pg_bin("pg_ctl") is not None,
-        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
-    )
-    require(
-        os.getuid() != 0 or shutil.which("runuser") is not None,
-        "runuser is needed to run initdb as postgres",
-    )
-    cluster = PgCluster()
-    try:
-        cluster.init()
-        cluster.start()
+    with start_pg_cluster() as cluster:
         yield cluster
-    finally:
-        cluster.cleanup()
 
 
 # --- helpers ----------------------------------------------------------------------------------

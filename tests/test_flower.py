@@ -26,15 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port, require
-from tests.services import (
-    CeleryWorker,
-    RedisServer,
-    Service,
-    start_redis,
-    studio_env,
-    wait_for,
-)
+from testkit.processes import Service, free_port, require, wait_for
+from testkit.redis import RedisServer, start_redis
+from testkit.stack import studio_env
+from testkit.worker import CeleryWorker
 from tests.snippets import OK_CODE, RAISE_CODE, SLEEP_CODE
 
 pytestmark = [pytest.mark.redis]
@@ -205,14 +200,14 @@ def _publishes(dispatcher: Any) -> list[int]:
 
 
 def test_task_events_stop_trying_while_redis_is_silent(redis_server: RedisServer) -> None:
-    """Task events on a connection that goes silent (tests/relay.py), as a worker's loop
+    """Task events on a connection that goes silent (testkit/relay.py), as a worker's loop
     sends them: each ended task buffers its event and flushes. Celery's dispatcher tries
     every kept event again at each flush (1 + 2 + 3 + 4 round trips for 4 events, each
     blocking the loop up to the socket timeout); ours (worker.glue.events.QuietDispatcher)
     tries once, then keeps them, and the dispatcher made after the reconnect sends them."""
     from celery import Celery
 
-    from tests.relay import Relay
+    from testkit.relay import Relay
     from worker.glue.events import QuietDispatcher
 
     options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}

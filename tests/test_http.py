@@ -2,7 +2,7 @@
 port, a real Celery worker process (prefork), a real redis-server, real Docker sandboxes,
 a SQLite run store; requests with httpx, and schemathesis against the served OpenAPI.
 
-The processes are started and stopped with tests/services.py; ``studio_env`` here is the
+The processes are started and stopped with testkit/; ``studio_env`` here is the
 environment other tests give them too."""
 
 from __future__ import annotations
@@ -18,18 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.services import (
-    ApiServer,
-    CeleryWorker,
-    RedisServer,
-    containers_of,
-    fuzz_for_server_errors,
-    start_redis,
-    start_worker,
-    studio_env,
-    wait_for,
-)
+from testkit.api import ApiServer, fuzz_for_server_errors
+from testkit.processes import free_port, wait_for
+from testkit.redis import RedisServer, start_redis
+from testkit.sandboxes import containers_of
+from testkit.stack import studio_env
+from testkit.worker import CeleryWorker, start_worker
 from tests.snippets import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]

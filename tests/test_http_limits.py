@@ -27,15 +27,12 @@ import httpx
 import pytest
 
 from api_client.http.limits import bind_refusal, is_loopback, json_depth_over
-from tests.conftest import free_port, run_cli
-from tests.services import (
-    ApiServer,
-    fuzz_for_server_errors,
-    start_redis,
-    start_worker,
-    studio_env,
-    wait_for,
-)
+from testkit.api import ApiServer, fuzz_for_server_errors
+from testkit.processes import free_port, wait_for
+from testkit.redis import start_redis
+from testkit.stack import studio_env
+from testkit.worker import start_worker
+from tests.conftest import run_cli
 from tests.snippets import OK_CODE, SLEEP_CODE
 
 #: the module's stack starts its own redis-server (tests/conftest.py reads this table)

@@ -12,8 +12,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
-from tests.services import ApiServer, CeleryWorker, wait_for
+from testkit.api import ApiServer
+from testkit.processes import free_port, wait_for
+from testkit.worker import CeleryWorker
 from tests.snippets import ADMIN, SLEEP_CODE, TRIVIAL, USER
 
 NAMES = (

@@ -26,17 +26,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import IN_CI, free_port, require, run_cli
-from tests.services import (
-    BIN,
-    ApiServer,
-    CeleryWorker,
-    RedisServer,
-    containers_of,
-    start_redis,
-    studio_env,
-    wait_for,
-)
+from testkit.api import ApiServer
+from testkit.processes import BIN, IN_CI, free_port, require, wait_for
+from testkit.redis import RedisServer, start_redis
+from testkit.sandboxes import containers_of
+from testkit.stack import studio_env
+from testkit.worker import CeleryWorker
+from tests.conftest import run_cli
 from tests.snippets import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]

@@ -19,7 +19,8 @@ import pytest
 
 from executor.errors import StoreUnavailable
 from executor.outage import is_outage, is_redis_outage, is_store_outage
-from tests.services import IN_CI, pg_exec
+from testkit.postgres import pg_exec
+from testkit.processes import IN_CI
 
 
 def _raised(fn: Callable[[], Any]) -> BaseException:
@@ -276,7 +277,10 @@ def test_a_read_only_store_folder_pauses_the_worker_and_the_api_answers_503(
     import redis
 
     from executor.store import open_store
-    from tests.services import ApiServer, env_for, start_worker, wait_for
+    from testkit.api import ApiServer
+    from testkit.processes import wait_for
+    from testkit.stack import env_for
+    from testkit.worker import start_worker
     from tests.snippets import USER
     from worker.upkeep.heartbeat import WorkerRegistry
 

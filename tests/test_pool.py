@@ -21,8 +21,10 @@ from typing import Any
 import pytest
 
 from executor.models import CodeJob, Status
-from tests.conftest import ROOT, THROUGH_SOCKGUARD
-from tests.services import REAL_DOCKER_HOST, QueueEnv, SockGuardProcess, children, wait_for
+from testkit.processes import ROOT, children, wait_for
+from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
+from testkit.stack import QueueEnv
+from tests.conftest import THROUGH_SOCKGUARD
 from tests.snippets import WHOAMI
 
 pytestmark = pytest.mark.docker

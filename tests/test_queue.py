@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from testkit.processes import HOST, alive, children, wait_for
+from testkit.sandboxes import sandbox_events
 from tests.conftest import run_cli
-from tests.services import HOST, alive, children, sandbox_events, wait_for
 from tests.snippets import SPIN, TRIVIAL, sleeper
 
 LABEL_JOB = "studio.job_id"

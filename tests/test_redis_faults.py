@@ -1,5 +1,5 @@
 """Redis faults, with real processes: a silent cut of every connection between a worker
-and its Redis (tests/relay.py: no FIN, no RST, no reply; new connections held until the
+and its Redis (testkit/relay.py: no FIN, no RST, no reply; new connections held until the
 heal), the same in front of the API's Redis, and a Sentinel failover during a burst.
 
 Each test starts its own redis-server (or Sentinel deployment), relay, workers and API on
@@ -18,9 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.relay import Relay
-from tests.services import ApiServer, QueueEnv, health, start_sentinels, wait_for
+from testkit.api import ApiServer
+from testkit.processes import free_port, wait_for
+from testkit.relay import Relay
+from testkit.sentinel import start_sentinels
+from testkit.stack import QueueEnv
+from testkit.worker import health
 from tests.snippets import USER
 
 #: a node that takes a moment and says what it was given

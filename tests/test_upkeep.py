@@ -13,16 +13,11 @@ from typing import Any
 import pytest
 
 from executor.errors import RuntimeUnavailable
-from tests.services import (
-    LABEL_OWNER,
-    CeleryWorker,
-    QueueEnv,
-    SecondEngine,
-    children,
-    require,
-    wait_for,
-    watch_backlog,
-)
+from testkit.engine import SecondEngine
+from testkit.processes import children, require, wait_for
+from testkit.sandboxes import LABEL_OWNER, watch_backlog
+from testkit.stack import QueueEnv
+from testkit.worker import CeleryWorker
 from tests.snippets import TRIVIAL, WHOAMI, sleeper
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.redis]
