@@ -19,7 +19,7 @@ from testkit.postgres import POSTGRES_URL, pg_schema, pg_unreachable
 from testkit.processes import ROOT, require
 from testkit.redis import RedisServer, start_redis
 from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
-from testkit.stack import QueueEnv
+from testkit.stack import Stack
 
 #: the services each fixture needs, by the fixture's name: a test whose fixture closure has
 #: one of these gets their markers (``pytest_collection_modifyitems``), so ``-m "not docker"``
@@ -356,25 +356,24 @@ def sqlite_url(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def queue_env(
-    redis_server: Any, sqlite_url: str, tmp_path: Path, make_settings: Any, python_image: str
-) -> Iterator[Callable[..., QueueEnv]]:
-    """Factory: ``queue_env(**settings_overrides)`` -> QueueEnv on the test's redis-server
-    and SQLite store (closed, workers stopped, at the end)."""
-    made: list[QueueEnv] = []
+def make_stack(
+    redis_server: Any, sqlite_url: str, tmp_path: Path, python_image: str
+) -> Iterator[Callable[..., Stack]]:
+    """Factory: ``make_stack(**settings_overrides)`` -> a Stack on the test's redis-server and
+    SQLite store, two slots unless told (stopped, with its workers, at the end)."""
+    made: list[Stack] = []
 
-    def make(database_url: str = sqlite_url, **overrides: Any) -> QueueEnv:
-        env = QueueEnv(
-            redis_server.url,
-            database_url,
+    def make(database_url: str = sqlite_url, **overrides: Any) -> Stack:
+        stack = Stack(
             tmp_path,
-            make_settings,
+            redis_url=redis_server.url,
+            database_url=database_url,
             code_image=python_image,
-            **overrides,
+            **{"code_concurrency": 2, **overrides},
         )
-        made.append(env)
-        return env
+        made.append(stack)
+        return stack
 
     yield make
-    for env in made:
-        env.close()
+    for stack in made:
+        stack.stop()
