@@ -21,13 +21,13 @@ DOCKER_PYTHON = {"code_runtime": "docker", "code_languages": "python", "code_max
 
 
 def base_env() -> dict[str, str]:
-    """This process's environment without its STUDIO_* (and Prometheus multiprocess folder):
-    what a process started with a STUDIO_* environment of its own begins with. This
-    checkout first on PYTHONPATH and the venv's bin first on PATH."""
+    """This process's environment without its STUDIO_* and OTEL_* (nor its Prometheus
+    multiprocess folder): what a process started with an environment of its own begins
+    with. This checkout first on PYTHONPATH and the venv's bin first on PATH."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("STUDIO_") and k != "PROMETHEUS_MULTIPROC_DIR"
+        if not k.startswith(("STUDIO_", "OTEL_")) and k != "PROMETHEUS_MULTIPROC_DIR"
     }
     env["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -168,6 +168,7 @@ class Stack(StopsOnExit):
         concurrency: int = 2,
         *,
         cli: bool = False,
+        capture_stdout: bool = False,
         ready_timeout_s: float = 60.0,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
@@ -179,8 +180,9 @@ class Stack(StopsOnExit):
     ) -> CeleryWorker:
         """A worker (``celery -A <app> worker``, or ``studio-code worker`` with ``cli``),
         ``extra`` settings and ``env`` variables on top of the stack's, its log
-        ``<name>.log`` in ``workdir``; ready when it answers the client's ping (with
-        ``ping``, else not waited for: ``wait_ready``)."""
+        ``<name>.log`` in ``workdir`` (its stdout a pipe with ``capture_stdout``); ready
+        when it answers the client's ping (with ``ping``, else not waited for:
+        ``wait_ready``)."""
         name = name or f"w{uuid.uuid4().hex[:6]}"
         worker = CeleryWorker(
             {**self.env(**extra), **(env or {})},
@@ -190,7 +192,7 @@ class Stack(StopsOnExit):
             queues=queues,
             extra_args=extra_args,
             cli=cli,
-            capture_stdout=cli,
+            capture_stdout=capture_stdout,
             stop_timeout=stop_timeout,
             app=app,
             loglevel="WARNING" if self.quiet else "INFO",

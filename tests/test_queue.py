@@ -558,7 +558,7 @@ def test_submit_refuses_bad_input_before_queueing(make_settings: Any, tmp_path: 
 @pytest.mark.timeout(120)
 def test_cli_worker_submit_status_cancel(make_stack: Any, tmp_path: Path) -> None:
     q = make_stack(code_concurrency=1)
-    w = q.start_worker("cli1", 1, cli=True)
+    w = q.start_worker("cli1", 1, cli=True, capture_stdout=True)
     src = tmp_path / "node.py"
     src.write_text(TRIVIAL)
     env = q.env()

@@ -35,15 +35,14 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from testkit.engine import KillableEngine
 from testkit.postgres import PgCluster, start_pg_cluster
-from testkit.processes import BIN, Service, require
-from testkit.redis import start_redis
+from testkit.processes import Service, require
+from testkit.stack import DOCKER_PYTHON, Stack
 from tests.conftest import LABEL_JOB
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.redis, pytest.mark.postgres]
@@ -162,91 +161,45 @@ class Hosts:
         pytest.fail(f"worker {key} did not take jobs again:\n{self.workers[key].output()[-3000:]}")
 
 
-def start_worker(env: dict[str, str], docker_host: str, name: str, log: Path) -> Service:
-    """``studio-code worker`` on the engine at ``docker_host`` (not waited for)."""
-    return Service(
-        [str(BIN / "studio-code"), "worker", "-c", "3", "-n", f"{name}@%h", "--loglevel", "INFO"],
-        {**env, "DOCKER_HOST": docker_host},
-        log,
-    )
-
-
-def wait_ready(*workers: Service) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if all(" ready." in w.output() for w in workers):
-            return
-        if not all(w.alive() for w in workers):
-            break
-        time.sleep(0.2)
-    outs = "\n---\n".join(w.output()[-3000:] for w in workers)
-    pytest.fail(f"the workers did not become ready:\n{outs}")
-
-
 @pytest.fixture(scope="module")
 def hosts(
     tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
 ) -> Iterator[Hosts]:
-    from api_client.client import CodeClient
-    from executor.settings import load_settings
-
     require(os.geteuid() == 0, "a second dockerd needs root")
     require(shutil.which("runuser") is not None, "runuser is missing")
     tmp = tmp_path_factory.mktemp("two-hosts")
     engine2 = KillableEngine()
     pg: PgCluster | None = None
-    started: list[Service] = []
-    client = None
     try:
         t0 = time.monotonic()
         engine2.start()
         engine2.load(python_image)
         pg = start_pg_cluster()
-        with start_redis(tmp) as redis_server:
-            env = {
-                k: v
-                for k, v in os.environ.items()
-                if not k.startswith(("STUDIO_", "DOCKER_")) and k != "PROMETHEUS_MULTIPROC_DIR"
-            }
-            env.update(
-                {
-                    "STUDIO_ENABLE_CODE_NODES": "1",
-                    "STUDIO_CODE_RUNTIME": "docker",
-                    "STUDIO_CODE_IMAGE": python_image,
-                    "STUDIO_CODE_LANGUAGES": "python",
-                    "STUDIO_REDIS_URL": redis_server.url,
-                    "STUDIO_DATABASE_URL": pg.url,
-                    "STUDIO_CODE_MAX_SECONDS": str(MAX_SECONDS),
-                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-                }
-            )
+        with Stack(
+            tmp,
+            database_url=pg.url,
+            **DOCKER_PYTHON,
+            code_image=python_image,
+            code_max_seconds=MAX_SECONDS,
+        ) as stack:
             tag = uuid.uuid4().hex[:4]
             names = {"e1": f"e1-{tag}", "e2": f"e2-{tag}"}
+            hosts = {"e1": "unix:///var/run/docker.sock", "e2": engine2.host}
+            # `studio-code worker` on each engine (DOCKER_HOST), both started, then waited for
             workers = {
-                "e1": start_worker(env, "unix:///var/run/docker.sock", names["e1"], tmp / "e1.log"),
-                "e2": start_worker(env, engine2.host, names["e2"], tmp / "e2.log"),
+                key: stack.start_worker(
+                    names[key], 3, cli=True, ping=False, stop_timeout=60, env={"DOCKER_HOST": host}
+                )
+                for key, host in hosts.items()
             }
-            started.extend(workers.values())
-            wait_ready(*workers.values())
+            for w in workers.values():
+                w.wait_ready(90)
             print(f"\ntwo hosts up in {time.monotonic() - t0:.1f}s")
-            settings = load_settings(
-                enable_code_nodes=True,
-                redis_url=redis_server.url,
-                database_url=pg.url,
-                code_image=python_image,
-                code_languages="python",
-                code_max_seconds=MAX_SECONDS,
-            )
-            client = CodeClient(settings)
-            h = Hosts(engine2, client, names, workers, docker_client)
+            h = Hosts(engine2, stack.client, names, dict(workers), docker_client)
             yield h
             h.no_sandbox_left_on_e1(h.submitted)
             assert workers["e1"].alive(), workers["e1"].output()[-3000:]
     finally:
-        if client is not None:
-            client.close()
-        for w in started:
-            w.stop(60)
         engine2.stop()
         left = engine2.end_leftovers()
         if left:
