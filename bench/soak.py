@@ -54,6 +54,7 @@ from testkit.processes import kill_pids, process_tree, tree_usage  # noqa: E402
 from testkit.redis import RedisServer  # noqa: E402
 from testkit.relay import Relay  # noqa: E402
 from testkit.sentinel import SentinelSet  # noqa: E402
+from testkit.stack import base_env  # noqa: E402
 
 CELERY = Path(sys.executable).with_name("celery")
 TRIVIAL = "def main(state):\n    return state['n'] * 2\n"
@@ -264,7 +265,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
     sentinels: SentinelSet | None = None
     engine: SecondEngine | None = None
     extra_settings: dict[str, Any] = {}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+    env = base_env()  # this checkout's, without this process's STUDIO_*
     if sentinel:
         sentinels = SentinelSet(tmp).start()
         client_url = workers_url = sentinels.url
