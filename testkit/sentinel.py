@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from testkit.processes import (
     StopsOnExit,
@@ -148,9 +149,9 @@ class SentinelSet(StopsOnExit):
                 c = redis.Redis(
                     port=port, password=self.sentinel_password or None, socket_timeout=1
                 )
-                host, p = c.sentinel_get_master_addr_by_name(self.master)
+                addr: Any = c.sentinel_get_master_addr_by_name(self.master)  # (host, port)
                 c.close()
-                return int(p)
+                return int(addr[1])
             except Exception:  # noqa: BLE001 - try the next sentinel
                 continue
         return None
