@@ -237,14 +237,17 @@ class Stack(StopsOnExit):
         return self._http
 
     def stop(self) -> None:
+        """The API, the workers, the client and its own redis-server end (again: nothing)."""
         if self._http is not None:
             self._http.close()
+            self._http = None
         if self.api is not None:
             self.api.stop()
         for w in self.workers:
             w.stop()
         if self._client is not None:
             self._client.close()
+            self._client = None
         if self.redis is not None:
             self.redis.stop()
 
