@@ -439,8 +439,8 @@ class SandboxPool(IdlePoolStats):
                     self._hand_off(p)
                     handed_off = True
                 return run
-        except InfrastructureLost:
-            lost = True
+        except InfrastructureLost as e:
+            lost = not e.engine_answers
             raise
         finally:
             with self._cond:

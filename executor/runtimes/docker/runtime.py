@@ -285,8 +285,8 @@ class DockerRuntime(Runtime):
                 ).run
                 run.usage = usage.read(api, cid)
                 return run
-        except InfrastructureLost:
-            lost = True
+        except InfrastructureLost as e:
+            lost = not e.engine_answers
             raise
         finally:
             if sock is not None:
