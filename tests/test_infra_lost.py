@@ -136,12 +136,12 @@ def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
 
 @pytest.mark.redis
 def test_a_job_whose_sandbox_an_operator_kills_runs_again_and_succeeds(
-    queue_env: Any, docker_client: Any
+    make_stack: Any, docker_client: Any
 ) -> None:
     """One worker; the job's first sandbox is `docker kill`ed (the test's own container) while
     its code runs: the job is handed back, runs again and ends ``succeeded`` with attempts
     2, its trace beginning with the re-run row naming ``sandbox_killed``; no sandbox is left."""
-    q = queue_env(code_concurrency=1)
+    q = make_stack(code_concurrency=1)
     q.start_worker("killed", concurrency=1)
     code = "import time\n\ndef main(state):\n    time.sleep(2)\n    return 5\n"
     job = q.client.submit(code, "python", {}, timeout_s=25)
