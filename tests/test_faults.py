@@ -189,16 +189,12 @@ def test_sqlite_store_locked_during_burst(make_stack: Any, sqlite_url: str) -> N
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_poison_items_are_set_aside(
-    make_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_poison_items_are_set_aside(make_stack: Any, tmp_path: Path) -> None:
     from worker.protocol import TASK_NAME
 
     q = make_stack(code_concurrency=1)
     # the bad-arguments item is caught in a pool process: multiprocess metrics, as deployed
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prom"))
-    w, port = _metrics_env(q, "w1")
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    w, port = _metrics_env(q, "w1", env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")})
     r = q.client.redis
     r.lpush("code.run", "not a kombu message")
     r.lpush("code.run", json.dumps({"a": 1}))
