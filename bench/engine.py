@@ -280,16 +280,19 @@ def restarts(rounds: int = 5) -> int:
     try:
         engine.start()
         engine.load(image)
-        with pg_schema(prefix="bench_restarts") as db:
-            # not quiet: e2's worker log says when its gate opens again
-            stack = bench_stack(
+        # the stack ends before its schema is dropped; not quiet: e2's worker log says when
+        # its gate opens again
+        with (
+            pg_schema(prefix="bench_restarts") as db,
+            bench_stack(
                 "restarts",
                 quiet=False,
                 database_url=db,
                 code_image=image,
                 code_languages="python",
                 code_max_seconds=40,
-            )
+            ) as stack,
+        ):
             tag = uuid.uuid4().hex[:4]
             names = {"e1": f"e1-{tag}", "e2": f"e2-{tag}"}
             hosts = {"e1": "unix:///var/run/docker.sock", "e2": engine.host}
