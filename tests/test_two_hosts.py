@@ -184,9 +184,8 @@ def hosts(
         with Stack(
             tmp,
             database_url=pg.url,
-            **DOCKER_PYTHON,
+            **{**DOCKER_PYTHON, "code_max_seconds": MAX_SECONDS},
             code_image=python_image,
-            code_max_seconds=MAX_SECONDS,
         ) as stack:
             tag = uuid.uuid4().hex[:4]
             names = {"e1": f"e1-{tag}", "e2": f"e2-{tag}"}
