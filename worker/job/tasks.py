@@ -28,9 +28,8 @@ from celery import Celery, Task, current_app, signals
 from celery.exceptions import Reject, Terminated
 
 from executor import tracing
-from executor.errors import ErrorCode
+from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import CodeResult, Status
-from executor.outage import is_store_outage
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
@@ -186,9 +185,7 @@ def _on_process_init(**_: Any) -> None:
         return
     try:
         state = process_state(app)
-    except Exception as e:
-        if not is_store_outage(e):
-            raise
+    except StoreUnavailable as e:
         # the first job tries again (and hands its message back while the store is down)
         gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
         log.warning("the run store could not be opened at process start: %s", e)
@@ -249,9 +246,7 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     job_id = _job_id_of(args, kwargs)
     try:
         state = process_state(task.app)
-    except Exception as e:
-        if not is_store_outage(e):
-            raise
+    except StoreUnavailable as e:
         gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
         _hand_back(f"job {job_id}: this pool process could not start")
     request = task.request
@@ -330,18 +325,14 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
     except redis.RedisError as e:
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
         written = None
-    except Exception as e:
-        if not is_store_outage(e):
-            raise
+    except StoreUnavailable as e:
         gate.report(gate.RUN_STORE, str(e))  # the result stays parked
         _hand_back(f"job {job_id}: its parked result waits for the run store")
     if written is not None:
         return Outcome("finished" if written else "parked-duplicate")
     try:
         rec = state.store.claim(job_id, worker)
-    except Exception as e:
-        if not is_store_outage(e):
-            raise  # not an outage (e.g. a row it cannot read): handing back would loop
+    except StoreUnavailable as e:  # any other error (a bug) raises: handing back would loop
         gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
         _hand_back(f"job {job_id}: the run store is unreachable")
     if rec is None:
@@ -489,11 +480,9 @@ def _store_result(
         try:
             wrote = state.store.finish_with_outcome(result, worker=worker) or False
             break
-        except Exception as e:
-            error = e
+        except StoreUnavailable as e:  # any other error: the result itself is refused
+            error = e  # (raised: the reaper ends the job)
             if delay is None:
-                if not is_store_outage(e):
-                    raise  # the result itself is refused: the reaper ends the job
                 break
             log.warning("job %s: storing the result failed (%s), retrying", rec.job_id, e)
             time.sleep(delay)
