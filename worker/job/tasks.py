@@ -52,11 +52,8 @@ from worker.protocol import (
 
 log = logging.getLogger("studio_code.worker")
 
-FINISH_RETRIES_S = (0.2, 1.0, 3.0)
 #: a pool process that hands a message back waits this long first (see _hand_back)
 HAND_BACK_PAUSE_S = 1.0
-#: how long a pool process keeps trying to store or park a result when both are down
-PARK_FOR_S = 60.0
 
 
 class ProcessState:
@@ -465,74 +462,19 @@ def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: Job
 def _finish(
     state: ProcessState, result: CodeResult, rec: JobRecord, worker: str, queue: str
 ) -> Outcome:
+    """Store the result, or park it while the store is down (worker.job.pending)."""
+    ttl_s = int(state.settings.queue_pending_ttl_s)
     with tracing.result_store(result):  # a span when the worker traces
-        return _store_result(state, result, rec, worker, queue)
-
-
-def _store_result(
-    state: ProcessState, result: CodeResult, rec: JobRecord, worker: str, queue: str
-) -> Outcome:
-    """Store the result; while the store cannot take it, park it in Redis (written by the
-    main process when the store is back). Never drops a result that was computed."""
-    wrote: Ended | None | bool = None  # None: not stored (yet)
-    error: Exception | None = None
-    for delay in (*FINISH_RETRIES_S, None):
-        try:
-            wrote = state.store.finish_with_outcome(result, worker=worker) or False
-            break
-        except StoreUnavailable as e:  # any other error: the result itself is refused
-            error = e  # (raised: the reaper ends the job)
-            if delay is None:
-                break
-            log.warning("job %s: storing the result failed (%s), retrying", rec.job_id, e)
-            time.sleep(delay)
-    if wrote is None:
-        gate.report(gate.RUN_STORE, f"finish of job {rec.job_id} failed: {error}")
-        _park(state, result, worker)
-        return Outcome("parked")
-    if not isinstance(wrote, Ended):
-        return Outcome("duplicate")
-    wait_s = None
-    if rec.started_at is not None:
-        wait_s = (rec.started_at - rec.queued_at).total_seconds()
-    _metrics(metrics.record_result, result, wait_s, queue=queue)
-    return Outcome("finished", wrote)
-
-
-def _park(state: ProcessState, result: CodeResult, worker: str) -> None:
-    """Keep the result in Redis until the store answers. Redis down too: retry both with
-    back-off for as long as the task may run, then give up (the message is not acked: a
-    redelivery runs the job again, the only case where it may run twice)."""
-    ttl = int(state.settings.queue_pending_ttl_s)
-    deadline = time.monotonic() + PARK_FOR_S
-    delay = 0.5
-    while True:
-        try:
-            pending.park(state.redis, result, worker, ttl)
-            log.error(
-                "job %s: the run store is unreachable; its result (%s) is kept in Redis "
-                "for up to %d s and written when the store is back",
-                result.job_id,
-                result.status.value,
-                ttl,
-            )
-            return
-        except redis.RedisError as e:
-            try:
-                state.store.finish(result, worker=worker)
-                return  # stored now (or the job had ended already)
-            except Exception:  # noqa: BLE001
-                pass
-            if time.monotonic() > deadline:
-                log.error(
-                    "job %s: neither the run store nor Redis takes its result (%s); "
-                    "the job will be handed out again",
-                    result.job_id,
-                    e,
-                )
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        stored = pending.store_or_park(state.store, state.redis, result, worker, ttl_s=ttl_s)
+        if stored.parked:
+            return Outcome("parked")
+        if stored.ended is None:
+            return Outcome("duplicate")
+        wait_s = None
+        if rec.started_at is not None:
+            wait_s = (rec.started_at - rec.queued_at).total_seconds()
+        _metrics(metrics.record_result, result, wait_s, queue=queue)
+        return Outcome("finished", stored.ended)
 
 
 def _cancelled_before_start(state: ProcessState, job_id: str) -> bool:
