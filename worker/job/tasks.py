@@ -310,10 +310,45 @@ def _hand_back(why: str) -> NoReturn:
 
 
 def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any = None) -> Outcome:
+    """One delivery of the job: claim, run, finish. A result an earlier run parked is
+    written instead of running the code again; a job the claim does not return is skipped;
+    a claimed job that must not run ends failed without a sandbox. Hands the message back
+    (``_hand_back``) while the store or the runtime is down here."""
     if gate.closed_in_child() or gate.pending_in_child():
         # closed, or a failure reported here not probed yet: another worker (or this one
         # once its gate decided) takes it, and no attempt is counted
         _hand_back(f"job {job_id} handed back: {gate.RUN_STORE} or runtime unavailable here")
+    written, flagged, lost = _start(state, job_id)
+    if written is not None:
+        return Outcome("finished" if written else "parked-duplicate")
+    try:
+        rec = state.store.claim(job_id, worker)
+    except StoreUnavailable as e:  # any other error (a bug) raises: handing back would loop
+        gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
+        _hand_back(f"job {job_id}: the run store is unreachable")
+    if rec is None:
+        return _not_claimed(state, job_id, worker, request)
+    result = _refused(rec, state.settings)
+    if result is None:
+        result = _execute(state, rec, flagged)
+        cause = rerun.lost_cause(result)
+        if cause is not None:
+            result = _lost(state, result, rec, worker, cause, lost)
+        elif _runtime_down_before_start(state, result, rec):
+            _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
+        if lost:
+            result = rerun.with_rerun_row(result, rec.attempts, lost)
+    return _finish(state, result, rec, worker, queue)
+
+
+def _start(
+    state: ProcessState, job_id: str
+) -> tuple[bool | None, bool | None, list[dict[str, Any]]]:
+    """The job's start reads (``ProcessState.start_reads``) and the result an earlier run
+    of it parked, written now: True when this call wrote it, False when it had been
+    written, None when there is none (or Redis cannot tell: the job runs); then its cancel
+    flag and its lost attempts. Hands the message back while the store cannot take the
+    parked result (it stays parked)."""
     flagged: bool | None = None
     lost: list[dict[str, Any]] = []
     try:
@@ -325,44 +360,42 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
     except StoreUnavailable as e:
         gate.report(gate.RUN_STORE, str(e))  # the result stays parked
         _hand_back(f"job {job_id}: its parked result waits for the run store")
-    if written is not None:
-        return Outcome("finished" if written else "parked-duplicate")
-    try:
-        rec = state.store.claim(job_id, worker)
-    except StoreUnavailable as e:  # any other error (a bug) raises: handing back would loop
-        gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
-        _hand_back(f"job {job_id}: the run store is unreachable")
-    if rec is None:
-        # Unknown, cancelled while queued, or already finished (a redelivery): nothing to do.
-        if _cancelled_before_start(state, job_id):
-            _metrics(metrics.record_cancel, stage="queued")
-        elif unrunnable.unknown_job(state.store, state.redis, job_id, request, worker):
-            return Outcome("unknown")
-        return Outcome("skipped")
+    return written, flagged, lost
+
+
+def _not_claimed(state: ProcessState, job_id: str, worker: str, request: Any) -> Outcome:
+    """Unknown, cancelled while queued, or already finished (a redelivery): nothing to do."""
+    if _cancelled_before_start(state, job_id):
+        _metrics(metrics.record_cancel, stage="queued")
+    elif unrunnable.unknown_job(state.store, state.redis, job_id, request, worker):
+        return Outcome("unknown")
+    return Outcome("skipped")
+
+
+def _refused(rec: JobRecord, settings: Settings) -> CodeResult | None:
+    """The failed result of a claimed job that must not run (its row cannot be read, or
+    its worker stopped on every attempt), or None: it runs."""
     if rec.problems:
-        log.error("job %s: its row cannot be read: %s", job_id, "; ".join(rec.problems))
-        result = _result(
-            rec,
-            state.settings,
-            Status.FAILED,
-            ErrorCode.RUNTIME_UNAVAILABLE,
-            unrunnable.unreadable_message(rec),
-        )
-        return _finish(state, result, rec, worker, queue)
-    if rec.attempts > MAX_ATTEMPTS:
-        result = _result(
-            rec,
-            state.settings,
-            Status.FAILED,
-            ErrorCode.RUNTIME_UNAVAILABLE,
+        log.error("job %s: its row cannot be read: %s", rec.job_id, "; ".join(rec.problems))
+        message = unrunnable.unreadable_message(rec)
+    elif rec.attempts > MAX_ATTEMPTS:
+        message = (
             f"The job was started {rec.attempts - 1} times and each time its worker stopped "
             "before it ended, so it was not started again: check the workers' logs (memory, "
-            "crashes), then run it again.",
+            "crashes), then run it again."
         )
-        return _finish(state, result, rec, worker, queue)
+    else:
+        return None
+    return _result(rec, settings, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE, message)
+
+
+def _execute(state: ProcessState, rec: JobRecord, flagged: bool | None) -> CodeResult:
+    """Run the claimed job in a sandbox, its cancel state watched (``CancelWatch``) and its
+    live logs published; a cancel before the sandbox starts, or a failure of the worker
+    around the executor, is the result."""
     job = rec.to_job()
-    watch = state.watch(job_id, flagged)
-    state.current_job = job_id
+    watch = state.watch(rec.job_id, flagged)
+    state.current_job = rec.job_id
     state.take_signal()  # a signal that came before this job was meant for another one
     try:
         if watch():
@@ -376,12 +409,12 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         else:
             with (
                 _metrics_context(metrics.sandbox_running, job.language),
-                publishing(state.redis, job_id, end_mark=False),
+                publishing(state.redis, rec.job_id, end_mark=False),
             ):  # live logs, flushed before finish; the end mark goes with the done notice
                 state.owes_end_mark = True
                 result = state.executor.run(job, should_cancel=watch)
     except Exception as e:  # noqa: BLE001 - the executor never raises for the job itself
-        log.exception("job %s: the worker failed around the executor", job_id)
+        log.exception("job %s: the worker failed around the executor", rec.job_id)
         result = _result(
             rec,
             state.settings,
@@ -393,14 +426,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         state.current_job = None
     if watch.cancelled_at is not None:
         _metrics(metrics.record_cancel, time.monotonic() - watch.cancelled_at, stage="running")
-    cause = rerun.lost_cause(result)
-    if cause is not None:
-        result = _lost(state, result, rec, worker, cause, lost)
-    elif _runtime_down_before_start(state, result, rec):
-        _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
-    if lost:
-        result = rerun.with_rerun_row(result, rec.attempts, lost)
-    return _finish(state, result, rec, worker, queue)
+    return result
 
 
 def _lost(
