@@ -295,13 +295,22 @@ def _job_path_calls_raise_store_unavailable(url: str, down: Callable[[Any], Any]
 
 
 @pytest.mark.postgres
+@pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_the_job_paths_store_calls_raise_store_unavailable_when_postgres_stops() -> None:
+def test_a_stopped_postgres_raises_store_unavailable_and_a_result_is_parked_then_written(
+    redis_server: Any,
+) -> None:
     """PostgreSQL stopped (fast shutdown) under an open store: claim, finish and open
-    raise StoreUnavailable, never a driver's error; once it is back the same store
-    finishes the job (its pool reconnects)."""
+    raise StoreUnavailable, never a driver's error; the job path's store-or-park policy
+    then parks the result in Redis (real redis-server), and once PostgreSQL is back the
+    main process's flush writes it through the same store (its pool reconnects)."""
+    import redis
+
+    from executor.models import Status
     from tests.conftest import require
     from tests.services import PgCluster, pg_bin
+    from worker.job import pending
+    from worker.upkeep.flusher import flush
 
     require(
         pg_bin("initdb") is not None and pg_bin("pg_ctl") is not None,
@@ -317,11 +326,19 @@ def test_the_job_paths_store_calls_raise_store_unavailable_when_postgres_stops()
             return store
 
         store, result = _job_path_calls_raise_store_unavailable(cluster.url, stop)
+        client = redis.Redis.from_url(redis_server.url)
         try:
+            stored = pending.store_or_park(store, client, result, "w1", ttl_s=600)
+            assert stored == pending.Stored(parked=True), stored
+            assert pending.parked(client, result.job_id) == (result, "w1")
             cluster.start()
-            ended = store.finish_with_outcome(result, worker="w1")
-            assert ended is not None and ended.status == "succeeded", ended
+            assert flush(store, client) == 1
+            rec = store.get(result.job_id)
+            assert rec is not None and rec.status is Status.SUCCEEDED and rec.output == 1, rec
+            assert pending.parked(client, result.job_id) is None
+            assert client.scard("studio:pending") == 0
         finally:
+            client.close()
             store.close()
     finally:
         cluster.cleanup()
