@@ -555,3 +555,41 @@ def test_a_worker_with_a_read_only_view_is_measured_and_the_sweeper_removes_its_
         assert without["status"] == "succeeded" and without["parents"] == [None], without
         assert without["usage"] is None, without
         assert guard.refusals() == []
+
+
+def test_the_sweeper_removes_empty_parents_below_the_engine_parent() -> None:
+    """``python -m executor.runtimes.docker.usage`` (Compose's usage-sweeper) finds the
+    per-run parents below /docker (STUDIO_CODE_USAGE_CGROUP_PARENT) and removes an empty one;
+    a malformed setting stops it at once, naming the variable."""
+    import secrets
+    import signal
+    import subprocess
+    import sys
+
+    from executor.runtimes.docker import usage
+    from tests.services import require, wait_for
+
+    require(os.geteuid() == 0, "root (the sweeper removes groups of the host's cgroup fs)")
+    host = usage.cgroup_host(None)
+    if host is None or not host.parents:
+        pytest.skip("no per-run parents here")
+    name = usage.PARENT_PREFIX + secrets.token_hex(8)
+    for c in host.mounts:
+        os.makedirs(host.parent_dir(c, name))
+    assert host.parent_dir("memory", name).endswith(f"/docker/{name}")
+    argv = [sys.executable, "-m", "executor.runtimes.docker.usage", "--every", "0.1"]
+    proc = subprocess.Popen(argv + ["--empty-for", "0.3"], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: host.all_parent_dirs(name) == [], 20, "the sweeper removing it", 0.1)
+    finally:
+        for c in host.mounts:  # still there: the test fails, nothing is left behind
+            if os.path.isdir(host.parent_dir(c, name)):
+                os.rmdir(host.parent_dir(c, name))
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "removing the per-run parents under /docker" in err, err
+    env = {**os.environ, "STUDIO_CODE_USAGE_CGROUP_PARENT": "docker/../x"}
+    bad = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2, bad.stderr
+    assert "STUDIO_CODE_USAGE_CGROUP_PARENT='docker/../x' is not valid" in bad.stderr
