@@ -88,6 +88,14 @@ def test_every_variable_is_read_from_the_environment(monkeypatch):
         ("STUDIO_ENABLE_CODE_NODES", "perhaps", "valid boolean"),
         ("STUDIO_CODE_TS_PACKAGES", "npm:zod", "entry 'npm:zod' is not pinned"),
         ("STUDIO_CODE_SUBPROCESS_NAMESPACES", "yes", "use auto or off"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "docker", "an absolute path below the root"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/", "an absolute path below the root"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker/../x", "no '..'"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker/", "no trailing '/'"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker//x", "such as /docker"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker/.hidden", "none starting with '.'"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/doc ker", "letters, digits"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker\n", "such as /docker"),
     ],
 )
 def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch, name, value, says):
@@ -97,6 +105,13 @@ def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch,
     assert f"{name}={value!r}" in e.value.message
     assert says in e.value.message
     assert e.value.code == "RUNTIME_UNAVAILABLE"
+
+
+def test_the_engine_cgroup_parent_is_docker_unless_set(monkeypatch):
+    """STUDIO_CODE_USAGE_CGROUP_PARENT: /docker (dockerd's cgroupfs default), or the path set."""
+    assert load_settings().code_usage_cgroup_parent == "/docker"
+    monkeypatch.setenv("STUDIO_CODE_USAGE_CGROUP_PARENT", "/studio.engine/containers_1")
+    assert load_settings().code_usage_cgroup_parent == "/studio.engine/containers_1"
 
 
 def test_an_unknown_runtime_does_not_crash_it_turns_code_nodes_off(monkeypatch):

@@ -627,7 +627,7 @@ class SandboxPool(IdlePoolStats):
                 + KILL_GRACE_S
             )
         )
-        meter = usage.new_meter(api)
+        meter = usage.new_meter(api, self.settings.code_usage_cgroup_parent)
         args = {
             **policy,
             "labels": labels,
