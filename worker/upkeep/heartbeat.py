@@ -5,7 +5,8 @@ once a job that no live worker would take, and an autoscaler can read live slots
 The announcements live in one Redis hash per queue (``protocol.workers_key``): field = the
 worker's nodename, value = JSON with the queue, the slots it gives that queue, its state
 (``serving``, or ``paused`` with the reason ``not_serving_reason`` gave), its host, pid and
-run store, its engine (versions and known escapes, worker/upkeep/engine.py; null without one), and
+run store, its engine (versions and known escapes, worker/upkeep/engine.py; null without one),
+what its pre-started sandboxes pre-import and hold (``preimport``, worker/preimport.py), and
 ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks disagree still agree
 on who is alive). A worker that stops cleanly removes its fields at once; a killed one stops
 counting ``heartbeat_ttl_s`` after its last beat (its field is removed by the next beat of
