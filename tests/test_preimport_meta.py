@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,15 @@ import httpx
 import pytest
 
 from tests.conftest import run_cli
-from tests.services import ApiServer, RedisServer, start_redis, start_worker, studio_env, wait_for
+from tests.services import (
+    ApiServer,
+    CeleryWorker,
+    RedisServer,
+    start_redis,
+    start_worker,
+    studio_env,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
@@ -40,6 +49,16 @@ def _env(redis: RedisServer, tmp: Path, image: str, **extra: Any) -> dict[str, s
         STUDIO_QUEUE_HEARTBEAT_INTERVAL_S="1",
         **extra,
     )
+
+
+@contextmanager
+def _serving(env: dict[str, str], tmp: Path, name: str) -> Iterator[tuple[CeleryWorker, ApiServer]]:
+    """A worker (one pool process) and the API (``studio-code serve``), with ``env``."""
+    with (
+        start_worker(env, tmp / f"{name}.log", concurrency=1) as worker,
+        ApiServer(env, tmp / f"{name}-api.log") as api,
+    ):
+        yield worker, api
 
 
 def _cli_meta(env: dict[str, str]) -> dict[str, Any]:
@@ -84,10 +103,7 @@ def test_the_api_and_the_cli_show_the_workers_pre_import_memory(
     env = _env(
         redis, tmp_path, python_image, STUDIO_CODE_PREWARM="1", STUDIO_CODE_PREIMPORT=MODULES
     )
-    with (
-        start_worker(env, tmp_path / "worker.log", concurrency=1) as worker,
-        ApiServer(env, tmp_path / "api.log") as api,
-    ):
+    with _serving(env, tmp_path, "preimport") as (worker, api):
         meta = _python(api, worker.node, measured=True)
         pre = meta["preimport"]
         print("meta preimport:", json.dumps(pre, indent=1))
@@ -117,10 +133,7 @@ def test_without_a_pool_or_a_pre_import_they_say_nothing_is_pre_imported(
     redis: RedisServer, tmp_path: Path, python_image: str
 ) -> None:
     cold = _env(redis, tmp_path, python_image, STUDIO_CODE_PREWARM="0")
-    with (
-        start_worker(cold, tmp_path / "cold.log", concurrency=1) as worker,
-        ApiServer(cold, tmp_path / "api.log") as api,
-    ):
+    with _serving(cold, tmp_path, "cold") as (worker, api):
         meta = _python(api, worker.node, measured=False)
         python = meta["preimport"]["languages"]["python"]
         assert python["note"].startswith("nothing is pre-imported: no live worker keeps pre-")
@@ -131,10 +144,7 @@ def test_without_a_pool_or_a_pre_import_they_say_nothing_is_pre_imported(
         assert _cli_meta(cold)["preimport"] == meta["preimport"]
     # pre-started sandboxes that import nothing: their idle memory shows, no pre-import cost
     pooled = _env(redis, tmp_path, python_image, STUDIO_CODE_PREWARM="1")
-    with (
-        start_worker(pooled, tmp_path / "pooled.log", concurrency=1) as worker,
-        ApiServer(pooled, tmp_path / "api2.log") as api,
-    ):
+    with _serving(pooled, tmp_path, "pooled") as (worker, api):
         meta = _python(api, worker.node, measured=False)
         python = meta["preimport"]["languages"]["python"]
         assert python["note"] == (
