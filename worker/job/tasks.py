@@ -33,7 +33,7 @@ from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import fair, metrics, redis_conn
+from worker import fair, metrics, preimport, redis_conn
 from worker import tracing as worker_tracing
 from worker.context import studio_app
 from worker.glue import poison
@@ -189,9 +189,16 @@ def _on_process_init(**_: Any) -> None:
         return
     try:
         # Connect now, not in the first job, and pre-start this slot's sandboxes.
-        state.executor.prepare(observe=lambda stats: _metrics(metrics.record_pool, stats))
+        state.executor.prepare(observe=_observe_pool)
     except Exception as e:  # noqa: BLE001 - the first job reports it as its result
         log.warning("the runtime could not get ready at process start: %s", e)
+
+
+def _observe_pool(stats: dict[str, Any] | None) -> None:
+    """The pool's observer: its gauges, and its pre-import memory for the worker's heartbeat
+    (worker/preimport.py)."""
+    _metrics(metrics.record_pool, stats)
+    preimport.report(stats)
 
 
 def _on_process_shutdown(**_: Any) -> None:
