@@ -38,7 +38,7 @@ from worker import tracing as worker_tracing
 from worker.context import studio_app
 from worker.glue import poison
 from worker.glue.outcomes import NodeFailed, report_outcome
-from worker.job import gate, pending, rerun, unrunnable
+from worker.job import forked, gate, pending, rerun, unrunnable
 from worker.job.cancel import CancelWatch
 from worker.job.live_logs import add_end_mark, publishing
 from worker.protocol import (
@@ -180,6 +180,7 @@ def _on_process_init(**_: Any) -> None:
     app = studio_app(current_app._get_current_object())
     if app is None:
         return
+    forked.release_inherited_sockets()  # before this process makes any of its own
     try:
         state = process_state(app)
     except StoreUnavailable as e:
@@ -201,6 +202,10 @@ def _observe_pool(stats: dict[str, Any] | None) -> None:
     preimport.report(stats)
 
 
+def _on_worker_init(**_: Any) -> None:
+    forked.note_main_process()  # the main process, before its pool processes are forked
+
+
 def _on_process_shutdown(**_: Any) -> None:
     global _state
     if _state is not None and _state.pid == os.getpid():
@@ -214,6 +219,7 @@ _connected = False
 def connect_process_signals() -> None:
     global _connected
     if not _connected:
+        signals.worker_init.connect(_on_worker_init, weak=False)
         signals.worker_process_init.connect(_on_process_init, weak=False)
         signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
         worker_tracing.connect()  # only when the OTEL_* variables ask for traces
