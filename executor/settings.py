@@ -706,6 +706,10 @@ OTHER_VARIABLES = frozenset(
         "STUDIO_PY_BASE",
         "STUDIO_TS_BASE",
         "STUDIO_TEST_THROUGH_SOCKGUARD",
+        # read where no settings are loaded (executor/runtimes/docker/usage.py, models.py)
+        "STUDIO_CODE_USAGE",
+        "STUDIO_CODE_HOST_CGROUP",
+        "STUDIO_CODE_USAGE_SWEEPER",
     }
 )
 _warned: set[str] = set()
