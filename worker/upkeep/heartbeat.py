@@ -5,7 +5,8 @@ once a job that no live worker would take, and an autoscaler can read live slots
 The announcements live in one Redis hash per queue (``protocol.workers_key``): field = the
 worker's nodename, value = JSON with the queue, the slots it gives that queue, its state
 (``serving``, or ``paused`` with the reason ``not_serving_reason`` gave), its host, pid and
-run store, its engine (versions and known escapes, worker/upkeep/engine.py; null without one), and
+run store, its engine (versions and known escapes, worker/upkeep/engine.py; null without one),
+what its pre-started sandboxes pre-import and hold (``preimport``, worker/preimport.py), and
 ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks disagree still agree
 on who is alive). A worker that stops cleanly removes its fields at once; a killed one stops
 counting ``heartbeat_ttl_s`` after its last beat (its field is removed by the next beat of
@@ -29,6 +30,7 @@ import redis
 from celery import bootsteps
 
 from worker import lua
+from worker import preimport as preimport_report
 from worker.context import context_of, studio_app
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, heartbeat_ttl_s, workers_key
 from worker.upkeep.loop import Supervised
@@ -59,6 +61,9 @@ class WorkerInfo:
     seen_at: float = 0.0
     expires_at: float = 0.0
     engine: dict[str, Any] | None = None
+    #: its pre-started sandboxes and what they pre-import (worker/preimport.py); None: an
+    #: older worker that does not say
+    preimport: dict[str, Any] | None = None
 
     @property
     def serving(self) -> bool:
@@ -94,6 +99,7 @@ class WorkerInfo:
                 engine=_engine(d.get("engine")),
                 seen_at=float(d.get("seen_at") or 0),
                 expires_at=float(d.get("expires_at") or 0),
+                preimport=d["preimport"] if isinstance(d.get("preimport"), dict) else None,
             )
         except (ValueError, TypeError, KeyError):
             return None
@@ -200,6 +206,7 @@ class Heartbeat:
         engine: Callable[[], dict[str, Any] | None] | None = None,
         queue_reason: Callable[[str], str | None] | None = None,
         client: redis.Redis | None = None,
+        preimport: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.nodename = nodename
         self.slots = dict(slots)
@@ -210,6 +217,7 @@ class Heartbeat:
         self._store_id = store_id
         self._engine = engine
         self.queue_reason = queue_reason
+        self._preimport = preimport
         self.redis = client or redis.Redis.from_url(
             redis_url, socket_timeout=3, socket_connect_timeout=3
         )
@@ -245,6 +253,15 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - the engine does not answer: announce without it
             return None
 
+    def _preimport_now(self) -> dict[str, Any] | None:
+        if self._preimport is None:
+            return None
+        try:
+            return self._preimport()
+        except Exception as e:  # noqa: BLE001 - a figure is never worth a beat
+            log.debug("heartbeat: pre-import memory not announced: %s", e)
+            return None
+
     def beat(self) -> str:
         """Announce once on every queue; returns the state announced (``paused`` when any
         queue is)."""
@@ -256,6 +273,7 @@ class Heartbeat:
             "store": self.store,
             "store_id": self._identity(),
             "engine": self._engine_now(),
+            "preimport": self._preimport_now(),
         }
         queues = sorted(self.slots)
         states: dict[str, tuple[str, str | None]] = {}
@@ -393,6 +411,8 @@ class HeartbeatStep(bootsteps.StartStopStep):
             engine=lambda: context.engine(),
             queue_reason=lambda queue: broker_watch.lost_reason(queue, dead_after_s),
             client=redis_conn.client(settings),
+            # what the pool processes measured of their pre-started sandboxes (worker/preimport.py)
+            preimport=lambda: preimport_report.announcement(settings),
         )
         self.heartbeat.start()
 
