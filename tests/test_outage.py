@@ -308,19 +308,12 @@ def test_a_stopped_postgres_raises_store_unavailable_and_a_result_is_parked_then
     import redis
 
     from executor.models import Status
-    from tests.conftest import require
-    from tests.services import PgCluster, pg_bin
+    from testkit.postgres import start_pg_cluster
     from worker.job import pending
     from worker.upkeep.flusher import flush
 
-    require(
-        pg_bin("initdb") is not None and pg_bin("pg_ctl") is not None,
-        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
-    )
-    cluster = PgCluster()
+    cluster = start_pg_cluster()
     try:
-        cluster.init()
-        cluster.start()
 
         def stop(store: Any) -> Any:
             cluster.stop()

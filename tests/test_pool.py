@@ -500,7 +500,7 @@ def _sockets(pid: int) -> set[str]:
 
 @pytest.mark.timeout(300)
 def test_a_replaced_pool_process_holds_none_of_its_main_processs_sockets(
-    queue_env: Any, docker_client: Any
+    make_stack: Any, docker_client: Any
 ) -> None:
     """A pool process forked to replace one (here: SIGKILLed, as the soak does) starts with
     a copy of every socket its main process has open (Redis, the store, the engine, the
@@ -509,7 +509,7 @@ def test_a_replaced_pool_process_holds_none_of_its_main_processs_sockets(
     main process's sockets, and runs jobs."""
     import signal as sig
 
-    q: QueueEnv = queue_env(
+    q: Stack = make_stack(
         code_concurrency=1,
         code_languages="python",
         queue_test_slots=0,

@@ -568,7 +568,7 @@ def test_the_sweeper_removes_empty_parents_below_the_engine_parent() -> None:
     import sys
 
     from executor.runtimes.docker import usage
-    from tests.services import require, wait_for
+    from testkit.processes import require, wait_for
 
     require(os.geteuid() == 0, "root (the sweeper removes groups of the host's cgroup fs)")
     host = usage.cgroup_host(None)
