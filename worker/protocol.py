@@ -244,7 +244,7 @@ DEAD_PREFIX = f"{_PREFIX}:dead:"
 
 
 def dead_key(queue: str) -> str:
-    """The dead-letter list of ``queue`` (worker.glue.poison)."""
+    """The dead-letter list of ``queue`` (worker.poison)."""
     return f"{DEAD_PREFIX}{queue}"
 
 

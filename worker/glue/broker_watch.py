@@ -6,7 +6,7 @@ What counts as a round trip of a queue's consumer (in the worker's main process)
 
 * an answer to the BRPOP of the channel that consumes it (kombu sends it with a 1 s
   server-side timeout, so a live consumer is answered every second, message or not:
-  ``worker.glue.poison.PoisonChannel`` notes when, ``probe`` passes it on);
+  ``worker.poison.PoisonChannel`` notes when, ``probe`` passes it on);
 * while that channel does not ask (every slot of the queue is busy, or the worker's gate
   cancelled its consumers while the run store or the runtime is down here, so kombu sends
   no BRPOP), a PING through the channel's own connections, once a second from the

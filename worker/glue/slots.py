@@ -29,8 +29,8 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.worker.consumer import Consumer
 
+from worker import poison
 from worker.context import context_of, studio_app
-from worker.glue import poison
 from worker.glue.events import events_on_request
 from worker.protocol import QUEUE_TEST
 
@@ -113,7 +113,7 @@ class StudioConsumer(Consumer):
             reserved = self.test_slots * self.prefetch_multiplier
             self.initial_prefetch_count = max(self.prefetch_multiplier, initial - reserved)
 
-    # Poison messages: set aside in studio:dead:<queue> (worker.glue.poison), never just dropped.
+    # Poison messages: set aside in studio:dead:<queue> (worker.poison), never just dropped.
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         poison.on_bad_message(message, f"undecodable body: {type(exc).__name__}: {exc}")

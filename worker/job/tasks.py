@@ -34,10 +34,9 @@ from executor.outage import is_store_outage
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import fair, metrics, redis_conn
+from worker import fair, metrics, poison, redis_conn
 from worker import tracing as worker_tracing
 from worker.context import studio_app
-from worker.glue import poison
 from worker.glue.outcomes import NodeFailed, report_outcome
 from worker.job import gate, pending, rerun, unrunnable
 from worker.job.cancel import CancelWatch
