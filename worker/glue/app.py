@@ -97,7 +97,8 @@ def worker_app(settings: Settings) -> StudioCelery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker.glue import broker_watch, outcomes, slots
+    from worker import outcomes
+    from worker.glue import broker_watch, slots
     from worker.job import tasks
     from worker.upkeep import gate as gate_watch
     from worker.upkeep import heartbeat, owner
