@@ -66,3 +66,9 @@ def context_of(app: Any) -> WorkerContext:
     """The worker context of ``app`` (a blank one for an app that is not the project's)."""
     ours = studio_app(app)
     return ours.context if ours is not None else WorkerContext()
+
+
+def consumed_queues(app: Celery) -> set[str]:
+    """The queues a worker of ``app`` consumes (-Q; every queue of the app without it)."""
+    queues = app.amqp.queues
+    return set(queues.consume_from or queues)

@@ -137,7 +137,7 @@ class PoisonChannel(_ChannelBase):
                 self.client.connection.disconnect()
                 raise
             # an answer (a message, or none within BRPOP's 1 s): this consumer reaches
-            # Redis (worker.glue.broker_watch reads it)
+            # Redis (worker.upkeep.broker_watch reads it)
             self.answered_at = time.monotonic()
             if dest__item:
                 dest, item = dest__item

@@ -98,10 +98,10 @@ def worker_app(settings: Settings) -> StudioCelery:
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
     from worker import outcomes
-    from worker.glue import broker_watch, slots
+    from worker.glue import slots
     from worker.job import tasks
+    from worker.upkeep import broker_watch, heartbeat, owner
     from worker.upkeep import gate as gate_watch
-    from worker.upkeep import heartbeat, owner
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:

@@ -30,7 +30,7 @@ from celery import Celery, bootsteps
 from celery.worker.consumer import Consumer
 
 from worker import poison
-from worker.context import context_of, studio_app
+from worker.context import consumed_queues, context_of, studio_app
 from worker.glue.events import events_on_request
 from worker.protocol import QUEUE_TEST
 
@@ -38,11 +38,6 @@ log = logging.getLogger("studio_code.worker")
 
 #: the longest pause between two attempts of the consumer to reach Redis again
 RECONNECT_MAX_S = 2.0
-
-
-def consumed_queues(app: Celery) -> set[str]:
-    queues = app.amqp.queues
-    return set(queues.consume_from or queues)
 
 
 def reserved_test_slots(app: Celery, autoscale: Any = None) -> int:

@@ -54,9 +54,9 @@ def dependency_problems(settings: Settings, *, store: Any = None) -> dict[str, s
 
 def gate_checks(settings: Settings | None = None) -> dict[str, str | None]:
     """``paused``: why this worker is not taking jobs (run store unwritable, runtime down,
-    with ``settings``: a consumer that lost its broker, worker.glue.broker_watch), None
+    with ``settings``: a consumer that lost its broker, worker.upkeep.broker_watch), None
     while it is. A paused worker's readiness answers 503 with this sentence."""
-    from worker.glue import broker_watch
+    from worker.upkeep import broker_watch
     from worker.upkeep.gate import pause_reason
 
     reason = pause_reason()

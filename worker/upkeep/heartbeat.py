@@ -181,7 +181,7 @@ class Heartbeat:
     is announced ``paused`` with it (the API does not count it as serving); an exception
     it raises counts as a reason too (a worker that cannot tell is not counted).
     ``queue_reason(queue)`` is asked the same way for each queue: one queue's consumer
-    may have lost its broker while another's has not (worker.glue.broker_watch).
+    may have lost its broker while another's has not (worker.upkeep.broker_watch).
 
     ``client``: the Redis client to beat with (worker.redis_conn); default: one of
     ``redis_url``."""
@@ -337,7 +337,7 @@ def queue_slots(app: Any, worker: Any) -> dict[str, int]:
     """The slots this worker gives each queue it consumes: with test slots kept
     (worker.glue.slots), code.test gets those and code.run the rest of the pool; otherwise one
     consumer shares the whole pool between the queues."""
-    from worker.glue.slots import consumed_queues
+    from worker.context import consumed_queues
 
     queues = consumed_queues(app)
     concurrency = int(getattr(worker, "concurrency", 0) or 0) or 1
@@ -374,7 +374,7 @@ class HeartbeatStep(bootsteps.StartStopStep):
         settings, context = app.settings, app.context
         from executor.store.sql import describe_url
         from worker import redis_conn
-        from worker.glue import broker_watch
+        from worker.upkeep import broker_watch
 
         dead_after_s = settings.redis_dead_after_s
 
@@ -399,7 +399,7 @@ class HeartbeatStep(bootsteps.StartStopStep):
     def stop(self, c: Any) -> None:
         if c.blueprint.state == bootsteps.RUN:
             # a restart after a lost connection: keep beating; while the consumer is away,
-            # worker.glue.broker_watch says "broker connection lost" (paused, not gone)
+            # worker.upkeep.broker_watch says "broker connection lost" (paused, not gone)
             return
         self._withdraw()
 

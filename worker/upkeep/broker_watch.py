@@ -174,7 +174,7 @@ class BrokerWatchStep(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
 
     def start(self, c: Any) -> None:
-        from worker.glue.slots import consumed_queues
+        from worker.context import consumed_queues
 
         seen(consumed_queues(c.app))
         app = studio_app(c.app)
@@ -285,7 +285,7 @@ class BrokerWatchdogStep(bootsteps.StartStopStep):
         super().__init__(w, **kwargs)
 
     def start(self, w: Any) -> None:
-        from worker.glue.slots import consumed_queues
+        from worker.context import consumed_queues
 
         app = studio_app(w.app)
         settings = app.settings if app is not None else None
