@@ -174,7 +174,7 @@ class CodeClient:
     def app(self) -> Any:
         """The client-side Celery app (made on first use)."""
         if self._app is None:
-            from worker.glue.app import make_app
+            from worker.assembly import make_app
 
             # the broker layer's transport for STUDIO_REDIS_URL, as the worker's
             self._app = make_app(self.settings)

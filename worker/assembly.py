@@ -1,4 +1,8 @@
-"""The Celery app: Redis broker, two queues, late acks, one prefork process per slot.
+"""The worker's assembly, at the top of worker/: the Celery app (Redis broker, two queues, late
+acks, one prefork process per slot) and what a worker adds to it (the task, the consumer's
+steps, the upkeep's steps, the signals). Nothing in worker/ imports this module back: the
+rooms below (job/, upkeep/, metrics/, consumer/) and the shared modules beside it know
+nothing of how they are put together.
 
 ``celery -A worker worker`` finds the app through ``worker.celery`` (built from the STUDIO_*
 environment on first use); ``studio-code worker`` builds the same app from its Settings.
