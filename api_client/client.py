@@ -68,7 +68,7 @@ from worker.protocol import (
     rate_key,
     visibility_timeout_s,
 )
-from worker.upkeep.heartbeat import AsyncWorkerRegistry, WorkerInfo, WorkerRegistry, summary
+from worker.registry import AsyncWorkerRegistry, WorkerInfo, WorkerRegistry, summary
 
 log = logging.getLogger("studio_code.api_client")
 

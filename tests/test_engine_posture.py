@@ -335,7 +335,8 @@ def test_a_refusing_setting_makes_a_vulnerable_engine_not_ready(make_settings, p
 def test_the_heartbeat_carries_the_engine_through_redis(redis_server) -> None:  # type: ignore[no-untyped-def]
     """A worker's engine goes through Redis's Lua (cjson) and back unchanged, an empty list
     of advisories included (cjson writes [] back as {})."""
-    from worker.upkeep.heartbeat import Heartbeat, WorkerRegistry
+    from worker.registry import WorkerRegistry
+    from worker.upkeep.heartbeat import Heartbeat
 
     fixed = posture_of(_version("1.2.8", "v1.2.8-0-g3f92552"), _info(), host_packages={})
     engine: list[dict[str, object] | None] = [fixed.compact()]

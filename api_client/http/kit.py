@@ -279,7 +279,7 @@ class Services:
         """Live workers per queue (serving, slots, paused with reasons); None when Redis or
         the client cannot be reached (the checks say why)."""
         try:
-            from worker.upkeep.heartbeat import summary
+            from worker.registry import summary
 
             return summary(self.client.live_workers())
         except Exception:  # noqa: BLE001 - readiness reports, never raises
