@@ -49,8 +49,8 @@ from executor.store import (
     open_store,
 )
 from worker import lua, redis_conn
+from worker.cancel import CancelWatch
 from worker.fair import FairQueue, Waiting, user_cap
-from worker.job.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
     HEADER_FAIR_USER,

@@ -85,7 +85,7 @@ class StudioConsumer(Consumer):
 
     Without Celery's mingle and gossip (what --without-mingle --without-gossip turn off):
     mingle asks every other worker on each (re)connect and waits for their answers;
-    cancels are flags in Redis and the run store here (worker.job.cancel), not gossip.
+    cancels are flags in Redis and the run store here (worker.cancel), not gossip.
     And, unless events are on (-E, for Flower or celery-exporter), without Celery's
     worker heartbeat events (--without-heartbeat): they are published from the event loop
     with a retry that never ends while Redis cannot be reached, so a lost broker stopped

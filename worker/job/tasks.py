@@ -36,9 +36,9 @@ from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
 from worker import fair, metrics, poison, redis_conn
 from worker import tracing as worker_tracing
+from worker.cancel import CancelWatch
 from worker.context import studio_app
 from worker.job import gate, pending, rerun, unrunnable
-from worker.job.cancel import CancelWatch
 from worker.job.live_logs import add_end_mark, publishing
 from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (
