@@ -311,7 +311,7 @@ def test_a_pool_process_loads_no_metrics_server():
     """worker.metrics (what pool processes record) loads neither the server nor the health
     checks."""
     mods = loaded_after("import worker.metrics")
-    assert loaded_of(mods, ("worker.metrics.server", "worker.metrics.health")) == []
+    assert loaded_of(mods, ("worker.metrics.server", "worker.health")) == []
 
 
 def test_the_wire_records_load_without_the_routes():

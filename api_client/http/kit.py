@@ -267,7 +267,7 @@ class Services:
             return None
 
     def health(self) -> dict[str, str | None]:
-        from worker.metrics.health import dependency_problems
+        from worker.health import dependency_problems
 
         try:
             store = getattr(self.client, "store", None)

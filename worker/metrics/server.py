@@ -35,8 +35,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from executor.settings import KNOWN_LANGUAGES, Settings
+from worker.health import dependency_problems
 from worker.metrics import PREFIX, touch_series
-from worker.metrics.health import dependency_problems, gate_checks
 
 log = logging.getLogger("studio_code.metrics")
 
@@ -252,6 +252,24 @@ class ReadinessCollector(Collector):
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+
+
+# --- health (main process) ------------------------------------------------------------------
+
+
+def gate_checks(settings: Settings | None = None) -> dict[str, str | None]:
+    """``paused``: why this worker is not taking jobs (run store unwritable, runtime down,
+    with ``settings``: a consumer that lost its broker, worker.upkeep.broker_watch), None
+    while it is. A paused worker's readiness answers 503 with this sentence."""
+    from worker.upkeep import broker_watch
+    from worker.upkeep.gate import pause_reason
+
+    reason = pause_reason()
+    if reason is None and settings is not None:
+        reason = broker_watch.any_lost_reason(
+            broker_watch.ROUND_TRIPS.queues(), settings.redis_dead_after_s
+        )
+    return {"paused": reason}
 
 
 class _DefaultRegistry(Collector):
