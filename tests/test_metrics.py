@@ -467,7 +467,7 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
         "studio_code_rate_limited_total",
         "studio_code_language_ready",
         "studio_code_engine_vulnerable",
-        # autoscaling and API signals (worker.metrics.autoscale, api_client.http.metrics)
+        # autoscaling and API signals (worker.autoscale, api_client.http.metrics)
         "studio_code_queue_backlog",
         "studio_code_queue_oldest_seconds",
         "studio_code_queue_user_waiting",

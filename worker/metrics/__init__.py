@@ -10,8 +10,8 @@ guard ``record_dead_letter``. No metric name starts with ``celery_``: that names
 to celery-exporter, which an operator may run beside this.
 
 Beside it: the server, readiness probes, why the worker is paused and multiprocess bookkeeping
-(``worker.metrics.server``, main process only) and the autoscaling signals
-(``worker.metrics.autoscale``); the health checks it shares with the API are ``worker.health``.
+(``worker.metrics.server``, main process only). What the API shares with it is at worker/'s
+top: the health checks (``worker.health``) and the autoscaling signals (``worker.autoscale``).
 The STUDIO_METRICS_* variables are fields of the one ``Settings``.
 """
 

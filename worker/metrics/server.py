@@ -309,7 +309,7 @@ class MetricsServer:
             self.registry.register(_DefaultRegistry())
         self.readiness = ReadinessCollector(settings, ready_interval_s)
         self.registry.register(self.readiness)
-        from worker.metrics.autoscale import SLOTS
+        from worker.autoscale import SLOTS
 
         self.registry.register(SLOTS)
         self._metrics_app = make_wsgi_app(self.registry)
@@ -418,7 +418,7 @@ def connect_worker_signals(settings_factory: Callable[[], Settings]) -> None:
         reset_multiprocess_dir()
 
     def on_ready(sender: Any = None, **_: Any) -> None:
-        from worker.metrics.autoscale import SLOTS
+        from worker.autoscale import SLOTS
 
         SLOTS.consumer = sender  # worker_ready's sender is Celery's consumer
         try:
