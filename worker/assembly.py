@@ -60,13 +60,13 @@ def make_app(settings: Settings) -> StudioCelery:
         worker_prefetch_multiplier=1,
         worker_concurrency=settings.code_concurrency,
         worker_pool="prefork",
-        worker_consumer="worker.glue.slots:StudioConsumer",
+        worker_consumer="worker.consumer.slots:StudioConsumer",
         broker_transport_options={
             # See visibility_timeout_s: longer than the longest wait inside a worker +
             # STUDIO_CODE_MAX_SECONDS + the kill grace, or a running job is handed out twice.
             "visibility_timeout": visibility_timeout_s(settings),
             # A worker that consumes both queues through ONE consumer (no test slots, see
-            # worker.glue.slots) reads code.test before code.run instead of round robin.
+            # worker.consumer.slots) reads code.test before code.run instead of round robin.
             "queue_order_strategy": "priority",
             # Messages of a dead worker come back within one sweep of the visibility timeout
             # (kombu's default sweeps every 100 s).
@@ -102,7 +102,7 @@ def worker_app(settings: Settings) -> StudioCelery:
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
     from worker import outcomes
-    from worker.glue import slots
+    from worker.consumer import slots
     from worker.job import tasks
     from worker.upkeep import broker_watch, heartbeat, owner
     from worker.upkeep import gate as gate_watch
@@ -120,7 +120,7 @@ def worker_app(settings: Settings) -> StudioCelery:
 
     tasks.register(app)
     # Task events on Flower's request, without blocking the loop while Redis is away
-    app.events.dispatcher_cls = "worker.glue.events:QuietDispatcher"
+    app.events.dispatcher_cls = "worker.consumer.events:QuietDispatcher"
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
     app.steps["consumer"].add(gate_watch.GateStep)

@@ -30,7 +30,7 @@ def _no_engine() -> dict[str, Any] | None:
 class WorkerContext:
     """What a worker's steps share.
 
-    * ``test_slots``: pool processes kept for ``code.test`` (0: no split; worker.glue.slots);
+    * ``test_slots``: pool processes kept for ``code.test`` (0: no split; worker.consumer.slots);
     * ``store_id``: the run store's id, read when the janitor opened it ("" before), announced
       by the heartbeat;
     * ``not_serving_reason``: why the worker should not count as serving now (None: it

@@ -8,7 +8,7 @@ Where an item can go bad, and who catches it:
   ``PoisonChannel`` (a part of every broker channel, composed in worker.broker) checks
   each item it pops first;
 * a message whose body cannot be decoded, of an unknown task, or invalid for Celery:
-  ``StudioConsumer`` (worker.glue.slots) sends it here instead of Celery's log-and-drop;
+  ``StudioConsumer`` (worker.consumer.slots) sends it here instead of Celery's log-and-drop;
 * a message of our task with arguments that are not one job id: the task itself.
 
 The dead-letter list of queue Q is ``studio:dead:Q`` (e.g. ``studio:dead:code.run``): each

@@ -265,7 +265,7 @@ class GateStep(bootsteps.StartStopStep):
 
     @staticmethod
     def _consumers(c: Any) -> list[Any]:
-        from worker.glue.slots import CodeTestConsumer
+        from worker.consumer.slots import CodeTestConsumer
 
         out = [c.task_consumer] if getattr(c, "task_consumer", None) is not None else []
         for step in getattr(c, "steps", []) or []:

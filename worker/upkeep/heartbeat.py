@@ -207,7 +207,7 @@ class Heartbeat:
 
 def queue_slots(app: Any, worker: Any) -> dict[str, int]:
     """The slots this worker gives each queue it consumes: with test slots kept
-    (worker.glue.slots), code.test gets those and code.run the rest of the pool; otherwise one
+    (worker.consumer.slots), code.test gets those and code.run the rest of the pool; otherwise one
     consumer shares the whole pool between the queues."""
     from worker.context import consumed_queues
 

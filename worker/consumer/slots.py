@@ -30,8 +30,8 @@ from celery import Celery, bootsteps
 from celery.worker.consumer import Consumer
 
 from worker import poison
+from worker.consumer.events import events_on_request
 from worker.context import consumed_queues, context_of, studio_app
-from worker.glue.events import events_on_request
 from worker.protocol import QUEUE_TEST
 
 log = logging.getLogger("studio_code.worker")
@@ -92,7 +92,7 @@ class StudioConsumer(Consumer):
     the whole loop (no broker watch, no reconnect) until Redis came back. The studio's
     heartbeat (worker.upkeep.heartbeat) is what the API reads.
 
-    Its event dispatcher stays on all the same (worker.glue.events), so Flower's and
+    Its event dispatcher stays on all the same (worker.consumer.events), so Flower's and
     celery-exporter's ``enable_events`` broadcast turns task events on."""
 
     def __init__(self, *args: Any, worker_options: Any = None, **kwargs: Any) -> None:
