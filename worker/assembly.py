@@ -102,7 +102,7 @@ def worker_app(settings: Settings) -> StudioCelery:
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
     from worker import outcomes
-    from worker.consumer import slots
+    from worker.consumer import pause, slots
     from worker.job import tasks
     from worker.upkeep import broker_watch, heartbeat, owner
     from worker.upkeep import gate as gate_watch
@@ -123,7 +123,7 @@ def worker_app(settings: Settings) -> StudioCelery:
     app.events.dispatcher_cls = "worker.consumer.events:QuietDispatcher"
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
-    app.steps["consumer"].add(gate_watch.GateStep)
+    app.steps["consumer"].add(pause.GateStep)
     # The main process's loops, store, Redis client and runtime: the gate's probe, the
     # janitor (reaper, revoke backstop, queued sweep, retention), the parked-result flush.
     app.steps["worker"].add(owner.UpkeepStep)
