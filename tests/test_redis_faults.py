@@ -66,8 +66,8 @@ def test_a_queue_whose_consumer_shows_no_round_trip_is_announced_paused(
     code.run is announced paused ("broker connection lost"), the API refuses a run and
     takes a test call, and readiness names the lost broker."""
     from api_client import CodeClient, RuntimeUnavailable
-    from worker.metrics.server import gate_checks
     from worker.upkeep import broker_watch
+    from worker.upkeep.gate import gate_checks
     from worker.upkeep.heartbeat import Heartbeat
 
     settings = make_settings(

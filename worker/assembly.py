@@ -147,7 +147,9 @@ def _connect_metrics(settings: Settings) -> None:
     except ImportError as e:  # prometheus-client missing: a worker still runs jobs
         log.warning("worker metrics are off: %s", e)
         return
-    metrics_server.connect_worker_signals(lambda: settings)
+    from worker.upkeep.gate import gate_checks
+
+    metrics_server.connect_worker_signals(lambda: settings, paused=gate_checks)
 
 
 _default: StudioCelery | None = None

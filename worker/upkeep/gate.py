@@ -88,6 +88,20 @@ def pause_reason() -> str | None:
     return _gate.reason()
 
 
+def gate_checks(settings: Any = None) -> dict[str, str | None]:
+    """``paused``: why this worker is not taking jobs (run store unwritable, runtime down,
+    with ``settings``: a consumer that lost its broker, worker.upkeep.broker_watch), None
+    while it is. A paused worker's readiness answers 503 with this sentence."""
+    from worker.upkeep import broker_watch
+
+    reason = pause_reason()
+    if reason is None and settings is not None:
+        reason = broker_watch.any_lost_reason(
+            broker_watch.ROUND_TRIPS.queues(), settings.redis_dead_after_s
+        )
+    return {"paused": reason}
+
+
 def store_write_problem(store: Any) -> str | None:
     """None when the run store takes a write now, else a sentence naming it. A write probe:
     a store that answers reads but refuses writes (SQLite locked, read-only) is down too."""
