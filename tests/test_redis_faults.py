@@ -67,7 +67,7 @@ def test_a_queue_whose_consumer_shows_no_round_trip_is_announced_paused(
     takes a test call, and readiness names the lost broker."""
     from api_client import CodeClient, RuntimeUnavailable
     from worker.upkeep import broker_watch
-    from worker.upkeep.gate import gate_checks
+    from worker.upkeep.gate_watch import gate_checks
     from worker.upkeep.heartbeat import Heartbeat
 
     settings = make_settings(

@@ -104,8 +104,7 @@ def worker_app(settings: Settings) -> StudioCelery:
     from worker import outcomes
     from worker.consumer import pause, slots
     from worker.job import tasks
-    from worker.upkeep import broker_watch, heartbeat, owner
-    from worker.upkeep import gate as gate_watch
+    from worker.upkeep import broker_watch, gate_watch, heartbeat, owner
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -147,7 +146,7 @@ def _connect_metrics(settings: Settings) -> None:
     except ImportError as e:  # prometheus-client missing: a worker still runs jobs
         log.warning("worker metrics are off: %s", e)
         return
-    from worker.upkeep.gate import gate_checks
+    from worker.upkeep.gate_watch import gate_checks
 
     metrics_server.connect_worker_signals(lambda: settings, paused=gate_checks)
 

@@ -1,5 +1,5 @@
 """The gate applied to the consumers: while the worker's gate is closed (its run store or its
-runtime is down here, worker/upkeep/gate.py decides), its task consumers are cancelled, so
+runtime is down here, worker/upkeep/gate_watch.py decides), its task consumers are cancelled, so
 its messages stay in Redis for workers that can serve them; they consume again once it opens.
 Consumers are only touched from the consumer's own event loop, never from the gate's thread.
 """
@@ -12,7 +12,7 @@ from typing import Any
 from celery import bootsteps
 
 from worker.consumer.slots import CodeTestConsumer
-from worker.upkeep.gate import gate
+from worker.upkeep.gate_watch import gate
 
 log = logging.getLogger("studio_code.worker")
 

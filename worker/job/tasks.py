@@ -38,7 +38,8 @@ from worker import fair, metrics, poison, redis_conn
 from worker import tracing as worker_tracing
 from worker.cancel import CancelWatch
 from worker.context import studio_app
-from worker.job import gate, pending, rerun, unrunnable
+from worker.job import gate_page as gate
+from worker.job import pending, rerun, unrunnable
 from worker.job.live_logs import add_end_mark, publishing
 from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (

@@ -286,7 +286,7 @@ class MetricsServer:
         paused: PausedCheck | None = None,
     ) -> None:
         """``paused``: why the worker is paused, added to ``/healthz``'s checks (on a worker:
-        worker.upkeep.gate.gate_checks, which worker.assembly passes)."""
+        worker.upkeep.gate_watch.gate_checks, which worker.assembly passes)."""
         self.settings = settings
         self.paused = paused
         self.registry = CollectorRegistry()

@@ -126,7 +126,7 @@ def probe(c: Any, dead_after_s: float) -> None:
         active = list(getattr(channel, "active_queues", ()) or ())
         if active:
             channel.studio_consumed = active
-        # A channel whose consumers the gate cancelled (worker.upkeep.gate: the store or the
+        # A channel whose consumers the gate cancelled (worker.upkeep.gate_watch: the store or the
         # runtime is down here) sends no BRPOP: it is PINGed, as a busy one is, so a pause
         # longer than dead_after_s is not taken for a silent connection (which would drop
         # the connection, and with it the acks of the jobs running, and let the watchdog

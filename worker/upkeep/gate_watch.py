@@ -17,7 +17,7 @@ after a pool process reported a failure (``report``, through a page of shared me
 before the pool forks). Consumers are only touched from the consumer's own event loop
 (``GateStep``, worker/consumer/pause.py: a timer tick), never from the thread.
 ``pause_reason()`` is the plain callable the rest of the worker (health, heartbeats) reads.
-The pool processes' side (the shared page, ``report``, ``closed_in_child``) is worker.job.gate.
+The pool processes' side (the shared page, ``report``, ``closed_in_child``) is worker.job.gate_page.
 """
 
 import logging
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from executor.errors import StoreUnavailable
-from worker.job.gate import KINDS, RUN_STORE, RUNTIME, answered, last_report, set_closed
+from worker.job.gate_page import KINDS, RUN_STORE, RUNTIME, answered, last_report, set_closed
 from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
