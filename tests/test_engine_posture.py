@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from executor.runtimes.docker import escapes
-from executor.runtimes.docker.engine import posture_of, read_posture, sandbox_proof
 from executor.runtimes.docker.escapes import (
     dpkg_compare,
     is_package_version,
     load_table,
     parse_version,
 )
+from executor.runtimes.docker.posture import posture_of, read_posture, sandbox_proof
 from tests.services import require
 
 ROOT = Path(__file__).resolve().parent.parent

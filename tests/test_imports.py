@@ -210,7 +210,7 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
 #: subprocess runtime also socket, and secrets and hmac (pydantic.types, for comparing two
 #: secret values; the Docker SDK's requests loads them whatever we do)
 RUN_NEVER_USES = (
-    "executor.runtimes.docker.engine",
+    "executor.runtimes.docker.posture",
     "tomllib",
     "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (executor.docker_api)
     # requests' guess of a text's encoding (executor.docker_api): its package, which loads

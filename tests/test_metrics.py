@@ -179,7 +179,7 @@ def test_scraped_counts_equal_the_jobs_run(
             samples = scrape(metrics_url)
         assert total(samples, "studio_code_language_ready", language="typescript") == 0
         # the engine's posture, from the same probe: 1 exactly when a known escape applies
-        from executor.runtimes.docker.engine import read_posture
+        from executor.runtimes.docker.posture import read_posture
 
         vulnerable = read_posture(docker_client.api).vulnerable
         assert ("studio_code_engine_vulnerable", ()) in samples, sorted(samples)

@@ -6,11 +6,11 @@ once a job that no live worker would take, and an autoscaler can read live slots
 The announcements live in one Redis hash per queue (``protocol.workers_key``): field = the
 worker's nodename, value = JSON with the queue, the slots it gives that queue, its state
 (``serving``, or ``paused`` with the reason ``not_serving_reason`` gave), its host, pid and
-run store, its engine (versions and known escapes, worker/upkeep/engine.py; null without one), and
-``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks disagree still agree
-on who is alive). A worker that stops cleanly removes its fields at once; a killed one stops
-counting ``heartbeat_ttl_s`` after its last beat (its field is removed by the next beat of
-any worker of that queue).
+run store, its engine (versions and known escapes, worker/upkeep/engine_watch.py; null
+without one), and ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks
+disagree still agree on who is alive). A worker that stops cleanly removes its fields at
+once; a killed one stops counting ``heartbeat_ttl_s`` after its last beat (its field is
+removed by the next beat of any worker of that queue).
 
 Cost: one script call per beat (all queues of the worker), one per read (all queues asked).
 """
@@ -261,7 +261,7 @@ class HeartbeatStep(bootsteps.StartStopStep):
             # read by the janitor when it opened the store (no second connection here, and
             # nothing that could hang the beat while the store is down)
             store_id=lambda: context.store_id,
-            # the upkeep's last read of the engine (worker.upkeep.engine): never waits for it
+            # the upkeep's last read of the engine (worker.upkeep.engine_watch): never waits for it
             engine=lambda: context.engine(),
             queue_reason=lambda queue: broker_watch.lost_reason(queue, dead_after_s),
             client=redis_conn.client(settings),
