@@ -25,7 +25,7 @@ import redis
 from pydantic import BaseModel
 
 from api_client import waiting
-from api_client.live_logs import LogEvent
+from api_client.log_follower import LogEvent
 from api_client.waiting import WAIT_SLICE_S
 from executor import inputs, tracing
 from executor.errors import (
@@ -681,8 +681,8 @@ class CodeClient:
 
     def follow_logs(self, job_id: str, *, timeout_s: float = 3600.0) -> Iterator[LogEvent]:
         """What job ``job_id`` prints, as it prints it (``LogEvent``: log, truncated, end),
-        until the job has finished; raises JobNotFound. See api_client.live_logs."""
-        from api_client.live_logs import follow
+        until the job has finished; raises JobNotFound. See api_client.log_follower."""
+        from api_client.log_follower import follow
 
         self.status(job_id)  # JobNotFound before anything is yielded
         yield from follow(

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from api_client.client import CodeClient, JobNotFound
-from api_client.live_logs import LogEvent, follow, follow_async
+from api_client.log_follower import LogEvent, follow, follow_async
 from executor.errors import ErrorCode, RuntimeUnavailable
 from executor.models import Status
 from tests.services import RedisServer, start_redis

@@ -40,7 +40,7 @@ from worker.cancel import CancelWatch
 from worker.context import studio_app
 from worker.job import gate_page as gate
 from worker.job import pending, rerun, unrunnable
-from worker.job.live_logs import add_end_mark, publishing
+from worker.job.log_publisher import add_end_mark, publishing
 from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (
     CANCEL_SIGNAL,
