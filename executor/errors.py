@@ -100,8 +100,9 @@ class StoreUnavailable(RuntimeUnavailable):
 
 class InfrastructureLost(RuntimeUnavailable):
     """Raised by a runtime when a sandbox ended because of the infrastructure, not its code:
-    the engine went away or restarted, the sandbox vanished, its stream or its wait broke
-    with an engine error. Never a ``CODE_*`` outcome: a runtime whose re-run is harmless
+    the engine went away or restarted, the sandbox vanished or was killed through the engine
+    by something other than the job (``docker kill``/``docker stop``), its stream or its wait
+    broke with an engine error. Never a ``CODE_*`` outcome: a runtime whose re-run is harmless
     (``Runtime.rerun_safe``) has the job run again elsewhere (worker/job/tasks.py); otherwise,
     and once the attempts are spent, the job ends RUNTIME_UNAVAILABLE with this message.
 
@@ -112,7 +113,15 @@ class InfrastructureLost(RuntimeUnavailable):
     SANDBOX_VANISHED = "sandbox_vanished"
     STREAM_BROKEN = "stream_broken"
     ENGINE_ERROR = "engine_error"
-    CAUSES = (ENGINE_UNREACHABLE, ENGINE_STOPPING, SANDBOX_VANISHED, STREAM_BROKEN, ENGINE_ERROR)
+    SANDBOX_KILLED = "sandbox_killed"
+    CAUSES = (
+        ENGINE_UNREACHABLE,
+        ENGINE_STOPPING,
+        SANDBOX_VANISHED,
+        STREAM_BROKEN,
+        ENGINE_ERROR,
+        SANDBOX_KILLED,
+    )
 
     def __init__(self, cause: str, detail: str, *, message: str | None = None) -> None:
         """``message``: the sentence, when the sandbox never started (the engine was away
@@ -125,3 +134,9 @@ class InfrastructureLost(RuntimeUnavailable):
         )
         self.cause = cause
         self.detail = detail
+
+    @property
+    def engine_answers(self) -> bool:
+        """The sandbox's engine answered after the loss (it was signalled through a healthy
+        engine): what is left of it is removed at once, not left for later."""
+        return self.cause == self.SANDBOX_KILLED

@@ -328,6 +328,55 @@ def test_a_refusing_setting_makes_a_vulnerable_engine_not_ready(make_settings, p
         assert ready.ready is True, ready.reason
 
 
+@pytest.mark.docker
+def test_a_refusing_worker_pre_starts_no_sandbox_on_a_vulnerable_engine(  # type: ignore[no-untyped-def]
+    make_settings, python_image, docker_client
+):
+    """The refusal holds before any job too: a pool on an engine the runs refuse starts no
+    sandbox (the same pool with the setting off does, on the same engine)."""
+    import time
+
+    from executor.runtimes.base import owner_id
+    from executor.service import Executor
+
+    def pooled(refuse: bool):  # type: ignore[no-untyped-def]
+        return Executor(
+            make_settings(
+                code_runtime="docker",
+                code_image=python_image,
+                code_languages="python",
+                code_prewarm=1,
+                code_engine_refuse_vulnerable=refuse,
+            )
+        )
+
+    def ours() -> list[object]:
+        return docker_client.containers.list(
+            all=True, filters={"label": f"studio.pool={owner_id()}"}
+        )
+
+    refusing = pooled(True)
+    posture = refusing.runtime.engine_posture()  # type: ignore[union-attr]
+    require(posture is not None, "the engine's posture cannot be read")
+    refusing.prepare()
+    try:
+        pool = refusing.runtime.pool  # type: ignore[union-attr]
+        assert pool is not None
+        if posture.vulnerable:  # type: ignore[union-attr]
+            time.sleep(3)  # the pool's first starts (and back-off) are made by now
+            assert not pool.wait_ready(0.1) and not ours(), ours()
+        else:
+            assert pool.wait_ready(60)
+    finally:
+        refusing.close()
+    allowing = pooled(False)  # the control: the same engine, the setting off
+    allowing.prepare()
+    try:
+        assert allowing.runtime.pool.wait_ready(60) and ours()  # type: ignore[union-attr]
+    finally:
+        allowing.close()
+
+
 # --- the heartbeat carries it -------------------------------------------------------------------
 
 

@@ -1,8 +1,10 @@
 """Infrastructure or code, told apart on the machine's Docker engine (the engine itself going
 away is tests/test_two_hosts.py, on an engine of the test's own): a sandbox removed from
-outside while it runs (not by a cancel) is lost to the infrastructure, never the code's; a
-sandbox whose code ends its own process with the very status a kill gives (137) stays the
-code's, because its engine still takes new connections. Cold and pre-started sandboxes."""
+outside while it runs (not by a cancel) is lost to the infrastructure, never the code's, and
+so is one the engine was asked to signal (`docker kill`, `docker stop`); a sandbox whose
+code ends its own process with the very status a kill gives (137) stays the code's, because
+its engine still takes new connections and was asked to signal nothing. Cold and pre-started
+sandboxes."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def executor(request: pytest.FixtureRequest, docker_executor: Any) -> Any:
     return docker_executor
 
 
-def test_a_sandbox_removed_from_outside_is_not_the_codes(executor: Any, docker_client: Any) -> None:
+def run_and_end_from_outside(executor: Any, docker_client: Any, end: Any) -> Any:
+    """Run SLEEPS; once its sandbox runs, ``end(container)`` it as an operator would."""
     job = CodeJob(code=SLEEPS, timeout_s=30)
     out: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: out.setdefault("r", executor.run(job)))
@@ -41,14 +44,49 @@ def test_a_sandbox_removed_from_outside_is_not_the_codes(executor: Any, docker_c
     else:
         pytest.fail("the job's sandbox never ran")
     time.sleep(0.5)  # its code is sleeping now
-    found[0].remove(force=True)  # what an operator's `docker rm -f` does
+    end(found[0])
     runner.join(30)
-    r = out["r"]
+    return out["r"]
+
+
+def test_a_sandbox_removed_from_outside_is_not_the_codes(executor: Any, docker_client: Any) -> None:
+    # what an operator's `docker rm -f` does
+    r = run_and_end_from_outside(executor, docker_client, lambda c: c.remove(force=True))
     print(f"\n{r.status.value} {r.error} {[(t.step, t.detail) for t in r.trace]}")
     assert r.status.value == "failed" and r.error is not None, r
     assert r.error.code == "RUNTIME_UNAVAILABLE", r.error
     assert "not to its code" in r.error.message and "sandbox_vanished" in r.error.message
     assert [(t.step, t.detail) for t in r.trace] == [("sandbox.lost", "sandbox_vanished")]
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "kill",  # `docker kill`: SIGKILL, exit status 137
+        "stop",  # `docker stop -t 1`: SIGTERM (PID 1 ignores it), a second later SIGKILL
+        "kill-TERM",  # `docker kill -s TERM`, then `docker kill`: two kill events
+    ],
+)
+def test_a_sandbox_signalled_through_the_engine_is_not_the_codes(
+    executor: Any, docker_client: Any, how: str
+) -> None:
+    def end(c: Any) -> None:
+        if how == "kill":
+            c.kill()
+        elif how == "stop":
+            c.stop(timeout=1)
+        else:
+            c.kill(signal="SIGTERM")
+            time.sleep(0.3)
+            c.kill()
+
+    r = run_and_end_from_outside(executor, docker_client, end)
+    print(f"\n{how}: {r.status.value} {r.error} {[(t.step, t.detail) for t in r.trace]}")
+    assert r.status.value == "failed" and r.error is not None, r
+    assert r.error.code == "RUNTIME_UNAVAILABLE", r.error
+    assert "not to its code" in r.error.message and "sandbox_killed" in r.error.message
+    assert "exit status 137" in r.error.message and "signal" in r.error.message, r.error
+    assert [(t.step, t.detail) for t in r.trace] == [("sandbox.lost", "sandbox_killed")]
 
 
 def test_code_that_exits_137_itself_is_still_the_codes(executor: Any) -> None:
@@ -94,6 +132,34 @@ def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
     assert r.error.message.count("sandbox_vanished") == MAX_ATTEMPTS, r.error.message
     assert f"It was attempt {MAX_ATTEMPTS}, the last" in r.error.message, r.error.message
     assert [t.step for t in r.trace] == ["job.rerun", "sandbox.lost"], r.trace
+
+
+@pytest.mark.redis
+def test_a_job_whose_sandbox_an_operator_kills_runs_again_and_succeeds(
+    queue_env: Any, docker_client: Any
+) -> None:
+    """One worker; the job's first sandbox is `docker kill`ed (the test's own container) while
+    its code runs: the job is handed back, runs again and ends ``succeeded`` with attempts
+    2, its trace beginning with the re-run row naming ``sandbox_killed``; no sandbox is left."""
+    q = queue_env(code_concurrency=1)
+    q.start_worker("killed", concurrency=1)
+    code = "import time\n\ndef main(state):\n    time.sleep(2)\n    return 5\n"
+    job = q.client.submit(code, "python", {}, timeout_s=25)
+    killed: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not killed:
+        for c in docker_client.containers.list(filters={"name": f"studio-code-{job}"}):
+            time.sleep(0.3)  # its code is sleeping now
+            c.kill()
+            killed.append(c.id)
+        time.sleep(0.05)
+    r = q.client.wait(job, 60)
+    print(f"\nkilled {killed}; {r.status.value} {r.attempts} {r.error} {r.trace}")
+    assert killed, "the job's sandbox never ran"
+    assert r.status.value == "succeeded" and r.output == 5, (r.status, r.error)
+    assert r.attempts == 2, r
+    assert r.trace[0].step == "job.rerun" and "sandbox_killed" in r.trace[0].detail, r.trace
+    assert not docker_client.containers.list(all=True, filters={"id": killed[0]})
 
 
 def test_a_rerun_waits_for_the_earlier_attempts_sandbox_to_be_removed(

@@ -213,9 +213,123 @@ def test_exec_pull_and_calls_on_other_containers_are_refused(
         assert info.value.status_code == 403 and named in str(info.value.explanation)
     events = api._get(api._url("/events"), params={"filters": '{"label": ["studio.owner"]}'})
     assert events.status_code == 403 and "/events" in events.json()["message"]
+    assert "since and until" in events.json()["message"]  # never an endless stream
     # a missing sandbox is the engine's 404 (the SDK's NotFound), not a refusal
     with pytest.raises(docker.errors.NotFound):
         api.remove_container(f"studio-code-missing-{uuid.uuid4().hex}", force=True)
+
+
+def test_the_events_of_one_sandbox_between_two_moments_pass_rebuilt(
+    guard: Any, api: Any, docker_client: Any, python_image: str
+) -> None:
+    """The one events call the runtime makes (attached.killed_through_engine): one
+    sandbox's kill events, since and until given; the guard writes the filter again with
+    the full id. Any other events call is refused: no until (an endless stream), an until
+    far ahead, two containers, a container that is not a sandbox, other event kinds."""
+    import time
+
+    import docker
+
+    args = sandbox_args(api, python_image)
+    name = f"studio-code-guardtest-{uuid.uuid4().hex[:12]}"
+    cid = api.create_container(name=name, **args)["Id"]
+    other = docker_client.api.create_container(python_image, ["true"], network_disabled=True)
+    since = time.time() - 1
+    try:
+        api.start(cid)
+        docker_client.api.kill(cid)  # an operator's `docker kill`, on the engine itself
+        docker_client.api.wait(cid, timeout=20)
+
+        def events(**kw: Any) -> Any:
+            return api._get(api._url("/events"), params=kw)
+
+        def kills(ref: str) -> list[dict[str, Any]]:
+            r = events(
+                since=f"{since:.9f}",
+                until=f"{time.time():.9f}",
+                filters=json.dumps({"container": [ref], "type": ["container"], "event": ["kill"]}),
+            )
+            assert r.status_code == 200, r.text
+            return [json.loads(line) for line in r.text.splitlines() if line.strip()]
+
+        for ref in (cid, cid[:12], name):  # by full id, short id or name: the same answer
+            seen = kills(ref)
+            assert [(e["Action"], e["Actor"]["ID"]) for e in seen] == [("kill", cid)], seen
+            assert seen[0]["Actor"]["Attributes"]["signal"] == "9", seen
+        # what the runtime calls, through the SDK
+        stream = api.events(
+            since=f"{since:.9f}",
+            until=f"{time.time():.9f}",
+            filters={"container": cid, "type": "container", "event": "kill"},
+            decode=True,
+        )
+        assert [e["Action"] for e in stream] == ["kill"]
+        now = f"{time.time():.9f}"
+        one = json.dumps({"container": [cid], "event": ["kill"]})
+        for params, named in (
+            ({"since": now, "filters": one}, "since and until"),
+            ({"since": now, "until": f"{time.time() + 60:.0f}", "filters": one}, "ahead"),
+            ({"since": now, "until": now, "filters": json.dumps({"event": ["kill"]})}, "one"),
+            (
+                {
+                    "since": now,
+                    "until": now,
+                    "filters": json.dumps({"container": [cid, other["Id"]], "event": ["kill"]}),
+                },
+                "one container",
+            ),
+            (
+                {"since": now, "until": now, "filters": json.dumps({"container": [cid]})},
+                "named",
+            ),
+            (
+                {
+                    "since": now,
+                    "until": now,
+                    "filters": json.dumps({"container": [cid], "event": ["exec_create"]}),
+                },
+                "only",
+            ),
+            (
+                {
+                    "since": now,
+                    "until": now,
+                    "filters": json.dumps({"container": [other["Id"]], "event": ["kill"]}),
+                },
+                "not a sandbox",
+            ),
+            (
+                {"since": now, "until": now, "filters": one, "type": "container"},
+                "not passed on",
+            ),
+        ):
+            r = events(**params)
+            assert r.status_code == 403, (params, r.status_code, r.text)
+            assert named in r.json()["message"], (params, r.json())
+        with pytest.raises(docker.errors.APIError):
+            api.remove_container(other["Id"], force=True)  # still not the guard's to touch
+    finally:
+        api.remove_container(cid, force=True)
+        docker_client.api.remove_container(other["Id"], force=True)
+
+
+def test_a_job_signalled_through_the_engine_is_lost_not_the_codes_through_the_guard(
+    guard: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    make_settings: Any,
+    python_image: str,
+    docker_client: Any,
+) -> None:
+    """Behind the guard, the runtime still tells a `docker kill` from the code's own end."""
+    from tests.test_infra_lost import run_and_end_from_outside
+
+    ex = _executor(monkeypatch, guard, make_settings, python_image)
+    try:
+        r = run_and_end_from_outside(ex, docker_client, lambda c: c.kill())
+    finally:
+        ex.close()
+    assert r.status.value == "failed" and r.error is not None, r
+    assert r.error.code == "RUNTIME_UNAVAILABLE" and "sandbox_killed" in r.error.message, r.error
 
 
 def _executor(

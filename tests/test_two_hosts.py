@@ -61,7 +61,13 @@ LONG_S = 25.0
 MAX_SECONDS = 40
 CODE_ERRORS = {"CODE_ERROR", "CODE_TIMEOUT", "CODE_MEMORY", "CODE_OUTPUT_INVALID"}
 RERUN_STEP = "job.rerun"
-CAUSES = ("engine_stopping", "engine_unreachable", "sandbox_vanished", "stream_broken")
+CAUSES = (
+    "engine_stopping",
+    "engine_unreachable",
+    "sandbox_vanished",
+    "stream_broken",
+    "sandbox_killed",
+)
 
 
 class PostgresServer:

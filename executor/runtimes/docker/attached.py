@@ -8,11 +8,14 @@ OOM from the container's state (``exit_state``, bounded by the same deadline). W
 the sandbox and what removes it stay with the caller.
 
 Infrastructure or code (``InfrastructureLost``, never a ``CODE_*`` outcome): a sandbox whose
-wait or stream broke with an engine error, that vanished without a cancel, or that ended
+wait or stream broke with an engine error, that vanished without a cancel, that ended
 without the runner's clean exit while its engine takes no new connection (a stopping engine
 closes its socket first, then kills its containers: what an upgrade's restart does; a
-killed engine takes none at all) was lost to the infrastructure. A sandbox that ended on its
-own (any exit status) while its engine answers on a fresh connection is the code's.
+killed engine takes none at all), or that the engine was asked to signal while it ran (its
+``kill`` event: a ``docker kill``/``docker stop``, an orchestrator; the project itself never
+signals a sandbox, it removes it) was lost to the infrastructure. A sandbox that ended on
+its own (any exit status) while its engine answers on a fresh connection and signalled it
+not is the code's.
 """
 
 from __future__ import annotations
@@ -100,6 +103,35 @@ def engine_stopping(api: docker.APIClient) -> str | None:
 FRESH_PING_S = 5.0
 
 
+def killed_through_engine(api: docker.APIClient, cid: str, since: float) -> str | None:
+    """The signal the engine was asked to send ``cid`` since ``since`` (wall clock, the
+    job's start): a ``kill`` event (``docker kill``, ``docker stop``, an orchestrator). The
+    project never signals a sandbox (it removes one, and a removal's kill leaves the
+    container ``removing``: ``exit_state``), so such an event is not the job's. None when
+    there is none, or when the events cannot be read (an older socket guard refuses the
+    call): then the ending stays the code's, as before the check."""
+    try:
+        stream = api.events(
+            since=f"{since - 1:.9f}",  # a second of slack for the engine's clock
+            until=f"{time.time():.9f}",  # the past: the engine answers at once, then closes
+            filters={"container": cid, "type": "container", "event": "kill"},
+            decode=True,
+        )
+    except Exception:  # noqa: BLE001 - no events: the ending stays the code's
+        return None
+    try:
+        for event in stream:  # the filter leaves this sandbox's kill events only
+            attrs = (event.get("Actor") or {}).get("Attributes") or {}
+            return f"signal {attrs.get('signal', '?')}"
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+    return None
+
+
 class RunLogs(BoundedBuffer):
     """A run's logs as read from the attach stream (live through ``tap``)."""
 
@@ -182,6 +214,13 @@ def run_attached(
                 InfrastructureLost.ENGINE_STOPPING,
                 f"the sandbox ended (exit status {exit_code}) while its engine took no new "
                 f"connection: {down}",
+            )
+        signalled = killed_through_engine(api, cid, time.time() - (time.monotonic() - started))
+        if signalled is not None:
+            raise InfrastructureLost(
+                InfrastructureLost.SANDBOX_KILLED,
+                f"the sandbox ended (exit status {exit_code}) after its engine was asked to "
+                f"send it {signalled} (a docker kill or stop, not the job's code)",
             )
     run.exit_code = exit_code
     run.oom_killed = oom

@@ -125,6 +125,8 @@ class SandboxHost(Protocol):
 
     def retry_leftovers(self, timeout_s: float = 0.0) -> None: ...
 
+    def refused_engine(self) -> str | None: ...
+
 
 @dataclass
 class Pooled:
@@ -439,8 +441,8 @@ class SandboxPool(IdlePoolStats):
                     self._hand_off(p)
                     handed_off = True
                 return run
-        except InfrastructureLost:
-            lost = True
+        except InfrastructureLost as e:
+            lost = not e.engine_answers
             raise
         finally:
             with self._cond:
@@ -597,6 +599,9 @@ class SandboxPool(IdlePoolStats):
             preimport_memory.after_fill(self, made)
 
     def _create(self, language: Language, *, preimport: bool = True) -> Pooled:
+        refused = self.runtime.refused_engine()
+        if refused is not None:  # nothing is pre-started on an engine the runs refuse
+            raise RuntimeUnavailable(refused)
         api = self.runtime.api
         placeholder = CodeJob(
             job_id=f"pool-{uuid.uuid4().hex[:12]}",

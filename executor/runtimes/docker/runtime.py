@@ -196,10 +196,9 @@ class DockerRuntime(Runtime):
                     '"runtimes" in /etc/docker/daemon.json, or leave the setting empty for '
                     "the engine's default."
                 )
-        if self.settings.code_engine_refuse_vulnerable:
-            refused = self._refused_engine()
-            if refused is not None:
-                return refused
+        refused = self.refused_engine()
+        if refused is not None:
+            return refused
         image = language.image(self.settings)
         try:
             self.api.inspect_image(image)
@@ -212,7 +211,11 @@ class DockerRuntime(Runtime):
             return docker_down(e)
         return None
 
-    def _refused_engine(self) -> str | None:
+    def refused_engine(self) -> str | None:
+        """Why this engine is refused (STUDIO_CODE_ENGINE_REFUSE_VULNERABLE on, and it has
+        known container escapes or its versions cannot be read); None: it is not."""
+        if not self.settings.code_engine_refuse_vulnerable:
+            return None
         posture = self.engine_posture()
         if posture is None:
             return (
@@ -247,12 +250,11 @@ class DockerRuntime(Runtime):
             raise InfrastructureLost(
                 InfrastructureLost.ENGINE_UNREACHABLE, e.message, message=e.message
             ) from e
-        if self.settings.code_engine_refuse_vulnerable:
-            # the readiness rule, on every run's path too: a process that runs a node without
-            # asking readiness first (`studio-code run`) refuses it all the same
-            refused = self._refused_engine()
-            if refused is not None:
-                raise RuntimeUnavailable(refused)
+        # the readiness rule, on every run's path too: a process that runs a node without
+        # asking readiness first (`studio-code run`) refuses it all the same
+        refused = self.refused_engine()
+        if refused is not None:
+            raise RuntimeUnavailable(refused)
         if self._leftovers and self.pool is None:  # the pool's remover retries them itself
             self.retry_leftovers()
         policy = sandbox_policy(self.settings, language, job, limits, owner_id())
@@ -285,8 +287,8 @@ class DockerRuntime(Runtime):
                 ).run
                 run.usage = usage.read(api, cid)
                 return run
-        except InfrastructureLost:
-            lost = True
+        except InfrastructureLost as e:
+            lost = not e.engine_answers
             raise
         finally:
             if sock is not None:

@@ -54,15 +54,19 @@ Passed on:
   modules file (``GET .../archive`` of that one path: the save-time import check). The guard
   looks a container up (its labels), remembers the ids it checked or created, and passes the
   call on by full id, so a name cannot change hands in between;
-* ``GET /containers/json`` only with a label filter of the project's.
+* ``GET /containers/json`` only with a label filter of the project's;
+* ``GET /events`` of one labelled container's ``kill``/``die``/``oom`` events between two
+  moments, the second at most ``EVENTS_AHEAD_S`` ahead (an answer that ends: no endless
+  stream), the filter written again by the guard with the container's full id: what tells a
+  sandbox signalled through the engine (``docker kill``) from its code's own exit.
 
 Each route's query parameters are an allow-list, each value checked. That is exactly what
 the runtime, the pool, the reaper, the readiness and posture probes and the save-time import
 check call (their tests run through a guard with every passed call logged:
-``STUDIO_TEST_THROUGH_SOCKGUARD=1``); kill, stop and events, which nothing of the project
-calls (a sandbox is ended by a forced remove), are refused too. Everything else (exec, image
-pull/build/load/push, volumes, networks, swarm, plugins, secrets, commit, update, copy into a
-container...) is refused.
+``STUDIO_TEST_THROUGH_SOCKGUARD=1``); kill and stop, which nothing of the project calls
+(a sandbox is ended by a forced remove), and any other events call, are refused too.
+Everything else (exec, image pull/build/load/push, volumes, networks, swarm, plugins,
+secrets, commit, update, copy into a container...) is refused.
 
 What it does not stop: a client of the guard can attach to, start, wait on, rename and remove
 any labelled sandbox on this engine, other jobs' included (the power of a job's worker, plus
@@ -83,6 +87,7 @@ import select
 import socket
 import stat
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -137,6 +142,13 @@ CONTAINER_OPS = {
     ("GET", "archive"),
 }
 _BOOL = re.compile(r"^(0|1|true|false|True|False)$")
+#: a moment as the engine's events call takes it: seconds, optionally with nanoseconds
+_MOMENT = re.compile(r"^[0-9]{1,12}(\.[0-9]{1,9})?$")
+#: the events an events call may ask for (of one sandbox)
+EVENT_KINDS = frozenset({"kill", "die", "oom"})
+#: how far ahead an events call's ``until`` may be (the engine holds the answer open until
+#: then): the answer ends, the guard's thread is not held
+EVENTS_AHEAD_S = 5.0
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 #: query parameters each route may carry, each with the shape of its value (anything else
 #: is refused); what the Docker SDK sends for the project's calls
@@ -370,6 +382,16 @@ def _int_in(value: Any, top: int) -> bool:
 
 def _ours(labels: Any) -> bool:
     return isinstance(labels, dict) and OWNER in labels and (JOB in labels or POOL in labels)
+
+
+def _filter_values(value: Any) -> list[str] | None:
+    """A filter's values, in either form the engine takes (``["a"]`` or ``{"a": true}``);
+    None when it is neither, or holds anything but strings."""
+    if isinstance(value, dict):
+        value = [k for k, v in value.items() if v is True]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    return None
 
 
 def _label_filter(query: dict[str, str], what: str) -> None:
@@ -914,6 +936,8 @@ class SockGuard:
         if path == "/containers/json" and method == "GET":
             _label_filter(query, "GET /containers/json")
             return allow("list", "list", path)
+        if path == "/events" and method == "GET":
+            return self._events(version, query)
         im = _IMAGE.match(path)
         if im and method == "GET":
             if im.group(1) not in self.policy.images:
@@ -940,6 +964,43 @@ class SockGuard:
         cid = self._sandbox_id(ref)
         call.path = f"{version}/containers/{cid}" + (f"/{op}" if op != "remove" else "")
         return call
+
+    def _events(self, version: str, query: dict[str, str]) -> Call:
+        """An events call of one sandbox's kill/die/oom events between two moments, its
+        filter written by the guard; anything else is Refused."""
+        extra = set(query) - {"since", "until", "filters"}
+        if extra:
+            raise Refused(f"GET /events with {', '.join(sorted(extra))}: not passed on")
+        since, until = query.get("since", ""), query.get("until", "")
+        if not (_MOMENT.match(since) and _MOMENT.match(until)):
+            raise Refused(
+                "GET /events without since and until (seconds): only the events between two "
+                "moments are passed on, never an endless stream"
+            )
+        if float(until) > time.time() + EVENTS_AHEAD_S:
+            raise Refused(f"GET /events until {until}: more than {EVENTS_AHEAD_S:g} s ahead")
+        try:
+            filters = json.loads(query.get("filters") or "null")
+        except ValueError:
+            filters = None
+        if not isinstance(filters, dict) or set(filters) - {"container", "type", "event"}:
+            raise Refused("GET /events: the filter is one container's, type and event only")
+        picked = {k: _filter_values(v) for k, v in filters.items()}
+        refs, kinds = picked.get("container"), picked.get("event")
+        if refs is None or len(refs) != 1 or picked.get("type", ["container"]) != ["container"]:
+            raise Refused("GET /events: the events of one container, by its id or name")
+        if not kinds or not set(kinds) <= EVENT_KINDS:
+            raise Refused(f"GET /events: events {sorted(EVENT_KINDS)} only, named")
+        if not _REF.match(refs[0]):
+            raise Refused(f"GET /events of {refs[0][:100]!r}: not a container reference")
+        cid = self._sandbox_id(refs[0])
+        rebuilt = {"container": [cid], "type": ["container"], "event": sorted(set(kinds))}
+        return Call(
+            "GET",
+            f"{version}/events",
+            [("since", since), ("until", until), ("filters", json.dumps(rebuilt))],
+            op="events",
+        )
 
     def _check_create(self, req: Request, call: Call) -> bytes:
         """The create body to send: ``req``'s, checked against the policy, serialised again."""
