@@ -48,7 +48,7 @@ from executor.store import (
     encode_cursor,
     open_store,
 )
-from worker import lua, redis_conn
+from worker import lua, preimport, redis_conn
 from worker.cancel import CancelWatch
 from worker.fair import FairQueue, Waiting, user_cap
 from worker.protocol import (
@@ -219,8 +219,11 @@ class CodeClient:
             # each worker's engine, as its heartbeat announces it (None: it has none, or an
             # older worker that does not announce it)
             meta["engine"]["workers"] = {i.nodename: i.engine for q in live.values() for i in q}
+            # what the workers' pre-started sandboxes pre-import and hold, from their heartbeats
+            meta["preimport"] = preimport.summary(live, self.settings.languages)
         except redis.RedisError as e:
             meta["workers"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
+            meta["preimport"] = {"languages": {}, "workers": {}, "error": meta["workers"]["error"]}
         meta["fairness"] = self.fairness(names=names)
         return meta
 

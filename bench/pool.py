@@ -59,11 +59,14 @@ def idle_memory(ex: Executor) -> dict[str, float]:
     for name, q in pool._idle.items():
         cid = q[0].cid
         meter = usage.of(cid)
-        parent = meter.parent if meter is not None else None
+        # its run's own parent below the engine's (/docker/studio-code-usage-...), else /docker
+        group = "/docker"
+        if meter is not None and meter.host is not None and meter.parent is not None:
+            group = meter.host.path(meter.parent)
         for path in (
-            f"/sys/fs/cgroup/memory/{parent or 'docker'}/{cid}/memory.usage_in_bytes",
+            f"/sys/fs/cgroup/memory{group}/{cid}/memory.usage_in_bytes",
             f"/sys/fs/cgroup/system.slice/docker-{cid}.scope/memory.current",
-            f"/sys/fs/cgroup/{parent or 'docker'}/{cid}/memory.current",
+            f"/sys/fs/cgroup{group}/{cid}/memory.current",
         ):
             p = Path(path)
             if p.exists():

@@ -15,8 +15,13 @@ default; engine; sentinel):
 
 ``--long`` (default 20,000 jobs): jobs are submitted in waves (``--wave`` outstanding at
 most twice), and every ``--sample-every`` ended jobs a row is printed: each worker's open
-fds, RSS and threads (its whole process tree) and the soak's containers (running+exited);
-at the end the first sample after warm-up against the last, with a flat/growing verdict.
+fds, RSS and threads (its whole process tree) and the soak's containers (running+exited).
+The faults are spread over the whole run (one every ``--fault-gap`` seconds, each kind
+asked for once before any twice) until 90% of the jobs have ended. The verdict compares,
+per worker, the first and last sample of its longest life (a worker whose main process a
+fault killed starts afresh, so a leak shows within one life), and the containers over the
+whole run. ``--jobs`` is the total over the rounds (two rounds when Sentinel and the relay
+faults are both asked: each runs half).
 
 It prints the accounting: submitted, ended per status, executed more than once (counted
 from Docker's container start events; allowed only for a job whose worker died while it
@@ -193,6 +198,7 @@ def sample(workers: list[Worker], containers: list[Any]) -> dict[str, Any]:
     for w in workers:
         fds, rss, threads = tree_usage(w.proc.pid) if w.proc else (0, 0, 0)
         row[w.name] = (fds, rss / 2**20, threads)
+        row[f"{w.name} life"] = w.starts
     row["running"] = sum(1 for c in containers if c.get("State") == "running")
     row["exited"] = len(containers) - row["running"]
     return row
@@ -207,11 +213,30 @@ def print_row(ended: int, at: float, row: dict[str, Any], names: list[str]) -> N
     print(" | ".join(cells), flush=True)
 
 
-def flat_verdict(first: dict[str, Any], last: dict[str, Any], names: list[str]) -> bool:
-    """Flat: per worker at most +16 fds, +25% (and 30 MB) RSS, +4 threads; containers
-    (running+exited) at most 10 more."""
+def longest_life(samples: list[dict[str, Any]], name: str, warmup: int) -> list[dict[str, Any]]:
+    """The samples of worker ``name``'s longest life (consecutive rows with the same start
+    count), its first ``warmup`` rows skipped (a fresh worker fills its caches)."""
+    lives: list[list[dict[str, Any]]] = []
+    for row in samples:
+        if lives and lives[-1][0][f"{name} life"] == row[f"{name} life"]:
+            lives[-1].append(row)
+        else:
+            lives.append([row])
+    best = max(lives, key=len, default=[])
+    return best[warmup:]
+
+
+def flat_verdict(samples: list[dict[str, Any]], names: list[str], warmup: int) -> bool:
+    """Flat: per worker, over its longest life, at most +16 fds, +25% (and 30 MB) RSS, +4
+    threads; containers (running+exited) over the whole run at most 10 more."""
     ok = True
     for n in names:
+        life = longest_life(samples, n, warmup)
+        if len(life) < 2:
+            print(f"  {n}: no life of {warmup + 2} samples or more (--sample-every)  NOT MEASURED")
+            ok = False
+            continue
+        first, last = life[0], life[-1]
         (f0, r0, t0), (f1, r1, t1) = first[n], last[n]
         grew = []
         if f1 - f0 > 16:
@@ -220,11 +245,20 @@ def flat_verdict(first: dict[str, Any], last: dict[str, Any], names: list[str]) 
             grew.append(f"RSS {r0:.0f}->{r1:.0f} MB")
         if t1 - t0 > 4:
             grew.append(f"threads {t0}->{t1}")
-        print(f"  {n}: fds {f0}->{f1}, RSS {r0:.1f}->{r1:.1f} MB, threads {t0}->{t1}", end="")
+        print(
+            f"  {n} (life {first[f'{n} life']}: {last['ended'] - first['ended']} jobs ended "
+            f"over {last['at'] - first['at']:.0f} s, {len(life)} samples): fds {f0}->{f1}, "
+            f"RSS {r0:.1f}->{r1:.1f} MB, threads {t0}->{t1}",
+            end="",
+        )
         print(f"  GROWS ({', '.join(grew)})" if grew else "  flat")
         ok = ok and not grew
+    first, last = samples[min(warmup, len(samples) - 1)], samples[-1]
     c0, c1 = first["running"] + first["exited"], last["running"] + last["exited"]
-    print(f"  containers: {c0}->{c1}", "flat" if c1 - c0 <= 10 else "GROWS")
+    print(
+        f"  containers (samples at {first['at']:.0f} s and {last['at']:.0f} s): {c0}->{c1}",
+        "flat" if c1 - c0 <= 10 else "GROWS",
+    )
     return ok and c1 - c0 <= 10
 
 
@@ -339,7 +373,12 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         print(
             f"soak: seed {seed}, faults {' '.join(faults) or 'none'}, {args.jobs} jobs"
             + (f" in waves of {args.wave}" if args.long else "")
-            + f"; chaos for {args.chaos_s:g} s",
+            + (
+                f"; chaos for {args.chaos_s:g} s"
+                if args.chaos_s is not None
+                else f"; chaos until {int(args.jobs * 0.9)} jobs have ended"
+            )
+            + f", a fault every {args.fault_gap[0]:g}-{args.fault_gap[1]:g} s",
             flush=True,
         )
         if args.long:
@@ -349,8 +388,15 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
                 + " | run  exit",
                 flush=True,
             )
-        chaos_end = t_start + args.chaos_s
-        next_fault = time.monotonic() + rng.uniform(3, 10)
+        chaos_end = t_start + (args.chaos_s if args.chaos_s is not None else float("inf"))
+        kinds: Counter[str] = Counter()
+
+        def chaos_on() -> bool:
+            if args.chaos_s is None:  # --long: over the run, until 90% of the jobs ended
+                return ended < args.jobs * 0.9
+            return time.monotonic() < chaos_end
+
+        next_fault = time.monotonic() + rng.uniform(*args.fault_gap)
         next_sample = args.sample_every
         deadline = t_start + args.deadline_s
         n = 0
@@ -368,19 +414,20 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
                     jobs[job] = n
                     pending.add(job)
                     n += 1
-            if faults and time.monotonic() < chaos_end and time.monotonic() >= next_fault:
+            if faults and chaos_on() and time.monotonic() >= next_fault:
                 if not bag:
                     bag = list(faults)
                     rng.shuffle(bag)  # every fault asked for comes once before any twice
-                what = bag.pop()
+                kind = what = bag.pop()
                 at = time.monotonic() - t_start
                 what = fault(what, rng, workers, redis, relay, pg, engine, sentinels)
                 if what:
+                    kinds[kind] += 1
                     verb = "cut" if what.startswith("silently") else "killed"
                     told = what if what.startswith("restarted") else f"{verb} {what}"
                     events.append(f"{at:6.1f} s  {told}")
                     print(f"  {events[-1]}", flush=True)
-                next_fault = time.monotonic() + rng.uniform(3, 10)
+                next_fault = time.monotonic() + rng.uniform(*args.fault_gap)
             try:
                 done = [j for j, s in client.store.statuses(pending).items() if s.finished]
             except Exception:  # noqa: BLE001 - the store may be restarting
@@ -394,9 +441,10 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
                 next_sample += args.sample_every
                 row = sample(workers, soak_containers(dk, jobs, pids, engine is not None))
                 row["at"] = time.monotonic() - t_start
+                row["ended"] = ended
                 samples.append(row)
                 print_row(ended, time.monotonic() - t_start, row, names)
-            if n >= args.jobs and not pending and time.monotonic() >= chaos_end:
+            if n >= args.jobs and not pending and not chaos_on():
                 break
             time.sleep(0.5 if pending else 1)
         took = time.monotonic() - t_start
@@ -460,6 +508,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         "seed": seed,
         "faults asked": faults,
         "duration_s": round(took, 1),
+        "faults made, per kind": dict(kinds),
         "faults": events,
         "submitted": len(jobs),
         "submits refused (tried again)": submit_errors,
@@ -476,16 +525,11 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         "containers left": len(left),
     }
     print(json.dumps(report, indent=2))
+    flat = True
     if args.long:
-        # warm-up: the samples while faults were made (a restarted worker counts afresh),
-        # then --warmup more
-        warm = [r for r in samples if r["at"] >= args.chaos_s or not faults][args.warmup :]
-        if len(warm) >= 2:
-            print(
-                f"first vs last sample after warm-up (the chaos, then {args.warmup} more "
-                f"skipped; {len(warm)} compared rows):"
-            )
-            flat = flat_verdict(warm[0], warm[-1], names)
+        if len(samples) >= 2:
+            print(f"the longest life of each worker, its first {args.warmup} sample(s) skipped:")
+            flat = flat_verdict(samples, names, args.warmup)
             restarts = {w.name: w.starts - 1 for w in workers}
             print(
                 "  verdict:",
@@ -493,7 +537,8 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
                 f"(worker restarts by the faults: {restarts})",
             )
         else:
-            print("first vs last sample after warm-up: too few samples (--sample-every)")
+            print("verdict: too few samples (--sample-every)")
+            flat = False
     ok = (
         not lost
         and not stuck
@@ -501,6 +546,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         and not wrong
         and not unexplained_twice
         and not failed_by_infra
+        and flat
     )
     print("soak:", "PASS" if ok else "FAIL", f"(logs in {tmp})", flush=True)
     return ok
@@ -567,20 +613,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-every", type=int, default=None, help="ended jobs per sample row")
     ap.add_argument("--warmup", type=int, default=1, help="samples before the first compared")
     ap.add_argument("--faults", nargs="*", choices=FAULTS, default=list(DEFAULT_FAULTS))
-    ap.add_argument("--chaos-s", type=float, default=120.0, help="how long faults are made")
+    ap.add_argument(
+        "--chaos-s",
+        type=float,
+        default=None,
+        help="how long faults are made: 120; the run with --long",
+    )
+    ap.add_argument(
+        "--fault-gap",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="seconds between faults: 3 10; 20 60 with --long",
+    )
     ap.add_argument("--deadline-s", type=float, default=None, help="bound on each round")
     ap.add_argument("--image", default="studio-code:1")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
     if args.jobs is None:
         args.jobs = 20_000 if args.long else 1000
+    if args.chaos_s is None and not args.long:
+        args.chaos_s = 120.0
+    if args.fault_gap is None:
+        args.fault_gap = [20.0, 60.0] if args.long else [3.0, 10.0]
     if args.sample_every is None:
         args.sample_every = max(100, args.jobs // 20)
     if args.deadline_s is None:
         args.deadline_s = max(900.0, args.jobs * 0.5) if args.long else 900.0
     seed = args.seed if args.seed is not None else int(time.time())
     ok = True
-    for i, faults in enumerate(rounds_of(list(dict.fromkeys(args.faults)))):
+    rounds = rounds_of(list(dict.fromkeys(args.faults)))
+    total = args.jobs
+    for i, faults in enumerate(rounds):
+        # --jobs is the total: each round runs its share
+        args.jobs = total // len(rounds) + (1 if i < total % len(rounds) else 0)
         ok = run_round(args, faults, seed + i) and ok
     return 0 if ok else 1
 

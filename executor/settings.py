@@ -52,6 +52,9 @@ NOBODY = 65534  # uid/gid a sandbox gets when the server runs as root: no sandbo
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([bkmg]?)b?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+#: STUDIO_CODE_USAGE_CGROUP_PARENT: an absolute cgroup path below the root, each name of safe
+#: characters and not starting with a dot (so no "." or ".."), no empty name, no trailing "/"
+CGROUP_PARENT_SHAPE = re.compile(r"(/[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}){1,16}")
 
 
 def parse_size(value: str) -> int:
@@ -209,6 +212,14 @@ class Settings(BaseSettings):
         "",
         description="The OCI runtime Docker starts sandboxes with (a name `docker info` lists "
         "under Runtimes, e.g. crun). Empty: the engine's default (runc).",
+    )
+    code_usage_cgroup_parent: str = Field(
+        "/docker",
+        description="Docker runtime, cgroupfs driver: the engine's cgroup parent for "
+        'containers (dockerd\'s --cgroup-parent, "cgroup-parent" in daemon.json; unset '
+        "there: /docker). Each sandbox is created under a parent of its own below it, "
+        "<this>/studio-code-usage-<16 hex>, so its usage outlives it and the limits and CPU "
+        "weight of the engine's group hold it; the socket guard passes only that shape.",
     )
     code_engine_refuse_vulnerable: bool = Field(
         False,
@@ -521,6 +532,17 @@ class Settings(BaseSettings):
             return v
         raise ValueError("auto, off, or an absolute cgroup path such as /studio-code")
 
+    @field_validator("code_usage_cgroup_parent")
+    @classmethod
+    def _usage_cgroup_parent(cls, v: str) -> str:
+        if CGROUP_PARENT_SHAPE.fullmatch(v):
+            return v
+        raise ValueError(
+            "the engine's cgroup parent as an absolute path below the root, such as /docker "
+            "(names of letters, digits, '_', '.' and '-', none starting with '.'; no '..', "
+            "no trailing '/')"
+        )
+
     @field_validator("code_subprocess_namespaces", "code_subprocess_landlock")
     @classmethod
     def _subprocess_namespaces(cls, v: str) -> str:
@@ -684,6 +706,10 @@ OTHER_VARIABLES = frozenset(
         "STUDIO_PY_BASE",
         "STUDIO_TS_BASE",
         "STUDIO_TEST_THROUGH_SOCKGUARD",
+        # read where no settings are loaded (executor/runtimes/docker/usage.py, models.py)
+        "STUDIO_CODE_USAGE",
+        "STUDIO_CODE_HOST_CGROUP",
+        "STUDIO_CODE_USAGE_SWEEPER",
     }
 )
 _warned: set[str] = set()

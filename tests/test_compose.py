@@ -676,9 +676,10 @@ def test_make_up_runs_nodes_scales_cancels_and_down_leaves_nothing(
         box = wait_for(lambda: seen_running(py), 90, "the Python sandbox running", 0.2)
         assert box.image.tags == [python_image]
         assert _owned_by_a_worker(docker_client, dep, box), box.labels
-        # a cold sandbox under its run's own cgroup parent (passed by the guard)
+        # a cold sandbox under its run's own cgroup parent below the engine's (passed by the
+        # guard)
         parent = box.attrs["HostConfig"]["CgroupParent"]
-        assert re.fullmatch(r"/studio-code-usage-[0-9a-f]{16}", parent), parent
+        assert re.fullmatch(r"/docker/studio-code-usage-[0-9a-f]{16}", parent), parent
         ts = submit(INSIDE_TS, "typescript", {"n": 21})
         tbox = wait_for(lambda: seen_running(ts), 90, "the TypeScript sandbox running", 0.2)
         assert tbox.image.tags == [ts_image]

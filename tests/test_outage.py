@@ -258,6 +258,115 @@ def test_the_store_raises_store_unavailable_for_a_read_only_folder(
         store.close()
 
 
+def _job_path_calls_raise_store_unavailable(url: str, down: Callable[[Any], Any]) -> Any:
+    """What the job path (worker.job.tasks) relies on, as it catches only StoreUnavailable:
+    ``open_store``, ``claim`` and ``finish`` (``finish_with_outcome``) say an outage in
+    that type. ``down(store)`` makes the outage and returns the store to call (the same,
+    its pooled connections made before; or one opened again). Returns that store and the
+    result of a job it claimed before the outage."""
+    from executor.models import CodeJob, CodeResult, Status
+    from executor.store import open_store
+
+    store = open_store(url)
+    code = "def main(state):\n    return 1\n"
+    first, second = (CodeJob(code=code, language="python") for _ in range(2))
+    for job in (first, second):
+        assert store.create(job, code_runtime="docker")
+    assert store.claim(first.job_id, "w1") is not None  # the lane's connection is made
+    result = CodeResult(
+        job_id=first.job_id,
+        language="python",
+        status=Status.SUCCEEDED,
+        output=1,
+        runtime="docker",
+        code_runtime="docker",
+    )
+    store = down(store)
+    for name, call in (
+        ("claim", lambda: store.claim(second.job_id, "w1")),
+        ("finish_with_outcome", lambda: store.finish_with_outcome(result, worker="w1")),
+        ("finish", lambda: store.finish(result, worker="w1")),
+        ("open_store", lambda: open_store(url).close()),
+    ):
+        e = _raised(call)
+        assert isinstance(e, StoreUnavailable), f"{name}: {type(e).__module__}.{e!r}"
+        assert e.code == "RUNTIME_UNAVAILABLE", name
+    return store, result
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_stopped_postgres_raises_store_unavailable_and_a_result_is_parked_then_written(
+    redis_server: Any,
+) -> None:
+    """PostgreSQL stopped (fast shutdown) under an open store: claim, finish and open
+    raise StoreUnavailable, never a driver's error; the job path's store-or-park policy
+    then parks the result in Redis (real redis-server), and once PostgreSQL is back the
+    main process's flush writes it through the same store (its pool reconnects)."""
+    import redis
+
+    from executor.models import Status
+    from tests.conftest import require
+    from tests.services import PgCluster, pg_bin
+    from worker.job import pending
+    from worker.upkeep.flusher import flush
+
+    require(
+        pg_bin("initdb") is not None and pg_bin("pg_ctl") is not None,
+        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
+    )
+    cluster = PgCluster()
+    try:
+        cluster.init()
+        cluster.start()
+
+        def stop(store: Any) -> Any:
+            cluster.stop()
+            return store
+
+        store, result = _job_path_calls_raise_store_unavailable(cluster.url, stop)
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            stored = pending.store_or_park(store, client, result, "w1", ttl_s=600)
+            assert stored == pending.Stored(parked=True), stored
+            assert pending.parked(client, result.job_id) == (result, "w1")
+            cluster.start()
+            assert flush(store, client) == 1
+            rec = store.get(result.job_id)
+            assert rec is not None and rec.status is Status.SUCCEEDED and rec.output == 1, rec
+            assert pending.parked(client, result.job_id) is None
+            assert client.scard("studio:pending") == 0
+        finally:
+            client.close()
+            store.close()
+    finally:
+        cluster.cleanup()
+
+
+def test_the_job_paths_store_calls_raise_store_unavailable_in_a_read_only_folder(
+    read_only_dir: tuple[Path, Callable[[bool], None]],
+) -> None:
+    """SQLite: the store's folder turned read-only (a volume mounted ro, a full disk; a
+    mount with the file open cannot turn ro, so the store is opened again after it):
+    claim, finish and open raise StoreUnavailable."""
+    from executor.store import open_store
+
+    where, set_ro = read_only_dir
+    url = f"sqlite:///{where}/studio-code.db"
+
+    def read_only(store: Any) -> Any:
+        store.close()
+        set_ro(True)
+        return open_store(url, create=False)
+
+    try:
+        store, _ = _job_path_calls_raise_store_unavailable(url, read_only)
+        store.close()
+    finally:
+        set_ro(False)
+
+
 # --- the worker pauses and the API answers 503, alike ---------------------------------------
 
 

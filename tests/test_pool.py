@@ -483,6 +483,59 @@ def test_a_pool_process_recycled_after_max_tasks_per_child_hands_over_cleanly(
     assert pool_containers(docker_client, f"{host}:{live[0]}") == []
 
 
+def _sockets(pid: int) -> set[str]:
+    """The socket inodes ``pid`` holds open (``socket:[N]`` of /proc/PID/fd)."""
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_replaced_pool_process_holds_none_of_its_main_processs_sockets(
+    queue_env: Any, docker_client: Any
+) -> None:
+    """A pool process forked to replace one (here: SIGKILLed, as the soak does) starts with
+    a copy of every socket its main process has open (Redis, the store, the engine, the
+    /metrics listener) and, before worker/job/forked.py, kept them for its whole life: the
+    worker's tree grew by them with each replacement. The new process shares none of its
+    main process's sockets, and runs jobs."""
+    import signal as sig
+
+    q: QueueEnv = queue_env(
+        code_concurrency=1,
+        code_languages="python",
+        queue_test_slots=0,
+        queue_reap_interval_s=2,  # the killed process's idle sandbox is the reaper's
+    )
+    w = q.start_worker("forked", 1, cli=True)
+    first = q.client.submit(WHOAMI, "python", {})
+    assert q.wait_all([first], 60)[first].status == Status.SUCCEEDED
+    time.sleep(2)  # the main process's heartbeat, gate and upkeep have their connections
+    [old] = children(w.pid)
+    main_sockets = _sockets(w.pid)
+    assert len(main_sockets) >= 5, main_sockets  # broker, Redis, engine, listener...
+    os.kill(old, sig.SIGKILL)  # the test's own worker's pool process
+    wait_for(lambda: [p for p in children(w.pid) if p != old], 30, "a new pool process")
+    [new] = [p for p in children(w.pid) if p != old]
+    jobs = [q.client.submit(WHOAMI, "python", {}) for _ in range(3)]
+    recs = q.wait_all(jobs, 120)
+    assert {r.status for r in recs.values()} == {Status.SUCCEEDED}, w.tail(40)
+    assert {int(r.worker.rsplit(":", 1)[1]) for r in recs.values()} == {new}  # type: ignore[union-attr]
+    shared = _sockets(new) & (main_sockets | _sockets(w.pid))
+    print(f"\nmain {len(_sockets(w.pid))} sockets, new pool process {len(_sockets(new))}")
+    assert not shared, f"the new pool process holds {len(shared)} of its main process's sockets"
+    host = os.uname().nodename
+    wait_for(lambda: not pool_containers(docker_client, f"{host}:{old}"), 60, "the reaper's round")
+    assert "Traceback" not in w.tail(400), w.tail(60)
+    w.stop()
+
+
 def test_an_oci_runtime_the_engine_does_not_know_is_not_ready_and_says_so(
     make_settings: Any, python_image: str
 ) -> None:

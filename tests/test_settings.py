@@ -3,6 +3,8 @@ start-up with a sentence naming the variable, the value and what is allowed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from executor.errors import SettingsError
@@ -88,6 +90,14 @@ def test_every_variable_is_read_from_the_environment(monkeypatch):
         ("STUDIO_ENABLE_CODE_NODES", "perhaps", "valid boolean"),
         ("STUDIO_CODE_TS_PACKAGES", "npm:zod", "entry 'npm:zod' is not pinned"),
         ("STUDIO_CODE_SUBPROCESS_NAMESPACES", "yes", "use auto or off"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "docker", "an absolute path below the root"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/", "an absolute path below the root"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker/../x", "no '..'"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker/", "no trailing '/'"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker//x", "such as /docker"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker/.hidden", "none starting with '.'"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/doc ker", "letters, digits"),
+        ("STUDIO_CODE_USAGE_CGROUP_PARENT", "/docker\n", "such as /docker"),
     ],
 )
 def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch, name, value, says):
@@ -97,6 +107,13 @@ def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch,
     assert f"{name}={value!r}" in e.value.message
     assert says in e.value.message
     assert e.value.code == "RUNTIME_UNAVAILABLE"
+
+
+def test_the_engine_cgroup_parent_is_docker_unless_set(monkeypatch):
+    """STUDIO_CODE_USAGE_CGROUP_PARENT: /docker (dockerd's cgroupfs default), or the path set."""
+    assert load_settings().code_usage_cgroup_parent == "/docker"
+    monkeypatch.setenv("STUDIO_CODE_USAGE_CGROUP_PARENT", "/studio.engine/containers_1")
+    assert load_settings().code_usage_cgroup_parent == "/studio.engine/containers_1"
 
 
 def test_an_unknown_runtime_does_not_crash_it_turns_code_nodes_off(monkeypatch):
@@ -161,3 +178,23 @@ def test_a_misspelled_variable_is_named_with_the_closest_known_one(monkeypatch, 
     with caplog.at_level(logging.WARNING, logger="studio_code.settings"):
         assert load_settings().code_concurrency == 4  # ignored, as before, but now said
     assert any("did you mean STUDIO_CODE_CONCURRENCY?" in r.getMessage() for r in caplog.records)
+
+
+def test_every_setting_has_a_row_in_the_readme_and_every_read_variable_is_known():
+    """The README's configuration table is where an operator looks: every setting has its
+    row there. A variable read outside the settings (the usage reader and sweeper, the
+    Compose file sets STUDIO_CODE_HOST_CGROUP) is known, not warned about as misspelled."""
+    import re
+
+    from executor.settings import OTHER_VARIABLES, Settings, unknown_variables
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = set(re.findall(r"^\| `(STUDIO_[A-Z0-9_]+)` \|", readme, re.M))
+    missing = sorted(f"STUDIO_{name.upper()}" for name in Settings.model_fields)
+    missing = [name for name in missing if name not in rows]
+    assert missing == [], f"settings without a README row: {missing}"
+    read = {"STUDIO_CODE_USAGE", "STUDIO_CODE_HOST_CGROUP", "STUDIO_CODE_USAGE_SWEEPER"}
+    assert read <= OTHER_VARIABLES
+    assert unknown_variables({name: "1" for name in read}) == []
+    for name in read:
+        assert f"`{name}" in readme, name

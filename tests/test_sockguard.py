@@ -98,40 +98,86 @@ def test_a_create_outside_the_sandbox_policy_is_refused_naming_why(
     assert named in message, message
 
 
-#: cgroup parents of another shape than a run's own /studio-code-usage-<16 hex>: the engine's
-#: or another service's group, a path out of the hierarchy's root, a nested one, upper-case
-#: or one hex digit more or less, a trailing newline, no leading slash
+HEX = "0123456789abcdef"
+#: cgroup parents of another shape than a run's own /docker/studio-code-usage-<16 hex> (below
+#: the engine's parent, STUDIO_CODE_USAGE_CGROUP_PARENT's default): the old shape at the
+#: hierarchy's root, the engine's or another service's group, a path out of /docker or below
+#: a run's parent, another parent's name, upper-case or one hex digit more or less, a
+#: trailing newline, an empty name, no leading slash
 OTHER_PARENTS = [
+    f"/studio-code-usage-{HEX}",
     "/docker",
     "/system.slice",
-    "/studio-code-usage-0123456789abcdef/../docker",
-    "/studio-code-usage-0123456789abcdef/x",
-    "/studio-code-usage-0123456789ABCDEF",
-    "/studio-code-usage-0123456789abcde",
-    "/studio-code-usage-0123456789abcdef0",
-    "/studio-code-usage-0123456789abcdef\n",
-    "studio-code-usage-0123456789abcdef",
+    f"/system.slice/studio-code-usage-{HEX}",
+    f"/docker/../studio-code-usage-{HEX}",
+    "/docker/../x",
+    f"/docker/studio-code-usage-{HEX}/../../x",
+    f"/docker/studio-code-usage-{HEX}/sub",
+    f"/docker/x/studio-code-usage-{HEX}",
+    f"/dockerx/studio-code-usage-{HEX}",
+    f"/docker/studio-code-usage-{HEX.upper()}",
+    f"/docker/studio-code-usage-{HEX[:-1]}",
+    f"/docker/studio-code-usage-{HEX}0",
+    f"/docker/studio-code-usage-{HEX}\n",
+    f"/docker//studio-code-usage-{HEX}",
+    f"//docker/studio-code-usage-{HEX}",
+    f"docker/studio-code-usage-{HEX}",
 ]
+
+
+def created_under(api: Any, docker_client: Any, python_image: str, parent: str) -> None:
+    """A create with ``parent`` passes the guard and the engine keeps it (never started:
+    no group is made)."""
+    name = f"studio-code-guardtest-{uuid.uuid4().hex[:12]}"
+    args = sandbox_args(api, python_image, cgroup_parent=parent)
+    cid = api.create_container(name=name, **args)["Id"]
+    try:
+        assert docker_client.api.inspect_container(cid)["HostConfig"]["CgroupParent"] == parent
+    finally:
+        docker_client.api.remove_container(cid, force=True)
 
 
 def test_a_cgroup_parent_of_another_shape_than_a_run_own_is_refused_named(
     guard: Any, api: Any, docker_client: Any, python_image: str
 ) -> None:
-    """A run's own parent (usage per run) passes; any other CgroupParent is refused, named:
-    a compromised worker cannot put a sandbox under the engine's or a service's group."""
+    """A run's own parent below /docker (usage per run) passes; any other CgroupParent is
+    refused, named: a compromised worker cannot put a sandbox under the engine's or a
+    service's group, nor beside /docker at the root (out of its limits and CPU weight)."""
     for parent in OTHER_PARENTS:
         args = sandbox_args(api, python_image, cgroup_parent=parent)
         message = refused(guard, api, docker_client, args)
         assert f"HostConfig.CgroupParent {parent!r}" in message, message
-    name = f"studio-code-guardtest-{uuid.uuid4().hex[:12]}"
-    parent = "/studio-code-usage-" + uuid.uuid4().hex[:16]
-    cid = api.create_container(name=name, **sandbox_args(api, python_image, cgroup_parent=parent))[
-        "Id"
-    ]
-    try:
-        assert docker_client.api.inspect_container(cid)["HostConfig"]["CgroupParent"] == parent
-    finally:
-        docker_client.api.remove_container(cid, force=True)
+        assert "/docker/studio-code-usage-<16 hex>" in message, message
+    created_under(api, docker_client, python_image, "/docker/studio-code-usage-" + HEX)
+    parent = "/docker/studio-code-usage-" + uuid.uuid4().hex[:16]
+    created_under(api, docker_client, python_image, parent)
+
+
+def test_a_guard_for_an_engine_with_another_parent_passes_that_shape_only(
+    tmp_path: Path, docker_client: Any, python_image: str
+) -> None:
+    """STUDIO_CODE_USAGE_CGROUP_PARENT (an engine with a cgroup-parent of its own): the guard
+    passes a run's parent below it, and refuses one below /docker, or at the root."""
+    import docker
+
+    env = {"STUDIO_CODE_USAGE_CGROUP_PARENT": "/studio.engine/containers"}
+    with SockGuardProcess(tmp_path / "guard", env) as other:
+        api = docker.APIClient(base_url=other.host, timeout=30)
+        try:
+            good = f"/studio.engine/containers/studio-code-usage-{HEX}"
+            created_under(api, docker_client, python_image, good)
+            for parent in (
+                f"/docker/studio-code-usage-{HEX}",
+                f"/studio-code-usage-{HEX}",
+                f"/studio.engine/studio-code-usage-{HEX}",
+                f"/studioXengine/containers/studio-code-usage-{HEX}",
+            ):
+                args = sandbox_args(api, python_image, cgroup_parent=parent)
+                message = refused(other, api, docker_client, args)
+                assert f"HostConfig.CgroupParent {parent!r}" in message, message
+                assert f"own {good[: -len(HEX)]}<16 hex>" in message, message
+        finally:
+            api.close()
 
 
 def test_an_image_outside_the_list_and_a_root_user_are_refused(

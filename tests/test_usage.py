@@ -52,6 +52,18 @@ CODE = {
             "    while True:\n"
             "        x.append(bytearray(10_000_000))\n"
         ),
+        # its own cgroup by controller, as the kernel shows it inside (v1: the host's paths)
+        "where": (
+            "import time\n"
+            "def main(state):\n"
+            "    got = {}\n"
+            "    for line in open('/proc/self/cgroup').read().splitlines():\n"
+            "        _, names, path = line.split(':', 2)\n"
+            "        for name in names.split(','):\n"
+            "            got[name] = path\n"
+            "    time.sleep(1.0)\n"
+            "    return got\n"
+        ),
     },
     "typescript": {
         "idle": "export default function main(state: unknown) { return 1 }\n",
@@ -130,6 +142,65 @@ def run(ex: Any, language: str, what: str) -> Any:
     if ex.settings.code_runtime == "subprocess":
         assert r.usage.cpu_source == "rusage"
     return r
+
+
+def test_a_sandbox_runs_in_its_run_parent_below_the_engine_parent(executor: Any) -> None:
+    """Seen from inside, a sandbox's group for each v1 controller its figures come from
+    (memory, cpu, cpuacct, pids) is ``/docker/studio-code-usage-<16 hex>/<its id>``: its run's
+    parent below the engine's own parent, never beside it at the root. Seen on the host while
+    it runs, that parent's ``cpu.shares`` is in /docker (its weight a share of /docker's, not
+    1024 against the whole of /docker and the host's slices). Cold and pre-started alike; the
+    figures are still read (``run`` asserts them)."""
+    import glob
+    import re
+    import threading
+
+    from executor.runtimes.docker import usage
+
+    if executor.settings.code_runtime != "docker":
+        pytest.skip("docker sandboxes only")
+    if _v2():
+        pytest.skip("cgroup v1 only (a v2 sandbox's own cgroup namespace shows '/'): untested")
+    host = usage.cgroup_host(executor.runtime.api, executor.settings.code_usage_cgroup_parent)
+    if host is None or host.driver != "cgroupfs":
+        pytest.skip("no per-run parents here (systemd driver, or no view of the cgroups)")
+    assert host.parents and host.engine_parent == "/docker", host
+    cpu = os.path.dirname(host.mounts["memory"]) + "/cpu"
+    shares: dict[str, int] = {}  # parents holding a sandbox's group below /docker: cpu.shares
+    at_root: set[str] = set()  # and beside /docker
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for d in glob.glob(f"{cpu}/docker/{usage.PARENT_PREFIX}*/*/"):
+                parent = Path(d).parent
+                try:
+                    shares.setdefault(parent.name, int((parent / "cpu.shares").read_text()))
+                except (OSError, ValueError):
+                    pass  # gone meanwhile
+            at_root.update(
+                Path(d).parent.name for d in glob.glob(f"{cpu}/{usage.PARENT_PREFIX}*/*/")
+            )
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        r = run(executor, "python", "where")
+    finally:
+        done.set()
+        watcher.join(5)
+    assert r.status is Status.SUCCEEDED, r.error
+    where = r.output
+    print("the sandbox's cgroups, from inside:", where)
+    (path,) = {where[c] for c in ("memory", "cpu", "cpuacct", "pids")}  # one group for all
+    m = re.fullmatch(rf"/docker/({usage.PARENT_PREFIX}[0-9a-f]{{16}})/[0-9a-f]{{64}}", path)
+    assert m, where
+    parent = m.group(1)
+    assert shares.get(parent) == 1024, (parent, shares)  # a child of /docker, default weight
+    assert parent not in at_root, parent
+    if executor.settings.code_prewarm == 0:  # a cold one's parent goes with it, in the run
+        assert host.all_parent_dirs(parent) == [], "left behind"
 
 
 def _v2() -> bool:
@@ -244,8 +315,8 @@ def recording_meters(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     made: list[Any] = []
     real = usage.new_meter
 
-    def recording(api: Any) -> Any:
-        meter = real(api)
+    def recording(api: Any, engine_parent: str) -> Any:
+        meter = real(api, engine_parent)
         made.append(meter)
         return meter
 
@@ -299,7 +370,7 @@ def test_the_reaper_sweeps_a_dead_process_parents_and_keeps_the_live_ones(
     for name in (left, busy):
         os.utime(host.parent_dir("memory", name), (day_ago, day_ago))
     try:
-        assert usage.sweep(api, older_than_s=3600) >= 1
+        assert usage.sweep(api, 3600, ex.settings.code_usage_cgroup_parent) >= 1
         assert host.all_parent_dirs(left) == []
         assert os.path.isdir(host.parent_dir("memory", busy))
     finally:
@@ -317,7 +388,7 @@ def test_a_worker_that_cannot_see_the_cgroups_reports_null(
     from executor.service import Executor
 
     monkeypatch.setattr(usage, "_hosts", {})
-    monkeypatch.setattr(usage, "_detect", lambda: None)  # this process sees no cgroups
+    monkeypatch.setattr(usage, "_detect", lambda *a: None)  # this process sees no cgroups
     pooled = pooled_run(make_settings, python_image, "idle")
     cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
     r = cold.run(CodeJob(code=CODE["python"]["idle"]))
@@ -401,7 +472,7 @@ from executor.service import Executor
 from executor.settings import load_settings
 made = []
 real = usage.new_meter
-usage.new_meter = lambda api: made.append(real(api)) or made[-1]
+usage.new_meter = lambda *a: made.append(real(*a)) or made[-1]
 ex = Executor(load_settings(enable_code_nodes=True, code_runtime="docker", code_memory="256m"))
 r = ex.run(CodeJob(code=sys.argv[1]))
 host = usage.cgroup_host(None)
@@ -484,3 +555,41 @@ def test_a_worker_with_a_read_only_view_is_measured_and_the_sweeper_removes_its_
         assert without["status"] == "succeeded" and without["parents"] == [None], without
         assert without["usage"] is None, without
         assert guard.refusals() == []
+
+
+def test_the_sweeper_removes_empty_parents_below_the_engine_parent() -> None:
+    """``python -m executor.runtimes.docker.usage`` (Compose's usage-sweeper) finds the
+    per-run parents below /docker (STUDIO_CODE_USAGE_CGROUP_PARENT) and removes an empty one;
+    a malformed setting stops it at once, naming the variable."""
+    import secrets
+    import signal
+    import subprocess
+    import sys
+
+    from executor.runtimes.docker import usage
+    from tests.services import require, wait_for
+
+    require(os.geteuid() == 0, "root (the sweeper removes groups of the host's cgroup fs)")
+    host = usage.cgroup_host(None)
+    if host is None or not host.parents:
+        pytest.skip("no per-run parents here")
+    name = usage.PARENT_PREFIX + secrets.token_hex(8)
+    for c in host.mounts:
+        os.makedirs(host.parent_dir(c, name))
+    assert host.parent_dir("memory", name).endswith(f"/docker/{name}")
+    argv = [sys.executable, "-m", "executor.runtimes.docker.usage", "--every", "0.1"]
+    proc = subprocess.Popen(argv + ["--empty-for", "0.3"], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: host.all_parent_dirs(name) == [], 20, "the sweeper removing it", 0.1)
+    finally:
+        for c in host.mounts:  # still there: the test fails, nothing is left behind
+            if os.path.isdir(host.parent_dir(c, name)):
+                os.rmdir(host.parent_dir(c, name))
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "removing the per-run parents under /docker" in err, err
+    env = {**os.environ, "STUDIO_CODE_USAGE_CGROUP_PARENT": "docker/../x"}
+    bad = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2, bad.stderr
+    assert "STUDIO_CODE_USAGE_CGROUP_PARENT='docker/../x' is not valid" in bad.stderr

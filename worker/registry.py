@@ -42,6 +42,9 @@ class WorkerInfo:
     seen_at: float = 0.0
     expires_at: float = 0.0
     engine: dict[str, Any] | None = None
+    #: its pre-started sandboxes and what they pre-import (worker/preimport.py); None: an
+    #: older worker that does not say
+    preimport: dict[str, Any] | None = None
 
     @property
     def serving(self) -> bool:
@@ -77,6 +80,7 @@ class WorkerInfo:
                 engine=_engine(d.get("engine")),
                 seen_at=float(d.get("seen_at") or 0),
                 expires_at=float(d.get("expires_at") or 0),
+                preimport=d["preimport"] if isinstance(d.get("preimport"), dict) else None,
             )
         except (ValueError, TypeError, KeyError):
             return None

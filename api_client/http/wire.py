@@ -179,6 +179,55 @@ class LimitsMeta(BaseModel):
     test_per_minute: int
 
 
+class MemorySpread(BaseModel):
+    median: int
+    max: int
+
+
+class PreimportLanguage(BaseModel):
+    """One language's pre-import, from the live workers' heartbeats."""
+
+    modules: list[str] = Field(
+        default_factory=list,
+        description="What the workers' pre-started sandboxes import while they wait "
+        "(STUDIO_CODE_PREIMPORT); empty: nothing.",
+    )
+    workers: int = Field(0, description="Live workers whose pools measured the figures below.")
+    idle_memory_bytes: MemorySpread | None = Field(
+        None,
+        description="Anonymous memory of an idle pre-started sandbox once its pre-imports are "
+        "done (its cgroup, read by the host), median and largest across those workers.",
+    )
+    without_preimport_bytes: MemorySpread | None = Field(
+        None, description="The same, of a sandbox of the same shape started without pre-import."
+    )
+    preimport_bytes: MemorySpread | None = Field(
+        None,
+        description="What the pre-imports add (idle minus without), counted against the "
+        "sandbox's own memory limit; null when nothing is pre-imported or not measured yet.",
+    )
+    memory_limit_bytes: int | None = Field(
+        None, description="The sandbox's memory limit (STUDIO_CODE_MEMORY) the figures count in."
+    )
+    note: str | None = Field(
+        None,
+        description="Why there is no figure (nothing is pre-imported, no pre-started sandboxes, "
+        "not measured yet, cgroups unreadable), in one sentence; null when measured.",
+    )
+
+
+class PreimportMeta(BaseModel):
+    """Heavy imports before the job, as the live workers announce them."""
+
+    languages: dict[str, PreimportLanguage] = Field(default_factory=dict)
+    workers: dict[str, dict[str, Any] | None] = Field(
+        default_factory=dict,
+        description="Each live worker's announcement (null: it announces none): pooled "
+        "(it keeps pre-started sandboxes) and, per language, its modules and figures.",
+    )
+    error: str | None = None
+
+
 class RuntimeMeta(BaseModel):
     """GET /api/meta/runtime: what the editor and the admin's Code nodes card show."""
 
@@ -198,6 +247,11 @@ class RuntimeMeta(BaseModel):
         description="The Docker engine under the sandboxes and its known container escapes: "
         "this_process (the answering process's engine, null without one), workers (each live "
         "worker's, from its heartbeat), refuse_vulnerable (STUDIO_CODE_ENGINE_REFUSE_VULNERABLE).",
+    )
+    preimport: PreimportMeta | None = Field(
+        None,
+        description="What the workers' pre-started sandboxes import while they wait and the "
+        "memory it holds (STUDIO_CODE_PREIMPORT), per language, from the workers' heartbeats.",
     )
 
 

@@ -28,18 +28,17 @@ from celery import Celery, Task, current_app, signals
 from celery.exceptions import Reject, Terminated
 
 from executor import tracing
-from executor.errors import ErrorCode
+from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import CodeResult, Status
-from executor.outage import is_store_outage
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import fair, metrics, poison, redis_conn
+from worker import fair, metrics, poison, preimport, redis_conn
 from worker import tracing as worker_tracing
 from worker.cancel import CancelWatch
 from worker.context import studio_app
+from worker.job import forked, pending, rerun, unrunnable
 from worker.job import gate_page as gate
-from worker.job import pending, rerun, unrunnable
 from worker.job.log_publisher import add_end_mark, publishing
 from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (
@@ -53,11 +52,8 @@ from worker.protocol import (
 
 log = logging.getLogger("studio_code.worker")
 
-FINISH_RETRIES_S = (0.2, 1.0, 3.0)
 #: a pool process that hands a message back waits this long first (see _hand_back)
 HAND_BACK_PAUSE_S = 1.0
-#: how long a pool process keeps trying to store or park a result when both are down
-PARK_FOR_S = 60.0
 
 
 class ProcessState:
@@ -184,20 +180,30 @@ def _on_process_init(**_: Any) -> None:
     app = studio_app(current_app._get_current_object())
     if app is None:
         return
+    forked.release_inherited_sockets()  # before this process makes any of its own
     try:
         state = process_state(app)
-    except Exception as e:
-        if not is_store_outage(e):
-            raise
+    except StoreUnavailable as e:
         # the first job tries again (and hands its message back while the store is down)
         gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
         log.warning("the run store could not be opened at process start: %s", e)
         return
     try:
         # Connect now, not in the first job, and pre-start this slot's sandboxes.
-        state.executor.prepare(observe=lambda stats: _metrics(metrics.record_pool, stats))
+        state.executor.prepare(observe=_observe_pool)
     except Exception as e:  # noqa: BLE001 - the first job reports it as its result
         log.warning("the runtime could not get ready at process start: %s", e)
+
+
+def _observe_pool(stats: dict[str, Any] | None) -> None:
+    """The pool's observer: its gauges, and its pre-import memory for the worker's heartbeat
+    (worker/preimport.py)."""
+    _metrics(metrics.record_pool, stats)
+    preimport.report(stats)
+
+
+def _on_worker_init(**_: Any) -> None:
+    forked.note_main_process()  # the main process, before its pool processes are forked
 
 
 def _on_process_shutdown(**_: Any) -> None:
@@ -213,6 +219,7 @@ _connected = False
 def connect_process_signals() -> None:
     global _connected
     if not _connected:
+        signals.worker_init.connect(_on_worker_init, weak=False)
         signals.worker_process_init.connect(_on_process_init, weak=False)
         signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
         worker_tracing.connect()  # only when the OTEL_* variables ask for traces
@@ -249,9 +256,7 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     job_id = _job_id_of(args, kwargs)
     try:
         state = process_state(task.app)
-    except Exception as e:
-        if not is_store_outage(e):
-            raise
+    except StoreUnavailable as e:
         gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
         _hand_back(f"job {job_id}: this pool process could not start")
     request = task.request
@@ -318,10 +323,45 @@ def _hand_back(why: str) -> NoReturn:
 
 
 def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any = None) -> Outcome:
+    """One delivery of the job: claim, run, finish. A result an earlier run parked is
+    written instead of running the code again; a job the claim does not return is skipped;
+    a claimed job that must not run ends failed without a sandbox. Hands the message back
+    (``_hand_back``) while the store or the runtime is down here."""
     if gate.closed_in_child() or gate.pending_in_child():
         # closed, or a failure reported here not probed yet: another worker (or this one
         # once its gate decided) takes it, and no attempt is counted
         _hand_back(f"job {job_id} handed back: {gate.RUN_STORE} or runtime unavailable here")
+    written, flagged, lost = _start(state, job_id)
+    if written is not None:
+        return Outcome("finished" if written else "parked-duplicate")
+    try:
+        rec = state.store.claim(job_id, worker)
+    except StoreUnavailable as e:  # any other error (a bug) raises: handing back would loop
+        gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
+        _hand_back(f"job {job_id}: the run store is unreachable")
+    if rec is None:
+        return _not_claimed(state, job_id, worker, request)
+    result = _refused(rec, state.settings)
+    if result is None:
+        result = _execute(state, rec, flagged)
+        cause = rerun.lost_cause(result)
+        if cause is not None:
+            result = _lost(state, result, rec, worker, cause, lost)
+        elif _runtime_down_before_start(state, result, rec):
+            _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
+        if lost:
+            result = rerun.with_rerun_row(result, rec.attempts, lost)
+    return _finish(state, result, rec, worker, queue)
+
+
+def _start(
+    state: ProcessState, job_id: str
+) -> tuple[bool | None, bool | None, list[dict[str, Any]]]:
+    """The job's start reads (``ProcessState.start_reads``) and the result an earlier run
+    of it parked, written now: True when this call wrote it, False when it had been
+    written, None when there is none (or Redis cannot tell: the job runs); then its cancel
+    flag and its lost attempts. Hands the message back while the store cannot take the
+    parked result (it stays parked)."""
     flagged: bool | None = None
     lost: list[dict[str, Any]] = []
     try:
@@ -330,51 +370,45 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
     except redis.RedisError as e:
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
         written = None
-    except Exception as e:
-        if not is_store_outage(e):
-            raise
+    except StoreUnavailable as e:
         gate.report(gate.RUN_STORE, str(e))  # the result stays parked
         _hand_back(f"job {job_id}: its parked result waits for the run store")
-    if written is not None:
-        return Outcome("finished" if written else "parked-duplicate")
-    try:
-        rec = state.store.claim(job_id, worker)
-    except Exception as e:
-        if not is_store_outage(e):
-            raise  # not an outage (e.g. a row it cannot read): handing back would loop
-        gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
-        _hand_back(f"job {job_id}: the run store is unreachable")
-    if rec is None:
-        # Unknown, cancelled while queued, or already finished (a redelivery): nothing to do.
-        if _cancelled_before_start(state, job_id):
-            _metrics(metrics.record_cancel, stage="queued")
-        elif unrunnable.unknown_job(state.store, state.redis, job_id, request, worker):
-            return Outcome("unknown")
-        return Outcome("skipped")
+    return written, flagged, lost
+
+
+def _not_claimed(state: ProcessState, job_id: str, worker: str, request: Any) -> Outcome:
+    """Unknown, cancelled while queued, or already finished (a redelivery): nothing to do."""
+    if _cancelled_before_start(state, job_id):
+        _metrics(metrics.record_cancel, stage="queued")
+    elif unrunnable.unknown_job(state.store, state.redis, job_id, request, worker):
+        return Outcome("unknown")
+    return Outcome("skipped")
+
+
+def _refused(rec: JobRecord, settings: Settings) -> CodeResult | None:
+    """The failed result of a claimed job that must not run (its row cannot be read, or
+    its worker stopped on every attempt), or None: it runs."""
     if rec.problems:
-        log.error("job %s: its row cannot be read: %s", job_id, "; ".join(rec.problems))
-        result = _result(
-            rec,
-            state.settings,
-            Status.FAILED,
-            ErrorCode.RUNTIME_UNAVAILABLE,
-            unrunnable.unreadable_message(rec),
-        )
-        return _finish(state, result, rec, worker, queue)
-    if rec.attempts > MAX_ATTEMPTS:
-        result = _result(
-            rec,
-            state.settings,
-            Status.FAILED,
-            ErrorCode.RUNTIME_UNAVAILABLE,
+        log.error("job %s: its row cannot be read: %s", rec.job_id, "; ".join(rec.problems))
+        message = unrunnable.unreadable_message(rec)
+    elif rec.attempts > MAX_ATTEMPTS:
+        message = (
             f"The job was started {rec.attempts - 1} times and each time its worker stopped "
             "before it ended, so it was not started again: check the workers' logs (memory, "
-            "crashes), then run it again.",
+            "crashes), then run it again."
         )
-        return _finish(state, result, rec, worker, queue)
+    else:
+        return None
+    return _result(rec, settings, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE, message)
+
+
+def _execute(state: ProcessState, rec: JobRecord, flagged: bool | None) -> CodeResult:
+    """Run the claimed job in a sandbox, its cancel state watched (``CancelWatch``) and its
+    live logs published; a cancel before the sandbox starts, or a failure of the worker
+    around the executor, is the result."""
     job = rec.to_job()
-    watch = state.watch(job_id, flagged)
-    state.current_job = job_id
+    watch = state.watch(rec.job_id, flagged)
+    state.current_job = rec.job_id
     state.take_signal()  # a signal that came before this job was meant for another one
     try:
         if watch():
@@ -388,12 +422,12 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         else:
             with (
                 _metrics_context(metrics.sandbox_running, job.language),
-                publishing(state.redis, job_id, end_mark=False),
+                publishing(state.redis, rec.job_id, end_mark=False),
             ):  # live logs, flushed before finish; the end mark goes with the done notice
                 state.owes_end_mark = True
                 result = state.executor.run(job, should_cancel=watch)
     except Exception as e:  # noqa: BLE001 - the executor never raises for the job itself
-        log.exception("job %s: the worker failed around the executor", job_id)
+        log.exception("job %s: the worker failed around the executor", rec.job_id)
         result = _result(
             rec,
             state.settings,
@@ -405,14 +439,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         state.current_job = None
     if watch.cancelled_at is not None:
         _metrics(metrics.record_cancel, time.monotonic() - watch.cancelled_at, stage="running")
-    cause = rerun.lost_cause(result)
-    if cause is not None:
-        result = _lost(state, result, rec, worker, cause, lost)
-    elif _runtime_down_before_start(state, result, rec):
-        _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
-    if lost:
-        result = rerun.with_rerun_row(result, rec.attempts, lost)
-    return _finish(state, result, rec, worker, queue)
+    return result
 
 
 def _lost(
@@ -474,76 +501,19 @@ def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: Job
 def _finish(
     state: ProcessState, result: CodeResult, rec: JobRecord, worker: str, queue: str
 ) -> Outcome:
+    """Store the result, or park it while the store is down (worker.job.pending)."""
+    ttl_s = int(state.settings.queue_pending_ttl_s)
     with tracing.result_store(result):  # a span when the worker traces
-        return _store_result(state, result, rec, worker, queue)
-
-
-def _store_result(
-    state: ProcessState, result: CodeResult, rec: JobRecord, worker: str, queue: str
-) -> Outcome:
-    """Store the result; while the store cannot take it, park it in Redis (written by the
-    main process when the store is back). Never drops a result that was computed."""
-    wrote: Ended | None | bool = None  # None: not stored (yet)
-    error: Exception | None = None
-    for delay in (*FINISH_RETRIES_S, None):
-        try:
-            wrote = state.store.finish_with_outcome(result, worker=worker) or False
-            break
-        except Exception as e:
-            error = e
-            if delay is None:
-                if not is_store_outage(e):
-                    raise  # the result itself is refused: the reaper ends the job
-                break
-            log.warning("job %s: storing the result failed (%s), retrying", rec.job_id, e)
-            time.sleep(delay)
-    if wrote is None:
-        gate.report(gate.RUN_STORE, f"finish of job {rec.job_id} failed: {error}")
-        _park(state, result, worker)
-        return Outcome("parked")
-    if not isinstance(wrote, Ended):
-        return Outcome("duplicate")
-    wait_s = None
-    if rec.started_at is not None:
-        wait_s = (rec.started_at - rec.queued_at).total_seconds()
-    _metrics(metrics.record_result, result, wait_s, queue=queue)
-    return Outcome("finished", wrote)
-
-
-def _park(state: ProcessState, result: CodeResult, worker: str) -> None:
-    """Keep the result in Redis until the store answers. Redis down too: retry both with
-    back-off for as long as the task may run, then give up (the message is not acked: a
-    redelivery runs the job again, the only case where it may run twice)."""
-    ttl = int(state.settings.queue_pending_ttl_s)
-    deadline = time.monotonic() + PARK_FOR_S
-    delay = 0.5
-    while True:
-        try:
-            pending.park(state.redis, result, worker, ttl)
-            log.error(
-                "job %s: the run store is unreachable; its result (%s) is kept in Redis "
-                "for up to %d s and written when the store is back",
-                result.job_id,
-                result.status.value,
-                ttl,
-            )
-            return
-        except redis.RedisError as e:
-            try:
-                state.store.finish(result, worker=worker)
-                return  # stored now (or the job had ended already)
-            except Exception:  # noqa: BLE001
-                pass
-            if time.monotonic() > deadline:
-                log.error(
-                    "job %s: neither the run store nor Redis takes its result (%s); "
-                    "the job will be handed out again",
-                    result.job_id,
-                    e,
-                )
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        stored = pending.store_or_park(state.store, state.redis, result, worker, ttl_s=ttl_s)
+        if stored.parked:
+            return Outcome("parked")
+        if stored.ended is None:
+            return Outcome("duplicate")
+        wait_s = None
+        if rec.started_at is not None:
+            wait_s = (rec.started_at - rec.queued_at).total_seconds()
+        _metrics(metrics.record_result, result, wait_s, queue=queue)
+        return Outcome("finished", stored.ended)
 
 
 def _cancelled_before_start(state: ProcessState, job_id: str) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from executor.outage import is_store_outage
+from executor.errors import StoreUnavailable
 from worker.job.pending import write_one
 from worker.protocol import PENDING_SET
 
@@ -25,9 +25,9 @@ def flush(store: Any, client: redis.Redis) -> int:
         job_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
         try:
             outcome = write_one(store, client, job_id)
-        except Exception as e:
-            if is_store_outage(e):
-                raise  # the store went away again: the rest waits for the next flush
+        except StoreUnavailable:
+            raise  # the store went away again: the rest waits for the next flush
+        except Exception as e:  # noqa: BLE001 - this result only: the others are written
             log.error(
                 "job %s: its parked result cannot be written (%s); it stays in Redis "
                 "until STUDIO_QUEUE_PENDING_TTL_S",

@@ -7,7 +7,8 @@ The announcements live in one Redis hash per queue (``protocol.workers_key``): f
 worker's nodename, value = JSON with the queue, the slots it gives that queue, its state
 (``serving``, or ``paused`` with the reason ``not_serving_reason`` gave), its host, pid and
 run store, its engine (versions and known escapes, worker/upkeep/engine_watch.py; null
-without one), and ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks
+without one), what its pre-started sandboxes pre-import and hold (``preimport``,
+worker/preimport.py), and ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks
 disagree still agree on who is alive). A worker that stops cleanly removes its fields at
 once; a killed one stops counting ``heartbeat_ttl_s`` after its last beat (its field is
 removed by the next beat of any worker of that queue).
@@ -29,6 +30,7 @@ import redis
 from celery import bootsteps
 
 from worker import lua
+from worker import preimport as preimport_report
 from worker.context import context_of, studio_app
 from worker.protocol import QUEUE_TEST, heartbeat_ttl_s, workers_key
 from worker.registry import PAUSED, SERVING
@@ -72,6 +74,7 @@ class Heartbeat:
         engine: Callable[[], dict[str, Any] | None] | None = None,
         queue_reason: Callable[[str], str | None] | None = None,
         client: redis.Redis | None = None,
+        preimport: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.nodename = nodename
         self.slots = dict(slots)
@@ -82,6 +85,7 @@ class Heartbeat:
         self._store_id = store_id
         self._engine = engine
         self.queue_reason = queue_reason
+        self._preimport = preimport
         self.redis = client or redis.Redis.from_url(
             redis_url, socket_timeout=3, socket_connect_timeout=3
         )
@@ -117,6 +121,15 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - the engine does not answer: announce without it
             return None
 
+    def _preimport_now(self) -> dict[str, Any] | None:
+        if self._preimport is None:
+            return None
+        try:
+            return self._preimport()
+        except Exception as e:  # noqa: BLE001 - a figure is never worth a beat
+            log.debug("heartbeat: pre-import memory not announced: %s", e)
+            return None
+
     def beat(self) -> str:
         """Announce once on every queue; returns the state announced (``paused`` when any
         queue is)."""
@@ -128,6 +141,7 @@ class Heartbeat:
             "store": self.store,
             "store_id": self._identity(),
             "engine": self._engine_now(),
+            "preimport": self._preimport_now(),
         }
         queues = sorted(self.slots)
         states: dict[str, tuple[str, str | None]] = {}
@@ -265,6 +279,8 @@ class HeartbeatStep(bootsteps.StartStopStep):
             engine=lambda: context.engine(),
             queue_reason=lambda queue: broker_watch.lost_reason(queue, dead_after_s),
             client=redis_conn.client(settings),
+            # what the pool processes measured of their pre-started sandboxes (worker/preimport.py)
+            preimport=lambda: preimport_report.announcement(settings),
         )
         self.heartbeat.start()
 

@@ -499,6 +499,36 @@ class SandboxPool(IdlePoolStats):
 
     # --- what it shows ----------------------------------------------------------------------
 
+    def stats(self) -> dict[str, Any]:
+        """``IdlePoolStats.stats`` and ``preimport_memory``: per language measured, what an
+        idle pre-started sandbox holds (preimport_memory.measured). Its observer, a worker's
+        pool process, passes that on to the worker's heartbeat (worker/preimport.py)."""
+        return {**super().stats(), "preimport_memory": preimport_memory.measured(self)}
+
+    # --- what preimport_memory.py asks of it (its MeasuredPool) -----------------------------
+
+    @property
+    def api(self) -> docker.APIClient:
+        return self.runtime.api
+
+    def preimports(self, language: str) -> bool:
+        return bool(self.languages[language].preimport(self.settings))
+
+    def closing(self) -> bool:
+        return self._stop
+
+    def is_idle(self, sandbox: Pooled) -> bool:
+        with self._cond:
+            return any(q is sandbox for q in self._idle[sandbox.language])
+
+    def start_aside(self, language: str) -> Pooled:
+        return self._create(self.languages[language], preimport=False)
+
+    def release(self, sandbox: Pooled) -> None:
+        with self._cond:
+            self._retire.append(sandbox)
+            self._cond.notify_all()
+
     # --- the pool's thread: start, replace, remove ----------------------------------------
 
     def _loop(self) -> None:
@@ -627,7 +657,7 @@ class SandboxPool(IdlePoolStats):
                 + KILL_GRACE_S
             )
         )
-        meter = usage.new_meter(api)
+        meter = usage.new_meter(api, self.settings.code_usage_cgroup_parent)
         args = {
             **policy,
             "labels": labels,

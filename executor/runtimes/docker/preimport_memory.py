@@ -32,20 +32,75 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from executor.runtimes.docker import usage
 
 if TYPE_CHECKING:
+    from executor.models import Limits
     from executor.settings import Settings
 
-#: executor.runtimes.docker.pool's SandboxPool and Pooled: the pool calls this module (after
-#: a fill, for meta), so naming its types here, even for the type checker only, would make
-#: an import circle (tests/test_imports.py)
-SandboxPool = Any
-Pooled = Any
+
+class Sandbox(Protocol):
+    """A pre-started sandbox as this module sees it (the pool's ``Pooled``)."""
+
+    @property
+    def cid(self) -> str: ...
+
+    @property
+    def language(self) -> str: ...
+
+    @property
+    def image_id(self) -> str: ...
+
+
+S = TypeVar("S", bound=Sandbox)
+
+
+class MeasuredPool(Protocol[S]):
+    """What this module asks of a pool (``executor.runtimes.docker.pool.SandboxPool``). The
+    pool calls this module (after a fill, for meta), so it is named by what it does here:
+    naming its class, even for the type checker only, would make an import circle
+    (tests/test_imports.py)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def api(self) -> Any:
+        """The engine's low-level client (``docker.APIClient``) of this process."""
+
+    def preimports(self, language: str) -> bool:
+        """Does a pre-started sandbox of ``language`` import anything while it waits?"""
+
+    def closing(self) -> bool:
+        """Is the pool stopping (it starts nothing more)?"""
+
+    def is_idle(self, sandbox: S) -> bool:
+        """Is ``sandbox`` still waiting in the pool (not taken by a job, not retired)?"""
+
+    def start_aside(self, language: str) -> S:
+        """One more sandbox of ``language``'s pooled shape, started WITHOUT its pre-import
+        and never put in the pool (no job can take it); ``release`` removes it."""
+
+    def release(self, sandbox: S) -> None:
+        """Remove ``sandbox`` (the pool's remover, like any used sandbox)."""
+
 
 log = logging.getLogger("studio_code")
+
+#: ``source`` of a language not measured (yet, or at all)
+NOT_YET = (
+    "not measured yet: measured by the process that keeps pre-started sandboxes (a worker's "
+    "pool process, STUDIO_CODE_PREWARM > 0) once its first one is idle"
+)
+UNREADABLE = (
+    "not measured: this process cannot read the sandboxes' cgroups (usage off, or a worker "
+    "in a container without the host's view)"
+)
 
 #: CPU time unchanged this long: the runner is blocked on its stdin (done importing)
 QUIET_S = 0.5
@@ -54,13 +109,15 @@ POLL_S = 0.1
 SETTLE_TIMEOUT_S = 120.0
 
 #: by pool, then language: the figures shown, and the image id they were measured on
-_figures: weakref.WeakKeyDictionary[Any, dict[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
+_figures: weakref.WeakKeyDictionary[MeasuredPool[Any], dict[str, dict[str, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 #: (id of the pool, language) being measured now
 _measuring: set[tuple[int, str]] = set()
 _lock = threading.Lock()
 
 
-def after_fill(pool: SandboxPool, p: Pooled) -> None:
+def after_fill(pool: MeasuredPool[S], p: S) -> None:
     """``p`` was just pre-started and put in the pool: measure it, on a thread, unless this
     language is measured already on this image (or being measured)."""
     key = (id(pool), p.language)
@@ -74,32 +131,51 @@ def after_fill(pool: SandboxPool, p: Pooled) -> None:
     ).start()
 
 
+def modules(settings: Settings, language: str) -> list[str]:
+    """What a pre-started sandbox of ``language`` imports while it waits
+    (STUDIO_CODE_PREIMPORT; Python only: TypeScript has none)."""
+    if language != "python" or not settings.code_preimport:
+        return []
+    return settings.code_preimport.split(",")
+
+
+def measured(pool: MeasuredPool[Any]) -> dict[str, dict[str, Any]]:
+    """Per language ``pool`` measured (or found it cannot): its figures and their source.
+    A language not measured yet is left out. What the pool hands its observer (a worker's
+    pool process passes it on to its main process's heartbeat: worker/preimport.py)."""
+    with _lock:
+        return {
+            name: {
+                "idle_memory_bytes": got["idle"],
+                "without_preimport_bytes": got["without"],
+                "memory_limit_bytes": got["limit"],
+                "source": got["source"],
+            }
+            for name, got in _figures.get(pool, {}).items()
+        }
+
+
 def shown(
-    settings: Settings, languages: list[str], pool: SandboxPool | None
+    settings: Settings, languages: list[str], pool: MeasuredPool[Any] | None
 ) -> dict[str, dict[str, Any]]:
     """Meta's ``pool.preimport_memory``: per language, what a pre-started sandbox of
     ``pool`` (this process's; None: it keeps none) holds."""
-    modules = settings.code_preimport.split(",") if settings.code_preimport else []
-    out: dict[str, dict[str, Any]] = {}
-    with _lock:
-        mine = _figures.get(pool, {}) if pool is not None else {}
-        for name in languages:
-            got = mine.get(name)
-            out[name] = {
-                # what the sandbox imports while it waits (Python only: TypeScript has none)
-                "modules": modules if name == "python" else [],
-                "idle_memory_bytes": got["idle"] if got else None,
-                "without_preimport_bytes": got["without"] if got else None,
-                "memory_limit_bytes": got["limit"] if got else None,
-                "source": got["source"]
-                if got
-                else (
-                    "not measured yet: measured by the process that keeps pre-started "
-                    "sandboxes (a worker's pool process, STUDIO_CODE_PREWARM > 0) once its "
-                    "first one is idle"
-                ),
-            }
-    return out
+    mine = measured(pool) if pool is not None else {}
+    return {
+        name: {
+            "modules": modules(settings, name),
+            **mine.get(
+                name,
+                {
+                    "idle_memory_bytes": None,
+                    "without_preimport_bytes": None,
+                    "memory_limit_bytes": None,
+                    "source": NOT_YET,
+                },
+            ),
+        }
+        for name in languages
+    }
 
 
 def wait_quiet(api: Any, meter: usage.Meter, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
@@ -122,53 +198,40 @@ def wait_quiet(api: Any, meter: usage.Meter, timeout_s: float = SETTLE_TIMEOUT_S
     return False
 
 
-def _idle_reading(pool: SandboxPool, p: Pooled) -> tuple[int, str] | None:
+def _idle_reading(pool: MeasuredPool[S], p: S) -> tuple[int, str] | None:
     """``p``'s anonymous memory once it is quiet, and the source; None when it could not
     be read while ``p`` was idle (taken by a job, ended, or no view of its cgroup)."""
-    api = pool.runtime.api
     meter = usage.of(p.cid)
-    if meter is None or not wait_quiet(api, meter):
+    if meter is None or not wait_quiet(pool.api, meter):
         return None
     figure = meter.resident()
-    with pool._cond:
-        idle = any(q is p for q in pool._idle[p.language])
-    if not figure or not idle:  # nothing resident yet is not a figure
+    if not figure or not pool.is_idle(p):  # nothing resident yet is not a figure
         return None
     return figure, str(meter.source())
 
 
-def _measure(pool: SandboxPool, p: Pooled) -> None:
-    language = pool.languages[p.language]
+def _measure(pool: MeasuredPool[S], p: S) -> None:
     try:
         if usage.of(p.cid) is None:
-            _record(
-                p,
-                None,
-                None,
-                pool,
-                "not measured: this process cannot read the sandboxes' "
-                "cgroups (usage off, or a worker in a container without the host's view)",
-            )
+            _record(pool, p, None, None, UNREADABLE)
             return
         got = _idle_reading(pool, p)
         if got is None:
             return  # taken or ended first: the next sandbox started is measured
         idle, source = got
         without: int | None = idle
-        if language.preimport(pool.settings):
-            if pool._stop:
+        if pool.preimports(p.language):
+            if pool.closing():
                 return  # a closing pool starts nothing more (its drain may be over)
-            bare = pool._create(language, preimport=False)
+            bare = pool.start_aside(p.language)
             try:  # never in the pool's idle queue: no job can take it
                 base = _bare_reading(pool, bare)
             finally:
-                with pool._cond:
-                    pool._retire.append(bare)
-                    pool._cond.notify_all()
+                pool.release(bare)
             if base is None:
                 return
             without = base
-        _record(p, idle, without, pool, f"host, {source} memory.stat anonymous memory")
+        _record(pool, p, idle, without, f"host, {source} memory.stat anonymous memory")
     except Exception as e:  # noqa: BLE001 - a figure never fails the pool
         log.debug("pre-import memory of %s not measured: %s", p.language, e)
     finally:
@@ -176,22 +239,23 @@ def _measure(pool: SandboxPool, p: Pooled) -> None:
             _measuring.discard((id(pool), p.language))
 
 
-def _bare_reading(pool: SandboxPool, bare: Pooled) -> int | None:
+def _bare_reading(pool: MeasuredPool[S], bare: S) -> int | None:
     meter = usage.of(bare.cid)
-    if meter is None or not wait_quiet(pool.runtime.api, meter):
+    if meter is None or not wait_quiet(pool.api, meter):
         return None
     return meter.resident() or None  # nothing resident yet is not a figure
 
 
 def _record(
-    p: Pooled, idle: int | None, without: int | None, pool: SandboxPool, source: str
+    pool: MeasuredPool[S], p: S, idle: int | None, without: int | None, source: str
 ) -> None:
+    limit = pool.limits.memory_bytes
     with _lock:
         _figures.setdefault(pool, {})[p.language] = {
             "image_id": p.image_id,
             "idle": idle,
             "without": without,
-            "limit": pool.limits.memory_bytes,
+            "limit": limit,
             "source": source,
         }
     log.info(
@@ -199,5 +263,5 @@ def _record(
         p.language,
         idle,
         without,
-        pool.limits.memory_bytes,
+        limit,
     )

@@ -44,8 +44,10 @@ Passed on:
   no-new-privileges and the project's own seccomp profile, ipc none, the ulimits, no log
   driver, the configured OCI runtime), the limits present and within the settings' caps,
   every other field of the request empty (no Privileged, Mounts, Devices, CapAdd, host
-  namespaces, MaskedPaths...) but ``CgroupParent`` of exactly ``/studio-code-usage-<16
-  hex>`` (a run's own, for its usage figures: ``PARENT_SHAPE``), a configured image, the
+  namespaces, MaskedPaths...) but ``CgroupParent`` of exactly ``<engine
+  parent>/studio-code-usage-<16 hex>`` (a run's own below the engine's parent for containers,
+  STUDIO_CODE_USAGE_CGROUP_PARENT, default ``/docker``, for its usage figures:
+  ``parent_shape``), a configured image, the
   project's labels, and ``User`` the sandbox's ``uid:gid`` (``sandbox_ids``) or another
   ``uid:gid`` of decimal digits, both non-zero (no ``0``, ``00``, ``+0``, ``root``, no name);
 * on a container carrying the project's labels (``studio.owner`` with ``studio.job_id`` or
@@ -94,7 +96,7 @@ from urllib.parse import parse_qsl, urlencode
 
 import h11
 
-from executor.runtimes.docker.usage import PARENT_PREFIX
+from executor.runtimes.docker.usage import ENGINE_PARENT, PARENT_PREFIX
 
 log = logging.getLogger("studio_code.sockguard")
 
@@ -129,9 +131,15 @@ _IMAGE = re.compile(r"^/images/([A-Za-z0-9][A-Za-z0-9_.:/@-]*)/json$")
 _PATH = re.compile(r"^(/[A-Za-z0-9_.:@-]+)+$|^/$")
 _NAME = re.compile(rf"^{NAME_PREFIX}[A-Za-z0-9_.-]{{1,200}}$")
 _USER = re.compile(r"^([1-9][0-9]{0,9}):([1-9][0-9]{0,9})$")
-#: the one cgroup parent a create may name: a run's own, made by runc under the hierarchy's
-#: root (executor/runtimes/docker/usage.py), matched whole (``fullmatch``: no newline after)
-PARENT_SHAPE = re.compile(rf"/{PARENT_PREFIX}[0-9a-f]{{16}}")
+
+
+def parent_shape(engine_parent: str) -> re.Pattern[str]:
+    """The one cgroup parent a create may name: a run's own, made by runc below the engine's
+    parent for containers (executor/runtimes/docker/usage.py), matched whole (``fullmatch``:
+    no newline after)."""
+    return re.compile(rf"{re.escape(engine_parent)}/{PARENT_PREFIX}[0-9a-f]{{16}}")
+
+
 #: the operations on one of our containers, by method
 CONTAINER_OPS = {
     ("POST", "attach"),
@@ -209,6 +217,8 @@ class Policy:
     max_nano_cpus: int
     max_pids: int
     user: str = ""  # the sandboxes' uid:gid (sandbox_ids), as the workers send it
+    #: STUDIO_CODE_USAGE_CGROUP_PARENT: the per-run cgroup parents are below it
+    engine_parent: str = ENGINE_PARENT
 
     @classmethod
     def from_settings(cls, settings: Any, images: list[str] | None = None) -> Policy:
@@ -232,6 +242,7 @@ class Policy:
             max_nano_cpus=int(settings.max_cpus * 1e9),
             max_pids=settings.code_pids,
             user="{}:{}".format(*sandbox_ids()),
+            engine_parent=settings.code_usage_cgroup_parent,
         )
 
     def check_create(self, body: dict[str, Any], name: str | None) -> None:
@@ -330,11 +341,12 @@ class Policy:
             )
         parent = host.get("cgroupparent")
         if parent not in (None, "") and not (
-            isinstance(parent, str) and PARENT_SHAPE.fullmatch(parent)
+            isinstance(parent, str) and parent_shape(self.engine_parent).fullmatch(parent)
         ):
             raise Refused(
                 f"HostConfig.CgroupParent {str(parent)[:120]!r}: a sandbox's cgroup parent is "
-                f"its run's own /{PARENT_PREFIX}<16 hex> (usage per run), or none"
+                f"its run's own {self.engine_parent}/{PARENT_PREFIX}<16 hex> (usage per run), "
+                "or none"
             )
         fixed = {k.lower() for k in self.host_config}
         allowed = fixed | {"memory", "memoryswap", "nanocpus", "pidslimit", "cgroupparent"}

@@ -4,9 +4,20 @@ A container's own cgroup is removed by the engine (runc) the moment its last pro
 before ``docker rm``: a cold sandbox whose code ran to its end, or was OOM-killed, has no
 cgroup left to read when its exit is seen (measured on Docker 20.10, cgroup v1: an fd opened
 before reads ENODEV after). So where this process can read the host's cgroup fs, each
-sandbox is created under a cgroup parent of its own, ``/studio-code-usage-<random>``: the
-kernel charges the container's memory peak, CPU and processes to that parent too, the
+sandbox is created under a cgroup parent of its own, ``/docker/studio-code-usage-<random>``:
+the kernel charges the container's memory peak, CPU and processes to that parent too, the
 parent outlives the container, and it is removed (``release``) when the container is.
+
+The per-run parents sit under the engine's own parent for containers (``/docker``, what
+dockerd's cgroupfs driver uses when its ``cgroup-parent`` is unset; another one:
+``STUDIO_CODE_USAGE_CGROUP_PARENT``), never at the hierarchy's root: a limit an operator puts
+on ``/docker`` (memory, CPU, pids of all containers) holds the sandboxes too, and on v1 their
+CPU weight is a share of ``/docker``'s ``cpu.shares``, not 1024 each beside it (a few
+sandboxes out-weighing the host's services and the worker). The engine's parent is a setting,
+not found: it cannot be seen from the engine's API, only from a container made without a
+parent, and the socket guard, which passes exactly ``<it>/studio-code-usage-<16 hex>``, must
+agree with the workers (both read the setting). A parent that is not a group of the
+hierarchy (the engine configured otherwise) means no per-run parents: not measured.
 
 - **cgroup v1**: ``memory.max_usage_in_bytes``, ``cpuacct.usage`` (ns), ``pids.peak``.
 - **cgroup v2**: ``memory.peak`` (Linux >= 5.19, else no memory figure), ``cpu.stat``
@@ -28,7 +39,9 @@ resident memory (the job runs in it) but not the transient peak of its start.
 
 Per-run parents are used only for the cgroupfs driver (systemd's parents are slices it
 manages) and an engine on this host (a ``unix://`` DOCKER_HOST: its own socket, or a socket
-guard's, which passes a ``CgroupParent`` of exactly ``/studio-code-usage-<16 hex>``).
+guard's, which passes a ``CgroupParent`` of exactly ``<engine parent>/studio-code-usage-<16
+hex>``). Tested on cgroup v1 (Docker 20.10, cgroupfs); the v2 paths are the same paths under
+the unified mount, untested here.
 ``STUDIO_CODE_USAGE=0`` turns the reading off (usage null): the bench's comparison.
 """
 
@@ -48,6 +61,9 @@ log = logging.getLogger("studio_code")
 
 MOUNTINFO = "/proc/self/mountinfo"
 PARENT_PREFIX = "studio-code-usage-"
+#: the engine's parent for containers with the cgroupfs driver when its ``cgroup-parent`` is
+#: unset (STUDIO_CODE_USAGE_CGROUP_PARENT's default): the per-run parents go below it
+ENGINE_PARENT = "/docker"
 #: a parent left this long past the longest run is a dead process's (``sweep``)
 SWEEP_GRACE_S = 600.0
 V1_FILES = {
@@ -70,22 +86,33 @@ class CgroupHost:
     #: this process removes them (its view is writable); else another does (Compose: the
     #: usage-sweeper service)
     removes: bool = True
+    #: the engine's parent for containers (cgroupfs driver): the per-run parents' own
+    engine_parent: str = ENGINE_PARENT
 
     @property
     def source(self) -> UsageSource:
         return "cgroup-v2" if self.version == 2 else "cgroup-v1"
 
+    def path(self, parent: str) -> str:
+        """The per-run parent named ``parent`` as a cgroup path (the ``CgroupParent``)."""
+        return f"{self.engine_parent}/{parent}"
+
     def own_dir(self, controller: str, cid: str, parent: str | None) -> str:
         """The container's own cgroup directory (gone once it exited)."""
         base = self.mounts["" if self.version == 2 else controller]
         if parent is not None:
-            return f"{base}/{parent}/{cid}"
+            return f"{base}{self.path(parent)}/{cid}"
         if self.driver == "systemd":
             return f"{base}/system.slice/docker-{cid}.scope"
-        return f"{base}/docker/{cid}"
+        return f"{base}{self.engine_parent}/{cid}"
 
     def parent_dir(self, controller: str, parent: str) -> str:
-        return f"{self.mounts['' if self.version == 2 else controller]}/{parent}"
+        return f"{self.mounts['' if self.version == 2 else controller]}{self.path(parent)}"
+
+    def parents_dir(self) -> str:
+        """Where the per-run parents are (the engine's parent), in the memory hierarchy (v2:
+        the unified one)."""
+        return f"{self.mounts['' if self.version == 2 else 'memory']}{self.engine_parent}"
 
     def all_parent_dirs(self, parent: str) -> list[str]:
         """Every hierarchy's directory of ``parent`` (runc makes it in each: v1 mounts them
@@ -99,7 +126,7 @@ class CgroupHost:
         except OSError:
             return [self.parent_dir(c, parent) for c in self.mounts]
         for name in names:
-            d = f"{root}/{name}/{parent}"
+            d = f"{root}/{name}{self.path(parent)}"
             if os.path.isdir(d):
                 dirs.append(d)
         return dirs
@@ -108,28 +135,29 @@ class CgroupHost:
 #: memory peak (bytes), CPU (ns), processes peak, source
 Reading = tuple[int | None, int | None, int | None, UsageSource]
 
-#: by DOCKER_HOST (a socket guard or a test's engine put in front later is another view):
-#: the view, and when to look again for one not found
-_hosts: dict[str, tuple[CgroupHost | None, float]] = {}
+#: by DOCKER_HOST (a socket guard or a test's engine put in front later is another view) and
+#: engine parent: the view, and when to look again for one not found
+_hosts: dict[tuple[str, str], tuple[CgroupHost | None, float]] = {}
 _host_lock = threading.Lock()
 #: how often a process that found no view of the engine's cgroups looks again
 REDETECT_S = 60.0
 
 
-def cgroup_host(api: Any) -> CgroupHost | None:
+def cgroup_host(api: Any, engine_parent: str = ENGINE_PARENT) -> CgroupHost | None:
     """This process's view of the host's cgroups (read once per engine), or None: they
-    cannot be seen from here (a worker in a container): its runs are not measured."""
-    key = os.environ.get("DOCKER_HOST", "")
+    cannot be seen from here (a worker in a container): its runs are not measured.
+    ``engine_parent``: STUDIO_CODE_USAGE_CGROUP_PARENT."""
+    key = (os.environ.get("DOCKER_HOST", ""), engine_parent)
     got = _hosts.get(key)
     if got is not None and (got[0] is not None or time.monotonic() < got[1]):
         return got[0]
     with _host_lock:
-        host = _detect()
+        host = _detect(engine_parent)
         _hosts[key] = (host, time.monotonic() + REDETECT_S)
         return host
 
 
-def _detect() -> CgroupHost | None:
+def _detect(engine_parent: str = ENGINE_PARENT) -> CgroupHost | None:
     view = os.environ.get("STUDIO_CODE_HOST_CGROUP", "/sys/fs/cgroup").rstrip("/")
     mounts: dict[str, str] = {}
     v2: str | None = None
@@ -166,8 +194,9 @@ def _detect() -> CgroupHost | None:
     # the engine's cgroup driver, from the groups it made (no engine call on a one-shot run's
     # path: `docker info` is 10-15 ms). Neither there: this view is not the engine's host
     # (a worker in a container with a cgroup namespace of its own), or the engine never ran
-    # a container yet: not measured, and ``cgroup_host`` looks again later.
-    if os.path.isdir(f"{base}/docker"):
+    # a container yet: not measured, and ``cgroup_host`` looks again later. (An engine whose
+    # parent is not STUDIO_CODE_USAGE_CGROUP_PARENT's: not found here either, not measured.)
+    if os.path.isdir(f"{base}{engine_parent}"):
         driver = "cgroupfs"
     elif any(n.startswith("docker-") for n in _listdir(f"{base}/system.slice")):
         driver = "systemd"
@@ -179,7 +208,7 @@ def _detect() -> CgroupHost | None:
     writable = os.access(base, os.W_OK)
     swept = os.environ.get("STUDIO_CODE_USAGE_SWEEPER", "") == "1"
     parents = driver == "cgroupfs" and local and (writable or swept)
-    return CgroupHost(version, found, driver, parents, removes=writable)
+    return CgroupHost(version, found, driver, parents, writable, engine_parent)
 
 
 def _listdir(path: str) -> list[str]:
@@ -202,7 +231,9 @@ class Meter:
 
     def host_config(self, hc: dict[str, Any]) -> dict[str, Any]:
         """``hc`` (sandbox_policy's host config keywords) under this sandbox's parent."""
-        return {**hc, "cgroup_parent": f"/{self.parent}"} if self.parent else hc
+        if self.host is None or self.parent is None:
+            return hc
+        return {**hc, "cgroup_parent": self.host.path(self.parent)}
 
     def hand_over(self, api: Any) -> None:
         """A pre-started sandbox gets its job now: what it used so far is not the job's."""
@@ -285,11 +316,12 @@ _meters: dict[str, Meter] = {}
 _meters_lock = threading.Lock()
 
 
-def new_meter(api: Any) -> Meter | None:
-    """A meter for a sandbox about to be created, or None when usage is off."""
+def new_meter(api: Any, engine_parent: str) -> Meter | None:
+    """A meter for a sandbox about to be created, or None when usage is off.
+    ``engine_parent``: STUDIO_CODE_USAGE_CGROUP_PARENT."""
     if not usage_on():
         return None
-    host = cgroup_host(api)
+    host = cgroup_host(api, engine_parent)
     if host is None:
         return None
     return Meter(host, PARENT_PREFIX + secrets.token_hex(8) if host.parents else None)
@@ -346,17 +378,17 @@ def released(cid: str) -> None:
         meter.release()
 
 
-def sweep(api: Any, older_than_s: float) -> int:
+def sweep(api: Any, older_than_s: float, engine_parent: str) -> int:
     """Remove the empty per-run parents made more than ``older_than_s`` ago: those of a
     process that died before it removed its sandboxes (the reaper removed them). A parent of
     a run still going holds its container's group (rmdir fails: EBUSY), and one whose
     container just ended is younger than the longest run. Returns how many went."""
-    host = cgroup_host(api)
+    host = cgroup_host(api, engine_parent)
     if host is None or not host.parents or not host.removes:
         return 0
     with _meters_lock:
         mine = {m.parent for m in _meters.values()}
-    base = host.mounts["" if host.version == 2 else "memory"]
+    base = host.parents_dir()
     cutoff = time.time() - older_than_s
     gone = 0
     try:
@@ -380,15 +412,17 @@ EMPTY_FOR_S = 20.0
 SWEEP_EVERY_S = 5.0
 
 
-def sweep_empty(seen: dict[str, float], empty_for_s: float = EMPTY_FOR_S) -> int:
+def sweep_empty(
+    seen: dict[str, float], empty_for_s: float = EMPTY_FOR_S, engine_parent: str = ENGINE_PARENT
+) -> int:
     """One pass of the sweeper (a process that can write the host's cgroup fs, for workers
     whose view is read-only): remove the per-run parents seen empty (no sandbox group in them)
     for ``empty_for_s``; ``seen`` carries when each was first seen empty. Returns how many
     went."""
-    host = cgroup_host(None)
+    host = cgroup_host(None, engine_parent)
     if host is None or not host.parents or not host.removes:
         return 0
-    base = host.mounts["" if host.version == 2 else "memory"]
+    base = host.parents_dir()
     now = time.monotonic()
     names = {n for n in _listdir(base) if n.startswith(PARENT_PREFIX)}
     for gone in set(seen) - names:
@@ -414,31 +448,46 @@ def sweep_empty(seen: dict[str, float], empty_for_s: float = EMPTY_FOR_S) -> int
 def main(argv: list[str] | None = None) -> int:
     """``python -m executor.runtimes.docker.usage``: the sweeper (Compose's usage-sweeper
     service): every ``--every`` s, remove the per-run parents empty for ``--empty-for`` s;
-    at SIGTERM (the workers stopped first) every empty one."""
+    at SIGTERM (the workers stopped first) every empty one. They are below
+    STUDIO_CODE_USAGE_CGROUP_PARENT (set it as the workers have it)."""
     import argparse
     import signal
+
+    from executor.errors import SettingsError
+    from executor.settings import load_settings
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--every", type=float, default=SWEEP_EVERY_S)
     ap.add_argument("--empty-for", type=float, default=EMPTY_FOR_S)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    host = cgroup_host(None)
+    try:
+        engine_parent = load_settings().code_usage_cgroup_parent
+    except SettingsError as e:
+        log.error("usage sweeper: %s", e.message)
+        return 2
+    host = cgroup_host(None, engine_parent)
     if host is None or not host.removes:
         log.error(
-            "usage sweeper: no writable view of the engine's cgroups (cgroupfs driver) under "
+            "usage sweeper: no writable view of the engine's cgroups (cgroupfs driver, its "
+            "containers under STUDIO_CODE_USAGE_CGROUP_PARENT=%s) under "
             "STUDIO_CODE_HOST_CGROUP=%s: mount the host's /sys/fs/cgroup there, read-write",
+            engine_parent,
             os.environ.get("STUDIO_CODE_HOST_CGROUP", "/sys/fs/cgroup"),
         )
         return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    log.info("usage sweeper: removing per-run parents empty for %.0f s", args.empty_for)
+    log.info(
+        "usage sweeper: removing the per-run parents under %s empty for %.0f s",
+        engine_parent,
+        args.empty_for,
+    )
     seen: dict[str, float] = {}
     while not stop.wait(args.every):
-        if n := sweep_empty(seen, args.empty_for):
+        if n := sweep_empty(seen, args.empty_for, engine_parent):
             log.info("usage sweeper: removed %d empty per-run parents", n)
-    n = sweep_empty(seen, 0.0)
+    n = sweep_empty(seen, 0.0, engine_parent)
     log.info("usage sweeper: stopping, removed %d empty per-run parents", n)
     return 0
 
