@@ -387,7 +387,7 @@ def test_a_read_only_store_folder_pauses_the_worker_and_the_api_answers_503(
     from executor.store import open_store
     from tests.services import ApiServer, env_for, start_worker, wait_for
     from tests.snippets import USER
-    from worker.upkeep.heartbeat import WorkerRegistry
+    from worker.registry import WorkerRegistry
 
     where, set_ro = read_only_dir
     url = f"sqlite:///{where}/studio-code.db"
