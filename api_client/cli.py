@@ -514,7 +514,7 @@ def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     """Run a Celery worker (``celery -A worker worker`` with this process's Settings). Its
     banner and logs go to stderr; ONE JSON object goes to stdout when it stops."""
-    from worker.glue.app import worker_app
+    from worker.assembly import worker_app
 
     extra = list(args.celery_args or [])
     if extra and extra[0] == "--":

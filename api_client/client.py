@@ -25,7 +25,7 @@ import redis
 from pydantic import BaseModel
 
 from api_client import waiting
-from api_client.live_logs import LogEvent
+from api_client.log_follower import LogEvent
 from api_client.waiting import WAIT_SLICE_S
 from executor import inputs, tracing
 from executor.errors import (
@@ -49,8 +49,8 @@ from executor.store import (
     open_store,
 )
 from worker import lua, preimport, redis_conn
+from worker.cancel import CancelWatch
 from worker.fair import FairQueue, Waiting, user_cap
-from worker.job.cancel import CancelWatch
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
     HEADER_FAIR_USER,
@@ -68,7 +68,7 @@ from worker.protocol import (
     rate_key,
     visibility_timeout_s,
 )
-from worker.upkeep.heartbeat import AsyncWorkerRegistry, WorkerInfo, WorkerRegistry, summary
+from worker.registry import AsyncWorkerRegistry, WorkerInfo, WorkerRegistry, summary
 
 log = logging.getLogger("studio_code.api_client")
 
@@ -174,7 +174,7 @@ class CodeClient:
     def app(self) -> Any:
         """The client-side Celery app (made on first use)."""
         if self._app is None:
-            from worker.glue.app import make_app
+            from worker.assembly import make_app
 
             # the broker layer's transport for STUDIO_REDIS_URL, as the worker's
             self._app = make_app(self.settings)
@@ -684,8 +684,8 @@ class CodeClient:
 
     def follow_logs(self, job_id: str, *, timeout_s: float = 3600.0) -> Iterator[LogEvent]:
         """What job ``job_id`` prints, as it prints it (``LogEvent``: log, truncated, end),
-        until the job has finished; raises JobNotFound. See api_client.live_logs."""
-        from api_client.live_logs import follow
+        until the job has finished; raises JobNotFound. See api_client.log_follower."""
+        from api_client.log_follower import follow
 
         self.status(job_id)  # JobNotFound before anything is yielded
         yield from follow(

@@ -22,7 +22,7 @@ SECTIONS = [
     "bench.preimport",
     "bench.upkeep",
     "bench.metrics_files",
-    "bench.engine",
+    "bench.own_engine",
     "bench.sockguard",
     "bench.redis_faults",
     "bench.cpu",

@@ -13,7 +13,7 @@ import redis
 from celery import Celery
 
 from executor.settings import load_settings
-from worker.glue.app import make_app
+from worker.assembly import make_app
 from worker.protocol import DONE_TTL_S
 
 TASK = "bench.floor"

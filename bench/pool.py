@@ -7,7 +7,7 @@ sees the same machine noise):
   executor cold; the same for TypeScript;
 * the idle memory of one pre-started sandbox per language (its memory cgroup).
 
-CPU per job (runc and crun) is ``bench/engine.py``: it needs an engine of its own.
+CPU per job (runc and crun) is ``bench/own_engine.py``: it needs an engine of its own.
 
     python -m bench.pool [--n 30]
 """

@@ -7,8 +7,8 @@ from typing import Any
 
 from executor.packages import image_packages, packages_warning, shown_packages
 from executor.runtimes.docker import preimport_memory
-from executor.runtimes.docker.engine import sandbox_proof
 from executor.runtimes.docker.policy import TMPFS_SIZE
+from executor.runtimes.docker.posture import sandbox_proof
 from executor.runtimes.docker.seccomp import profile_sha256
 from executor.service import Executor
 from executor.settings import KNOWN_LANGUAGES, NOBODY, sandbox_ids

@@ -250,7 +250,7 @@ def test_a_publish_whose_declaration_moved_the_connection_on_is_sent_once(
     from kombu.transport import TRANSPORT_ALIASES
 
     from worker import broker
-    from worker.glue.app import make_app
+    from worker.assembly import make_app
     from worker.protocol import QUEUE_RUN, TASK_NAME
 
     client = redis.Redis.from_url(redis_server.url)

@@ -33,7 +33,7 @@ def one_json(proc: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def posture(docker_client: Any) -> Any:
     """This machine's engine, read by the test itself (the table of known escapes)."""
-    from executor.runtimes.docker.engine import read_posture
+    from executor.runtimes.docker.posture import read_posture
 
     return read_posture(docker_client.api)
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from executor.runtimes.docker import escapes
-from executor.runtimes.docker.engine import posture_of, read_posture, sandbox_proof
 from executor.runtimes.docker.escapes import (
     dpkg_compare,
     is_package_version,
     load_table,
     parse_version,
 )
+from executor.runtimes.docker.posture import posture_of, read_posture, sandbox_proof
 from testkit.processes import require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -384,7 +384,8 @@ def test_a_refusing_worker_pre_starts_no_sandbox_on_a_vulnerable_engine(  # type
 def test_the_heartbeat_carries_the_engine_through_redis(redis_server) -> None:  # type: ignore[no-untyped-def]
     """A worker's engine goes through Redis's Lua (cjson) and back unchanged, an empty list
     of advisories included (cjson writes [] back as {})."""
-    from worker.upkeep.heartbeat import Heartbeat, WorkerRegistry
+    from worker.registry import WorkerRegistry
+    from worker.upkeep.heartbeat import Heartbeat
 
     fixed = posture_of(_version("1.2.8", "v1.2.8-0-g3f92552"), _info(), host_packages={})
     engine: list[dict[str, object] | None] = [fixed.compact()]

@@ -189,12 +189,12 @@ def test_task_events_stop_trying_while_redis_is_silent(redis_server: RedisServer
     """Task events on a connection that goes silent (testkit/relay.py), as a worker's loop
     sends them: each ended task buffers its event and flushes. Celery's dispatcher tries
     every kept event again at each flush (1 + 2 + 3 + 4 round trips for 4 events, each
-    blocking the loop up to the socket timeout); ours (worker.glue.events.QuietDispatcher)
+    blocking the loop up to the socket timeout); ours (worker.consumer.events.QuietDispatcher)
     tries once, then keeps them, and the dispatcher made after the reconnect sends them."""
     from celery import Celery
 
     from testkit.relay import Relay
-    from worker.glue.events import QuietDispatcher
+    from worker.consumer.events import QuietDispatcher
 
     options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
     kinds = {"groups": ["task"], "buffer_group": ["task"], "hostname": "w@test"}

@@ -210,7 +210,7 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
 #: subprocess runtime also socket, and secrets and hmac (pydantic.types, for comparing two
 #: secret values; the Docker SDK's requests loads them whatever we do)
 RUN_NEVER_USES = (
-    "executor.runtimes.docker.engine",
+    "executor.runtimes.docker.posture",
     "tomllib",
     "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (executor.docker_api)
     # requests' guess of a text's encoding (executor.docker_api): its package, which loads
@@ -311,7 +311,7 @@ def test_a_pool_process_loads_no_metrics_server():
     """worker.metrics (what pool processes record) loads neither the server nor the health
     checks."""
     mods = loaded_after("import worker.metrics")
-    assert loaded_of(mods, ("worker.metrics.server", "worker.metrics.health")) == []
+    assert loaded_of(mods, ("worker.metrics.server", "worker.health")) == []
 
 
 def test_the_wire_records_load_without_the_routes():
@@ -322,8 +322,8 @@ def test_the_wire_records_load_without_the_routes():
     assert loaded_of(mods, ("fastapi", "starlette", "api_client.http.kit")) == []
 
 
-def import_graph(top: Path) -> dict[str, dict[str, bool]]:
-    """Every module of the package in ``top`` -> the modules of that package it imports
+def import_graph(*tops: Path) -> dict[str, dict[str, bool]]:
+    """Every module of the packages in ``tops`` -> the modules of those packages it imports
     anywhere (top level, inside a function, under TYPE_CHECKING: an import it would only
     hide a circle), each with True when every import of it is under ``if TYPE_CHECKING:``.
     Read from the source, nothing imported. ``from a.b import c`` imports the package a.b
@@ -333,6 +333,7 @@ def import_graph(top: Path) -> dict[str, dict[str, bool]]:
 
     modules = {
         ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for top in tops
         for path in sorted(top.rglob("*.py"))
     }
     graph: dict[str, dict[str, bool]] = {}
@@ -432,3 +433,75 @@ def test_no_import_circle_in_the_runtimes():
     assert "executor.runtimes.docker.pool" in graph["executor.runtimes.docker.runtime"]
     found = circle_in(graph)
     assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+WORKER = ROOT / "worker"
+#: worker/'s rooms, one process's part each; everything else at worker/'s top is shared
+#: (protocol, registry, broker, ...) but worker.assembly, which puts the rooms together
+WORKER_ROOMS = ("job", "upkeep", "metrics", "consumer")
+ASSEMBLY = "worker.assembly"
+
+
+def room_of(module: str) -> str | None:
+    """``job`` for worker.job.tasks; None for a shared module: one at worker/'s top, or the
+    metrics package's instruments (worker.metrics, recorded by every process; its server,
+    worker.metrics.server, is the main process's)."""
+    parts = module.split(".")
+    if module == "worker.metrics":  # the instruments, which every process records into
+        return None
+    if parts[0] == "worker" and len(parts) > 1 and (WORKER / parts[1]).is_dir():
+        return parts[1]
+    return None
+
+
+def test_the_worker_is_assembled_at_the_top():
+    """worker/'s arrows point one way: the assembly (the app factories and the steps each
+    worker gets) imports the rooms, the rooms import the shared modules at the top. So
+    job/, upkeep/ and metrics/ never import the consumer's steps nor the assembly, a shared
+    module imports no room, and no two rooms import each other (imports inside functions
+    counted)."""
+    folders = {p.name for p in WORKER.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(WORKER_ROOMS)
+    graph = import_graph(WORKER)
+    assert {ASSEMBLY, "worker.job.tasks", "worker.registry"} <= set(graph)
+    assert "worker.job.tasks" in graph[ASSEMBLY]  # the scan sees the assembly's imports
+    up = sorted(
+        f"{name} -> {target}"
+        for name, edges in graph.items()
+        if room_of(name) in ("job", "upkeep", "metrics")
+        for target in edges
+        if room_of(target) == "consumer" or target == ASSEMBLY
+    )
+    assert up == [], "arrows back up inside worker/"
+    shared = sorted(
+        f"{name} -> {target}"
+        for name, edges in graph.items()
+        if room_of(name) is None and name not in (ASSEMBLY, "worker")
+        for target in edges
+        if room_of(target) is not None
+    )
+    assert shared == [], "a shared module of worker/ imports a room"
+    rooms = {
+        (room_of(name), room_of(target))
+        for name, edges in graph.items()
+        for target in edges
+        if None is not room_of(name) != room_of(target) is not None
+    }
+    loops = sorted(f"{a} <-> {b}" for a, b in rooms if (b, a) in rooms and str(a) < str(b))
+    assert loops == [], "rooms of worker/ that import each other"
+
+
+def test_the_api_imports_no_room_of_the_worker():
+    """What the API and the CLI read of the worker (the registry of live workers, the cancel
+    watch, the health checks, the autoscaling signals, the app factory) is in worker/'s
+    shared modules: no module of api_client imports a per-process room."""
+    graph = import_graph(ROOT / "api_client", WORKER)
+    assert "worker.protocol" in graph["api_client.client"]  # the scan crosses packages
+    reads = sorted(
+        f"{name} -> {target}"
+        for name, edges in graph.items()
+        if name.startswith("api_client")
+        for target in edges
+        if room_of(target) is not None
+    )
+    assert reads == [], "the API imports a room of the worker"

@@ -60,7 +60,7 @@ def _entry(nodename: str, slots: int, **more: Any) -> str:
     return json.dumps({"nodename": nodename, "queue": "code.run", "slots": slots, **more})
 
 
-# --- worker/upkeep/heartbeat_beat.lua, heartbeat_read.lua -------------------------------------
+# --- worker/upkeep/heartbeat_beat.lua, worker/registry_read.lua ------------------------------
 
 
 def test_the_beat_stamps_entries_with_redis_clock_and_drops_expired_ones(r: Any) -> None:
@@ -90,7 +90,7 @@ def test_the_beat_stamps_entries_with_redis_clock_and_drops_expired_ones(r: Any)
 
 def test_the_read_returns_redis_clock_and_only_live_entries_per_key(r: Any) -> None:
     from worker.protocol import workers_key
-    from worker.upkeep.heartbeat import _READ_LUA
+    from worker.registry import _READ_LUA
 
     read = r.register_script(_READ_LUA)
     run_key, test_key = workers_key("code.run"), workers_key("code.test")

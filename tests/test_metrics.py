@@ -181,7 +181,7 @@ def test_scraped_counts_equal_the_jobs_run(
             samples = scrape(metrics_url)
         assert total(samples, "studio_code_language_ready", language="typescript") == 0
         # the engine's posture, from the same probe: 1 exactly when a known escape applies
-        from executor.runtimes.docker.engine import read_posture
+        from executor.runtimes.docker.posture import read_posture
 
         vulnerable = read_posture(docker_client.api).vulnerable
         assert ("studio_code_engine_vulnerable", ()) in samples, sorted(samples)
@@ -469,7 +469,7 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
         "studio_code_rate_limited_total",
         "studio_code_language_ready",
         "studio_code_engine_vulnerable",
-        # autoscaling and API signals (worker.metrics.autoscale, api_client.http.metrics)
+        # autoscaling and API signals (worker.autoscale, api_client.http.metrics)
         "studio_code_queue_backlog",
         "studio_code_queue_oldest_seconds",
         "studio_code_queue_user_waiting",

@@ -407,7 +407,7 @@ def test_backlog_and_oldest_wait_with_no_worker(
     import redis
 
     from api_client.client import CodeClient
-    from worker.metrics.autoscale import QueueCollector
+    from worker.autoscale import QueueCollector
     from worker.protocol import FAIR_BACKLOG_KEY, FAIR_MIN_AHEAD
 
     # no worker on purpose: the client must queue anyway instead of refusing (issue 8)

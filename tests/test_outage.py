@@ -384,7 +384,7 @@ def test_a_read_only_store_folder_pauses_the_worker_and_the_api_answers_503(
     from testkit.stack import env_for
     from testkit.worker import start_worker
     from tests.snippets import USER
-    from worker.upkeep.heartbeat import WorkerRegistry
+    from worker.registry import WorkerRegistry
 
     where, set_ro = read_only_dir
     url = f"sqlite:///{where}/studio-code.db"

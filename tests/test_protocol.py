@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from worker.glue.app import make_app
+from worker.assembly import make_app
 from worker.protocol import (
     KOMBU_PRIORITY_STEPS,
     KOMBU_UNACKED,

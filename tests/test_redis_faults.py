@@ -68,8 +68,8 @@ def test_a_queue_whose_consumer_shows_no_round_trip_is_announced_paused(
     code.run is announced paused ("broker connection lost"), the API refuses a run and
     takes a test call, and readiness names the lost broker."""
     from api_client import CodeClient, RuntimeUnavailable
-    from worker.glue import broker_watch
-    from worker.metrics.health import gate_checks
+    from worker.upkeep import broker_watch
+    from worker.upkeep.gate_watch import gate_checks
     from worker.upkeep.heartbeat import Heartbeat
 
     settings = make_settings(
@@ -126,7 +126,7 @@ def test_a_stuck_consumer_exits_the_worker_with_a_json_line(redis_server: Any) -
         script = f"""
 import time
 from executor.settings import load_settings
-from worker.glue import broker_watch
+from worker.upkeep import broker_watch
 settings = load_settings(redis_url={url!r}, redis_give_up_s=1)
 broker_watch.ROUND_TRIPS.seen(["code.run"], at=time.monotonic() - 30)
 dog = broker_watch.BrokerWatchdog(settings, ["code.run"], settings.redis_give_up_s)

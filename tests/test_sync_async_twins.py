@@ -15,12 +15,13 @@ import pytest
 import redis
 
 from api_client.client import CodeClient, JobNotFound
-from api_client.live_logs import LogEvent, follow, follow_async
+from api_client.log_follower import LogEvent, follow, follow_async
 from executor.errors import ErrorCode, RuntimeUnavailable
 from executor.models import Status
 from testkit.redis import RedisServer, start_redis
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, done_key, leave_notice, logs_key
-from worker.upkeep.heartbeat import AsyncWorkerRegistry, Heartbeat, WorkerRegistry
+from worker.registry import AsyncWorkerRegistry, WorkerRegistry
+from worker.upkeep.heartbeat import Heartbeat
 
 #: this module's own redis-server (its command counts are the test's alone)
 SERVICE_FIXTURES = {"own_redis": ("redis",)}

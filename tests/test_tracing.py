@@ -248,7 +248,7 @@ def test_a_worker_and_a_client_without_the_variables_import_no_opentelemetry(
     mods = loaded_after(
         """
         from executor.settings import load_settings
-        from worker.glue.app import worker_app
+        from worker.assembly import worker_app
         import worker.job.tasks, worker.tracing, api_client.client
         from executor import tracing
         worker_app(load_settings())

@@ -9,7 +9,7 @@ studio's parts composed over it, each written once:
   retries on a fresh channel (see ``ChannelBase._create_client``);
 * ``FairChannel`` (worker.fair): a workflow run carrying its user goes to its user's
   waiting list instead of ``code.run``;
-* ``PoisonChannel`` (worker.glue.poison): an item that is not a kombu message is set aside,
+* ``PoisonChannel`` (worker.poison): an item that is not a kombu message is set aside,
   not fatal; a running job's message stays unacked when its channel closes.
 
 ``Channel`` and ``SentinelChannel`` below are those parts over kombu's ``Channel`` and
@@ -34,7 +34,7 @@ from kombu.transport import redis as kombu_redis
 
 from executor.settings import Settings
 from worker import fair, redis_conn
-from worker.glue.poison import PoisonChannel
+from worker.poison import PoisonChannel
 
 if TYPE_CHECKING:
     _ChannelBase = kombu_redis.Channel

@@ -30,7 +30,7 @@ def _no_engine() -> dict[str, Any] | None:
 class WorkerContext:
     """What a worker's steps share.
 
-    * ``test_slots``: pool processes kept for ``code.test`` (0: no split; worker.glue.slots);
+    * ``test_slots``: pool processes kept for ``code.test`` (0: no split; worker.consumer.slots);
     * ``store_id``: the run store's id, read when the janitor opened it ("" before), announced
       by the heartbeat;
     * ``not_serving_reason``: why the worker should not count as serving now (None: it
@@ -66,3 +66,9 @@ def context_of(app: Any) -> WorkerContext:
     """The worker context of ``app`` (a blank one for an app that is not the project's)."""
     ours = studio_app(app)
     return ours.context if ours is not None else WorkerContext()
+
+
+def consumed_queues(app: Celery) -> set[str]:
+    """The queues a worker of ``app`` consumes (-Q; every queue of the app without it)."""
+    queues = app.amqp.queues
+    return set(queues.consume_from or queues)

@@ -2,7 +2,7 @@
 pre-imports hold, executor/runtimes/docker/preimport_memory.py), handed to the worker's MAIN
 process, which announces it in its heartbeat; and how the API sums up the workers'.
 
-* **Pool process -> main** (``report``, ``announcement``): as worker.job.gate does, through
+* **Pool process -> main** (``report``, ``announcement``): as worker.job.gate_page does, through
   memory the main process maps before the pool forks (an anonymous mmap is MAP_SHARED: every
   pool process sees the same pages). One slot per pool process index (Celery's, 0..N-1; a
   process replaced gets its predecessor's index): a process writes only its own slot, as
@@ -37,7 +37,7 @@ from executor.runtimes.docker import preimport_memory
 
 if TYPE_CHECKING:
     from executor.settings import Settings
-    from worker.upkeep.heartbeat import WorkerInfo
+    from worker.registry import WorkerInfo
 
 log = logging.getLogger("studio_code.worker")
 

@@ -236,7 +236,7 @@ LIVE_TTL_S = 600
 
 def logs_key(job_id: str) -> str:
     """The live-logs stream of a running job: entries ``{"d": <bytes>}``, then
-    ``{"end": "1"}`` (worker.job.live_logs writes it, api_client.live_logs reads it)."""
+    ``{"end": "1"}`` (worker.job.log_publisher writes it, api_client.log_follower reads it)."""
     return f"{_PREFIX}:logs:{job_id}"
 
 
@@ -244,7 +244,7 @@ DEAD_PREFIX = f"{_PREFIX}:dead:"
 
 
 def dead_key(queue: str) -> str:
-    """The dead-letter list of ``queue`` (worker.glue.poison)."""
+    """The dead-letter list of ``queue`` (worker.poison)."""
     return f"{DEAD_PREFIX}{queue}"
 
 

@@ -64,7 +64,7 @@ def job(request: Any, job_id: str | None) -> Any:
         return nullcontext(None)
     from celery.exceptions import Terminated
 
-    from worker.glue.outcomes import NodeFailed
+    from worker.outcomes import NodeFailed
 
     return tracing.job(
         getattr(request, tracing.HEADER_TRACEPARENT, None),

@@ -267,7 +267,7 @@ class Services:
             return None
 
     def health(self) -> dict[str, str | None]:
-        from worker.metrics.health import dependency_problems
+        from worker.health import dependency_problems
 
         try:
             store = getattr(self.client, "store", None)
@@ -279,7 +279,7 @@ class Services:
         """Live workers per queue (serving, slots, paused with reasons); None when Redis or
         the client cannot be reached (the checks say why)."""
         try:
-            from worker.upkeep.heartbeat import summary
+            from worker.registry import summary
 
             return summary(self.client.live_workers())
         except Exception:  # noqa: BLE001 - readiness reports, never raises

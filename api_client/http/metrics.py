@@ -1,5 +1,5 @@
 """The API's own metrics: requests by route and status class, their latency, and the
-queue signals an autoscaler reads (worker.metrics.autoscale.QueueCollector).
+queue signals an autoscaler reads (worker.autoscale.QueueCollector).
 
 ``instrument(app, services)`` adds the ASGI middleware and returns a registry of this
 app's collectors, which ``/metrics`` serves beside the process's default one. Every
@@ -82,7 +82,7 @@ def instrument(app: FastAPI, services: Any) -> CollectorRegistry:
     """Add the request metrics to ``app`` (its routes' series at 0) and return a registry
     with the queue signals, read through ``services`` at scrape time."""
     from worker import redis_conn
-    from worker.metrics.autoscale import QueueCollector
+    from worker.autoscale import QueueCollector
 
     app.add_middleware(RequestMetrics)  # type: ignore[arg-type]
     for route in api_routes(app.routes):

@@ -16,7 +16,7 @@ from executor.models import CodeJob, Limits, RawRun
 from executor.settings import Settings
 
 if TYPE_CHECKING:
-    from executor.runtimes.docker.engine import EnginePosture
+    from executor.runtimes.docker.posture import EnginePosture
 
 #: polled while a sandbox runs; True means "the job was cancelled: kill it now"
 CancelCheck = Callable[[], bool]

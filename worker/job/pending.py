@@ -30,7 +30,7 @@ import redis
 from executor.errors import StoreUnavailable
 from executor.models import CodeResult
 from executor.store import Ended, RunStore
-from worker.job import gate
+from worker.job import gate_page
 from worker.protocol import PENDING_SET, announce_done, pending_key
 
 log = logging.getLogger("studio_code.worker")
@@ -64,7 +64,7 @@ def store_or_park(
                 break
             log.warning("job %s: storing the result failed (%s), retrying", result.job_id, e)
             time.sleep(delay)
-    gate.report(gate.RUN_STORE, f"finish of job {result.job_id} failed: {error}")
+    gate_page.report(gate_page.RUN_STORE, f"finish of job {result.job_id} failed: {error}")
     _park_retrying(store, client, result, worker, ttl_s)
     return Stored(parked=True)
 

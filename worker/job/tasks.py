@@ -33,14 +33,14 @@ from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import fair, metrics, preimport, redis_conn
+from worker import fair, metrics, poison, preimport, redis_conn
 from worker import tracing as worker_tracing
+from worker.cancel import CancelWatch
 from worker.context import studio_app
-from worker.glue import poison
-from worker.glue.outcomes import NodeFailed, report_outcome
-from worker.job import forked, gate, pending, rerun, unrunnable
-from worker.job.cancel import CancelWatch
-from worker.job.live_logs import add_end_mark, publishing
+from worker.job import forked, pending, rerun, unrunnable
+from worker.job import gate_page as gate
+from worker.job.log_publisher import add_end_mark, publishing
+from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (
     CANCEL_SIGNAL,
     MAX_ATTEMPTS,

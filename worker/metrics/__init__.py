@@ -9,10 +9,10 @@ cancelled while queued; the pool's observer calls ``record_pool``, the poison-me
 guard ``record_dead_letter``. No metric name starts with ``celery_``: that namespace belongs
 to celery-exporter, which an operator may run beside this.
 
-Beside it: the server, readiness probes and multiprocess bookkeeping (``worker.metrics.server``,
-main process only), the health checks (``worker.metrics.health``) and the autoscaling signals
-(``worker.metrics.autoscale``); the STUDIO_METRICS_* variables are fields of the one
-``Settings``.
+Beside it: the server, readiness probes, why the worker is paused and multiprocess bookkeeping
+(``worker.metrics.server``, main process only). What the API shares with it is at worker/'s
+top: the health checks (``worker.health``) and the autoscaling signals (``worker.autoscale``).
+The STUDIO_METRICS_* variables are fields of the one ``Settings``.
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def record_pool(stats: dict[str, Any] | None) -> None:
                 _pool_seen[(language, name)] = total
 
 
-# --- faults: dead letters and the gate (worker.glue.poison, worker.job.gate) ---------------
+# --- faults: dead letters and the gate (worker.poison, worker.job.gate_page) ---------------
 
 
 @cache

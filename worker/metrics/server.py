@@ -35,12 +35,14 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from executor.settings import KNOWN_LANGUAGES, Settings
+from worker.health import dependency_problems
 from worker.metrics import PREFIX, touch_series
-from worker.metrics.health import dependency_problems, gate_checks
 
 log = logging.getLogger("studio_code.metrics")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: why a worker is paused, as checks (``{"paused": None}`` while it is not)
+PausedCheck = Callable[[Settings], dict[str, str | None]]
 
 
 # --- multiprocess bookkeeping ------------------------------------------------------------
@@ -281,8 +283,12 @@ class MetricsServer:
         port: int,
         host: str = "127.0.0.1",
         ready_interval_s: float = 30.0,
+        paused: PausedCheck | None = None,
     ) -> None:
+        """``paused``: why the worker is paused, added to ``/healthz``'s checks (on a worker:
+        worker.upkeep.gate_watch.gate_checks, which worker.assembly passes)."""
         self.settings = settings
+        self.paused = paused
         self.registry = CollectorRegistry()
         path = multiprocess_dir()
         if path is not None:
@@ -291,7 +297,7 @@ class MetricsServer:
             self.registry.register(_DefaultRegistry())
         self.readiness = ReadinessCollector(settings, ready_interval_s)
         self.registry.register(self.readiness)
-        from worker.metrics.autoscale import SLOTS
+        from worker.autoscale import SLOTS
 
         self.registry.register(SLOTS)
         self._metrics_app = make_wsgi_app(self.registry)
@@ -321,7 +327,8 @@ class MetricsServer:
             if store
             else dependency_problems(self.settings)
         )
-        checks.update(gate_checks(self.settings))
+        if self.paused is not None:
+            checks.update(self.paused(self.settings))
         return all(v is None for v in checks.values()), checks
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
@@ -366,7 +373,9 @@ _server: MetricsServer | None = None
 _server_lock = threading.Lock()
 
 
-def start_metrics_server(settings: Settings) -> MetricsServer | None:
+def start_metrics_server(
+    settings: Settings, paused: PausedCheck | None = None
+) -> MetricsServer | None:
     """Start this process's metrics server when STUDIO_METRICS_PORT is set (once)."""
     global _server
     if not settings.metrics_port:
@@ -378,6 +387,7 @@ def start_metrics_server(settings: Settings) -> MetricsServer | None:
                 port=settings.metrics_port,
                 host=settings.metrics_host,
                 ready_interval_s=settings.metrics_ready_interval_s,
+                paused=paused,
             ).start()
         return _server
 
@@ -390,7 +400,9 @@ def stop_metrics_server() -> None:
             _server = None
 
 
-def connect_worker_signals(settings_factory: Callable[[], Settings]) -> None:
+def connect_worker_signals(
+    settings_factory: Callable[[], Settings], paused: PausedCheck | None = None
+) -> None:
     """Hook the metrics into a Celery worker's life: empty the multiprocess dir at start,
     serve /metrics from the main process once ready, drop a pool child's live gauges when it
     exits, and stop the server (waiting for a readiness probe's sandbox) at shutdown."""
@@ -400,7 +412,7 @@ def connect_worker_signals(settings_factory: Callable[[], Settings]) -> None:
         reset_multiprocess_dir()
 
     def on_ready(sender: Any = None, **_: Any) -> None:
-        from worker.metrics.autoscale import SLOTS
+        from worker.autoscale import SLOTS
 
         SLOTS.consumer = sender  # worker_ready's sender is Celery's consumer
         try:
@@ -408,7 +420,7 @@ def connect_worker_signals(settings_factory: Callable[[], Settings]) -> None:
         except Exception as e:  # noqa: BLE001 - a metric is never worth a worker
             log.warning("metrics series not created: %s", e)
         try:
-            start_metrics_server(settings_factory())
+            start_metrics_server(settings_factory(), paused)
         except OSError as e:
             log.error("cannot start the metrics server: %s", e)
 

@@ -1,16 +1,17 @@
 """Workers say who they are: one announcement per worker and queue, renewed every
 STUDIO_QUEUE_HEARTBEAT_INTERVAL_S by the worker's MAIN process, so the API can refuse at
-once a job that no live worker would take, and an autoscaler can read live slots.
+once a job that no live worker would take, and an autoscaler can read live slots (the readers,
+``WorkerRegistry`` and ``WorkerInfo``, are worker/registry.py).
 
 The announcements live in one Redis hash per queue (``protocol.workers_key``): field = the
 worker's nodename, value = JSON with the queue, the slots it gives that queue, its state
 (``serving``, or ``paused`` with the reason ``not_serving_reason`` gave), its host, pid and
-run store, its engine (versions and known escapes, worker/upkeep/engine.py; null without one),
-what its pre-started sandboxes pre-import and hold (``preimport``, worker/preimport.py), and
-``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks disagree still agree
-on who is alive). A worker that stops cleanly removes its fields at once; a killed one stops
-counting ``heartbeat_ttl_s`` after its last beat (its field is removed by the next beat of
-any worker of that queue).
+run store, its engine (versions and known escapes, worker/upkeep/engine_watch.py; null
+without one), what its pre-started sandboxes pre-import and hold (``preimport``,
+worker/preimport.py), and ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks
+disagree still agree on who is alive). A worker that stops cleanly removes its fields at
+once; a killed one stops counting ``heartbeat_ttl_s`` after its last beat (its field is
+removed by the next beat of any worker of that queue).
 
 Cost: one script call per beat (all queues of the worker), one per read (all queues asked).
 """
@@ -22,8 +23,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -32,147 +32,15 @@ from celery import bootsteps
 from worker import lua
 from worker import preimport as preimport_report
 from worker.context import context_of, studio_app
-from worker.protocol import QUEUE_RUN, QUEUE_TEST, heartbeat_ttl_s, workers_key
+from worker.protocol import QUEUE_TEST, heartbeat_ttl_s, workers_key
+from worker.registry import PAUSED, SERVING
 from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
 
-SERVING = "serving"
-PAUSED = "paused"
-
-#: the scripts (worker/upkeep/heartbeat_beat.lua, heartbeat_read.lua: what they take and return)
+#: the beat's script (worker/upkeep/heartbeat_beat.lua: what it takes and returns); the read's
+#: is the registry's (worker/registry_read.lua)
 _BEAT_LUA = lua.source(__package__, "heartbeat_beat.lua")
-_READ_LUA = lua.source(__package__, "heartbeat_read.lua")
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """One live worker's announcement for one queue."""
-
-    nodename: str
-    queue: str
-    slots: int
-    state: str = SERVING
-    reason: str | None = None
-    host: str = ""
-    pid: int = 0
-    store: str = ""
-    store_id: str = ""
-    seen_at: float = 0.0
-    expires_at: float = 0.0
-    engine: dict[str, Any] | None = None
-    #: its pre-started sandboxes and what they pre-import (worker/preimport.py); None: an
-    #: older worker that does not say
-    preimport: dict[str, Any] | None = None
-
-    @property
-    def serving(self) -> bool:
-        return self.state == SERVING
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "nodename": self.nodename,
-            "slots": self.slots,
-            "state": self.state,
-            "reason": self.reason,
-            "host": self.host,
-            "pid": self.pid,
-            "store": self.store,
-            "store_id": self.store_id,
-            "engine": self.engine,
-        }
-
-    @classmethod
-    def parse(cls, raw: str | bytes, queue: str) -> WorkerInfo | None:
-        try:
-            d = json.loads(raw)
-            return cls(
-                nodename=str(d["nodename"]),
-                queue=queue,
-                slots=int(d.get("slots") or 0),
-                state=str(d.get("state") or SERVING),
-                reason=d.get("reason") or None,
-                host=str(d.get("host") or ""),
-                pid=int(d.get("pid") or 0),
-                store=str(d.get("store") or ""),
-                store_id=str(d.get("store_id") or ""),
-                engine=_engine(d.get("engine")),
-                seen_at=float(d.get("seen_at") or 0),
-                expires_at=float(d.get("expires_at") or 0),
-                preimport=d["preimport"] if isinstance(d.get("preimport"), dict) else None,
-            )
-        except (ValueError, TypeError, KeyError):
-            return None
-
-
-#: the queues a registry read asks about when none are named
-ALL_QUEUES = (QUEUE_TEST, QUEUE_RUN)
-
-
-class _Registry:
-    """What both registries share: the read script on ``client`` (sync or redis.asyncio),
-    the keys a read asks for, and how its reply becomes WorkerInfos (``_parse_live``)."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self._read = client.register_script(_READ_LUA)
-
-    @staticmethod
-    def _ask(queues: Iterable[str]) -> tuple[list[str], list[str]]:
-        names = list(queues)
-        return names, [workers_key(q) for q in names]
-
-
-class WorkerRegistry(_Registry):
-    """Reads the announcements (what the API and an autoscaler call)."""
-
-    def live(self, queues: Iterable[str] = ALL_QUEUES) -> dict[str, list[WorkerInfo]]:
-        """The live workers of each queue (paused ones included; check ``serving``), in
-        ONE round trip. Raises redis.RedisError when Redis cannot be read."""
-        names, keys = self._ask(queues)
-        return _parse_live(names, self._read(keys=keys))
-
-
-class AsyncWorkerRegistry(_Registry):
-    """``WorkerRegistry.live`` on a redis.asyncio client (the API's event loop)."""
-
-    async def live(self, queues: Iterable[str] = ALL_QUEUES) -> dict[str, list[WorkerInfo]]:
-        names, keys = self._ask(queues)
-        return _parse_live(names, await self._read(keys=keys))
-
-
-def _parse_live(names: list[str], reply: Any) -> dict[str, list[WorkerInfo]]:
-    """The read script's reply as the live workers of each of ``names``."""
-    out: dict[str, list[WorkerInfo]] = {}
-    for queue, entries in zip(names, reply[1:], strict=False):
-        infos = [WorkerInfo.parse(raw, queue) for raw in entries or []]
-        out[queue] = sorted((i for i in infos if i is not None), key=lambda i: i.nodename)
-    for queue in names:
-        out.setdefault(queue, [])
-    return out
-
-
-def _engine(raw: Any) -> dict[str, Any] | None:
-    if not isinstance(raw, dict):
-        return None
-    # Redis's cjson writes an empty list back as {}
-    return {**raw, "advisories": list(raw.get("advisories") or [])}
-
-
-def summary(live: dict[str, list[WorkerInfo]]) -> dict[str, dict[str, Any]]:
-    """What readiness and meta show per queue: workers serving, their slots, the paused
-    ones with their reasons."""
-    out = {}
-    for queue, infos in live.items():
-        serving = [i for i in infos if i.serving]
-        out[queue] = {
-            "serving": len(serving),
-            "slots": sum(i.slots for i in serving),
-            "paused": [
-                {"nodename": i.nodename, "reason": i.reason} for i in infos if not i.serving
-            ],
-        }
-    return out
 
 
 def _never() -> str | None:
@@ -187,7 +55,7 @@ class Heartbeat:
     is announced ``paused`` with it (the API does not count it as serving); an exception
     it raises counts as a reason too (a worker that cannot tell is not counted).
     ``queue_reason(queue)`` is asked the same way for each queue: one queue's consumer
-    may have lost its broker while another's has not (worker.glue.broker_watch).
+    may have lost its broker while another's has not (worker.upkeep.broker_watch).
 
     ``client``: the Redis client to beat with (worker.redis_conn); default: one of
     ``redis_url``."""
@@ -353,9 +221,9 @@ class Heartbeat:
 
 def queue_slots(app: Any, worker: Any) -> dict[str, int]:
     """The slots this worker gives each queue it consumes: with test slots kept
-    (worker.glue.slots), code.test gets those and code.run the rest of the pool; otherwise one
+    (worker.consumer.slots), code.test gets those and code.run the rest of the pool; otherwise one
     consumer shares the whole pool between the queues."""
-    from worker.glue.slots import consumed_queues
+    from worker.context import consumed_queues
 
     queues = consumed_queues(app)
     concurrency = int(getattr(worker, "concurrency", 0) or 0) or 1
@@ -392,7 +260,7 @@ class HeartbeatStep(bootsteps.StartStopStep):
         settings, context = app.settings, app.context
         from executor.store.sql import describe_url
         from worker import redis_conn
-        from worker.glue import broker_watch
+        from worker.upkeep import broker_watch
 
         dead_after_s = settings.redis_dead_after_s
 
@@ -407,7 +275,7 @@ class HeartbeatStep(bootsteps.StartStopStep):
             # read by the janitor when it opened the store (no second connection here, and
             # nothing that could hang the beat while the store is down)
             store_id=lambda: context.store_id,
-            # the upkeep's last read of the engine (worker.upkeep.engine): never waits for it
+            # the upkeep's last read of the engine (worker.upkeep.engine_watch): never waits for it
             engine=lambda: context.engine(),
             queue_reason=lambda queue: broker_watch.lost_reason(queue, dead_after_s),
             client=redis_conn.client(settings),
@@ -419,7 +287,7 @@ class HeartbeatStep(bootsteps.StartStopStep):
     def stop(self, c: Any) -> None:
         if c.blueprint.state == bootsteps.RUN:
             # a restart after a lost connection: keep beating; while the consumer is away,
-            # worker.glue.broker_watch says "broker connection lost" (paused, not gone)
+            # worker.upkeep.broker_watch says "broker connection lost" (paused, not gone)
             return
         self._withdraw()
 

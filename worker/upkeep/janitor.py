@@ -36,7 +36,7 @@ from executor.service import make_runtime
 from executor.settings import Settings
 from executor.store import RunStore, open_store
 from worker import redis_conn
-from worker.glue.outcomes import cancel_on_terminate
+from worker.outcomes import cancel_on_terminate
 from worker.protocol import CANCEL_SIGNAL, stuck_after_s
 from worker.upkeep.flusher import Flusher
 from worker.upkeep.loop import Supervised
@@ -194,7 +194,7 @@ class Janitor:
 def guard_terminate(pool: Any, store: RunStore | None = None) -> None:
     """Send the cancel signal without billiard's "terminated" bookkeeping (see above); with
     ``store``, any other terminate of a process running a job is carried out as a cancel
-    (worker.glue.outcomes.cancel_on_terminate)."""
+    (worker.outcomes.cancel_on_terminate)."""
     original = pool.terminate_job
 
     def terminate_job(pid: int, signal: Any = None) -> Any:

@@ -1,9 +1,9 @@
 """The one owner of the worker's main-process upkeep: its one run store, one Redis client,
 one runtime (through one Executor) and one parked-result flusher, and the loops that use them:
-the gate's probe (worker.upkeep.gate), the janitor (worker.upkeep.janitor: reaper, queued
+the gate's probe (worker.upkeep.gate_watch), the janitor (worker.upkeep.janitor: reaper, queued
 sweep, retention; its revoke backstop runs on Celery's ``task_revoked``) and the release of
 fair-share runs into code.run (worker.fair.release_loop); the engine's posture is read through
-the same runtime (worker.upkeep.engine).
+the same runtime (worker.upkeep.engine_watch).
 
 ``UpkeepStep`` is the worker step that builds it once the pool runs and stops it at shutdown.
 The heartbeat stays a consumer step (it follows the broker connection: announced when the task
@@ -30,9 +30,9 @@ from executor.store import RunStore, open_store
 from worker import redis_conn
 from worker.context import studio_app
 from worker.fair import FairQueue, release_loop, user_cap
-from worker.upkeep.engine import EngineWatch
+from worker.upkeep.engine_watch import EngineWatch
 from worker.upkeep.flusher import Flusher
-from worker.upkeep.gate import GateWatch
+from worker.upkeep.gate_watch import GateWatch
 from worker.upkeep.janitor import Janitor, guard_terminate
 from worker.upkeep.loop import Supervised
 

@@ -32,7 +32,7 @@ from api_client.http.kit import (
     trace_headers,
 )
 from api_client.http.wire import ErrorBody, RunBody, RunList, RunLogs, RunView, RunWaiting
-from api_client.live_logs import follow_async
+from api_client.log_follower import follow_async
 from executor.errors import ErrorCode
 from executor.models import Status
 

@@ -48,7 +48,7 @@ from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, NAME_FREE_S, San
 from executor.settings import Settings
 
 if TYPE_CHECKING:
-    from executor.runtimes.docker.engine import EnginePosture
+    from executor.runtimes.docker.posture import EnginePosture
 
 log = logging.getLogger("studio_code")
 
@@ -117,7 +117,7 @@ class DockerRuntime(Runtime):
 
     def engine_posture(self, *, fresh: bool = False) -> EnginePosture | None:
         # here: a one-shot run reads no posture, so it loads no table of escapes (tomllib)
-        from executor.runtimes.docker.engine import POSTURE_TTL_S, read_posture
+        from executor.runtimes.docker.posture import POSTURE_TTL_S, read_posture
 
         cached = self._posture
         if cached is not None and not fresh and time.monotonic() - cached[0] < POSTURE_TTL_S:

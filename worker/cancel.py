@@ -1,4 +1,5 @@
-"""How a running job learns that it was cancelled: the ``should_cancel`` the executor polls.
+"""How a running job learns that it was cancelled: the ``should_cancel`` the executor polls (in a
+pool process, worker.job.tasks, and in an API that runs a call itself, ``CodeClient.run_inline``).
 
 The executor calls it about every 100 ms while the sandbox runs, so each call must be
 cheap: one Redis ``EXISTS`` of the job's cancel flag. The run store (the truth, where

@@ -1,4 +1,4 @@
--- The live workers (worker/upkeep/heartbeat.py, WorkerRegistry.live): one call per read.
+-- The live workers (worker/registry.py, WorkerRegistry.live): one call per read.
 -- KEYS: the workers hash of each queue. Returns {now, entries of key 1, entries of key 2, ...}
 -- with only the entries that have not expired. Read-only.
 local t = redis.call('TIME')

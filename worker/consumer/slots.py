@@ -29,20 +29,15 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.worker.consumer import Consumer
 
-from worker.context import context_of, studio_app
-from worker.glue import poison
-from worker.glue.events import events_on_request
+from worker import poison
+from worker.consumer.events import events_on_request
+from worker.context import consumed_queues, context_of, studio_app
 from worker.protocol import QUEUE_TEST
 
 log = logging.getLogger("studio_code.worker")
 
 #: the longest pause between two attempts of the consumer to reach Redis again
 RECONNECT_MAX_S = 2.0
-
-
-def consumed_queues(app: Celery) -> set[str]:
-    queues = app.amqp.queues
-    return set(queues.consume_from or queues)
 
 
 def reserved_test_slots(app: Celery, autoscale: Any = None) -> int:
@@ -90,14 +85,14 @@ class StudioConsumer(Consumer):
 
     Without Celery's mingle and gossip (what --without-mingle --without-gossip turn off):
     mingle asks every other worker on each (re)connect and waits for their answers;
-    cancels are flags in Redis and the run store here (worker.job.cancel), not gossip.
+    cancels are flags in Redis and the run store here (worker.cancel), not gossip.
     And, unless events are on (-E, for Flower or celery-exporter), without Celery's
     worker heartbeat events (--without-heartbeat): they are published from the event loop
     with a retry that never ends while Redis cannot be reached, so a lost broker stopped
     the whole loop (no broker watch, no reconnect) until Redis came back. The studio's
     heartbeat (worker.upkeep.heartbeat) is what the API reads.
 
-    Its event dispatcher stays on all the same (worker.glue.events), so Flower's and
+    Its event dispatcher stays on all the same (worker.consumer.events), so Flower's and
     celery-exporter's ``enable_events`` broadcast turns task events on."""
 
     def __init__(self, *args: Any, worker_options: Any = None, **kwargs: Any) -> None:
@@ -113,7 +108,7 @@ class StudioConsumer(Consumer):
             reserved = self.test_slots * self.prefetch_multiplier
             self.initial_prefetch_count = max(self.prefetch_multiplier, initial - reserved)
 
-    # Poison messages: set aside in studio:dead:<queue> (worker.glue.poison), never just dropped.
+    # Poison messages: set aside in studio:dead:<queue> (worker.poison), never just dropped.
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         poison.on_bad_message(message, f"undecodable body: {type(exc).__name__}: {exc}")

@@ -1,9 +1,9 @@
 """Health checks a worker and the API share: are the services a Code node needs reachable?
 
-``dependency_problems`` backs the API's ``GET /healthz/ready`` and the worker's metrics
-server's ``/healthz`` (worker/metrics/server.py); ``gate_checks`` adds, on a worker, why it
-is paused. Each check is None when fine, else a sentence that says what is wrong. Nothing
-heavy is imported until a check runs.
+``dependency_problems`` backs the API's ``GET /healthz/ready``, the worker's metrics
+server's ``/healthz`` (worker/metrics/server.py, which adds, on a worker, why it is paused:
+``gate_checks``) and the Compose health check of a worker. Each check is None when fine,
+else a sentence that says what is wrong. Nothing heavy is imported until a check runs.
 """
 
 from __future__ import annotations
@@ -50,18 +50,3 @@ def dependency_problems(settings: Settings, *, store: Any = None) -> dict[str, s
         finally:
             runtime.close()
     return checks
-
-
-def gate_checks(settings: Settings | None = None) -> dict[str, str | None]:
-    """``paused``: why this worker is not taking jobs (run store unwritable, runtime down,
-    with ``settings``: a consumer that lost its broker, worker.glue.broker_watch), None
-    while it is. A paused worker's readiness answers 503 with this sentence."""
-    from worker.glue import broker_watch
-    from worker.upkeep.gate import pause_reason
-
-    reason = pause_reason()
-    if reason is None and settings is not None:
-        reason = broker_watch.any_lost_reason(
-            broker_watch.ROUND_TRIPS.queues(), settings.redis_dead_after_s
-        )
-    return {"paused": reason}

@@ -8,7 +8,7 @@ Where an item can go bad, and who catches it:
   ``PoisonChannel`` (a part of every broker channel, composed in worker.broker) checks
   each item it pops first;
 * a message whose body cannot be decoded, of an unknown task, or invalid for Celery:
-  ``StudioConsumer`` (worker.glue.slots) sends it here instead of Celery's log-and-drop;
+  ``StudioConsumer`` (worker.consumer.slots) sends it here instead of Celery's log-and-drop;
 * a message of our task with arguments that are not one job id: the task itself.
 
 The dead-letter list of queue Q is ``studio:dead:Q`` (e.g. ``studio:dead:code.run``): each
@@ -137,7 +137,7 @@ class PoisonChannel(_ChannelBase):
                 self.client.connection.disconnect()
                 raise
             # an answer (a message, or none within BRPOP's 1 s): this consumer reaches
-            # Redis (worker.glue.broker_watch reads it)
+            # Redis (worker.upkeep.broker_watch reads it)
             self.answered_at = time.monotonic()
             if dest__item:
                 dest, item = dest__item

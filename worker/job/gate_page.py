@@ -1,5 +1,5 @@
 """The gate, as a pool process sees it: one page of shared memory the main process made
-before the pool forked (see worker.upkeep.gate, which opens and closes the gate).
+before the pool forked (see worker.upkeep.gate_watch, which opens and closes the gate).
 
 A pool process reads whether the gate is closed (``closed_in_child``) and reports a failure
 it met (``report``): the main process then probes at once instead of at its next interval.

@@ -1,4 +1,4 @@
-"""Live logs, the reader's side: follow a job's Redis stream (worker.job.live_logs) until the
+"""Live logs, the reader's side: follow a job's Redis stream (worker.job.log_publisher) until the
 run store says the job has finished, then end with the stored outcome.
 
 ``follow`` (sync: ``CodeClient.follow_logs``, the CLI) and ``follow_async`` (the SSE route)

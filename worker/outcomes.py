@@ -17,7 +17,7 @@ events, so a job's Celery outcome follows its stored one:
 
 Also here: a revoke with terminate from Flower or ``celery control revoke --terminate``
 (SIGTERM by default) becomes the product's cancel (``cancel_on_terminate``), and
-``inspect active_queues`` lists code.test, which its own consumer reads (worker.glue.slots).
+``inspect active_queues`` lists code.test, which its own consumer reads (worker.consumer.slots).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def cancel_on_terminate(store: RunStore, pid: int, signum: int) -> bool:
 
 def active_queues(state: Any) -> list[dict[str, Any]]:
     """``inspect active_queues``: Celery's task consumer's queues, plus code.test when the
-    worker reads it on its own consumer (worker.glue.slots.CodeTestConsumer)."""
+    worker reads it on its own consumer (worker.consumer.slots.CodeTestConsumer)."""
     consumer = state.consumer
     queues: list[dict[str, Any]] = []
     if consumer.task_consumer:

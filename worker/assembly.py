@@ -1,4 +1,8 @@
-"""The Celery app: Redis broker, two queues, late acks, one prefork process per slot.
+"""The worker's assembly, at the top of worker/: the Celery app (Redis broker, two queues, late
+acks, one prefork process per slot) and what a worker adds to it (the task, the consumer's
+steps, the upkeep's steps, the signals). Nothing in worker/ imports this module back: the
+rooms below (job/, upkeep/, metrics/, consumer/) and the shared modules beside it know
+nothing of how they are put together.
 
 ``celery -A worker worker`` finds the app through ``worker.celery`` (built from the STUDIO_*
 environment on first use); ``studio-code worker`` builds the same app from its Settings.
@@ -56,13 +60,13 @@ def make_app(settings: Settings) -> StudioCelery:
         worker_prefetch_multiplier=1,
         worker_concurrency=settings.code_concurrency,
         worker_pool="prefork",
-        worker_consumer="worker.glue.slots:StudioConsumer",
+        worker_consumer="worker.consumer.slots:StudioConsumer",
         broker_transport_options={
             # See visibility_timeout_s: longer than the longest wait inside a worker +
             # STUDIO_CODE_MAX_SECONDS + the kill grace, or a running job is handed out twice.
             "visibility_timeout": visibility_timeout_s(settings),
             # A worker that consumes both queues through ONE consumer (no test slots, see
-            # worker.glue.slots) reads code.test before code.run instead of round robin.
+            # worker.consumer.slots) reads code.test before code.run instead of round robin.
             "queue_order_strategy": "priority",
             # Messages of a dead worker come back within one sweep of the visibility timeout
             # (kombu's default sweeps every 100 s).
@@ -97,10 +101,10 @@ def worker_app(settings: Settings) -> StudioCelery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker.glue import broker_watch, outcomes, slots
+    from worker import outcomes
+    from worker.consumer import pause, slots
     from worker.job import tasks
-    from worker.upkeep import gate as gate_watch
-    from worker.upkeep import heartbeat, owner
+    from worker.upkeep import broker_watch, gate_watch, heartbeat, owner
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -115,10 +119,10 @@ def worker_app(settings: Settings) -> StudioCelery:
 
     tasks.register(app)
     # Task events on Flower's request, without blocking the loop while Redis is away
-    app.events.dispatcher_cls = "worker.glue.events:QuietDispatcher"
+    app.events.dispatcher_cls = "worker.consumer.events:QuietDispatcher"
     app.steps["worker"].add(slots.ReserveTestSlots)
     app.steps["consumer"].add(slots.CodeTestConsumer)
-    app.steps["consumer"].add(gate_watch.GateStep)
+    app.steps["consumer"].add(pause.GateStep)
     # The main process's loops, store, Redis client and runtime: the gate's probe, the
     # janitor (reaper, revoke backstop, queued sweep, retention), the parked-result flush.
     app.steps["worker"].add(owner.UpkeepStep)
@@ -142,7 +146,9 @@ def _connect_metrics(settings: Settings) -> None:
     except ImportError as e:  # prometheus-client missing: a worker still runs jobs
         log.warning("worker metrics are off: %s", e)
         return
-    metrics_server.connect_worker_signals(lambda: settings)
+    from worker.upkeep.gate_watch import gate_checks
+
+    metrics_server.connect_worker_signals(lambda: settings, paused=gate_checks)
 
 
 _default: StudioCelery | None = None

@@ -6,7 +6,7 @@ What counts as a round trip of a queue's consumer (in the worker's main process)
 
 * an answer to the BRPOP of the channel that consumes it (kombu sends it with a 1 s
   server-side timeout, so a live consumer is answered every second, message or not:
-  ``worker.glue.poison.PoisonChannel`` notes when, ``probe`` passes it on);
+  ``worker.poison.PoisonChannel`` notes when, ``probe`` passes it on);
 * while that channel does not ask (every slot of the queue is busy, or the worker's gate
   cancelled its consumers while the run store or the runtime is down here, so kombu sends
   no BRPOP), a PING through the channel's own connections, once a second from the
@@ -126,7 +126,7 @@ def probe(c: Any, dead_after_s: float) -> None:
         active = list(getattr(channel, "active_queues", ()) or ())
         if active:
             channel.studio_consumed = active
-        # A channel whose consumers the gate cancelled (worker.upkeep.gate: the store or the
+        # A channel whose consumers the gate cancelled (worker.upkeep.gate_watch: the store or the
         # runtime is down here) sends no BRPOP: it is PINGed, as a busy one is, so a pause
         # longer than dead_after_s is not taken for a silent connection (which would drop
         # the connection, and with it the acks of the jobs running, and let the watchdog
@@ -174,7 +174,7 @@ class BrokerWatchStep(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
 
     def start(self, c: Any) -> None:
-        from worker.glue.slots import consumed_queues
+        from worker.context import consumed_queues
 
         seen(consumed_queues(c.app))
         app = studio_app(c.app)
@@ -285,7 +285,7 @@ class BrokerWatchdogStep(bootsteps.StartStopStep):
         super().__init__(w, **kwargs)
 
     def start(self, w: Any) -> None:
-        from worker.glue.slots import consumed_queues
+        from worker.context import consumed_queues
 
         app = studio_app(w.app)
         settings = app.settings if app is not None else None

@@ -11,10 +11,10 @@ stopped by its pid at the end. On a hybrid cgroup host (v1 controllers and a cgr
 hierarchy at /sys/fs/cgroup/unified, which crun refuses) the engine runs in a mount
 namespace of its own without that cgroup2 mount, for both runtimes alike.
 
-    python -m bench.engine [--n 15]                      # the benchmark
-    python -m bench.engine --pytest tests/test_docker_isolation.py   # tests under crun
-    python -m bench.engine --crun /path/to/crun           # a crun other than PATH's
-    python -m bench.engine --restarts 5   # only: engine restart -> killed run claimed again
+    python -m bench.own_engine [--n 15]                  # the benchmark
+    python -m bench.own_engine --pytest tests/test_docker_isolation.py   # tests under crun
+    python -m bench.own_engine --crun /path/to/crun       # a crun other than PATH's
+    python -m bench.own_engine --restarts 5   # only: engine restart -> killed run claimed again
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def _bench(engine: OwnEngine, n: int, runtimes: list[str]) -> None:
         names += [f"{rt}: raw cold floor", f"{rt}: executor cold", f"{rt}: executor pool"]
     times = interleave(n, sides)
     print(
-        f"# bench.engine: an own dockerd ({', '.join(runtimes)}); trivial Python node, "
+        f"# bench.own_engine: an own dockerd ({', '.join(runtimes)}); trivial Python node, "
         f"n={n} per side, interleaved; ms"
     )
     print("| what | p50 | p95 |")
@@ -271,7 +271,7 @@ def restarts(rounds: int = 5) -> int:
     from testkit.worker import CeleryWorker
 
     if os.geteuid() != 0 or not shutil.which("dockerd"):
-        print("bench.engine --restarts: skipped (needs root and dockerd)")
+        print("bench.own_engine --restarts: skipped (needs root and dockerd)")
         return 0
     image = load_settings().code_image
     engine = KillableEngine()
@@ -381,7 +381,7 @@ def restarts(rounds: int = 5) -> int:
                 for h in held:
                     assert client.wait(h, 120).status.value == "cancelled"
             print(
-                "# bench.engine --restarts: two workers on two engines; a long job on e2 "
+                "# bench.own_engine --restarts: two workers on two engines; a long job on e2 "
                 "when its engine goes; ms"
             )
             print("| what | n | p50 | max |")
@@ -429,7 +429,7 @@ def main(
 
 def _engines(n: int, pytest_args: list[str] | None, crun: str | None) -> int:
     if os.geteuid() != 0 or not shutil.which("dockerd") or not CPUACCT.exists():
-        print("bench.engine: skipped (needs root, dockerd and cgroup v1 cpuacct)")
+        print("bench.own_engine: skipped (needs root, dockerd and cgroup v1 cpuacct)")
         return 0
     from executor.settings import load_settings
 
@@ -466,7 +466,7 @@ def _engines(n: int, pytest_args: list[str] | None, crun: str | None) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m bench.engine")
+    p = argparse.ArgumentParser(prog="python -m bench.own_engine")
     p.add_argument("--n", type=int, default=15)
     p.add_argument("--crun", help="the crun binary or wrapper to register (default: PATH's)")
     p.add_argument(

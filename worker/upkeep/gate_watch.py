@@ -15,9 +15,9 @@ Who decides: a thread of the main process (``GateWatch``) probes the store (a wr
 and the runtime every STUDIO_QUEUE_PROBE_INTERVAL_S, and every second while closed or right
 after a pool process reported a failure (``report``, through a page of shared memory made
 before the pool forks). Consumers are only touched from the consumer's own event loop
-(``GateStep``: a timer tick), never from the thread. ``pause_reason()`` is the plain callable
-the rest of the worker (health, heartbeats) reads. The pool processes' side (the shared
-page, ``report``, ``closed_in_child``) is worker.job.gate.
+(``GateStep``, worker/consumer/pause.py: a timer tick), never from the thread.
+``pause_reason()`` is the plain callable the rest of the worker (health, heartbeats) reads.
+The pool processes' side (the shared page, ``report``, ``closed_in_child``) is worker.job.gate_page.
 """
 
 import logging
@@ -26,18 +26,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import bootsteps
-
 from executor.errors import StoreUnavailable
-from worker.job.gate import KINDS, RUN_STORE, RUNTIME, answered, last_report, set_closed
+from worker.job.gate_page import KINDS, RUN_STORE, RUNTIME, answered, last_report, set_closed
 from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
 
 #: while closed, or after a report: how often the main process probes again
 FAST_PROBE_S = 1.0
-#: how often the event loop applies the gate to the consumers
-APPLY_EVERY_S = 0.25
 
 
 # --- the gate (main process) ----------------------------------------------------------------
@@ -90,6 +86,20 @@ def pause_reason() -> str | None:
     """Why this worker is not taking messages now (None: it is). A plain callable for the
     health endpoint and the worker's heartbeat."""
     return _gate.reason()
+
+
+def gate_checks(settings: Any = None) -> dict[str, str | None]:
+    """``paused``: why this worker is not taking jobs (run store unwritable, runtime down,
+    with ``settings``: a consumer that lost its broker, worker.upkeep.broker_watch), None
+    while it is. A paused worker's readiness answers 503 with this sentence."""
+    from worker.upkeep import broker_watch
+
+    reason = pause_reason()
+    if reason is None and settings is not None:
+        reason = broker_watch.any_lost_reason(
+            broker_watch.ROUND_TRIPS.queues(), settings.redis_dead_after_s
+        )
+    return {"paused": reason}
 
 
 def store_write_problem(store: Any) -> str | None:
@@ -230,65 +240,3 @@ class GateWatch:
                     "(STUDIO_DATABASE_URL)"
                 )
         return store_write_problem(self._store)
-
-
-# --- applying the gate to the consumers (the consumer's event loop) --------------------------
-
-
-class GateStep(bootsteps.StartStopStep):
-    """Consumer step: every APPLY_EVERY_S, in the event loop, cancels this worker's task
-    consumers while the gate is closed and consumes again once it opens. Idempotent: after a
-    broker reconnect (new consumers, consuming) a closed gate cancels them again."""
-
-    label = "studio gate"
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def __init__(self, c: Any, **kwargs: Any) -> None:
-        self.paused = False
-        self._timer: Any = None
-        super().__init__(c, **kwargs)
-
-    def start(self, c: Any) -> None:
-        if self._timer is None:
-            self._timer = c.timer.call_repeatedly(APPLY_EVERY_S, self.apply, (c,), priority=0)
-
-    def stop(self, c: Any) -> None:
-        if self._timer is not None:
-            try:
-                self._timer.cancel()
-            except Exception:  # noqa: BLE001
-                pass
-            self._timer = None
-
-    def shutdown(self, c: Any) -> None:
-        self.stop(c)
-
-    @staticmethod
-    def _consumers(c: Any) -> list[Any]:
-        from worker.glue.slots import CodeTestConsumer
-
-        out = [c.task_consumer] if getattr(c, "task_consumer", None) is not None else []
-        for step in getattr(c, "steps", []) or []:
-            if isinstance(step, CodeTestConsumer):
-                out += list(step.consumers or [])
-        return out
-
-    def apply(self, c: Any) -> None:
-        closed = _gate.reason() is not None
-        try:
-            consumers = self._consumers(c)
-            if closed:
-                for consumer in consumers:
-                    if getattr(consumer, "_active_tags", None):
-                        consumer.cancel()
-                if not self.paused:
-                    log.error("consumers paused: %s", _gate.reason())
-                self.paused = True
-            elif self.paused:
-                for consumer in consumers:
-                    if consumer.queues and not getattr(consumer, "_active_tags", None):
-                        consumer.consume()
-                self.paused = False
-                log.warning("consumers resumed")
-        except Exception:  # noqa: BLE001 - e.g. a broker blip: the next tick tries again
-            log.exception("could not apply the gate to the consumers")

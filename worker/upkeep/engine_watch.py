@@ -1,8 +1,8 @@
-"""The worker's view of the engine under its sandboxes (executor/runtimes/docker/engine.py): read in
-the MAIN process through the upkeep's runtime (worker.upkeep.owner), logged as a WARNING at
-start-up (and again when it changes) while a known container escape applies, and announced in
-the heartbeat (``WorkerContext.engine``), so the API's meta shows each worker's engine
-(docs/security.md, "The engine posture").
+"""The worker's view of the engine under its sandboxes (its posture:
+executor/runtimes/docker/posture.py): read in the MAIN process through the upkeep's runtime
+(worker.upkeep.owner), logged as a WARNING at start-up (and again when it changes) while a
+known container escape applies, and announced in the heartbeat (``WorkerContext.engine``),
+so the API's meta shows each worker's engine (docs/security.md, "The engine posture").
 
 Cost: two engine calls every POSTURE_TTL_S (five minutes; every RETRY_S while the engine
 does not answer), in a thread of their own after the first; a beat reads the last answer.
@@ -17,11 +17,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from executor.runtimes.docker.engine import POSTURE_TTL_S
+from executor.runtimes.docker.posture import POSTURE_TTL_S
 
 if TYPE_CHECKING:
     from executor.runtimes.base import Runtime
-    from executor.runtimes.docker.engine import EnginePosture
+    from executor.runtimes.docker.posture import EnginePosture
 
 log = logging.getLogger("studio_code.worker")
 

@@ -1,6 +1,6 @@
 """Celery's task events for Flower and celery-exporter, on request, without stalling the loop.
 
-A worker runs without -E and without Celery's worker heartbeat events (worker.glue.slots:
+A worker runs without -E and without Celery's worker heartbeat events (worker.consumer.slots:
 their publish retried forever in the event loop while Redis was away). Two things make
 Flower's and celery-exporter's ``enable_events`` broadcast work all the same:
 

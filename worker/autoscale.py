@@ -168,7 +168,7 @@ class SlotsCollector(Collector):
                 busy_by_queue[key] += 1
         out = {}
         for q in names:
-            if test_slots:  # split pool (worker.glue.slots): each queue has its own processes
+            if test_slots:  # split pool (worker.consumer.slots): each queue has its own processes
                 total = test_slots if q == QUEUE_TEST else concurrency - test_slots
                 out[q] = (min(busy_by_queue[q], total), total)
             else:  # one pool, both queues: every process can take either
