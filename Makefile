@@ -70,9 +70,9 @@ soak: install image ## chaos soak: jobs over 2 workers while workers, Redis, the
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.soak $(SOAK_ARGS)
 
 lint: install ## ruff (lint and format) and mypy
-	$(VENV)/bin/ruff check executor worker api_client tests bench
-	$(VENV)/bin/ruff format --check executor worker api_client tests bench
-	$(VENV)/bin/mypy executor worker api_client
+	$(VENV)/bin/ruff check executor worker api_client tests bench testkit
+	$(VENV)/bin/ruff format --check executor worker api_client tests bench testkit
+	$(VENV)/bin/mypy executor worker api_client testkit
 
 worker: install ## a Celery worker on this machine (STUDIO_REDIS_URL, STUDIO_DATABASE_URL)
 	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code worker

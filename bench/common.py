@@ -1,13 +1,20 @@
-"""What every benchmark section shares: percentiles, interleaved timing, the raw container."""
+"""What every benchmark section shares: percentiles, interleaved timing, the raw container,
+and the stack a section starts (``bench_stack``: testkit's Stack, quiet)."""
 
 from __future__ import annotations
 
 import math
+import shutil
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from testkit.stack import Stack
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -71,3 +78,22 @@ def row(name: str, a: list[float], b: list[float] | None, goal: str | None = "")
             f"{a50 / b50:.2f}x, {a50 - b50:+.1f} ms |"
         )
     return cells if goal is None else f"{cells} {goal} |"
+
+
+def bench_stack(name: str, *, quiet: bool = True, **overrides: Any) -> Stack:
+    """The stack of a bench section (testkit.stack.Stack: its own redis-server unless given
+    ``redis_url``, a SQLite store unless given ``database_url``, workers and the API as the
+    section starts them), ``quiet`` (workers log at WARNING, the API writes no access log),
+    in a new temporary folder ``studio-bench-<name>-*``. The section ends it with
+    ``end_stack``."""
+    from testkit.stack import Stack
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"studio-bench-{name}-"))
+    return Stack(workdir, quiet=quiet, **overrides)
+
+
+def end_stack(stack: Stack | None) -> None:
+    """``stack`` stopped (API, workers, client, its redis-server) and its folder removed."""
+    if stack is not None:
+        stack.stop()
+        shutil.rmtree(stack.workdir, ignore_errors=True)

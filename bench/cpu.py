@@ -34,16 +34,17 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from bench.common import bench_stack, end_stack
 from bench.http import TRIVIAL, test_call_overhead
-from bench.queue import FLOOR_QUEUE, SETTLE_S, floor_sample, start_worker
-from tests.services import ROOT, ApiServer, CeleryWorker, children, process_tree, start_redis
+from bench.queue import FLOOR_QUEUE, SETTLE_S, floor_sample
+from testkit.api import ApiServer
+from testkit.processes import children, process_tree
+from testkit.worker import CeleryWorker
 
 TICK = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.02
@@ -194,40 +195,26 @@ def sdk_floor(image: str, n: int) -> float:
 
 def measure(runtime: str, n: int) -> dict[str, float]:
     """CPU ms per job per group, idle rate subtracted, and the floors (``floor: ...``)."""
-    from api_client.client import CodeClient
-    from executor.settings import load_settings
-
-    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-cpu-"))
-    redis = start_redis(tmp)
     token = secrets.token_hex(24)
     auth = {"Authorization": f"Bearer {token}"}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-    env.update(
-        # this checkout's code, not the one the venv's editable install points at
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-        STUDIO_ENABLE_CODE_NODES="1",
-        STUDIO_CODE_RUNTIME=runtime,
-        STUDIO_REDIS_URL=redis.url,
-        STUDIO_DATABASE_URL=f"sqlite:///{tmp / 'runs.db'}",
-        STUDIO_CODE_LANGUAGES="python",
-        STUDIO_API_TOKEN=token,
-        STUDIO_CODE_TEST_PER_MINUTE="10000",
-        STUDIO_CODE_CONCURRENCY="1",
-        STUDIO_QUEUE_TEST_SLOTS="1",
+    stack = bench_stack(
+        "cpu",
+        code_runtime=runtime,
+        code_languages="python",
+        api_token=token,
+        code_test_per_minute=10000,
+        code_concurrency=1,
+        queue_test_slots=1,
     )
-    client = CodeClient(
-        load_settings(
-            enable_code_nodes=True, redis_url=redis.url, database_url=env["STUDIO_DATABASE_URL"]
-        )
-    )
-    worker = api = floor = None
+    client = stack.client
     try:
-        worker = CeleryWorker(env, tmp / "worker.log", concurrency=1, loglevel="WARNING")
-        floor = start_worker(
-            env, 1, tmp / "floor.log", client, app="bench.celery_floor", queues=FLOOR_QUEUE
+        worker = stack.start_worker(concurrency=1)
+        floor = stack.start_worker(
+            concurrency=1, app="bench.celery_floor", queues=FLOOR_QUEUE, stop_timeout=30
         )
-        api = ApiServer(env, tmp / "api.log", ready_timeout=60, log_level="warning")
-        redis_pid = redis.proc.pid if redis.proc else 0
+        api = stack.start_api(ready_timeout=60)
+        assert stack.redis is not None and stack.redis.proc is not None
+        redis_pid = stack.redis.proc.pid
         deadline = time.monotonic() + 60
         while True:  # until the worker's first heartbeat the API refuses (503)
             try:
@@ -265,12 +252,7 @@ def measure(runtime: str, n: int) -> dict[str, float]:
             per["floor: SDK calls"] = sdk_floor(client.settings.code_image, n)
         return per
     finally:
-        for service in (api, floor, worker):
-            if service is not None:
-                service.stop()
-        client.close()
-        redis.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        end_stack(stack)
 
 
 def main() -> None:

@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.common import pct
-from bench.queue import TRIVIAL, start_worker
-from tests.services import start_redis
+from bench.common import bench_stack, end_stack, pct
+from bench.queue import TRIVIAL
 
 
 def _wait(client: Any, ids: list[str], timeout_s: float) -> dict[str, Any]:
@@ -93,34 +89,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="floods of each kind")
     args = p.parse_args()
 
-    from api_client import CodeClient
-    from executor.settings import load_settings
+    from testkit.stack import Stack
 
-    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-fair-"))
-    redis = start_redis(tmp)
-    worker = None
-    clients: list[Any] = []
+    slots = {"code_concurrency": args.slots, "queue_test_slots": 0}
+    stack = bench_stack("fair", queue_run_fairness="users", **slots)
+    # the same Redis and store, fairness off: a client only
+    fifo = Stack(
+        stack.workdir,
+        redis_url=stack.redis_url,
+        database_url=stack.database_url,
+        queue_run_fairness="off",
+        **slots,
+    )
     try:
-        db = f"sqlite:///{tmp / 'studio-code.db'}"
-        common = dict(
-            enable_code_nodes=True,
-            redis_url=redis.url,
-            database_url=db,
-            code_concurrency=args.slots,
-        )
-        on = CodeClient(load_settings(**common, queue_run_fairness="users"))
-        off = CodeClient(load_settings(**common, queue_run_fairness="off"))
-        clients = [on, off]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-        env.update(
-            STUDIO_ENABLE_CODE_NODES="1",
-            STUDIO_REDIS_URL=redis.url,
-            STUDIO_DATABASE_URL=db,
-            STUDIO_CODE_CONCURRENCY=str(args.slots),
-            STUDIO_CODE_IMAGE=on.settings.code_image,
-            STUDIO_QUEUE_TEST_SLOTS="0",
-        )
-        worker = start_worker(env, args.slots, tmp / "worker.log", on)
+        on, off = stack.client, fifo.client
+        stack.start_worker(concurrency=args.slots, stop_timeout=30)
         for _ in range(2 * args.slots):  # warm-up: every pool process, the engine, the store
             on.wait(on.submit(TRIVIAL, "python", {}), 60)
 
@@ -186,12 +169,8 @@ def main() -> None:
             f"{pct(sub_off, 50):.2f} / {pct(sub_off, 95):.2f} ms |"
         )
     finally:
-        for c in clients:
-            c.close()
-        if worker is not None:
-            worker.stop()
-        redis.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        fifo.stop()
+        end_stack(stack)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ page read with the raw driver (the SQL floor: sqlite3 / psycopg, no API).
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 import uuid
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from bench.common import interleave, pct
 
 if TYPE_CHECKING:
-    from tests.services import ApiServer
+    from testkit.api import ApiServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,18 +98,11 @@ def raw_page(url: str) -> Any:
 
 
 def start_api(url: str, tmp: Path, redis_url: str = "redis://127.0.0.1:1/0") -> ApiServer:
-    """``studio-code serve`` on the store at ``url`` (the tests' ApiServer, answering
-    /healthz/live); the history needs no Redis (the default points nowhere), live logs do."""
-    from tests.services import ApiServer
+    """``studio-code serve`` on the store at ``url`` (a testkit Stack's API, answering
+    /healthz/live); the history needs no Redis (the default points nowhere)."""
+    from testkit.stack import Stack
 
-    env = {
-        **os.environ,
-        "STUDIO_DATABASE_URL": url,
-        "STUDIO_ENABLE_CODE_NODES": "1",
-        "STUDIO_REDIS_URL": redis_url,
-    }
-    log = tmp / f"api-{uuid.uuid4().hex[:8]}.log"
-    return ApiServer(env, log, ready_timeout=30, log_level="warning")
+    return Stack(tmp, redis_url=redis_url, database_url=url, quiet=True).start_api()
 
 
 def bench_store(name: str, url: str, rows: int, n: int, tmp: Path) -> None:
@@ -168,7 +160,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="studio-bench-history-") as d:
         tmp = Path(d)
         bench_store("sqlite", f"sqlite:///{tmp / 'runs.db'}", args.rows, args.n, tmp)
-        from tests.services import POSTGRES_URL, pg_schema, pg_unreachable
+        from testkit.postgres import POSTGRES_URL, pg_schema, pg_unreachable
 
         why = pg_unreachable(POSTGRES_URL)
         if why is not None:  # no PostgreSQL here: SQLite rows only

@@ -16,18 +16,15 @@ import argparse
 import asyncio
 import os
 import secrets
-import shutil
 import sqlite3
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.common import pct
+from bench.common import bench_stack, end_stack, pct
 from bench.queue import SETTLE_S
-from tests.services import ROOT, ApiServer, CeleryWorker, start_redis
 
 SLEEP = "import time\n\ndef main(state):\n    time.sleep(60)\n    return 1\n"
 TRIVIAL = "def main(state):\n    return 1\n"
@@ -176,38 +173,26 @@ def main() -> None:
     import httpx
     import redis as redis_lib
 
-    from api_client import CodeClient
     from executor.service import Executor
-    from executor.settings import load_settings
 
-    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-http-"))
-    redis = start_redis(tmp)
     token = secrets.token_hex(24)
     auth = {"Authorization": f"Bearer {token}"}
-    db = tmp / "runs.db"
     per_user = max(1, args.calls // args.users)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-    env.update(
-        # this checkout's code, not the one the venv's editable install points at
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-        STUDIO_ENABLE_CODE_NODES="1",
-        STUDIO_REDIS_URL=redis.url,
-        STUDIO_DATABASE_URL=f"sqlite:///{db}",
-        STUDIO_CODE_LANGUAGES="python",
-        STUDIO_API_TOKEN=token,
-        STUDIO_CODE_TEST_PER_MINUTE="10000",
-        STUDIO_CODE_TEST_IN_FLIGHT=str(per_user),
-        STUDIO_CODE_CONCURRENCY="1",
-        STUDIO_QUEUE_TEST_SLOTS="1",
+    stack = bench_stack(
+        "http",
+        code_languages="python",
+        api_token=token,
+        code_test_per_minute=10000,
+        code_test_in_flight=per_user,
+        code_concurrency=1,
+        queue_test_slots=1,
     )
-    worker = api = None
+    db = stack.workdir / "runs.db"
     burst = None
     executor = None
     try:
-        worker = CeleryWorker(
-            env, tmp / "worker.log", concurrency=1, loglevel="WARNING", stop_timeout=30
-        )
-        api = ApiServer(env, tmp / "api.log", ready_timeout=60, log_level="warning")
+        stack.start_worker(concurrency=1, stop_timeout=30)
+        api = stack.start_api(ready_timeout=60)
         base = api.base
         deadline = time.monotonic() + 60
         while True:  # the worker's first heartbeat: until then the API refuses (503)
@@ -225,14 +210,8 @@ def main() -> None:
         run_id = r.json()["job_id"]
         # the same job through the queue from this process (no HTTP), and the same node
         # run in this process on a pre-started sandbox: interleaved with the HTTP calls
-        settings = load_settings(
-            enable_code_nodes=True,
-            redis_url=redis.url,
-            database_url=f"sqlite:///{db}",
-            code_languages="python",
-            code_test_per_minute=10000,  # as the API's
-        )
-        queue_client = CodeClient(settings)
+        settings = stack.settings
+        queue_client = stack.client
         executor = Executor(settings)
         executor.prepare()
         test_call_overhead(base, auth, 5, queue_client, executor)  # warm-up: every client
@@ -244,7 +223,7 @@ def main() -> None:
         idle_live, idle_run = probe(base, auth, run_id, args.n)
         idle_cpu = (cpu_s(api_pid) - c0) / (time.monotonic() - t0)
         users = [f"bench-{i}" for i in range(args.users)]
-        rc = redis_lib.Redis.from_url(redis.url)
+        rc = redis_lib.Redis.from_url(stack.redis_url)
         t0 = time.monotonic()
         burst = Burst(base, auth, users, per_user)
         waiting = 0
@@ -341,11 +320,7 @@ def main() -> None:
             executor.close()
         if burst is not None:
             burst.stop()
-        for service in (api, worker):
-            if service is not None:
-                service.stop()
-        redis.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        end_stack(stack)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,10 @@ a blocked XREAD on the same Redis (the transport alone). Same host, same clock.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-from bench.common import pct
-from bench.queue import start_worker
-from tests.services import start_redis
+from bench.common import bench_stack, end_stack, pct
 
 PRINTER = (
     "import time\n"
@@ -74,71 +69,47 @@ def floor(redis_url: str, n: int) -> list[float]:
 def main() -> None:
     import httpx
 
-    from api_client.client import CodeClient
-    from bench.history import start_api
-    from executor.settings import load_settings
-
     p = argparse.ArgumentParser(prog="python -m bench.live_logs")
     p.add_argument("--lines", type=int, default=40)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="studio-bench-logs-") as d:
-        tmp = Path(d)
-        redis = start_redis(tmp)
-        db = f"sqlite:///{tmp / 'runs.db'}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-        env.update(
-            {
-                "STUDIO_ENABLE_CODE_NODES": "1",
-                "STUDIO_REDIS_URL": redis.url,
-                "STUDIO_DATABASE_URL": db,
-                "STUDIO_CODE_LANGUAGES": "python",
-            }
-        )
-        settings = load_settings(
-            enable_code_nodes=True, redis_url=redis.url, database_url=db, code_languages="python"
-        )
-        client = CodeClient(settings)
-        worker = start_worker(env, 2, tmp / "worker.log", client)
-        api = None
-        try:
-            api = start_api(db, tmp, redis.url)
-            http = httpx.Client(base_url=api.base, timeout=60)
-            # the API builds its client (store, executor) on the first call: not timed
-            http.get("/api/runs/warm-up/logs", headers={"X-Studio-User": "bench"})
-            sse: list[tuple[float, str]] = []
-            job = client.submit(PRINTER, state={"n": args.lines}, user="bench")
-            with http.stream(
-                "GET",
-                f"/api/runs/{job}/logs",
-                params={"follow": 1},
-                headers={"X-Studio-User": "bench"},
-            ) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        sse.append((time.time(), line[5:].strip()))
-                    if line.startswith("event: end") or line.startswith("event:end"):
-                        break
-            direct: list[tuple[float, str]] = []
-            job = client.submit(PRINTER, state={"n": args.lines}, user="bench")
-            for event in client.follow_logs(job):
-                if event.event == "log":
-                    direct.append((time.time(), event.data))
-            base_ms = floor(redis.url, args.lines)
-            print(f"live logs: {args.lines} printed lines per reader")
-            print(f"  {'':44} {'p50 ms':>8} {'p95 ms':>8}")
-            for label, ms in [
-                ("Redis XADD -> blocked XREAD (floor)", base_ms),
-                ("print -> CodeClient.follow_logs", _lags(direct)),
-                ("print -> SSE event (GET .../logs?follow=1)", _lags(sse)),
-            ]:
-                print(f"  {label:44} {pct(ms, 50):8.2f} {pct(ms, 95):8.2f}", flush=True)
-            http.close()
-        finally:
-            if api is not None:
-                api.stop()
-            worker.stop()
-            client.close()
-            redis.stop()
+    stack = bench_stack("logs", code_languages="python")
+    try:
+        client = stack.client
+        stack.start_worker(concurrency=2, stop_timeout=30)
+        api = stack.start_api()
+        http = httpx.Client(base_url=api.base, timeout=60)
+        # the API builds its client (store, executor) on the first call: not timed
+        http.get("/api/runs/warm-up/logs", headers={"X-Studio-User": "bench"})
+        sse: list[tuple[float, str]] = []
+        job = client.submit(PRINTER, state={"n": args.lines}, user="bench")
+        with http.stream(
+            "GET",
+            f"/api/runs/{job}/logs",
+            params={"follow": 1},
+            headers={"X-Studio-User": "bench"},
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    sse.append((time.time(), line[5:].strip()))
+                if line.startswith("event: end") or line.startswith("event:end"):
+                    break
+        direct: list[tuple[float, str]] = []
+        job = client.submit(PRINTER, state={"n": args.lines}, user="bench")
+        for event in client.follow_logs(job):
+            if event.event == "log":
+                direct.append((time.time(), event.data))
+        base_ms = floor(stack.redis_url, args.lines)
+        print(f"live logs: {args.lines} printed lines per reader")
+        print(f"  {'':44} {'p50 ms':>8} {'p95 ms':>8}")
+        for label, ms in [
+            ("Redis XADD -> blocked XREAD (floor)", base_ms),
+            ("print -> CodeClient.follow_logs", _lags(direct)),
+            ("print -> SSE event (GET .../logs?follow=1)", _lags(sse)),
+        ]:
+            print(f"  {label:44} {pct(ms, 50):8.2f} {pct(ms, 95):8.2f}", flush=True)
+        http.close()
+    finally:
+        end_stack(stack)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import interleave, pct
+from bench.common import bench_stack, end_stack, interleave, pct
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 UNIFIED = "/sys/fs/cgroup/unified"
@@ -255,7 +255,7 @@ LONG = (
 
 def restarts(rounds: int = 5) -> int:
     """Engine restart -> the killed run started again on the other engine: two workers, the
-    machine's engine (e1) and one of this bench's own (e2, tests.test_two_hosts's
+    machine's engine (e1) and one of this bench's own (e2, testkit.engine's
     KillableEngine: the only one ever stopped), a Redis and a PostgreSQL schema of its own.
     Each round a long job runs on e2 (a long job that lands on e1 is cancelled, so e1 has a
     free slot) when e2's engine crashes (SIGKILL of its dockerd, containerd and shims; then
@@ -265,63 +265,44 @@ def restarts(rounds: int = 5) -> int:
     import signal as sig
     import uuid
 
-    from api_client.client import CodeClient
     from executor.settings import load_settings
-    from tests.services import BIN, Service, pg_schema, start_redis
-    from tests.test_two_hosts import KillableEngine
+    from testkit.engine import KillableEngine
+    from testkit.postgres import pg_schema
+    from testkit.worker import CeleryWorker
 
     if os.geteuid() != 0 or not shutil.which("dockerd"):
         print("bench.own_engine --restarts: skipped (needs root and dockerd)")
         return 0
     image = load_settings().code_image
-    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-restarts-"))
     engine = KillableEngine()
-    workers: dict[str, Service] = {}
-    client = None
+    workers: dict[str, CeleryWorker] = {}
+    stack = None
     try:
         engine.start()
         engine.load(image)
-        with pg_schema(prefix="bench_restarts") as db, start_redis(tmp) as redis:
-            env = {
-                k: v
-                for k, v in os.environ.items()
-                if not k.startswith(("STUDIO_", "DOCKER_")) and k != "PROMETHEUS_MULTIPROC_DIR"
-            }
-            env.update(
-                STUDIO_ENABLE_CODE_NODES="1",
-                STUDIO_CODE_IMAGE=image,
-                STUDIO_CODE_LANGUAGES="python",
-                STUDIO_REDIS_URL=redis.url,
-                STUDIO_DATABASE_URL=db,
-                STUDIO_CODE_MAX_SECONDS="40",
-            )
+        # the stack ends before its schema is dropped; not quiet: e2's worker log says when
+        # its gate opens again
+        with (
+            pg_schema(prefix="bench_restarts") as db,
+            bench_stack(
+                "restarts",
+                quiet=False,
+                database_url=db,
+                code_image=image,
+                code_languages="python",
+                code_max_seconds=40,
+            ) as stack,
+        ):
             tag = uuid.uuid4().hex[:4]
             names = {"e1": f"e1-{tag}", "e2": f"e2-{tag}"}
             hosts = {"e1": "unix:///var/run/docker.sock", "e2": engine.host}
-            for key, host in hosts.items():
-                workers[key] = Service(
-                    [
-                        str(BIN / "studio-code"),
-                        "worker",
-                        "-c",
-                        "3",
-                        "-n",
-                        f"{names[key]}@%h",
-                        "--loglevel",
-                        "INFO",
-                    ],
-                    {**env, "DOCKER_HOST": host},
-                    tmp / f"{key}.log",
+            for key, host in hosts.items():  # `studio-code worker` on each engine
+                workers[key] = stack.start_worker(
+                    names[key], 3, cli=True, ping=False, stop_timeout=60, env={"DOCKER_HOST": host}
                 )
-            deadline = time.monotonic() + 120
-            while not all(" ready." in w.output() for w in workers.values()):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the workers did not start")
-                time.sleep(0.2)
-            settings = load_settings(
-                enable_code_nodes=True, redis_url=redis.url, database_url=db, code_image=image
-            )
-            client = CodeClient(settings)
+            for w in workers.values():
+                w.wait_ready(120)
+            client = stack.client
 
             def on(job: str) -> str:
                 worker = client.status(job).worker or ""
@@ -417,15 +398,11 @@ def restarts(rounds: int = 5) -> int:
             for kind, times in rows.items():
                 print(f"| {what[kind]} | {len(times)} | {pct(times, 50):.0f} | {max(times):.0f} |")
     finally:
-        if client is not None:
-            client.close()
-        for w in workers.values():
-            w.stop(60)
+        end_stack(stack)
         engine.stop()
         engine.end_leftovers()
         engine.unmount_own()
         engine.remove()
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -27,39 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import pct, raw_container
-from tests.services import CeleryWorker, start_redis
+from bench.common import bench_stack, end_stack, pct, raw_container
 
 TRIVIAL = "def main(state):\n    return 1\n"
 SPIN = "def main(state):\n    while True:\n        pass\n"
 LABEL_JOB = "studio.job_id"
-
-
-# --- the services it starts and stops: the tests' own (tests/services.py) -------------------
-
-
-def start_worker(
-    env: dict[str, str],
-    slots: int,
-    log: Path,
-    client: Any,
-    *,
-    app: str = "worker",
-    queues: str = "code.test,code.run",
-) -> CeleryWorker:
-    """A prefork worker of ``slots`` processes, ready when it answers ``client``'s ping;
-    stopped as the tests stop theirs (SIGTERM, then SIGKILL of its tree, by pid)."""
-    worker = CeleryWorker(
-        env,
-        log,
-        name=f"bench-{uuid.uuid4().hex[:6]}",
-        concurrency=slots,
-        queues=queues,
-        app=app,
-        loglevel="WARNING",
-        stop_timeout=30,
-    )
-    return worker.wait_ready(60, app=client.app)
 
 
 # --- what it measures ------------------------------------------------------------------------
@@ -308,55 +278,20 @@ def main() -> None:
 
     import docker
 
-    from api_client import CodeClient
-    from executor.settings import load_settings
-
-    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-queue-"))
-    redis = start_redis(tmp)
-    tmp_cold = tmp / "cold"
-    tmp_cold.mkdir()
-    redis_cold = start_redis(tmp_cold)
-    worker = worker_cold = floor_worker = None
-    client = client_cold = None
+    # the worker, and the same worker with no pre-started sandboxes on its own Redis and
+    # store; every slot reads code.run, so N slots are compared with N raw floors
+    slots = {"code_concurrency": args.slots, "queue_test_slots": 0}
+    stack = stack_cold = None
     try:
-        db = args.database_url or f"sqlite:///{tmp / 'studio-code.db'}"
-        settings = load_settings(
-            enable_code_nodes=True,
-            redis_url=redis.url,
-            database_url=db,
-            code_concurrency=args.slots,
-        )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-        env.update(
-            STUDIO_ENABLE_CODE_NODES="1",
-            STUDIO_REDIS_URL=redis.url,
-            STUDIO_DATABASE_URL=db,
-            STUDIO_CODE_CONCURRENCY=str(args.slots),
-            STUDIO_CODE_IMAGE=settings.code_image,
-            # every slot reads code.run, so N slots are compared with N raw floors
-            STUDIO_QUEUE_TEST_SLOTS="0",
-        )
-        client = CodeClient(settings)
-        worker = start_worker(env, args.slots, tmp / "worker.log", client)
-        # The same worker with no pre-started sandboxes, on its own Redis and store.
-        db_cold = f"sqlite:///{tmp_cold / 'studio-code.db'}"
-        settings_cold = load_settings(
-            enable_code_nodes=True,
-            redis_url=redis_cold.url,
-            database_url=db_cold,
-            code_concurrency=args.slots,
-        )
-        env_cold = {
-            **env,
-            "STUDIO_REDIS_URL": redis_cold.url,
-            "STUDIO_DATABASE_URL": db_cold,
-            "STUDIO_CODE_PREWARM": "0",
-        }
-        client_cold = CodeClient(settings_cold)
-        worker_cold = start_worker(env_cold, args.slots, tmp_cold / "worker.log", client_cold)
+        stack = bench_stack("queue", database_url=args.database_url or None, **slots)
+        stack_cold = bench_stack("queue-cold", code_prewarm=0, **slots)
+        tmp, db = stack.workdir, stack.database_url
+        settings, client, client_cold = stack.settings, stack.client, stack_cold.client
+        stack.start_worker(concurrency=args.slots, stop_timeout=30)
+        stack_cold.start_worker(concurrency=args.slots, stop_timeout=30)
         # The floor: an empty task on the same Redis, through its own 1-process worker.
-        floor_worker = start_worker(
-            env, 1, tmp / "floor.log", client, app="bench.celery_floor", queues=FLOOR_QUEUE
+        stack.start_worker(
+            concurrency=1, app="bench.celery_floor", queues=FLOOR_QUEUE, stop_timeout=30
         )
         api = docker.from_env(timeout=60).api
         for c in (client, client_cold):
@@ -485,15 +420,8 @@ def main() -> None:
                 f"and measured again; throughput jobs that failed so): {dict(DISTURBED)}"
             )
     finally:
-        for c in (client, client_cold):
-            if c is not None:
-                c.close()
-        for w in (worker, worker_cold, floor_worker):
-            if w is not None:
-                w.stop()
-        redis.stop()
-        redis_cold.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        end_stack(stack)
+        end_stack(stack_cold)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Benchmark of Redis faults, in ONE run, with the tests' own services (tests/services.py,
-tests/relay.py): how long after Redis is usable again a worker consumes a job. No
+"""Benchmark of Redis faults, in ONE run, with the tests' own services (testkit/,
+testkit/relay.py): how long after Redis is usable again a worker consumes a job. No
 assertions.
 
 * heal -> first job consumed: a worker reaches its redis-server through a loopback relay;
@@ -17,49 +17,20 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.common import pct
-from tests.relay import Relay
-from tests.services import CeleryWorker, start_redis, start_sentinels
+from testkit.redis import start_redis
+from testkit.relay import Relay
+from testkit.sentinel import start_sentinels
+
+if TYPE_CHECKING:
+    from testkit.stack import Stack
 
 TRIVIAL = "def main(state):\n    return 1\n"
-
-
-def _env(tmp: Path, redis_url: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-    env.update(
-        {
-            "STUDIO_ENABLE_CODE_NODES": "1",
-            "STUDIO_REDIS_URL": redis_url,
-            "STUDIO_DATABASE_URL": f"sqlite:///{tmp / 'runs.db'}",
-            "STUDIO_DATA_DIR": str(tmp),
-            "STUDIO_CODE_LANGUAGES": "python",
-            "STUDIO_CODE_CONCURRENCY": "2",
-            **extra,
-        }
-    )
-    return env
-
-
-def _client(tmp: Path, redis_url: str, **overrides: Any) -> Any:
-    from api_client import CodeClient
-    from executor.settings import load_settings
-
-    return CodeClient(
-        load_settings(
-            enable_code_nodes=True,
-            redis_url=redis_url,
-            database_url=f"sqlite:///{tmp / 'runs.db'}",
-            data_dir=tmp,
-            queue_require_worker=False,  # submitted whatever the heartbeats say
-            **overrides,
-        )
-    )
 
 
 def _claimed_after(client: Any, job_id: str, since: float, timeout_s: float = 120) -> float:
@@ -73,63 +44,67 @@ def _claimed_after(client: Any, job_id: str, since: float, timeout_s: float = 12
     return float("nan")
 
 
+def _stack(tmp: Path, redis_url: str, **overrides: Any) -> Stack:
+    """A stack on ``redis_url``, its client submitting whatever the heartbeats say."""
+    from testkit.stack import Stack
+
+    return Stack(
+        tmp,
+        redis_url=redis_url,
+        quiet=True,
+        code_languages="python",
+        code_concurrency=2,
+        queue_require_worker=False,
+        **overrides,
+    )
+
+
 def heal_rows(tmp: Path, cuts: int, cut_s: float) -> list[float]:
     out: list[float] = []
-    with start_redis(tmp) as redis, Relay(redis.port) as relay:
-        client = _client(tmp, redis.url)
-        worker = CeleryWorker(
-            _env(tmp, relay.url()), tmp / "heal-worker.log", loglevel="WARNING", stop_timeout=20
-        )
-        try:
-            worker.wait_ready(60, app=client.app)
-            for _ in range(cuts):
-                client.wait(client.submit(TRIVIAL, "python", {}), 60)  # serving now
-                relay.cut()
-                time.sleep(cut_s / 2)
-                job = client.submit(TRIVIAL, "python", {})
-                time.sleep(cut_s / 2)
-                relay.heal()
-                out.append(_claimed_after(client, job, time.monotonic()))
-                client.wait(job, 60)
-        finally:
-            worker.stop()
-            client.close()
+    with start_redis(tmp) as redis, Relay(redis.port) as relay, _stack(tmp, redis.url) as stack:
+        client = stack.client
+        stack.start_worker("heal-worker", stop_timeout=20, redis_url=relay.url())
+        for _ in range(cuts):
+            client.wait(client.submit(TRIVIAL, "python", {}), 60)  # serving now
+            relay.cut()
+            time.sleep(cut_s / 2)
+            job = client.submit(TRIVIAL, "python", {})
+            time.sleep(cut_s / 2)
+            relay.heal()
+            out.append(_claimed_after(client, job, time.monotonic()))
+            client.wait(job, 60)
     return out
 
 
 def failover_rows(tmp: Path) -> tuple[float, float]:
-    with start_sentinels(tmp, password="bench-master-1") as sentinels:
-        extra = {"redis_sentinel_master": sentinels.master}
-        client = _client(tmp, sentinels.url, **extra)
-        env = _env(tmp, sentinels.url, STUDIO_REDIS_SENTINEL_MASTER=sentinels.master)
-        worker = CeleryWorker(env, tmp / "failover-worker.log", loglevel="WARNING")
-        try:
-            worker.wait_ready(60, app=client.app)
-            client.wait(client.submit(TRIVIAL, "python", {}), 60)
-            time.sleep(1)  # the replica has it all
-            dead = sentinels.kill_primary()
-            killed = time.monotonic()
-            new_port = sentinels.ports[sentinels.other(dead)]
-            switched = float("nan")
-            jobs: list[str] = []
-            first = float("nan")
-            deadline = killed + 120
-            while time.monotonic() < deadline:
-                if math.isnan(switched) and sentinels.master_port() == new_port:
-                    switched = time.monotonic() - killed
-                try:
-                    jobs.append(client.submit(TRIVIAL, "python", {}))
-                except Exception:  # noqa: BLE001 - the old primary is gone: try again
-                    pass
-                taken = [j for j, s in client.store.statuses(jobs).items() if s != "queued"]
-                if taken:
-                    first = time.monotonic() - killed
-                    break
-                time.sleep(0.2)
-            return switched, first
-        finally:
-            worker.stop()
-            client.close()
+    with (
+        start_sentinels(tmp, password="bench-master-1") as sentinels,
+        _stack(tmp, sentinels.url, redis_sentinel_master=sentinels.master) as stack,
+    ):
+        client = stack.client
+        stack.start_worker("failover-worker")
+        client.wait(client.submit(TRIVIAL, "python", {}), 60)
+        time.sleep(1)  # the replica has it all
+        dead = sentinels.kill_primary()
+        killed = time.monotonic()
+        new_port = sentinels.ports[sentinels.other(dead)]
+        switched = float("nan")
+        jobs: list[str] = []
+        first = float("nan")
+        deadline = killed + 120
+        while time.monotonic() < deadline:
+            if math.isnan(switched) and sentinels.master_port() == new_port:
+                switched = time.monotonic() - killed
+            try:
+                jobs.append(client.submit(TRIVIAL, "python", {}))
+            except Exception:  # noqa: BLE001 - the old primary is gone: try again
+                pass
+            taken = [j for j, s in client.store.statuses(jobs).items() if s != "queued"]
+            if taken:
+                first = time.monotonic() - killed
+                break
+            time.sleep(0.2)
+        return switched, first
 
 
 def main(argv: list[str] | None = None) -> None:

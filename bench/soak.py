@@ -53,16 +53,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.relay import Relay  # noqa: E402
-from tests.services import (  # noqa: E402 - test helpers, reused
-    PgCluster,
-    RedisServer,
-    SecondEngine,
-    SentinelSet,
-    kill_pids,
-    process_tree,
-    tree_usage,
-)
+from testkit.engine import SecondEngine  # noqa: E402
+from testkit.postgres import PgCluster  # noqa: E402
+from testkit.processes import kill_pids, process_tree, tree_usage  # noqa: E402
+from testkit.redis import RedisServer  # noqa: E402
+from testkit.relay import Relay  # noqa: E402
+from testkit.sentinel import SentinelSet  # noqa: E402
+from testkit.stack import base_env  # noqa: E402
 
 CELERY = Path(sys.executable).with_name("celery")
 TRIVIAL = "def main(state):\n    return state['n'] * 2\n"
@@ -302,7 +299,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
     sentinels: SentinelSet | None = None
     engine: SecondEngine | None = None
     extra_settings: dict[str, Any] = {}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
+    env = base_env()  # this checkout's, without this process's STUDIO_*
     if sentinel:
         sentinels = SentinelSet(tmp).start()
         client_url = workers_url = sentinels.url

@@ -24,7 +24,7 @@ from bench.common import interleave, row, timed
 from executor.models import CodeJob
 from executor.service import Executor
 from executor.settings import load_settings
-from tests.services import REAL_DOCKER_HOST, SockGuardProcess
+from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
 
 TRIVIAL = "def main(state):\n    return 1\n"
 

@@ -47,7 +47,7 @@ def _section(name: str, fresh: Callable[[], str], n: int) -> None:
     empty = [timed(lambda: SqlRunStore(fresh()).close()) for _ in range(max(3, n // 10))]
     print(row(f"{name}: first open of an empty store", empty, None, goal=None))
     try:
-        from tests.services import TODAY, made_by_an_older_release
+        from testkit.postgres import TODAY, made_by_an_older_release
     except ImportError:  # the code before migrations: no such store to upgrade
         return
     capture = json.loads(TODAY.read_text())
@@ -120,7 +120,7 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         _section("SQLite", lambda: f"sqlite:///{tmp}/{uuid.uuid4().hex}.db", args.n)
-    from tests.services import POSTGRES_URL, pg_schema, pg_unreachable
+    from testkit.postgres import POSTGRES_URL, pg_schema, pg_unreachable
 
     if pg_unreachable(POSTGRES_URL) is None:  # else SQLite rows only
         with ExitStack() as schemas:  # a fresh schema per open, all dropped at the end

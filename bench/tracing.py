@@ -1,6 +1,6 @@
 """Benchmark of OpenTelemetry tracing, per job, on vs off, in ONE run: two prefork workers
 (pooled Docker sandboxes, 1 slot each) on their own redis-servers and SQLite stores, one
-exporting its spans over OTLP/HTTP to a receiver on loopback (tests/otlp_receiver.py), one
+exporting its spans over OTLP/HTTP to a receiver on loopback (testkit/otlp.py), one
 with no OTEL_* variable; the client in this process traces the "on" jobs (submit and wait
 with a caller's traceparent) and not the "off" ones. Jobs alternate between the two, one at
 a time, so both see the same machine noise. No assertions.
@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shutil
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.common import pct
-from bench.queue import SETTLE_S, TRIVIAL, start_worker
+from bench.common import bench_stack, end_stack, pct
+from bench.queue import SETTLE_S, TRIVIAL
 from executor import tracing
-from tests.otlp_receiver import Receiver
-from tests.services import start_redis
+from testkit.otlp import Receiver
 
 
 def sample(client: Any, traced: bool) -> tuple[float, float] | None:
@@ -69,39 +65,22 @@ def main() -> None:
     p.add_argument("--n", type=int, default=40)
     args = p.parse_args()
 
-    from api_client import CodeClient
-    from executor.settings import load_settings
-
-    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-tracing-"))
     receiver = Receiver().__enter__()
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint  # this process's exporter
-    made: list[Any] = []
+    stacks: list[Any] = []
     try:
         clients: dict[bool, Any] = {}
         for traced in (True, False):
-            where = tmp / ("on" if traced else "off")
-            where.mkdir()
-            redis = start_redis(where)
-            made.append(redis)
-            db = f"sqlite:///{where / 'studio-code.db'}"
-            settings = load_settings(
-                enable_code_nodes=True, redis_url=redis.url, database_url=db, code_concurrency=1
+            # a stack each; the workers' environment has no OTEL_ but the traced one's
+            stack = bench_stack(
+                "tracing-on" if traced else "tracing-off",
+                code_concurrency=1,
+                queue_test_slots=0,
+                env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint} if traced else {},
             )
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("STUDIO_", "OTEL_"))}
-            env.update(
-                STUDIO_ENABLE_CODE_NODES="1",
-                STUDIO_REDIS_URL=redis.url,
-                STUDIO_DATABASE_URL=db,
-                STUDIO_CODE_CONCURRENCY="1",
-                STUDIO_CODE_IMAGE=settings.code_image,
-                STUDIO_QUEUE_TEST_SLOTS="0",
-            )
-            if traced:
-                env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
-            client = CodeClient(settings)
-            made.append(client)
-            made.append(start_worker(env, 1, where / "worker.log", client))
-            clients[traced] = client
+            stacks.append(stack)
+            stack.start_worker(concurrency=1, stop_timeout=30)
+            clients[traced] = stack.client
         for _ in range(5):  # warm-up: the pool process, the engine, the store, the exporter
             for traced, client in clients.items():
                 sample(client, traced)
@@ -161,13 +140,9 @@ def main() -> None:
             names[s.name] = names.get(s.name, 0) + 1
         print(f"\nspans received by the receiver ({receiver.requests} OTLP requests): {names}")
     finally:
-        for thing in reversed(made):  # workers, then clients, then redis-servers
-            if hasattr(thing, "stop"):
-                thing.stop()
-            else:
-                thing.close()
+        for stack in stacks:
+            end_stack(stack)
         receiver.__exit__(None, None, None)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Benchmark of a worker's upkeep under a backlog: N trivial jobs queued at once on one
-worker (pre-started sandboxes on); sampled every 0.5 s (tests/services.py watch_backlog):
+worker (pre-started sandboxes on); sampled every 0.5 s (testkit/sandboxes.py watch_backlog):
 the most ended sandboxes awaiting removal at once, and the drift of the worker's fds, RSS
 and threads from job N/5 to job N. A worker whose upkeep starves grows here with N.
 
@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
-from bench.queue import start_worker
-from tests.services import children, start_redis, watch_backlog
+from bench.common import bench_stack, end_stack
+from testkit.processes import children
+from testkit.sandboxes import watch_backlog
 
 TRIVIAL = "def main(state):\n    return 1\n"
 
@@ -29,33 +27,12 @@ def main() -> None:
 
     import docker
 
-    from api_client import CodeClient
-    from executor.settings import load_settings
-
-    tmp = Path(tempfile.mkdtemp(prefix="studio-bench-upkeep-"))
-    redis = start_redis(tmp)
-    worker = client = None
+    stack = bench_stack(
+        "upkeep", code_concurrency=args.slots, code_languages="python", queue_test_slots=0
+    )
     try:
-        db = f"sqlite:///{tmp / 'studio-code.db'}"
-        settings = load_settings(
-            enable_code_nodes=True,
-            redis_url=redis.url,
-            database_url=db,
-            code_concurrency=args.slots,
-            code_languages="python",
-        )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}
-        env.update(
-            STUDIO_ENABLE_CODE_NODES="1",
-            STUDIO_REDIS_URL=redis.url,
-            STUDIO_DATABASE_URL=db,
-            STUDIO_CODE_CONCURRENCY=str(args.slots),
-            STUDIO_CODE_LANGUAGES="python",
-            STUDIO_CODE_IMAGE=settings.code_image,
-            STUDIO_QUEUE_TEST_SLOTS="0",
-        )
-        client = CodeClient(settings)
-        worker = start_worker(env, args.slots, tmp / "worker.log", client)
+        client = stack.client
+        worker = stack.start_worker(concurrency=args.slots, stop_timeout=30)
         owners = {f"{os.uname().nodename}:{pid}" for pid in children(worker.pid)}
         t0 = time.monotonic()
         ids = [client.submit(TRIVIAL, "python", {}) for _ in range(args.n)]
@@ -75,12 +52,7 @@ def main() -> None:
             f"threads {t1 - t0_:+d} |"
         )
     finally:
-        if worker is not None:
-            worker.stop()
-        if client is not None:
-            client.close()
-        redis.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        end_stack(stack)
 
 
 if __name__ == "__main__":

@@ -14,31 +14,19 @@ from typing import Any
 
 import pytest
 
-from tests import services
-
-# ROOT, IN_CI, require and free_port are imported from here by many tests; RedisServer and
-# start_redis are used by this file's fixtures (their home is tests/services.py).
-from tests.services import (  # noqa: F401
-    IN_CI,
-    POSTGRES_URL,
-    REAL_DOCKER_HOST,
-    ROOT,
-    QueueEnv,
-    RedisServer,
-    SockGuardProcess,
-    free_port,
-    pg_schema,
-    pg_unreachable,
-    require,
-    start_redis,
-)
+from testkit import processes
+from testkit.postgres import POSTGRES_URL, pg_schema, pg_unreachable
+from testkit.processes import ROOT, require
+from testkit.redis import RedisServer, start_redis
+from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
+from testkit.stack import Stack
 
 #: the services each fixture needs, by the fixture's name: a test whose fixture closure has
 #: one of these gets their markers (``pytest_collection_modifyitems``), so ``-m "not docker"``
 #: and the others are true. A module adds its own fixtures in a ``SERVICE_FIXTURES`` dict of
 #: the same shape (a module-scoped stack that starts its own redis-server, say). What a test
-#: starts itself (tests.services: start_redis, CeleryWorker) or takes by
-#: ``request.getfixturevalue`` is checked when it runs (``services.needs``,
+#: starts itself (testkit: start_redis, CeleryWorker) or takes by
+#: ``request.getfixturevalue`` is checked when it runs (``testkit.processes.needs``,
 #: ``_marked_for_what_it_uses``).
 SERVICE_FIXTURES: dict[str, tuple[str, ...]] = {
     "docker_client": ("docker",),
@@ -69,7 +57,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # before any fixture of the test (a module's stack too) is set up
-    services.CURRENT_MARKS = {m.name for m in item.iter_markers()}
+    processes.CURRENT_MARKS = {m.name for m in item.iter_markers()}
 
 
 @pytest.fixture(autouse=True)
@@ -368,25 +356,24 @@ def sqlite_url(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def queue_env(
-    redis_server: Any, sqlite_url: str, tmp_path: Path, make_settings: Any, python_image: str
-) -> Iterator[Callable[..., QueueEnv]]:
-    """Factory: ``queue_env(**settings_overrides)`` -> QueueEnv on the test's redis-server
-    and SQLite store (closed, workers stopped, at the end)."""
-    made: list[QueueEnv] = []
+def make_stack(
+    redis_server: Any, sqlite_url: str, tmp_path: Path, python_image: str
+) -> Iterator[Callable[..., Stack]]:
+    """Factory: ``make_stack(**settings_overrides)`` -> a Stack on the test's redis-server and
+    SQLite store, two slots unless told (stopped, with its workers, at the end)."""
+    made: list[Stack] = []
 
-    def make(database_url: str = sqlite_url, **overrides: Any) -> QueueEnv:
-        env = QueueEnv(
-            redis_server.url,
-            database_url,
+    def make(database_url: str = sqlite_url, **overrides: Any) -> Stack:
+        stack = Stack(
             tmp_path,
-            make_settings,
+            redis_url=redis_server.url,
+            database_url=database_url,
             code_image=python_image,
-            **overrides,
+            **{"code_concurrency": 2, **overrides},
         )
-        made.append(env)
-        return env
+        made.append(stack)
+        return stack
 
     yield make
-    for env in made:
-        env.close()
+    for stack in made:
+        stack.stop()

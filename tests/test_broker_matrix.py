@@ -28,15 +28,11 @@ import httpx
 import pytest
 import redis
 
-from tests.services import (
-    BIN,
-    ApiServer,
-    CeleryWorker,
-    SentinelSet,
-    env_for,
-    start_sentinels,
-    wait_for,
-)
+from testkit.api import ApiServer
+from testkit.processes import BIN, wait_for
+from testkit.sentinel import SentinelSet, start_sentinels
+from testkit.stack import env_for
+from testkit.worker import CeleryWorker
 from tests.snippets import USER
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(600)]

@@ -17,8 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port, run_cli
-from tests.services import ApiServer, sandbox_events, wait_for
+from testkit.processes import free_port, wait_for
+from testkit.sandboxes import sandbox_events
+from tests.conftest import run_cli
 
 NODE = "def main(state):\n    return state.get('n', 0) + 1\n"
 
@@ -96,11 +97,11 @@ def test_run_without_the_setting_runs_on_the_same_engine(tmp_path: Any, python_i
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(240)
-def test_cli_meta_is_the_api_meta(queue_env: Any, tmp_path: Any) -> None:
-    q = queue_env(code_concurrency=1, queue_test_slots=0, code_languages="python")
+def test_cli_meta_is_the_api_meta(make_stack: Any, tmp_path: Any) -> None:
+    q = make_stack(code_concurrency=1, queue_test_slots=0, code_languages="python")
     worker = q.start_worker("w1", 1)
     env = q.env()
-    with ApiServer(env, tmp_path / "api.log") as api:
+    with q.start_api() as api:
 
         def api_meta() -> dict[str, Any]:
             r = httpx.get(f"{api.base}/api/meta/runtime", timeout=60)

@@ -31,8 +31,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import ROOT, require
-from tests.services import containers_of, start_worker, studio_env, wait_for
+from testkit.processes import ROOT, require, wait_for
+from testkit.sandboxes import containers_of
+from testkit.stack import studio_env
+from testkit.worker import start_worker
 
 #: every test here runs the Compose CLI (or the whole deployment): out of `make test-fast`
 pytestmark = pytest.mark.compose
@@ -539,7 +541,7 @@ class Deployment:
     """One `make up` of its own: project name, loopback ports, the API token it wrote."""
 
     def __init__(self, project: str) -> None:
-        from tests.conftest import free_port
+        from testkit.processes import free_port
 
         self.project = project
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("STUDIO_")}

@@ -26,16 +26,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.services import (
-    ApiServer,
-    CeleryWorker,
-    Relay,
-    Service,
-    client_for,
-    env_for,
-    start_worker,
-    wait_for,
-)
+from testkit.api import ApiServer
+from testkit.processes import Service, wait_for
+from testkit.relay import ClosingRelay
+from testkit.stack import client_for, env_for
+from testkit.worker import CeleryWorker, start_worker
 from tests.snippets import TRIVIAL, USER
 
 pytestmark = [pytest.mark.redis]
@@ -407,7 +402,7 @@ def test_an_unreachable_store_is_runtime_unavailable_naming_it(
     from executor.errors import StoreUnavailable
 
     real = make_url(pg_schema_url)
-    relay = Relay(real.port or 5432)
+    relay = ClosingRelay(real.port or 5432)
     url = (
         real.set(port=relay.port, password="s3cret")
         .update_query_dict({"connect_timeout": "2"})
@@ -542,7 +537,7 @@ def test_jobs_consumed_while_the_store_was_down_are_sent_again(
     from worker.upkeep.queued import broker_job_ids
 
     real = make_url(pg_schema_url)
-    relay = Relay(real.port or 5432)
+    relay = ClosingRelay(real.port or 5432)
     worker_url = (
         real.set(port=relay.port)
         .update_query_dict({"connect_timeout": "2"})

@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import require
-from tests.services import ApiServer, studio_env
+from testkit.api import ApiServer
+from testkit.processes import require
+from testkit.stack import studio_env
 
 CHROMIUM_FLAGS = [
     "--headless",

@@ -20,7 +20,7 @@ from executor.runtimes.docker.escapes import (
     parse_version,
 )
 from executor.runtimes.docker.posture import posture_of, read_posture, sandbox_proof
-from tests.services import require
+from testkit.processes import require
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNC_2025 = {"CVE-2025-31133", "CVE-2025-52565", "CVE-2025-52881"}

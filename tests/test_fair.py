@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.services import sandbox_events, wait_for
+from testkit.processes import wait_for
+from testkit.sandboxes import sandbox_events
 from tests.snippets import TRIVIAL, sleeper
 from tests.test_queue import containers_of
 
@@ -259,11 +260,11 @@ def _peak(recs: list[Any]) -> int:
 @pytest.mark.redis
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_other_users_runs_start_behind_a_flood_in_turns(queue_env: Any) -> None:
+def test_other_users_runs_start_behind_a_flood_in_turns(make_stack: Any) -> None:
     """User ann queues 200 runs, then bob and cy one each: theirs start after a few of
     ann's (the messages already in code.run, one per run slot), not after her 200; all of
     ann's succeed, each exactly once."""
-    q = queue_env(code_concurrency=2, queue_test_slots=0)
+    q = make_stack(code_concurrency=2, queue_test_slots=0)
     workers = [q.start_worker("w1", 2), q.start_worker("w2", 2)]
     run_slots = 4
     flood = [q.client.submit(TRIVIAL, "python", {"n": i}, user="ann") for i in range(200)]
@@ -297,10 +298,10 @@ def test_other_users_runs_start_behind_a_flood_in_turns(queue_env: Any) -> None:
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(180)
-def test_cancel_of_a_run_waiting_behind_fairness(queue_env: Any, docker_client: Any) -> None:
+def test_cancel_of_a_run_waiting_behind_fairness(make_stack: Any, docker_client: Any) -> None:
     """A run held back on its user's list is cancelled: it ends cancelled at once, leaves
     the list, and never gets a sandbox; the runs around it all run."""
-    q = queue_env(code_concurrency=1, queue_test_slots=0)
+    q = make_stack(code_concurrency=1, queue_test_slots=0)
     q.start_worker("w1", 1)
     since = int(time.time()) - 1
     runs = [q.client.submit(sleeper(0.5, f"r{i}"), "python", {}, user="ann") for i in range(6)]
@@ -326,10 +327,10 @@ def test_cancel_of_a_run_waiting_behind_fairness(queue_env: Any, docker_client: 
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(180)
-def test_worker_sigkill_while_runs_wait_loses_none(queue_env: Any, docker_client: Any) -> None:
+def test_worker_sigkill_while_runs_wait_loses_none(make_stack: Any, docker_client: Any) -> None:
     """The only worker is SIGKILLed (main process and pool) mid-job while runs of two users
     wait on their lists; a new worker runs every one of them, each exactly once."""
-    q = queue_env(
+    q = make_stack(
         code_concurrency=1, queue_test_slots=0, code_max_seconds=5, queue_visibility_timeout_s=6
     )
     w1 = q.start_worker("w1", 1)
@@ -364,10 +365,10 @@ def test_worker_sigkill_while_runs_wait_loses_none(queue_env: Any, docker_client
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(240)
-def test_user_cap_holds_runs_in_flight(queue_env: Any) -> None:
+def test_user_cap_holds_runs_in_flight(make_stack: Any) -> None:
     """STUDIO_QUEUE_RUN_USER_SLOTS=2 on 4 run slots: never more than 2 of one user's runs
     running at once (the store's started/finished times); more wait, none is refused."""
-    q = queue_env(code_concurrency=2, queue_test_slots=0, queue_run_user_slots=2)
+    q = make_stack(code_concurrency=2, queue_test_slots=0, queue_run_user_slots=2)
     q.start_worker("w1", 2)
     q.start_worker("w2", 2)
     ann = [q.client.submit(sleeper(0.4, "a"), "python", {}, user="ann") for _ in range(12)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sqlite3
 import tempfile
@@ -26,8 +25,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import free_port, require
-from tests.services import PgCluster, QueueEnv, health, pg_bin, wait_for
+from testkit.postgres import PgCluster, start_pg_cluster
+from testkit.processes import free_port, require, wait_for
+from testkit.stack import Stack
+from testkit.worker import health
 
 #: a trivial node that takes a moment, so a store outage finds jobs mid-run
 WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['n'] * 2\n"
@@ -38,27 +39,14 @@ WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['
 
 @pytest.fixture
 def pg_cluster() -> Iterator[PgCluster]:
-    require(
-        pg_bin("initdb") is not None and pg_bin("pg_ctl") is not None,
-        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
-    )
-    require(
-        os.getuid() != 0 or shutil.which("runuser") is not None,
-        "runuser is needed to run initdb as postgres",
-    )
-    cluster = PgCluster()
-    try:
-        cluster.init()
-        cluster.start()
+    with start_pg_cluster() as cluster:
         yield cluster
-    finally:
-        cluster.cleanup()
 
 
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def wait_finished(q: QueueEnv, jobs: list[str], at_least: int, timeout_s: float) -> None:
+def wait_finished(q: Stack, jobs: list[str], at_least: int, timeout_s: float) -> None:
     wait_for(
         lambda: sum(r.finished for r in q.client.store.get_many(jobs).values()) >= at_least,
         timeout_s,
@@ -67,7 +55,7 @@ def wait_finished(q: QueueEnv, jobs: list[str], at_least: int, timeout_s: float)
     )
 
 
-def account(q: QueueEnv, jobs: dict[str, int], recs: dict[str, Any]) -> dict[str, Any]:
+def account(q: Stack, jobs: dict[str, int], recs: dict[str, Any]) -> dict[str, Any]:
     """Submitted, ended per status, real outcomes, ended more than once, lost."""
     statuses = Counter(r.status.value for r in recs.values())
     wrong = {
@@ -88,7 +76,7 @@ def account(q: QueueEnv, jobs: dict[str, int], recs: dict[str, Any]) -> dict[str
 
 
 def _burst_with_outage(
-    q: QueueEnv, outage: Any, restore: Any, outage_s: float, ports: list[int], n_jobs: int = 200
+    q: Stack, outage: Any, restore: Any, outage_s: float, ports: list[int], n_jobs: int = 200
 ) -> None:
     assert all(health(p)[0] == 200 for p in ports), [health(p) for p in ports]
     jobs = {q.client.submit(WORK, "python", {"n": i}): i for i in range(n_jobs)}
@@ -132,7 +120,7 @@ def _burst_with_outage(
     assert q.client.redis.scard("studio:pending") == 0
 
 
-def _metrics_env(q: QueueEnv, name: str, **extra: Any) -> tuple[Any, int]:
+def _metrics_env(q: Stack, name: str, **extra: Any) -> tuple[Any, int]:
     port = free_port()
     w = q.start_worker(name, 2, metrics_port=port, queue_probe_interval_s=1, **extra)
     return w, port
@@ -153,12 +141,14 @@ LONG = pytest.mark.skipif(
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("outage_s", [20, pytest.param(60, marks=[pytest.mark.slow, LONG])])
-def test_postgres_outage_during_burst(queue_env: Any, pg_cluster: PgCluster, outage_s: int) -> None:
+def test_postgres_outage_during_burst(
+    make_stack: Any, pg_cluster: PgCluster, outage_s: int
+) -> None:
     """PostgreSQL stopped (fast shutdown) for ``outage_s`` during a burst on 2 workers
     (120 jobs; 200 in the long case): no job lost, stuck, run twice or misreported;
     results computed while it was down are written with their real outcome when it is
     back."""
-    q = queue_env(database_url=pg_cluster.url, code_concurrency=2)
+    q = make_stack(database_url=pg_cluster.url, code_concurrency=2)
     w1, p1 = _metrics_env(q, "w1")
     w2, p2 = _metrics_env(q, "w2")
     n_jobs = 200 if outage_s > 20 else 120  # CI time: the whole suite stays under 30 min
@@ -169,11 +159,11 @@ def test_postgres_outage_during_burst(queue_env: Any, pg_cluster: PgCluster, out
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(300)
-def test_sqlite_store_locked_during_burst(queue_env: Any, sqlite_url: str) -> None:
+def test_sqlite_store_locked_during_burst(make_stack: Any, sqlite_url: str) -> None:
     """Another process holds the SQLite store's write lock for 20 s (a backup, a stuck
     admin shell): the store takes no write. Workers stop taking jobs (readiness 503 naming
     the store) and every job ends once, succeeded, after it."""
-    q = queue_env(code_concurrency=2)
+    q = make_stack(code_concurrency=2)
     w1, p1 = _metrics_env(q, "w1")
     w2, p2 = _metrics_env(q, "w2")
     path = sqlite_url.removeprefix("sqlite:///")
@@ -199,16 +189,12 @@ def test_sqlite_store_locked_during_burst(queue_env: Any, sqlite_url: str) -> No
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_poison_items_are_set_aside(
-    queue_env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_poison_items_are_set_aside(make_stack: Any, tmp_path: Path) -> None:
     from worker.protocol import TASK_NAME
 
-    q = queue_env(code_concurrency=1)
+    q = make_stack(code_concurrency=1)
     # the bad-arguments item is caught in a pool process: multiprocess metrics, as deployed
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prom"))
-    w, port = _metrics_env(q, "w1")
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    w, port = _metrics_env(q, "w1", env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")})
     r = q.client.redis
     r.lpush("code.run", "not a kombu message")
     r.lpush("code.run", json.dumps({"a": 1}))
@@ -298,13 +284,13 @@ class SocketProxy:
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(180)
-def test_dockerless_worker_steps_aside(queue_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dockerless_worker_steps_aside(make_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker whose DOCKER_HOST names a missing socket takes no job (readiness 503 naming
     Docker, an ERROR in its log); every job succeeds on the healthy worker, each once. When
     Docker appears at that socket, the worker resumes by itself and runs jobs."""
     require(Path("/var/run/docker.sock").exists(), "no Docker socket to proxy")
     sock = Path(tempfile.mkdtemp(prefix="studio-dk-")) / "docker.sock"
-    q = queue_env(code_concurrency=2)
+    q = make_stack(code_concurrency=2)
     monkeypatch.setenv("DOCKER_HOST", f"unix://{sock}")  # the blind worker's environment
     blind, pb = _metrics_env(q, "blind")
     monkeypatch.delenv("DOCKER_HOST")
@@ -344,10 +330,10 @@ def test_dockerless_worker_steps_aside(queue_env: Any, monkeypatch: pytest.Monke
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_warm_shutdown_acks_ended_jobs(queue_env: Any) -> None:
+def test_warm_shutdown_acks_ended_jobs(make_stack: Any) -> None:
     """SIGTERM while a run and an editor test run: both end, and neither message is left in
     the queue or unacked (no redelivery)."""
-    q = queue_env(code_concurrency=2)
+    q = make_stack(code_concurrency=2)
     w = q.start_worker("w1", 2)
     run = q.client.submit(WORK.replace("0.2", "2"), "python", {"n": 1})
     test = q.client.submit(WORK.replace("0.2", "2"), "python", {"n": 2}, kind="test", user="ann")

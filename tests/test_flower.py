@@ -26,15 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port, require
-from tests.services import (
-    CeleryWorker,
-    RedisServer,
-    Service,
-    start_redis,
-    studio_env,
-    wait_for,
-)
+from testkit.processes import Service, free_port, require, wait_for
+from testkit.redis import RedisServer
+from testkit.stack import DOCKER_PYTHON, Stack
 from tests.snippets import OK_CODE, RAISE_CODE, SLEEP_CODE
 
 pytestmark = [pytest.mark.redis]
@@ -108,45 +102,32 @@ class Flower(Service):
             return False
 
 
-class Stack:
-    def __init__(self, redis: RedisServer, worker: CeleryWorker, flower: Flower, client: Any):
-        self.redis, self.worker, self.flower, self.client = redis, worker, flower, client
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Redis, a SQLite store, a client; its worker is started beside Flower (``flower``)."""
+    with Stack(
+        tmp_path_factory.mktemp("flower"),
+        **{**DOCKER_PYTHON, "code_runtime": "subprocess"},
+        code_image="studio-code:1",
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from api_client import CodeClient
-    from executor.settings import load_settings
-
+def flower(stack: Stack) -> Iterator[Flower]:
+    """Flower, and the worker started beside it (Flower's first look finds none ready)."""
     celery = flower_venv()
-    tmp = tmp_path_factory.mktemp("flower")
-    db = f"sqlite:///{tmp / 'runs.db'}"
-    with start_redis(tmp) as redis:
-        env = studio_env(redis.url, db, "studio-code:1", STUDIO_CODE_RUNTIME="subprocess")
-        settings = load_settings(
-            enable_code_nodes=True,
-            data_dir=tmp,
-            redis_url=redis.url,
-            database_url=db,
-            code_runtime="subprocess",
-        )
-        client = CodeClient(settings)
+    with Flower(celery, stack.redis_url, stack.workdir / "flower.log") as f:
         # `studio-code worker` as the docs and deploy/compose.yaml start it: no -E
-        worker = CeleryWorker(
-            env, tmp / "worker.log", name=f"fl{uuid.uuid4().hex[:6]}", concurrency=2, cli=True
-        )
-        try:
-            with worker, Flower(celery, redis.url, tmp / "flower.log") as flower:
-                worker.wait_ready(60, app=client.app)
-                wait_for(flower.answers, 60, "Flower's /healthcheck", 0.2)
-                yield Stack(redis, worker, flower, client)
-                flower.http.close()
-        finally:
-            client.close()
+        worker = stack.start_worker(f"fl{uuid.uuid4().hex[:6]}", 2, cli=True, ping=False)
+        worker.wait_ready(60, app=stack.client.app)
+        wait_for(f.answers, 60, "Flower's /healthcheck", 0.2)
+        yield f
+        f.http.close()
 
 
-def test_flower_lists_succeeded_failed_and_revoked_nodes(stack: Stack) -> None:
-    client, flower, worker = stack.client, stack.flower, stack.worker
+def test_flower_lists_succeeded_failed_and_revoked_nodes(stack: Stack, flower: Flower) -> None:
+    client, worker = stack.client, stack.workers[0]
     # Flower broadcasts enable_events every 5 s; the worker logs the first one it gets
     wait_for(
         lambda: "Events of group {task} enabled by remote" in worker.output(),
@@ -205,14 +186,14 @@ def _publishes(dispatcher: Any) -> list[int]:
 
 
 def test_task_events_stop_trying_while_redis_is_silent(redis_server: RedisServer) -> None:
-    """Task events on a connection that goes silent (tests/relay.py), as a worker's loop
+    """Task events on a connection that goes silent (testkit/relay.py), as a worker's loop
     sends them: each ended task buffers its event and flushes. Celery's dispatcher tries
     every kept event again at each flush (1 + 2 + 3 + 4 round trips for 4 events, each
     blocking the loop up to the socket timeout); ours (worker.consumer.events.QuietDispatcher)
     tries once, then keeps them, and the dispatcher made after the reconnect sends them."""
     from celery import Celery
 
-    from tests.relay import Relay
+    from testkit.relay import Relay
     from worker.consumer.events import QuietDispatcher
 
     options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}

@@ -24,7 +24,8 @@ from executor.errors import ErrorCode
 from executor.models import CodeJob, CodeResult, Status
 from executor.outputs import MESSAGE_MAX_CHARS, OUTPUT_MAX_DEPTH
 from executor.service import Executor
-from tests.conftest import require, run_cli
+from testkit.processes import require
+from tests.conftest import run_cli
 
 OUTPUT_MAX = 1_000_000  # STUDIO_CODE_OUTPUT_MAX_BYTES of the battery's executors
 DOCKER = ("docker",)

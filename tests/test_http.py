@@ -2,8 +2,7 @@
 port, a real Celery worker process (prefork), a real redis-server, real Docker sandboxes,
 a SQLite run store; requests with httpx, and schemathesis against the served OpenAPI.
 
-The processes are started and stopped with tests/services.py; ``studio_env`` here is the
-environment other tests give them too."""
+The processes are started and stopped with testkit/ (one Stack for the module)."""
 
 from __future__ import annotations
 
@@ -18,72 +17,26 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.services import (
-    ApiServer,
-    CeleryWorker,
-    RedisServer,
-    containers_of,
-    fuzz_for_server_errors,
-    start_redis,
-    start_worker,
-    studio_env,
-    wait_for,
-)
+from testkit.api import ApiServer, fuzz_for_server_errors
+from testkit.processes import free_port
+from testkit.sandboxes import containers_of
+from testkit.stack import DOCKER_PYTHON, Stack, studio_env
 from tests.snippets import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
 
-# --- the environment of the API and the workers --------------------------------------------
-
-
 # --- the stack ---------------------------------------------------------------------------
-
-
-class Stack:
-    def __init__(self, base: str, api: ApiServer, worker: CeleryWorker, redis: RedisServer):
-        self.base, self.api, self.worker, self.redis = base, api, worker, redis
-        self.http = httpx.Client(base_url=base, timeout=90)
-
-    def as_user(self, user: str, admin: bool = False) -> dict[str, str]:
-        h = {USER: user}
-        if admin:
-            h[ADMIN] = "1"
-        return h
-
-    def poll(
-        self, job_id: str, user: str, *, until: set[str] | None = None, timeout: float = 60.0
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {}
-
-        def done() -> dict[str, Any] | None:
-            nonlocal body
-            r = self.http.get(f"/api/runs/{job_id}", headers=self.as_user(user))
-            assert r.status_code == 200, r.text
-            body = r.json()
-            if (until is None and body["finished"]) or (until and body["status"] in until):
-                return body
-            return None
-
-        what = f"run {job_id} {'finished' if until is None else 'in ' + str(sorted(until))}"
-        return dict(wait_for(done, timeout, what, 0.1, describe=lambda: body))
 
 
 @pytest.fixture(scope="module")
 def stack(
     tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
 ) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("http")
-    with start_redis(tmp) as redis:
-        env = studio_env(redis.url, f"sqlite:///{tmp / 'runs.db'}", python_image)
-        with (
-            start_worker(env, tmp / "worker.log") as worker,
-            ApiServer(env, tmp / "api.log") as api,
-        ):
-            s = Stack(api.base, api, worker, redis)
-            yield s
-            s.http.close()
+    with Stack(tmp_path_factory.mktemp("http"), **DOCKER_PYTHON, code_image=python_image) as s:
+        s.start_worker("worker")
+        s.start_api()
+        yield s
 
 
 def _user() -> str:
@@ -155,7 +108,7 @@ def test_meta_shows_the_engine_posture(stack: Stack, docker_client: Any) -> None
     assert here["vulnerable"] is bool(flagged)
     if flagged:  # said in the warnings too, with the way out, and in the worker's start-up log
         assert any(all(cve in w for cve in flagged) for w in meta["warnings"]), meta["warnings"]
-        logged = [line for line in stack.worker.output().splitlines() if "escapes" in line]
+        logged = [line for line in stack.workers[0].output().splitlines() if "escapes" in line]
         assert logged and "WARNING" in logged[0], logged
         assert all(cve in logged[0] for cve in flagged) and "upgrade" in logged[0].lower()
     workers = engine["workers"]
@@ -216,7 +169,7 @@ def test_submit_then_poll_gives_the_result(stack: Stack) -> None:
     run = r.json()
     assert run["status"] in ("queued", "running", "succeeded")
     assert run["kind"] == "run" and run["user"] == user
-    done = stack.poll(run["job_id"], user)
+    done = stack.until(run["job_id"], user)
     assert done["status"] == "succeeded", done
     assert done["output"] == {"double": 42}
     assert done["runtime"] == "docker" and done["worker"]
@@ -241,7 +194,7 @@ def test_cancel_kills_the_running_sandbox(stack: Stack, docker_client: Any) -> N
     r = stack.http.post("/api/runs", json={"code": SLEEP_CODE, "state": {"s": 60}}, headers=h)
     assert r.status_code == 202
     job_id = r.json()["job_id"]
-    stack.poll(job_id, user, until={"running"})
+    stack.until(job_id, user, {"running"})
     deadline = time.monotonic() + 20
     while not containers_of(docker_client, job_id) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -251,7 +204,7 @@ def test_cancel_kills_the_running_sandbox(stack: Stack, docker_client: Any) -> N
     r = stack.http.post(f"/api/runs/{job_id}/cancel", headers=h)
     assert r.status_code == 202, r.text
     assert r.json()["status"] in ("cancelling", "cancelled")
-    done = stack.poll(job_id, user, timeout=30)
+    done = stack.until(job_id, user, timeout=30)
     assert done["status"] == "cancelled"
     assert done["error"]["code"] == "CODE_CANCELLED"
     assert time.monotonic() - t0 < 15, "the cancel took longer than the kill grace"
@@ -264,7 +217,7 @@ def test_cancel_kills_the_running_sandbox(stack: Stack, docker_client: Any) -> N
     assert stack.http.post(f"/api/runs/{job_id}/cancel", headers=h).status_code == 202
     r = stack.http.post("/api/runs", json={"code": OK_CODE}, headers=h)
     ok_id = r.json()["job_id"]
-    stack.poll(ok_id, user)
+    stack.until(ok_id, user)
     r = stack.http.post(f"/api/runs/{ok_id}/cancel", headers=h)
     assert r.status_code == 409
     assert r.json()["error"]["code"] == "CONFLICT"
@@ -274,7 +227,7 @@ def test_another_users_run_is_hidden_but_an_admin_sees_it(stack: Stack) -> None:
     owner, other = _user(), _user()
     r = stack.http.post("/api/runs", json={"code": OK_CODE}, headers=stack.as_user(owner))
     job_id = r.json()["job_id"]
-    stack.poll(job_id, owner)
+    stack.until(job_id, owner)
 
     for method, path in [("GET", f"/api/runs/{job_id}"), ("POST", f"/api/runs/{job_id}/cancel")]:
         r = stack.http.request(method, path, headers=stack.as_user(other))

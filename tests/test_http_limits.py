@@ -27,15 +27,10 @@ import httpx
 import pytest
 
 from api_client.http.limits import bind_refusal, is_loopback, json_depth_over
-from tests.conftest import free_port, run_cli
-from tests.services import (
-    ApiServer,
-    fuzz_for_server_errors,
-    start_redis,
-    start_worker,
-    studio_env,
-    wait_for,
-)
+from testkit.api import fuzz_for_server_errors
+from testkit.processes import free_port, wait_for
+from testkit.stack import DOCKER_PYTHON, Stack
+from tests.conftest import run_cli
 from tests.snippets import OK_CODE, SLEEP_CODE
 
 #: the module's stack starts its own redis-server (tests/conftest.py reads this table)
@@ -46,6 +41,8 @@ ADMIN = "X-Studio-Admin"
 BODY_MAX = 1024 * 1024
 IN_FLIGHT = 10
 EXTRA_HOST = "studio-code.internal"
+#: the API token of the module's stack
+TOKEN = secrets.token_hex(24)
 
 
 def _user() -> str:
@@ -185,45 +182,39 @@ def test_a_failed_wait_raises_its_own_error_and_a_disconnect_ends_it() -> None:
 # --- the stack -------------------------------------------------------------------------------
 
 
-class Stack:
-    def __init__(self, base: str, port: int, token: str, db: Path, api: ApiServer) -> None:
-        self.base, self.port, self.token, self.db, self.api = base, port, token, db, api
-        self.auth = {"Authorization": f"Bearer {token}"}
-        self.http = httpx.Client(base_url=base, timeout=30, headers=self.auth)
+def job_ids(stack: Stack, users: set[str]) -> list[str]:
+    """The user's jobs, straight from the run store (no route lists them)."""
+    with sqlite3.connect(stack.workdir / "runs.db", timeout=30) as conn:
+        rows = conn.execute("SELECT job_id, user FROM code_jobs").fetchall()
+    return [job for job, user in rows if user in users]
 
-    def h(self, user: str, admin: bool = False) -> dict[str, str]:
-        return {USER: user, **({ADMIN: "1"} if admin else {})}
 
-    def job_ids(self, users: set[str]) -> list[str]:
-        """The user's jobs, straight from the run store (no route lists them)."""
-        with sqlite3.connect(self.db, timeout=30) as conn:
-            rows = conn.execute("SELECT job_id, user FROM code_jobs").fetchall()
-        return [job for job, user in rows if user in users]
+def cancel_all(stack: Stack, users: set[str]) -> None:
+    for job_id in job_ids(stack, users):
+        r = stack.http.post(f"/api/runs/{job_id}/cancel", headers=stack.as_user("admin", True))
+        assert r.status_code in (202, 409), r.text
 
-    def cancel_all(self, users: set[str]) -> None:
-        for job_id in self.job_ids(users):
-            r = self.http.post(f"/api/runs/{job_id}/cancel", headers=self.h("admin", True))
-            assert r.status_code in (202, 409), r.text
 
-    def raw(self, request: bytes, *, then: bytes = b"", timeout: float = 10.0) -> bytes:
-        """Send bytes as they are (what httpx will not send), return the whole answer."""
-        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
-            s.sendall(request)
-            if then:
-                try:
-                    s.sendall(then)
-                except OSError:
-                    pass  # the server answered and closed: that is the point
-            out = b""
-            while True:
-                try:
-                    chunk = s.recv(65536)
-                except (ConnectionResetError, TimeoutError):
-                    break
-                if not chunk:
-                    break
-                out += chunk
-            return out
+def send_raw(stack: Stack, request: bytes, *, then: bytes = b"", timeout: float = 10.0) -> bytes:
+    """Send bytes as they are (what httpx will not send), return the whole answer."""
+    assert stack.api is not None
+    with socket.create_connection(("127.0.0.1", stack.api.port), timeout=timeout) as s:
+        s.sendall(request)
+        if then:
+            try:
+                s.sendall(then)
+            except OSError:
+                pass  # the server answered and closed: that is the point
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
 
 
 def _status_and_body(raw: bytes) -> tuple[int, dict[str, Any]]:
@@ -236,27 +227,19 @@ def _status_and_body(raw: bytes) -> tuple[int, dict[str, Any]]:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
 ) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("http-limits")
-    token = secrets.token_hex(24)
-    db = tmp / "runs.db"
-    with start_redis(tmp) as redis:
-        env = studio_env(
-            redis.url,
-            f"sqlite:///{db}",
-            python_image,
-            STUDIO_API_TOKEN=token,
-            STUDIO_API_ALLOWED_HOSTS=EXTRA_HOST,
-            STUDIO_CODE_TEST_PER_MINUTE=1000,
-            STUDIO_CODE_TEST_IN_FLIGHT=IN_FLIGHT,
-            STUDIO_API_BODY_MAX_BYTES=BODY_MAX,
-        )
-        with (
-            start_worker(env, tmp / "worker.log", concurrency=1),
-            ApiServer(env, tmp / "api.log") as api,
-        ):
-            s = Stack(api.base, api.port, token, db, api)
-            yield s
-            s.http.close()
+    with Stack(
+        tmp_path_factory.mktemp("http-limits"),
+        **DOCKER_PYTHON,
+        code_image=python_image,
+        api_token=TOKEN,
+        api_allowed_hosts=EXTRA_HOST,
+        code_test_per_minute=1000,
+        code_test_in_flight=IN_FLIGHT,
+        api_body_max_bytes=BODY_MAX,
+    ) as s:
+        s.start_worker("worker", 1)
+        s.start_api()
+        yield s
 
 
 # --- the shared secret -----------------------------------------------------------------------
@@ -281,10 +264,10 @@ def test_the_token_is_required_on_every_route_but_liveness(stack: Stack) -> None
     wrong = [
         None,
         "Bearer " + "x" * 48,
-        f"Basic {stack.token}",
-        f"Bearer {stack.token}x",
-        stack.token,
-        f"Bearer {stack.token[:-1]}",
+        f"Basic {TOKEN}",
+        f"Bearer {TOKEN}x",
+        TOKEN,
+        f"Bearer {TOKEN[:-1]}",
     ]
     with httpx.Client(base_url=stack.base, timeout=30) as bare:
         for method, path in routes:
@@ -300,7 +283,7 @@ def test_the_token_is_required_on_every_route_but_liveness(stack: Stack) -> None
                 assert "Bearer" in message and r.headers["WWW-Authenticate"] == "Bearer"
         # liveness needs no token; the scheme is case-insensitive; with the token all is well
         assert bare.get("/healthz/live").json() == {"ok": True}
-        r = bare.get("/api/meta/runtime", headers={"Authorization": f"bearer {stack.token}"})
+        r = bare.get("/api/meta/runtime", headers={"Authorization": f"bearer {TOKEN}"})
         assert r.status_code == 200, r.text
     assert stack.http.get("/healthz/ready").status_code == 200
     # and the API counts what it refused, by code
@@ -324,24 +307,24 @@ def test_a_rebound_host_is_refused_before_anything_runs(stack: Stack) -> None:
     user = _user()
     for host in (
         "attacker.example",
-        f"attacker.example:{stack.port}",
+        f"attacker.example:{stack.api.port}",
         "127.0.0.1.nip.io",
         "localhost.attacker.example",
         "",
         "0.0.0.0",
     ):
         r = stack.http.post(
-            "/api/runs", json={"code": OK_CODE}, headers={**stack.h(user), "Host": host}
+            "/api/runs", json={"code": OK_CODE}, headers={**stack.as_user(user), "Host": host}
         )
         assert "attacker" not in _error(r, 400, "HOST_NOT_ALLOWED") or host
-    assert stack.job_ids({user}) == [], "a refused Host still queued a run"
+    assert job_ids(stack, {user}) == [], "a refused Host still queued a run"
     for host in (
-        f"localhost:{stack.port}",
-        f"127.0.0.1:{stack.port}",
-        f"[::1]:{stack.port}",
+        f"localhost:{stack.api.port}",
+        f"127.0.0.1:{stack.api.port}",
+        f"[::1]:{stack.api.port}",
         "LOCALHOST",
         EXTRA_HOST,
-        f"{EXTRA_HOST.upper()}:{stack.port}",
+        f"{EXTRA_HOST.upper()}:{stack.api.port}",
     ):
         r = stack.http.get("/api/meta/runtime", headers={"Host": host})
         assert r.status_code == 200, (host, r.text)
@@ -354,7 +337,7 @@ def test_a_rebound_host_is_refused_before_anything_runs(stack: Stack) -> None:
 @pytest.mark.redis
 def test_an_identity_header_sent_twice_is_refused(stack: Stack) -> None:
     user = _user()
-    auth = ("Authorization", f"Bearer {stack.token}")
+    auth = ("Authorization", f"Bearer {TOKEN}")
     for headers in (
         [auth, (USER, user), (USER, "someone-else")],
         [auth, (USER, user), (ADMIN, "0"), (ADMIN, "1")],
@@ -363,16 +346,17 @@ def test_an_identity_header_sent_twice_is_refused(stack: Stack) -> None:
     ):
         r = httpx.post(stack.base + "/api/runs", json={"code": OK_CODE}, headers=headers)
         assert "more than once" in _error(r, 400, "HEADER_REPEATED")
-    assert stack.job_ids({user}) == []
+    assert job_ids(stack, {user}) == []
     # two Host headers (httpx cannot send that): uvicorn's parser refuses them itself, with
     # a 400 of its own, before the app sees the request (the app would say HEADER_REPEATED)
-    raw = stack.raw(
+    raw = send_raw(
+        stack,
         f"POST /api/runs HTTP/1.1\r\nHost: localhost\r\nHost: attacker.example\r\n"
-        f"Authorization: Bearer {stack.token}\r\n{USER}: {user}\r\nContent-Type: "
-        "application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}".encode()
+        f"Authorization: Bearer {TOKEN}\r\n{USER}: {user}\r\nContent-Type: "
+        "application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}".encode(),
     )
     assert raw.startswith(b"HTTP/1.1 400 "), raw[:300]
-    assert stack.job_ids({user}) == []
+    assert job_ids(stack, {user}) == []
 
 
 # --- bodies ----------------------------------------------------------------------------------
@@ -391,12 +375,12 @@ def test_a_body_over_the_cap_is_413_before_it_is_read(stack: Stack) -> None:
     user = _user()
     head = (
         f"POST /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-        f"{stack.token}\r\n{USER}: {user}\r\nContent-Type: application/json\r\n"
+        f"{TOKEN}\r\n{USER}: {user}\r\nContent-Type: application/json\r\n"
     )
     # Content-Length says 100 MB and not a byte follows: the answer comes anyway (a server
     # that waited for the body would leave this read to its 10 s timeout)
     status, body = _status_and_body(
-        stack.raw((head + "Content-Length: 100000000\r\n\r\n").encode(), timeout=10)
+        send_raw(stack, (head + "Content-Length: 100000000\r\n\r\n").encode(), timeout=10)
     )
     assert (status, body["error"]["code"]) == (413, "REQUEST_TOO_LARGE"), body
     assert str(BODY_MAX) in body["error"]["message"]
@@ -407,21 +391,25 @@ def test_a_body_over_the_cap_is_413_before_it_is_read(stack: Stack) -> None:
     chunk = b"x" * 65536
     stream = (f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n") * 1600  # 100 MiB
     status, body = _status_and_body(
-        stack.raw((head + "Transfer-Encoding: chunked\r\n\r\n").encode(), then=stream, timeout=30)
+        send_raw(
+            stack, (head + "Transfer-Encoding: chunked\r\n\r\n").encode(), then=stream, timeout=30
+        )
     )
     assert (status, body["error"]["code"]) == (413, "REQUEST_TOO_LARGE"), body
     assert _rss_kb(stack.api.pid) - rss0 < 30 * 1024, "the API kept the body"
-    assert stack.job_ids({user}) == []
+    assert job_ids(stack, {user}) == []
 
     # under the cap it runs; each route has its own cap (a language check takes 64 KiB)
     state = {"blob": "y" * (BODY_MAX // 2)}
-    r = stack.http.post("/api/runs", json={"code": OK_CODE, "state": state}, headers=stack.h(user))
+    r = stack.http.post(
+        "/api/runs", json={"code": OK_CODE, "state": state}, headers=stack.as_user(user)
+    )
     assert r.status_code == 202, r.text
-    stack.cancel_all({user})
+    cancel_all(stack, {user})
     r = stack.http.post(
         "/api/code/nodes/check",
         content=b" " * 70_000 + b'{"language": "py"}',
-        headers={**stack.h(user), "Content-Type": "application/json"},
+        headers={**stack.as_user(user), "Content-Type": "application/json"},
     )
     _error(r, 413, "REQUEST_TOO_LARGE")
 
@@ -433,28 +421,36 @@ def test_json_nested_too_deep_is_refused_before_it_is_parsed(stack: Stack) -> No
     # 100,000 deep (the stdlib parser would raise RecursionError on it)
     deep = b'{"code": "x", "state": {"v": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
     r = stack.http.post(
-        "/api/runs", content=deep, headers={**stack.h(user), "Content-Type": "application/json"}
+        "/api/runs",
+        content=deep,
+        headers={**stack.as_user(user), "Content-Type": "application/json"},
     )
     assert "STUDIO_API_JSON_MAX_DEPTH=64" in _error(r, 400, "REQUEST_TOO_DEEP")
     # the body, the state and 62 arrays: 64 levels, the limit, pass; one more does not
     r = stack.http.post(
-        "/api/runs", json={"code": OK_CODE, "state": {"v": _nested(62)}}, headers=stack.h(user)
+        "/api/runs",
+        json={"code": OK_CODE, "state": {"v": _nested(62)}},
+        headers=stack.as_user(user),
     )
     assert r.status_code == 202, r.text
     r = stack.http.post(
-        "/api/runs", json={"code": OK_CODE, "state": {"v": _nested(63)}}, headers=stack.h(user)
+        "/api/runs",
+        json={"code": OK_CODE, "state": {"v": _nested(63)}},
+        headers=stack.as_user(user),
     )
     _error(r, 400, "REQUEST_TOO_DEEP")
     # a body sent with no Content-Type is parsed as JSON by the framework: checked too
-    r = stack.http.post("/api/code/validate", content=b"[" * 70 + b"]" * 70, headers=stack.h(user))
+    r = stack.http.post(
+        "/api/code/validate", content=b"[" * 70 + b"]" * 70, headers=stack.as_user(user)
+    )
     _error(r, 400, "REQUEST_TOO_DEEP")
-    stack.cancel_all({user})
+    cancel_all(stack, {user})
 
 
 @pytest.mark.docker
 @pytest.mark.redis
 def test_every_framework_error_has_the_shape(stack: Stack) -> None:
-    h = stack.h(_user())
+    h = stack.as_user(_user())
     _error(stack.http.get("/no/such/route", headers=h), 404, "NOT_FOUND")
     r = stack.http.get("/api/code/test", headers=h)
     assert "POST" in _error(r, 405, "METHOD_NOT_ALLOWED") and r.headers["Allow"] == "POST"
@@ -563,10 +559,10 @@ def _wait_for_jobs(
 ) -> None:
     def seen() -> str:
         ended = f"; calls that had ended: {burst.answered[:5]}" if burst is not None else ""
-        return f"{len(stack.job_ids(users))} of {n} test calls submitted{ended}"
+        return f"{len(job_ids(stack, users))} of {n} test calls submitted{ended}"
 
     wait_for(
-        lambda: len(stack.job_ids(users)) >= n,
+        lambda: len(job_ids(stack, users)) >= n,
         timeout,
         f"{n} test calls submitted",
         0.2,
@@ -590,11 +586,11 @@ def test_the_in_flight_cap_is_429_and_a_disconnect_gives_the_slot_back(stack: St
     burst = Burst(stack, [(user, body)] * IN_FLIGHT)
     try:
         _wait_for_jobs(stack, {user}, IN_FLIGHT, 60, burst)
-        r = stack.http.post("/api/code/test", json=body, headers=stack.h(user))
+        r = stack.http.post("/api/code/test", json=body, headers=stack.as_user(user))
         message = _error(r, 429, "RATE_LIMITED")
         assert f"STUDIO_CODE_TEST_IN_FLIGHT={IN_FLIGHT}" in message
         assert r.headers["Retry-After"] == "2" and r.json()["error"]["retry_after_s"] == 2
-        assert len(stack.job_ids({user})) == IN_FLIGHT, "a refused call still queued a run"
+        assert len(job_ids(stack, {user})) == IN_FLIGHT, "a refused call still queued a run"
     finally:
         burst.disconnect()
         assert burst.join(30), "the waiting calls did not end"
@@ -610,7 +606,7 @@ def test_the_in_flight_cap_is_429_and_a_disconnect_gives_the_slot_back(stack: St
             break
     assert 429 not in codes, codes
     _wait_for_jobs(stack, {user}, 2 * IN_FLIGHT, 30)
-    stack.cancel_all({user})
+    cancel_all(stack, {user})
 
 
 @pytest.mark.docker
@@ -618,7 +614,7 @@ def test_the_in_flight_cap_is_429_and_a_disconnect_gives_the_slot_back(stack: St
 def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
     users = [_user() for _ in range(20)]
     body = {"code": SLEEP_CODE, "state": {"s": 60}, "timeout_s": 15}
-    ok = stack.http.post("/api/runs", json={"code": OK_CODE}, headers=stack.h("prober"))
+    ok = stack.http.post("/api/runs", json={"code": OK_CODE}, headers=stack.as_user("prober"))
     probe_id = ok.json()["job_id"]
     burst = Burst(stack, [(u, body) for u in users for _ in range(IN_FLIGHT)])
     failures: list[str] = []
@@ -631,7 +627,7 @@ def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
             while time.monotonic() < deadline:
                 for path, h in (
                     ("/healthz/live", {}),
-                    (f"/api/runs/{probe_id}", stack.h("prober")),
+                    (f"/api/runs/{probe_id}", stack.as_user("prober")),
                 ):
                     probes += 1
                     try:
@@ -643,12 +639,12 @@ def test_200_waiting_test_calls_leave_the_api_responsive(stack: Stack) -> None:
                 time.sleep(0.05)
         assert not burst.answered, "test calls ended before their runs did"
         # the runs end (cancelled), and every waiting call answers with its run
-        stack.cancel_all(set(users))
+        cancel_all(stack, set(users))
         assert burst.join(60), "the waiting calls did not end after their runs did"
     finally:
         burst.disconnect()
         burst.join(30)
-        stack.cancel_all(set(users))
+        cancel_all(stack, set(users))
     assert not failures, failures[:5]
     assert probes > 20
     answers = [r for r in burst.results if isinstance(r, httpx.Response)]

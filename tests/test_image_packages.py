@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
-from tests.services import REAL_DOCKER_HOST, require
+from testkit.processes import ROOT, require
+from testkit.sockguard import REAL_DOCKER_HOST
+from tests.conftest import run_cli
 
 TAG = uuid.uuid4().hex[:8]
 PY_TAG = f"studio-code-test-packages:{TAG}"

@@ -99,7 +99,7 @@ def test_code_that_exits_137_itself_is_still_the_codes(executor: Any) -> None:
 
 @pytest.mark.redis
 def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
-    queue_env: Any, docker_client: Any
+    make_stack: Any, docker_client: Any
 ) -> None:
     """One worker; the job's sandbox is removed from outside on each attempt (`docker rm -f`
     of the test's own container): it is handed back and runs again, twice, then ends
@@ -107,7 +107,7 @@ def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
     a CODE_* outcome; its trace begins with the re-run row."""
     from worker.protocol import MAX_ATTEMPTS
 
-    q = queue_env(code_concurrency=1)
+    q = make_stack(code_concurrency=1)
     q.start_worker("lost", concurrency=1)
     job = q.client.submit(SLEEPS, "python", {}, timeout_s=25)
     removed: list[str] = []
@@ -136,12 +136,12 @@ def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
 
 @pytest.mark.redis
 def test_a_job_whose_sandbox_an_operator_kills_runs_again_and_succeeds(
-    queue_env: Any, docker_client: Any
+    make_stack: Any, docker_client: Any
 ) -> None:
     """One worker; the job's first sandbox is `docker kill`ed (the test's own container) while
     its code runs: the job is handed back, runs again and ends ``succeeded`` with attempts
     2, its trace beginning with the re-run row naming ``sandbox_killed``; no sandbox is left."""
-    q = queue_env(code_concurrency=1)
+    q = make_stack(code_concurrency=1)
     q.start_worker("killed", concurrency=1)
     code = "import time\n\ndef main(state):\n    time.sleep(2)\n    return 5\n"
     job = q.client.submit(code, "python", {}, timeout_s=25)

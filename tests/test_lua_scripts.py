@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.services import RedisServer, start_redis
+from testkit.redis import RedisServer, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("executor", "worker", "api_client")

@@ -15,8 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
-from tests.services import children, containers_of, start_worker, studio_env, wait_for
+from testkit.processes import children, free_port, wait_for
+from testkit.sandboxes import containers_of
+from testkit.stack import studio_env
+from testkit.worker import start_worker
 from tests.snippets import OK_CODE, RAISE_CODE, SLEEP_CODE
 
 OOM_CODE = (
@@ -445,7 +447,7 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
     import json
     import re
 
-    from tests.conftest import ROOT
+    from testkit.processes import ROOT
 
     dash = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]

@@ -12,8 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
-from tests.services import ApiServer, CeleryWorker, wait_for
+from testkit.processes import free_port, wait_for
 from tests.snippets import ADMIN, SLEEP_CODE, TRIVIAL, USER
 
 NAMES = (
@@ -28,11 +27,11 @@ def samples(text: str) -> list[Any]:
     return [s for f in text_string_to_metric_families(text) for s in f.samples]
 
 
-@pytest.mark.docker  # queue_env's image
+@pytest.mark.docker  # make_stack's image
 @pytest.mark.redis
 @pytest.mark.timeout(240)
-def test_metrics_name_no_user_while_13_users_wait(queue_env: Any, tmp_path: Any) -> None:
-    q = queue_env(
+def test_metrics_name_no_user_while_13_users_wait(make_stack: Any, tmp_path: Any) -> None:
+    q = make_stack(
         code_runtime="subprocess",
         code_concurrency=1,
         queue_test_slots=0,
@@ -40,13 +39,9 @@ def test_metrics_name_no_user_while_13_users_wait(queue_env: Any, tmp_path: Any)
         code_max_seconds=120,
     )
     port = free_port()
-    env = {
-        **q.env(metrics_port=port),
-        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom"),
-    }
-    worker = CeleryWorker(env, tmp_path / "w1.log", name="w1", concurrency=1, stop_timeout=25)
-    q.workers.append(worker)  # stopped by queue_env
-    worker.wait_ready(60, app=q.client.app)
+    q.start_worker(
+        "w1", 1, metrics_port=port, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")}
+    )
     users = [f"{n}-{uuid.uuid4().hex[:12]}" for n in NAMES]
     holder = f"holder-{uuid.uuid4().hex[:12]}"
     # the one slot, busy: everything submitted after it waits
@@ -65,7 +60,7 @@ def test_metrics_name_no_user_while_13_users_wait(queue_env: Any, tmp_path: Any)
     )
     assert fair["waiting"] >= sum(RUNS) - 3, fair  # code.run holds the 2 released (1 slot)
 
-    with ApiServer(q.env(), tmp_path / "api.log") as api:
+    with q.start_api() as api:
         api_text = httpx.get(f"{api.base}/metrics", timeout=30).text
         worker_text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         public = httpx.get(f"{api.base}/api/meta/runtime", timeout=60)

@@ -26,17 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import IN_CI, free_port, require, run_cli
-from tests.services import (
-    BIN,
-    ApiServer,
-    CeleryWorker,
-    RedisServer,
-    containers_of,
-    start_redis,
-    studio_env,
-    wait_for,
-)
+from testkit.processes import BIN, IN_CI, free_port, require, wait_for
+from testkit.sandboxes import containers_of
+from testkit.stack import DOCKER_PYTHON, Stack
+from tests.conftest import run_cli
 from tests.snippets import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
@@ -81,89 +74,46 @@ class EventLog:
         self._thread.join(5)
 
 
-class Ops:
-    def __init__(
-        self,
-        base: str,
-        worker: CeleryWorker,
-        api: ApiServer,
-        redis: RedisServer,
-        env: dict[str, str],
-        metrics_port: int,
-        events: EventLog,
-    ) -> None:
-        self.base, self.worker, self.api, self.redis = base, worker, api, redis
-        self.env, self.metrics_port, self.events = env, metrics_port, events
-        self.http = httpx.Client(base_url=base, timeout=60)
-        self.worker_name = ""
-
-    def submit(self, user: str, code: str = OK_CODE, **body: Any) -> str:
-        r = self.http.post("/api/runs", json={"code": code, **body}, headers={USER: user})
-        assert r.status_code == 202, r.text
-        return str(r.json()["job_id"])
-
-    def run(self, job_id: str, user: str) -> dict[str, Any]:
-        r = self.http.get(f"/api/runs/{job_id}", headers={USER: user})
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-    def until(
-        self, job_id: str, user: str, statuses: set[str], timeout: float = 60
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {}
-
-        def reached() -> dict[str, Any] | None:
-            nonlocal body
-            body = self.run(job_id, user)
-            return body if body["status"] in statuses else None
-
-        return dict(
-            wait_for(
-                reached,
-                timeout,
-                f"run {job_id} in {sorted(statuses)}",
-                0.05,
-                describe=lambda: body.get("status"),
-            )
-        )
+@pytest.fixture(scope="module")
+def metrics_port() -> int:
+    """The worker's /metrics server's port."""
+    return free_port()
 
 
 @pytest.fixture(scope="module")
 def ops(
-    tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
-) -> Iterator[Ops]:
+    tmp_path_factory: pytest.TempPathFactory,
+    docker_client: Any,
+    python_image: str,
+    metrics_port: int,
+) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("ops")
-    port = free_port()
     (tmp / "prom").mkdir()
-    with start_redis(tmp) as redis:
-        env = studio_env(
-            redis.url,
-            f"sqlite:///{tmp / 'runs.db'}",
-            python_image,
-            STUDIO_METRICS_PORT=port,
-            PROMETHEUS_MULTIPROC_DIR=tmp / "prom",
-            STUDIO_METRICS_READY_INTERVAL_S=0,
-            STUDIO_CODE_MAX_MEMORY="512m",
-            STUDIO_CODE_MAX_CPUS=1,
+    with Stack(
+        tmp,
+        **DOCKER_PYTHON,
+        code_image=python_image,
+        metrics_port=metrics_port,
+        metrics_ready_interval_s=0,
+        code_max_memory="512m",
+        code_max_cpus=1,
+    ) as s:
+        s.start_worker(
+            f"ops{uuid.uuid4().hex[:6]}",
+            3,
+            extra_args=["-E"],
+            env={"PROMETHEUS_MULTIPROC_DIR": str(tmp / "prom")},
         )
-        events = EventLog(redis.url)
-        try:
-            with CeleryWorker(
-                env,
-                tmp / "worker.log",
-                name=f"ops{uuid.uuid4().hex[:6]}",
-                concurrency=3,
-                extra_args=["-E"],
-            ) as worker:
-                worker.wait_ready(60)
-                api_env = {k: v for k, v in env.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-                with ApiServer(api_env, tmp / "api.log") as api:
-                    o = Ops(api.base, worker, api, redis, env, port, events)
-                    o.worker_name = worker.node
-                    yield o
-                    o.http.close()
-        finally:
-            events.stop()
+        s.start_api()
+        yield s
+
+
+@pytest.fixture(scope="module")
+def events(ops: Stack) -> Iterator[EventLog]:
+    """The task events of the module's worker (started with -E), as a receiver gets them."""
+    log = EventLog(ops.redis_url)
+    yield log
+    log.stop()
 
 
 def _user() -> str:
@@ -173,11 +123,11 @@ def _user() -> str:
 # --- run history ------------------------------------------------------------------------
 
 
-def test_run_history_over_http_and_cli(ops: Ops) -> None:
+def test_run_history_over_http_and_cli(ops: Stack) -> None:
     alice, bob = _user(), _user()
-    a_ok = [ops.submit(alice, state={"n": i}) for i in range(3)]
+    a_ok = [ops.submit(alice, OK_CODE, state={"n": i}) for i in range(3)]
     a_bad = ops.submit(alice, RAISE_CODE)
-    b_ok = ops.submit(bob)
+    b_ok = ops.submit(bob, OK_CODE)
     for job_id in [*a_ok, a_bad]:
         ops.until(job_id, alice, {"succeeded", "failed"})
     ops.until(b_ok, bob, {"succeeded"})
@@ -230,27 +180,29 @@ def test_run_history_over_http_and_cli(ops: Ops) -> None:
     assert ops.http.get("/api/runs").status_code == 401
 
     # the CLI reads the same store: one JSON object
-    out = run_cli("runs", "--user", alice, "--status", "succeeded", "--limit", "2", env=ops.env)
+    out = run_cli("runs", "--user", alice, "--status", "succeeded", "--limit", "2", env=ops.env())
     assert out.returncode == 0, out.stderr
     page = json.loads(out.stdout)
     assert [x["job_id"] for x in page["runs"]] == list(reversed(a_ok))[:2]
     assert page["next_cursor"] and page["error"] is None
-    out = run_cli("runs", "--cursor", "zzz", env=ops.env)
+    out = run_cli("runs", "--cursor", "zzz", env=ops.env())
     assert out.returncode == 1 and json.loads(out.stdout)["error"]["code"] == "REQUEST_INVALID"
 
 
 # --- what Celery's tools see ------------------------------------------------------------------
 
 
-def test_celery_events_show_failed_and_revoked(ops: Ops, docker_client: Any) -> None:
+def test_celery_events_show_failed_and_revoked(
+    ops: Stack, events: EventLog, docker_client: Any
+) -> None:
     user = _user()
-    ok = ops.submit(user)
+    ok = ops.submit(user, OK_CODE)
     bad = ops.submit(user, RAISE_CODE)
     slow = ops.submit(user, SLEEP_CODE, state={"s": 60})
-    assert "task-succeeded" in ops.events.wait_for(ok, "task-succeeded")
-    bad_events = ops.events.wait_for(bad, "task-failed")
+    assert "task-succeeded" in events.wait_for(ok, "task-succeeded")
+    bad_events = events.wait_for(bad, "task-failed")
     failed_event = next(
-        e for e in ops.events.events if e.get("uuid") == bad and e["type"] == "task-failed"
+        e for e in events.events if e.get("uuid") == bad and e["type"] == "task-failed"
     )
     assert "NodeFailed" in failed_event["exception"] and "CODE_ERROR" in failed_event["exception"]
     assert "task-succeeded" not in bad_events and "task-retried" not in bad_events
@@ -259,9 +211,9 @@ def test_celery_events_show_failed_and_revoked(ops: Ops, docker_client: Any) -> 
     r = ops.http.post(f"/api/runs/{slow}/cancel", headers={USER: user})
     assert r.status_code == 202, r.text
     ops.until(slow, user, {"cancelled"}, timeout=15)
-    ops.events.wait_for(slow, "task-revoked")
+    events.wait_for(slow, "task-revoked")
     time.sleep(1)  # a late success, failure or second revoked event would come now
-    slow_events = ops.events.of(slow)
+    slow_events = events.of(slow)
     assert slow_events.count("task-revoked") == 1, slow_events
     assert not {"task-succeeded", "task-failed"} & set(slow_events), slow_events
 
@@ -271,7 +223,7 @@ def test_celery_events_show_failed_and_revoked(ops: Ops, docker_client: Any) -> 
 
 
 def test_a_cancel_whose_revoke_never_arrived_is_still_a_revoked_task(
-    ops: Ops, docker_client: Any
+    ops: Stack, events: EventLog, docker_client: Any
 ) -> None:
     """The revoke broadcast is lost (or a busy worker's main process reads it only after the
     job's Redis flag ended it): the cancel goes to the store and the flag alone, as
@@ -283,24 +235,24 @@ def test_a_cancel_whose_revoke_never_arrived_is_still_a_revoked_task(
     user = _user()
     job = ops.submit(user, SLEEP_CODE, state={"s": 60})
     ops.until(job, user, {"running"})
-    with open_store(ops.env["STUDIO_DATABASE_URL"]) as store:
+    with open_store(ops.database_url) as store:
         assert store.request_cancel(job) is not None
     import redis
 
-    with redis.Redis.from_url(ops.redis.url) as r:
+    with redis.Redis.from_url(ops.redis_url) as r:
         r.set(cancel_key(job), "1", ex=600)
     body = ops.until(job, user, {"cancelled", "failed", "succeeded"}, timeout=30)
     assert body["status"] == "cancelled", body
-    ops.events.wait_for(job, "task-revoked")
+    events.wait_for(job, "task-revoked")
     time.sleep(1)  # a late success, failure or second revoked event would come now
-    events = ops.events.of(job)
+    events = events.of(job)
     assert events.count("task-revoked") == 1, events
     assert not {"task-succeeded", "task-failed"} & set(events), events
     assert ops.run(job, user)["attempts"] == 1
 
 
 def test_revoke_terminate_as_flower_sends_it_ends_the_run_cancelled(
-    ops: Ops, docker_client: Any
+    ops: Stack, events: EventLog, docker_client: Any
 ) -> None:
     user = _user()
     job = ops.submit(user, SLEEP_CODE, state={"s": 60})
@@ -313,7 +265,7 @@ def test_revoke_terminate_as_flower_sends_it_ends_the_run_cancelled(
     # SIGTERM, from an app that knows nothing of ours (Celery 5's CLI has no --terminate)
     from celery import Celery
 
-    flower = Celery(broker=ops.redis.url, set_as_current=False)
+    flower = Celery(broker=ops.redis_url, set_as_current=False)
     flower.control.revoke(job, terminate=True)
     body = ops.until(job, user, {"cancelled", "failed", "succeeded"}, timeout=30)
     flower.close()
@@ -325,13 +277,13 @@ def test_revoke_terminate_as_flower_sends_it_ends_the_run_cancelled(
     while containers_of(docker_client, job):
         assert time.monotonic() < deadline, "the sandbox outlived the revoke"
         time.sleep(0.1)
-    assert "task-revoked" in ops.events.wait_for(job, "task-revoked")
+    assert "task-revoked" in events.wait_for(job, "task-revoked")
     # the pool process survived (a cancel, not a kill): the next job runs at once
-    nxt = ops.submit(user)
+    nxt = ops.submit(user, OK_CODE)
     assert ops.until(nxt, user, {"succeeded", "failed"})["status"] == "succeeded"
 
 
-def test_inspect_active_queues_lists_code_test(ops: Ops) -> None:
+def test_inspect_active_queues_lists_code_test(ops: Stack) -> None:
     out = subprocess.run(
         [
             str(BIN / "celery"),
@@ -343,9 +295,9 @@ def test_inspect_active_queues_lists_code_test(ops: Ops) -> None:
             "--timeout",
             "5",
             "-d",
-            ops.worker_name,
+            ops.workers[0].node,
         ],
-        env=ops.env,
+        env=ops.env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -384,8 +336,10 @@ def _promtool(text: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_both_metrics_endpoints_have_every_series_and_pass_promtool(ops: Ops) -> None:
-    worker_text = httpx.get(f"http://127.0.0.1:{ops.metrics_port}/metrics", timeout=30).text
+def test_both_metrics_endpoints_have_every_series_and_pass_promtool(
+    ops: Stack, metrics_port: int
+) -> None:
+    worker_text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
     w = _samples(worker_text)
     # present from the start, whatever ran before in this module
     for language in ("python", "typescript"):
@@ -433,11 +387,11 @@ def test_both_metrics_endpoints_have_every_series_and_pass_promtool(ops: Ops) ->
     _promtool(api_text)
 
 
-def test_a_busy_slot_shows_while_a_node_runs(ops: Ops) -> None:
+def test_a_busy_slot_shows_while_a_node_runs(ops: Stack, metrics_port: int) -> None:
     user = _user()
     job = ops.submit(user, SLEEP_CODE, state={"s": 60})
     ops.until(job, user, {"running"})
-    w = _samples(httpx.get(f"http://127.0.0.1:{ops.metrics_port}/metrics", timeout=30).text)
+    w = _samples(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text)
     assert _get(w, "studio_code_worker_slots", queue="code.run", state="busy") == 1.0
     assert _get(w, "studio_code_worker_slots", queue="code.run", state="idle") == 1.0
     assert _get(w, "studio_code_sandboxes_running", language="python") == 1.0
@@ -514,7 +468,7 @@ def _cpu_share(out: dict[str, Any]) -> float:
     return int(quota) / int(period)
 
 
-def test_a_node_asks_for_its_own_limits_up_to_the_caps(ops: Ops) -> None:
+def test_a_node_asks_for_its_own_limits_up_to_the_caps(ops: Stack) -> None:
     user = _user()
     # seen from INSIDE the sandbox: what the node asked for, not the server's default
     job = ops.submit(user, CGROUP_CODE, memory="384m", cpus=1)
@@ -568,7 +522,7 @@ PRINT_THEN_WORK = (
 
 
 def _sse(
-    ops: Ops, job_id: str, user: str, headers: dict[str, str] | None = None, on_event: Any = None
+    ops: Stack, job_id: str, user: str, headers: dict[str, str] | None = None, on_event: Any = None
 ) -> list[tuple[str, str, str | None]]:
     """Read the SSE stream to its end: [(event, data, id)]."""
     out: list[tuple[str, str, str | None]] = []
@@ -600,7 +554,7 @@ def _sse(
     return out
 
 
-def test_live_logs_arrive_while_the_node_runs(ops: Ops) -> None:
+def test_live_logs_arrive_while_the_node_runs(ops: Stack) -> None:
     user = _user()
     job = ops.submit(user, PRINT_THEN_WORK, state={"s": 3})
     seen_running: list[bool] = []
@@ -633,7 +587,7 @@ def test_live_logs_arrive_while_the_node_runs(ops: Ops) -> None:
     )
 
 
-def test_live_logs_keep_the_cap_and_the_mark(ops: Ops) -> None:
+def test_live_logs_keep_the_cap_and_the_mark(ops: Stack) -> None:
     user = _user()
     flood = (
         "import sys\ndef main(state):\n"
@@ -651,10 +605,10 @@ def test_live_logs_keep_the_cap_and_the_mark(ops: Ops) -> None:
     assert json.loads(events[-1][1])["logs_truncated"] is True
 
 
-def test_cli_logs_follow(ops: Ops) -> None:
+def test_cli_logs_follow(ops: Stack) -> None:
     user = _user()
     job = ops.submit(user, PRINT_THEN_WORK, state={"s": 1})
-    out = run_cli("logs", job, "--follow", env=ops.env, timeout=120)
+    out = run_cli("logs", job, "--follow", env=ops.env(), timeout=120)
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
     assert body["status"] == "succeeded" and "second line" in body["logs"]

@@ -19,7 +19,8 @@ import pytest
 
 from executor.errors import StoreUnavailable
 from executor.outage import is_outage, is_redis_outage, is_store_outage
-from tests.services import IN_CI, pg_exec
+from testkit.postgres import pg_exec
+from testkit.processes import IN_CI
 
 
 def _raised(fn: Callable[[], Any]) -> BaseException:
@@ -307,19 +308,12 @@ def test_a_stopped_postgres_raises_store_unavailable_and_a_result_is_parked_then
     import redis
 
     from executor.models import Status
-    from tests.conftest import require
-    from tests.services import PgCluster, pg_bin
+    from testkit.postgres import start_pg_cluster
     from worker.job import pending
     from worker.upkeep.flusher import flush
 
-    require(
-        pg_bin("initdb") is not None and pg_bin("pg_ctl") is not None,
-        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
-    )
-    cluster = PgCluster()
+    cluster = start_pg_cluster()
     try:
-        cluster.init()
-        cluster.start()
 
         def stop(store: Any) -> Any:
             cluster.stop()
@@ -385,7 +379,10 @@ def test_a_read_only_store_folder_pauses_the_worker_and_the_api_answers_503(
     import redis
 
     from executor.store import open_store
-    from tests.services import ApiServer, env_for, start_worker, wait_for
+    from testkit.api import ApiServer
+    from testkit.processes import wait_for
+    from testkit.stack import env_for
+    from testkit.worker import start_worker
     from tests.snippets import USER
     from worker.registry import WorkerRegistry
 

@@ -21,8 +21,10 @@ from typing import Any
 import pytest
 
 from executor.models import CodeJob, Status
-from tests.conftest import ROOT, THROUGH_SOCKGUARD
-from tests.services import REAL_DOCKER_HOST, QueueEnv, SockGuardProcess, children, wait_for
+from testkit.processes import ROOT, children, wait_for
+from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
+from testkit.stack import Stack
+from tests.conftest import THROUGH_SOCKGUARD
 from tests.snippets import WHOAMI
 
 pytestmark = pytest.mark.docker
@@ -354,11 +356,11 @@ def test_pool_metrics_count_hits_and_misses_and_show_idle() -> None:
 @pytest.mark.redis
 @pytest.mark.timeout(240)
 def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_nothing(
-    queue_env: Any,  # noqa: F811 - the fixture imported above
+    make_stack: Any,  # noqa: F811 - the fixture imported above
     docker_client: Any,
     make_settings: Any,
 ) -> None:
-    q: QueueEnv = queue_env(
+    q: Stack = make_stack(
         code_concurrency=1, code_memory="64m", code_languages="python", queue_test_slots=0
     )
     w = q.start_worker("pool1", 1)
@@ -427,7 +429,7 @@ def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_not
 
 @pytest.mark.timeout(300)
 def test_a_pool_process_recycled_after_max_tasks_per_child_hands_over_cleanly(
-    queue_env: Any,
+    make_stack: Any,
     docker_client: Any,
 ) -> None:
     """Celery's ``--max-tasks-per-child``, given to ``studio-code worker`` (an operator's bound
@@ -435,7 +437,7 @@ def test_a_pool_process_recycled_after_max_tasks_per_child_hands_over_cleanly(
     and a new one takes its slot. A backlog's every job ends exactly once, succeeded, in a
     container of its own; a process that ends removes its own pre-started sandbox itself (it
     is not left to the reaper) and the new one pre-starts its own."""
-    q: QueueEnv = queue_env(code_concurrency=1, code_languages="python", queue_test_slots=0)
+    q: Stack = make_stack(code_concurrency=1, code_languages="python", queue_test_slots=0)
     w = q.start_worker("recycle", 1, cli=True, extra_args=["--max-tasks-per-child", "3"])
     jobs = [q.client.submit(WHOAMI, "python", {}) for _ in range(10)]
     recs = q.wait_all(jobs, 240)
@@ -498,7 +500,7 @@ def _sockets(pid: int) -> set[str]:
 
 @pytest.mark.timeout(300)
 def test_a_replaced_pool_process_holds_none_of_its_main_processs_sockets(
-    queue_env: Any, docker_client: Any
+    make_stack: Any, docker_client: Any
 ) -> None:
     """A pool process forked to replace one (here: SIGKILLed, as the soak does) starts with
     a copy of every socket its main process has open (Redis, the store, the engine, the
@@ -507,7 +509,7 @@ def test_a_replaced_pool_process_holds_none_of_its_main_processs_sockets(
     main process's sockets, and runs jobs."""
     import signal as sig
 
-    q: QueueEnv = queue_env(
+    q: Stack = make_stack(
         code_concurrency=1,
         code_languages="python",
         queue_test_slots=0,

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from executor.models import CodeJob, Status
+from testkit.processes import wait_for
 from tests import test_pool
-from tests.services import wait_for
 
 #: the fixture of tests/test_pool.py: executors with a filled pool (Python), closed at the end
 pooled = test_pool.pooled

@@ -18,16 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
+from testkit.api import ApiServer
+from testkit.processes import wait_for
+from testkit.redis import RedisServer, start_redis
+from testkit.stack import DOCKER_PYTHON, Stack
 from tests.conftest import run_cli
-from tests.services import (
-    ApiServer,
-    CeleryWorker,
-    RedisServer,
-    start_redis,
-    start_worker,
-    studio_env,
-    wait_for,
-)
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
@@ -41,24 +36,23 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
         yield r
 
 
-def _env(redis: RedisServer, tmp: Path, image: str, **extra: Any) -> dict[str, str]:
-    return studio_env(
-        redis.url,
-        f"sqlite:///{tmp / 'runs.db'}",
-        image,
-        STUDIO_QUEUE_HEARTBEAT_INTERVAL_S="1",
-        **extra,
-    )
-
-
 @contextmanager
-def _serving(env: dict[str, str], tmp: Path, name: str) -> Iterator[tuple[CeleryWorker, ApiServer]]:
-    """A worker (one pool process) and the API (``studio-code serve``), with ``env``."""
-    with (
-        start_worker(env, tmp / f"{name}.log", concurrency=1) as worker,
-        ApiServer(env, tmp / f"{name}-api.log") as api,
-    ):
-        yield worker, api
+def _serving(
+    redis: RedisServer, tmp: Path, image: str, name: str, **settings: Any
+) -> Iterator[Stack]:
+    """A worker (one pool process) and the API (``studio-code serve``) on the module's Redis,
+    ``settings`` on top."""
+    with Stack(
+        tmp,
+        redis_url=redis.url,
+        **DOCKER_PYTHON,
+        code_image=image,
+        queue_heartbeat_interval_s=1,
+        **settings,
+    ) as stack:
+        stack.start_worker(name, 1)
+        stack.start_api()
+        yield stack
 
 
 def _cli_meta(env: dict[str, str]) -> dict[str, Any]:
@@ -100,10 +94,11 @@ def test_the_api_and_the_cli_show_the_workers_pre_import_memory(
 
     if cgroup_host(docker_client.api) is None:
         pytest.skip("this host's cgroups cannot be read from here: nothing is measured")
-    env = _env(
-        redis, tmp_path, python_image, STUDIO_CODE_PREWARM="1", STUDIO_CODE_PREIMPORT=MODULES
-    )
-    with _serving(env, tmp_path, "preimport") as (worker, api):
+    with _serving(
+        redis, tmp_path, python_image, "preimport", code_prewarm=1, code_preimport=MODULES
+    ) as stack:
+        worker, api = stack.workers[0], stack.api
+        assert api is not None
         meta = _python(api, worker.node, measured=True)
         pre = meta["preimport"]
         print("meta preimport:", json.dumps(pre, indent=1))
@@ -125,15 +120,16 @@ def test_the_api_and_the_cli_show_the_workers_pre_import_memory(
         # the API process keeps no pool: its own figure stays null, as before
         assert meta["pool"]["preimport_memory"]["python"]["idle_memory_bytes"] is None
         # `studio-code meta` is the same document, built by the same code
-        assert _cli_meta(env)["preimport"] == pre
+        assert _cli_meta(stack.env())["preimport"] == pre
 
 
 @pytest.mark.timeout(600)
 def test_without_a_pool_or_a_pre_import_they_say_nothing_is_pre_imported(
     redis: RedisServer, tmp_path: Path, python_image: str
 ) -> None:
-    cold = _env(redis, tmp_path, python_image, STUDIO_CODE_PREWARM="0")
-    with _serving(cold, tmp_path, "cold") as (worker, api):
+    with _serving(redis, tmp_path, python_image, "cold", code_prewarm=0) as stack:
+        worker, api = stack.workers[0], stack.api
+        assert api is not None
         meta = _python(api, worker.node, measured=False)
         python = meta["preimport"]["languages"]["python"]
         assert python["note"].startswith("nothing is pre-imported: no live worker keeps pre-")
@@ -141,10 +137,11 @@ def test_without_a_pool_or_a_pre_import_they_say_nothing_is_pre_imported(
         for figure in ("idle_memory_bytes", "without_preimport_bytes", "preimport_bytes"):
             assert python[figure] is None, python
         assert meta["preimport"]["workers"][worker.node] == {"pooled": False, "languages": {}}
-        assert _cli_meta(cold)["preimport"] == meta["preimport"]
+        assert _cli_meta(stack.env())["preimport"] == meta["preimport"]
     # pre-started sandboxes that import nothing: their idle memory shows, no pre-import cost
-    pooled = _env(redis, tmp_path, python_image, STUDIO_CODE_PREWARM="1")
-    with _serving(pooled, tmp_path, "pooled") as (worker, api):
+    with _serving(redis, tmp_path, python_image, "pooled", code_prewarm=1) as stack:
+        worker, api = stack.workers[0], stack.api
+        assert api is not None
         meta = _python(api, worker.node, measured=False)
         python = meta["preimport"]["languages"]["python"]
         assert python["note"] == (
@@ -153,4 +150,5 @@ def test_without_a_pool_or_a_pre_import_they_say_nothing_is_pre_imported(
         )
         assert python["modules"] == [] and python["preimport_bytes"] is None
         assert meta["preimport"]["workers"][worker.node]["pooled"] is True
-        assert _cli_meta(pooled)["preimport"]["languages"]["python"]["note"] == python["note"]
+        cli = _cli_meta(stack.env())["preimport"]["languages"]["python"]
+        assert cli["note"] == python["note"]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from executor.models import CodeJob, Status
-from tests.conftest import require
+from testkit.processes import require
 
 
 @pytest.fixture(

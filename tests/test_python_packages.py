@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from testkit.processes import ROOT
+from tests.conftest import run_cli
 
 REQUIREMENTS = ROOT / "docker" / "studio-code" / "requirements.txt"
 

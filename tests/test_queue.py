@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from testkit.processes import HOST, alive, children, wait_for
+from testkit.sandboxes import sandbox_events
 from tests.conftest import run_cli
-from tests.services import HOST, alive, children, sandbox_events, wait_for
 from tests.snippets import SPIN, TRIVIAL, sleeper
 
 LABEL_JOB = "studio.job_id"
@@ -61,8 +62,8 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_submit_result_lands_in_the_store(queue_env: Any, database_url: str) -> None:
-    q = queue_env(database_url=database_url)
+def test_submit_result_lands_in_the_store(make_stack: Any, database_url: str) -> None:
+    q = make_stack(database_url=database_url)
     w = q.start_worker("w1", 1)
     ok = q.client.submit(
         "def main(state):\n    print('hi')\n    return state['n'] * 2\n", "python", {"n": 21}
@@ -89,7 +90,7 @@ def test_submit_result_lands_in_the_store(queue_env: Any, database_url: str) -> 
 @pytest.mark.redis
 @pytest.mark.timeout(120)
 def test_the_done_notice_carries_the_finished_record(
-    queue_env: Any, database_url: str, make_settings: Any, tmp_path: Path
+    make_stack: Any, database_url: str, make_settings: Any, tmp_path: Path
 ) -> None:
     """A short finished record travels in the job's done notice, exactly as the store holds
     it, so ``wait`` answers without reading the store back; a long one (logs past
@@ -100,7 +101,7 @@ def test_the_done_notice_carries_the_finished_record(
     from executor.store import JobRecord
     from worker.protocol import NOTICE_RECORD_MAX, done_key
 
-    q = queue_env(database_url=database_url)
+    q = make_stack(database_url=database_url)
     q.start_worker("w1", 1)
     short = q.client.submit(
         "def main(state):\n    print('hi')\n    return {'n': state['n']}\n", "python", {"n": 1}
@@ -137,12 +138,12 @@ def test_the_done_notice_carries_the_finished_record(
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_test_call_never_waits_behind_runs(queue_env: Any, docker_client: Any) -> None:
+def test_test_call_never_waits_behind_runs(make_stack: Any, docker_client: Any) -> None:
     """3 long runs fill the 3 run slots and a 4th waits; a test call submitted after all of
     them runs at once on the slot kept for code.test (one of STUDIO_CODE_CONCURRENCY=4,
     never on top of it); the 4th run is then cancelled while queued and never gets a
     container."""
-    q = queue_env(code_concurrency=4)
+    q = make_stack(code_concurrency=4)
     w = q.start_worker("w1", 4)
     assert len(children(w.pid)) == 4, "3 run slots + 1 test slot = STUDIO_CODE_CONCURRENCY"
     runs = [q.client.submit(sleeper(6), "python", {}) for _ in range(4)]
@@ -182,8 +183,8 @@ def test_test_call_never_waits_behind_runs(queue_env: Any, docker_client: Any) -
 @pytest.mark.redis
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_200_jobs_over_two_workers_each_once(queue_env: Any, docker_client: Any) -> None:
-    q = queue_env(code_concurrency=2)
+def test_200_jobs_over_two_workers_each_once(make_stack: Any, docker_client: Any) -> None:
+    q = make_stack(code_concurrency=2)
     workers = [q.start_worker("w1", 2), q.start_worker("w2", 2)]
     pid_to_worker: dict[int, str] = {}
 
@@ -257,8 +258,8 @@ def test_200_jobs_over_two_workers_each_once(queue_env: Any, docker_client: Any)
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_cancel_running_job_from_another_process(queue_env: Any, docker_client: Any) -> None:
-    q = queue_env(code_concurrency=1)
+def test_cancel_running_job_from_another_process(make_stack: Any, docker_client: Any) -> None:
+    q = make_stack(code_concurrency=1)
     w = q.start_worker("w1", 1)
     job = q.client.submit(SPIN, "python", {})
     box = wait_for(
@@ -289,12 +290,12 @@ def test_cancel_running_job_from_another_process(queue_env: Any, docker_client: 
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_cancel_without_revoke_still_stops_the_job(queue_env: Any, docker_client: Any) -> None:
+def test_cancel_without_revoke_still_stops_the_job(make_stack: Any, docker_client: Any) -> None:
     """The revoke broadcast is not stored: a worker that misses it must still stop the job.
     No revoke is sent here at all: (a) store intent + Redis flag, (b) store intent alone."""
     from worker.protocol import cancel_key
 
-    q = queue_env(code_concurrency=1)
+    q = make_stack(code_concurrency=1)
     w = q.start_worker("w1", 1)
     for how in ("flag", "store only"):
         job = q.client.submit(SPIN, "python", {})
@@ -314,12 +315,14 @@ def test_cancel_without_revoke_still_stops_the_job(queue_env: Any, docker_client
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_stray_cancel_signal_does_not_kill_the_next_job(queue_env: Any, docker_client: Any) -> None:
+def test_stray_cancel_signal_does_not_kill_the_next_job(
+    make_stack: Any, docker_client: Any
+) -> None:
     """The terminate race: Celery signals the PID that took a job, which may be running
     another job by then. That signal must not stop the other job."""
     from worker.protocol import CANCEL_SIGNAL
 
-    q = queue_env(code_concurrency=1)
+    q = make_stack(code_concurrency=1)
     q.start_worker("w1", 1)
     job = q.client.submit(sleeper(2, "survived"), "python", {})
     box = wait_for(
@@ -335,10 +338,10 @@ def test_stray_cancel_signal_does_not_kill_the_next_job(queue_env: Any, docker_c
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_backstop_kills_when_the_pool_process_cannot(queue_env: Any, docker_client: Any) -> None:
+def test_backstop_kills_when_the_pool_process_cannot(make_stack: Any, docker_client: Any) -> None:
     """The pool process running the job is frozen (SIGSTOP): the worker's main process
     (task_revoked) removes the sandbox by label and ends the job cancelled."""
-    q = queue_env(code_concurrency=1)
+    q = make_stack(code_concurrency=1)
     w = q.start_worker("w1", 1)
     job = q.client.submit(SPIN, "python", {})
     box = wait_for(
@@ -371,10 +374,10 @@ def test_backstop_kills_when_the_pool_process_cannot(queue_env: Any, docker_clie
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(150)
-def test_worker_sigkill_mid_job(queue_env: Any, docker_client: Any) -> None:
+def test_worker_sigkill_mid_job(make_stack: Any, docker_client: Any) -> None:
     """SIGKILL a worker (main process and children) while its job runs: the next worker
     reaps the orphaned sandbox and the job ends exactly once."""
-    q = queue_env(code_concurrency=1, code_max_seconds=5, queue_visibility_timeout_s=6)
+    q = make_stack(code_concurrency=1, code_max_seconds=5, queue_visibility_timeout_s=6)
     w1 = q.start_worker("w1", 1)
     job = q.client.submit(sleeper(3, "ok"), "python", {})
     box = wait_for(
@@ -412,9 +415,9 @@ def test_worker_sigkill_mid_job(queue_env: Any, docker_client: Any) -> None:
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_redis_restart_loses_no_queued_job(queue_env: Any, redis_server: Any) -> None:
+def test_redis_restart_loses_no_queued_job(make_stack: Any, redis_server: Any) -> None:
     # Jobs queued before any worker starts: the fail-fast check is off on purpose.
-    q = queue_env(code_concurrency=2, queue_require_worker=False)
+    q = make_stack(code_concurrency=2, queue_require_worker=False)
     jobs = {q.client.submit(TRIVIAL, "python", {"n": i}): i for i in range(6)}
     # A crash, not a clean stop (SIGTERM would flush the AOF anyway), after the one second
     # that appendfsync everysec may lose.
@@ -553,9 +556,9 @@ def test_submit_refuses_bad_input_before_queueing(make_settings: Any, tmp_path: 
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_cli_worker_submit_status_cancel(queue_env: Any, tmp_path: Path) -> None:
-    q = queue_env(code_concurrency=1)
-    w = q.start_worker("cli1", 1, cli=True)
+def test_cli_worker_submit_status_cancel(make_stack: Any, tmp_path: Path) -> None:
+    q = make_stack(code_concurrency=1)
+    w = q.start_worker("cli1", 1, cli=True, capture_stdout=True)
     src = tmp_path / "node.py"
     src.write_text(TRIVIAL)
     env = q.env()

@@ -1,5 +1,5 @@
 """Redis faults, with real processes: a silent cut of every connection between a worker
-and its Redis (tests/relay.py: no FIN, no RST, no reply; new connections held until the
+and its Redis (testkit/relay.py: no FIN, no RST, no reply; new connections held until the
 heal), the same in front of the API's Redis, and a Sentinel failover during a burst.
 
 Each test starts its own redis-server (or Sentinel deployment), relay, workers and API on
@@ -18,9 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.relay import Relay
-from tests.services import ApiServer, QueueEnv, health, start_sentinels, wait_for
+from testkit.processes import free_port, wait_for
+from testkit.relay import Relay
+from testkit.sentinel import start_sentinels
+from testkit.stack import Stack
+from testkit.worker import health
 from tests.snippets import USER
 
 #: a node that takes a moment and says what it was given
@@ -41,7 +43,7 @@ def submit_http(http: httpx.Client, n: int) -> httpx.Response:
     return http.post("/api/runs", json=body, headers={USER: "ann"})
 
 
-def assert_all_doubled(q: QueueEnv, jobs: dict[str, int], timeout_s: float) -> None:
+def assert_all_doubled(q: Stack, jobs: dict[str, int], timeout_s: float) -> None:
     """Every job ended once, succeeded, with its own output."""
     recs = q.wait_all(list(jobs), timeout_s)
     wrong = {
@@ -153,7 +155,7 @@ print("still alive")
 @pytest.mark.redis
 @pytest.mark.timeout(180)
 def test_a_worker_paused_longer_than_the_dead_bound_keeps_its_broker(
-    queue_env: Any, sqlite_url: str
+    make_stack: Any, sqlite_url: str
 ) -> None:
     """The worker's gate cancels its consumers while the run store takes no write (here:
     another process holds SQLite's write lock): no BRPOP goes out, yet the connection is
@@ -163,7 +165,7 @@ def test_a_worker_paused_longer_than_the_dead_bound_keeps_its_broker(
     the job that ran through it ends once, succeeded, as does one sent after it."""
     import sqlite3
 
-    q = queue_env(code_runtime="subprocess", redis_dead_after_s=2, redis_give_up_s=3)
+    q = make_stack(code_runtime="subprocess", redis_dead_after_s=2, redis_give_up_s=3)
     port = free_port()
     worker = q.start_worker("w", 1, metrics_port=port, queue_probe_interval_s=1)
     slow = q.client.submit(
@@ -209,18 +211,18 @@ def test_a_worker_paused_longer_than_the_dead_bound_keeps_its_broker(
 @pytest.mark.redis
 @pytest.mark.timeout(420)
 def test_a_silent_broker_is_noticed_refused_and_left(
-    queue_env: Any, redis_server: Any, tmp_path: Path
+    make_stack: Any, redis_server: Any, tmp_path: Path
 ) -> None:
     """Every connection of a worker to Redis goes silent and new ones are held for 20 s:
     the worker says it lost its broker (readiness 503, paused "broker connection lost"),
     the API's submit answers 503 at once; after the heal, jobs submitted before, during and
     after the cut all succeed, each once."""
     # the test's own client submits whatever the heartbeats say (the API checks them)
-    q = queue_env(queue_require_worker=False, queue_heartbeat_interval_s=1)
+    q = make_stack(queue_require_worker=False, queue_heartbeat_interval_s=1)
     port = free_port()
     with Relay(redis_server.port) as relay:
         worker = q.start_worker("w1", 2, redis_url=relay.url(), metrics_port=port)
-        api = ApiServer(q.env(queue_require_worker=True), tmp_path / "api.log")
+        api = q.start_api(queue_require_worker=True)
         http = httpx.Client(base_url=api.base, timeout=60)
         try:
             jobs = {q.client.submit(WORK, "python", {"n": i}): i for i in range(4)}
@@ -267,16 +269,16 @@ def test_a_silent_broker_is_noticed_refused_and_left(
 @pytest.mark.redis
 @pytest.mark.timeout(300)
 def test_a_waiting_test_call_answers_when_the_apis_redis_goes_silent(
-    queue_env: Any, redis_server: Any, tmp_path: Path
+    make_stack: Any, redis_server: Any, tmp_path: Path
 ) -> None:
     """The relay in front of the API's Redis only (the worker reaches Redis directly): a
     POST /api/code/test waiting for its result when every connection goes silent answers
     with the result (the run store says it), and a new one answers 503, neither hangs."""
-    q = queue_env()
+    q = make_stack()
     q.start_worker("w1", 2)
     sleepy = "import time\n\ndef main(state):\n    time.sleep(3)\n    return state['n'] * 2\n"
     with Relay(redis_server.port) as relay:
-        api = ApiServer(q.env(redis_url=relay.url()), tmp_path / "api.log")
+        api = q.start_api(redis_url=relay.url())
         # a hang guard far past the call's own wait (timeout_s + its margin + one bound)
         http = httpx.Client(base_url=api.base, timeout=120)
         try:
@@ -316,7 +318,7 @@ def test_a_waiting_test_call_answers_when_the_apis_redis_goes_silent(
 @pytest.mark.redis
 @pytest.mark.timeout(900)
 def test_sentinel_failover_during_a_burst_loses_no_job(
-    sqlite_url: str, tmp_path: Path, make_settings: Any, python_image: str
+    sqlite_url: str, tmp_path: Path, python_image: str
 ) -> None:
     """A primary, a replica and three sentinels (passwords on the master and on the
     sentinels); the primary SIGKILLed during a 120-job burst on 2 workers: every job ends
@@ -337,18 +339,17 @@ def test_sentinel_failover_during_a_burst_loses_no_job(
     with start_sentinels(
         tmp_path, password="master-secret-1", sentinel_password="sentinel-secret-1"
     ) as sentinels:
-        q = QueueEnv(
-            sentinels.url,
-            sqlite_url,
+        q = Stack(
             tmp_path,
-            make_settings,
+            redis_url=sentinels.url,
+            database_url=sqlite_url,
             code_image=python_image,
             **sentinel_env,
         )
         try:
             q.start_worker("w1", 3)
             q.start_worker("w2", 3)
-            api = ApiServer(q.env(), tmp_path / "api.log")
+            api = q.start_api()
             http = httpx.Client(base_url=api.base, timeout=ANSWER_BOUND_S)
             try:
                 jobs = {q.client.submit(WORK, "python", {"n": i}): i for i in range(120)}
@@ -395,6 +396,5 @@ def test_sentinel_failover_during_a_burst_loses_no_job(
                 assert all(w.alive() for w in q.workers), [w.tail() for w in q.workers]
             finally:
                 http.close()
-                api.stop()
         finally:
-            q.close()
+            q.stop()

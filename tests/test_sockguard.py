@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.services import SockGuardProcess
+from testkit.sockguard import SockGuardProcess
 
 pytestmark = pytest.mark.docker
 

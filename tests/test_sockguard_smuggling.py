@@ -26,7 +26,7 @@ from typing import Any
 import h11
 import pytest
 
-from tests.services import SockGuardProcess
+from testkit.sockguard import SockGuardProcess
 
 RECORDED_ID = "ab" * 32
 PING_UP = b"GET /v1.41/_ping HTTP/1.1\r\nHost: docker\r\n\r\n"

@@ -30,7 +30,8 @@ from executor.store import (
     SqlRunStore,
     open_store,
 )
-from tests.services import in_processes, pg_admin, pg_schema
+from testkit.postgres import pg_admin, pg_schema
+from testkit.processes import in_processes
 
 MB = 1024 * 1024
 

@@ -27,7 +27,8 @@ from sqlalchemy import create_engine, inspect, text
 from executor.models import CodeJob, CodeResult, Status
 from executor.store import JobRecord, SqlRunStore, migrations, open_store, schema, sqlite
 from executor.store.sql import normalize_url
-from tests.services import CAPTURES, TODAY, in_processes, made_by_an_older_release
+from testkit.postgres import CAPTURES, TODAY, made_by_an_older_release
+from testkit.processes import in_processes
 
 
 def _engine_of(url: str) -> Any:

@@ -26,8 +26,8 @@ import pytest
 
 from executor.models import CodeJob, CodeResult, Status
 from executor.service import Executor
+from testkit.processes import alive, wait_for
 from tests.conftest import FORK_BOMB, prewarm_both_ways
-from tests.services import alive, wait_for
 
 #: every test here that builds its runtime with make_subprocess_executor (the ``iso``
 #: fixture, the hostile-program table...) runs twice: cold runners, and runners pre-started
@@ -1026,7 +1026,7 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
     run, and every claim of meta (holds / does_not_hold) is checked against it. Landlock
     (where the kernel has it) in three of the four; the fourth, neither namespaces nor
     Landlock, is a run with every door the server's uid leaves open."""
-    from tests.services import kill_pids, process_tree
+    from testkit.processes import kill_pids, process_tree
 
     marker, token = uuid.uuid4().hex, uuid.uuid4().hex[:10]
     server = _non_root_python(

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.services import require
+from testkit.processes import require
 from tests.test_subprocess_isolation import PRELUDE, _last_json_line, _non_root_python
 
 pytestmark = pytest.mark.skipif(

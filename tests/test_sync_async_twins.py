@@ -18,7 +18,7 @@ from api_client.client import CodeClient, JobNotFound
 from api_client.log_follower import LogEvent, follow, follow_async
 from executor.errors import ErrorCode, RuntimeUnavailable
 from executor.models import Status
-from tests.services import RedisServer, start_redis
+from testkit.redis import RedisServer, start_redis
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, done_key, leave_notice, logs_key
 from worker.registry import AsyncWorkerRegistry, WorkerRegistry
 from worker.upkeep.heartbeat import Heartbeat
@@ -228,7 +228,7 @@ def test_check_served_refuses_alike(client: Any) -> None:
 def test_check_served_refuses_alike_when_redis_is_down(client: Any) -> None:
     """A registry that cannot be read (nothing listens on its port) is the same refusal
     in both checks."""
-    from tests.services import free_port
+    from testkit.processes import free_port
 
     settings = client.settings.model_copy(
         update={"queue_require_worker": True, "redis_url": f"redis://127.0.0.1:{free_port()}/0"}

@@ -1,7 +1,7 @@
 """OpenTelemetry traces (executor.tracing): a traced ``POST /api/runs`` and ``POST
 /api/code/test`` to a real API, run by a real Celery worker (prefork) in real Docker
 sandboxes, export their spans over OTLP/HTTP to a receiver of the test's own on loopback
-(tests/otlp_receiver.py, decoding with opentelemetry-proto): the caller's trace id, and the
+(testkit/otlp.py, decoding with opentelemetry-proto): the caller's trace id, and the
 parent chain caller -> API submit -> the worker's main process (queue_wait) -> the pool
 process (job -> sandbox_start, code_run, result_store). No trace id or OTEL_ variable reaches
 the sandbox (its code reports its environment). Tracing off imports nothing of OpenTelemetry
@@ -17,16 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.otlp_receiver import Receiver, Span
-from tests.services import (
-    ApiServer,
-    CeleryWorker,
-    children,
-    start_redis,
-    start_worker,
-    studio_env,
-    wait_for,
-)
+from testkit.api import ApiServer
+from testkit.otlp import Receiver, Span
+from testkit.processes import children, wait_for
+from testkit.redis import start_redis
+from testkit.stack import studio_env
+from testkit.worker import CeleryWorker, start_worker
 from tests.snippets import USER
 from tests.test_imports import loaded_after
 

@@ -1,6 +1,6 @@
 """Two hosts on one machine, and what happens to a run when its host loses its engine.
 
-A second Docker engine (tests.services.SecondEngine: its own data-root, exec-root, socket,
+A second Docker engine (testkit.engine.SecondEngine: its own data-root, exec-root, socket,
 pidfile, containerd; no bridge, no iptables) with the sandbox image loaded stands for a second
 worker machine. One ``studio-code worker`` per engine (e1: the machine's engine, e2: the
 second one; DOCKER_HOST differs), one Redis and one PostgreSQL of this module's own on
@@ -30,21 +30,20 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import LABEL_JOB, free_port, require
-from tests.services import BIN, SecondEngine, Service, start_redis
+from testkit.engine import KillableEngine
+from testkit.postgres import PgCluster, start_pg_cluster
+from testkit.processes import Service, require
+from testkit.stack import DOCKER_PYTHON, Stack
+from tests.conftest import LABEL_JOB
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.redis, pytest.mark.postgres]
 
@@ -68,160 +67,6 @@ CAUSES = (
     "stream_broken",
     "sandbox_killed",
 )
-
-
-class PostgresServer:
-    """A PostgreSQL of this test's own (initdb as the postgres user), on a loopback port."""
-
-    def __init__(self) -> None:
-        bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-        require(bool(bins), "no PostgreSQL server binaries (apt-get install postgresql)")
-        self.bin = bins[-1].parent
-        self.dir = Path(tempfile.mkdtemp(prefix="sc-pg-", dir="/tmp"))
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def start(self) -> None:
-        shutil.chown(self.dir, "postgres", "postgres")
-        data = self.dir / "data"
-        as_pg = ["runuser", "-u", "postgres", "--"]
-        init = subprocess.run(
-            [*as_pg, str(self.bin / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert init.returncode == 0, init.stderr
-        self.proc = subprocess.Popen(
-            [
-                *as_pg,
-                str(self.bin / "postgres"),
-                "-D",
-                str(data),
-                "-p",
-                str(self.port),
-                "-c",
-                "listen_addresses=127.0.0.1",
-                "-k",
-                str(self.dir),
-                "-c",
-                "fsync=off",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.dir / "log", "wb"),  # noqa: SIM115
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            ok = (
-                subprocess.run(
-                    [str(self.bin / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-q"],
-                    timeout=10,
-                ).returncode
-                == 0
-            )
-            if ok:
-                return
-            time.sleep(0.2)
-        pytest.fail(f"PostgreSQL did not start: {(self.dir / 'log').read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            # runuser's child is the postmaster: SIGINT to the group is a fast shutdown
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class KillableEngine(SecondEngine):
-    """The second engine, which this module may also SIGKILL (its dockerd, and the shim of
-    one of its containers: processes it started, found by its own exec-root)."""
-
-    def kill_hard(self, container: str) -> list[int]:
-        """SIGKILL dockerd and the containerd-shim of ``container`` (an id); the pids."""
-        assert container
-        assert self.proc is not None
-        shims = self.shims(container)
-        assert shims, f"no containerd-shim of {container[:12]} under {self.root}"
-        os.kill(self.proc.pid, signal.SIGKILL)
-        for pid in shims:
-            os.kill(pid, signal.SIGKILL)
-        self.proc.wait(30)
-        return [self.proc.pid, *shims]
-
-    def shims(self, container: str) -> list[int]:
-        """The containerd-shim processes of ``container`` started by THIS engine (their
-        command line names its containerd's socket under this engine's exec-root)."""
-        address = str(self.root / "exec" / "containerd" / "containerd.sock")
-        found = []
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            words = [a.decode(errors="replace") for a in argv]
-            if (
-                words
-                and os.path.basename(words[0]).startswith("containerd-shim")
-                and address in words
-                and (not container or container in words)
-            ):
-                found.append(int(proc.name))
-        return found
-
-    def end_leftovers(self) -> list[int]:
-        """A stopped engine's processes still alive: a shim (and its sandbox's processes)
-        that outlived its dockerd and containerd (a sandbox a pool made through a connection
-        kept alive while the engine shut down, which its shutdown never stopped). SIGKILL
-        to what this engine started (its exec-root in the shim's command line), their
-        cgroups removed. The pids."""
-        ended = []
-        for shim in self.shims(""):
-            children = Path(f"/proc/{shim}/task/{shim}/children")
-            try:
-                kids = [int(p) for p in children.read_text().split()]
-            except OSError:
-                kids = []
-            for pid in [*kids, shim]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    ended.append(pid)
-                except ProcessLookupError:
-                    pass
-            argv = Path(f"/proc/{shim}/cmdline")
-            cid = ""
-            try:
-                words = argv.read_bytes().split(b"\0")
-                cid = words[words.index(b"-id") + 1].decode()
-            except (OSError, ValueError, IndexError):
-                pass
-            time.sleep(0.5)
-            for cg in Path("/sys/fs/cgroup").glob(f"*/docker/{cid}") if cid else []:
-                try:
-                    cg.rmdir()
-                except OSError:
-                    pass
-        return ended
-
-    def unmount_own(self) -> None:
-        """What a SIGKILLed dockerd could not unmount, under this engine's root only (its
-        data-root's own bind mount, a container's rootfs): deepest first."""
-        mounts = [
-            line.split()[1]
-            for line in Path("/proc/mounts").read_text().splitlines()
-            if line.split()[1].startswith(str(self.root) + "/")
-        ]
-        for mount in sorted(mounts, key=len, reverse=True):
-            subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30)
 
 
 @dataclass
@@ -322,98 +167,52 @@ class Hosts:
         pytest.fail(f"worker {key} did not take jobs again:\n{self.workers[key].output()[-3000:]}")
 
 
-def start_worker(env: dict[str, str], docker_host: str, name: str, log: Path) -> Service:
-    """``studio-code worker`` on the engine at ``docker_host`` (not waited for)."""
-    return Service(
-        [str(BIN / "studio-code"), "worker", "-c", "3", "-n", f"{name}@%h", "--loglevel", "INFO"],
-        {**env, "DOCKER_HOST": docker_host},
-        log,
-    )
-
-
-def wait_ready(*workers: Service) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if all(" ready." in w.output() for w in workers):
-            return
-        if not all(w.alive() for w in workers):
-            break
-        time.sleep(0.2)
-    outs = "\n---\n".join(w.output()[-3000:] for w in workers)
-    pytest.fail(f"the workers did not become ready:\n{outs}")
-
-
 @pytest.fixture(scope="module")
 def hosts(
     tmp_path_factory: pytest.TempPathFactory, docker_client: Any, python_image: str
 ) -> Iterator[Hosts]:
-    from api_client.client import CodeClient
-    from executor.settings import load_settings
-
     require(os.geteuid() == 0, "a second dockerd needs root")
     require(shutil.which("runuser") is not None, "runuser is missing")
     tmp = tmp_path_factory.mktemp("two-hosts")
     engine2 = KillableEngine()
-    pg = PostgresServer()
-    started: list[Service] = []
-    client = None
+    pg: PgCluster | None = None
     try:
         t0 = time.monotonic()
         engine2.start()
         engine2.load(python_image)
-        pg.start()
-        with start_redis(tmp) as redis_server:
-            env = {
-                k: v
-                for k, v in os.environ.items()
-                if not k.startswith(("STUDIO_", "DOCKER_")) and k != "PROMETHEUS_MULTIPROC_DIR"
-            }
-            env.update(
-                {
-                    "STUDIO_ENABLE_CODE_NODES": "1",
-                    "STUDIO_CODE_RUNTIME": "docker",
-                    "STUDIO_CODE_IMAGE": python_image,
-                    "STUDIO_CODE_LANGUAGES": "python",
-                    "STUDIO_REDIS_URL": redis_server.url,
-                    "STUDIO_DATABASE_URL": pg.url,
-                    "STUDIO_CODE_MAX_SECONDS": str(MAX_SECONDS),
-                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-                }
-            )
+        pg = start_pg_cluster()
+        with Stack(
+            tmp,
+            database_url=pg.url,
+            **{**DOCKER_PYTHON, "code_max_seconds": MAX_SECONDS},
+            code_image=python_image,
+        ) as stack:
             tag = uuid.uuid4().hex[:4]
             names = {"e1": f"e1-{tag}", "e2": f"e2-{tag}"}
+            hosts = {"e1": "unix:///var/run/docker.sock", "e2": engine2.host}
+            # `studio-code worker` on each engine (DOCKER_HOST), both started, then waited for
             workers = {
-                "e1": start_worker(env, "unix:///var/run/docker.sock", names["e1"], tmp / "e1.log"),
-                "e2": start_worker(env, engine2.host, names["e2"], tmp / "e2.log"),
+                key: stack.start_worker(
+                    names[key], 3, cli=True, ping=False, stop_timeout=60, env={"DOCKER_HOST": host}
+                )
+                for key, host in hosts.items()
             }
-            started.extend(workers.values())
-            wait_ready(*workers.values())
+            for w in workers.values():
+                w.wait_ready(90)
             print(f"\ntwo hosts up in {time.monotonic() - t0:.1f}s")
-            settings = load_settings(
-                enable_code_nodes=True,
-                redis_url=redis_server.url,
-                database_url=pg.url,
-                code_image=python_image,
-                code_languages="python",
-                code_max_seconds=MAX_SECONDS,
-            )
-            client = CodeClient(settings)
-            h = Hosts(engine2, client, names, workers, docker_client)
+            h = Hosts(engine2, stack.client, names, dict(workers), docker_client)
             yield h
             h.no_sandbox_left_on_e1(h.submitted)
             assert workers["e1"].alive(), workers["e1"].output()[-3000:]
     finally:
-        if client is not None:
-            client.close()
-        for w in started:
-            w.stop(60)
         engine2.stop()
         left = engine2.end_leftovers()
         if left:
             print(f"ended what the stopped engine left running: pids {left}")
         engine2.unmount_own()
         engine2.remove()
-        pg.stop()
+        if pg is not None:
+            pg.cleanup()
 
 
 def test_two_engines_share_jobs(hosts: Hosts) -> None:

@@ -26,7 +26,8 @@ from executor.meta import runtime_meta
 from executor.models import CodeJob, Status
 from executor.service import Executor
 from executor.settings import NOBODY, load_settings
-from tests.conftest import ROOT, require, run_cli
+from testkit.processes import ROOT, require
+from tests.conftest import run_cli
 
 DEPS_TS = ROOT / "docker" / "studio-code-ts" / "deps.ts"
 #: docker-pool: the docker runtime with its pool of pre-started sandboxes filled first

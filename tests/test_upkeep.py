@@ -13,16 +13,10 @@ from typing import Any
 import pytest
 
 from executor.errors import RuntimeUnavailable
-from tests.services import (
-    LABEL_OWNER,
-    CeleryWorker,
-    QueueEnv,
-    SecondEngine,
-    children,
-    require,
-    wait_for,
-    watch_backlog,
-)
+from testkit.engine import SecondEngine
+from testkit.processes import children, require, wait_for
+from testkit.sandboxes import LABEL_OWNER, watch_backlog
+from testkit.stack import Stack
 from tests.snippets import TRIVIAL, WHOAMI, sleeper
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.redis]
@@ -30,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.redis]
 
 @pytest.mark.timeout(1100)
 def test_a_backlog_never_starves_the_removal_of_used_sandboxes(
-    queue_env: Any,  # noqa: F811 - the fixture imported above
+    make_stack: Any,  # noqa: F811 - the fixture imported above
     docker_client: Any,
 ) -> None:
     """300 jobs queued at once on one worker (concurrency 2, one pre-started sandbox per
@@ -39,9 +33,7 @@ def test_a_backlog_never_starves_the_removal_of_used_sandboxes(
     Every job succeeds exactly once. (300, not 500: the whole CI must stay under 30 minutes
     on a slow 2-core machine; weeks of jobs are the soak's, ``make soak``.)"""
     n, concurrency = 300, 2
-    q: QueueEnv = queue_env(
-        code_concurrency=concurrency, code_languages="python", queue_test_slots=0
-    )
+    q: Stack = make_stack(code_concurrency=concurrency, code_languages="python", queue_test_slots=0)
     w = q.start_worker("backlog", concurrency)
     owners = {f"{os.uname().nodename}:{pid}" for pid in children(w.pid)}
     assert len(owners) == concurrency
@@ -85,7 +77,7 @@ def engine_ids(engine: SecondEngine) -> set[str]:
 
 @pytest.mark.timeout(480)
 def test_engine_restarts_under_a_worker_leave_no_container_after_a_warm_stop(
-    queue_env: Any,  # noqa: F811 - the fixture imported above
+    make_stack: Any,  # noqa: F811 - the fixture imported above
     python_image: str,
 ) -> None:
     """An engine of the test's own (its dockerd and containerd; never the machine's) is
@@ -98,16 +90,10 @@ def test_engine_restarts_under_a_worker_leave_no_container_after_a_warm_stop(
     try:
         engine.start()
         engine.load(python_image)
-        q: QueueEnv = queue_env(code_concurrency=2, code_languages="python", queue_test_slots=0)
-        w = CeleryWorker(
-            {**q.env(), "DOCKER_HOST": engine.host},
-            q.tmp / "restarts.log",
-            name="restarts",
-            concurrency=2,
-            stop_timeout=60,
+        q: Stack = make_stack(code_concurrency=2, code_languages="python", queue_test_slots=0)
+        w = q.start_worker(
+            "restarts", 2, env={"DOCKER_HOST": engine.host}, stop_timeout=60, ready_timeout_s=90
         )
-        q.workers.append(w)
-        w.wait_ready(90, app=q.client.app)
         wait_for(
             lambda: len([c for c in engine_sandboxes(engine) if "Up" in c["status"]]) == 2,
             60,

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from tests.services import wait_for
+from testkit.processes import wait_for
 from worker.upkeep.loop import Supervised
 
 

@@ -409,7 +409,7 @@ def test_runs_through_a_socket_guard_are_measured(
     pre-started one; the guard refused nothing and no parent is left."""
     from executor.runtimes.docker import usage
     from executor.service import Executor, mib
-    from tests.services import SockGuardProcess
+    from testkit.sockguard import SockGuardProcess
 
     with SockGuardProcess(tmp_path / "guard") as guard:
         monkeypatch.setenv("DOCKER_HOST", guard.host)
@@ -496,7 +496,8 @@ def test_a_worker_with_a_read_only_view_is_measured_and_the_sweeper_removes_its_
     import sys
 
     from executor.runtimes.docker import usage
-    from tests.services import SockGuardProcess, require
+    from testkit.processes import require
+    from testkit.sockguard import SockGuardProcess
 
     require(
         os.geteuid() == 0 and shutil.which("unshare") is not None,
@@ -567,7 +568,7 @@ def test_the_sweeper_removes_empty_parents_below_the_engine_parent() -> None:
     import sys
 
     from executor.runtimes.docker import usage
-    from tests.services import require, wait_for
+    from testkit.processes import require, wait_for
 
     require(os.geteuid() == 0, "root (the sweeper removes groups of the host's cgroup fs)")
     host = usage.cgroup_host(None)

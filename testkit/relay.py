@@ -1,10 +1,15 @@
-"""A TCP relay of the test's own on a loopback port, in front of a server of the test's own
-(a redis-server): it forwards both ways until ``cut()``, which makes every connection it
-holds go SILENT: nothing is forwarded any more, nothing is closed, no RST, no FIN, what a
-failover behind a VIP, a NAT or conntrack reset, or a host losing power looks like from
-the client. While cut, new connections are accepted by the kernel and held, never
-forwarded. ``heal()`` forwards new connections again (and the held ones); the connections
-silenced by the cut stay silent forever, until ``stop()`` closes everything.
+"""Two loopback TCP relays of a test's or a bench's own.
+
+``Relay``: in front of a server of one's own (a redis-server), it forwards both ways until
+``cut()``, which makes every connection it holds go SILENT: nothing is forwarded any more,
+nothing is closed, no RST, no FIN, what a failover behind a VIP, a NAT or conntrack reset,
+or a host losing power looks like from the client. While cut, new connections are accepted
+by the kernel and held, never forwarded. ``heal()`` forwards new connections again (and the
+held ones); the connections silenced by the cut stay silent forever, until ``stop()``
+closes everything.
+
+``ClosingRelay``: its ``cut()`` CLOSES every connection (what a server that went away looks
+like): the store behind it is unreachable until ``restore()``.
 
 Threads only (one acceptor, two pumps per connection), loopback only."""
 
@@ -14,7 +19,7 @@ import select
 import socket
 import threading
 
-from tests.services import StopsOnExit
+from testkit.processes import StopsOnExit, free_port
 
 
 class _Pair:
@@ -157,3 +162,63 @@ class Relay(StopsOnExit):
             with self._lock:
                 if pair in self._pairs:
                     self._pairs.remove(pair)
+
+
+class ClosingRelay:
+    """A loopback TCP relay to 127.0.0.1:<port>; ``cut()`` closes it and every connection
+    through it: the store behind it is unreachable until ``restore()``."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.port = free_port()
+        self._socks: list[socket.socket] = []
+        self._server: socket.socket | None = None
+        self.restore()
+
+    def restore(self) -> None:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(16)
+        self._server = server
+        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                a, _ = server.accept()
+            except OSError:
+                return
+            b = socket.create_connection(("127.0.0.1", self.target))
+            self._socks += [a, b]
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        if self._server is not None:
+            try:  # wakes the accept() blocked in the relay's thread (close alone does not)
+                self._server.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._server.close()
+            self._server = None
+        for s in self._socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        self._socks.clear()

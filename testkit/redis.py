@@ -1,0 +1,99 @@
+"""A redis-server of the test's or the bench's own, on a free loopback port."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from testkit.processes import (
+    StopsOnExit,
+    free_port,
+    needs,
+    require,
+)
+
+
+class RedisServer(StopsOnExit):
+    """A redis-server of the test's own on a free loopback port; it can be stopped and
+    started again, with AOF as deploy/compose.yaml runs it (appendfsync everysec: what it
+    acknowledged more than a second ago survives even a SIGKILL)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        needs("redis", "a redis-server")
+        self.proc = subprocess.Popen(
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.workdir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                "noeviction",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.workdir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self, *, kill: bool = False) -> None:
+        """SIGTERM (Redis flushes and exits) or, with kill, SIGKILL (a crash)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+def start_redis(workdir: Path) -> RedisServer:
+    """A started RedisServer in ``workdir``; a missing redis-server skips (fails under CI)."""
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    server = RedisServer(workdir)
+    server.start()
+    return server
+
+
+def wait_redis(port: int, password: str = "", timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    hello = (f"AUTH {password}\r\nPING\r\n" if password else "PING\r\n").encode()
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(hello)
+                if b"+PONG" in s.recv(64):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"redis on port {port} did not start")
