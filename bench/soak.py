@@ -2,11 +2,11 @@
 driver kills, at random moments, a worker's main process, a pool process, Redis (its own
 redis-server with AOF) and the run store (its own PostgreSQL cluster), or cuts the workers'
 Redis connections silently (they reach Redis through a loopback relay of the soak's own,
-tests/relay.py: every connection goes silent, no FIN, no RST, new ones held for 5-25 s),
+testkit/relay.py: every connection goes silent, no FIN, no RST, new ones held for 5-25 s),
 for a bounded time. ``--faults`` picks the faults (worker pool redis store silent, the
 default; engine; sentinel):
 
-* ``engine``: the workers use a dockerd of the soak's own (tests.services.SecondEngine,
+* ``engine``: the workers use a dockerd of the soak's own (testkit.engine.SecondEngine,
   never the machine's), restarted mid-burst; at the end no container is left on it;
 * ``sentinel``: Redis is a primary, a replica and 3 sentinels on loopback, the workers and
   the client use its sentinel:// URL; the primary is SIGKILLed mid-burst (and started again
