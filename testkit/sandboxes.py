@@ -3,6 +3,7 @@ containers and events, the ended ones awaiting removal while a worker works."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,30 @@ def sandbox_events(docker_client: Any, job_id: str, since: int, until: int) -> l
     ):
         events += docker_client.api.events(since=since, until=until, decode=True, filters=filters)
     return events
+
+
+def run_and_end_from_outside(executor: Any, docker_client: Any, end: Any) -> Any:
+    """Run a node that sleeps 20 s on ``executor``; once its sandbox runs, ``end(container)``
+    it as an operator would (``docker rm -f``, ``docker kill``...); returns the result."""
+    from executor.models import CodeJob
+
+    code = "import time\n\ndef main(state):\n    time.sleep(20)\n    return 1\n"
+    job = CodeJob(code=code, timeout_s=30)
+    out: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: out.setdefault("r", executor.run(job)))
+    runner.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the job's sandbox is named after it once it runs
+        found = docker_client.containers.list(filters={"name": f"studio-code-{job.job_id}"})
+        if found:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the job's sandbox never ran")
+    time.sleep(0.5)  # its code is sleeping now
+    end(found[0])
+    runner.join(30)
+    return out["r"]
 
 
 def containers_of(docker_client: Any, job_id: str) -> list[Any]:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from executor.models import CodeJob
+from testkit.sandboxes import run_and_end_from_outside
 
 pytestmark = pytest.mark.docker
 
@@ -27,26 +28,6 @@ def executor(request: pytest.FixtureRequest, docker_executor: Any) -> Any:
     if request.param == "pool":
         return request.getfixturevalue("docker_pool_executor")
     return docker_executor
-
-
-def run_and_end_from_outside(executor: Any, docker_client: Any, end: Any) -> Any:
-    """Run SLEEPS; once its sandbox runs, ``end(container)`` it as an operator would."""
-    job = CodeJob(code=SLEEPS, timeout_s=30)
-    out: dict[str, Any] = {}
-    runner = threading.Thread(target=lambda: out.setdefault("r", executor.run(job)))
-    runner.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the job's sandbox is named after it once it runs
-        found = docker_client.containers.list(filters={"name": f"studio-code-{job.job_id}"})
-        if found:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the job's sandbox never ran")
-    time.sleep(0.5)  # its code is sleeping now
-    end(found[0])
-    runner.join(30)
-    return out["r"]
 
 
 def test_a_sandbox_removed_from_outside_is_not_the_codes(executor: Any, docker_client: Any) -> None:

@@ -367,7 +367,7 @@ def test_a_job_signalled_through_the_engine_is_lost_not_the_codes_through_the_gu
     docker_client: Any,
 ) -> None:
     """Behind the guard, the runtime still tells a `docker kill` from the code's own end."""
-    from tests.test_infra_lost import run_and_end_from_outside
+    from testkit.sandboxes import run_and_end_from_outside
 
     ex = _executor(monkeypatch, guard, make_settings, python_image)
     try:

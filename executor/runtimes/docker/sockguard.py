@@ -412,12 +412,8 @@ def _label_filter(query: dict[str, str], what: str) -> None:
         filters = json.loads(query.get("filters") or "{}")
     except ValueError:
         filters = None
-    labels = filters.get("label") if isinstance(filters, dict) else None
-    if isinstance(labels, dict):  # the engine also takes {"label": {"k=v": true}}
-        labels = [k for k, v in labels.items() if v]
-    if not isinstance(labels, list) or not any(
-        isinstance(v, str) and v.split("=", 1)[0] in OUR_LABELS for v in labels
-    ):
+    labels = _filter_values(filters.get("label")) if isinstance(filters, dict) else None
+    if labels is None or not any(v.split("=", 1)[0] in OUR_LABELS for v in labels):
         raise Refused(f"{what} without a filter on a studio.* label: only sandboxes are listed")
 
 
