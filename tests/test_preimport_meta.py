@@ -61,6 +61,19 @@ def _cli_meta(env: dict[str, str]) -> dict[str, Any]:
     return dict(json.loads(proc.stdout))
 
 
+def _same_from_both(api: ApiServer, env: dict[str, str]) -> tuple[Any, Any]:
+    """``preimport`` from the API and from `studio-code meta`, read while it held still: the
+    figures are live (a refilled pool measures again, a heartbeat comes each second), so the
+    command's is taken between two equal API reads (tried a few times)."""
+    for _ in range(5):
+        before = httpx.get(f"{api.base}/api/meta/runtime", timeout=60).json()["preimport"]
+        cli = _cli_meta(env)["preimport"]
+        after = httpx.get(f"{api.base}/api/meta/runtime", timeout=60).json()["preimport"]
+        if before == after:
+            return after, cli
+    raise AssertionError(f"the API's preimport never held still: {before} / {after}")
+
+
 def _python(api: ApiServer, node: str, measured: bool) -> dict[str, Any]:
     """The API's meta once it lists worker ``node`` (and, ``measured``, its figure)."""
     seen: dict[str, Any] = {}
@@ -120,7 +133,8 @@ def test_the_api_and_the_cli_show_the_workers_pre_import_memory(
         # the API process keeps no pool: its own figure stays null, as before
         assert meta["pool"]["preimport_memory"]["python"]["idle_memory_bytes"] is None
         # `studio-code meta` is the same document, built by the same code
-        assert _cli_meta(stack.env())["preimport"] == pre
+        api_pre, cli_pre = _same_from_both(api, stack.env())
+        assert cli_pre == api_pre
 
 
 @pytest.mark.timeout(600)
@@ -137,7 +151,8 @@ def test_without_a_pool_or_a_pre_import_they_say_nothing_is_pre_imported(
         for figure in ("idle_memory_bytes", "without_preimport_bytes", "preimport_bytes"):
             assert python[figure] is None, python
         assert meta["preimport"]["workers"][worker.node] == {"pooled": False, "languages": {}}
-        assert _cli_meta(stack.env())["preimport"] == meta["preimport"]
+        api_pre, cli_pre = _same_from_both(api, stack.env())
+        assert cli_pre == api_pre == meta["preimport"]
     # pre-started sandboxes that import nothing: their idle memory shows, no pre-import cost
     with _serving(redis, tmp_path, python_image, "pooled", code_prewarm=1) as stack:
         worker, api = stack.workers[0], stack.api
