@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from api_client.client import CodeClient, JobNotFound
+    from api_client.idempotency import IdempotencyConflict
     from executor.errors import (
         CodeInvalid,
         CodeNodesDisabled,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "CodeClient": "api_client.client",
     "JobNotFound": "api_client.client",
+    "IdempotencyConflict": "api_client.idempotency",
     "CodeInvalid": "executor.errors",
     "CodeNodesDisabled": "executor.errors",
     "ErrorCode": "executor.errors",
@@ -47,6 +49,7 @@ __all__ = [
     "CodeNodesDisabled",
     "CodeResult",
     "ErrorCode",
+    "IdempotencyConflict",
     "JobNotFound",
     "JobRecord",
     "RateLimited",

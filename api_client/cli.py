@@ -345,6 +345,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
                 kind=args.kind,
                 memory=args.memory,
                 cpus=args.cpus,
+                idempotency_key=args.idempotency_key,
             )
         except StudioCodeError as e:
             from executor.models import Status
@@ -357,8 +358,9 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
                 runtime=settings.code_runtime,
                 language=language,
             )
-            if getattr(e, "retry_after_s", None) is not None:
-                out["retry_after_s"] = e.retry_after_s  # type: ignore[attr-defined]
+            for extra in ("retry_after_s", "job_id"):  # RateLimited's; IdempotencyConflict's
+                if getattr(e, extra, None) is not None:
+                    out[extra] = getattr(e, extra)
             _print(out)
             return 1
         if not args.wait:
@@ -593,6 +595,12 @@ def _queue_commands(sub: Any) -> None:
         "call (queue code.test, rate limited per user)",
     )
     submit.add_argument("--user", default="", help="who asks (editor test calls' limit)")
+    submit.add_argument(
+        "--idempotency-key",
+        default=None,
+        help="this submit's key (e.g. a UUID): the same key and request again, by the same "
+        "user, within STUDIO_IDEMPOTENCY_TTL_S, give the first job, never a second",
+    )
     _limit_args(submit)
     submit.add_argument("--wait", action="store_true", help="wait for the result; print it")
     submit.add_argument(

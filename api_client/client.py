@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel
 
-from api_client import waiting
+from api_client import idempotency, waiting
 from api_client.log_follower import LogEvent
 from api_client.waiting import WAIT_SLICE_S
 from executor import inputs, tracing
@@ -379,6 +379,7 @@ class CodeClient:
         rate_checked: bool = False,
         traceparent: str | None = None,
         tracestate: str | None = None,
+        idempotency_key: str | None = None,
     ) -> str:
         """Queue one Code-node call; returns its job id.
 
@@ -393,10 +394,14 @@ class CodeClient:
         against STUDIO_CODE_TEST_PER_MINUTE already (the HTTP route, with its in-flight
         slot, in one round trip: api_client.http.inflight). ``traceparent`` (W3C, with its
         ``tracestate``): the caller's trace, which the job's spans join when tracing is on
-        (executor.tracing; an unreadable one starts a trace of its own)."""
+        (executor.tracing; an unreadable one starts a trace of its own).
+        ``idempotency_key``: the caller's key for this submit (api_client.idempotency): a
+        repeat with the same key and request, by the same user, within
+        STUDIO_IDEMPOTENCY_TTL_S, returns the first job's id and queues nothing; the same key
+        with another request raises IdempotencyConflict naming the first job."""
         with tracing.submitting(traceparent, tracestate):
             job = self._job(code, language, state, timeout_s, user, kind, memory, cpus)
-            return self.enqueue(job, rate_checked=rate_checked)
+            return self._enqueue(job, rate_checked, idempotency_key)
 
     def prepare(
         self,
@@ -423,20 +428,49 @@ class CodeClient:
         rate_checked: bool = False,
         traceparent: str | None = None,
         tracestate: str | None = None,
+        idempotency_key: str | None = None,
     ) -> str:
-        """The rest of ``submit`` for a job ``prepare`` made: the live-worker check, the
-        editor test call's rate check (unless ``rate_checked``), the stored row, the
-        message. Raises as ``submit`` does after its checks of the job."""
+        """The rest of ``submit`` for a job ``prepare`` made: the key's first job (when
+        ``idempotency_key`` names one), the live-worker check, the editor test call's rate
+        check (unless ``rate_checked``), the stored row, the message. Raises as ``submit``
+        does after its checks of the job."""
         with tracing.submitting(traceparent, tracestate):
-            return self._enqueue(job, rate_checked)
+            return self._enqueue(job, rate_checked, idempotency_key)
 
-    def _enqueue(self, job: CodeJob, rate_checked: bool) -> str:
+    def first_of_key(self, job: CodeJob, idempotency_key: str) -> str | None:
+        """The job an earlier submit of the same request made with this key (its id), None
+        when the key names no live job; raises IdempotencyConflict when it names a job of
+        another request, CodeInvalid for a key that is not one. One read of the run store."""
+        keyed = idempotency.Keyed.of(job, idempotency_key, self.settings.idempotency_ttl_s)
+        found = self.store.find_key(job.user, keyed.key_hash)
+        return None if found is None else keyed.first_job(found)
+
+    def _enqueue(self, job: CodeJob, rate_checked: bool, key: str | None = None) -> str:
         kind, user = job.kind, job.user
+        keyed = None
+        if key is not None:
+            # a repeat gets its first job before any other check: it queues nothing, so
+            # neither a worker nor the per-minute count is asked
+            keyed = idempotency.Keyed.of(job, key, self.settings.idempotency_ttl_s)
+            found = self.store.find_key(user, keyed.key_hash)
+            if found is not None:
+                return keyed.first_job(found)
         queue = queue_of(kind)
         self._check_served(queue)  # before the row: a refused job leaves nothing queued
         if kind == "test" and not rate_checked:
             self._check_rate(user)
-        self.store.create(job, code_runtime=self.settings.code_runtime)
+        if keyed is None:
+            self.store.create(job, code_runtime=self.settings.code_runtime)
+        else:
+            made = self.store.create_keyed(
+                job,
+                code_runtime=self.settings.code_runtime,
+                key_hash=keyed.key_hash,
+                request_hash=keyed.request_hash,
+                expires_at=keyed.expires_at,
+            )
+            if not made.created:  # a concurrent repeat stored its job first: that one runs
+                return keyed.first_job(made)
         headers = job_headers(self.store.store_id, self.store.describe())
         if queue == QUEUE_RUN and self.fair_users:
             # the broker channel puts it on the user's list (worker.fair.FairChannel)

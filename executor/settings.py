@@ -427,6 +427,15 @@ class Settings(BaseSettings):
         description="Rows the janitor deletes or clears per transaction (at most 20 "
         "transactions per sweep), so a retention pass never holds the store for long.",
     )
+    idempotency_ttl_s: float = Field(
+        86400,
+        ge=60,
+        le=30 * 86400,
+        description="Seconds an Idempotency-Key of a submit (POST /api/runs, POST "
+        "/api/code/test, CodeClient.submit's idempotency_key, studio-code submit "
+        "--idempotency-key) names its first job: a repeat within them gets that job, never a "
+        "second; after them the key is free again (and retention removes it).",
+    )
     queue_store_start_wait_s: float = Field(
         300,
         ge=0,

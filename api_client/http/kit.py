@@ -40,6 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api_client.http.inflight import InFlight
 from api_client.http.wire import ErrorBody
+from api_client.idempotency import HEADER as IDEMPOTENCY_HEADER
+from api_client.idempotency import IdempotencyConflict
 from executor.errors import ErrorCode, RateLimited, StudioCodeError
 from executor.outage import is_outage
 from executor.settings import Settings
@@ -77,6 +79,8 @@ def error_response(
 
 
 def from_studio_error(e: StudioCodeError) -> JSONResponse:
+    if isinstance(e, IdempotencyConflict):
+        return error_response(409, "IDEMPOTENCY_CONFLICT", e.message, job_id=e.job_id)
     status = e.code.http_status
     if isinstance(e, RateLimited):
         retry = max(1, math.ceil(e.retry_after_s))
@@ -298,6 +302,11 @@ def own_record(services: Services, job_id: str, who: Caller) -> JobRecord:
     if rec is None or not who.may_see(rec):
         raise ApiError(404, "NOT_FOUND", f"No run {job_id!r} that you can see.")
     return rec
+
+
+def idempotency_key(request: Request) -> str | None:
+    """The caller's ``Idempotency-Key`` header (checked where it is used), or None."""
+    return request.headers.get(IDEMPOTENCY_HEADER)
 
 
 def trace_headers(request: Request) -> dict[str, str | None]:

@@ -174,8 +174,19 @@ class PruneReport(BaseModel):
 
     deleted: int = 0
     payloads_cleared: int = 0
+    keys_removed: int = 0  # expired idempotency keys
     batches: int = 0
     max_batch_rows: int = 0
+
+
+@dataclass(frozen=True)
+class KeyedJob:
+    """The job an idempotency key names (``RunStore.find_key``, ``create_keyed``): its id,
+    the digest of the request that made it, and whether this call made it."""
+
+    job_id: str
+    request_hash: str
+    created: bool = False
 
 
 class AuditEntry(BaseModel):
@@ -197,6 +208,27 @@ class RunStore(ABC):
     def create(self, job: CodeJob, *, code_runtime: str) -> bool:
         """Insert a ``queued`` row. A second call with the same job_id changes nothing.
         Returns True when this call inserted the row."""
+
+    @abstractmethod
+    def create_keyed(
+        self,
+        job: CodeJob,
+        *,
+        code_runtime: str,
+        key_hash: str,
+        request_hash: str,
+        expires_at: datetime,
+    ) -> KeyedJob:
+        """``create`` under an idempotency key: in one transaction, the key's row (the
+        unique (user, key_hash) concurrent repeats race on) and the job's. When the key of
+        ``job.user`` already names a job that still exists and has not expired, nothing is
+        written and that job is returned (``created`` False); the caller compares the
+        request digests."""
+
+    @abstractmethod
+    def find_key(self, user: str, key_hash: str) -> KeyedJob | None:
+        """The live job the key of ``user`` names (None: no such key, expired, or its job
+        was removed by retention)."""
 
     @abstractmethod
     def get(self, job_id: str, *, inputs: bool = True) -> JobRecord | None:
@@ -297,14 +329,16 @@ class RunStore(ABC):
         *,
         runs_before: datetime | None,
         payloads_before: datetime | None,
+        keys_before: datetime | None = None,
         batch: int = 500,
         max_batches: int = 20,
     ) -> PruneReport:
         """Retention: finished runs that finished before ``runs_before`` are deleted; the
         code, state, output and logs of finished runs that finished before
         ``payloads_before`` are cleared (the row, its status, error, timings and trace
-        stay). At most ``batch`` rows per transaction and ``max_batches`` transactions per
-        call, so a writer never waits long behind it; call again for more."""
+        stay); idempotency keys that expired before ``keys_before`` are removed. At most
+        ``batch`` rows per transaction and ``max_batches`` transactions per call, so a
+        writer never waits long behind it; call again for more."""
 
     @abstractmethod
     def counts_by_status(self) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """The run store's schema as this release's code reads and writes it: the column types and
-the four tables (``metadata``). The schema itself is made and changed by migrations
+the tables (``metadata``). The schema itself is made and changed by migrations
 (``executor/store/migrations``); ``metadata`` is what the newest revision makes, and a test
 compares the two. Lists and dicts are stored as JSON text so the schema is the same on both
 databases.
@@ -140,6 +140,22 @@ audit_log = Table(
     Column("actor", String, nullable=False),
     Column("details", SafeText, nullable=False),  # JSON object
     Index("ix_code_audit_event_id", "event", "id"),
+)
+
+
+#: idempotent submits (migration 0003): the job a (user, key) made, and a digest of that
+#: submit's request; the key is stored as its SHA-256 only. The primary key is the unique
+#: constraint concurrent repeats race on.
+idempotency = Table(
+    "code_idempotency",
+    metadata,
+    Column("user", String, primary_key=True),
+    Column("key_hash", String(64), primary_key=True),
+    Column("request_hash", String(64), nullable=False),
+    Column("job_id", String, nullable=False),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("expires_at", UtcDateTime, nullable=False),
+    Index("ix_code_idempotency_expires", "expires_at"),
 )
 
 

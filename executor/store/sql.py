@@ -57,6 +57,7 @@ from executor.store.base import (
     AuditEntry,
     Ended,
     JobRecord,
+    KeyedJob,
     PruneReport,
     QueuedJob,
     RunFilter,
@@ -70,6 +71,7 @@ from executor.store.schema import (
     SafeText,
     UtcDateTime,
     audit_log,
+    idempotency,
     job_inputs,
     jobs,
     store_meta,
@@ -109,6 +111,12 @@ def describe_url(url: str | URL) -> str:
 def _read_inputs(conn: Connection, job_id: str) -> Any:
     """The ``code_job_inputs`` row of ``job_id`` (None: retention removed it)."""
     return conn.execute(st.SELECT_INPUTS, {"r_id": job_id}).first()
+
+
+def _live(key_row: Any, now: datetime) -> bool:
+    """An idempotency key's row (``st.SELECT_KEY``) still names its job: not expired, and
+    the job's row is there."""
+    return bool(key_row.expires_at > now and key_row.live_job is not None)
 
 
 def _no_such_table(e: exc.DBAPIError) -> bool:
@@ -289,6 +297,83 @@ class SqlRunStore(RunStore):
     # RunStore ---------------------------------------------------------------------------
 
     def create(self, job: CodeJob, *, code_runtime: str) -> bool:
+        values, inputs = self._new_rows(job, code_runtime)
+        if self._lane is not None:
+            with self._wrote():
+                return self._lane.create(values, inputs)
+        try:
+            with self._write() as conn:
+                return self._insert_new(conn, values, inputs)
+        except exc.IntegrityError:  # a dialect with no ON CONFLICT: the row exists
+            return False
+
+    def _insert_new(self, conn: Connection, values: dict[str, Any], inputs: dict[str, Any]) -> bool:
+        """The job's row and its inputs' row, in ``conn``'s transaction: both or neither."""
+        # Statements built once per store, executed with the values as parameters: building
+        # them per call with .values() cost more than running them.
+        if self._insert_job is None:
+            self._insert_job = st.insert_job(self._engine.dialect)
+        done = conn.execute(self._insert_job, values)
+        created = done.first() is not None if done.returns_rows else done.rowcount == 1
+        if created:
+            conn.execute(st.INSERT_INPUTS, inputs)
+        return bool(created)
+
+    def create_keyed(
+        self,
+        job: CodeJob,
+        *,
+        code_runtime: str,
+        key_hash: str,
+        request_hash: str,
+        expires_at: datetime,
+    ) -> KeyedJob:
+        values, inputs = self._new_rows(job, code_runtime)
+        key = {"u": job.user, "k": key_hash}
+        # Two tries: a concurrent repeat that inserted the key between this transaction's
+        # read and its insert makes the insert fail on the primary key (PostgreSQL waits
+        # for that transaction, then refuses); the second try reads its row. SQLite's
+        # BEGIN IMMEDIATE serialises the two, so the first try always sees the other's row.
+        for last in (False, True):
+            try:
+                with self._write() as conn:
+                    now = _utcnow()
+                    row = conn.execute(st.SELECT_KEY, key).first()
+                    if row is not None:
+                        if _live(row, now):
+                            return KeyedJob(row.job_id, row.request_hash)
+                        # expired, or its job was removed: that row only, as read. Never
+                        # the key whatever it names: on PostgreSQL this statement sees rows
+                        # committed since the read above, and a repeat's new key is live.
+                        conn.execute(st.DELETE_STALE_KEY, {**key, "j": row.job_id})
+                    conn.execute(
+                        insert(idempotency),
+                        {
+                            "user": job.user,
+                            "key_hash": key_hash,
+                            "request_hash": request_hash,
+                            "job_id": job.job_id,
+                            "created_at": now,
+                            "expires_at": expires_at,
+                        },
+                    )
+                    self._insert_new(conn, values, inputs)
+                    return KeyedJob(job.job_id, request_hash, created=True)
+            except exc.IntegrityError:
+                if last:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def find_key(self, user: str, key_hash: str) -> KeyedJob | None:
+        with self._read() as conn:
+            row = conn.execute(st.SELECT_KEY, {"u": user, "k": key_hash}).first()
+        if row is None or not _live(row, _utcnow()):
+            return None
+        return KeyedJob(row.job_id, row.request_hash)
+
+    @staticmethod
+    def _new_rows(job: CodeJob, code_runtime: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The ``code_jobs`` row of a new queued job, and its ``code_job_inputs`` row."""
         values = {
             **job.model_dump(exclude={"code", "state_json"}),  # fields = columns by name
             "code": "",  # in job_inputs (see there)
@@ -307,22 +392,7 @@ class SqlRunStore(RunStore):
             "code": rows.storable(job.code),
             "state_json": job.state_json,
         }
-        if self._lane is not None:
-            with self._wrote():
-                return self._lane.create(values, inputs)
-        # Statements built once per store, executed with the values as parameters: building
-        # them per call with .values() cost more than running them.
-        if self._insert_job is None:
-            self._insert_job = st.insert_job(self._engine.dialect)
-        try:
-            with self._write() as conn:
-                done = conn.execute(self._insert_job, values)
-                created = done.first() is not None if done.returns_rows else done.rowcount == 1
-                if created:  # same transaction: both rows or neither
-                    conn.execute(st.INSERT_INPUTS, inputs)
-                return created
-        except exc.IntegrityError:  # a dialect with no ON CONFLICT: the row exists
-            return False
+        return values, inputs
 
     def get(self, job_id: str, *, inputs: bool = True) -> JobRecord | None:
         with self._read() as conn:
@@ -627,6 +697,7 @@ class SqlRunStore(RunStore):
         *,
         runs_before: datetime | None,
         payloads_before: datetime | None,
+        keys_before: datetime | None = None,
         batch: int = 500,
         max_batches: int = 20,
     ) -> PruneReport:
@@ -672,6 +743,11 @@ class SqlRunStore(RunStore):
                     .values(code="", state_json="{}", output=None, logs="", pruned_at=_utcnow())
                 ),
             )
+        if keys_before is not None:
+            with self._write() as conn:
+                report.keys_removed = conn.execute(
+                    delete(idempotency).where(idempotency.c.expires_at < keys_before)
+                ).rowcount
         if (report.deleted or report.payloads_cleared) and self.dialect == "sqlite":
             sqlite.give_space_back(self._engine)
         return report

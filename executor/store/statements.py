@@ -14,8 +14,10 @@ from sqlalchemy import (
     Integer,
     Row,
     String,
+    and_,
     bindparam,
     case,
+    delete,
     insert,
     literal,
     select,
@@ -27,7 +29,14 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from executor.models import Status
 from executor.store.base import CANCELLED_WHILE_RUNNING, OPEN_STATUSES, RunSummary
 from executor.store.rows import error_json
-from executor.store.schema import JOB_COLUMNS, SafeText, UtcDateTime, job_inputs, jobs
+from executor.store.schema import (
+    JOB_COLUMNS,
+    SafeText,
+    UtcDateTime,
+    idempotency,
+    job_inputs,
+    jobs,
+)
 
 
 def insert_job(dialect: Any) -> Any:
@@ -43,6 +52,32 @@ def insert_job(dialect: Any) -> Any:
 
 #: the inputs' row of a new job (in the same transaction as its job's row)
 INSERT_INPUTS = insert(job_inputs)
+
+
+#: an idempotency key's row (parameters u: user, k: key_hash) with ``live_job``: its job's id
+#: while the job's row exists (None once retention removed it)
+SELECT_KEY = (
+    select(
+        idempotency.c.job_id,
+        idempotency.c.request_hash,
+        idempotency.c.expires_at,
+        jobs.c.job_id.label("live_job"),
+    )
+    .select_from(idempotency.outerjoin(jobs, jobs.c.job_id == idempotency.c.job_id))
+    .where(
+        idempotency.c.user == bindparam("u", type_=String),
+        idempotency.c.key_hash == bindparam("k", type_=String),
+    )
+)
+#: an idempotency key's row if it still names the job it named when read (parameters u, k,
+#: j: that job's id): a stale row is replaced, never a repeat's new one
+DELETE_STALE_KEY = delete(idempotency).where(
+    and_(
+        idempotency.c.user == bindparam("u", type_=String),
+        idempotency.c.key_hash == bindparam("k", type_=String),
+        idempotency.c.job_id == bindparam("j", type_=String),
+    )
+)
 
 
 def _p(name: str, type_: Any) -> Any:

@@ -37,26 +37,27 @@ def cutoffs(
 def apply_retention(
     store: RunStore, settings: Settings, now: datetime | None = None
 ) -> PruneReport | None:
-    """One bounded retention pass; None when both settings are 0 or the pass failed (it is
-    logged and tried again at the next sweep)."""
+    """One bounded retention pass; None when the pass failed (it is logged and tried again
+    at the next sweep). With both settings 0 it removes expired idempotency keys only."""
     runs_before, payloads_before = cutoffs(settings, now)
-    if runs_before is None and payloads_before is None:
-        return None
     try:
         report = store.prune(
             runs_before=runs_before,
             payloads_before=payloads_before,
+            keys_before=now or datetime.now(UTC),  # expired idempotency keys, always
             batch=settings.retention_batch_rows,
             max_batches=MAX_BATCHES_PER_SWEEP,
         )
     except Exception:  # noqa: BLE001 - retention must never stop the reaper
         log.exception("retention pass failed (tried again at the next sweep)")
         return None
-    if report.deleted or report.payloads_cleared:
+    if report.deleted or report.payloads_cleared or report.keys_removed:
         log.info(
-            "retention: %d runs deleted, %d payloads cleared in %d batches",
+            "retention: %d runs deleted, %d payloads cleared, %d expired idempotency keys "
+            "removed in %d batches",
             report.deleted,
             report.payloads_cleared,
+            report.keys_removed,
             report.batches,
         )
     return report

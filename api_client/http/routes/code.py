@@ -29,6 +29,7 @@ from api_client.http.kit import (
     ServicesDep,
     admin_caller,
     error_response,
+    idempotency_key,
     trace_headers,
 )
 from api_client.http.wire import (
@@ -131,7 +132,10 @@ async def test_code(
     STUDIO_CODE_TEST_IN_FLIGHT waiting at once (then 429 with Retry-After), run on the
     code.test queue, answered with the result (200) or, when it takes longer than its
     timeout plus a margin, with the run so far (202). A W3C ``traceparent`` header (and
-    ``tracestate``) puts the call's spans in the caller's trace when tracing is on."""
+    ``tracestate``) puts the call's spans in the caller's trace when tracing is on. An
+    ``Idempotency-Key`` header makes a retry safe: the same key and request again answer
+    with the first call's run (waited for as this call would be, outside the limits: it
+    queues nothing); the same key with another request is 409 IDEMPOTENCY_CONFLICT."""
     s = services.settings
     # the first call of a process opens the run store: never on the event loop
     client = services.opened or await run_in_threadpool(lambda: services.client)
@@ -143,10 +147,6 @@ async def test_code(
     # the job is checked here (a small body: no I/O, a fraction of a millisecond; a big
     # one is checked in a thread). A refusal is said in the order it always was: 429, then
     # the job's own error (400), then no worker (503).
-    served = asyncio.ensure_future(client.check_served_async(QUEUE_TEST))
-    admitted = asyncio.ensure_future(
-        services.in_flight.admit(aredis, who.user, wait_s + 5, s.code_test_per_minute)
-    )
 
     def prepare() -> Any:
         return client.prepare(
@@ -160,11 +160,30 @@ async def test_code(
             cpus=body.cpus,
         )
 
+    key = idempotency_key(request)
+    keyed_job: Any = None
+    if key is not None:
+        # A repeat of a keyed call is answered with its first job, before any admission:
+        # it queues nothing, so it takes no in-flight slot and no place in the count.
+        keyed_job = await run_in_threadpool(prepare)
+        first = await run_in_threadpool(client.first_of_key, keyed_job, key)
+        if first is not None:
+            wait = client.wait_async(first, wait_s, submitted=True, **trace_headers(request))
+            return _answer(await _unless_disconnected(request, wait))
+    served = asyncio.ensure_future(client.check_served_async(QUEUE_TEST))
+    admitted = asyncio.ensure_future(
+        services.in_flight.admit(aredis, who.user, wait_s + 5, s.code_test_per_minute)
+    )
+
     length = request.headers.get("content-length", "")
     inline = length.isdigit() and int(length) <= INLINE_CHECK_BYTES
     checked: asyncio.Future[Any] | None = None
     try:
-        if inline:
+        if keyed_job is not None:  # checked above already
+            await asyncio.sleep(0)
+            checked = asyncio.get_running_loop().create_future()
+            checked.set_result(keyed_job)
+        elif inline:
             # one turn of the loop first: both tasks send their commands, then wait for
             # the answers while the job is checked here
             await asyncio.sleep(0)
@@ -195,7 +214,9 @@ async def test_code(
                 served.cancel()  # the job's own error is said: the served check is moot
             await asyncio.gather(served, return_exceptions=True)
         traced = trace_headers(request)  # the caller's W3C trace, if it sent one
-        job_id = await run_in_threadpool(lambda: client.enqueue(job, rate_checked=True, **traced))
+        job_id = await run_in_threadpool(
+            lambda: client.enqueue(job, rate_checked=True, idempotency_key=key, **traced)
+        )
         queued = True
         wait = client.wait_async(job_id, wait_s, submitted=True, **traced)
         rec = await _unless_disconnected(request, wait)
@@ -206,20 +227,23 @@ async def test_code(
         raise
     # the slot goes back as the answer goes out (not after Redis confirms it: that round
     # trip is off the call's path); the request ends once it is back
-    released = BackgroundTask(services.in_flight.release_now(aredis, slot))
-    answer: Response
-    if rec is None:  # nobody is listening; the run goes on and GET /api/runs/{id} has it
-        answer = error_response(499, "CLIENT_GONE", "The caller went away before the result.")
-    else:
-        # the view serialised once, by pydantic, as FastAPI would from response_model (the
-        # same bytes) without validating it again on the way out
-        answer = Response(
-            RunView.of(rec).model_dump_json(),
-            status_code=200 if rec.status.finished else 202,
-            media_type="application/json",
-        )
-    answer.background = released
+    answer = _answer(rec)
+    answer.background = BackgroundTask(services.in_flight.release_now(aredis, slot))
     return answer
+
+
+def _answer(rec: JobRecord | None) -> Response:
+    """The test call's answer: the run (200 finished, 202 not yet), or 499 when the caller
+    went away (the run goes on and GET /api/runs/{id} has it)."""
+    if rec is None:
+        return error_response(499, "CLIENT_GONE", "The caller went away before the result.")
+    # the view serialised once, by pydantic, as FastAPI would from response_model (the
+    # same bytes) without validating it again on the way out
+    return Response(
+        RunView.of(rec).model_dump_json(),
+        status_code=200 if rec.status.finished else 202,
+        media_type="application/json",
+    )
 
 
 async def _unless_disconnected(

@@ -28,6 +28,7 @@ from api_client.http.kit import (
     ErrorRoute,
     JobIdPath,
     ServicesDep,
+    idempotency_key,
     own_record,
     trace_headers,
 )
@@ -44,7 +45,10 @@ _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
 def submit_run(body: RunBody, who: CallerDep, services: ServicesDep, request: Request) -> RunView:
     """Queue a workflow run's Code node (queue code.run); poll GET /api/runs/{job_id}. A
     W3C ``traceparent`` header (and ``tracestate``) puts the run's spans in the caller's
-    trace when the API and the workers export traces (docs/operations.md, Traces)."""
+    trace when the API and the workers export traces (docs/operations.md, Traces). An
+    ``Idempotency-Key`` header makes a retry safe: the same key and request again (within
+    STUDIO_IDEMPOTENCY_TTL_S) answer the first run as it is now, never a second run; the
+    same key with another request is 409 IDEMPOTENCY_CONFLICT naming the first run."""
     job_id = services.client.submit(
         body.code,
         body.language,
@@ -54,6 +58,7 @@ def submit_run(body: RunBody, who: CallerDep, services: ServicesDep, request: Re
         kind="run",
         memory=body.memory,
         cpus=body.cpus,
+        idempotency_key=idempotency_key(request),
         **trace_headers(request),
     )
     rec = services.record(job_id)
