@@ -394,7 +394,11 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         except JobNotFound as e:
             return _not_found(args.job_id, e)
         store = client.store.describe()
-    _print({**_record_dict(rec), "store": store})
+        why = client.why_waiting(rec)
+    out = {**_record_dict(rec), "store": store}
+    if why is not None:
+        out["waiting"] = why.as_dict()
+    _print(out)
     return 0
 
 

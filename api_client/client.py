@@ -24,9 +24,10 @@ from typing import Any
 import redis
 from pydantic import BaseModel
 
-from api_client import idempotency, waiting
+from api_client import idempotency, waiting, why_waiting
 from api_client.log_follower import LogEvent
 from api_client.waiting import WAIT_SLICE_S
+from api_client.why_waiting import WhyWaiting
 from executor import inputs, tracing
 from executor.errors import (
     CodeInvalid,
@@ -240,6 +241,30 @@ class CodeClient:
         except redis.RedisError as e:
             out["error"] = f"Redis at STUDIO_REDIS_URL cannot be read: {e}"
         return out
+
+    def why_waiting(self, rec: JobRecord) -> WhyWaiting | None:
+        """Why ``rec``, a queued run or test call, waits (api_client.why_waiting): no live
+        worker, paused workers, its user's cap or turn, its place in its queue, with an
+        estimate from the queue's recent pace. None for a job not queued, or when Redis
+        cannot be read (logged)."""
+        if rec.status is not Status.QUEUED:
+            return None
+        queue = queue_of(rec.kind)
+        try:
+            infos = self.workers.live([queue])[queue]
+            fair = self.fair.where(rec.job_id) if queue == QUEUE_RUN else None
+            return why_waiting.explain(
+                queue=queue,
+                job_id=rec.job_id,
+                infos=infos,
+                store_id=self.store.store_id,
+                fair=fair,
+                position=lambda: why_waiting.queue_position(self.redis, queue, rec.job_id),
+                done_lately=lambda: self.store.finished_since(rec.kind, why_waiting.since_window()),
+            )
+        except redis.RedisError as e:
+            log.warning("why job %s waits is unknown (%s)", rec.job_id, e)
+            return None
 
     def where(self, job_id: str) -> Waiting | None:
         """Where a queued workflow run waits when fairness or its user's cap holds it back

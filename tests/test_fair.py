@@ -209,12 +209,14 @@ def test_api_says_where_a_run_waits(redis_server: Any, tmp_path: Any, make_setti
                 assert r.status_code == 200, r.text
                 return r.json()
 
+        # no worker runs here: that is said first, with the run's place on its user's list
         first = asyncio.run(get(f"/api/runs/{ann[0]}", "ann"))
-        assert first["status"] == "queued" and first["waiting"] is None  # in code.run
+        assert first["status"] == "queued" and first["waiting"]["held_by"] == "no_worker"
+        assert first["waiting"]["position"] is None  # released: in code.run, on no list
         last = asyncio.run(get(f"/api/runs/{ann[3]}", "ann"))
-        assert last["waiting"] == {
+        assert {k: last["waiting"][k] for k in WHERE} == {
             "queue": "code.run",
-            "held_by": "fairness",
+            "held_by": "no_worker",
             "position": 1,
             "users_ahead": 0,  # bob came in at the clock, tied with ann: by name
             "users_waiting": 2,
@@ -233,6 +235,10 @@ def test_api_says_where_a_run_waits(redis_server: Any, tmp_path: Any, make_setti
             {"rank": 2, "waiting": 1, "running": 0},
         ]
         assert client.where(bob) is not None
+
+
+#: the fields of a run's ``waiting`` that say where it is on its user's list
+WHERE = ("queue", "held_by", "position", "users_ahead", "users_waiting")
 
 
 # --- the whole path: real client, real workers -----------------------------------------------

@@ -263,6 +263,16 @@ KOMBU_UNACKED = "unacked"
 KOMBU_UNACKED_INDEX = "unacked_index"
 
 
+def message_job_id(raw: Any) -> str | None:
+    """The job id of a kombu message as a queue list holds it (JSON text, or parsed); None
+    for anything else (a poison item: not ours to judge here)."""
+    try:
+        payload = json.loads(raw) if isinstance(raw, str | bytes) else raw
+        return str(payload["headers"]["id"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def queue_lists(queue: str) -> list[str]:
     """The Redis lists holding ``queue``'s waiting messages, one per priority step."""
     return [queue if p == 0 else f"{queue}{KOMBU_PRIORITY_SEP}{p}" for p in KOMBU_PRIORITY_STEPS]

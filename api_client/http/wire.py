@@ -87,20 +87,46 @@ class ValidateResult(BaseModel):
     problems: list[Problem] = Field(default_factory=list)
 
 
-class RunWaiting(BaseModel):
-    """Where a queued workflow run waits while fairness between users (or its user's cap,
-    STUDIO_QUEUE_RUN_USER_SLOTS) holds it back."""
+class PausedWorker(BaseModel):
+    nodename: str
+    reason: str | None = None
 
-    queue: str = Field(description="The queue it goes to once released: code.run.")
-    held_by: Literal["fairness", "user_cap"] = Field(
-        description="fairness: it waits for its user's turn; user_cap: its user has "
-        "STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, it goes when one of them ends."
+
+class RunWaiting(BaseModel):
+    """Why a queued run (or editor test call) waits, in words (``reason``) and fields
+    (docs/operations.md, "Why a run waits")."""
+
+    queue: str = Field(description="The queue it goes to: code.run or code.test.")
+    held_by: Literal[
+        "no_worker", "other_store", "workers_paused", "user_cap", "fairness", "queue", "taken"
+    ] = Field(
+        description="no_worker: no live worker serves its queue; other_store: the only ones "
+        "use another run store; workers_paused: every worker of its queue is paused "
+        "(``paused``); user_cap: its user has STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, "
+        "it goes when one of them ends; fairness: it waits for its user's turn; queue: it "
+        "waits in its queue for a free slot; taken: a worker is starting it."
     )
-    position: int = Field(description="Runs of the same user ahead of it.")
+    reason: str = Field(description="The same in a sentence, with what to do when any.")
+    position: int | None = Field(
+        default=None,
+        description="Runs ahead of it: its user's own (user_cap, fairness) or the queue's (queue).",
+    )
     users_ahead: int | None = Field(
-        description="Users whose turn comes before its user's next one (null at the cap)."
+        default=None, description="Users whose turn comes before its user's next one."
     )
-    users_waiting: int = Field(description="Users with runs waiting, its own included.")
+    users_waiting: int | None = Field(
+        default=None, description="Users with runs waiting, its own included."
+    )
+    workers: int = Field(default=0, description="Live workers serving its queue.")
+    slots: int = Field(default=0, description="Their slots.")
+    paused: list[PausedWorker] = Field(
+        default_factory=list, description="Paused workers of its queue, with their reasons."
+    )
+    estimate_s: float | None = Field(
+        default=None,
+        description="Seconds until it starts at the queue's pace of the last 5 minutes "
+        "(null: no run of its kind ended then).",
+    )
 
 
 class RunView(BaseModel):
@@ -137,8 +163,7 @@ class RunView(BaseModel):
     attempts: int = 0
     waiting: RunWaiting | None = Field(
         None,
-        description="Only GET /api/runs/{job_id} of a queued run that fairness between "
-        "users holds back: where it waits.",
+        description="Only GET /api/runs/{job_id} of a queued run: why it waits.",
     )
 
     @classmethod

@@ -320,6 +320,10 @@ class RunStore(ABC):
         starting strictly after the cursor ``before`` (the last row of the previous page)."""
 
     @abstractmethod
+    def finished_since(self, kind: Kind, since: datetime) -> int:
+        """How many jobs of ``kind`` ended at or after ``since``: a queue's recent pace."""
+
+    @abstractmethod
     def oldest_queued_at(self, kind: Kind | None = None) -> datetime | None:
         """When the oldest job still ``queued`` (of this kind) was queued; None when none is."""
 

@@ -684,6 +684,16 @@ class SqlRunStore(RunStore):
         with self._read() as conn:
             return [rows.summary(r) for r in conn.execute(stmt)]
 
+    def finished_since(self, kind: Kind, since: datetime) -> int:
+        # ix_code_jobs_finished: the window's rows only
+        stmt = (
+            select(func.count())
+            .select_from(jobs)
+            .where(jobs.c.finished_at >= since, jobs.c.kind == kind)
+        )
+        with self._read() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
     def oldest_queued_at(self, kind: Kind | None = None) -> datetime | None:
         stmt = select(func.min(jobs.c.queued_at)).where(jobs.c.status == Status.QUEUED.value)
         if kind is not None:

@@ -45,6 +45,7 @@ from worker.protocol import (
     TASK_NAME,
     job_headers,
     max_wait_s,
+    message_job_id,
     never_taken_message,
     queue_lists,
     queue_of,
@@ -54,14 +55,6 @@ log = logging.getLogger("studio_code.worker")
 
 MAX_SCAN = 20_000
 CONFIRM_AFTER_S = 1.0
-
-
-def _message_id(raw: Any) -> str | None:
-    try:
-        payload = json.loads(raw) if isinstance(raw, str | bytes) else raw
-        return str(payload["headers"]["id"])
-    except (ValueError, KeyError, TypeError):
-        return None  # not a kombu message (a poison item): not ours to judge here
 
 
 def broker_job_ids(client: redis.Redis, candidates: Iterable[str] = ()) -> set[str] | None:
@@ -89,12 +82,12 @@ def broker_job_ids(client: redis.Redis, candidates: Iterable[str] = ()) -> set[s
         *lists, held = lists
     for items in lists:
         for raw in items:
-            job_id = _message_id(raw)
+            job_id = message_job_id(raw)
             if job_id:
                 ids.add(job_id)
     for raw in held:
         try:
-            job_id = _message_id(json.loads(raw)[0])
+            job_id = message_job_id(json.loads(raw)[0])
         except (ValueError, IndexError, TypeError):
             job_id = None
         if job_id:

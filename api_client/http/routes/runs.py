@@ -70,14 +70,15 @@ def submit_run(body: RunBody, who: CallerDep, services: ServicesDep, request: Re
 @router.get("/api/runs/{job_id}", response_model=RunView, tags=["runs"], responses=ERRORS)
 def get_run(job_id: JobIdPath, who: CallerDep, services: ServicesDep) -> RunView:
     """The run and, once finished, its result. 404 for an unknown id or another user's
-    run (unless the caller is an admin). A queued run that fairness between users holds
-    back says where it waits (``waiting``)."""
+    run (unless the caller is an admin). A queued run says why it waits (``waiting``: no
+    live worker, paused workers, its user's cap or turn, its place in its queue, with an
+    estimate), naming no other user."""
     rec = own_record(services, job_id, who)
     view = RunView.of(rec)
-    if rec.status is Status.QUEUED and rec.kind == "run":
-        where = services.client.where(job_id)
-        if where is not None:
-            view.waiting = RunWaiting.model_validate(where.as_dict())
+    if rec.status is Status.QUEUED:
+        why = services.client.why_waiting(rec)
+        if why is not None:
+            view.waiting = RunWaiting.model_validate(why.as_dict())
     return view
 
 
