@@ -20,10 +20,16 @@ KILL_GRACE_S = 10.0
 MIN_CPUS = 0.01
 #: MIN_CPUS as the engine's NanoCpus (CPUs x 1e9)
 MIN_NANO_CPUS = 10_000_000
-#: the smallest memory (swap equal to it): a trivial Python node and a trivial TypeScript
-#: (Deno) node still succeed in a sandbox with it, with margin (measured: docs/operations.md,
-#: "Per-node limits")
-MIN_MEMORY_BYTES = 32 * 1024**2
-#: the fewest processes and threads: Deno starts a dozen threads before the node's code runs
-#: (measured: docs/operations.md, "Per-node limits")
-MIN_PIDS = 16
+#: the smallest memory (swap equal to it), in which a trivial node of either language starts
+#: in either runtime. Measured (cgroup v1, cold runs, three each): docker runtime, a trivial
+#: TypeScript node peaks at ~12 MiB (fails at 10m), one importing npm:zod at ~14 MiB (fails
+#: at 12m), a trivial Python node at ~5.5 MiB (runs at 6m, the engine's own minimum);
+#: subprocess runtime, a trivial TypeScript node is killed for memory at 36m and runs at 40m
+#: (Deno's binary, mapped, counts in its resident size), Python runs at 16m. 64m leaves
+#: half as much again over the largest of these.
+MIN_MEMORY_BYTES = 64 * 1024**2
+#: the fewest processes and threads (STUDIO_CODE_PIDS). Measured: a trivial TypeScript node
+#: fails at 1 and 2 in a container ("Deno could not start its threads") and runs at 3; in
+#: the subprocess runtime (V8 --single-threaded) Deno peaks at 4 threads; Python needs 1.
+#: 8 leaves twice the largest of these.
+MIN_PIDS = 8
