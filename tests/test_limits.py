@@ -128,23 +128,25 @@ def test_whatever_a_node_asks_its_sandbox_has_a_real_cpu_quota(
 
 
 @pytest.mark.docker
+@pytest.mark.parametrize("pool", ["cold", "pool"])
 @pytest.mark.parametrize(("cpus", "code"), [(None, "RUNTIME_UNAVAILABLE"), (0.25, "CODE_INVALID")])
 def test_an_engine_refusal_at_start_is_never_lost_to_the_infrastructure(
-    make_settings: Any,
-    python_image: str,
+    request: pytest.FixtureRequest,
     docker_client: Any,
     monkeypatch: pytest.MonkeyPatch,
+    pool: str,
     cpus: float | None,
     code: str,
 ) -> None:
-    """The executor, on the machine's engine, with the policy's NanoCpus replaced by 5e6 (a
-    500 us quota: what a node's 0.005 gave before the floor): runc refuses the start (the
-    engine's 500). Not InfrastructureLost (sandbox.lost, which a worker runs again): the
-    default limits give RUNTIME_UNAVAILABLE naming the engine's words, the node's own
-    CODE_INVALID naming its request; no sandbox is left."""
+    """The executor, on the machine's engine, with its cold sandboxes' NanoCpus replaced by
+    5e6 (a 500 us quota: what a node's 0.005 gave before the floor): runc refuses the start
+    (the engine's 500). Not InfrastructureLost (sandbox.lost, which a worker runs again):
+    the default limits give RUNTIME_UNAVAILABLE naming the engine's words, the node's own
+    CODE_INVALID naming its request; no sandbox is left. With a pool of pre-started
+    sandboxes (made with the real policy), the job's other shape misses it and goes cold."""
     import executor.runtimes.docker.runtime as docker_runtime
-    from executor.service import Executor
 
+    ex = request.getfixturevalue("docker_pool_executor" if pool == "pool" else "docker_executor")
     real = docker_runtime.sandbox_policy
 
     def refused_quota(*args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -153,7 +155,6 @@ def test_an_engine_refusal_at_start_is_never_lost_to_the_infrastructure(
         return policy
 
     monkeypatch.setattr(docker_runtime, "sandbox_policy", refused_quota)
-    ex = Executor(make_settings(code_runtime="docker", code_image=python_image, code_prewarm=0))
     job = CodeJob(code=TRIVIAL, cpus=cpus, timeout_s=20)
     r = ex.run(job)
     print(f"\n{r.status.value} {r.error} {[(t.step, t.detail) for t in r.trace]}")
