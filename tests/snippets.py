@@ -53,15 +53,19 @@ def main(state):
 """
 
 
-#: reports the sandbox's own CPU quota and memory limit, read from INSIDE it (cgroup v2:
-#: cpu.max, memory.max; v1: cpu.cfs_quota_us and cpu.cfs_period_us, memory.limit_in_bytes)
-CGROUP_CODE = (
+#: a node's helper: the first of ``paths`` it can read, stripped (None: none)
+READ_FIRST = (
     "def read(*paths):\n"
     "    for p in paths:\n"
     "        try:\n"
     "            return open(p).read().strip()\n"
     "        except OSError:\n"
     "            pass\n"
+)
+
+#: reports the sandbox's own CPU quota and memory limit, read from INSIDE it (cgroup v2:
+#: cpu.max, memory.max; v1: cpu.cfs_quota_us and cpu.cfs_period_us, memory.limit_in_bytes)
+CGROUP_CODE = READ_FIRST + (
     "def main(state):\n"
     "    return {'cpu': read('/sys/fs/cgroup/cpu.max'),\n"
     "            'quota': read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us'),\n"
