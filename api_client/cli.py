@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from executor.errors import CodeInvalid, ErrorCode, StudioCodeError
-from executor.runtimes.constants import MIN_CPUS, MIN_MEMORY_BYTES
+from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES
 
 if TYPE_CHECKING:
     from executor.models import Language

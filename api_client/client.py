@@ -193,7 +193,7 @@ class CodeClient:
     ) -> list[Problem]:
         """The editor's save-time check: [] when the code may be saved. Raises CodeInvalid
         for a language that is not offered, or for limits the node asks for outside their
-        range (below the floors of executor/runtimes/constants.py, or over the server's caps
+        range (below the floors of executor/floors.py, or over the server's caps
         STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS), giving the range."""
         problems = self.executor.check_code(code, language)
         self.executor.check_limits(
@@ -389,7 +389,7 @@ class CodeClient:
         RuntimeUnavailable (no live worker serves the job's queue: nothing is stored; the
         run store is unreachable: StoreUnavailable naming it; Redis could not take the job:
         the job then ends failed). ``memory`` (a size such as 512m, or bytes) and ``cpus``
-        are what the node asks for, from their floors (executor/runtimes/constants.py) up
+        are what the node asks for, from their floors (executor/floors.py) up
         to STUDIO_CODE_MAX_MEMORY / STUDIO_CODE_MAX_CPUS (outside: CodeInvalid).
         ``rate_checked``: the caller has counted this test call against
         STUDIO_CODE_TEST_PER_MINUTE already (the HTTP route, with its in-flight slot, in one

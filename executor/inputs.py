@@ -14,7 +14,7 @@ import math
 from typing import Any, NoReturn
 
 from executor.errors import CodeInvalid
-from executor.runtimes.constants import MIN_CPUS, MIN_MEMORY_BYTES
+from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES
 
 _JSON_KINDS = {
     list: "an array",

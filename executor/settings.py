@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from executor.deferred_import import on_first_use
 from executor.errors import SettingsError
+from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES, MIN_PIDS
 from executor.packages import (
     DEFAULT_PYTHON_PACKAGES,
     DEFAULT_TS_PACKAGES,
@@ -30,7 +31,6 @@ from executor.packages import (
     parse_packages,
     parse_preimport,
 )
-from executor.runtimes.constants import MIN_CPUS, MIN_MEMORY_BYTES, MIN_PIDS
 
 # None is used here: asyncio only by CliApp.run, entry_points only to look for plugins,
 # dotenv_values only to read an env_file (Settings has none), secrets (hmac, OpenSSL's

@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from executor.errors import CodeInvalid
+from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES, MIN_NANO_CPUS
 from executor.models import CodeJob
-from executor.runtimes.constants import MIN_CPUS, MIN_MEMORY_BYTES, MIN_NANO_CPUS
 from testkit.stack import Stack
 from tests.conftest import THROUGH_SOCKGUARD, run_cli
 from tests.snippets import CGROUP_CODE, TRIVIAL, cpu_share

@@ -118,8 +118,8 @@ def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch,
 
 
 def test_the_limits_floors_themselves_are_taken(monkeypatch):
-    """The floors (executor/runtimes/constants.py) are the smallest values a setting takes."""
-    from executor.runtimes.constants import MIN_CPUS, MIN_MEMORY_BYTES, MIN_PIDS
+    """The floors (executor/floors.py) are the smallest values a setting takes."""
+    from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES, MIN_PIDS
 
     for name, value in (
         ("STUDIO_CODE_CPUS", str(MIN_CPUS)),

@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from executor.errors import CodeInvalid
+from executor.floors import MIN_CPUS
 from executor.inputs import check_cpus
 from executor.models import CodeErrorInfo, Status, TraceRow, Usage
-from executor.runtimes.constants import MIN_CPUS
 from executor.store.base import JobRecord, RunSummary
 
 #: the longest source a request may carry, in characters

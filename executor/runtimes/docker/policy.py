@@ -10,15 +10,11 @@ from typing import Any
 from docker.types import LogConfig, Ulimit
 
 from executor.errors import CodeInvalid
+from executor.floors import MIN_MEMORY_BYTES, MIN_NANO_CPUS, MIN_PIDS
 from executor.inputs import check_cpus, cpus_range, size_text
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
-from executor.runtimes.constants import (
-    KILL_GRACE_S,
-    MIN_MEMORY_BYTES,
-    MIN_NANO_CPUS,
-    MIN_PIDS,
-)
+from executor.runtimes.constants import KILL_GRACE_S
 from executor.runtimes.docker.seccomp import profile_json
 from executor.settings import Settings, sandbox_ids
 
@@ -95,14 +91,14 @@ def nano_cpus(cpus: float) -> int:
     cannot enforce raises CodeInvalid (it is never rounded up, nor down to 0, which the
     engine reads as no limit at all)."""
     check_cpus(cpus, max_cpus=None, source="The sandbox's cpus")
-    nano = round(cpus * 1e9)
+    nano = int(cpus * 1e9)  # as the socket guard computes its cap: the two agree
     if nano < MIN_NANO_CPUS:  # pragma: no cover - cpus >= MIN_CPUS gives at least this
         raise CodeInvalid(f"The sandbox's cpus={cpus:g} gives NanoCpus {nano}: {cpus_range()}.")
     return nano
 
 
 def refuse_below_floors(limits: Limits) -> None:
-    """CodeInvalid when a limit is below its floor (executor/runtimes/constants.py): every
+    """CodeInvalid when a limit is below its floor (executor/floors.py): every
     door refuses such a value first, so this is the last guard, never a clamp."""
     if limits.memory_bytes < MIN_MEMORY_BYTES:
         raise CodeInvalid(
