@@ -75,9 +75,11 @@ def test_every_door_refuses_a_limit_below_its_floor(
             with pytest.raises(CodeInvalid) as e:
                 door(TRIVIAL, "python", **asked)
             assert says in e.value.message and the_range in e.value.message, (door, e.value)
+    flag, value = next(iter(asked.items()))
+    if value not in BELOW_FLOOR:
+        return  # the CLI's check is the same rule: its two cases of the issue are enough
     node = tmp_path / "node.py"
     node.write_text(TRIVIAL)
-    flag, value = next(iter(asked.items()))
     for command in ("run", "submit"):
         proc = run_cli(command, str(node), f"--{flag}", str(value), env=SUB)
         out = proc.stdout.strip().splitlines()
