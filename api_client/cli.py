@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from executor.errors import CodeInvalid, ErrorCode, StudioCodeError
+from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES
 
 if TYPE_CHECKING:
     from executor.models import Language
@@ -141,22 +142,32 @@ def _timeout(args: argparse.Namespace, settings: Settings) -> float:
     return timeout_s(args.timeout, max_seconds=settings.code_max_seconds, source="--timeout")
 
 
+def _limits(args: argparse.Namespace, settings: Settings) -> tuple[int | None, float | None]:
+    """--memory and --cpus under the one rule of the node's limits (executor.inputs):
+    each between its floor and the server's cap, or none for the default."""
+    from executor.inputs import check_cpus, check_memory, memory_bytes
+
+    memory = memory_bytes(args.memory)
+    check_memory(memory, max_bytes=settings.max_memory_bytes, source="--memory")
+    check_cpus(args.cpus, max_cpus=settings.max_cpus, source="--cpus")
+    return memory, args.cpus
+
+
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from executor.models import CodeJob
     from executor.service import Executor
 
     language: str | None = args.language
     try:
-        from executor.inputs import memory_bytes
-
         language = _language(args)
+        memory, cpus = _limits(args, settings)
         job = CodeJob(
             language=language,
             code=_read_code(args.file),
             state_json=_read_state(args, settings),
             timeout_s=_timeout(args, settings),
-            memory_bytes=memory_bytes(args.memory),
-            cpus=args.cpus,
+            memory_bytes=memory,
+            cpus=cpus,
         )
     except StudioCodeError as e:
         _print(_refusal("run", e.code, e.message, runtime=settings.code_runtime, language=language))
@@ -301,13 +312,14 @@ def cmd_image(args: argparse.Namespace, settings: Settings) -> int:
 def _limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory",
-        help="memory for this node, e.g. 512m (at most "
+        help=f"memory for this node, e.g. 512m (from {MIN_MEMORY_BYTES // 1024**2}m to "
         "STUDIO_CODE_MAX_MEMORY; default STUDIO_CODE_MEMORY)",
     )
     p.add_argument(
         "--cpus",
         type=float,
-        help="CPU share for this node (at most STUDIO_CODE_MAX_CPUS; default STUDIO_CODE_CPUS)",
+        help=f"CPU share for this node (from {MIN_CPUS:g} to STUDIO_CODE_MAX_CPUS; default "
+        "STUDIO_CODE_CPUS)",
     )
 
 
@@ -329,6 +341,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         language = _language(args)
         code, state = _read_code(args.file), _read_state(args, settings)
         timeout = _timeout(args, settings)
+        _limits(args, settings)
     except StudioCodeError as e:
         _print(
             _refusal("submit", e.code, e.message, runtime=settings.code_runtime, language=language)

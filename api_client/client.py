@@ -193,8 +193,9 @@ class CodeClient:
         timeout_s: float | None = None,
     ) -> list[Problem]:
         """The editor's save-time check: [] when the code may be saved. Raises CodeInvalid
-        for a language that is not offered, or for limits the node asks for over the
-        server's caps (STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS), naming the cap."""
+        for a language that is not offered, or for limits the node asks for outside their
+        range (below the floors of executor/floors.py, or over the server's caps
+        STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS), giving the range."""
         problems = self.executor.check_code(code, language)
         self.executor.check_limits(
             memory_bytes=inputs.memory_bytes(memory), cpus=cpus, timeout_s=timeout_s
@@ -414,10 +415,11 @@ class CodeClient:
         RuntimeUnavailable (no live worker serves the job's queue: nothing is stored; the
         run store is unreachable: StoreUnavailable naming it; Redis could not take the job:
         the job then ends failed). ``memory`` (a size such as 512m, or bytes) and ``cpus``
-        are what the node asks for, up to STUDIO_CODE_MAX_MEMORY / STUDIO_CODE_MAX_CPUS
-        (over: CodeInvalid). ``rate_checked``: the caller has counted this test call
-        against STUDIO_CODE_TEST_PER_MINUTE already (the HTTP route, with its in-flight
-        slot, in one round trip: api_client.http.inflight). ``traceparent`` (W3C, with its
+        are what the node asks for, from their floors (executor/floors.py) up
+        to STUDIO_CODE_MAX_MEMORY / STUDIO_CODE_MAX_CPUS (outside: CodeInvalid).
+        ``rate_checked``: the caller has counted this test call against
+        STUDIO_CODE_TEST_PER_MINUTE already (the HTTP route, with its in-flight slot, in one
+        round trip: api_client.http.inflight). ``traceparent`` (W3C, with its
         ``tracestate``): the caller's trace, which the job's spans join when tracing is on
         (executor.tracing; an unreadable one starts a trace of its own).
         ``idempotency_key``: the caller's key for this submit (api_client.idempotency): a

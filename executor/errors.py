@@ -98,6 +98,21 @@ class StoreUnavailable(RuntimeUnavailable):
     code = ErrorCode.RUNTIME_UNAVAILABLE
 
 
+class SandboxRefused(RuntimeUnavailable):
+    """Raised by a runtime when its engine refused to make or start the job's sandbox, before
+    the job's input was written to it (a create or start the engine answered with an error:
+    runc refusing a CPU quota, the engine's CPU range, a socket guard's 403). The job never
+    ran, so running it again, here or elsewhere, repeats the refusal: never
+    ``InfrastructureLost``. The executor ends the job at once: CODE_INVALID naming the
+    node's own limits when they differ from the server's defaults (the engine refused what
+    the node asked for), else RUNTIME_UNAVAILABLE with this message (the worker tells its
+    runtime gate, once). ``detail``: the engine's own words."""
+
+    def __init__(self, detail: str, *, message: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
 class InfrastructureLost(RuntimeUnavailable):
     """Raised by a runtime when a sandbox ended because of the infrastructure, not its code:
     the engine went away or restarted, the sandbox vanished or was killed through the engine

@@ -1,4 +1,5 @@
-"""What a call is given, checked by one rule at every door: the state and the timeout.
+"""What a call is given, checked by one rule at every door: the state, the timeout and the
+limits a node asks for (its memory and CPU share, between their floors and the server's caps).
 
 The CLI (``studio-code run`` / ``submit``), ``CodeClient`` (and through it the HTTP routes)
 and the executor's own last check (``Executor.check_job``) all call these functions, so a
@@ -13,6 +14,7 @@ import math
 from typing import Any, NoReturn
 
 from executor.errors import CodeInvalid
+from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES
 
 _JSON_KINDS = {
     list: "an array",
@@ -134,7 +136,8 @@ def _finite(text: str) -> float:
 
 
 def memory_bytes(memory: str | int | None) -> int | None:
-    """A node's memory request in bytes: a size such as 512m, or a number of bytes."""
+    """A node's memory request in bytes: a size such as 512m, or a number of bytes (its
+    range is ``check_memory``'s)."""
     if memory is None or isinstance(memory, int):
         return memory
     from executor.settings import parse_size
@@ -145,3 +148,62 @@ def memory_bytes(memory: str | int | None) -> int | None:
         raise CodeInvalid(
             f"memory={memory!r} is not a size: give one such as 512m (a number with b, k, m or g)."
         ) from None
+
+
+def size_text(n: int) -> str:
+    """``268435456`` -> ``256m``: a size in the largest unit it is a whole number of."""
+    for unit, size in (("g", 1024**3), ("m", 1024**2), ("k", 1024)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}b"
+
+
+def check_memory(value: int | None, *, max_bytes: int, source: str = "memory") -> None:
+    """A node's memory in bytes (``memory_bytes``'s answer): None (STUDIO_CODE_MEMORY) or
+    from MIN_MEMORY_BYTES (the least a Python or Deno runner starts in) to ``max_bytes``
+    (STUDIO_CODE_MAX_MEMORY). Raises CodeInvalid giving the range otherwise."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_MEMORY_BYTES:
+        shown = size_text(value) if isinstance(value, int) and value > 0 else repr(value)
+        raise CodeInvalid(
+            f"{source}={shown} is less memory than a sandbox can start in: give from "
+            f"{size_text(MIN_MEMORY_BYTES)} (the least Python and Deno start in) to the cap "
+            f"STUDIO_CODE_MAX_MEMORY={size_text(max_bytes)}, or none for STUDIO_CODE_MEMORY."
+        )
+    if value > max_bytes:
+        raise CodeInvalid(
+            f"{source}={size_text(value)} is more memory than the cap "
+            f"STUDIO_CODE_MAX_MEMORY={size_text(max_bytes)}: give from "
+            f"{size_text(MIN_MEMORY_BYTES)} to that, or ask an admin to raise the cap."
+        )
+
+
+def cpus_range(max_cpus: float | None = None) -> str:
+    """The sentence giving the CPU shares a node may ask for (``max_cpus``: the cap in force,
+    when the caller knows it)."""
+    cap = "STUDIO_CODE_MAX_CPUS" + ("" if max_cpus is None else f"={max_cpus:g}")
+    return (
+        f"give from {MIN_CPUS:g} (1 ms of CPU in every 100 ms, the smallest quota the kernel "
+        f"enforces) to the cap {cap}, or none for STUDIO_CODE_CPUS"
+    )
+
+
+def check_cpus(value: float | None, *, max_cpus: float | None, source: str = "cpus") -> None:
+    """A node's CPU share: None (STUDIO_CODE_CPUS) or a finite number from MIN_CPUS to
+    ``max_cpus`` (STUDIO_CODE_MAX_CPUS; None: not known here, the floor only). Raises
+    CodeInvalid giving the range otherwise: below the floor the engine either refuses the
+    sandbox or (a share that rounds to 0 NanoCpus) gives it no CPU limit at all."""
+    if value is None:
+        return
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if (
+        not number
+        or not math.isfinite(value)
+        or value < MIN_CPUS
+        or (max_cpus is not None and value > max_cpus)
+    ):
+        shown = f"{value:g}" if number else repr(value)
+        raise CodeInvalid(
+            f"{source}={shown} is not a CPU share a node may ask for: {cpus_range(max_cpus)}."
+        )

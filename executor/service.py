@@ -21,9 +21,16 @@ from executor.errors import (
     ErrorCode,
     InfrastructureLost,
     RuntimeUnavailable,
+    SandboxRefused,
     StudioCodeError,
 )
-from executor.inputs import capped_timeout_s, check_state_size
+from executor.inputs import (
+    capped_timeout_s,
+    check_cpus,
+    check_memory,
+    check_state_size,
+    size_text,
+)
 from executor.languages import get_language, offered_language
 from executor.languages.base import Language, Problem
 from executor.models import (
@@ -64,6 +71,12 @@ READINESS_TIMEOUT_S = 20.0
 LOST_STEP = "sandbox.lost"
 #: the trace row of a run that is a re-run: its detail says why the job ran again
 RERUN_STEP = "job.rerun"
+#: the trace row of a run whose sandbox the engine refused before the job's input was
+#: written (SandboxRefused): its detail is REFUSED_LIMITS (the node's own limits, ended
+#: CODE_INVALID) or REFUSED_ENGINE (the server's defaults: RUNTIME_UNAVAILABLE); never re-run
+REFUSED_STEP = "sandbox.refused"
+REFUSED_LIMITS = "limits"
+REFUSED_ENGINE = "engine"
 
 
 @dataclass(frozen=True)
@@ -76,16 +89,6 @@ class Readiness:
     #: a ready language whose package setting disagrees with its image: the names, in one
     #: sentence (executor.packages.packages_warning)
     warning: str | None = None
-
-
-MIN_MEMORY_BYTES = 16 * 1024**2
-
-
-def _size(n: int) -> str:
-    for unit, size in (("g", 1024**3), ("m", 1024**2), ("k", 1024)):
-        if n % size == 0:
-            return f"{n // size}{unit}"
-    return f"{n}b"
 
 
 def runtime_class(settings: Settings) -> type[Runtime] | None:
@@ -201,25 +204,11 @@ class Executor:
         cpus: float | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        """What a node asks for, against the server's caps: CodeInvalid naming the cap."""
+        """What a node asks for, against the floors and the server's caps (one rule,
+        executor.inputs): CodeInvalid giving the range."""
         s = self.settings
-        if memory_bytes is not None:
-            if memory_bytes < MIN_MEMORY_BYTES:
-                raise CodeInvalid(
-                    f"The node asks for {memory_bytes} bytes of memory; give at "
-                    "least 16m (Python and Deno need that much to start)."
-                )
-            if memory_bytes > s.max_memory_bytes:
-                raise CodeInvalid(
-                    f"The node asks for {_size(memory_bytes)} of memory, more than the cap "
-                    f"STUDIO_CODE_MAX_MEMORY={_size(s.max_memory_bytes)}: ask for at most that, "
-                    "or ask an admin to raise the cap."
-                )
-        if cpus is not None and not 0 < cpus <= s.max_cpus:
-            raise CodeInvalid(
-                f"The node asks for a CPU share of {cpus:g}: give more than 0 and at most the "
-                f"cap STUDIO_CODE_MAX_CPUS={s.max_cpus:g}."
-            )
+        check_memory(memory_bytes, max_bytes=s.max_memory_bytes)
+        check_cpus(cpus, max_cpus=s.max_cpus)
         if timeout_s is not None and not 0 < timeout_s <= s.code_max_seconds:
             raise CodeInvalid(
                 f"The node's timeout of {timeout_s:g} s is not allowed: give more than 0 and "
@@ -359,11 +348,51 @@ class Executor:
             return self._result(
                 job, Status.FAILED, error=e.code, message=e.message, t0=t0, lost=e.cause
             )
+        except SandboxRefused as e:
+            return self._refused(job, limits, e, t0)
         except StudioCodeError as e:
-            return self._result(job, Status.FAILED, error=e.code, message=e.message, t0=t0)
+            status = Status.ended_by(e.code)
+            return self._result(job, status, error=e.code, message=e.message, t0=t0)
         result = self._read(job, language, limits, raw, t0)
         tracing.sandbox(result, raw, started_ns)  # spans under a worker's job span, if any
         return result
+
+    def _refused(self, job: CodeJob, limits: Limits, e: SandboxRefused, t0: float) -> CodeResult:
+        """The engine refused the job's sandbox before its input was written: the job never
+        ran and a re-run would repeat the refusal. CODE_INVALID naming the node's own
+        request when its limits differ from the server's defaults, else the runtime's
+        RUNTIME_UNAVAILABLE (the worker tells its runtime gate)."""
+        s = self.settings
+        asked = []
+        if limits.cpus != s.code_cpus:
+            asked.append(f"cpus={limits.cpus:g}")
+        if limits.memory_bytes != s.memory_bytes:
+            asked.append(f"memory={size_text(limits.memory_bytes)}")
+        if asked:
+            log.warning(
+                "job %s: the engine refused its sandbox with %s: %s",
+                job.job_id,
+                ", ".join(asked),
+                e.detail,
+            )
+            message = (
+                f"The engine refused a sandbox with {', '.join(asked)}, so the job did not "
+                f"run: {e.detail}. Use the defaults (cpus={s.code_cpus:g}, "
+                f"memory={size_text(s.memory_bytes)}) or other limits this server's engine "
+                "takes."
+            )
+            return self._result(
+                job,
+                Status.INVALID,
+                error=ErrorCode.CODE_INVALID,
+                message=message,
+                t0=t0,
+                refused=REFUSED_LIMITS,
+            )
+        log.error("job %s: the engine refused its sandbox: %s", job.job_id, e.detail)
+        return self._result(
+            job, Status.FAILED, error=e.code, message=e.message, t0=t0, refused=REFUSED_ENGINE
+        )
 
     def _audit_first_subprocess_call(self, job: CodeJob) -> None:
         event = self.runtime.audit_event if self.runtime is not None else None
@@ -495,16 +524,18 @@ class Executor:
         logs: str = "",
         raw: RawRun | None = None,
         lost: str | None = None,
+        refused: str | None = None,
     ) -> CodeResult:
         runtime = self.runtime_name
         trace = []
-        if lost is not None:
+        marker = (LOST_STEP, lost) if lost is not None else (REFUSED_STEP, refused)
+        if marker[1] is not None:
             trace = [
                 TraceRow(
-                    step=LOST_STEP,
+                    step=marker[0],
                     runtime=runtime,
                     duration_ms=round((time.monotonic() - t0) * 1000, 3),
-                    detail=lost,
+                    detail=marker[1],
                 )
             ]
         elif raw is not None:

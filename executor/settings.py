@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from executor.deferred_import import on_first_use
 from executor.errors import SettingsError
+from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES, MIN_PIDS
 from executor.packages import (
     DEFAULT_PYTHON_PACKAGES,
     DEFAULT_TS_PACKAGES,
@@ -46,6 +47,11 @@ with (
 log = logging.getLogger("studio_code.settings")
 
 KNOWN_RUNTIMES = ("docker", "subprocess")
+_MIN_MEMORY = f"{MIN_MEMORY_BYTES // 1024**2}m"
+_CPUS_FLOOR = (
+    f"a CPU share of at least {MIN_CPUS:g} (1 ms of CPU in every 100 ms, the smallest quota "
+    "the kernel enforces; below it a sandbox is refused or gets no CPU limit at all)"
+)
 KNOWN_LANGUAGES = ("python", "typescript")
 API_TOKEN_MIN_CHARS = 16
 NOBODY = 65534  # uid/gid a sandbox gets when the server runs as root: no sandbox runs as root
@@ -137,8 +143,10 @@ class Settings(BaseSettings):
         "against the sandbox's own limit.",
     )
     code_memory: str = Field("256m", description="Memory per call (swap equal to memory).")
-    code_cpus: float = Field(0.5, gt=0, le=64, description="CPU share per call.")
-    code_pids: int = Field(64, ge=8, le=4096, description="Processes per call.")
+    code_cpus: float = Field(0.5, le=64, description=f"CPU share per call (at least {MIN_CPUS:g}).")
+    code_pids: int = Field(
+        64, ge=MIN_PIDS, le=4096, description=f"Processes per call (at least {MIN_PIDS})."
+    )
     code_max_seconds: float = Field(30, gt=0, le=3600, description="Cap on a node's timeout.")
     code_max_memory: str = Field(
         "",
@@ -147,9 +155,8 @@ class Settings(BaseSettings):
     )
     code_max_cpus: float = Field(
         0,
-        ge=0,
         le=64,
-        description="Cap on the CPU share a node may ask for. 0: "
+        description=f"Cap on the CPU share a node may ask for (at least {MIN_CPUS:g}). 0: "
         "STUDIO_CODE_CPUS, so a node can only ask for less.",
     )
     code_concurrency: int = Field(4, ge=1, le=256, description="Sandboxes at once per process.")
@@ -485,8 +492,8 @@ class Settings(BaseSettings):
             size = parse_size(v)
         except ValueError:
             raise ValueError("a size such as 256m (a number with b, k, m or g)") from None
-        if size < 16 * 1024**2:
-            raise ValueError("at least 16m (Deno and Python need more to start)")
+        if size < MIN_MEMORY_BYTES:
+            raise ValueError(f"at least {_MIN_MEMORY} (Deno and Python need that much to start)")
         return v
 
     @field_validator("code_max_memory")
@@ -494,13 +501,32 @@ class Settings(BaseSettings):
     def _max_memory(cls, v: str) -> str:
         if v.strip():
             try:
-                parse_size(v)
+                size = parse_size(v)
             except ValueError:
                 raise ValueError(
                     "a size such as 1g (a number with b, k, m or g), or empty "
                     "for STUDIO_CODE_MEMORY"
                 ) from None
+            if size < MIN_MEMORY_BYTES:
+                raise ValueError(
+                    f"a size of at least {_MIN_MEMORY} (Deno and Python need that much to "
+                    "start), or empty for STUDIO_CODE_MEMORY"
+                )
         return v.strip()
+
+    @field_validator("code_cpus")
+    @classmethod
+    def _cpus(cls, v: float) -> float:
+        if not v >= MIN_CPUS:
+            raise ValueError(_CPUS_FLOOR)
+        return v
+
+    @field_validator("code_max_cpus")
+    @classmethod
+    def _max_cpus(cls, v: float) -> float:
+        if v != 0 and not v >= MIN_CPUS:
+            raise ValueError(_CPUS_FLOOR + ", or 0 for STUDIO_CODE_CPUS")
+        return v
 
     @field_validator("code_languages")
     @classmethod

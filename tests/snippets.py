@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 USER = "X-Studio-User"
 
 ADMIN = "X-Studio-Admin"
@@ -49,3 +51,35 @@ def main(state):
             hog.append(bytearray(1 << 20))
     return {"cid": me, "reused": reused}
 """
+
+
+#: a node's helper: the first of ``paths`` it can read, stripped (None: none)
+READ_FIRST = (
+    "def read(*paths):\n"
+    "    for p in paths:\n"
+    "        try:\n"
+    "            return open(p).read().strip()\n"
+    "        except OSError:\n"
+    "            pass\n"
+)
+
+#: reports the sandbox's own CPU quota and memory limit, read from INSIDE it (cgroup v2:
+#: cpu.max, memory.max; v1: cpu.cfs_quota_us and cpu.cfs_period_us, memory.limit_in_bytes)
+CGROUP_CODE = READ_FIRST + (
+    "def main(state):\n"
+    "    return {'cpu': read('/sys/fs/cgroup/cpu.max'),\n"
+    "            'quota': read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us'),\n"
+    "            'period': read('/sys/fs/cgroup/cpu/cpu.cfs_period_us'),\n"
+    "            'mem': read('/sys/fs/cgroup/memory.max',\n"
+    "                        '/sys/fs/cgroup/memory/memory.limit_in_bytes')}\n"
+)
+
+
+def cpu_share(out: dict[str, Any]) -> float | None:
+    """The CPU share CGROUP_CODE's answer shows; None when the sandbox has no CPU quota (v1
+    quota -1, v2 "max")."""
+    if out["period"]:  # cgroup v1
+        quota = int(out["quota"])
+        return None if quota < 0 else quota / int(out["period"])
+    quota, period = out["cpu"].split()
+    return None if quota == "max" else int(quota) / int(period)

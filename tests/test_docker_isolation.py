@@ -15,6 +15,7 @@ import pytest
 
 from executor.models import CodeJob, Status
 from tests.conftest import FORK_BOMB
+from tests.snippets import READ_FIRST
 
 pytestmark = pytest.mark.docker
 
@@ -249,13 +250,7 @@ def test_node_timeout_is_capped_by_max_seconds(make_executor):
 
 def test_cpu_share_and_limits_are_visible_in_the_cgroup(make_executor):
     ex = make_executor(code_cpus=0.5, code_pids=32, code_memory="128m")
-    code = (
-        "def read(*paths):\n"
-        "    for p in paths:\n"
-        "        try:\n"
-        "            return open(p).read().strip()\n"
-        "        except OSError:\n"
-        "            pass\n"
+    code = READ_FIRST + (
         "def main(state):\n"
         "    return {\n"
         "      'quota': read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us', '/sys/fs/cgroup/cpu.max'),\n"

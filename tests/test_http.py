@@ -157,6 +157,31 @@ def test_a_malformed_body_is_a_json_error_not_a_500(stack: Stack) -> None:
     assert r.status_code == 422
 
 
+@pytest.mark.parametrize("cpus", [1e-10, 0.005, 0])
+def test_a_limit_below_its_floor_is_code_invalid_on_every_route(stack: Stack, cpus: float) -> None:
+    """A CPU share below 0.01 (1e-10 gave a sandbox with no CPU quota at all, 0.005 one runc
+    refused at start) and memory below 64m: 400 CODE_INVALID with the range, on the routes
+    that take a node's limits; the floor itself is taken, and the schema shows it."""
+    h = stack.as_user(_user())
+    for route in ("/api/runs", "/api/code/test", "/api/code/validate"):
+        r = stack.http.post(route, json={"code": OK_CODE, "cpus": cpus}, headers=h)
+        assert r.status_code == 400, (route, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "CODE_INVALID", (route, err)
+        assert f"cpus={cpus:g} is not a CPU share" in err["message"], err
+        assert "from 0.01" in err["message"] and "STUDIO_CODE_MAX_CPUS" in err["message"], err
+        r = stack.http.post(route, json={"code": OK_CODE, "memory": "32m"}, headers=h)
+        assert r.status_code == 400, (route, r.text)
+        assert r.json()["error"]["code"] == "CODE_INVALID", r.text
+        assert "from 64m" in r.json()["error"]["message"], r.text
+    r = stack.http.post(
+        "/api/code/validate", json={"code": OK_CODE, "cpus": 0.01, "memory": "64m"}, headers=h
+    )
+    assert r.status_code == 200, r.text
+    field = stack.http.get("/openapi.json").json()["components"]["schemas"]["RunBody"]
+    assert field["properties"]["cpus"]["minimum"] == 0.01, field["properties"]["cpus"]
+
+
 # --- runs ----------------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from testkit.processes import BIN, IN_CI, free_port, require, wait_for
 from testkit.sandboxes import containers_of
 from testkit.stack import DOCKER_PYTHON, Stack
 from tests.conftest import run_cli
-from tests.snippets import ADMIN, OK_CODE, RAISE_CODE, SLEEP_CODE, USER
+from tests.snippets import ADMIN, CGROUP_CODE, OK_CODE, RAISE_CODE, SLEEP_CODE, USER, cpu_share
 
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
@@ -445,28 +445,6 @@ def test_backlog_and_oldest_wait_with_no_worker(
 
 # --- per-node limits --------------------------------------------------------------------
 
-CGROUP_CODE = (
-    "def read(*paths):\n"
-    "    for p in paths:\n"
-    "        try:\n"
-    "            return open(p).read().strip()\n"
-    "        except OSError:\n"
-    "            pass\n"
-    "def main(state):\n"
-    "    return {'cpu': read('/sys/fs/cgroup/cpu.max'),\n"
-    "            'quota': read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us'),\n"
-    "            'period': read('/sys/fs/cgroup/cpu/cpu.cfs_period_us'),\n"
-    "            'mem': read('/sys/fs/cgroup/memory.max',\n"
-    "                        '/sys/fs/cgroup/memory/memory.limit_in_bytes')}\n"
-)
-
-
-def _cpu_share(out: dict[str, Any]) -> float:
-    if out["period"]:  # cgroup v1
-        return int(out["quota"]) / int(out["period"])
-    quota, period = out["cpu"].split()
-    return int(quota) / int(period)
-
 
 def test_a_node_asks_for_its_own_limits_up_to_the_caps(ops: Stack) -> None:
     user = _user()
@@ -475,13 +453,13 @@ def test_a_node_asks_for_its_own_limits_up_to_the_caps(ops: Stack) -> None:
     body = ops.until(job, user, {"succeeded", "failed"})
     assert body["status"] == "succeeded", body
     assert int(body["output"]["mem"]) == 384 * 1024 * 1024
-    assert _cpu_share(body["output"]) == 1.0
+    assert cpu_share(body["output"]) == 1.0
     assert body["memory_bytes"] == 384 * 1024 * 1024 and body["cpus"] == 1.0
     # and without asking: the defaults (STUDIO_CODE_MEMORY 256m, STUDIO_CODE_CPUS 0.5)
     job = ops.submit(user, CGROUP_CODE)
     body = ops.until(job, user, {"succeeded", "failed"})
     assert int(body["output"]["mem"]) == 256 * 1024 * 1024
-    assert _cpu_share(body["output"]) == 0.5
+    assert cpu_share(body["output"]) == 0.5
 
     # over a cap: CODE_INVALID naming the cap, at save time and at submit
     for extra, cap in [

@@ -80,9 +80,17 @@ def test_every_variable_is_read_from_the_environment(monkeypatch):
     ("name", "value", "says"),
     [
         ("STUDIO_CODE_MEMORY", "lots", "a size such as 256m"),
-        ("STUDIO_CODE_MEMORY", "1m", "at least 16m"),
+        ("STUDIO_CODE_MEMORY", "1m", "at least 64m"),
+        ("STUDIO_CODE_MEMORY", "63m", "at least 64m"),
+        ("STUDIO_CODE_MAX_MEMORY", "16m", "at least 64m"),
         ("STUDIO_CODE_CPUS", "half", "valid number"),
-        ("STUDIO_CODE_CPUS", "0", "greater than 0"),
+        ("STUDIO_CODE_CPUS", "0", "at least 0.01"),
+        # below the kernel's smallest quota: a sandbox refused (0.005) or with no CPU limit
+        ("STUDIO_CODE_CPUS", "0.005", "at least 0.01"),
+        ("STUDIO_CODE_CPUS", "1e-10", "at least 0.01"),
+        ("STUDIO_CODE_MAX_CPUS", "0.005", "at least 0.01"),
+        ("STUDIO_CODE_MAX_CPUS", "1e-10", "at least 0.01"),
+        ("STUDIO_CODE_MAX_CPUS", "-1", "at least 0.01"),
         ("STUDIO_CODE_PIDS", "2", "greater than or equal to 8"),
         ("STUDIO_CODE_MAX_SECONDS", "-1", "greater than 0"),
         ("STUDIO_CODE_CONCURRENCY", "many", "valid integer"),
@@ -107,6 +115,24 @@ def test_a_malformed_value_stops_start_up_naming_variable_and_value(monkeypatch,
     assert f"{name}={value!r}" in e.value.message
     assert says in e.value.message
     assert e.value.code == "RUNTIME_UNAVAILABLE"
+
+
+def test_the_limits_floors_themselves_are_taken(monkeypatch):
+    """The floors (executor/floors.py) are the smallest values a setting takes."""
+    from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES, MIN_PIDS
+
+    for name, value in (
+        ("STUDIO_CODE_CPUS", str(MIN_CPUS)),
+        ("STUDIO_CODE_MAX_CPUS", str(MIN_CPUS)),
+        ("STUDIO_CODE_MEMORY", f"{MIN_MEMORY_BYTES // 1024**2}m"),
+        ("STUDIO_CODE_MAX_MEMORY", f"{MIN_MEMORY_BYTES // 1024**2}m"),
+        ("STUDIO_CODE_PIDS", str(MIN_PIDS)),
+    ):
+        monkeypatch.setenv(name, value)
+    s = load_settings()
+    assert (s.code_cpus, s.memory_bytes, s.code_pids) == (MIN_CPUS, MIN_MEMORY_BYTES, MIN_PIDS)
+    monkeypatch.setenv("STUDIO_CODE_MAX_CPUS", "0")  # 0: the cap is STUDIO_CODE_CPUS
+    assert load_settings().max_cpus == MIN_CPUS
 
 
 def test_the_engine_cgroup_parent_is_docker_unless_set(monkeypatch):

@@ -38,7 +38,7 @@ from api_client.http.kit import (
     Services,
     error_response,
     from_http_exception,
-    validation_message,
+    invalid_body,
 )
 from api_client.http.limits import RequestLimits, bind_refusal
 from api_client.http.metrics import instrument
@@ -89,7 +89,7 @@ def create_app(settings: Settings, *, client: Any = None, bind_host: str | None 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(422, "REQUEST_INVALID", validation_message(e))
+        return invalid_body(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -39,10 +39,10 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api_client.http.inflight import InFlight
-from api_client.http.wire import ErrorBody
+from api_client.http.wire import CODE_INVALID_ERROR, ErrorBody
 from api_client.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api_client.idempotency import IdempotencyConflict
-from executor.errors import ErrorCode, RateLimited, StudioCodeError
+from executor.errors import CodeInvalid, ErrorCode, RateLimited, StudioCodeError
 from executor.outage import is_outage
 from executor.settings import Settings
 from executor.store.base import JobRecord
@@ -136,7 +136,7 @@ class ErrorRoute(APIRoute):
             except StudioCodeError as e:
                 return from_studio_error(e)
             except RequestValidationError as e:
-                return error_response(422, "REQUEST_INVALID", validation_message(e))
+                return invalid_body(e)
             except StarletteHTTPException as e:
                 return from_http_exception(request, e)
             except Exception as e:
@@ -153,6 +153,16 @@ class ErrorRoute(APIRoute):
                 raise
 
         return route
+
+
+def invalid_body(e: RequestValidationError) -> JSONResponse:
+    """A body the wire models refuse: 422 REQUEST_INVALID, or, when the executor's own rule
+    refused a value (a node's CPU share below its floor: wire.CODE_INVALID_ERROR), that
+    rule's CODE_INVALID and sentence, as CodeClient would have answered it."""
+    for err in e.errors():
+        if err.get("type") == CODE_INVALID_ERROR:
+            return from_studio_error(CodeInvalid(str(err.get("msg", ""))))
+    return error_response(422, "REQUEST_INVALID", validation_message(e))
 
 
 def validation_message(e: RequestValidationError) -> str:

@@ -11,13 +11,20 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
+from executor.errors import CodeInvalid
+from executor.floors import MIN_CPUS
+from executor.inputs import check_cpus
 from executor.models import CodeErrorInfo, Status, TraceRow, Usage
 from executor.store.base import JobRecord, RunSummary
 
 #: the longest source a request may carry, in characters
 CODE_MAX_CHARS = 1_000_000
+#: the type of a body error that the executor's own rule (executor.inputs) raised: the API
+#: answers it as that rule's CODE_INVALID, with its sentence (api_client.http.kit)
+CODE_INVALID_ERROR = "code_invalid"
 
 
 class ErrorInfo(BaseModel):
@@ -56,10 +63,10 @@ class CodeBody(BaseModel):
     )
     cpus: float | None = Field(
         None,
-        gt=0,
         le=64,
-        description="CPU share the node asks for; at most "
-        "STUDIO_CODE_MAX_CPUS. Default: STUDIO_CODE_CPUS.",
+        json_schema_extra={"minimum": MIN_CPUS},
+        description=f"CPU share the node asks for; from {MIN_CPUS:g} (below: 400 "
+        "CODE_INVALID) to STUDIO_CODE_MAX_CPUS. Default: STUDIO_CODE_CPUS.",
     )
     timeout_s: float | None = Field(
         None,
@@ -67,6 +74,18 @@ class CodeBody(BaseModel):
         le=86400,
         description="Seconds; at save time at most STUDIO_CODE_MAX_SECONDS (a run caps it there).",
     )
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v: float | None) -> float | None:
+        # the floor here (the cap is the server's: CodeClient checks it), by the one rule
+        try:
+            check_cpus(v, max_cpus=None)
+        except CodeInvalid as e:
+            raise PydanticCustomError(
+                CODE_INVALID_ERROR, "{message}", {"message": e.message}
+            ) from None
+        return v
 
 
 class RunBody(CodeBody):

@@ -14,6 +14,12 @@ sandbox vanished, its stream or its wait broke), the outcome is never the code's
 * otherwise (the subprocess runtime: the code reaches the network and host files, a re-run
   is not harmless; or the attempts are spent) the job ends ``failed`` RUNTIME_UNAVAILABLE
   with the executor's sentence naming the cause.
+
+A sandbox the engine refused to make or start (``SandboxRefused``: its trace row
+``sandbox.refused``) was never lost: the job's input was never written, and a re-run would
+meet the same refusal. It ends at once, never handed back: CODE_INVALID when the node asked
+for limits of its own, else RUNTIME_UNAVAILABLE, and then the gate is told once
+(``refused_by_engine``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 import redis
 
 from executor.models import CodeResult, TraceRow
-from executor.service import LOST_STEP, RERUN_STEP
+from executor.service import LOST_STEP, REFUSED_ENGINE, REFUSED_STEP, RERUN_STEP
 from worker.protocol import lost_key
 
 log = logging.getLogger("studio_code.worker")
@@ -40,6 +46,14 @@ def lost_cause(result: CodeResult) -> str | None:
         if row.step == LOST_STEP:
             return row.detail or "unknown"
     return None
+
+
+def refused_by_engine(result: CodeResult) -> bool:
+    """True when the engine refused this run's sandbox before its input was written and
+    the node asked for nothing of its own (SandboxRefused: RUNTIME_UNAVAILABLE, a
+    ``sandbox.refused`` row whose detail is ``engine``). The job never ran, so it is never
+    run again: it ends now, and the worker's runtime gate is told once."""
+    return any(row.step == REFUSED_STEP and row.detail == REFUSED_ENGINE for row in result.trace)
 
 
 def add_lookup(pipe: Any, job_id: str) -> None:

@@ -347,6 +347,10 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         cause = rerun.lost_cause(result)
         if cause is not None:
             result = _lost(state, result, rec, worker, cause, lost)
+        elif rerun.refused_by_engine(result):
+            # never run again (it would be refused the same way): the job ends now, and the
+            # main process probes the runtime once
+            gate.report(gate.RUNTIME, f"the engine refused the sandbox of job {job_id}")
         elif _runtime_down_before_start(state, result, rec):
             _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
         if lost:

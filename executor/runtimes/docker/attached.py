@@ -15,7 +15,8 @@ killed engine takes none at all), or that the engine was asked to signal while i
 ``kill`` event: a ``docker kill``/``docker stop``, an orchestrator; the project itself never
 signals a sandbox, it removes it) was lost to the infrastructure. A sandbox that ended on
 its own (any exit status) while its engine answers on a fresh connection and signalled it
-not is the code's.
+not is the code's. An engine that refuses to make or start a sandbox (before the job's
+input is written: ``engine_refusals``) lost nothing: the job never ran (``SandboxRefused``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import docker
 import requests
 from docker.errors import APIError, NotFound
 
-from executor.errors import InfrastructureLost, RuntimeUnavailable
+from executor.errors import InfrastructureLost, RuntimeUnavailable, SandboxRefused
 from executor.models import Limits, RawRun
 from executor.runtimes.base import LOG_TAP, POLL_S, BoundedBuffer, CancelCheck
 
@@ -75,6 +76,34 @@ def sandbox_failures(job_id: str) -> Iterator[None]:
         raise InfrastructureLost(
             InfrastructureLost.STREAM_BROKEN, f"the sandbox's stream to the engine broke: {e}"
         ) from e
+
+
+@contextmanager
+def engine_refusals(job_id: str, step: str) -> Iterator[None]:
+    """Engine calls that make or start a sandbox before the job's input is written to it:
+    an error the engine answers with (a 4xx or 5xx; runc refusing a CPU quota is a 500)
+    is SandboxRefused, never InfrastructureLost: the job never ran, and a re-run would
+    repeat the refusal. A sandbox gone (404) and an engine away (no answer) pass on, for
+    ``sandbox_failures`` to call them the infrastructure's."""
+    try:
+        yield
+    except NotFound:
+        raise
+    except APIError as e:
+        raise refusal(e, step, job_id) from e
+
+
+def refusal(e: APIError, step: str, job_id: str) -> SandboxRefused:
+    """The engine's error ``e`` at ``step`` (create, start) of job ``job_id``'s sandbox."""
+    detail = str(e.explanation or e).strip()
+    return SandboxRefused(
+        detail,
+        message=f"The Docker engine refused to {step} the sandbox of job {job_id}, so the job "
+        f"did not run (and is not run again: it would be refused the same way): {detail}. "
+        "Check the Docker engine (docker info, its log), its OCI runtime "
+        "(STUDIO_CODE_OCI_RUNTIME) and the limits STUDIO_CODE_CPUS, STUDIO_CODE_MEMORY and "
+        "STUDIO_CODE_PIDS.",
+    )
 
 
 def engine_stopping(api: docker.APIClient) -> str | None:

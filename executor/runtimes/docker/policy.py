@@ -9,6 +9,9 @@ from typing import Any
 
 from docker.types import LogConfig, Ulimit
 
+from executor.errors import CodeInvalid
+from executor.floors import MIN_MEMORY_BYTES, MIN_NANO_CPUS, MIN_PIDS
+from executor.inputs import check_cpus, cpus_range, size_text
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
 from executor.runtimes.constants import KILL_GRACE_S
@@ -39,6 +42,7 @@ def sandbox_policy(
     stream, so a print flood cannot fill the host's disk) and no /dev/shm (ipc none), so
     /tmp is the only writable place.
     """
+    refuse_below_floors(limits)
     uid, gid = sandbox_ids()
     host_config = {
         "network_mode": "none",
@@ -54,7 +58,7 @@ def sandbox_policy(
         "ipc_mode": "none",
         "mem_limit": limits.memory_bytes,
         "memswap_limit": limits.memory_bytes,
-        "nano_cpus": int(limits.cpus * 1e9),
+        "nano_cpus": nano_cpus(limits.cpus),
         "pids_limit": limits.pids,
         "ulimits": [Ulimit(name="core", soft=0, hard=0), Ulimit(name="msgqueue", soft=0, hard=0)],
         "log_config": LogConfig(type=LogConfig.types.NONE),
@@ -80,6 +84,32 @@ def sandbox_policy(
         },
         "host_config": host_config,
     }
+
+
+def nano_cpus(cpus: float) -> int:
+    """The engine's NanoCpus for a CPU share, never below MIN_NANO_CPUS: a share the kernel
+    cannot enforce raises CodeInvalid (it is never rounded up, nor down to 0, which the
+    engine reads as no limit at all)."""
+    check_cpus(cpus, max_cpus=None, source="The sandbox's cpus")
+    nano = int(cpus * 1e9)  # as the socket guard computes its cap: the two agree
+    if nano < MIN_NANO_CPUS:  # pragma: no cover - cpus >= MIN_CPUS gives at least this
+        raise CodeInvalid(f"The sandbox's cpus={cpus:g} gives NanoCpus {nano}: {cpus_range()}.")
+    return nano
+
+
+def refuse_below_floors(limits: Limits) -> None:
+    """CodeInvalid when a limit is below its floor (executor/floors.py): every
+    door refuses such a value first, so this is the last guard, never a clamp."""
+    if limits.memory_bytes < MIN_MEMORY_BYTES:
+        raise CodeInvalid(
+            f"The sandbox's memory={size_text(limits.memory_bytes)} is less than a runner "
+            f"starts in: give {size_text(MIN_MEMORY_BYTES)} or more."
+        )
+    if limits.pids < MIN_PIDS:
+        raise CodeInvalid(
+            f"The sandbox's pids={limits.pids} is fewer processes than a runner needs: give "
+            f"STUDIO_CODE_PIDS={MIN_PIDS} or more."
+        )
 
 
 def container_name(job_id: str) -> str:

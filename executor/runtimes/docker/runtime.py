@@ -32,7 +32,9 @@ from executor.runtimes.base import (
 from executor.runtimes.docker import usage
 from executor.runtimes.docker.attached import (
     docker_down,
+    engine_refusals,
     engine_stopping,
+    refusal,
     run_attached,
     sandbox_failures,
 )
@@ -279,11 +281,12 @@ class DockerRuntime(Runtime):
         lost = False
         try:
             with sandbox_failures(job.job_id):
-                sock = api.attach_socket(
-                    cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
-                )
-                raw = getattr(sock, "_sock", sock)
-                api.start(cid)
+                with engine_refusals(job.job_id, "start"):  # no input written yet
+                    sock = api.attach_socket(
+                        cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+                    )
+                    raw = getattr(sock, "_sock", sock)
+                    api.start(cid)
                 started = time.monotonic()
                 payload = language.stdin_payload(job)
                 run = run_attached(
@@ -312,12 +315,8 @@ class DockerRuntime(Runtime):
                 f"The image {policy['image']} is missing: build it with `make image`."
             ) from e
         except APIError as e:
-            if e.is_server_error():
-                raise InfrastructureLost(
-                    InfrastructureLost.ENGINE_ERROR, f"the engine failed to create the sandbox: {e}"
-                ) from e
-            if e.status_code != 409:
-                raise RuntimeUnavailable(f"Docker refused to create the sandbox: {e}") from e
+            if e.status_code != 409:  # any other answer: the engine refused it (SandboxRefused)
+                raise refusal(e, "create", job_id) from e
         except requests.exceptions.ConnectionError as e:
             raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
         # A container of this job already exists: a redelivery after a crash, or a re-run
@@ -337,7 +336,7 @@ class DockerRuntime(Runtime):
                             f"the sandbox of an earlier attempt, {name}, was still not removed "
                             f"after {NAME_FREE_S:.0f} s: {e}",
                         ) from e
-                    raise RuntimeUnavailable(f"Docker refused to create the sandbox: {e}") from e
+                    raise refusal(e, "create", job_id) from e
             time.sleep(0.1)
 
     def remove_surely(self, api: docker.APIClient, cid: str) -> None:
