@@ -473,6 +473,16 @@ def test_the_worker_is_assembled_at_the_top():
         if room_of(target) == "consumer" or target == ASSEMBLY
     )
     assert up == [], "arrows back up inside worker/"
+    # by process: the main process's rooms (upkeep) never load a pool process's (job), and
+    # the consumer's steps never load the main process's upkeep: what two processes share
+    # (the gate, the parked results, the page between them) lives at worker/'s top
+    crossing = sorted(
+        f"{name} -> {target}"
+        for name, edges in graph.items()
+        for target in edges
+        if (room_of(name), room_of(target)) in {("upkeep", "job"), ("consumer", "upkeep")}
+    )
+    assert crossing == [], "a room of one process imports another process's room"
     shared = sorted(
         f"{name} -> {target}"
         for name, edges in graph.items()

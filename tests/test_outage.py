@@ -309,6 +309,7 @@ def test_a_stopped_postgres_raises_store_unavailable_and_a_result_is_parked_then
 
     from executor.models import Status
     from testkit.postgres import start_pg_cluster
+    from worker import parked
     from worker.job import pending
     from worker.upkeep.flusher import flush
 
@@ -324,12 +325,12 @@ def test_a_stopped_postgres_raises_store_unavailable_and_a_result_is_parked_then
         try:
             stored = pending.store_or_park(store, client, result, "w1", ttl_s=600)
             assert stored == pending.Stored(parked=True), stored
-            assert pending.parked(client, result.job_id) == (result, "w1")
+            assert parked.parked(client, result.job_id) == (result, "w1")
             cluster.start()
             assert flush(store, client) == 1
             rec = store.get(result.job_id)
             assert rec is not None and rec.status is Status.SUCCEEDED and rec.output == 1, rec
-            assert pending.parked(client, result.job_id) is None
+            assert parked.parked(client, result.job_id) is None
             assert client.scard("studio:pending") == 0
         finally:
             client.close()

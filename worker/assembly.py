@@ -101,10 +101,10 @@ def worker_app(settings: Settings) -> StudioCelery:
     """The app a worker runs: make_app + the task + the worker's hooks (test slots, child
     process set-up, janitor: reaper, revoke backstop)."""
     app = make_app(settings)
-    from worker import outcomes
+    from worker import gate, outcomes
     from worker.consumer import pause, slots
     from worker.job import tasks
-    from worker.upkeep import broker_watch, gate_watch, heartbeat, owner
+    from worker.upkeep import broker_watch, heartbeat, owner
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -128,7 +128,7 @@ def worker_app(settings: Settings) -> StudioCelery:
     app.steps["worker"].add(owner.UpkeepStep)
     # Announces the worker per queue, "paused" with the gate's reason while the gate is
     # closed (its store or runtime is down), so the API refuses what no worker would take.
-    app.context.not_serving_reason = gate_watch.pause_reason
+    app.context.not_serving_reason = gate.pause_reason
     app.steps["consumer"].add(heartbeat.HeartbeatStep)
     # "serving" is proven: each queue's consumer shows round trips to Redis, or the
     # heartbeat says paused ("broker connection lost"); a stuck one exits the worker

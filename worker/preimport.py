@@ -2,15 +2,12 @@
 pre-imports hold, executor/runtimes/docker/preimport_memory.py), handed to the worker's MAIN
 process, which announces it in its heartbeat; and how the API sums up the workers'.
 
-* **Pool process -> main** (``report``, ``announcement``): as worker.job.gate_page does, through
-  memory the main process maps before the pool forks (an anonymous mmap is MAP_SHARED: every
-  pool process sees the same pages). One slot per pool process index (Celery's, 0..N-1; a
-  process replaced gets its predecessor's index): a process writes only its own slot, as
-  JSON, bracketed by a sequence number that is odd while it writes, so a reader never takes
-  half a write. The pool hands its ``stats()`` (with ``preimport_memory``) to its observer
-  at each change and every couple of seconds; the observer calls ``report``. Nothing
-  is sent while nothing changed, no lock is shared (a pool process killed mid-write leaves
-  its slot odd until its successor writes), no Redis round trip is added.
+* **Pool process -> main** (``report``, ``announcement``): on the worker's shared page
+  (worker.shared_page, the one protocol between its processes): one slot per pool process
+  index (Celery's, 0..N-1; a process replaced gets its predecessor's index), written by that
+  process only, as JSON. The pool hands its ``stats()`` (with ``preimport_memory``) to its
+  observer at each change and every couple of seconds; the observer calls ``report``.
+  Nothing is sent while nothing changed, no lock is shared, no Redis round trip is added.
 * **Main -> Redis** (``announcement``): read by the heartbeat at each beat (a field of its
   entry, worker/upkeep/heartbeat.py), with what the worker's settings say: whether it keeps
   pre-started sandboxes at all, and what they pre-import.
@@ -25,15 +22,12 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import statistics
-import struct
-import threading
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from executor.runtimes.docker import preimport_memory
+from worker.shared_page import SharedPage
 
 if TYPE_CHECKING:
     from executor.settings import Settings
@@ -44,13 +38,9 @@ log = logging.getLogger("studio_code.worker")
 #: pool process indexes with a slot (a larger index is not announced; said once in its log)
 SLOTS = 128
 SLOT_BYTES = 2048
-#: a slot: [sequence: odd while written, 0 never][length][JSON]
-_HEAD = struct.Struct("<QI")
-_page = mmap.mmap(-1, SLOTS * SLOT_BYTES)
+_page = SharedPage(SLOTS, SLOT_BYTES)
 #: this process's last report (a pool process writes only what changed)
 _last: bytes | None = None
-_writing = threading.Lock()
-READ_TRIES = 20
 
 #: the figures of one language a worker announces, summed up across workers
 FIGURES = ("idle_memory_bytes", "without_preimport_bytes", "preimport_bytes")
@@ -69,8 +59,7 @@ def report(stats: dict[str, Any] | None, index: int | None = None) -> None:
     """In a pool process: its pool's ``stats()`` (its ``preimport_memory``) into its slot
     (``index``: its pool process index, Celery's by default)."""
     try:
-        with _writing:  # the pool's threads may both report
-            _write(stats, index)
+        _write(stats, index)
     except Exception as e:  # noqa: BLE001 - a figure is never worth a pool
         log.debug("pre-import memory not reported: %s", e)
 
@@ -84,17 +73,11 @@ def _write(stats: dict[str, Any] | None, index: int | None) -> None:
     if data == _last:
         return
     index = _index() if index is None else index
-    if index >= SLOTS or _HEAD.size + len(data) > SLOT_BYTES:
+    if not _page.write(index, data):
         if _last is None or _last != b"":
             log.warning("pool process %d: pre-import memory not announced (no slot)", index)
         _last = b""
         return
-    at = index * SLOT_BYTES
-    seq = _HEAD.unpack_from(_page, at)[0]
-    begin = seq + 1 if seq % 2 == 0 else seq + 2  # odd: being written
-    _HEAD.pack_into(_page, at, begin, len(data))
-    _page[at + _HEAD.size : at + _HEAD.size + len(data)] = data
-    _HEAD.pack_into(_page, at, begin + 1, len(data))
     _last = data
 
 
@@ -102,21 +85,14 @@ def _write(stats: dict[str, Any] | None, index: int | None) -> None:
 
 
 def _slot(index: int) -> dict[str, Any] | None:
-    at = index * SLOT_BYTES
-    for _ in range(READ_TRIES):
-        seq, size = _HEAD.unpack_from(_page, at)
-        if seq == 0:
-            return None  # never written
-        if seq % 2 == 0 and _HEAD.size + size <= SLOT_BYTES:
-            data = bytes(_page[at + _HEAD.size : at + _HEAD.size + size])
-            if _HEAD.unpack_from(_page, at)[0] == seq:
-                try:
-                    got = json.loads(data)
-                except ValueError:
-                    return None
-                return got if isinstance(got, dict) else None
-        time.sleep(0.001)  # being written now
-    return None
+    data = _page.read(index)
+    if data is None:
+        return None
+    try:
+        got = json.loads(data)
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def reports() -> list[dict[str, Any]]:

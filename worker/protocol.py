@@ -225,7 +225,7 @@ PENDING_SET = f"{_PREFIX}:pending"
 
 
 def pending_key(job_id: str) -> str:
-    """A parked result: JSON ``{"worker", "result"}`` (worker.job.pending), with a TTL of
+    """A parked result: JSON ``{"worker", "result"}`` (worker.parked), with a TTL of
     STUDIO_QUEUE_PENDING_TTL_S."""
     return f"{_PREFIX}:pending:{job_id}"
 

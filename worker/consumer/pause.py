@@ -12,7 +12,7 @@ from typing import Any
 from celery import bootsteps
 
 from worker.consumer.slots import CodeTestConsumer
-from worker.upkeep.gate_watch import gate
+from worker.gate import gate
 
 log = logging.getLogger("studio_code.worker")
 

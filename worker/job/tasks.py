@@ -33,12 +33,11 @@ from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import fair, metrics, poison, preimport, redis_conn
+from worker import fair, gate, metrics, parked, poison, preimport, redis_conn
 from worker import tracing as worker_tracing
 from worker.cancel import CancelWatch
 from worker.context import studio_app
 from worker.job import forked, pending, rerun, unrunnable
-from worker.job import gate_page as gate
 from worker.job.log_publisher import add_end_mark, publishing
 from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (
@@ -97,7 +96,7 @@ class ProcessState:
         parked it), its cancel flag and its attempts the infrastructure lost (worker.job.
         rerun). Raises redis.RedisError."""
         pipe = self.redis.pipeline(transaction=False)
-        pending.add_lookup(pipe, job_id)
+        parked.add_lookup(pipe, job_id)
         pipe.exists(cancel_key(job_id))
         rerun.add_lookup(pipe, job_id)
         found, flagged, lost = pipe.execute()
@@ -370,7 +369,7 @@ def _start(
     lost: list[dict[str, Any]] = []
     try:
         found, flagged, lost = state.start_reads(job_id)
-        written = pending.write_one(state.store, state.redis, job_id, found=found)
+        written = parked.write_one(state.store, state.redis, job_id, found=found)
     except redis.RedisError as e:
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
         written = None

@@ -318,7 +318,7 @@ def record_pool(stats: dict[str, Any] | None) -> None:
                 _pool_seen[(language, name)] = total
 
 
-# --- faults: dead letters and the gate (worker.poison, worker.job.gate_page) ---------------
+# --- faults: dead letters and the gate (worker.poison, worker.gate) ---------------
 
 
 @cache

@@ -1,4 +1,4 @@
-"""The main process's side of parked results (see worker.job.pending): ``flush`` writes every
+"""The main process's side of parked results (worker.parked): ``flush`` writes every
 result parked in Redis as soon as the run store answers again (called by the gate's probe and
 by the reaper before it fails jobs stuck ``running``).
 """
@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from executor.errors import StoreUnavailable
-from worker.job.pending import write_one
+from worker.parked import write_one
 from worker.protocol import PENDING_SET
 
 log = logging.getLogger("studio_code.worker")

@@ -17,7 +17,7 @@ after a pool process reported a failure (``report``, through a page of shared me
 before the pool forks). Consumers are only touched from the consumer's own event loop
 (``GateStep``, worker/consumer/pause.py: a timer tick), never from the thread.
 ``pause_reason()`` is the plain callable the rest of the worker (health, heartbeats) reads.
-The pool processes' side (the shared page, ``report``, ``closed_in_child``) is worker.job.gate_page.
+The pool processes' side (the shared page, ``report``, ``closed_in_child``) is worker.gate.
 """
 
 import logging
@@ -27,65 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 from executor.errors import StoreUnavailable
-from worker.job.gate_page import KINDS, RUN_STORE, RUNTIME, answered, last_report, set_closed
+from worker.gate import KINDS, RUN_STORE, RUNTIME, answered, gate, last_report, pause_reason
 from worker.upkeep.loop import Supervised
 
 log = logging.getLogger("studio_code.worker")
 
 #: while closed, or after a report: how often the main process probes again
 FAST_PROBE_S = 1.0
-
-
-# --- the gate (main process) ----------------------------------------------------------------
-
-
-class Gate:
-    """Reasons this worker is not taking messages, by kind. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._reasons: dict[str, str] = {}
-        self._lock = threading.Lock()
-
-    def set(self, kind: str, reason: str | None) -> None:
-        with self._lock:
-            before = self._reasons.get(kind)
-            if reason is None:
-                self._reasons.pop(kind, None)
-            else:
-                self._reasons[kind] = reason
-            closed = bool(self._reasons)
-        set_closed(closed)
-        if reason is not None and before is None:
-            log.error(
-                "not taking jobs: %s. Messages stay in the queue for other workers; "
-                "this worker resumes by itself when it answers again.",
-                reason,
-            )
-        elif reason is None and before is not None:
-            log.warning("taking jobs again: %s is back", kind.replace("_", " "))
-
-    def reason(self) -> str | None:
-        with self._lock:
-            if not self._reasons:
-                return None
-            return "; ".join(self._reasons[k] for k in KINDS if k in self._reasons)
-
-    def reasons(self) -> dict[str, str]:
-        with self._lock:
-            return dict(self._reasons)
-
-
-_gate = Gate()
-
-
-def gate() -> Gate:
-    return _gate
-
-
-def pause_reason() -> str | None:
-    """Why this worker is not taking messages now (None: it is). A plain callable for the
-    health endpoint and the worker's heartbeat."""
-    return _gate.reason()
 
 
 def gate_checks(settings: Any = None) -> dict[str, str | None]:
@@ -213,20 +161,20 @@ class GateWatch:
                     log.exception("gate probe failed")
                 for kind, reported_at in self._seen.items():
                     answered(kind, reported_at)  # the pool processes take jobs again
-                closed = _gate.reason() is not None
+                closed = gate().reason() is not None
                 next_probe = time.monotonic() + (FAST_PROBE_S if closed else self.interval_s)
             self._stop.wait(0.2)
 
     def probe_once(self) -> dict[str, str | None]:
         store_problem = self._probe_store()
-        _gate.set(RUN_STORE, store_problem)
+        gate().set(RUN_STORE, store_problem)
         if store_problem is None and self.flush is not None:
             try:
                 self.flush(self._store)
             except Exception as e:  # noqa: BLE001 - next probe tries again
                 log.error("could not write parked results yet: %s", e)
         problem = runtime_problem(self.executor)
-        _gate.set(RUNTIME, problem)
+        gate().set(RUNTIME, problem)
         return {RUN_STORE: store_problem, RUNTIME: problem}
 
     def _probe_store(self) -> str | None:

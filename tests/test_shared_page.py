@@ -1,0 +1,61 @@
+"""The page a worker's main process shares with its pool processes (worker.shared_page):
+written in one process, read whole in another across a real fork, never half a write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from worker.shared_page import SharedPage
+
+
+def test_a_reader_in_another_process_never_takes_half_a_write() -> None:
+    # 1 MiB payloads: a copy takes long enough that, without the sequence check, the
+    # reader would take halves of two writes many times a second
+    page = SharedPage(4, 1 << 20)
+    payloads = [bytes([n]) * page.capacity() for n in (1, 2)]  # two full, different slots
+    page.write(1, payloads[0])
+    child = os.fork()
+    if child == 0:  # the writer: both payloads in turn, as fast as it can
+        try:
+            n = 0
+            while True:
+                page.write(1, payloads[n % 2])
+                n += 1
+        finally:
+            os._exit(0)
+    try:
+        seen = {payloads[0]: 0, payloads[1]: 0, None: 0}
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            got = page.read(1)
+            assert got in seen, f"a torn read: {len(set(got or b''))} byte values"
+            seen[got] += 1
+        # the reader saw the other process's writes, both of them, each whole
+        assert seen[payloads[0]] >= 3 and seen[payloads[1]] >= 3, seen
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert page.read(0) is None  # a slot never written
+    assert page.read_float(3) == 0.0
+
+
+def test_a_payload_that_does_not_fit_or_no_slot_is_refused() -> None:
+    page = SharedPage(2, 64)
+    assert not page.write(0, b"x" * (page.capacity() + 1))
+    assert not page.write(2, b"x") and not page.write(-1, b"x")
+    assert page.read(0) is None
+    assert page.write(0, b"x" * page.capacity()) and page.read(0) == b"x" * page.capacity()
+    page.write_float(1, 12.5)
+    assert page.read_float(1) == 12.5
+
+
+def test_a_writer_killed_mid_write_leaves_its_slot_unread_until_written_again() -> None:
+    import struct
+
+    page = SharedPage(1, 64)
+    page.write(0, b"old")
+    struct.pack_into("<Q", page._mem, 0, 3)  # as a writer killed between its two heads
+    assert page.read(0) is None
+    assert page.write(0, b"new") and page.read(0) == b"new"
