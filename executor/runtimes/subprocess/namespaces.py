@@ -47,6 +47,8 @@ import subprocess
 import sys
 from typing import Any
 
+from executor.runtimes.subprocess import fence
+
 PR_SET_DUMPABLE = 4
 PR_SET_PDEATHSIG = 1
 CLONE_NEWNS = 0x00020000
@@ -129,9 +131,10 @@ def probe() -> str | None:
     return None
 
 
-def enter() -> None:
+def enter(cover: fence.Plan | None = None) -> None:
     """Between fork and exec of a run (the end of Popen's preexec_fn): make the namespaces,
-    fork init and the runner. Returns only in the runner; the relay and init never return
+    cover the server's folders in the new mount namespace (``cover``: ``fence``), fork
+    init and the runner. Returns only in the runner; the relay and init never return
     (they ``_exit``), so nothing but the runner reaches the exec."""
     uid, gid = os.geteuid(), os.getegid()
     _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS), "unshare")
@@ -149,6 +152,8 @@ def enter() -> None:
     finally:
         _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    if cover is not None:
+        fence.apply(cover)
     _reset_signals()
     status_r, status_w = os.pipe()
     init = _check(_libc.fork(), "fork")
