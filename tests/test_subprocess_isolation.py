@@ -947,10 +947,10 @@ print(json.dumps({
 
 
 def _non_root_python(
-    script: str, *args: str, uid: int = SERVER_UID, **kw: Any
+    script: str, *args: str, uid: int = SERVER_UID, home: str | None = None, **kw: Any
 ) -> subprocess.Popen[str]:
     """``script`` as a server of uid ``uid`` (no supplementary group), with a secret in
-    its environment."""
+    its environment (and ``home`` as its HOME)."""
     root = Path(__file__).resolve().parent.parent
     venv = Path(sys.prefix)  # the tests' own virtualenv (a worktree has none of its own)
     site = next((venv / "lib").glob("python3*/site-packages"))
@@ -960,6 +960,7 @@ def _non_root_python(
         "PYTHONPATH": f"{root}:{site}",
         "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
         "STUDIO_ISO_MARKER": kw.pop("marker"),
+        **({"HOME": home} if home else {}),
     }
     return subprocess.Popen(
         ["/usr/bin/python3", "-c", script, *args],

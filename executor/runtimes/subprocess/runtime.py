@@ -548,8 +548,13 @@ def isolation_report(
             "grandchild that called setsid()."
         )
         lacks.append(
-            "A run can read every file readable by all users (check that the "
-            "database and secret.key are not) and use the network"
+            "A run can read every file readable by all users "
+            + (
+                "outside the covered folders"
+                if cover_note is None
+                else "(check that the database and secret.key are not)"
+            )
+            + " and use the network"
             + (
                 "."
                 if landlocked
