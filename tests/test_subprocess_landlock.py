@@ -578,5 +578,5 @@ def test_a_root_servers_next_run_of_a_uid_reads_nothing_from_its_keyring(make_se
     finally:
         ex.close()
     assert [s["uid"] for s in seen] == [uid, uid]  # the same uid, one run after the other
-    assert can["keyrings"] is False
     assert [s["seen"] for s in seen] == ["EPERM", "EPERM"], seen
+    assert can["keyrings"] is False
