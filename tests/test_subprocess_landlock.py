@@ -364,7 +364,7 @@ def test_a_non_root_servers_runs_write_only_their_own_folder(
             SERVER,
             *(str(paths["data"]), landlock, namespaces, PROBE, json.dumps(state)),
             uid=SERVER_UID,
-            home=str(paths["home"]),
+            env={"HOME": str(paths["home"])},
             marker="x",
             cwd=base,
             stdin=subprocess.DEVNULL,
@@ -580,3 +580,90 @@ def test_a_root_servers_next_run_of_a_uid_reads_nothing_from_its_keyring(make_se
     assert [s["uid"] for s in seen] == [uid, uid]  # the same uid, one run after the other
     assert [s["seen"] for s in seen] == ["EPERM", "EPERM"], seen
     assert can["keyrings"] is False
+
+
+#: a run under a server whose Python (a virtualenv) is in its covered home
+EXPOSED_PROBE = (
+    PRELUDE
+    + r"""
+def main(state):
+    home = state["home"]
+    with open("mine", "w") as f:
+        f.write("ok")
+    return {
+        "prefix": sys.prefix,
+        "cwd": os.getcwd(),
+        "own_file": open("mine").read(),
+        "list_home": attempt(lambda: os.listdir(home)),
+        "list_parent": attempt(lambda: os.listdir("..")),
+        "read_data_file": attempt(lambda: open(f"{home}/data/secret.key").read()),
+        "chmod_venv": attempt(lambda: os.chmod(f"{home}/venv", 0o700)),
+        "create_in_venv": attempt(lambda: open(f"{home}/venv/new", "w").close()),
+    }
+"""
+)
+
+EXPOSED_SERVER = r"""
+import json, os, sys
+from executor.meta import runtime_meta
+from executor.models import CodeJob
+from executor.service import Executor
+from executor.settings import load_settings
+
+home, code = sys.argv[1:3]
+settings = load_settings(enable_code_nodes=True, code_runtime="subprocess",
+                         code_languages="python", data_dir=f"{home}/data",
+                         python=f"{home}/venv/bin/python", code_prewarm=0)
+ex = Executor(settings)
+r = ex.run(CodeJob(code=code, state_json=json.dumps({"home": home}), timeout_s=30))
+iso = runtime_meta(ex)["subprocess_isolation"]
+print(json.dumps({"status": str(r.status), "output": r.output, "logs": r.logs,
+                  "error": r.error and r.error.message, "covered": iso["covered"]}))
+ex.close()
+"""
+
+
+def test_what_a_run_needs_beneath_a_cover_is_bound_back_read_only() -> None:
+    """A non-root server whose interpreter is a virtualenv in its home, and whose runs'
+    folders (TMPDIR) are in its data folder, both covered: the run starts (the virtualenv
+    is bound back, read-only), works in its own folder (bound back, writable), and sees
+    nothing else of the home or the data folder, not even through ``..``."""
+    base = Path(tempfile.mkdtemp(prefix="studio-ll-"))
+    os.chmod(base, 0o755)
+    home = base / "home"
+    for d in (home, home / "data", home / "data" / "tmp"):
+        d.mkdir()
+        os.chown(d, SERVER_UID, SERVER_UID)
+    os.chmod(home, 0o700)
+    (home / "data" / "secret.key").write_text("the server's own")
+    os.chown(home / "data" / "secret.key", SERVER_UID, SERVER_UID)
+    try:
+        subprocess.run(
+            ["/usr/bin/python3", "-m", "venv", "--without-pip", str(home / "venv")],
+            user=SERVER_UID,
+            group=SERVER_UID,
+            extra_groups=[],
+            check=True,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+        server = _non_root_python(
+            EXPOSED_SERVER,
+            str(home),
+            EXPOSED_PROBE,
+            uid=SERVER_UID,
+            env={"HOME": str(home), "TMPDIR": str(home / "data" / "tmp")},
+            marker="x",
+            cwd=base,
+            stdin=subprocess.DEVNULL,
+        )
+        seen = _last_json_line(server, 60)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert seen["covered"] == ["the data folder", "the server's home"], seen
+    assert seen["status"] == "succeeded", seen
+    out = seen["output"]
+    assert out["prefix"] == str(home / "venv") and out["own_file"] == "ok", out
+    assert out["cwd"].startswith(str(home / "data" / "tmp") + "/"), out
+    assert out["list_home"] == out["list_parent"] == "EACCES", out
+    assert out["read_data_file"] in ("ENOENT", "EACCES"), out  # not there in the cover
+    assert out["chmod_venv"] == "EROFS" and out["create_in_venv"] in ("EROFS", "EACCES"), out

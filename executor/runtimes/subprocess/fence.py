@@ -245,8 +245,8 @@ PROBE_CODE = (
 
 def probe(interpreter: str, setup: Any, folder: str, workdir: str) -> str | None:
     """A trial run started with ``setup`` (its pre-exec step, covering ``folder``, a
-    throwaway folder holding one file): None when the run found ``folder`` empty or
-    unreadable and its own ``workdir`` (empty) there, else why not."""
+    throwaway folder holding one file): None when the run found ``folder`` empty,
+    unreadable or gone and its own ``workdir`` (empty) there, else why not."""
     try:
         seen = subprocess.run(
             [interpreter, "-S", "-I", "-c", PROBE_CODE, folder, workdir],
@@ -259,8 +259,11 @@ def probe(interpreter: str, setup: Any, folder: str, workdir: str) -> str | None
         )
     except (OSError, subprocess.SubprocessError) as e:
         return f"the kernel refused a trial run with its folders covered ({e})"
-    # the folder holds a file: covered, it is empty or (a run not root) cannot be listed
-    if seen.returncode != 0 or seen.stdout.split() not in ([b"PermissionError", b"0"], [b"0"] * 2):
+    # the folder holds a file: covered, it is empty, cannot be listed (a run not root) or
+    # is not there at all (beneath another cover)
+    hidden = (b"0", b"PermissionError", b"FileNotFoundError")
+    words = seen.stdout.split()
+    if seen.returncode != 0 or len(words) != 2 or words[0] not in hidden or words[1] != b"0":
         return (
             "a trial run could still list a covered folder "
             f"(exit {seen.returncode}, saw {seen.stdout[:80]!r} {seen.stderr[-200:]!r})"

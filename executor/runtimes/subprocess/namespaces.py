@@ -12,7 +12,8 @@ A non-root server cannot give a run a uid of its own, so the kernel's other fenc
   ``/proc``, where the kernel allows unprivileged user namespaces (``probe``). It keeps the
   server's uid (mapped onto itself), has no capability once it has exec'd, sees only its
   own processes, and the server, its other children and concurrent runs have no pid it can
-  name: it cannot signal, trace or read them.
+  name: it cannot signal, trace or read them. In its mount namespace the server's own
+  folders are covered before anything else runs (``fence``).
 
 The process tree of a run, every process in the run's session and process group (one
 ``killpg`` from the server kills all three)::

@@ -27,7 +27,14 @@ Root or not, where the kernel offers Landlock (STUDIO_CODE_SUBPROCESS_LANDLOCK=a
 ``landlock``) each run may write only beneath its own temporary folder (and /dev/null), and
 cannot trace processes outside its run nor (Landlock ABI >= 6) signal them.
 
-It can still use the network and read any file its uid can read.
+Root or not (a non-root server: where its runs have namespaces), the server's own folders
+(the data folder, the run store's, its home, the token file's) are covered in the run's
+mount namespace (``fence``): the run cannot read, stat, chmod, lock or otherwise name
+anything in them, which Landlock (writes only) does not give. And a seccomp filter refuses
+the kernel keyrings (``seccomp``), which outlive a run and would pass keys to the next run
+of the same uid.
+
+It can still use the network and read any other file its uid can read.
 """
 
 from __future__ import annotations
@@ -614,6 +621,10 @@ def isolation_report(
         "landlock": landlocked,
         "landlock_abi": landlock_abi if landlocked else None,
         "landlock_reason": landlock_note,
+        "covered": sorted(covers or {}) if cover_note is None else None,
+        "cover_reason": cover_note,
+        "keyrings_filtered": keyrings_note is None,
+        "keyrings_reason": keyrings_note,
         "run_can": run_can,
         "holds": holds,
         "does_not_hold": lacks,
@@ -769,6 +780,11 @@ def _covers(
                 fence.apply(plan)
 
         why = fence.probe(sys.executable, setup, hidden, workdir)
+        if why is not None and not in_namespaces:
+            why += (
+                "; a root server needs CAP_SYS_ADMIN to make a mount namespace per run (a "
+                "container's root has none by default)"
+            )
     finally:
         shutil.rmtree(trial, ignore_errors=True)
     return (folders, None) if why is None else ({}, why)
