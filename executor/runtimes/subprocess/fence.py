@@ -50,8 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.engine import make_url
-
 from executor.settings import Settings
 
 CLONE_NEWNS = 0x00020000
@@ -97,24 +95,32 @@ def _real(path: str | Path) -> str:
     return os.path.realpath(os.path.abspath(path))
 
 
+def sqlite_path(url: str) -> str | None:
+    """The file of a SQLite URL (``sqlite:///rel.db``, ``sqlite:////abs.db``,
+    ``sqlite+pysqlite:///...``), None for another database or an in-memory one. Parsed
+    here: a run's start does not load SQLAlchemy."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.split("+")[0].lower() != "sqlite":
+        return None
+    path = rest[1:].split("?")[0] if rest.startswith("/") else ""
+    return path if path and path != ":memory:" else None
+
+
 def server_folders(settings: Settings) -> dict[str, str]:
     """What is covered, by name: each folder's real path (existing folders only, never a
     system folder)."""
     named: list[tuple[str, str | Path]] = [("the data folder", settings.data_dir)]
-    try:
-        url = make_url(settings.sqlalchemy_url)
-        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-            named.append(("the run store's folder", Path(str(url.database)).parent))
-    except Exception:  # noqa: BLE001 - a URL the store refuses anyway
-        pass
-    homes = {os.environ.get("HOME", "")}
+    store = sqlite_path(settings.sqlalchemy_url)
+    if store:
+        named.append(("the run store's folder", Path(store).parent))
+    homes = [os.environ.get("HOME", "")]  # $HOME first, then the passwd entry's
     try:
         import pwd
 
-        homes.add(pwd.getpwuid(os.getuid()).pw_dir)
+        homes.append(pwd.getpwuid(os.getuid()).pw_dir)
     except (ImportError, KeyError):
         pass
-    named += [("the server's home", h) for h in sorted(homes) if h and os.path.isabs(h)]
+    named += [("the server's home", h) for h in homes if h and os.path.isabs(h)]
     if settings.api_token_file:
         named.append(("the token file's folder", Path(settings.api_token_file).parent))
     folders: dict[str, str] = {}
