@@ -40,7 +40,6 @@ file system elsewhere). ``probe`` proves it at start-up with a trial run.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import stat
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from executor.runtimes.subprocess.namespaces import _check, _libc
 from executor.settings import Settings
 
 CLONE_NEWNS = 0x00020000
@@ -72,19 +72,6 @@ NEVER = frozenset(
     "/ /bin /boot /dev /dev/shm /etc /home /lib /lib32 /lib64 /libx32 /media /mnt /opt /proc "
     "/run /run/lock /sbin /srv /sys /tmp /usr /usr/local /var /var/lib /var/tmp".split()
 )
-
-try:
-    _libc: Any = ctypes.CDLL(None, use_errno=True)
-    _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-except (OSError, AttributeError):
-    _libc = None
-
-
-def _check(ret: int, what: str) -> int:
-    if ret == -1:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-    return ret
 
 
 def _beneath(path: str, folder: str) -> bool:
@@ -175,6 +162,13 @@ class Plan:
             steps.append(("workdir", self.workdir))
         return sorted(steps, key=lambda s: (s[1].count("/"), s[0] != "cover", s[1]))
 
+    def apply(self) -> None:
+        """In the child, in its own (private) mount namespace, before exec and before
+        dropping the uid or entering Landlock: make the mounts, then change to its folder.
+        (A method: ``namespaces.enter`` calls it without importing this module, which
+        imports that one.)"""
+        _apply(self)
+
 
 def unshare_mounts() -> None:
     """A root child: a mount namespace of its own whose mounts never propagate back."""
@@ -182,9 +176,7 @@ def unshare_mounts() -> None:
     _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
 
 
-def apply(plan: Plan) -> None:
-    """In the child, in its own (private) mount namespace, before exec and before dropping
-    the uid or entering Landlock: make ``plan``'s mounts, then change to its folder."""
+def _apply(plan: Plan) -> None:
     steps = plan.steps()
     fds: dict[str, int] = {}
     tmpfs: list[str] = []

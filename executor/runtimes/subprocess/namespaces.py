@@ -46,9 +46,7 @@ import select
 import signal
 import subprocess
 import sys
-from typing import Any
-
-from executor.runtimes.subprocess import fence
+from typing import Any, Protocol
 
 PR_SET_DUMPABLE = 4
 PR_SET_PDEATHSIG = 1
@@ -72,6 +70,13 @@ try:
     _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_void_p]
 except (OSError, AttributeError):
     _libc = None
+
+
+class Cover(Protocol):
+    """What ``enter`` is given to cover the server's folders (``fence.Plan``, which imports
+    this module)."""
+
+    def apply(self) -> None: ...
 
 
 def _check(ret: int, what: str) -> int:
@@ -132,7 +137,7 @@ def probe() -> str | None:
     return None
 
 
-def enter(cover: fence.Plan | None = None) -> None:
+def enter(cover: Cover | None = None) -> None:
     """Between fork and exec of a run (the end of Popen's preexec_fn): make the namespaces,
     cover the server's folders in the new mount namespace (``cover``: ``fence``), fork
     init and the runner. Returns only in the runner; the relay and init never return
@@ -154,7 +159,7 @@ def enter(cover: fence.Plan | None = None) -> None:
         _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
     if cover is not None:
-        fence.apply(cover)
+        cover.apply()
     _reset_signals()
     status_r, status_w = os.pipe()
     init = _check(_libc.fork(), "fork")

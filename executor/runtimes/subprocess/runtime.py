@@ -777,7 +777,7 @@ def _covers(
                 namespaces.enter(plan)
             else:
                 fence.unshare_mounts()
-                fence.apply(plan)
+                plan.apply()
 
         why = fence.probe(sys.executable, setup, hidden, workdir)
         if why is not None and not in_namespaces:
@@ -920,7 +920,7 @@ def _child_setup(
                 os.close(fd)
         if cover is not None and not in_namespaces:
             fence.unshare_mounts()
-            fence.apply(cover)
+            cover.apply()
         if not in_namespaces:
             _set_rlimits()
         if ids is not None:
