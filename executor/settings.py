@@ -311,7 +311,8 @@ class Settings(BaseSettings):
         "auto",
         description="Subprocess mode under a non-root server: auto starts each run in a user, "
         "PID and mount namespace of its own (it cannot see, signal or trace the server or "
-        "other runs) when the kernel allows unprivileged user namespaces; off: never.",
+        "other runs, and the server's folders are covered in it) when the kernel allows "
+        "unprivileged user namespaces; off: never.",
     )
     code_subprocess_landlock: str = Field(
         "auto",

@@ -947,16 +947,17 @@ print(json.dumps({
 
 
 def _non_root_python(
-    script: str, *args: str, uid: int = SERVER_UID, **kw: Any
+    script: str, *args: str, uid: int = SERVER_UID, env: dict[str, str] | None = None, **kw: Any
 ) -> subprocess.Popen[str]:
     """``script`` as a server of uid ``uid`` (no supplementary group), with a secret in
-    its environment."""
+    its environment (and ``env``'s variables)."""
     root = Path(__file__).resolve().parent.parent
     venv = Path(sys.prefix)  # the tests' own virtualenv (a worktree has none of its own)
     site = next((venv / "lib").glob("python3*/site-packages"))
     if not os.path.exists("/usr/bin/python3"):
         pytest.skip("no /usr/bin/python3 for the unprivileged server")
     env = {
+        **(env or {}),
         "PYTHONPATH": f"{root}:{site}",
         "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
         "STUDIO_ISO_MARKER": kw.pop("marker"),
@@ -1029,9 +1030,12 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
     from testkit.processes import kill_pids, process_tree
 
     marker, token = uuid.uuid4().hex, uuid.uuid4().hex[:10]
+    data = shared / "data"  # the server's data folder (covered in its runs), not the shared one
+    data.mkdir(mode=0o777)
+    os.chmod(data, 0o777)
     server = _non_root_python(
         NON_ROOT_SERVER,
-        *(str(shared), str(shared), mode, NON_ROOT_RUN, str(prewarm), landlock, token),
+        *(str(data), str(shared), mode, NON_ROOT_RUN, str(prewarm), landlock, token),
         marker=marker,
         cwd=shared,
         stdin=subprocess.DEVNULL,

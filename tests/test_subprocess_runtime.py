@@ -207,3 +207,34 @@ def test_a_kernel_that_refuses_user_namespaces_is_named_and_meta_says_what_still
     assert reason in lacks and "signal the server" in lacks
     assert "see every process of the host" in lacks
     assert "survives the end of the run" in lacks
+
+
+def test_the_folders_each_run_gets_covered_are_the_servers_own(
+    make_settings, tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """What ``fence`` covers in each run: the data folder, a SQLite store's folder elsewhere,
+    the server's home and the token file's folder, by their real paths; never a system
+    folder (a data folder in /tmp is not covered), and no folder that does not exist."""
+    from executor.runtimes.subprocess import fence
+
+    data, store, home, secrets = (tmp_path / n for n in ("data", "store", "home", "secrets"))
+    for d in (data, store, home, secrets):
+        d.mkdir()
+    (secrets / "token").write_text("t" * 48)
+    (tmp_path / "link").symlink_to(home)
+    monkeypatch.setenv("HOME", str(tmp_path / "link"))
+    settings = make_settings(
+        data_dir=data,
+        database_url=f"sqlite:///{store}/runs.db",
+        api_token_file=str(secrets / "token"),
+    )
+    folders = fence.server_folders(settings)
+    assert {k: v for k, v in folders.items() if v.startswith(str(tmp_path))} == {
+        "the data folder": str(data),
+        "the run store's folder": str(store),
+        "the server's home": str(home),  # resolved
+        "the token file's folder": str(secrets),
+    }
+    elsewhere = make_settings(data_dir="/tmp", database_url="postgresql://u@localhost/db")
+    covered = fence.server_folders(elsewhere).values()
+    assert "/tmp" not in covered and not any(p.startswith(str(tmp_path / "store")) for p in covered)

@@ -10,7 +10,9 @@ an unprivileged process give up rights for itself and everything it starts, for 
   (``WRITE_FILE``, ``REMOVE_DIR``, ``REMOVE_FILE``, ``MAKE_*``; ``REFER`` from ABI 2,
   ``TRUNCATE`` from 3, ``IOCTL_DEV`` from 5) and allowed only beneath the run's folder, plus
   writing ``/dev/null`` and ``/dev/zero``. Reading and executing are not handled: the
-  interpreter loads its libraries, and the run reads what its uid may read. Descriptors open
+  interpreter loads its libraries, and the run reads what its uid may read. Nor does any
+  ABI have a right for a file's mode, owner, times, extended attributes or locks: what
+  keeps a run from those of the server's files is ``fence`` (they are hidden). Descriptors open
   before (stdin, stdout, stderr: pipes) are not affected. A handled right also takes
   ``mount(2)``/``pivot_root(2)`` away from the run.
 - **Processes** (every ABI): the run cannot ptrace, or read the ``environ``/``mem`` of, any

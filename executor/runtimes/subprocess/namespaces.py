@@ -12,7 +12,8 @@ A non-root server cannot give a run a uid of its own, so the kernel's other fenc
   ``/proc``, where the kernel allows unprivileged user namespaces (``probe``). It keeps the
   server's uid (mapped onto itself), has no capability once it has exec'd, sees only its
   own processes, and the server, its other children and concurrent runs have no pid it can
-  name: it cannot signal, trace or read them.
+  name: it cannot signal, trace or read them. In its mount namespace the server's own
+  folders are covered before anything else runs (``fence``).
 
 The process tree of a run, every process in the run's session and process group (one
 ``killpg`` from the server kills all three)::
@@ -45,7 +46,7 @@ import select
 import signal
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 PR_SET_DUMPABLE = 4
 PR_SET_PDEATHSIG = 1
@@ -69,6 +70,13 @@ try:
     _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_void_p]
 except (OSError, AttributeError):
     _libc = None
+
+
+class Cover(Protocol):
+    """What ``enter`` is given to cover the server's folders (``fence.Plan``, which imports
+    this module)."""
+
+    def apply(self) -> None: ...
 
 
 def _check(ret: int, what: str) -> int:
@@ -129,9 +137,10 @@ def probe() -> str | None:
     return None
 
 
-def enter() -> None:
+def enter(cover: Cover | None = None) -> None:
     """Between fork and exec of a run (the end of Popen's preexec_fn): make the namespaces,
-    fork init and the runner. Returns only in the runner; the relay and init never return
+    cover the server's folders in the new mount namespace (``cover``: ``fence``), fork
+    init and the runner. Returns only in the runner; the relay and init never return
     (they ``_exit``), so nothing but the runner reaches the exec."""
     uid, gid = os.geteuid(), os.getegid()
     _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS), "unshare")
@@ -149,6 +158,8 @@ def enter() -> None:
     finally:
         _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    if cover is not None:
+        cover.apply()
     _reset_signals()
     status_r, status_w = os.pipe()
     init = _check(_libc.fork(), "fork")

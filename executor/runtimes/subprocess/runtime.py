@@ -27,7 +27,14 @@ Root or not, where the kernel offers Landlock (STUDIO_CODE_SUBPROCESS_LANDLOCK=a
 ``landlock``) each run may write only beneath its own temporary folder (and /dev/null), and
 cannot trace processes outside its run nor (Landlock ABI >= 6) signal them.
 
-It can still use the network and read any file its uid can read.
+Root or not (a non-root server: where its runs have namespaces), the server's own folders
+(the data folder, the run store's, its home, the token file's) are covered in the run's
+mount namespace (``fence``): the run cannot read, stat, chmod, lock or otherwise name
+anything in them, which Landlock (writes only) does not give. And a seccomp filter refuses
+the kernel keyrings (``seccomp``), which outlive a run and would pass keys to the next run
+of the same uid.
+
+It can still use the network and read any other file its uid can read.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from executor.runtimes.base import (
     PoolObserver,
     Runtime,
 )
-from executor.runtimes.subprocess import landlock, namespaces, usage
+from executor.runtimes.subprocess import fence, landlock, namespaces, seccomp, usage
 from executor.runtimes.subprocess.cgroups import CgroupError, CgroupParent, RunCgroup, find_parent
 from executor.runtimes.subprocess.prestarted import Runner, RunnerPool
 from executor.runtimes.subprocess.uids import (
@@ -132,6 +139,11 @@ class SubprocessRuntime(Runtime):
         self._namespaces_note = _namespaces_note(settings)
         self._namespaces = self._namespaces_note is None
         self._landlock_abi, self._landlock_note = _landlock(settings)
+        self._keyrings, self._keyrings_note = _keyring_filter()
+        self._needed: dict[str, list[str]] = {}  # argv[0] -> what runs read beneath covers
+        self._covers, self._cover_note = _covers(
+            settings, root=self._uids is not None, in_namespaces=self._namespaces
+        )
         self.isolation = isolation_report(
             settings,
             self._uids,
@@ -141,6 +153,9 @@ class SubprocessRuntime(Runtime):
             undumpable=undumpable,
             landlock_abi=self._landlock_abi if self._landlock_note is None else 0,
             landlock_note=self._landlock_note,
+            covers=self._covers,
+            cover_note=self._cover_note,
+            keyrings_note=self._keyrings_note,
         )
         self.warnings = (startup_warning(self.isolation),)
         log.warning(isolation_warning(self.isolation))
@@ -245,7 +260,12 @@ class SubprocessRuntime(Runtime):
         try:
             if linux and self._landlock_note is None:  # made here: the child only enters it
                 ruleset = landlock.ruleset(self._landlock_abi, workdir)
-            setup = _child_setup(policy, group, ids, self._namespaces, ruleset) if linux else None
+            cover = self._plan(argv, workdir)
+            setup = None
+            if linux:
+                setup = _child_setup(
+                    policy, group, ids, self._namespaces, ruleset, cover, self._keyrings
+                )
             child = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
@@ -270,6 +290,15 @@ class SubprocessRuntime(Runtime):
                 os.close(ruleset)
         key = self._key(language, limits)
         return Runner(child, lease, group, workdir, key, self._namespaces, prestarted=prestart)
+
+    def _plan(self, argv: list[str], workdir: str) -> fence.Plan | None:
+        """The covers of a run of ``argv`` in ``workdir`` (``fence``), None without."""
+        if self._cover_note is not None:
+            return None
+        needed = self._needed.get(argv[0])
+        if needed is None:
+            needed = self._needed[argv[0]] = fence.needed_paths(self.settings, [argv])
+        return fence.Plan.make(list(self._covers.values()), needed, workdir)
 
     def _serve(
         self,
@@ -425,17 +454,24 @@ def isolation_report(
     undumpable: bool = False,
     landlock_abi: int = 0,
     landlock_note: str | None = "not asked for",
+    covers: dict[str, str] | None = None,
+    cover_note: str | None = "not asked for",
+    keyrings_note: str | None = "not asked for",
 ) -> dict[str, Any]:
     """What keeps subprocess runs apart on this host, and what does not: meta's
     ``subprocess_isolation`` and the start-up warning. ``namespaces_note`` is None when
     each run gets namespaces of its own, else why not; ``undumpable``: the server is not
     dumpable; ``landlock_note`` is None when each run enters a Landlock ruleset of ABI
-    ``landlock_abi``, else why not.
+    ``landlock_abi``, else why not; ``cover_note`` is None when each run gets ``covers``
+    (name -> folder) covered (``fence``), else why not; ``keyrings_note`` is None when each
+    run's seccomp filter refuses the kernel keyrings, else why not.
 
     ``run_can`` sums it up from what was applied, one flag per claim: ``read`` files outside
     its own folder that its uid may read; ``write`` (create, change, truncate, remove) files
     outside its own folder that its uid may write; ``signal`` a process outside its run;
-    ``see`` the processes outside its run in /proc."""
+    ``see`` the processes outside its run in /proc; ``server_files`` name (open, stat,
+    chmod, lock...) the server's own folders and the files in them; ``keyrings`` use its
+    uid's kernel keyrings (which outlive the run)."""
     root_uids = uids is not None
     landlocked = landlock_note is None
     scoped = landlocked and landlock.scopes(landlock_abi) != 0
@@ -453,6 +489,8 @@ def isolation_report(
         "write": not landlocked or truncates,
         "signal": signal,
         "see": not (non_root and namespaces_note is None),
+        "server_files": cover_note is not None,
+        "keyrings": keyrings_note is not None,
     }
     holds: list[str] = [
         "Each run starts with an empty environment, in a temporary folder of its own "
@@ -463,6 +501,37 @@ def isolation_report(
     swept = ", ".join(d for d in SWEPT_DIRS if os.path.isdir(d))
     if landlocked:
         holds.append(_landlock_holds(landlock_abi, scoped, truncates))
+    if cover_note is None:
+        named = _and(list(covers or {"(none here)": ""}))
+        holds.append(
+            f"The server's own folders ({named}) are each covered, in a mount namespace of "
+            "the run's own, by an empty read-only folder it cannot list: it cannot read, "
+            "stat, chmod, change the times or extended attributes of, or lock any file in "
+            "them (the run store, secret.key), nor uncover them."
+        )
+    else:
+        lacks.append(
+            f"The server's own folders are not covered ({cover_note}): "
+            + (
+                "a run reads what they hold that all users may read."
+                if root_uids
+                else "a run reads every file in them and, as the files' owner, can change "
+                "their mode, times and extended attributes and lock them (Landlock covers "
+                "none of these): a lock on the SQLite run store makes every server write "
+                "fail for the run's length."
+            )
+        )
+    if keyrings_note is None:
+        holds.append(
+            "A seccomp filter refuses the kernel keyrings (add_key, request_key, keyctl: "
+            "EPERM, as in the Docker sandboxes): a run leaves nothing in its uid's keyrings "
+            "for the next run of that uid and reads nothing left there."
+        )
+    else:
+        lacks.append(
+            f"No seccomp filter ({keyrings_note}): a run can leave keys in its uid's kernel "
+            "keyrings (user and persistent) that the next run of that uid reads."
+        )
     if truncates:
         lacks.append(
             f"Landlock ABI {landlock_abi} (before Linux 6.2) cannot refuse truncate(2): a run "
@@ -486,8 +555,13 @@ def isolation_report(
             "grandchild that called setsid()."
         )
         lacks.append(
-            "A run can read every file readable by all users (check that the "
-            "database and secret.key are not) and use the network"
+            "A run can read every file readable by all users "
+            + (
+                "outside the covered folders"
+                if cover_note is None
+                else "(check that the database and secret.key are not)"
+            )
+            + " and use the network"
             + (
                 "."
                 if landlocked
@@ -509,7 +583,15 @@ def isolation_report(
         )
     else:
         _non_root(
-            holds, lacks, namespaces_note, undumpable, swept, landlock_note, scoped, truncates
+            holds,
+            lacks,
+            namespaces_note,
+            undumpable,
+            swept,
+            landlock_note,
+            scoped,
+            truncates,
+            covered=cover_note is None,
         )
     if cgroups is not None:
         holds.append(
@@ -539,6 +621,10 @@ def isolation_report(
         "landlock": landlocked,
         "landlock_abi": landlock_abi if landlocked else None,
         "landlock_reason": landlock_note,
+        "covered": sorted(covers or {}) if cover_note is None else None,
+        "cover_reason": cover_note,
+        "keyrings_filtered": keyrings_note is None,
+        "keyrings_reason": keyrings_note,
         "run_can": run_can,
         "holds": holds,
         "does_not_hold": lacks,
@@ -555,7 +641,8 @@ def _landlock_holds(abi: int, scoped: bool, truncates: bool) -> str:
         f"Landlock (ABI {abi}): a run cannot {write} anywhere but beneath its own temporary "
         f"folder (and {writable}): it cannot {verbs} any "
         "other file, such as the run store, the data folder, secret.key or the server's "
-        "home, nor mount anything; and it cannot trace, or read the memory or environment "
+        "home (Landlock does not cover a file's mode, times, extended attributes or locks), "
+        "nor mount anything; and it cannot trace, or read the memory or environment "
         "(/proc/<pid>/mem, environ) of, a process outside its run"
     )
     if scoped:
@@ -572,6 +659,8 @@ def _non_root(
     landlock_note: str | None = "not asked for",
     scoped: bool = False,
     truncates: bool = False,
+    *,
+    covered: bool = False,
 ) -> None:
     """A non-root server's runs share its uid: what the kernel's other fences still hold."""
     landlocked = landlock_note is None
@@ -609,11 +698,14 @@ def _non_root(
         if not landlocked:
             reach.append(f"read the {peers} of concurrent runs")
         can.append(f"{_and(reach)} (no namespaces per run: {namespaces_note})")
+    mine = "outside the server's covered folders" if covered else "the server can"
     if landlocked:
         can.append(
-            "read every file the server can (but write none outside its own folder"
+            f"read every file {mine} (but write none outside its own folder"
             + (", except emptying one with truncate(2))" if truncates else ")")
         )
+    elif covered:
+        can.append(f"read and write every file {mine} (no Landlock, {landlock_note})")
     else:
         can.append(
             "read and write every file the server can (the run store, the data folder, "
@@ -652,6 +744,52 @@ def _namespaces_note(settings: Settings) -> str | None:
     return namespaces.probe()
 
 
+def _keyring_filter() -> tuple[seccomp.Filter | None, str | None]:
+    """The seccomp filter each run gets (no kernel keyrings) and None, or None and why
+    none (probed once)."""
+    f, why = seccomp.program()
+    if f is not None:
+        why = seccomp.probe(f)
+    return (f, None) if why is None else (None, why)
+
+
+def _covers(
+    settings: Settings, *, root: bool, in_namespaces: bool
+) -> tuple[dict[str, str], str | None]:
+    """The server's folders each run gets covered (``fence``) and None, or {} and why none
+    (proved once by a trial run that covers them and a throwaway folder)."""
+    if not sys.platform.startswith("linux"):
+        return {}, "not Linux"
+    if not root and not in_namespaces:
+        return {}, "no namespaces per run: they are what covers them under a non-root server"
+    folders = fence.server_folders(settings)
+    trial = tempfile.mkdtemp(prefix="studio-code-cover-")
+    try:
+        hidden, workdir = os.path.join(trial, "hidden"), os.path.join(trial, "run")
+        os.mkdir(hidden)
+        os.mkdir(workdir)
+        open(os.path.join(hidden, "file"), "w").close()
+        needed = fence.needed_paths(settings, [[sys.executable]])
+        plan = fence.Plan.make([*folders.values(), hidden], needed, workdir)
+
+        def setup() -> None:
+            if in_namespaces:
+                namespaces.enter(plan)
+            else:
+                fence.unshare_mounts()
+                plan.apply()
+
+        why = fence.probe(sys.executable, setup, hidden, workdir)
+        if why is not None and not in_namespaces:
+            why += (
+                "; a root server needs CAP_SYS_ADMIN to make a mount namespace per run (a "
+                "container's root has none by default)"
+            )
+    finally:
+        shutil.rmtree(trial, ignore_errors=True)
+    return (folders, None) if why is None else ({}, why)
+
+
 def _landlock(settings: Settings) -> tuple[int, str | None]:
     """The Landlock ABI each run gets and None, or 0 and why none (probed once)."""
     if settings.code_subprocess_landlock == "off":
@@ -666,11 +804,25 @@ def startup_warning(report: dict[str, Any]) -> str:
     """The start-up warning: not a sandbox, and what a run can read, write, signal and see
     here (``run_can``)."""
     root = report["separate_uids"]
-    read = (
-        "read any file readable by all users (check that a SQLite database and secret.key are not)"
-        if root
-        else "read any file the server user can read (including a SQLite database and secret.key)"
-    )
+    if not report["run_can"]["server_files"]:
+        read = (
+            "read any file readable by all users"
+            if root
+            else "read any file the server user can read"
+        ) + (
+            ", but not the server's own folders (its data folder, run store and home are "
+            "covered: hidden from it)"
+        )
+    elif root:
+        read = (
+            "read any file readable by all users (check that a SQLite database and "
+            "secret.key are not)"
+        )
+    else:
+        read = (
+            "read any file the server user can read (including a SQLite database and "
+            "secret.key) and, as their owner, change their mode and times and lock them"
+        )
     if not report["landlock"]:
         write = (
             "It can also write every file and folder writable by all users."
@@ -692,10 +844,15 @@ def startup_warning(report: dict[str, Any]) -> str:
     reach = f"It {'can' if can['signal'] else 'cannot'} signal a process outside its run, and " + (
         "it sees every process of the host." if can["see"] else "it sees only its own."
     )
+    keys = (
+        " It can leave keys in its uid's kernel keyrings for the next run of that uid."
+        if can["keyrings"]
+        else ""
+    )
     return (
         "STUDIO_CODE_RUNTIME=subprocess: Code nodes run on the host as child processes, NOT "
-        f"in a sandbox. Code can use the network and {read}. {write} {reach} Use it only for "
-        "trusted local work."
+        f"in a sandbox. Code can use the network and {read}. {write} {reach}{keys} Use it "
+        "only for trusted local work."
     )
 
 
@@ -735,6 +892,8 @@ def _child_setup(
     ids: tuple[int, int] | None,
     in_namespaces: bool = False,
     ruleset: int | None = None,
+    cover: fence.Plan | None = None,
+    keyrings: seccomp.Filter | None = None,
 ):  # type: ignore[no-untyped-def]
     """What the child does between fork and exec, still as the server's user: join the
     run's cgroup (so nothing it starts is ever outside it), set its rlimits, then drop to
@@ -743,8 +902,12 @@ def _child_setup(
     dropped uid may not write to the cgroup's files. ``in_namespaces``: then enter the
     run's namespaces (``namespaces.enter``), and only the runner sets the rlimits (the
     relay and init are copies of the server, whose address space RLIMIT_AS may not fit).
-    ``ruleset``: last, the runner enters this Landlock ruleset (``landlock``; made by the
-    server before the fork), after the namespaces' mount of /proc, which it would refuse."""
+    ``cover``: the server's folders covered in a mount namespace of the run's own
+    (``fence``): for a root server made here, still as root, for a non-root one in the
+    run's namespaces. ``keyrings``: the runner installs this seccomp filter (``seccomp``:
+    no kernel keyrings). ``ruleset``: last, the runner enters this Landlock ruleset
+    (``landlock``; made by the server before the fork), after the namespaces' mount of
+    /proc and the covers, which it would refuse."""
     procs_files = group.procs_files if group is not None else []
 
     def setup() -> None:
@@ -755,6 +918,9 @@ def _child_setup(
                 os.write(fd, pid)
             finally:
                 os.close(fd)
+        if cover is not None and not in_namespaces:
+            fence.unshare_mounts()
+            cover.apply()
         if not in_namespaces:
             _set_rlimits()
         if ids is not None:
@@ -765,8 +931,10 @@ def _child_setup(
         if _prctl is not None:
             _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         if in_namespaces:
-            namespaces.enter()  # returns in the runner only
+            namespaces.enter(cover)  # returns in the runner only
             _set_rlimits()
+        if keyrings is not None:
+            seccomp.install(keyrings)
         if ruleset is not None:
             landlock.restrict(ruleset)
 
