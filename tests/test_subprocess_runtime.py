@@ -238,3 +238,48 @@ def test_the_folders_each_run_gets_covered_are_the_servers_own(
     elsewhere = make_settings(data_dir="/tmp", database_url="postgresql://u@localhost/db")
     covered = fence.server_folders(elsewhere).values()
     assert "/tmp" not in covered and not any(p.startswith(str(tmp_path / "store")) for p in covered)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="files of another uid need a root server")
+def test_the_sweep_of_a_uids_files_skips_an_entry_gone_since_the_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared /tmp changes all along: an entry of another process removed between the
+    sweep's listing and its look at it is skipped, and the run's own files beside it are
+    still removed (the whole folder was left, its leftovers for the next run of the uid)."""
+    from executor.runtimes.subprocess import uids
+
+    uid = 299_999
+    for name in ("a", "b", "c"):
+        (tmp_path / name).write_text("left by the run")
+        os.chown(tmp_path / name, uid, uid)
+    (tmp_path / "vanishing").write_text("another process's")
+    real_scandir = os.scandir
+
+    class Vanishing:
+        """An entry whose file went away after the listing (its stat fails)."""
+
+        def __init__(self, entry: os.DirEntry[str]) -> None:
+            self.entry, self.name = entry, entry.name
+
+        def stat(self, follow_symlinks: bool = True) -> os.stat_result:
+            if self.name == "vanishing":
+                raise FileNotFoundError(self.name)
+            return self.entry.stat(follow_symlinks=follow_symlinks)
+
+    class Listing:
+        def __init__(self, fd: int) -> None:
+            self.it = real_scandir(fd)
+
+        def __enter__(self) -> Listing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.it.close()
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return (Vanishing(e) for e in self.it)
+
+    monkeypatch.setattr(uids.os, "scandir", Listing)
+    assert uids.remove_owned_files(uid, [str(tmp_path)]) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vanishing"]

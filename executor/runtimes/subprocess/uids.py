@@ -226,9 +226,14 @@ def remove_owned_files(uid: int, roots: Iterable[str] = SWEPT_DIRS) -> int:
 
 def _sweep(root_fd: int, dir_fd: int, uid: int, dev: int, depth: int) -> int:
     removed = 0
+    entries: list[tuple[str, os.stat_result]] = []
     try:
         with os.scandir(dir_fd) as it:
-            entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
+            for e in it:
+                try:
+                    entries.append((e.name, e.stat(follow_symlinks=False)))
+                except OSError:
+                    continue  # gone since the listing (a shared /tmp changes all along)
     except OSError:
         return 0
     for name, st in entries:
