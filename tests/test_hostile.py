@@ -24,6 +24,7 @@ from executor.errors import ErrorCode
 from executor.models import CodeJob, CodeResult, Status
 from executor.outputs import MESSAGE_MAX_CHARS, OUTPUT_MAX_DEPTH
 from executor.service import Executor
+from testkit.gvisor import KERNEL_PROBE, RUNSC, assert_ran_under, require_runsc
 from testkit.processes import require
 from tests.conftest import run_cli
 
@@ -893,6 +894,37 @@ def docker_results(
 
 
 @pytest.fixture(scope="module")
+def runsc_results(
+    docker_client: Any, python_image: str, ts_image: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Results, dict[str, CodeResult]]:
+    """The docker cases again under gVisor's runsc (the second wall), and what two probes of
+    the same executor saw of their kernel (one per language)."""
+    from executor.settings import load_settings
+
+    require_runsc(docker_client.api, RUNSC)
+    settings = load_settings(
+        enable_code_nodes=True,
+        data_dir=tmp_path_factory.mktemp("hostile-runsc"),
+        code_runtime="docker",
+        code_image=python_image,
+        code_ts_image=ts_image,
+        code_output_max_bytes=OUTPUT_MAX,
+        code_oci_runtime=RUNSC,
+    )
+    executor = Executor(settings)
+    kernels = {
+        lang: executor.run(CodeJob(language=lang, code=code, timeout_s=20))  # type: ignore[arg-type]
+        for lang, code in (("python", KERNEL_PROBE), ("typescript", TS_MARKER))
+    }
+    return _run_all(executor, "docker"), kernels
+
+
+#: a TypeScript node may read nothing of its kernel (no --allow-sys, no --allow-read): the
+#: kernel is proven by the Python probe of the same executor; this one shows Deno starts
+TS_MARKER = "export default function main() { return 1; }\n"
+
+
+@pytest.fixture(scope="module")
 def subprocess_results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     from executor.languages.typescript import deno_binary
     from executor.settings import load_settings
@@ -936,6 +968,19 @@ def _assert_case(case: Case, r: CodeResult) -> None:
 @pytest.mark.parametrize("case", _cases("docker"), ids=lambda c: c.name)
 def test_hostile_in_docker(case: Case, docker_results) -> None:
     _assert_case(case, docker_results[case.name][1])
+
+
+@pytest.mark.docker
+@pytest.mark.deno
+@pytest.mark.parametrize("case", _cases("docker"), ids=lambda c: c.name)
+def test_hostile_in_runsc(case: Case, runsc_results) -> None:
+    """The battery under gVisor: the same answers, the code having met gVisor's kernel."""
+    results, kernels = runsc_results
+    py = kernels["python"]
+    assert py.status is Status.SUCCEEDED, py
+    assert_ran_under(RUNSC, py.output)
+    assert kernels["typescript"].status is Status.SUCCEEDED, kernels["typescript"]
+    _assert_case(case, results[case.name][1])
 
 
 @pytest.mark.deno
