@@ -11,6 +11,7 @@ run, break the store or make a route answer 500 - and a few go through the CLI.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -868,8 +869,8 @@ def _job(case: Case, runtime: str) -> CodeJob:
 Results = dict[str, tuple[CodeJob, CodeResult]]
 
 
-def _run_all(executor: Executor, runtime: str) -> Results:
-    cases = _cases(runtime)
+def _run_all(executor: Executor, runtime: str, cases: list[Case] | None = None) -> Results:
+    cases = _cases(runtime) if cases is None else cases
     jobs = [_job(c, runtime) for c in cases]
     with ThreadPoolExecutor(executor.settings.code_concurrency) as pool:
         results = list(pool.map(executor.run, jobs))
@@ -916,7 +917,7 @@ def runsc_results(
         lang: executor.run(CodeJob(language=lang, code=code, timeout_s=20))  # type: ignore[arg-type]
         for lang, code in (("python", KERNEL_PROBE), ("typescript", TS_MARKER))
     }
-    return _run_all(executor, "docker"), kernels
+    return _run_all(executor, "runsc", _runsc_cases()), kernels
 
 
 #: a TypeScript node may read nothing of its kernel (no --allow-sys, no --allow-read): the
@@ -970,11 +971,42 @@ def test_hostile_in_docker(case: Case, docker_results) -> None:
     _assert_case(case, docker_results[case.name][1])
 
 
+#: where gVisor's answer differs, still a refusal or contained (docs/security.md, "The
+#: second wall"): its kernel checks the file's permission before the read-only mount; and
+#: it lets a node be made in its own /tmp, a node of ITS devices (the next case: no host
+#: device can be reached through one)
+RUNSC_OUTPUT = {"docker-write-root": "EACCES", "docker-mknod": None}
+RUNSC_CASES = [
+    Case(
+        "runsc-mknod-reaches-no-host-device",
+        "python",
+        "import os, stat, errno\ndef main(s):\n    out = {}\n"
+        "    for name, kind, dev in (('sda', stat.S_IFBLK, (8, 0)), ('mem', stat.S_IFCHR, (1, 1)),"
+        " ('kmsg', stat.S_IFCHR, (1, 11))):\n"
+        "        p = '/tmp/' + name\n"
+        "        try:\n            os.mknod(p, kind | 0o600, os.makedev(*dev))\n"
+        "            open(p, 'rb').read(1)\n            out[name] = 'read'\n"
+        "        except OSError as e:\n            out[name] = errno.errorcode[e.errno]\n"
+        "    return out\n",
+        OK,
+        output={"sda": "ENXIO", "mem": "ENXIO", "kmsg": "ENXIO"},
+    )
+]
+
+
+def _runsc_cases() -> list[Case]:
+    return [
+        dataclasses.replace(c, output=RUNSC_OUTPUT[c.name]) if c.name in RUNSC_OUTPUT else c
+        for c in _cases("docker")
+    ] + RUNSC_CASES
+
+
 @pytest.mark.docker
 @pytest.mark.deno
-@pytest.mark.parametrize("case", _cases("docker"), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", _runsc_cases(), ids=lambda c: c.name)
 def test_hostile_in_runsc(case: Case, runsc_results) -> None:
-    """The battery under gVisor: the same answers, the code having met gVisor's kernel."""
+    """The battery under gVisor: the same answers but RUNSC_OUTPUT's, the code having met
+    gVisor's kernel."""
     results, kernels = runsc_results
     py = kernels["python"]
     assert py.status is Status.SUCCEEDED, py
@@ -1244,3 +1276,70 @@ def test_the_shipped_profile_is_what_derive_makes_of_mobys_default() -> None:
         check=True,
     ).stdout
     assert made == PROFILE_PATH.read_bytes(), "regenerate executor/runtimes/docker/seccomp.json"
+
+
+def test_the_gvisor_variant_differs_only_in_passing_clone3_to_gvisors_kernel() -> None:
+    """runsc answers every errno rule EPERM (it ignores errnoRet): the variant lets clone3
+    through to gVisor's kernel (which answers ENOSYS itself), and changes nothing else."""
+    from executor.runtimes.docker.seccomp import (
+        PROFILE_PATH,
+        for_gvisor,
+        is_gvisor,
+        profile_json,
+        profile_sha256,
+    )
+
+    profile = json.loads(PROFILE_PATH.read_text(encoding="utf-8"))
+    variant = for_gvisor(profile)
+    changed = [
+        (a["names"], a["action"], b["action"])
+        for a, b in zip(profile["syscalls"], variant["syscalls"], strict=True)
+        if a != b
+    ]
+    assert changed == [(["clone3"], "SCMP_ACT_ERRNO", "SCMP_ACT_ALLOW")]
+    assert {k: v for k, v in variant.items() if k != "syscalls"} == {
+        k: v for k, v in profile.items() if k != "syscalls"
+    }
+    assert json.loads(profile_json(gvisor=True)) == variant
+    assert profile_sha256(gvisor=True) != profile_sha256()
+    assert [is_gvisor(n) for n in ("runsc", "runsc-kvm", "runc", "crun", None, "")] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
+
+
+@pytest.mark.docker
+def test_under_runsc_meta_shows_the_variant_and_both_languages_are_ready(
+    make_settings, python_image: str, ts_image: str, docker_client: Any
+) -> None:
+    """Under gVisor with --oci-seccomp the profile is in force (the battery's AF_INET case
+    is refused) and Deno starts its threads: both languages are ready, meta names the
+    variant and the wall."""
+    from executor.meta import runtime_meta
+    from executor.runtimes.docker.seccomp import profile_sha256
+
+    require_runsc(docker_client.api, RUNSC)
+    ex = Executor(
+        make_settings(
+            code_runtime="docker",
+            code_image=python_image,
+            code_ts_image=ts_image,
+            code_oci_runtime="auto",
+        )
+    )
+    meta = runtime_meta(ex, fresh=True)
+    assert meta["seccomp"]["sha256"] == profile_sha256(gvisor=True)
+    assert meta["seccomp"]["variant"].startswith("gvisor")
+    engine = meta["engine"]["this_process"]
+    assert (engine["oci_runtime"], engine["oci_runtime_kernel"]) == (RUNSC, "gvisor")
+    assert engine["oci_runtime_platform"] == "ptrace" and "not the host's" in engine["wall"]
+    assert [(lang["name"], lang["ready"], lang["reason"]) for lang in meta["languages"]] == [
+        ("python", True, None),
+        ("typescript", True, None),
+    ], meta["languages"]
+    ts = ex.run(CodeJob(language="typescript", code="export default () => 40 + 2;\n", timeout_s=20))
+    assert (ts.status, ts.output) == (Status.SUCCEEDED, 42), ts.error
