@@ -163,6 +163,8 @@ def run(ex: Any, language: str, what: str) -> Any:
 
 
 def test_a_sandbox_runs_in_its_run_parent_below_the_engine_parent(executor: Any) -> None:
+    if executor.settings.code_oci_runtime:
+        pytest.skip("gVisor's /proc/self/cgroup shows its own cgroups, not the host's")
     """Seen from inside, a sandbox's group for each v1 controller its figures come from
     (memory, cpu, cpuacct, pids) is ``/docker/studio-code-usage-<16 hex>/<its id>``: its run's
     parent below the engine's own parent, never beside it at the root. Seen on the host while
@@ -239,6 +241,10 @@ def test_a_node_that_allocates_100_mb_reports_a_peak_between_100_mb_and_the_limi
 
 @pytest.mark.parametrize("language", LANGS)
 def test_a_node_of_half_a_second_of_cpu_reports_400_to_700_ms(executor: Any, language: str) -> None:
+    if executor.settings.code_oci_runtime:
+        # gVisor's process CPU clock is its own kernel's: on a loaded host it counts time
+        # the host did not give the code (measured: the code's 0.5 s, the cgroup's 111 ms)
+        pytest.skip("under gVisor the code's own CPU clock is not the host's")
     r = run(executor, language, "cpu")
     assert r.status is Status.SUCCEEDED, r.error
     assert r.output >= 0.5  # what the code's own clock said it used
