@@ -881,21 +881,28 @@ def _run_all(executor: Executor, runtime: str, cases: list[Case] | None = None) 
     return {c.name: (j, r) for c, j, r in zip(cases, jobs, results, strict=True)}
 
 
-@pytest.fixture(scope="module")
-def docker_results(
-    docker_client: Any, python_image: str, ts_image: str, tmp_path_factory: pytest.TempPathFactory
-) -> Results:
+def _docker_executor(
+    tmp_path_factory: pytest.TempPathFactory, python_image: str, ts_image: str, oci: str
+) -> Executor:
     from executor.settings import load_settings
 
     settings = load_settings(
         enable_code_nodes=True,
-        data_dir=tmp_path_factory.mktemp("hostile-docker"),
+        data_dir=tmp_path_factory.mktemp(f"hostile-docker{oci}"),
         code_runtime="docker",
         code_image=python_image,
         code_ts_image=ts_image,
         code_output_max_bytes=OUTPUT_MAX,
+        code_oci_runtime=oci,
     )
-    return _run_all(Executor(settings), "docker")
+    return Executor(settings)
+
+
+@pytest.fixture(scope="module")
+def docker_results(
+    docker_client: Any, python_image: str, ts_image: str, tmp_path_factory: pytest.TempPathFactory
+) -> Results:
+    return _run_all(_docker_executor(tmp_path_factory, python_image, ts_image, ""), "docker")
 
 
 @pytest.fixture(scope="module")
@@ -904,19 +911,8 @@ def runsc_results(
 ) -> tuple[Results, dict[str, CodeResult]]:
     """The docker cases again under gVisor's runsc (the second wall), and what two probes of
     the same executor saw of their kernel (one per language)."""
-    from executor.settings import load_settings
-
     require_runsc(docker_client.api, RUNSC)
-    settings = load_settings(
-        enable_code_nodes=True,
-        data_dir=tmp_path_factory.mktemp("hostile-runsc"),
-        code_runtime="docker",
-        code_image=python_image,
-        code_ts_image=ts_image,
-        code_output_max_bytes=OUTPUT_MAX,
-        code_oci_runtime=RUNSC,
-    )
-    executor = Executor(settings)
+    executor = _docker_executor(tmp_path_factory, python_image, ts_image, RUNSC)
     kernels = {
         lang: executor.run(CodeJob(language=lang, code=code, timeout_s=20))  # type: ignore[arg-type]
         for lang, code in (("python", KERNEL_PROBE), ("typescript", TS_MARKER))
