@@ -41,10 +41,11 @@ def require_runsc(api: Any, oci: str) -> None:
 
 
 def kernel_seen(seen: dict[str, Any]) -> str:
-    """``oci``'s name from what KERNEL_PROBE saw: "runsc" (gVisor's kernel), "runc" (the
-    host's), or what it was when neither."""
-    release, version = seen.get("release"), str(seen.get("version", ""))
-    if release == os.uname().release and os.uname().release in version:
+    """``oci``'s name from what KERNEL_PROBE saw (or its release alone): "runsc" (gVisor's
+    kernel), "runc" (the host's), or what it was when neither."""
+    release, version = seen.get("release"), seen.get("version")
+    host = os.uname().release
+    if release == host and (version is None or host in str(version)):
         return RUNC
     if release == GVISOR_RELEASE and release != os.uname().release:
         return RUNSC
