@@ -339,9 +339,20 @@ def test_this_machines_engine_as_reported(docker_client) -> None:  # type: ignor
 
 
 @pytest.mark.docker
-def test_the_sandboxes_kernel_applies_no_new_privileges_and_seccomp(docker_executor) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("oci", ["", "runsc"], ids=["runc", "runsc"])
+def test_the_sandboxes_kernel_applies_no_new_privileges_and_seccomp(  # type: ignore[no-untyped-def]
+    oci, make_settings, python_image, docker_client
+) -> None:
     """What the posture's policy promises, from inside a sandbox: NoNewPrivs 1, Seccomp 2
-    (a filter), no effective capabilities, not root."""
+    (a filter), no effective capabilities, not root; under runc and gVisor alike (the probe
+    asks prctl: gVisor's /proc/self/status has no NoNewPrivs line)."""
+    from executor.service import Executor
+    from testkit.gvisor import require_runsc
+
+    require_runsc(docker_client.api, oci)
+    docker_executor = Executor(
+        make_settings(code_runtime="docker", code_image=python_image, code_oci_runtime=oci)
+    )
     proof = sandbox_proof(docker_executor)
     print("\nfrom inside a sandbox:", json.dumps(proof))
     assert proof == {
@@ -499,3 +510,32 @@ def test_the_heartbeat_carries_the_engine_through_redis(redis_server) -> None:  
     finally:
         beat.stop()
         client.close()
+
+
+def test_a_worker_says_at_start_up_which_runtime_starts_its_sandboxes(caplog) -> None:  # type: ignore[no-untyped-def]
+    """The start-up line names the runtime, its version, the platform and what it means;
+    logged once, and again when the engine's runtime changes."""
+    import logging
+
+    from worker.upkeep.engine_watch import EngineWatch
+
+    version = _version("1.2.8", "v1.2.8-0-g3f92552")
+    runsc = {"path": "/usr/bin/runsc", "runtimeArgs": ["--platform=ptrace", "--network=none"]}
+    info = _info(Runtimes={"runc": {"path": "runc"}, "runsc": runsc})
+    seen = [posture_of(version, info, oci_runtime="runsc", host_packages={"runsc": "20221219"})]
+
+    class Runtime:
+        def engine_posture(self, *, fresh: bool = False):  # type: ignore[no-untyped-def]
+            return seen[0]
+
+    watch = EngineWatch(Runtime())  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="studio_code"):
+        watch.posture()
+        watch.posture()  # unchanged: not again
+        seen[0] = posture_of(version, info, host_packages={})  # back to runc
+        watch.posture()
+    lines = [r.getMessage() for r in caplog.records if "sandboxes start with" in r.getMessage()]
+    assert lines == [
+        "sandboxes start with runsc 20221219 (gVisor, platform ptrace): " + WALL_GVISOR,
+        "sandboxes start with runc 1.2.8: " + WALL_HOST,
+    ]

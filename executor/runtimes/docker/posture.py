@@ -377,10 +377,16 @@ def read_posture(api: Any, *, oci_runtime: str = "") -> EnginePosture:
 # --- proof from inside a sandbox ------------------------------------------------------------------
 
 SANDBOX_PROBE = """
+import ctypes
 def main(state):
     status = dict(l.split(":\\t", 1) for l in open("/proc/self/status").read().splitlines()
                   if ":\\t" in l)
-    return {k: status.get(k, "").strip() for k in ("NoNewPrivs", "Seccomp", "CapEff", "Uid")}
+    seen = {k: status.get(k, "").strip() for k in ("Seccomp", "CapEff", "Uid")}
+    # prctl, not the NoNewPrivs line: gVisor's /proc/self/status has none
+    libc = ctypes.CDLL(None)
+    seen["NoNewPrivs"] = str(libc.prctl(39, 0, 0, 0, 0))  # PR_GET_NO_NEW_PRIVS
+    seen["SeccompMode"] = str(libc.prctl(21, 0, 0, 0, 0))  # PR_GET_SECCOMP: 2, a filter
+    return seen
 """
 
 
@@ -397,7 +403,7 @@ def sandbox_proof(executor: Any) -> dict[str, Any]:
     seen = result.output
     return {
         "no_new_privs": seen.get("NoNewPrivs") == "1",
-        "seccomp_filter": seen.get("Seccomp") == "2",
+        "seccomp_filter": seen.get("SeccompMode") == "2",
         "cap_eff": seen.get("CapEff"),
         "uid": (seen.get("Uid") or "").split("\t")[0] or None,
     }
