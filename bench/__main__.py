@@ -23,6 +23,7 @@ SECTIONS = [
     "bench.upkeep",
     "bench.metrics_files",
     "bench.own_engine",
+    "bench.gvisor",
     "bench.sockguard",
     "bench.redis_faults",
     "bench.cpu",

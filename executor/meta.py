@@ -56,6 +56,7 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
         warnings.append(isolation_warning(isolation))
     posture = runtime.engine_posture(fresh=fresh) if runtime is not None else None
     engine_warning = posture.warning() if posture is not None else None
+    gvisor = posture is not None and posture.oci_runtime_kernel == "gvisor"
     if engine_warning is not None:
         warnings.append(engine_warning)
     from executor.store.sql import describe_url  # SQLAlchemy's URL parser; no driver
@@ -95,7 +96,12 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             ),
         },
         "seccomp": (
-            {"profile": "executor/runtimes/docker/seccomp.json", "sha256": profile_sha256()}
+            {
+                "profile": "executor/runtimes/docker/seccomp.json",
+                "sha256": profile_sha256(gvisor=gvisor),
+                # under gVisor: the variant runsc gets (docs/security.md, "The second wall")
+                "variant": "gvisor (clone3 goes to gVisor's kernel)" if gvisor else None,
+            }
             if s.code_runtime == "docker"
             else None
         ),

@@ -461,6 +461,19 @@ class Executor:
                 **common,
             )
         stdout = language.result_bytes(job, raw)
+        pids_peak = raw.usage.pids_peak if raw.usage is not None else None
+        if not stdout and pids_peak is not None and pids_peak >= limits.pids:
+            # under gVisor a sandbox that reaches its pids limit ends as a whole (its kernel
+            # cannot start the host thread a new task needs), so the code never sees EAGAIN
+            return self._result(
+                job,
+                Status.FAILED,
+                error=ErrorCode.CODE_ERROR,
+                message=f"The sandbox reached its limit of {limits.pids} processes and threads "
+                f"(STUDIO_CODE_PIDS) and ended (exit status {raw.exit_code}) before main "
+                "returned a value: start fewer processes or threads.",
+                **common,
+            )
         if not stdout:
             return self._result(
                 job,

@@ -218,7 +218,9 @@ class Settings(BaseSettings):
     code_oci_runtime: str = Field(
         "",
         description="The OCI runtime Docker starts sandboxes with (a name `docker info` lists "
-        "under Runtimes, e.g. crun). Empty: the engine's default (runc).",
+        "under Runtimes, e.g. runsc, crun). Empty: the engine's default (runc). auto: gVisor's "
+        "runsc when the engine lists it (scripts/host-setup.sh registers it), else the "
+        "default.",
     )
     code_usage_cgroup_parent: str = Field(
         "/docker",

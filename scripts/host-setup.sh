@@ -11,6 +11,8 @@
 #             --ip6tables=false (sandboxes use no network, and these machines must not create
 #             a private-range network); log in /var/log/dockerd-studio.log
 #   postgres  an installed but stopped cluster is started (the run store tests use it)
+#   runsc     gVisor's runtime from the distribution (when it offers it), registered with the
+#             engine in /etc/docker/daemon.json (merged) and a SIGHUP to dockerd, never a restart
 #   engine    says which Docker, containerd and runc it found, and WARNS when their version
 #             has a known container escape of executor/runtimes/docker/known_escapes.toml (asked
 #             with the system's python3 -S: no project start-up), naming the upgrade path
@@ -104,6 +106,70 @@ if ((${#escapes[@]})); then
   log "  https://download.docker.com/linux/), a newer distribution, or a runc from the"
   log "  distribution's backports; docs/security.md, 'The engine posture'. Sandboxes still run:"
   log "  STUDIO_CODE_ENGINE_REFUSE_VULNERABLE=1 makes the workers refuse this engine."
+fi
+
+# gVisor, the second wall (docs/security.md, "The second wall"): the distribution's runsc,
+# registered with the engine as the runtime "runsc" (merged into /etc/docker/daemon.json, which
+# keeps its other keys; a SIGHUP makes dockerd reload its runtimes: never a restart). ptrace:
+# the KVM platform hangs in this kind of VM; --network=none: sandboxes have no network, and
+# runsc cannot start with one in the host's network namespace; --oci-seccomp: without it runsc
+# ignores the project's seccomp profile. STUDIO_HOST_RUNSC=0 skips it.
+RUNSC_ARGS='["--platform=ptrace", "--network=none", "--oci-seccomp"]'
+runsc_listed() { docker info --format '{{range $k, $v := .Runtimes}}{{$k}} {{end}}' 2>/dev/null | grep -qw runsc; }
+if [[ ${STUDIO_HOST_RUNSC:-1} != 0 ]]; then
+  if ! command -v runsc >/dev/null; then
+    if [[ -n $(apt-cache policy runsc 2>/dev/null | sed -n 's/^ *Candidate: *\([0-9].*\)/\1/p') ]] \
+      || { "${SUDO[@]}" apt-get update -qq && [[ -n $(apt-cache policy runsc 2>/dev/null | sed -n 's/^ *Candidate: *\([0-9].*\)/\1/p') ]]; }; then
+      log "installing runsc (gVisor) from the distribution"
+      "${SUDO[@]}" apt-get install -y -qq runsc >/dev/null
+    fi
+  fi
+  if ! command -v runsc >/dev/null; then
+    log "gVisor: this distribution offers no runsc package: sandboxes start with the engine's default runtime (docs/security.md, 'The second wall')"
+  else
+    # prints what it did: "added", "same" or "own" (an operator's own runsc entry, left alone)
+    did=$("${SUDO[@]}" python3 -S - "$(command -v runsc)" "$RUNSC_ARGS" <<'PY'
+import json, os, sys
+path, args = "/etc/docker/daemon.json", json.loads(sys.argv[2])
+try:
+    with open(path) as f:
+        conf = json.load(f)
+except FileNotFoundError:
+    conf = {}
+want = {"path": sys.argv[1], "runtimeArgs": args}
+have = (conf.get("runtimes") or {}).get("runsc")
+if have == want:
+    print("same")
+elif have is not None:
+    print("own")
+else:
+    conf.setdefault("runtimes", {})["runsc"] = want
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".studio-tmp", "w") as f:
+        json.dump(conf, f, indent=2)
+        f.write("\n")
+    os.replace(path + ".studio-tmp", path)
+    print("added")
+PY
+)
+    version=$(runsc --version 2>/dev/null | sed -n 's/^runsc version //p' | head -n1)
+    if [[ $did == same ]] && runsc_listed; then
+      log "gVisor: runsc ${version:-?} is registered with the engine already: nothing to do"
+    else
+      [[ $did == own ]] && log "gVisor: /etc/docker/daemon.json has its own \"runsc\" entry: left as it is (the project's: $RUNSC_ARGS)"
+      pid=
+      for comm in /proc/[0-9]*/comm; do
+        [[ $(cat "$comm" 2>/dev/null) == dockerd ]] && { pid=${comm#/proc/}; pid=${pid%/comm}; break; }
+      done
+      [[ -n $pid ]] && "${SUDO[@]}" kill -HUP "$pid"
+      for _ in $(seq 1 50); do runsc_listed && break; sleep 0.1; done
+      if runsc_listed; then
+        log "gVisor: registered runsc ${version:-?} with the engine (/etc/docker/daemon.json, a SIGHUP to dockerd): STUDIO_CODE_OCI_RUNTIME=auto starts sandboxes under it"
+      else
+        log "gVisor: wrote runsc into /etc/docker/daemon.json but the engine does not list it: reload dockerd (SIGHUP) by hand"
+      fi
+    fi
+  fi
 fi
 
 if command -v pg_ctlcluster >/dev/null && command -v pg_isready >/dev/null \

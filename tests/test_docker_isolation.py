@@ -1,12 +1,16 @@
 """Every isolation control and limit of the docker runtime, asserted FROM INSIDE the sandbox:
 the test's code runs in the container and reports what it sees. Every test runs twice: in a
 container started for the job (cold) and in a pre-started one taken from the pool (pool):
-the same results from inside."""
+the same results from inside. A third form runs them in pre-started sandboxes under gVisor's
+runsc (pool-runsc: the form a worker with STUDIO_CODE_OCI_RUNTIME=auto uses on a host set up
+by scripts/host-setup.sh); every job's code reports the kernel it met, and ``run`` checks it
+is the one of the runtime the test names (testkit/gvisor.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -14,15 +18,18 @@ import time
 import pytest
 
 from executor.models import CodeJob, Status
+from testkit.gvisor import RUNC, RUNSC, assert_ran_under, require_runsc
 from tests.conftest import FORK_BOMB
 from tests.snippets import READ_FIRST
 
 pytestmark = pytest.mark.docker
 
 PROBE = r"""
-import os, socket
+import ctypes, os, socket
 
 def main(state):
+    # prctl, not /proc/self/status's NoNewPrivs line (gVisor's /proc has none)
+    no_new_privs = ctypes.CDLL(None).prctl(39, 0, 0, 0, 0)  # PR_GET_NO_NEW_PRIVS
     status = dict(l.split(":\t", 1) for l in open("/proc/self/status").read().splitlines()
                   if ":\t" in l)
     mounts = [l.split()[:4] for l in open("/proc/self/mounts")]
@@ -43,7 +50,7 @@ def main(state):
         "uid": os.getuid(), "gid": os.getgid(), "euid": os.geteuid(),
         "groups": os.getgroups(),
         "CapEff": status["CapEff"].strip(), "CapPrm": status["CapPrm"].strip(),
-        "CapBnd": status["CapBnd"].strip(), "NoNewPrivs": status["NoNewPrivs"].strip(),
+        "CapBnd": status["CapBnd"].strip(), "NoNewPrivs": str(no_new_privs),
         "mounts": mounts,
         "writable": writable,
         "tmp_bytes": st.f_blocks * st.f_frsize,
@@ -53,9 +60,26 @@ def main(state):
 """
 
 
+#: the first line of every job's code here: the kernel it meets, on stderr (the logs)
+KERNEL_LINE = (
+    "import os as _os, sys as _sys; print('studio-kernel', _os.uname().release, file=_sys.stderr)\n"
+)
+
+
+def oci_of(executor) -> str:
+    return executor.settings.code_oci_runtime or RUNC
+
+
+def check_kernel(executor, result) -> None:
+    """The job's code ran under the runtime the test names (its KERNEL_LINE's report)."""
+    found = re.search(r"studio-kernel (\S+)", result.logs)
+    assert found is not None, f"the code did not report its kernel: {result.logs[:300]!r}"
+    assert_ran_under(oci_of(executor), {"release": found.group(1)})
+
+
 def run(executor, code: str, state: object = None, timeout_s: float | None = None, **kw):
     job = CodeJob(
-        code=code,
+        code=KERNEL_LINE + code,
         state_json=json.dumps(state if state is not None else {}),
         timeout_s=timeout_s,
         **kw,
@@ -64,28 +88,35 @@ def run(executor, code: str, state: object = None, timeout_s: float | None = Non
     # The sandbox really was of the kind under test (a silent pool miss proves nothing).
     expected = "pool" if executor.runtime.pool is not None else "cold"
     assert [r.detail for r in result.trace if r.step == "sandbox.start"] == [expected], result
+    check_kernel(executor, result)
     return result
 
 
-@pytest.fixture(params=["cold", "pool"])
+@pytest.fixture(params=["cold", "pool", "pool-runsc"])
 def sandbox_mode(request) -> str:
     return request.param
 
 
 @pytest.fixture
-def make_executor(make_settings, python_image, sandbox_mode):
+def make_executor(make_settings, python_image, sandbox_mode, docker_client):
     """Executor(settings); in pool mode its pool of pre-started sandboxes is filled first
-    (and its idle containers removed at the end)."""
+    (and its idle containers removed at the end); pool-runsc: the pool's under runsc."""
     from executor.service import Executor
 
+    oci = RUNSC if sandbox_mode.endswith("-runsc") else ""
+    require_runsc(docker_client.api, oci)
     made = []
 
     def make(**overrides):
         settings = make_settings(
-            code_runtime="docker", code_image=python_image, code_languages="python", **overrides
+            code_runtime="docker",
+            code_image=python_image,
+            code_languages="python",
+            code_oci_runtime=oci,
+            **overrides,
         )
         ex = Executor(settings)
-        if sandbox_mode == "pool":
+        if sandbox_mode.startswith("pool"):
             ex.prepare()
             assert ex.runtime.pool is not None and ex.runtime.pool.wait_ready(60)
         made.append(ex)
@@ -121,19 +152,25 @@ def test_root_is_read_only_and_tmp_is_the_only_writable_place(seen):
     assert {d for d, ok in seen["writable"].items() if ok} == {"/tmp"}
 
 
-def test_tmp_is_a_64mb_tmpfs(seen):
+def test_tmp_is_a_64mb_tmpfs(seen, docker_executor):
     tmp = next(m for m in seen["mounts"] if m[1] == "/tmp")
     assert tmp[2] == "tmpfs"
-    assert "size=65536k" in tmp[3] and "noexec" in tmp[3]
+    # each kernel writes the size its own way (the host's 65536k, gVisor's as it was given)
+    size = "size=64m" if oci_of(docker_executor) == RUNSC else "size=65536k"
+    assert size in tmp[3].split(",") and "noexec" in tmp[3]
     assert seen["tmp_bytes"] == 64 * 1024 * 1024
 
 
-def test_no_host_mounts(seen):
+def test_no_host_mounts(seen, docker_executor):
     # Docker itself mounts proc, sys, dev, cgroups and the container's own /etc/hostname;
-    # anything else backed by a real filesystem would be a host mount.
+    # anything else backed by a real filesystem would be a host mount. Under gVisor the root
+    # and /etc/hostname are served by its gofer (9p): the same two, read-only.
     virtual = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "overlay"}
     real = [m for m in seen["mounts"] if m[2] not in virtual]
-    assert [m[1] for m in real] == ["/etc/hostname"]
+    if oci_of(docker_executor) == RUNSC:
+        assert [(m[1], m[2]) for m in real] == [("/", "9p"), ("/etc/hostname", "9p")], real
+    else:
+        assert [m[1] for m in real] == ["/etc/hostname"]
     assert all(m[3].startswith("ro") for m in real)
     assert "/dev/shm" not in {m[1] for m in seen["mounts"]}
 
@@ -221,7 +258,19 @@ def test_memory_above_the_limit_ends_code_memory(make_executor):
     assert "STUDIO_CODE_MEMORY=64m" in result.error.message
 
 
-def test_fork_bomb_stops_at_the_pids_limit(make_executor):
+def test_fork_bomb_stops_at_the_pids_limit(make_executor, sandbox_mode):
+    if sandbox_mode.endswith("-runsc"):
+        # gVisor's own threads (~33 at rest with ptrace) count in the pids cgroup too: a
+        # limit of 16 cannot start it at all. At 64 the code's forks take the rest, and the
+        # sandbox ends as a whole when they reach it (its kernel cannot start the host
+        # thread a new task needs): the code never sees EAGAIN, the job says why.
+        ex = make_executor(code_pids=64)
+        result = run(ex, FORK_BOMB, timeout_s=20)
+        assert result.status is Status.FAILED, result
+        assert result.error.code == "CODE_ERROR"
+        assert "limit of 64 processes and threads (STUDIO_CODE_PIDS)" in result.error.message
+        assert result.usage.pids_peak == 64
+        return
     ex = make_executor(code_pids=16)
     # Runs ONLY inside the container, under its pids limit of 16.
     result = run(ex, FORK_BOMB, timeout_s=20)
@@ -265,6 +314,11 @@ def test_cpu_share_and_limits_are_visible_in_the_cgroup(make_executor):
     result = run(ex, code)
     assert result.status is Status.SUCCEEDED, result
     out = result.output
+    if oci_of(ex) == RUNSC:
+        # gVisor's /sys has no cgroup tree: the limits hold its whole sandbox from the host
+        # (the memory, pids and timeout tests here show them acting), unseen from inside
+        assert out == dict.fromkeys(("quota", "period", "pids", "mem", "memsw")), out
+        return
     if out["period"]:  # cgroup v1
         assert int(out["quota"]) / int(out["period"]) == 0.5
     else:
@@ -326,13 +380,16 @@ def test_containers_are_labelled_and_always_removed(docker_executor, docker_clie
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
-    job = CodeJob(code="import time\ndef main(state):\n    time.sleep(1)\n    return 1\n")
+    job = CodeJob(
+        code=KERNEL_LINE + "import time\ndef main(state):\n    time.sleep(1)\n    return 1\n"
+    )
     try:
         result = docker_executor.run(job)
     finally:
         stop.set()
         t.join()
     assert result.status is Status.SUCCEEDED
+    check_kernel(docker_executor, result)
     name = f"studio-code-{job.job_id}"
     mine = [labels for n, labels in seen if n == name]
     assert mine, "the container was never seen with its job's name"
@@ -358,7 +415,9 @@ def test_kill_by_label_from_another_process_ends_cancelled(docker_executor):
     # Another process (the worker's backstop) removes the container by its label after the
     # cancel intent was recorded (intent first, then signal); the runtime may see the stream
     # end before its next poll of the intent, and must still read the job as cancelled.
-    job = CodeJob(code="def main(state):\n    while True:\n        pass\n", timeout_s=30)
+    job = CodeJob(
+        code=KERNEL_LINE + "def main(state):\n    while True:\n        pass\n", timeout_s=30
+    )
     intent = threading.Event()
 
     def cancel_from_elsewhere() -> None:
@@ -374,6 +433,7 @@ def test_kill_by_label_from_another_process_ends_cancelled(docker_executor):
     killer.join()
     assert result.status is Status.CANCELLED
     assert result.error.code == "CODE_CANCELLED"
+    check_kernel(docker_executor, result)
     left = docker_executor.runtime.sandboxes()
     assert all(c["Labels"]["studio.job_id"] != job.job_id for c in left)
 

@@ -19,7 +19,13 @@ from executor.runtimes.docker.escapes import (
     load_table,
     parse_version,
 )
-from executor.runtimes.docker.posture import posture_of, read_posture, sandbox_proof
+from executor.runtimes.docker.posture import (
+    WALL_GVISOR,
+    WALL_HOST,
+    posture_of,
+    read_posture,
+    sandbox_proof,
+)
 from testkit.processes import require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -261,6 +267,47 @@ def test_an_advisory_that_needs_a_feature_the_engine_lacks_does_not_apply() -> N
     assert p.advisories and not any(a.applies for a in p.advisories)
 
 
+def test_a_runsc_sandbox_meets_gvisors_kernel_and_runcs_escapes_do_not_apply() -> None:
+    """Debian 12's engine with gVisor registered as scripts/host-setup.sh does it: the
+    sandboxes' runtime is named with its version, its platform and what it means, and
+    runc's escapes are listed but do not apply (the sandboxes do not start with runc)."""
+    version = _version("1.1.5+ds1", "1.1.5+ds1-1+deb12u1", "1.6.20~ds1", "20.10.24+dfsg1")
+    version["Components"][1]["Details"]["GitCommit"] = "1.6.20~ds1-1+deb12u3"  # type: ignore[index]
+    info = _info(
+        Runtimes={
+            "runc": {"path": "runc"},
+            "runsc": {
+                "path": "/usr/bin/runsc",
+                "runtimeArgs": ["--platform=ptrace", "--network=none", "--oci-seccomp"],
+            },
+        }
+    )
+    host = {"runsc": "0.0~20221219.0-2+b3", "docker.io": "20.10.24+dfsg1-1+deb12u1+b6"}
+    p = posture_of(version, info, oci_runtime="runsc", host_packages=host)
+    assert (p.oci_runtime, p.oci_runtime_kernel, p.oci_runtime_platform) == (
+        "runsc",
+        "gvisor",
+        "ptrace",
+    )
+    assert p.oci_runtime_version == "0.0~20221219.0-2+b3"
+    assert p.wall == WALL_GVISOR and "not the host's" in p.wall
+    line = p.runtime_line()
+    assert line.startswith("sandboxes start with runsc 0.0~20221219.0-2+b3 (gVisor, platform")
+    assert {a.cve for a in p.advisories} >= RUNC_2025
+    assert not any(a.applies for a in p.advisories if a.component == "runc")
+    assert p.vulnerable is False and p.warning() is None
+    assert p.compact()["oci_runtime_kernel"] == "gvisor"
+    # the same engine, sandboxes under its default runc: the host's kernel, the escapes apply
+    p = posture_of(version, info, host_packages=host)
+    assert (p.oci_runtime, p.oci_runtime_kernel, p.oci_runtime_platform) == ("runc", "host", None)
+    assert p.oci_runtime_version == "1.1.5+ds1-1+deb12u1" and p.wall == WALL_HOST
+    assert p.vulnerable is True
+    # no --platform argument: runsc's own default, said so
+    info["Runtimes"]["runsc"]["runtimeArgs"] = ["--network=none"]  # type: ignore[index]
+    p = posture_of(version, info, oci_runtime="runsc", host_packages={})
+    assert p.oci_runtime_platform == "default"
+
+
 # --- this machine's engine ----------------------------------------------------------------------
 
 
@@ -292,9 +339,20 @@ def test_this_machines_engine_as_reported(docker_client) -> None:  # type: ignor
 
 
 @pytest.mark.docker
-def test_the_sandboxes_kernel_applies_no_new_privileges_and_seccomp(docker_executor) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("oci", ["", "runsc"], ids=["runc", "runsc"])
+def test_the_sandboxes_kernel_applies_no_new_privileges_and_seccomp(  # type: ignore[no-untyped-def]
+    oci, make_settings, python_image, docker_client
+) -> None:
     """What the posture's policy promises, from inside a sandbox: NoNewPrivs 1, Seccomp 2
-    (a filter), no effective capabilities, not root."""
+    (a filter), no effective capabilities, not root; under runc and gVisor alike (the probe
+    asks prctl: gVisor's /proc/self/status has no NoNewPrivs line)."""
+    from executor.service import Executor
+    from testkit.gvisor import require_runsc
+
+    require_runsc(docker_client.api, oci)
+    docker_executor = Executor(
+        make_settings(code_runtime="docker", code_image=python_image, code_oci_runtime=oci)
+    )
     proof = sandbox_proof(docker_executor)
     print("\nfrom inside a sandbox:", json.dumps(proof))
     assert proof == {
@@ -326,6 +384,45 @@ def test_a_refusing_setting_makes_a_vulnerable_engine_not_ready(make_settings, p
                 assert a.cve in (ready.reason or "")
     else:
         assert ready.ready is True, ready.reason
+
+
+@pytest.mark.docker
+def test_a_refusing_setting_does_not_refuse_a_runsc_sandbox_for_runcs_escapes(  # type: ignore[no-untyped-def]
+    make_settings, python_image, docker_client
+):
+    """STUDIO_CODE_ENGINE_REFUSE_VULNERABLE=1 on this engine: runc's escapes refuse a runc
+    sandbox, not one gVisor starts (auto picks runsc here); the runsc one runs, and its code
+    reports gVisor's kernel."""
+    from executor.models import CodeJob
+    from executor.service import Executor
+    from testkit.gvisor import KERNEL_PROBE, RUNSC, assert_ran_under, require_runsc
+
+    require_runsc(docker_client.api, RUNSC)
+
+    def executor(oci: str) -> Executor:
+        return Executor(
+            make_settings(
+                code_runtime="docker",
+                code_image=python_image,
+                code_engine_refuse_vulnerable=True,
+                code_oci_runtime=oci,
+            )
+        )
+
+    under_runc = executor("")
+    runc_posture = under_runc.runtime.engine_posture()  # type: ignore[union-attr]
+    require(runc_posture is not None, "the engine's posture cannot be read")
+    auto = executor("auto")
+    posture = auto.runtime.engine_posture()  # type: ignore[union-attr]
+    assert posture is not None and posture.oci_runtime == RUNSC
+    assert posture.oci_runtime_kernel == "gvisor" and not posture.vulnerable, posture.advisories
+    assert auto.readiness(auto.language("python"), fresh=True).ready is True
+    result = auto.run(CodeJob(code=KERNEL_PROBE, timeout_s=20))
+    assert result.status == "succeeded", result.error
+    assert_ran_under(RUNSC, result.output)  # type: ignore[arg-type]
+    # the control: the same engine under runc is refused when its runc has them
+    ready = under_runc.readiness(under_runc.language("python"), fresh=True)
+    assert ready.ready is (not runc_posture.vulnerable), ready.reason  # type: ignore[union-attr]
 
 
 @pytest.mark.docker
@@ -413,3 +510,32 @@ def test_the_heartbeat_carries_the_engine_through_redis(redis_server) -> None:  
     finally:
         beat.stop()
         client.close()
+
+
+def test_a_worker_says_at_start_up_which_runtime_starts_its_sandboxes(caplog) -> None:  # type: ignore[no-untyped-def]
+    """The start-up line names the runtime, its version, the platform and what it means;
+    logged once, and again when the engine's runtime changes."""
+    import logging
+
+    from worker.upkeep.engine_watch import EngineWatch
+
+    version = _version("1.2.8", "v1.2.8-0-g3f92552")
+    runsc = {"path": "/usr/bin/runsc", "runtimeArgs": ["--platform=ptrace", "--network=none"]}
+    info = _info(Runtimes={"runc": {"path": "runc"}, "runsc": runsc})
+    seen = [posture_of(version, info, oci_runtime="runsc", host_packages={"runsc": "20221219"})]
+
+    class Runtime:
+        def engine_posture(self, *, fresh: bool = False):  # type: ignore[no-untyped-def]
+            return seen[0]
+
+    watch = EngineWatch(Runtime())  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="studio_code"):
+        watch.posture()
+        watch.posture()  # unchanged: not again
+        seen[0] = posture_of(version, info, host_packages={})  # back to runc
+        watch.posture()
+    lines = [r.getMessage() for r in caplog.records if "sandboxes start with" in r.getMessage()]
+    assert lines == [
+        "sandboxes start with runsc 20221219 (gVisor, platform ptrace): " + WALL_GVISOR,
+        "sandboxes start with runc 1.2.8: " + WALL_HOST,
+    ]

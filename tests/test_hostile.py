@@ -11,6 +11,7 @@ run, break the store or make a route answer 500 - and a few go through the CLI.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from executor.errors import ErrorCode
 from executor.models import CodeJob, CodeResult, Status
 from executor.outputs import MESSAGE_MAX_CHARS, OUTPUT_MAX_DEPTH
 from executor.service import Executor
+from testkit.gvisor import KERNEL_PROBE, RUNSC, assert_ran_under, require_runsc
 from testkit.processes import require
 from tests.conftest import run_cli
 
@@ -742,6 +744,10 @@ export function main() {
     ts_denied("env", "Deno.env.get('PATH');"),
     ts_denied("run-process", "new Deno.Command('/bin/true').outputSync();"),
     # --- seccomp, asserted from inside (docker): each call fails with EPERM --------------
+    # clone3's flags are behind a pointer no filter reads: ENOSYS, so libc falls back to
+    # clone (whose flags are checked); under gVisor its own kernel answers ENOSYS (the
+    # profile's gVisor variant lets it through: a runsc that implements clone3 fails here)
+    dataclasses.replace(syscall_case("clone3", 435, 0, 0), output="ENOSYS"),
     syscall_case("io_uring_setup", 425, 1, 0),
     syscall_case("io_uring_enter", 426, 0, 0, 0, 0, 0, 0),
     syscall_case("io_uring_register", 427, 0, 0, 0, 0),
@@ -867,29 +873,56 @@ def _job(case: Case, runtime: str) -> CodeJob:
 Results = dict[str, tuple[CodeJob, CodeResult]]
 
 
-def _run_all(executor: Executor, runtime: str) -> Results:
-    cases = _cases(runtime)
+def _run_all(executor: Executor, runtime: str, cases: list[Case] | None = None) -> Results:
+    cases = _cases(runtime) if cases is None else cases
     jobs = [_job(c, runtime) for c in cases]
     with ThreadPoolExecutor(executor.settings.code_concurrency) as pool:
         results = list(pool.map(executor.run, jobs))
     return {c.name: (j, r) for c, j, r in zip(cases, jobs, results, strict=True)}
 
 
-@pytest.fixture(scope="module")
-def docker_results(
-    docker_client: Any, python_image: str, ts_image: str, tmp_path_factory: pytest.TempPathFactory
-) -> Results:
+def _docker_executor(
+    tmp_path_factory: pytest.TempPathFactory, python_image: str, ts_image: str, oci: str
+) -> Executor:
     from executor.settings import load_settings
 
     settings = load_settings(
         enable_code_nodes=True,
-        data_dir=tmp_path_factory.mktemp("hostile-docker"),
+        data_dir=tmp_path_factory.mktemp(f"hostile-docker{oci}"),
         code_runtime="docker",
         code_image=python_image,
         code_ts_image=ts_image,
         code_output_max_bytes=OUTPUT_MAX,
+        code_oci_runtime=oci,
     )
-    return _run_all(Executor(settings), "docker")
+    return Executor(settings)
+
+
+@pytest.fixture(scope="module")
+def docker_results(
+    docker_client: Any, python_image: str, ts_image: str, tmp_path_factory: pytest.TempPathFactory
+) -> Results:
+    return _run_all(_docker_executor(tmp_path_factory, python_image, ts_image, ""), "docker")
+
+
+@pytest.fixture(scope="module")
+def runsc_results(
+    docker_client: Any, python_image: str, ts_image: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Results, dict[str, CodeResult]]:
+    """The docker cases again under gVisor's runsc (the second wall), and what two probes of
+    the same executor saw of their kernel (one per language)."""
+    require_runsc(docker_client.api, RUNSC)
+    executor = _docker_executor(tmp_path_factory, python_image, ts_image, RUNSC)
+    kernels = {
+        lang: executor.run(CodeJob(language=lang, code=code, timeout_s=20))  # type: ignore[arg-type]
+        for lang, code in (("python", KERNEL_PROBE), ("typescript", TS_MARKER))
+    }
+    return _run_all(executor, "runsc", _runsc_cases()), kernels
+
+
+#: a TypeScript node may read nothing of its kernel (no --allow-sys, no --allow-read): the
+#: kernel is proven by the Python probe of the same executor; this one shows Deno starts
+TS_MARKER = "export default function main() { return 1; }\n"
 
 
 @pytest.fixture(scope="module")
@@ -936,6 +969,50 @@ def _assert_case(case: Case, r: CodeResult) -> None:
 @pytest.mark.parametrize("case", _cases("docker"), ids=lambda c: c.name)
 def test_hostile_in_docker(case: Case, docker_results) -> None:
     _assert_case(case, docker_results[case.name][1])
+
+
+#: where gVisor's answer differs, still a refusal or contained (docs/security.md, "The
+#: second wall"): its kernel checks the file's permission before the read-only mount; and
+#: it lets a node be made in its own /tmp, a node of ITS devices (the next case: no host
+#: device can be reached through one)
+RUNSC_OUTPUT = {"docker-write-root": "EACCES", "docker-mknod": None}
+RUNSC_CASES = [
+    Case(
+        "runsc-mknod-reaches-no-host-device",
+        "python",
+        "import os, stat, errno\ndef main(s):\n    out = {}\n"
+        "    for name, kind, dev in (('sda', stat.S_IFBLK, (8, 0)), ('mem', stat.S_IFCHR, (1, 1)),"
+        " ('kmsg', stat.S_IFCHR, (1, 11))):\n"
+        "        p = '/tmp/' + name\n"
+        "        try:\n            os.mknod(p, kind | 0o600, os.makedev(*dev))\n"
+        "            open(p, 'rb').read(1)\n            out[name] = 'read'\n"
+        "        except OSError as e:\n            out[name] = errno.errorcode[e.errno]\n"
+        "    return out\n",
+        OK,
+        output={"sda": "ENXIO", "mem": "ENXIO", "kmsg": "ENXIO"},
+    )
+]
+
+
+def _runsc_cases() -> list[Case]:
+    return [
+        dataclasses.replace(c, output=RUNSC_OUTPUT[c.name]) if c.name in RUNSC_OUTPUT else c
+        for c in _cases("docker")
+    ] + RUNSC_CASES
+
+
+@pytest.mark.docker
+@pytest.mark.deno
+@pytest.mark.parametrize("case", _runsc_cases(), ids=lambda c: c.name)
+def test_hostile_in_runsc(case: Case, runsc_results) -> None:
+    """The battery under gVisor: the same answers but RUNSC_OUTPUT's, the code having met
+    gVisor's kernel."""
+    results, kernels = runsc_results
+    py = kernels["python"]
+    assert py.status is Status.SUCCEEDED, py
+    assert_ran_under(RUNSC, py.output)
+    assert kernels["typescript"].status is Status.SUCCEEDED, kernels["typescript"]
+    _assert_case(case, results[case.name][1])
 
 
 @pytest.mark.deno
@@ -1199,3 +1276,70 @@ def test_the_shipped_profile_is_what_derive_makes_of_mobys_default() -> None:
         check=True,
     ).stdout
     assert made == PROFILE_PATH.read_bytes(), "regenerate executor/runtimes/docker/seccomp.json"
+
+
+def test_the_gvisor_variant_differs_only_in_passing_clone3_to_gvisors_kernel() -> None:
+    """runsc answers every errno rule EPERM (it ignores errnoRet): the variant lets clone3
+    through to gVisor's kernel (which answers ENOSYS itself), and changes nothing else."""
+    from executor.runtimes.docker.seccomp import (
+        PROFILE_PATH,
+        for_gvisor,
+        is_gvisor,
+        profile_json,
+        profile_sha256,
+    )
+
+    profile = json.loads(PROFILE_PATH.read_text(encoding="utf-8"))
+    variant = for_gvisor(profile)
+    changed = [
+        (a["names"], a["action"], b["action"])
+        for a, b in zip(profile["syscalls"], variant["syscalls"], strict=True)
+        if a != b
+    ]
+    assert changed == [(["clone3"], "SCMP_ACT_ERRNO", "SCMP_ACT_ALLOW")]
+    assert {k: v for k, v in variant.items() if k != "syscalls"} == {
+        k: v for k, v in profile.items() if k != "syscalls"
+    }
+    assert json.loads(profile_json(gvisor=True)) == variant
+    assert profile_sha256(gvisor=True) != profile_sha256()
+    assert [is_gvisor(n) for n in ("runsc", "runsc-kvm", "runc", "crun", None, "")] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
+
+
+@pytest.mark.docker
+def test_under_runsc_meta_shows_the_variant_and_both_languages_are_ready(
+    make_settings, python_image: str, ts_image: str, docker_client: Any
+) -> None:
+    """Under gVisor with --oci-seccomp the profile is in force (the battery's AF_INET case
+    is refused) and Deno starts its threads: both languages are ready, meta names the
+    variant and the wall."""
+    from executor.meta import runtime_meta
+    from executor.runtimes.docker.seccomp import profile_sha256
+
+    require_runsc(docker_client.api, RUNSC)
+    ex = Executor(
+        make_settings(
+            code_runtime="docker",
+            code_image=python_image,
+            code_ts_image=ts_image,
+            code_oci_runtime="auto",
+        )
+    )
+    meta = runtime_meta(ex, fresh=True)
+    assert meta["seccomp"]["sha256"] == profile_sha256(gvisor=True)
+    assert meta["seccomp"]["variant"].startswith("gvisor")
+    engine = meta["engine"]["this_process"]
+    assert (engine["oci_runtime"], engine["oci_runtime_kernel"]) == (RUNSC, "gvisor")
+    assert engine["oci_runtime_platform"] == "ptrace" and "not the host's" in engine["wall"]
+    assert [(lang["name"], lang["ready"], lang["reason"]) for lang in meta["languages"]] == [
+        ("python", True, None),
+        ("typescript", True, None),
+    ], meta["languages"]
+    ts = ex.run(CodeJob(language="typescript", code="export default () => 40 + 2;\n", timeout_s=20))
+    assert (ts.status, ts.output) == (Status.SUCCEEDED, 42), ts.error

@@ -26,6 +26,7 @@ from executor.meta import runtime_meta
 from executor.models import CodeJob, Status
 from executor.service import Executor
 from executor.settings import NOBODY, load_settings
+from testkit.gvisor import KERNEL_PROBE, RUNSC, assert_ran_under, require_runsc
 from testkit.processes import ROOT, require
 from tests.conftest import run_cli
 
@@ -36,6 +37,12 @@ RUNTIMES = [
     pytest.param("docker-pool", marks=pytest.mark.docker),
     "subprocess",
 ]
+#: the same tests in sandboxes gVisor's runsc starts (the second wall): a lean subset, each
+#: listing it with ``@under_runsc`` (the executor's Python probe proves the kernel first).
+#: Not the timeout's timing: a cold runsc start of Deno alone can take more than its second
+#: of slack (the isolation suite's pool-runsc form times timeouts under runsc)
+WITH_RUNSC = [*RUNTIMES, pytest.param("docker-runsc", marks=pytest.mark.docker)]
+under_runsc = pytest.mark.parametrize("runtime", WITH_RUNSC, indirect=True)
 ON = {"STUDIO_ENABLE_CODE_NODES": "1"}
 
 pytestmark = pytest.mark.deno
@@ -103,6 +110,10 @@ def make_executor(
             }
             if runtime == "docker-pool":
                 base["code_languages"] = "typescript"
+            if runtime == "docker-runsc":
+                require_runsc(request.getfixturevalue("docker_client").api, RUNSC)
+                base["code_oci_runtime"] = RUNSC
+                base["code_image"] = request.getfixturevalue("python_image")
         else:
             base = {
                 "code_runtime": "subprocess",
@@ -110,6 +121,12 @@ def make_executor(
             }
         ex = Executor(make_settings(**{**base, **overrides}))
         made.append(ex)
+        if runtime == "docker-runsc":
+            # a TypeScript node may read nothing of its kernel: the same settings' Python
+            # probe reports it, from inside a sandbox of the same runtime
+            seen = ex.run(CodeJob(code=KERNEL_PROBE, timeout_s=20))
+            assert seen.status is Status.SUCCEEDED, seen.error
+            assert_ran_under(RUNSC, seen.output)  # type: ignore[arg-type]
         if runtime == "docker-pool" and "typescript" in ex.settings.languages:
             ex.prepare()
             assert ex.runtime is not None and ex.runtime.pool is not None
@@ -135,6 +152,7 @@ def run(executor: Executor, code: str, state: str = "{}", timeout_s: float = 20)
 # --- the contract ---------------------------------------------------------------------------
 
 
+@under_runsc
 def test_zod_and_date_fns_are_usable(executor):
     code = (
         'import { z } from "npm:zod@3";\n'
@@ -392,6 +410,7 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize("what", list(REFUSALS))
+@under_runsc
 def test_deno_refuses_files_env_network_and_processes(executor, what, listener, monkeypatch):
     secret = f"fake-secret-{uuid.uuid4().hex}"
     monkeypatch.setenv(SECRET_NAME, secret)  # in the server's own environment
@@ -449,6 +468,7 @@ def test_a_bare_command_name_never_starts_a_process(executor):
 # --- limits -----------------------------------------------------------------------------------
 
 
+@under_runsc
 def test_a_heap_bomb_is_code_memory(executor):
     code = (
         "export function main() {\n"
@@ -502,6 +522,7 @@ def test_an_allowed_package_missing_from_the_cache_is_a_clear_error(make_executo
         assert f"STUDIO_CODE_TS_DENO_DIR={ex.settings.code_ts_deno_dir}" in r.error.message
 
 
+@under_runsc
 def test_four_concurrent_runs_start_under_the_process_limit(make_executor):
     """RLIMIT_NPROC (subprocess, per uid) and the pids cgroup (docker) count THREADS."""
     ex = make_executor(code_concurrency=4, code_pids=64)
@@ -573,6 +594,7 @@ def test_typescript_off_fails_validation_saying_so(make_executor):
     assert meta["typescript"]["offered"] is False and meta["typescript"]["ready"] is False
 
 
+@under_runsc
 def test_meta_shows_typescript_ready_with_its_packages(executor):
     meta = runtime_meta(executor, fresh=True)
     ts = {lang["name"]: lang for lang in meta["languages"]}["typescript"]

@@ -38,6 +38,7 @@ class EngineWatch:
     def __init__(self, runtime: Runtime | None) -> None:
         self.runtime = runtime
         self._warned: str | None = None
+        self._told: str | None = None  # the runtime line last logged
         self._last: dict[str, Any] | None = None
         self._read_at: float | None = None
         self._reading: threading.Thread | None = None
@@ -55,6 +56,10 @@ class EngineWatch:
                 return None
             warning = posture.warning()
             before, self._warned = self._warned, warning
+            line = posture.runtime_line()
+            told, self._told = self._told, line
+        if line != told:  # at start-up, and when the engine's runtime changes
+            log.info("%s", line)
         if warning is not None and warning != before:
             log.warning("%s", warning)
         elif warning is None and before is not None:

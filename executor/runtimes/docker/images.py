@@ -47,7 +47,7 @@ def _never_started(api: Any, settings: Settings, image: str) -> dict[str, Any]:
 
     limits = shape_limits(settings.memory_bytes, settings.code_cpus, settings.code_pids)
     job = CodeJob(job_id=f"modules-{uuid.uuid4().hex[:12]}", code="")
-    policy = sandbox_policy(settings, get_language("python"), job, limits, owner_id())
+    policy = sandbox_policy(settings, get_language("python"), job, limits, owner_id(), api=api)
     return {
         **policy,
         "name": f"studio-code-{job.job_id}",

@@ -4,6 +4,8 @@ on one screen), its labels and its name. Cold and pre-started sandboxes are both
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from typing import Any
 
@@ -15,7 +17,7 @@ from executor.inputs import check_cpus, cpus_range, size_text
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
 from executor.runtimes.constants import KILL_GRACE_S
-from executor.runtimes.docker.seccomp import profile_json
+from executor.runtimes.docker.seccomp import is_gvisor, profile_json
 from executor.settings import Settings, sandbox_ids
 
 LABEL_JOB = "studio.job_id"
@@ -27,10 +29,53 @@ LABEL_LANGUAGE = "studio.language"
 #: executor/runtimes/docker/pool.py
 LABEL_POOL = "studio.pool"
 TMPFS_SIZE = "64m"
+#: STUDIO_CODE_OCI_RUNTIME=auto: gVisor's runsc when the engine lists it, else its default
+AUTO = "auto"
+GVISOR = "runsc"
+#: how long ``oci_runtime``'s reading of the engine's runtimes is believed (a runtime is
+#: registered or removed with a reload of the engine, rarely)
+AUTO_TTL_S = 300.0
+_auto: dict[str, tuple[float, str | None]] = {}  # DOCKER_HOST -> (read at, runtime)
+_auto_lock = threading.Lock()
+
+
+def oci_runtime(settings: Settings, api: Any = None) -> str | None:
+    """The OCI runtime sandboxes are created with: STUDIO_CODE_OCI_RUNTIME, ``auto`` resolved
+    (``runsc`` when the engine lists it under Runtimes, else None); None: the engine's
+    default. ``auto`` asks the engine (``api``, or this process's client) once per
+    AUTO_TTL_S; a failed read keeps the last answer, or raises the SDK's DockerException."""
+    name = settings.code_oci_runtime
+    if name != AUTO:
+        return name or None
+    host = os.environ.get("DOCKER_HOST", "")
+    with _auto_lock:
+        seen = _auto.get(host)
+    if seen is not None and time.monotonic() - seen[0] < AUTO_TTL_S:
+        return seen[1]
+    if api is None:
+        from executor.docker_api import shared_api
+
+        api = shared_api()
+    try:
+        runtimes = api.info().get("Runtimes") or {}
+    except Exception:
+        if seen is not None:
+            return seen[1]
+        raise
+    got = GVISOR if GVISOR in runtimes else None
+    with _auto_lock:
+        _auto[host] = (time.monotonic(), got)
+    return got
 
 
 def sandbox_policy(
-    settings: Settings, language: Language, job: CodeJob, limits: Limits, owner: str
+    settings: Settings,
+    language: Language,
+    job: CodeJob,
+    limits: Limits,
+    owner: str,
+    *,
+    api: Any = None,
 ) -> dict[str, Any]:
     """Every isolation control and limit of one sandbox: the create_container arguments.
 
@@ -40,10 +85,12 @@ def sandbox_policy(
     environment; the state on stdin; our own seccomp profile. Limits table: memory with swap
     equal to memory, CPU share, pids. Also: no log driver (output comes through the attach
     stream, so a print flood cannot fill the host's disk) and no /dev/shm (ipc none), so
-    /tmp is the only writable place.
+    /tmp is the only writable place. The OCI runtime: ``oci_runtime`` (``api`` answers
+    STUDIO_CODE_OCI_RUNTIME=auto's question, when given).
     """
     refuse_below_floors(limits)
     uid, gid = sandbox_ids()
+    runtime = oci_runtime(settings, api)
     host_config = {
         "network_mode": "none",
         "read_only": True,
@@ -52,8 +99,11 @@ def sandbox_policy(
         "cap_drop": ["ALL"],
         # our own seccomp profile (executor/runtimes/docker/seccomp.json): Docker's default minus
         # io_uring, userfaultfd, keyrings, bpf, perf, ptrace, namespaces, mounts and every
-        # socket family but AF_UNIX
-        "security_opt": ["no-new-privileges", f"seccomp={profile_json()}"],
+        # socket family but AF_UNIX (under gVisor: its variant, seccomp.for_gvisor)
+        "security_opt": [
+            "no-new-privileges",
+            f"seccomp={profile_json(gvisor=is_gvisor(runtime))}",
+        ],
         "privileged": False,
         "ipc_mode": "none",
         "mem_limit": limits.memory_bytes,
@@ -62,7 +112,8 @@ def sandbox_policy(
         "pids_limit": limits.pids,
         "ulimits": [Ulimit(name="core", soft=0, hard=0), Ulimit(name="msgqueue", soft=0, hard=0)],
         "log_config": LogConfig(type=LogConfig.types.NONE),
-        "runtime": settings.code_oci_runtime or None,  # the OCI runtime: engine default
+        # the OCI runtime (None: the engine's default); runsc: gVisor, the second wall
+        "runtime": runtime,
     }
     deadline = int(time.time() + limits.timeout_s + KILL_GRACE_S)
     return {

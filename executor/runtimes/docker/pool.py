@@ -638,7 +638,9 @@ class SandboxPool(IdlePoolStats):
             language=language.name,  # type: ignore[arg-type]
             code="",
         )
-        policy = sandbox_policy(self.settings, language, placeholder, self.limits, self.owner)
+        policy = sandbox_policy(
+            self.settings, language, placeholder, self.limits, self.owner, api=api
+        )
         shape = _shape(policy)
         # what it imports while it waits (STUDIO_CODE_PREIMPORT): not in the shape a job
         # matches, since a cold run of that job imports nothing ahead

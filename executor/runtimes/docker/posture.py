@@ -17,6 +17,7 @@ engine reports.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +43,16 @@ PACKAGES = {
     "containerd": ("containerd", "containerd.io"),
     "runc": ("runc",),
 }
+
+#: what each kind of runtime means for the code in a sandbox (meta, the start-up line)
+WALL_GVISOR = (
+    "the code meets gVisor's kernel in user space (the Sentry), not the host's: the host "
+    "kernel sees only the Sentry's own filtered system calls"
+)
+WALL_HOST = (
+    "the code meets the host's kernel directly, behind namespaces, cgroups, the seccomp "
+    "profile and dropped capabilities (one wall)"
+)
 
 # --- the posture ----------------------------------------------------------------------------------
 
@@ -88,6 +99,16 @@ class EnginePosture(BaseModel):
     #: the OCI runtime sandboxes start with (STUDIO_CODE_OCI_RUNTIME or the engine default)
     oci_runtime: str
     oci_runtime_path: str | None
+    #: its version (runc: the engine's report; runsc: this host's package or `runsc
+    #: --version`; None: not known here, e.g. a worker in a container)
+    oci_runtime_version: str | None = None
+    #: "gvisor" (runsc: a user-space kernel between the code and the host's) or "host"
+    oci_runtime_kernel: Literal["gvisor", "host"] = "host"
+    #: gVisor's platform (how it intercepts the code's system calls): its --platform
+    #: argument, "default" when none is given (runsc's own choice: ptrace in 20221219)
+    oci_runtime_platform: str | None = None
+    #: what it means, one sentence (WALL_GVISOR or WALL_HOST)
+    wall: str = WALL_HOST
     default_runtime: str
     runtimes: list[str]
     cgroup_version: str | None
@@ -137,12 +158,25 @@ class EnginePosture(BaseModel):
             "containerd": self.containerd.version if self.containerd else None,
             "runc": self.runc.version if self.runc else None,
             "oci_runtime": self.oci_runtime,
+            "oci_runtime_version": self.oci_runtime_version,
+            "oci_runtime_kernel": self.oci_runtime_kernel,
+            "oci_runtime_platform": self.oci_runtime_platform,
             "cgroup_version": self.cgroup_version,
             "userns_remap": self.userns_remap,
             "rootless": self.rootless,
             "vulnerable": self.vulnerable,
             "advisories": [a.cve for a in self.advisories if a.applies],
         }
+
+    def runtime_line(self) -> str:
+        """The start-up line: the runtime that starts sandboxes, its version, the platform,
+        and what it means."""
+        what = self.oci_runtime
+        if self.oci_runtime_version:
+            what += f" {self.oci_runtime_version}"
+        if self.oci_runtime_kernel == "gvisor":
+            what += f" (gVisor, platform {self.oci_runtime_platform})"
+        return f"sandboxes start with {what}: {self.wall}"
 
 
 def _sort_key(v: str) -> Version:
@@ -169,7 +203,7 @@ def _component(version: Mapping[str, Any], name: str) -> Mapping[str, Any] | Non
 def installed_packages(path: Path = DPKG_STATUS) -> dict[str, str]:
     """{package: version} of this host's installed Debian packages of the engine's
     components (empty when there is no dpkg database)."""
-    wanted = {p for names in PACKAGES.values() for p in names}
+    wanted = {p for names in PACKAGES.values() for p in names} | {"runsc"}
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -184,6 +218,38 @@ def installed_packages(path: Path = DPKG_STATUS) -> dict[str, str]:
         if fields.get("Package") in wanted and "installed" in fields.get("Status", ""):
             out[fields["Package"]] = fields.get("Version", "")
     return out
+
+
+def _runtime_args(entry: Mapping[str, Any]) -> list[str]:
+    args = entry.get("runtimeArgs") or entry.get("RuntimeArgs") or []
+    return [str(a) for a in args]
+
+
+def _platform(args: list[str]) -> str:
+    for i, a in enumerate(args):
+        for flag in ("--platform", "-platform"):
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+            if a == flag and i + 1 < len(args):
+                return args[i + 1]
+    return "default"
+
+
+def runsc_version(path: str | None, host: Mapping[str, str]) -> str | None:
+    """runsc's version: this host's runsc package, or what ``path --version`` says when that
+    file is on this host; None when neither (a worker in a container, say)."""
+    if host.get("runsc"):
+        return host["runsc"]
+    if not path or not os.path.isabs(path) or not os.access(path, os.X_OK):
+        return None
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.splitlines()[0] if out else ""
+    return first.removeprefix("runsc version ").strip() or None
 
 
 def _package_of(name: str, version: str, reported: str, host: Mapping[str, str]) -> str | None:
@@ -230,8 +296,11 @@ def posture_of(
     runtimes = dict(info.get("Runtimes") or {})
     default_runtime = str(info.get("DefaultRuntime") or "runc")
     used = oci_runtime or default_runtime
-    path = (runtimes.get(used) or {}).get("path") or (runtimes.get(used) or {}).get("Path")
-    uses_runc = os.path.basename(str(path or used)) == "runc"
+    entry = runtimes.get(used) or {}
+    path = entry.get("path") or entry.get("Path")
+    binary = os.path.basename(str(path or used))
+    uses_runc = binary == "runc"
+    gvisor = binary.startswith("runsc")
     sec = _security_options(info)
     authz = list((info.get("Plugins") or {}).get("Authorization") or [])
 
@@ -269,6 +338,16 @@ def posture_of(
         runc=components.get("runc"),
         oci_runtime=used,
         oci_runtime_path=str(path) if path else None,
+        oci_runtime_version=(
+            runsc_version(str(path or ""), host)
+            if gvisor
+            else (components["runc"].package or components["runc"].version)
+            if uses_runc and "runc" in components
+            else None
+        ),
+        oci_runtime_kernel="gvisor" if gvisor else "host",
+        oci_runtime_platform=_platform(_runtime_args(entry)) if gvisor else None,
+        wall=WALL_GVISOR if gvisor else WALL_HOST,
         default_runtime=default_runtime,
         runtimes=sorted(runtimes),
         cgroup_version=str(info["CgroupVersion"]) if info.get("CgroupVersion") else None,
@@ -298,10 +377,16 @@ def read_posture(api: Any, *, oci_runtime: str = "") -> EnginePosture:
 # --- proof from inside a sandbox ------------------------------------------------------------------
 
 SANDBOX_PROBE = """
+import ctypes
 def main(state):
     status = dict(l.split(":\\t", 1) for l in open("/proc/self/status").read().splitlines()
                   if ":\\t" in l)
-    return {k: status.get(k, "").strip() for k in ("NoNewPrivs", "Seccomp", "CapEff", "Uid")}
+    seen = {k: status.get(k, "").strip() for k in ("Seccomp", "CapEff", "Uid")}
+    # prctl, not the NoNewPrivs line: gVisor's /proc/self/status has none
+    libc = ctypes.CDLL(None)
+    seen["NoNewPrivs"] = str(libc.prctl(39, 0, 0, 0, 0))  # PR_GET_NO_NEW_PRIVS
+    seen["SeccompMode"] = str(libc.prctl(21, 0, 0, 0, 0))  # PR_GET_SECCOMP: 2, a filter
+    return seen
 """
 
 
@@ -318,7 +403,7 @@ def sandbox_proof(executor: Any) -> dict[str, Any]:
     seen = result.output
     return {
         "no_new_privs": seen.get("NoNewPrivs") == "1",
-        "seccomp_filter": seen.get("Seccomp") == "2",
+        "seccomp_filter": seen.get("SeccompMode") == "2",
         "cap_eff": seen.get("CapEff"),
         "uid": (seen.get("Uid") or "").split("\t")[0] or None,
     }

@@ -39,11 +39,13 @@ from executor.runtimes.docker.attached import (
     sandbox_failures,
 )
 from executor.runtimes.docker.policy import (
+    AUTO,
     LABEL_DEADLINE,
     LABEL_JOB,
     LABEL_OWNER,
     LABEL_POOL,
     container_name,
+    oci_runtime,
     sandbox_policy,
 )
 from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, NAME_FREE_S, SandboxPool
@@ -125,7 +127,8 @@ class DockerRuntime(Runtime):
         if cached is not None and not fresh and time.monotonic() - cached[0] < POSTURE_TTL_S:
             return cached[1]
         try:
-            posture = read_posture(self.api, oci_runtime=self.settings.code_oci_runtime)
+            api = self.api
+            posture = read_posture(api, oci_runtime=oci_runtime(self.settings, api) or "")
         except (DockerException, RuntimeUnavailable, OSError) as e:
             log.debug("engine posture not read: %s", e)
             return None
@@ -190,7 +193,7 @@ class DockerRuntime(Runtime):
         if down is not None:
             return down
         oci = self.settings.code_oci_runtime
-        if oci:
+        if oci and oci != AUTO:
             try:
                 known = sorted((self.api.info().get("Runtimes") or {}).keys())
             except DockerException as e:
@@ -263,7 +266,7 @@ class DockerRuntime(Runtime):
             raise RuntimeUnavailable(refused)
         if self._leftovers and self.pool is None:  # the pool's remover retries them itself
             self.retry_leftovers()
-        policy = sandbox_policy(self.settings, language, job, limits, owner_id())
+        policy = sandbox_policy(self.settings, language, job, limits, owner_id(), api=api)
         if self.pool is not None:
             asked = time.monotonic()
             pooled = self.pool.take(language, policy, should_cancel)
