@@ -13,16 +13,16 @@ from executor.languages.base import Language
 from executor.models import CodeJob, Limits
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.runtimes.docker.seccomp import profile_json
+from executor.runtimes.sandbox_names import (  # noqa: F401 (the runtime's names, from here)
+    LABEL_DEADLINE,
+    LABEL_JOB,
+    LABEL_LANGUAGE,
+    LABEL_OWNER,
+    LABEL_POOL,
+    container_name,
+)
 from executor.settings import Settings, sandbox_ids
 
-LABEL_JOB = "studio.job_id"
-LABEL_OWNER = "studio.owner"
-LABEL_DEADLINE = "studio.deadline"  # epoch seconds after which any reaper may remove it
-LABEL_LANGUAGE = "studio.language"
-#: a pre-started container waiting for a job carries its owner here instead of a job id
-#: (labels are fixed at create): it gets its job's name when taken, see
-#: executor/runtimes/docker/pool.py
-LABEL_POOL = "studio.pool"
 TMPFS_SIZE = "64m"
 
 
@@ -80,10 +80,6 @@ def sandbox_policy(
         },
         "host_config": host_config,
     }
-
-
-def container_name(job_id: str) -> str:
-    return f"studio-code-{job_id}"
 
 
 def shape_limits(memory_bytes: int, cpus: float, pids: int) -> Limits:
