@@ -719,7 +719,7 @@ def cmd_sockguard(args: argparse.Namespace, settings: Settings) -> int:
     (each refusal and why) goes to stderr, ONE JSON object to stdout when it stops."""
     import signal
 
-    from executor.runtimes.docker.sockguard import Policy, SockGuard
+    from executor.runtimes.docker.sockguard import Bounds, Policy, SockGuard
 
     if not os.path.exists(args.upstream):
         _print(
@@ -739,6 +739,7 @@ def cmd_sockguard(args: argparse.Namespace, settings: Settings) -> int:
         args.upstream,
         mode=int(args.mode, 8),
         trace=args.log_requests,
+        bounds=Bounds.from_settings(settings),
     )
     guard.bind()
     signal.signal(signal.SIGTERM, lambda *_: guard.close())

@@ -80,15 +80,16 @@ call costs a parse and a copy, not a connect).
 
 from __future__ import annotations
 
+import asyncio
 import http
 import json
 import logging
 import os
 import re
-import select
+import resource
 import socket
 import stat
-import threading
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,22 +97,23 @@ from urllib.parse import parse_qsl, urlencode
 
 import h11
 
-from executor.runtimes.docker.usage import ENGINE_PARENT, PARENT_PREFIX
+from executor.runtimes.sandbox_names import (
+    ENGINE_PARENT,
+    LABEL_DEADLINE,
+    LABEL_JOB,
+    LABEL_OWNER,
+    LABEL_POOL,
+    LABELS,
+    MODULES_PATH,
+    NAME_PREFIX,
+)
+from executor.runtimes.sandbox_names import USAGE_PARENT_PREFIX as PARENT_PREFIX
 
 log = logging.getLogger("studio_code.sockguard")
 
-#: what marks a container as one of ours (executor/runtimes/docker/policy.py's labels)
-OWNER, JOB, POOL, DEADLINE, LANGUAGE = (
-    "studio.owner",
-    "studio.job_id",
-    "studio.pool",
-    "studio.deadline",
-    "studio.language",
-)
-OUR_LABELS = frozenset({OWNER, JOB, POOL, DEADLINE, LANGUAGE})
-NAME_PREFIX = "studio-code-"
-#: the one file a container may be read from (executor/languages/python_modules.py)
-MODULES_PATH = "/usr/share/studio-code/modules.json"
+#: what marks a container as one of ours (executor/runtimes/sandbox_names.py)
+OWNER, JOB, POOL, DEADLINE = LABEL_OWNER, LABEL_JOB, LABEL_POOL, LABEL_DEADLINE
+OUR_LABELS = LABELS
 #: the oldest API version passed on: what the Docker SDK negotiates with Docker 20.10 (the
 #: oldest engine the project runs on); older versions give calls legacy meanings (below
 #: 1.24 a start replaces the container's host config)
@@ -460,21 +462,46 @@ class Request:
         return values[0] if values else None
 
 
+class _Late(Exception):
+    """A request not read whole within the head timeout (from its first byte)."""
+
+
 class _Client:
-    """The client's socket and what was read of it past the last request."""
+    """The client's socket (non-blocking) and what was read of it past the last request.
+    A request must be read whole within ``head_timeout_s`` of its first byte; a connection
+    with no request begun for ``idle_timeout_s`` is closed."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(
+        self, sock: socket.socket, loop: asyncio.AbstractEventLoop, bounds: Bounds
+    ) -> None:
         self.sock = sock
+        self.loop = loop
+        self.bounds = bounds
         self.buf = bytearray()
+        self.deadline: float | None = None  # monotonic: the request begun must be read by then
 
-    def _fill(self) -> None:
-        data = self.sock.recv(CHUNK)
+    async def _fill(self) -> None:
+        if self.deadline is None:
+            timeout = self.bounds.idle_timeout_s
+        else:
+            timeout = self.deadline - time.monotonic()
+        try:
+            data = await _recv(self.loop, self.sock, timeout)
+        except _Late:
+            if self.deadline is None:
+                raise _Closed() from None  # idle: closed without a word
+            raise
         if not data:
             raise _Closed()
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.bounds.head_timeout_s
         self.buf += data
 
-    def head(self) -> bytes:
+    async def head(self) -> bytes:
         """Up to and including the blank line ending a request's head, checked as it comes."""
+        self.deadline = (
+            time.monotonic() + self.bounds.head_timeout_s if self.buf else None
+        )  # a pipelined request's first bytes are here already
         while True:
             end = self.buf.find(b"\r\n\r\n")
             region = bytes(self.buf[: end + 4] if end >= 0 else self.buf[: MAX_HEAD + 4])
@@ -486,11 +513,11 @@ class _Client:
                 return region
             if len(self.buf) > MAX_HEAD:
                 raise Refused("the request head is too long", 431)
-            self._fill()
+            await self._fill()
 
-    def exact(self, n: int) -> bytes:
+    async def exact(self, n: int) -> bytes:
         while len(self.buf) < n:
-            self._fill()
+            await self._fill()
         out = bytes(self.buf[:n])
         del self.buf[:n]
         return out
@@ -544,10 +571,10 @@ def _parse_head(head: bytes) -> tuple[h11.Connection, Request, int]:
     return conn, req, int(req.get("content-length") or "0")
 
 
-def _read_body(cs: _Client, conn: h11.Connection, req: Request, length: int) -> None:
+async def _read_body(cs: _Client, conn: h11.Connection, req: Request, length: int) -> None:
     if length > MAX_BODY:
         raise Refused("the request body is too large for a sandbox call", 413)
-    conn.receive_data(cs.exact(length) if length else b"")
+    conn.receive_data(await cs.exact(length) if length else b"")
     body = bytearray()
     while True:
         try:
@@ -567,12 +594,35 @@ def _read_body(cs: _Client, conn: h11.Connection, req: Request, length: int) -> 
 
 def _refusal(status: int, message: str) -> bytes:
     body = json.dumps({"message": message}).encode()
-    reason = {400: "Bad Request", 403: "Forbidden", 404: "Not Found", 431: "Too Large"}
+    reason = {
+        400: "Bad Request",
+        403: "Forbidden",
+        404: "Not Found",
+        408: "Request Timeout",
+        431: "Too Large",
+        503: "Service Unavailable",
+    }
     return (
         f"HTTP/1.1 {status} {reason.get(status, 'Refused')}\r\n"
         "Content-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode() + body
+
+
+def _drop(sock: socket.socket, last: bytes) -> None:
+    """Close a client's connection, with ``last`` if its socket takes it at once. What the
+    client sent and the guard did not read is read first (a unix socket closed with unread
+    bytes resets its peer, which would lose ``last``)."""
+    try:
+        if last:
+            sock.send(last, socket.MSG_DONTWAIT)
+        sock.shutdown(socket.SHUT_WR)
+        for _ in range(16):
+            if not sock.recv(CHUNK, socket.MSG_DONTWAIT):
+                break
+    except OSError:
+        pass
+    sock.close()
 
 
 # --- what is sent upstream -----------------------------------------------------------------
@@ -651,31 +701,73 @@ class _Upstream:
         return False
 
 
-def _wait_readable(up: socket.socket, client: socket.socket | None) -> None:
-    """Wait for the engine to send; raise _Closed if the client closes meanwhile (a client
-    that gave up on a long poll: the call ends with it)."""
-    if client is None:
-        return
-    ready, _, _ = select.select([up, client], [], [])
-    if up in ready:
-        return
-    if not client.recv(1, socket.MSG_PEEK):
-        raise _Closed()
-    select.select([up], [], [])  # a pipelined request waits in the kernel
+def _wake(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
-def _exchange(up: _Upstream, call: Call, client: socket.socket | None = None) -> Answer:
-    """Send ``call`` on ``up`` and read its answer whole (1xx consumed), or up to a 101."""
-    up.sock.sendall(b"".join(up.conn.send(e) or b"" for e in call.request()))
+async def _readable(
+    loop: asyncio.AbstractEventLoop, socks: list[socket.socket], timeout: float | None
+) -> socket.socket:
+    """The first of ``socks`` that is readable (or closed); _Late after ``timeout`` s. A
+    readiness wait (the event loop's epoll), nothing read: no bytes lost if it is left."""
+    fut: asyncio.Future[Any] = loop.create_future()
+    fds = [s.fileno() for s in socks]
+    for s, fd in zip(socks, fds, strict=True):
+        loop.add_reader(fd, _wake, fut, s)
+    late = loop.call_later(max(timeout, 0.0), _wake, fut, None) if timeout is not None else None
+    try:
+        ready = await fut
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+        if late is not None:
+            late.cancel()
+    if ready is None:
+        raise _Late()
+    return ready  # type: ignore[no-any-return]
+
+
+async def _recv(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout: float | None = None
+) -> bytes:
+    """What ``sock`` (non-blocking) has, up to CHUNK; b"" once it is closed."""
+    while True:
+        try:
+            return sock.recv(CHUNK)
+        except (BlockingIOError, InterruptedError):
+            pass
+        await _readable(loop, [sock], timeout)
+
+
+async def _exchange(
+    loop: asyncio.AbstractEventLoop,
+    up: _Upstream,
+    call: Call,
+    client: socket.socket | None = None,
+) -> Answer:
+    """Send ``call`` on ``up`` and read its answer whole (1xx consumed), or up to a 101.
+    While it waits, a ``client`` that closes ends the call (a client that gave up on a long
+    poll); one that sends (a pipelined request) waits in the kernel."""
+    await loop.sock_sendall(up.sock, b"".join(up.conn.send(e) or b"" for e in call.request()))
     status, headers, body = 0, [], bytearray()
+    watching = client is not None
     while True:
         try:
             event = up.conn.next_event()
         except h11.RemoteProtocolError as e:
             raise _Broken(f"the engine's answer to {call.method} {call.path} ({e})") from e
         if event is h11.NEED_DATA:
-            _wait_readable(up.sock, client)
-            up.conn.receive_data(up.sock.recv(CHUNK))
+            if watching and client is not None:
+                if await _readable(loop, [up.sock, client], None) is client:
+                    try:
+                        if not client.recv(1, socket.MSG_PEEK):
+                            raise _Closed()
+                        watching = False
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                    continue
+            up.conn.receive_data(await _recv(loop, up.sock))
         elif isinstance(event, h11.InformationalResponse):
             if event.status_code == 101 and call.upgrade:
                 data, _ = up.conn.trailing_data
@@ -699,18 +791,24 @@ class _Broken(Exception):
     """The engine's side failed or answered in a way the guard cannot frame."""
 
 
-def _splice(client: socket.socket, pending: bytes, up: socket.socket, upgraded: bytes) -> None:
+async def _splice(
+    loop: asyncio.AbstractEventLoop,
+    client: socket.socket,
+    pending: bytes,
+    up: socket.socket,
+    upgraded: bytes,
+) -> None:
     """After an upgrade (attach): raw bytes both ways until both ends closed. A half-close
     (the sandbox's stdin EOF) is passed on as one."""
     if upgraded:
-        client.sendall(upgraded)
+        await loop.sock_sendall(client, upgraded)
     if pending:
-        up.sendall(pending)
+        await loop.sock_sendall(up, pending)
 
-    def pump(src: socket.socket, dst: socket.socket) -> None:
+    async def pump(src: socket.socket, dst: socket.socket) -> None:
         try:
-            while data := src.recv(CHUNK):
-                dst.sendall(data)
+            while data := await _recv(loop, src):
+                await loop.sock_sendall(dst, data)
         except OSError:
             pass
         try:
@@ -718,29 +816,115 @@ def _splice(client: socket.socket, pending: bytes, up: socket.socket, upgraded: 
         except OSError:
             pass
 
-    other = threading.Thread(target=pump, args=(client, up), daemon=True)
-    other.start()
-    pump(up, client)
-    other.join()
+    await asyncio.gather(pump(client, up), pump(up, client))
 
 
 # --- the server ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """How much of the guard one client, and all of them, may hold (issue 38): connections
+    in total and per peer (the connecting process as SO_PEERCRED names it: uid and pid; a
+    peer in another pid namespace, such as a worker container, is pid 0, so those of one
+    uid share one bound), the time a request may take from its first byte to its last,
+    and the time a connection may sit with no request begun. STUDIO_CODE_SOCKGUARD_*."""
+
+    max_connections: int = 4096
+    max_per_peer: int = 1024
+    head_timeout_s: float = 5.0
+    idle_timeout_s: float = 300.0
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Bounds:
+        return cls(
+            max_connections=settings.code_sockguard_max_connections,
+            max_per_peer=settings.code_sockguard_max_per_peer,
+            head_timeout_s=settings.code_sockguard_head_timeout_s,
+            idle_timeout_s=settings.code_sockguard_idle_timeout_s,
+        )
+
+
+#: descriptors kept free of clients: the listening socket, the log, the engine lookups'
+FD_RESERVE = 64
+#: the longest pause of the accept loop after a failure (EMFILE, no memory for a task)
+MAX_BACKOFF_S = 1.0
+
+
+def raise_nofile() -> int:
+    """Raise this process's RLIMIT_NOFILE soft limit to its hard limit; the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def peer_of(sock: socket.socket) -> tuple[int, int]:
+    """The connecting process's (uid, pid) (SO_PEERCRED); (-1, -1) when unknown."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", raw)
+    except OSError:
+        return -1, -1
+    return uid, pid
+
+
+class _Every:
+    """A log line at most once a second, saying how many like it were left out."""
+
+    def __init__(self) -> None:
+        self.next = 0.0
+        self.skipped = 0
+
+    def log(self, level: int, message: str) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            self.skipped += 1
+            return
+        if self.skipped:
+            message += f" (and {self.skipped} more like it in the last second)"
+        self.next, self.skipped = now + 1.0, 0
+        log.log(level, message)
+
+
 class SockGuard:
-    """Listens on ``listen`` (a unix socket path) and passes allowed calls to ``upstream``."""
+    """Listens on ``listen`` (a unix socket path) and passes allowed calls to ``upstream``.
+
+    One thread, one event loop (asyncio's epoll; never ``select()``, which fails past
+    descriptor 1024): a connection costs its descriptor and a little memory, no thread.
+    ``bounds`` caps what clients hold; a failure to accept (EMFILE...) or to start a
+    connection's task closes that client and pauses the accept loop, never ends the guard.
+    """
 
     def __init__(
-        self, policy: Policy, listen: str, upstream: str, *, mode: int = 0o660, trace: bool = False
+        self,
+        policy: Policy,
+        listen: str,
+        upstream: str,
+        *,
+        mode: int = 0o660,
+        trace: bool = False,
+        bounds: Bounds | None = None,
     ) -> None:
         self.policy, self.listen, self.upstream = policy, listen, upstream
         self.mode, self.trace = mode, trace
+        self.bounds = bounds or Bounds()
         self._ours: set[str] = set()  # full ids checked (or created) as sandboxes
-        self._ours_lock = threading.Lock()
         self._server: socket.socket | None = None
         self._closing = False
         self._idle: list[_Upstream] = []  # engine connections between two calls
-        self._idle_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._peers: dict[tuple[int, int], int] = {}
+        self._open = 0
+        self._max_open = self.bounds.max_connections
+        self._refusing = _Every()
+        self._late = _Every()
+        self._failing = _Every()
 
     def bind(self) -> None:
         try:
@@ -755,62 +939,166 @@ class SockGuard:
         finally:
             os.umask(old)
         os.chmod(self.listen, self.mode)
-        server.listen(128)
+        server.listen(4096)
+        server.setblocking(False)
         self._server = server
 
     def serve_forever(self) -> None:
         if self._server is None:
             self.bind()
-        assert self._server is not None
+        soft = raise_nofile()
+        # each client may hold an engine connection too: two descriptors
+        self._max_open = max(1, min(self.bounds.max_connections, (soft - FD_RESERVE) // 2))
         log.info(
-            "sockguard: listening on %s, passing sandbox calls on to %s (images: %s)",
+            "sockguard: listening on %s, passing sandbox calls on to %s (images: %s); at most "
+            "%d connections (%d per peer; RLIMIT_NOFILE %d), a request whole within %g s",
             self.listen,
             self.upstream,
             ", ".join(sorted(self.policy.images)),
+            self._max_open,
+            self.bounds.max_per_peer,
+            soft,
+            self.bounds.head_timeout_s,
         )
-        while not self._closing:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                if self._closing:
-                    return
-                raise
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+        if self._max_open < self.bounds.max_connections:
+            log.warning(
+                "sockguard: RLIMIT_NOFILE %d allows %d connections, not the %d of "
+                "STUDIO_CODE_SOCKGUARD_MAX_CONNECTIONS",
+                soft,
+                self._max_open,
+                self.bounds.max_connections,
+            )
+        if not self._closing:
+            asyncio.run(self._main())
 
     def close(self) -> None:
+        """Stop serving (from any thread, or a signal handler)."""
         self._closing = True
-        if self._server is not None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
             try:
-                self._server.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass  # the loop has ended
+        elif self._server is not None:
             self._server.close()
         try:
             os.unlink(self.listen)
         except OSError:
             pass
 
+    async def _main(self) -> None:
+        assert self._server is not None
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        if self._closing:
+            return
+        accepting = asyncio.create_task(self._accept(self._server))
+        try:
+            await self._stop.wait()
+        finally:
+            accepting.cancel()
+            self._server.close()
+
+    async def _accept(self, server: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = 0.0
+        tasks: set[asyncio.Task[None]] = set()
+        while not self._closing:
+            if backoff:
+                await asyncio.sleep(backoff)
+            try:
+                client, _ = await loop.sock_accept(server)
+            except OSError as e:
+                # EMFILE, ENFILE, ENOBUFS, ENOMEM: wait for clients to go, then on
+                backoff = min(MAX_BACKOFF_S, max(0.05, backoff * 2))
+                self._failing.log(logging.ERROR, f"sockguard: accepting a connection: {e}")
+                continue
+            peer = peer_of(client)
+            refusal = self._admit(peer)
+            if refusal:
+                self._refusing.log(logging.WARNING, f"sockguard refused a connection: {refusal}")
+                _drop(client, _refusal(503, f"sockguard: {refusal}"))
+                continue
+            try:
+                client.setblocking(False)
+                task = loop.create_task(self._serve(client, peer))
+            except Exception as e:  # no memory for it: this client goes, the guard stays
+                self._release(peer)
+                _drop(client, b"")
+                backoff = min(MAX_BACKOFF_S, max(0.05, backoff * 2))
+                self._failing.log(logging.ERROR, f"sockguard: serving a connection: {e!r}")
+                continue
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            backoff = 0.0
+
+    def _admit(self, peer: tuple[int, int]) -> str:
+        """Count a new connection of ``peer`` in, or say why not."""
+        if self._open >= self._max_open:
+            return (
+                f"{self._open} connections open, at most {self._max_open} "
+                "(STUDIO_CODE_SOCKGUARD_MAX_CONNECTIONS)"
+            )
+        held = self._peers.get(peer, 0)
+        if held >= self.bounds.max_per_peer:
+            return (
+                f"uid {peer[0]} pid {peer[1]} holds {held} connections, at most "
+                f"{self.bounds.max_per_peer} (STUDIO_CODE_SOCKGUARD_MAX_PER_PEER)"
+            )
+        self._open += 1
+        self._peers[peer] = held + 1
+        return ""
+
+    def _release(self, peer: tuple[int, int]) -> None:
+        self._open -= 1
+        left = self._peers.get(peer, 1) - 1
+        if left > 0:
+            self._peers[peer] = left
+        else:
+            self._peers.pop(peer, None)
+
     # --- one client connection ---------------------------------------------------------
 
-    def _serve(self, client: socket.socket) -> None:
-        cs = _Client(client)
+    async def _serve(self, client: socket.socket, peer: tuple[int, int]) -> None:
+        loop = asyncio.get_running_loop()
+        cs = _Client(client, loop, self.bounds)
         try:
-            while self._one(cs):
+            while await self._one(cs):
                 pass
         except (OSError, _Closed):
             pass
+        except _Late:
+            self._late.log(
+                logging.WARNING,
+                f"sockguard: a request of uid {peer[0]} pid {peer[1]} not whole within "
+                f"{self.bounds.head_timeout_s:g} s (STUDIO_CODE_SOCKGUARD_HEAD_TIMEOUT_S): "
+                "connection closed",
+            )
+            _drop(
+                client,
+                _refusal(
+                    408,
+                    f"sockguard: the request was not whole within {self.bounds.head_timeout_s:g} s",
+                ),
+            )
+        except Exception:  # a bug in a connection's handling ends it, never the guard
+            log.exception("sockguard: a connection failed")
         finally:
             client.close()
+            self._release(peer)
 
-    def _one(self, cs: _Client) -> bool:
+    async def _one(self, cs: _Client) -> bool:
         """Read, decide and pass on one request; False: close the client connection."""
+        loop = cs.loop
         what = ""
         try:
-            head = cs.head()
+            head = await cs.head()
             what = head.split(b"\r\n", 1)[0].decode("ascii")[:200]
             conn, req, length = _parse_head(head)
-            call = self._decide(req, length)
-            _read_body(cs, conn, req, length)
+            call = await self._decide(req, length)
+            await _read_body(cs, conn, req, length)
+            cs.deadline = None
             if call.op == "create":
                 call.body = self._check_create(req, call)
         except Refused as e:
@@ -821,34 +1109,44 @@ class SockGuard:
                 log.info("sockguard: %s: %s", what, e.message)
             else:
                 log.warning("sockguard refused %s: %s", what, e.message)
-            cs.sock.sendall(_refusal(e.status, f"sockguard: {e.message}"))
+            await loop.sock_sendall(cs.sock, _refusal(e.status, f"sockguard: {e.message}"))
             return False
         if self.trace:
             log.info("sockguard passed %s %s", call.method, call.target)
-        up = self._connect()
         try:
-            answer = _exchange(up, call, cs.sock)
+            up = self._connect()
+        except OSError as e:  # EMFILE, or the engine is gone: this client's call fails
+            self._failing.log(logging.ERROR, f"sockguard: connecting to the engine: {e}")
+            message = f"sockguard: the engine's socket could not be reached ({e})"
+            await loop.sock_sendall(cs.sock, _refusal(503, message))
+            return False
+        try:
+            answer = await _exchange(loop, up, call, cs.sock)
         except (_Broken, _Closed, OSError) as e:
             up.sock.close()
             if isinstance(e, _Broken):
                 log.warning("sockguard: %s", e)
             return False
+        except BaseException:
+            up.sock.close()
+            raise
         if answer.upgraded is not None:
-            cs.sock.sendall(answer.render())
-            pending, cs.buf = bytes(cs.buf), bytearray()
             try:
-                _splice(cs.sock, pending, up.sock, answer.upgraded)
+                await loop.sock_sendall(cs.sock, answer.render())
+                pending, cs.buf = bytes(cs.buf), bytearray()
+                await _splice(loop, cs.sock, pending, up.sock, answer.upgraded)
             finally:
                 up.sock.close()
             return False
         self._after(call, answer)
-        keep = up.reusable()
-        if keep:
+        if up.reusable():
             self._put_back(up)
         else:
             up.sock.close()
         closing = (req.get("connection") or "").lower() == "close"
-        cs.sock.sendall(answer.render(head_only=call.method == "HEAD", closing=closing))
+        await loop.sock_sendall(
+            cs.sock, answer.render(head_only=call.method == "HEAD", closing=closing)
+        )
         return not closing
 
     def _after(self, call: Call, answer: Answer) -> None:
@@ -859,18 +1157,14 @@ class SockGuard:
             except (ValueError, KeyError, TypeError):
                 pass
         elif call.op == "remove" and 200 <= answer.status < 300:
-            with self._ours_lock:
-                self._ours.discard(call.path.rsplit("/", 1)[1])
+            self._ours.discard(call.path.rsplit("/", 1)[1])
 
     def _connect(self) -> _Upstream:
         """An idle engine connection the engine still holds open, else a new one (the Docker
         SDK opens a connection per URL, so most client connections carry one call: reusing
         the engine's side saves a connect per call)."""
-        while True:
-            with self._idle_lock:
-                if not self._idle:
-                    break
-                up = self._idle.pop()
+        while self._idle:
+            up = self._idle.pop()
             try:
                 if up.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
                     up.sock.close()  # closed by the engine meanwhile
@@ -881,19 +1175,23 @@ class SockGuard:
                 pass
             up.sock.close()  # unread bytes or an error: not reusable
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(self.upstream)
+        try:
+            s.connect(self.upstream)  # a unix socket: at once, or refused
+        except OSError:
+            s.close()
+            raise
+        s.setblocking(False)
         return _Upstream(s)
 
     def _put_back(self, up: _Upstream) -> None:
-        with self._idle_lock:
-            if len(self._idle) < IDLE_UPSTREAM:
-                self._idle.append(up)
-                return
+        if len(self._idle) < IDLE_UPSTREAM:
+            self._idle.append(up)
+            return
         up.sock.close()
 
     # --- the decision ------------------------------------------------------------------
 
-    def _decide(self, req: Request, length: int) -> Call:
+    async def _decide(self, req: Request, length: int) -> Call:
         """The call to send the engine for ``req`` (its body not read yet), or Refused."""
         method, target = req.method, req.target
         raw_path, _, query_text = target.partition("?")
@@ -945,7 +1243,7 @@ class SockGuard:
             _label_filter(query, "GET /containers/json")
             return allow("list", "list", path)
         if path == "/events" and method == "GET":
-            return self._events(version, query)
+            return await self._events(version, query)
         im = _IMAGE.match(path)
         if im and method == "GET":
             if im.group(1) not in self.policy.images:
@@ -969,11 +1267,11 @@ class SockGuard:
         ):
             raise Refused(f"{method} {path}: an attach asks for Upgrade: tcp")
         call = allow(op, op, "", upgrade=op == "attach")
-        cid = self._sandbox_id(ref)
+        cid = await self._sandbox_id(ref)
         call.path = f"{version}/containers/{cid}" + (f"/{op}" if op != "remove" else "")
         return call
 
-    def _events(self, version: str, query: dict[str, str]) -> Call:
+    async def _events(self, version: str, query: dict[str, str]) -> Call:
         """An events call of one sandbox's kill/die/oom events between two moments, its
         filter written by the guard; anything else is Refused."""
         extra = set(query) - {"since", "until", "filters"}
@@ -1001,7 +1299,7 @@ class SockGuard:
             raise Refused(f"GET /events: events {sorted(EVENT_KINDS)} only, named")
         if not _REF.match(refs[0]):
             raise Refused(f"GET /events of {refs[0][:100]!r}: not a container reference")
-        cid = self._sandbox_id(refs[0])
+        cid = await self._sandbox_id(refs[0])
         rebuilt = {"container": [cid], "type": ["container"], "event": sorted(set(kinds))}
         return Call(
             "GET",
@@ -1026,15 +1324,19 @@ class SockGuard:
         # engine and this parser might disagree on
         return json.dumps(spec).encode()
 
-    def _sandbox_id(self, ref: str) -> str:
+    async def _sandbox_id(self, ref: str) -> str:
         """The full id of the container ``ref`` names if it is one of ours, else Refused. The
         lookup has an engine connection of its own."""
-        with self._ours_lock:
-            if ref in self._ours:
-                return ref
-        up = self._connect()
+        if ref in self._ours:
+            return ref
         try:
-            answer = _exchange(up, Call("GET", f"{LOOKUP_VERSION}/containers/{ref}/json"))
+            up = self._connect()
+        except OSError as e:
+            raise Refused(f"looking up {ref}: {e}", 502) from e
+        try:
+            loop = asyncio.get_running_loop()
+            lookup = Call("GET", f"{LOOKUP_VERSION}/containers/{ref}/json")
+            answer = await _exchange(loop, up, lookup)
         except (_Broken, OSError) as e:
             up.sock.close()
             raise Refused(f"looking up {ref}: {e}", 502) from e
@@ -1059,7 +1361,6 @@ class SockGuard:
         return cid
 
     def _remember(self, cid: str) -> None:
-        with self._ours_lock:
-            if len(self._ours) > 100_000:
-                self._ours.clear()
-            self._ours.add(cid)
+        if len(self._ours) > 100_000:
+            self._ours.clear()
+        self._ours.add(cid)
