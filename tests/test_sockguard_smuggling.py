@@ -1,4 +1,4 @@
-"""The socket guard (executor/runtimes/docker/sockguard.py) against a hostile worker that
+"""The socket guard (executor/runtimes/docker/sockguard/) against a hostile worker that
 writes its own bytes on the guard's socket: request smuggling, framing tricks, legacy API
 versions, oddly spelled root (issue 30).
 

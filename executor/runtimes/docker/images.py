@@ -3,7 +3,7 @@
 A container is created from the image in the sandboxes' own shape (``sandbox_policy``: no
 network, no mounts, every control, labelled, with a deadline any reaper honours) running
 ``true``; it is never started. The file is copied out of it (``GET .../archive``) and the
-container removed. The socket guard (``sockguard.py``) passes that create and the read of
+container removed. The socket guard (``sockguard/``) passes that create and the read of
 the one file it allows (``MODULES_PATH``: what the image's Python can import, for the
 save-time check in executor/languages/python_modules.py).
 
