@@ -12,11 +12,9 @@ from typing import Any
 
 import pytest
 
-from testkit.sockguard import SockGuardProcess
+from testkit.sockguard import TRIVIAL, SockGuardProcess, sandbox_args
 
 pytestmark = pytest.mark.docker
-
-TRIVIAL = "def main(state):\n    return state['n'] + 1\n"
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +30,6 @@ def api(guard: Any) -> Iterator[Any]:
     client = docker.APIClient(base_url=guard.host, timeout=30)
     yield client
     client.close()
-
-
-def sandbox_args(api: Any, image: str, **host: Any) -> dict[str, Any]:
-    """``sandbox_policy``'s create arguments (what a worker sends), ``host`` changed."""
-    from executor.languages import get_language
-    from executor.models import CodeJob
-    from executor.runtimes.base import owner_id
-    from executor.runtimes.docker.policy import sandbox_policy
-    from executor.service import Executor
-    from executor.settings import load_settings
-
-    settings = load_settings(enable_code_nodes=True, code_runtime="docker", code_image=image)
-    limits = Executor(settings).limits()
-    policy = sandbox_policy(
-        settings, get_language("python"), CodeJob(code=TRIVIAL), limits, owner_id()
-    )
-    policy.pop("detach")
-    policy.pop("use_config_proxy")
-    policy["host_config"] = api.create_host_config(**{**policy["host_config"], **host})
-    return policy
 
 
 def refused(guard: Any, api: Any, docker_client: Any, args: dict[str, Any]) -> str:
