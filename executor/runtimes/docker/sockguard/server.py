@@ -496,12 +496,14 @@ class SockGuard:
                 pass
             up.sock.close()  # unread bytes or an error: not reusable
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
         try:
-            s.connect(self.upstream)  # a unix socket: at once, or refused
+            # a unix socket connects at once, or fails: EAGAIN when the engine's backlog is
+            # full (a blocking connect would hold the whole event loop)
+            s.connect(self.upstream)
         except OSError:
             s.close()
             raise
-        s.setblocking(False)
         return Upstream(s)
 
     def _put_back(self, up: Upstream) -> None:
