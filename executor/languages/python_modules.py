@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from executor.runtimes import sandbox_names
+from executor import sandbox_names
 
 if TYPE_CHECKING:
     from executor.settings import Settings

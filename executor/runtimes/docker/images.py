@@ -44,7 +44,7 @@ def _never_started(api: Any, settings: Settings, image: str) -> dict[str, Any]:
     from executor.models import CodeJob
     from executor.runtimes.base import owner_id
     from executor.runtimes.docker.policy import sandbox_policy, shape_limits
-    from executor.runtimes.sandbox_names import container_name
+    from executor.sandbox_names import container_name
 
     limits = shape_limits(settings.memory_bytes, settings.code_cpus, settings.code_pids)
     job = CodeJob(job_id=f"modules-{uuid.uuid4().hex[:12]}", code="")

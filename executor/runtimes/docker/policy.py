@@ -13,7 +13,7 @@ from executor.languages.base import Language
 from executor.models import CodeJob, Limits
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.runtimes.docker.seccomp import profile_json
-from executor.runtimes.sandbox_names import (  # noqa: F401 (the runtime's names, from here)
+from executor.sandbox_names import (  # noqa: F401 (the runtime's names, from here)
     LABEL_DEADLINE,
     LABEL_JOB,
     LABEL_LANGUAGE,

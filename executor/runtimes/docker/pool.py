@@ -83,7 +83,7 @@ from executor.runtimes.docker.policy import (
     container_name,
     sandbox_policy,
 )
-from executor.runtimes.sandbox_names import POOL_NAME_PREFIX
+from executor.sandbox_names import POOL_NAME_PREFIX
 from executor.settings import Settings
 
 log = logging.getLogger("studio_code")

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from executor.models import Usage, UsageSource, usage_on
-from executor.runtimes.sandbox_names import ENGINE_PARENT, USAGE_PARENT_PREFIX
+from executor.sandbox_names import ENGINE_PARENT, USAGE_PARENT_PREFIX
 
 log = logging.getLogger("studio_code")
 

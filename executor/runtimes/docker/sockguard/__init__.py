@@ -23,7 +23,7 @@ small enough to read whole:
   time, an idle connection's), the container lookups.
 
 The labels, the name prefix and the paths are the runtime's own
-(executor/runtimes/sandbox_names.py). What it does not stop: a client of the guard can
+(executor/sandbox_names.py). What it does not stop: a client of the guard can
 attach to, start, wait on, rename and remove any labelled sandbox on this engine, other
 jobs' included. docs/security.md "The socket guard".
 """

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from executor.runtimes.docker.sockguard.grammar import Refused, Request
-from executor.runtimes.sandbox_names import (
+from executor.sandbox_names import (
     ENGINE_PARENT,
     LABEL_DEADLINE,
     LABEL_JOB,

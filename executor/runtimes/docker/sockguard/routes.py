@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl
 from executor.runtimes.docker.sockguard.create import MIN_NANO_CPUS, NAME
 from executor.runtimes.docker.sockguard.grammar import Refused, Request
 from executor.runtimes.docker.sockguard.upstream import Call
-from executor.runtimes.sandbox_names import (
+from executor.sandbox_names import (
     LABEL_JOB,
     LABEL_OWNER,
     LABEL_POOL,

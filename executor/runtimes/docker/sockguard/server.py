@@ -61,7 +61,7 @@ from executor.runtimes.docker.sockguard.upstream import (
     recv,
     splice,
 )
-from executor.runtimes.sandbox_names import LABEL_OWNER
+from executor.sandbox_names import LABEL_OWNER
 
 log = logging.getLogger("studio_code.sockguard")
 
