@@ -744,7 +744,18 @@ def cmd_sockguard(args: argparse.Namespace, settings: Settings) -> int:
     (each refusal and why) goes to stderr, ONE JSON object to stdout when it stops."""
     import signal
 
-    from executor.runtimes.docker.sockguard import Policy, SockGuard
+    from executor.runtimes.docker.sockguard import Bounds, Policy, SockGuard, policy_table
+
+    if args.print_policy:
+        sys.stdout.write(policy_table())
+        return 0
+    if not args.listen:
+        message = (
+            "studio-code sockguard: --listen is required (the unix socket to serve). "
+            "Run `studio-code sockguard --help` to see what it takes."
+        )
+        _print(_refusal("sockguard", REQUEST_INVALID, message))
+        return 2
 
     if not os.path.exists(args.upstream):
         _print(
@@ -764,6 +775,7 @@ def cmd_sockguard(args: argparse.Namespace, settings: Settings) -> int:
         args.upstream,
         mode=int(args.mode, 8),
         trace=args.log_requests,
+        bounds=Bounds.from_settings(settings),
     )
     guard.bind()
     signal.signal(signal.SIGTERM, lambda *_: guard.close())
@@ -783,7 +795,12 @@ def _sockguard_command(sub: Any) -> None:
         help="serve a Docker socket that passes on only the calls sandboxes need "
         "(give it to the workers instead of the engine's own)",
     )
-    guard.add_argument("--listen", required=True, help="the unix socket path to serve")
+    guard.add_argument("--listen", help="the unix socket path to serve (required to serve)")
+    guard.add_argument(
+        "--print-policy",
+        action="store_true",
+        help="print the table of calls passed on (as docs/security.md has it) and exit",
+    )
     guard.add_argument(
         "--upstream", default="/var/run/docker.sock", help="the engine's socket (the real one)"
     )

@@ -230,6 +230,36 @@ class Settings(BaseSettings):
         "<this>/studio-code-usage-<16 hex>, so its usage outlives it and the limits and CPU "
         "weight of the engine's group hold it; the socket guard passes only that shape.",
     )
+    code_sockguard_max_connections: int = Field(
+        4096,
+        ge=1,
+        le=1_000_000,
+        description="The socket guard: client connections it holds at once (an attached "
+        "sandbox holds one); past it a connection is answered 503 and closed. Lowered to "
+        "what the guard's RLIMIT_NOFILE allows (two descriptors each).",
+    )
+    code_sockguard_max_per_peer: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="The socket guard: client connections one peer holds at once (the "
+        "connecting process by SO_PEERCRED uid and pid; peers in another pid namespace, "
+        "such as worker containers, share one per uid); past it 503 and closed.",
+    )
+    code_sockguard_head_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=300,
+        description="The socket guard: seconds a request may take from its first byte to "
+        "its last (head and body); a slower one is answered 408 and closed.",
+    )
+    code_sockguard_idle_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="The socket guard: seconds a client connection may sit with no request "
+        "begun before it is closed (an attach stream or a call in progress is not idle).",
+    )
     code_engine_refuse_vulnerable: bool = Field(
         False,
         description="Docker runtime: refuse to run (the runtime is not ready, naming the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from testkit.processes import (
     BIN,
@@ -43,3 +44,26 @@ class SockGuardProcess(Service):
 
     def refusals(self) -> list[str]:
         return [line for line in self.output().splitlines() if "sockguard refused" in line]
+
+
+TRIVIAL = "def main(state):\n    return state['n'] + 1\n"
+
+
+def sandbox_args(api: Any, image: str, **host: Any) -> dict[str, Any]:
+    """``sandbox_policy``'s create arguments (what a worker sends), ``host`` changed."""
+    from executor.languages import get_language
+    from executor.models import CodeJob
+    from executor.runtimes.base import owner_id
+    from executor.runtimes.docker.policy import sandbox_policy
+    from executor.service import Executor
+    from executor.settings import load_settings
+
+    settings = load_settings(enable_code_nodes=True, code_runtime="docker", code_image=image)
+    limits = Executor(settings).limits()
+    policy = sandbox_policy(
+        settings, get_language("python"), CodeJob(code=TRIVIAL), limits, owner_id()
+    )
+    policy.pop("detach")
+    policy.pop("use_config_proxy")
+    policy["host_config"] = api.create_host_config(**{**policy["host_config"], **host})
+    return policy

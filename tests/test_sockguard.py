@@ -1,4 +1,4 @@
-"""The socket guard (``studio-code sockguard``, executor/runtimes/docker/sockguard.py) as a real
+"""The socket guard (``studio-code sockguard``, executor/runtimes/docker/sockguard/) as a real
 process on a unix socket, in front of the real engine: what it refuses (403, its reason in
 the message and the guard's log) and that jobs, cold and pooled, run through it."""
 
@@ -12,11 +12,9 @@ from typing import Any
 
 import pytest
 
-from testkit.sockguard import SockGuardProcess
+from testkit.sockguard import TRIVIAL, SockGuardProcess, sandbox_args
 
 pytestmark = pytest.mark.docker
-
-TRIVIAL = "def main(state):\n    return state['n'] + 1\n"
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +30,6 @@ def api(guard: Any) -> Iterator[Any]:
     client = docker.APIClient(base_url=guard.host, timeout=30)
     yield client
     client.close()
-
-
-def sandbox_args(api: Any, image: str, **host: Any) -> dict[str, Any]:
-    """``sandbox_policy``'s create arguments (what a worker sends), ``host`` changed."""
-    from executor.languages import get_language
-    from executor.models import CodeJob
-    from executor.runtimes.base import owner_id
-    from executor.runtimes.docker.policy import sandbox_policy
-    from executor.service import Executor
-    from executor.settings import load_settings
-
-    settings = load_settings(enable_code_nodes=True, code_runtime="docker", code_image=image)
-    limits = Executor(settings).limits()
-    policy = sandbox_policy(
-        settings, get_language("python"), CodeJob(code=TRIVIAL), limits, owner_id()
-    )
-    policy.pop("detach")
-    policy.pop("use_config_proxy")
-    policy["host_config"] = api.create_host_config(**{**policy["host_config"], **host})
-    return policy
 
 
 def refused(guard: Any, api: Any, docker_client: Any, args: dict[str, Any]) -> str:
@@ -423,3 +401,45 @@ def test_a_job_runs_through_the_guard_cold_and_pooled(
     passed = guard.output()
     assert "passed POST" in passed and "/rename?name=studio-code-" in passed
     assert guard.refusals()[before:] == []
+
+
+@pytest.mark.parametrize("nano_cpus", [1, 5_000_000, 9_999_999, 0])
+def test_a_create_below_the_cpu_floor_or_without_a_cpu_limit_is_refused(
+    guard: Any, api: Any, docker_client: Any, python_image: str, nano_cpus: int
+) -> None:
+    """NanoCpus below 10_000_000 (0.01 CPU: a quota the kernel refuses at the default
+    period) or none (the SDK drops a 0: no CPU limit at all) is refused (issue 38)."""
+    message = refused(
+        guard, api, docker_client, sandbox_args(api, python_image, nano_cpus=nano_cpus)
+    )
+    assert "HostConfig.NanoCpus" in message and "at least 10000000" in message, message
+
+
+def test_the_runtime_is_the_configured_oci_runtime_only(
+    guard: Any, api: Any, tmp_path: Path, docker_client: Any, python_image: str
+) -> None:
+    """``HostConfig.Runtime``: none named when STUDIO_CODE_OCI_RUNTIME is unset (the engine's
+    default); exactly its value when set (gVisor's runsc, crun...): any other is refused."""
+    import docker
+
+    for other in ("runc", "runsc", "io.containerd.runc.v2"):
+        message = refused(guard, api, docker_client, sandbox_args(api, python_image, runtime=other))
+        assert f"HostConfig.Runtime {other!r}" in message, message
+        assert "STUDIO_CODE_OCI_RUNTIME" in message and "none named" in message, message
+    with SockGuardProcess(tmp_path / "guard", {"STUDIO_CODE_OCI_RUNTIME": "runc"}) as runc:
+        api_runc = docker.APIClient(base_url=runc.host, timeout=30)
+        try:
+            name = f"studio-code-guardtest-{uuid.uuid4().hex[:12]}"
+            args = sandbox_args(api_runc, python_image, runtime="runc")
+            cid = api_runc.create_container(name=name, **args)["Id"]
+            try:
+                assert docker_client.api.inspect_container(cid)["HostConfig"]["Runtime"] == "runc"
+            finally:
+                docker_client.api.remove_container(cid, force=True)
+            for other in (None, "runsc", "io.containerd.runc.v2"):
+                args = sandbox_args(api_runc, python_image, runtime=other)
+                message = refused(runc, api_runc, docker_client, args)
+                assert f"HostConfig.Runtime {str(other)!r}" in message, message
+                assert "the configured OCI runtime 'runc'" in message, message
+        finally:
+            api_runc.close()

@@ -1,4 +1,4 @@
-"""The socket guard (executor/runtimes/docker/sockguard.py) against a hostile worker that
+"""The socket guard (executor/runtimes/docker/sockguard/) against a hostile worker that
 writes its own bytes on the guard's socket: request smuggling, framing tricks, legacy API
 versions, oddly spelled root (issue 30).
 
@@ -409,7 +409,7 @@ def _sandbox_body(image: str, token: str) -> dict[str, Any]:
     with ``token``."""
     import docker
 
-    from tests.test_sockguard import sandbox_args
+    from testkit.sockguard import sandbox_args
 
     api = docker.APIClient(base_url="unix:///nonexistent", version="1.41")
     args = sandbox_args(api, image)
@@ -573,7 +573,7 @@ def sandbox(real_guard: Any, docker_client: Any, python_image: str, token: str) 
     """A labelled sandbox created through the guard, as a worker does (never started)."""
     import docker
 
-    from tests.test_sockguard import sandbox_args
+    from testkit.sockguard import sandbox_args
 
     api = docker.APIClient(base_url=real_guard.host, timeout=30)
     args = sandbox_args(api, python_image)
@@ -642,7 +642,7 @@ def test_expect_100_continue_leaks_no_other_containers_inspect(
     try:
         import docker
 
-        from tests.test_sockguard import sandbox_args
+        from testkit.sockguard import sandbox_args
 
         api = docker.APIClient(base_url=real_guard.host, timeout=30)
         body = json.dumps(

@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from executor import sandbox_names
+
 if TYPE_CHECKING:
     from executor.settings import Settings
 
 log = logging.getLogger("studio_code.executor")
 
-MODULES_PATH = "/usr/share/studio-code/modules.json"
+MODULES_PATH = sandbox_names.MODULES_PATH
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 A container is created from the image in the sandboxes' own shape (``sandbox_policy``: no
 network, no mounts, every control, labelled, with a deadline any reaper honours) running
 ``true``; it is never started. The file is copied out of it (``GET .../archive``) and the
-container removed. The socket guard (``sockguard.py``) passes that create and the read of
+container removed. The socket guard (``sockguard/``) passes that create and the read of
 the one file it allows (``MODULES_PATH``: what the image's Python can import, for the
 save-time check in executor/languages/python_modules.py).
 
@@ -44,13 +44,14 @@ def _never_started(api: Any, settings: Settings, image: str) -> dict[str, Any]:
     from executor.models import CodeJob
     from executor.runtimes.base import owner_id
     from executor.runtimes.docker.policy import sandbox_policy, shape_limits
+    from executor.sandbox_names import container_name
 
     limits = shape_limits(settings.memory_bytes, settings.code_cpus, settings.code_pids)
     job = CodeJob(job_id=f"modules-{uuid.uuid4().hex[:12]}", code="")
     policy = sandbox_policy(settings, get_language("python"), job, limits, owner_id(), api=api)
     return {
         **policy,
-        "name": f"studio-code-{job.job_id}",
+        "name": container_name(job.job_id),
         "image": image,
         "command": ["true"],
         "host_config": api.create_host_config(**policy["host_config"]),

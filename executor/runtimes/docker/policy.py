@@ -18,16 +18,16 @@ from executor.languages.base import Language
 from executor.models import CodeJob, Limits
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.runtimes.docker.seccomp import is_gvisor, profile_json
+from executor.sandbox_names import (  # noqa: F401 (the runtime's names, from here)
+    LABEL_DEADLINE,
+    LABEL_JOB,
+    LABEL_LANGUAGE,
+    LABEL_OWNER,
+    LABEL_POOL,
+    container_name,
+)
 from executor.settings import Settings, sandbox_ids
 
-LABEL_JOB = "studio.job_id"
-LABEL_OWNER = "studio.owner"
-LABEL_DEADLINE = "studio.deadline"  # epoch seconds after which any reaper may remove it
-LABEL_LANGUAGE = "studio.language"
-#: a pre-started container waiting for a job carries its owner here instead of a job id
-#: (labels are fixed at create): it gets its job's name when taken, see
-#: executor/runtimes/docker/pool.py
-LABEL_POOL = "studio.pool"
 TMPFS_SIZE = "64m"
 #: STUDIO_CODE_OCI_RUNTIME=auto: gVisor's runsc when the engine lists it, else its default
 AUTO = "auto"
@@ -161,10 +161,6 @@ def refuse_below_floors(limits: Limits) -> None:
             f"The sandbox's pids={limits.pids} is fewer processes than a runner needs: give "
             f"STUDIO_CODE_PIDS={MIN_PIDS} or more."
         )
-
-
-def container_name(job_id: str) -> str:
-    return f"studio-code-{job_id}"
 
 
 def shape_limits(memory_bytes: int, cpus: float, pids: int) -> Limits:

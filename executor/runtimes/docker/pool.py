@@ -83,6 +83,7 @@ from executor.runtimes.docker.policy import (
     container_name,
     sandbox_policy,
 )
+from executor.sandbox_names import POOL_NAME_PREFIX
 from executor.settings import Settings
 
 log = logging.getLogger("studio_code")
@@ -665,7 +666,7 @@ class SandboxPool(IdlePoolStats):
             "labels": labels,
             "host_config": api.create_host_config(**usage.host_config(meter, policy)),
         }
-        name = f"studio-code-pool-{uuid.uuid4().hex[:12]}"
+        name = f"{POOL_NAME_PREFIX}{uuid.uuid4().hex[:12]}"
         # The id _maintain read last (every IMAGE_CHECK_S), not an inspect per container: a
         # rebuild in between makes this one look old at the next check, and it is replaced.
         image_id = self._image_id(language)

@@ -56,14 +56,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from executor.models import Usage, UsageSource, usage_on
+from executor.sandbox_names import ENGINE_PARENT, USAGE_PARENT_PREFIX
 
 log = logging.getLogger("studio_code")
 
 MOUNTINFO = "/proc/self/mountinfo"
-PARENT_PREFIX = "studio-code-usage-"
-#: the engine's parent for containers with the cgroupfs driver when its ``cgroup-parent`` is
-#: unset (STUDIO_CODE_USAGE_CGROUP_PARENT's default): the per-run parents go below it
-ENGINE_PARENT = "/docker"
+PARENT_PREFIX = USAGE_PARENT_PREFIX
 #: a parent left this long past the longest run is a dead process's (``sweep``)
 SWEEP_GRACE_S = 600.0
 V1_FILES = {
