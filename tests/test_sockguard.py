@@ -443,3 +443,38 @@ def test_the_runtime_is_the_configured_oci_runtime_only(
                 assert "the configured OCI runtime 'runc'" in message, message
         finally:
             api_runc.close()
+
+
+@pytest.mark.parametrize("prewarm", [0, 1], ids=["cold", "pooled"])
+def test_a_runsc_sandbox_passes_a_guard_set_to_auto_and_its_code_meets_gvisor(
+    prewarm: int,
+    tmp_path: Path,
+    docker_client: Any,
+    python_image: str,
+    make_settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """STUDIO_CODE_OCI_RUNTIME=auto on both sides of the guard: the guard resolves it as the
+    workers do (runsc when the engine lists it) and lets exactly that runtime, with gVisor's
+    seccomp variant, through; a node run through it reports gVisor's kernel from inside."""
+    from executor.models import CodeJob
+    from executor.service import Executor
+    from testkit.gvisor import KERNEL_PROBE, RUNSC, assert_ran_under, require_runsc
+
+    require_runsc(docker_client.api, RUNSC)
+    with SockGuardProcess(tmp_path / "guard", {"STUDIO_CODE_OCI_RUNTIME": "auto"}) as g:
+        monkeypatch.setenv("DOCKER_HOST", g.host)
+        settings = make_settings(
+            code_runtime="docker",
+            code_image=python_image,
+            code_languages="python",
+            code_oci_runtime="auto",
+            code_prewarm=prewarm,
+        )
+        executor = Executor(settings)
+        try:
+            result = executor.run(CodeJob(code=KERNEL_PROBE, timeout_s=30))
+        finally:
+            executor.close()
+        assert result.status == "succeeded", (result.error, result.logs, g.refusals())
+        assert_ran_under(RUNSC, result.output)
