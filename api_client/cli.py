@@ -442,6 +442,11 @@ def _wants_help(celery_args: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in args)
 
 
+def _cut_line(data: str) -> str:
+    """What ``logs --follow`` prints when the live view ended before the job."""
+    return f"\n[studio-code: the live logs stopped: {json.loads(data).get('message')}]\n"
+
+
 def cmd_logs(args: argparse.Namespace, settings: Settings) -> int:
     """A job's logs. With --follow, what it prints goes to stderr AS IT PRINTS IT, until it
     ends; then (as without --follow) ONE JSON object with the stored logs (the truth)."""
@@ -453,7 +458,9 @@ def cmd_logs(args: argparse.Namespace, settings: Settings) -> int:
                 for event in client.follow_logs(args.job_id, timeout_s=args.timeout):
                     if event.event in ("log", "truncated"):
                         sys.stderr.write(event.data)
-                        sys.stderr.flush()
+                    elif event.event == "end" and "reason" in event.data:
+                        sys.stderr.write(_cut_line(event.data))
+                    sys.stderr.flush()
             rec = client.status(args.job_id)
         except JobNotFound as e:
             return _not_found(args.job_id, e)

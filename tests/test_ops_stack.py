@@ -576,6 +576,17 @@ def test_live_logs_arrive_while_the_node_runs(ops: Stack) -> None:
     resumed = _sse(ops, job, user, headers={"Last-Event-ID": str(first_id)})
     text = "".join(d for e, d, _ in resumed if e == "log")
     assert "first line" not in text and "second line" in text
+    # each part of an id at most 2^64-1, as Redis takes it: one over is 422 (Redis would
+    # refuse it), the largest there is reads nothing after it and ends
+    r = ops.http.get(
+        f"/api/runs/{job}/logs",
+        params={"follow": 1},
+        headers={USER: user, "Last-Event-ID": "1-18446744073709551616"},
+    )
+    assert r.status_code == 422 and r.json()["error"]["code"] == "REQUEST_INVALID", r.text
+    assert "2^64-1" in r.json()["error"]["message"], r.text
+    top = _sse(ops, job, user, headers={"Last-Event-ID": f"{2**64 - 1}-{2**64 - 1}"})
+    assert [e for e, _, _ in top] == ["end"], top
     # without follow: the stored logs as JSON; another user's run: 404
     r = ops.http.get(f"/api/runs/{job}/logs", headers={USER: user})
     assert r.json()["logs"] == stored and r.json()["finished"] is True
