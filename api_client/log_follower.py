@@ -7,6 +7,10 @@ yield the same ``LogEvent``s:
 * ``log``: text as it was printed (UTF-8 decoded incrementally: a character split between
   two pieces is never broken), at most STUDIO_CODE_LOG_MAX_BYTES in all;
 * ``truncated``: the stored logs' truncation mark, when more was printed than is kept;
+* ``rerun``: the attempt before did not finish (lost to the infrastructure, worker.job.rerun,
+  or its worker stopped) and the job runs again: what follows is attempt ``data`` JSON
+  ``{"attempt": N}``'s output, from its start (the earlier attempt's text above it is not
+  the run's; the stored logs are the last attempt's);
 * ``end``: the job finished; ``data`` is JSON ``{"status", "logs_truncated"}``. A follow
   that cannot go on ends too, with ``reason`` (and ``message``) in ``data``: ``stream_refused``
   when Redis refuses the read (``ResponseError``: e.g. an event id it cannot take),
@@ -48,7 +52,7 @@ REDIS_PAUSE_MAX_S = 2.0
 
 @dataclass(frozen=True)
 class LogEvent:
-    event: str  # log | truncated | end
+    event: str  # log | truncated | rerun | end
     data: str
     id: str | None = None
 
@@ -108,6 +112,10 @@ class _Follower:
                 entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 self.last_id = entry_id
                 self.seen_any = True
+                attempt = fields.get(b"rerun")
+                if attempt:  # a re-run starts: the lost attempt's half character is dropped
+                    self.decoder.reset()
+                    events.append(LogEvent("rerun", _attempt_data(attempt), entry_id))
                 data = fields.get(b"d")
                 if data:
                     text = self.decoder.decode(data)
@@ -119,6 +127,13 @@ class _Follower:
                     if rest:
                         events.append(LogEvent("log", rest, entry_id))
         return events
+
+
+def _attempt_data(raw: bytes) -> str:
+    try:
+        return json.dumps({"attempt": int(raw)})
+    except ValueError:
+        return json.dumps({"attempt": None})
 
 
 class _ReadStatus:

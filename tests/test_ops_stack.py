@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from testkit.api import read_sse
 from testkit.processes import BIN, IN_CI, free_port, require, wait_for
 from testkit.sandboxes import containers_of
 from testkit.stack import DOCKER_PYTHON, Stack
@@ -525,33 +526,9 @@ def _sse(
     ops: Stack, job_id: str, user: str, headers: dict[str, str] | None = None, on_event: Any = None
 ) -> list[tuple[str, str, str | None]]:
     """Read the SSE stream to its end: [(event, data, id)]."""
-    out: list[tuple[str, str, str | None]] = []
-    event, data, eid = "message", [], None
-    with ops.http.stream(
-        "GET",
-        f"/api/runs/{job_id}/logs",
-        params={"follow": 1},
-        headers={USER: user, **(headers or {})},
-        timeout=60,
-    ) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line == "":
-                if data:
-                    out.append((event, "\n".join(data), eid))
-                    if on_event is not None:
-                        on_event(out[-1])
-                    if event == "end":
-                        break
-                event, data, eid = "message", [], None
-            elif line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].removeprefix(" "))
-            elif line.startswith("id:"):
-                eid = line[3:].strip()
-    return out
+    return read_sse(
+        ops.http, f"/api/runs/{job_id}/logs?follow=1", {USER: user, **(headers or {})}, on_event
+    )
 
 
 def test_live_logs_arrive_while_the_node_runs(ops: Stack) -> None:

@@ -251,6 +251,32 @@ def test_a_redis_outage_ends_the_follow_after_bounded_retries(
     assert end["reason"] == "redis_unavailable" and end["status"] == "queued", end
 
 
+def test_follow_marks_where_a_rerun_starts(client: Any) -> None:
+    """An attempt lost mid-character (its worker died: no end mark), then the re-run's
+    boundary (``{"rerun": "2"}``, as worker.job.log_publisher writes it) and its own text:
+    both followers yield the lost attempt's text, a ``rerun`` event with attempt 2, then
+    the second attempt's text (its first character whole: the lost attempt's half
+    character is dropped)."""
+    job_id = queued(client)
+    job = client.store.get(job_id, inputs=True).to_job()
+    client.store.finish(
+        client._ended(job, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE, "x"), worker="t"
+    )
+    key = logs_key(job_id)
+    client.redis.xadd(key, {"d": b"attempt one caf\xc3"})  # its worker died: no end mark
+    client.redis.xadd(key, {"rerun": b"2"})
+    client.redis.xadd(key, {"d": b"\xc3\xa9 attempt two\n"})
+    client.redis.xadd(key, {"end": b"1"})
+    sync, asynced, _ = both_follows(client, client._blocking, lambda: client.async_redis, job_id)
+    assert asynced == sync
+    assert [(e.event, e.data) for e in sync][:4] == [
+        ("log", "attempt one caf"),
+        ("rerun", '{"attempt": 2}'),
+        ("log", "é attempt two\n"),
+        ("end", '{"status": "failed", "logs_truncated": false}'),
+    ], sync
+
+
 # --- WorkerRegistry / AsyncWorkerRegistry; _check_served / check_served_async ----------
 
 
