@@ -461,6 +461,21 @@ def _wants_help(celery_args: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in args)
 
 
+def _rerun_line(data: str) -> str:
+    """The attempt boundary ``logs --follow`` prints where a re-run starts."""
+    attempt = json.loads(data).get("attempt")
+    return (
+        f"\n[studio-code: attempt {attempt} starts here: the attempt before did not finish "
+        "(lost to the infrastructure, or its worker stopped), so the text above is not "
+        "this run's]\n"
+    )
+
+
+def _cut_line(data: str) -> str:
+    """What ``logs --follow`` prints when the live view ended before the job."""
+    return f"\n[studio-code: the live logs stopped: {json.loads(data).get('message')}]\n"
+
+
 def cmd_logs(args: argparse.Namespace, settings: Settings) -> int:
     """A job's logs. With --follow, what it prints goes to stderr AS IT PRINTS IT, until it
     ends; then (as without --follow) ONE JSON object with the stored logs (the truth)."""
@@ -472,7 +487,11 @@ def cmd_logs(args: argparse.Namespace, settings: Settings) -> int:
                 for event in client.follow_logs(args.job_id, timeout_s=args.timeout):
                     if event.event in ("log", "truncated"):
                         sys.stderr.write(event.data)
-                        sys.stderr.flush()
+                    elif event.event == "rerun":
+                        sys.stderr.write(_rerun_line(event.data))
+                    elif event.event == "end" and "reason" in event.data:
+                        sys.stderr.write(_cut_line(event.data))
+                    sys.stderr.flush()
             rec = client.status(args.job_id)
         except JobNotFound as e:
             return _not_found(args.job_id, e)

@@ -744,8 +744,8 @@ class CodeClient:
         return RunPage(runs=rows, next_cursor=encode_cursor(rows[-1]) if more else None)
 
     def follow_logs(self, job_id: str, *, timeout_s: float = 3600.0) -> Iterator[LogEvent]:
-        """What job ``job_id`` prints, as it prints it (``LogEvent``: log, truncated, end),
-        until the job has finished; raises JobNotFound. See api_client.log_follower."""
+        """What job ``job_id`` prints, as it prints it (``LogEvent``: log, truncated, rerun,
+        end), until the job has finished; raises JobNotFound. See api_client.log_follower."""
         from api_client.log_follower import follow
 
         self.status(job_id)  # JobNotFound before anything is yielded

@@ -94,6 +94,37 @@ def python_requirements(text: str, source: str) -> list[str]:
     return out
 
 
+_PIN = re.compile(rf"{_NAME}==[A-Za-z0-9](?:[A-Za-z0-9.+!_-]*[A-Za-z0-9])?")
+
+
+def python_constraints(text: str, source: str) -> list[str]:
+    """The pins of a constraints file (an image's ``packages.lock``): one ``name==version``
+    a line, ``#`` comments and blank lines allowed, each name once (read with
+    ``python_requirements``). Anything else is refused, its line named: a pip option
+    (``--index-url``, ``--find-links``, ``-r``...), a URL, a range, extras or a marker. pip
+    is then handed a file written from these pins only (``build_images``), never this one."""
+    pins: list[str] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source} line {number}"
+        if _PIN.fullmatch(line) is None:
+            raise ListInvalid(
+                f"{where} '{line[:200]}' is not a pin: a constraints file holds one "
+                "name==version a line (e.g. an image's packages.lock), with # comments and "
+                "blank lines; no pip option (--index-url, --find-links, -r...), URL, range "
+                "or marker (give a wheel folder with --wheels)"
+            )
+        try:
+            [pin] = python_requirements(line, where)
+        except ValueError as e:  # a comma in the version: not one pin
+            raise ListInvalid(f"{where} '{line[:200]}' is not one pin: {e}") from None
+        pins.append(pin)
+    python_requirements("\n".join(pins), source)  # each name once
+    return pins
+
+
 def ts_specs(text: str, source: str) -> list[str]:
     """The specifiers of a list (``npm:zod@3,npm:date-fns@4``, commas or lines) or of a
     ``deps.ts`` (its quoted ``npm:``/``jsr:`` imports), each checked as
@@ -147,7 +178,7 @@ def build_images(args: argparse.Namespace, settings: Settings) -> dict[str, Any]
     """``studio-code image build``: what it prints when the images are built; ImageRefused
     otherwise (api_client.cli.cmd_image prints either)."""
     try:
-        plan = _plan(args)
+        plan = check_lists(args)
     except ListInvalid as e:
         raise ImageRefused(REQUEST_INVALID, str(e), 2) from None
     if not BUILD_SH.exists():
@@ -160,26 +191,7 @@ def build_images(args: argparse.Namespace, settings: Settings) -> dict[str, Any]
     py_image = args.python_tag or settings.code_image
     ts_image = args.ts_tag or settings.code_ts_image
     with tempfile.TemporaryDirectory(prefix="studio-image-") as tmp:
-        env = dict(os.environ)
-        # the host's pip and python3 for build.sh: this interpreter's (it has pip)
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        env.setdefault("STUDIO_PIP", f"{sys.executable} -m pip")
-        env["STUDIO_CODE_IMAGE"] = py_image
-        env["STUDIO_CODE_TS_IMAGE"] = ts_image
-        if plan["python"] is not None:
-            req = Path(tmp) / "requirements.txt"
-            req.write_text("".join(f"{r}\n" for r in plan["python"]), encoding="utf-8")
-            env["STUDIO_PY_REQUIREMENTS"] = str(req)
-        if plan["typescript"] is not None:
-            deps = Path(tmp) / "deps.ts"
-            deps.write_text("".join(f'import "{s}";\n' for s in plan["typescript"]), "utf-8")
-            env["STUDIO_TS_DEPS"] = str(deps)
-        if args.wheels:
-            env["STUDIO_PY_WHEELS"] = str(Path(args.wheels).resolve())
-        if args.python_constraints:
-            env["STUDIO_PY_CONSTRAINTS"] = str(Path(args.python_constraints).resolve())
-        if args.debian_only:
-            env["STUDIO_PY_SOURCE"] = "debian"
+        env = build_env(args, plan, Path(tmp), py_image, ts_image)
         targets = [lang for lang in ("python", "typescript") if plan[lang] is not None]
         target = targets[0] if len(targets) == 1 else "all"
         mode = ["--offline"] if args.offline else ["--registry"] if args.registry else []
@@ -201,8 +213,43 @@ def build_images(args: argparse.Namespace, settings: Settings) -> dict[str, Any]
     return out
 
 
-def _plan(args: argparse.Namespace) -> dict[str, list[str] | None]:
-    """Each language's list (None: that image is not built)."""
+def build_env(
+    args: argparse.Namespace,
+    plan: dict[str, list[str] | None],
+    folder: Path,
+    py_image: str,
+    ts_image: str,
+) -> dict[str, str]:
+    """build.sh's environment; the files it reads (requirements, deps.ts, constraints) are
+    written in ``folder`` from the checked lists of ``plan``, never the caller's files."""
+    env = dict(os.environ)
+    # the host's pip and python3 for build.sh: this interpreter's (it has pip)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("STUDIO_PIP", f"{sys.executable} -m pip")
+    env["STUDIO_CODE_IMAGE"] = py_image
+    env["STUDIO_CODE_TS_IMAGE"] = ts_image
+    if plan["python"] is not None:
+        req = folder / "requirements.txt"
+        req.write_text("".join(f"{r}\n" for r in plan["python"]), encoding="utf-8")
+        env["STUDIO_PY_REQUIREMENTS"] = str(req)
+    if plan["typescript"] is not None:
+        deps = folder / "deps.ts"
+        deps.write_text("".join(f'import "{s}";\n' for s in plan["typescript"]), "utf-8")
+        env["STUDIO_TS_DEPS"] = str(deps)
+    if args.wheels:
+        env["STUDIO_PY_WHEELS"] = str(Path(args.wheels).resolve())
+    if plan["constraints"] is not None:
+        pins = folder / "constraints.txt"
+        pins.write_text("".join(f"{c}\n" for c in plan["constraints"]), encoding="utf-8")
+        env["STUDIO_PY_CONSTRAINTS"] = str(pins)
+    if args.debian_only:
+        env["STUDIO_PY_SOURCE"] = "debian"
+    return env
+
+
+def check_lists(args: argparse.Namespace) -> dict[str, list[str] | None]:
+    """Each language's checked list (None: that image is not built), and the checked pins
+    of --python-constraints (None: none given); ListInvalid names a bad entry."""
     py: list[str] | None = None
     ts: list[str] | None = None
     if args.python_packages is not None:
@@ -230,7 +277,11 @@ def _plan(args: argparse.Namespace) -> dict[str, list[str] | None]:
                 f"--python-constraints {value} is not a file: give a pip "
                 "constraints file, e.g. an image's packages.lock"
             )
-    return {"python": py, "typescript": ts}
+    constraints = None
+    if args.python_constraints:
+        text = _read(args.python_constraints, "--python-constraints")
+        constraints = python_constraints(text, f"--python-constraints {args.python_constraints}")
+    return {"python": py, "typescript": ts, "constraints": constraints}
 
 
 def _run_build(argv: list[str], env: dict[str, str]) -> str | None:

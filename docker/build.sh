@@ -35,6 +35,8 @@
 #                         (pip --no-index --find-links), for air-gapped sites
 #   STUDIO_PY_CONSTRAINTS a pip constraints file (e.g. an image's packages.lock) for
 #                         every distribution installed, dependencies included
+#                         (`studio-code image build` hands a copy it wrote from the
+#                         checked name==version lines: pip obeys options in the file)
 #   STUDIO_PY_SOURCE      offline python packages: wheels (default; Debian's package for
 #                         a requirement with no wheel) or debian (Debian's only)
 #   STUDIO_PIP            the host's pip for the offline build (python3 -m pip)

@@ -444,6 +444,21 @@ class Settings(BaseSettings):
         description="Deepest nesting of arrays and objects a JSON request body may have "
         "(400 beyond), checked before the body is parsed.",
     )
+    api_header_max_bytes: int = Field(
+        16 * 1024,
+        ge=1024,
+        le=1024 * 1024,
+        description="Largest request header line (name and value) the API takes (431 "
+        "beyond, before anything else is read).",
+    )
+    api_head_max_bytes: int = Field(
+        64 * 1024,
+        ge=4 * 1024,
+        le=4 * 1024 * 1024,
+        description="Largest request head (request line and every header) the API takes "
+        "(431 beyond); studio-code serve closes a connection whose head grows past it "
+        "before the head is even complete.",
+    )
 
     runs_keep_days: float = Field(
         30,

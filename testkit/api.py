@@ -57,6 +57,40 @@ class ApiServer(Service):
             raise
 
 
+def read_sse(
+    http: httpx.Client,
+    path: str,
+    headers: dict[str, str] | None = None,
+    on_event: Any = None,
+    timeout: float = 60,
+) -> list[tuple[str, str, str | None]]:
+    """GET ``path`` (a Server-Sent Events route, e.g. ``/api/runs/ID/logs?follow=1``) and
+    read the stream to its ``end`` event: [(event, data, id)]; ``on_event`` sees each as it
+    comes."""
+    out: list[tuple[str, str, str | None]] = []
+    event, eid = "message", None
+    data: list[str] = []
+    with http.stream("GET", path, headers=headers or {}, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line == "":
+                if data:
+                    out.append((event, "\n".join(data), eid))
+                    if on_event is not None:
+                        on_event(out[-1])
+                    if event == "end":
+                        break
+                event, data, eid = "message", [], None
+            elif line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+            elif line.startswith("id:"):
+                eid = line[3:].strip()
+    return out
+
+
 def fuzz_for_server_errors(base: str, headers: dict[str, str]) -> None:
     """schemathesis on every operation of the served OpenAPI: no answer is a 5xx."""
     import schemathesis

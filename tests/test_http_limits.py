@@ -447,6 +447,60 @@ def test_json_nested_too_deep_is_refused_before_it_is_parsed(stack: Stack) -> No
     cancel_all(stack, {user})
 
 
+# --- heads -----------------------------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_a_header_or_a_head_over_its_cap_is_431(stack: Stack) -> None:
+    """16 KiB a header line and 64 KiB a head (the defaults): a header line of exactly 16 KiB
+    runs; a 64 KiB tracestate is 431 HEADERS_TOO_LARGE naming the header; five 15 KiB
+    headers (each within the cap, 75 KiB in all) are 431 naming the head's cap; nothing of
+    them runs."""
+    user = _user()
+    line = 16 * 1024
+    pad = "p" * (line - len("X-Pad: "))
+    r = stack.http.post(
+        "/api/runs", json={"code": OK_CODE}, headers={**stack.as_user(user), "X-Pad": pad}
+    )
+    assert r.status_code == 202, r.text
+    cancel_all(stack, {user})
+    refused = _user()
+    r = stack.http.post(
+        "/api/runs",
+        json={"code": OK_CODE},
+        headers={**stack.as_user(refused), "tracestate": "a=" + "b" * (64 * 1024)},
+    )
+    message = _error(r, 431, "HEADERS_TOO_LARGE")
+    assert "'tracestate' header" in message and "STUDIO_API_HEADER_MAX_BYTES" in message
+    many = {f"X-Pad-{i}": "p" * (15 * 1024) for i in range(5)}
+    r = stack.http.post(
+        "/api/runs", json={"code": OK_CODE}, headers={**stack.as_user(refused), **many}
+    )
+    assert "STUDIO_API_HEAD_MAX_BYTES" in _error(r, 431, "HEADERS_TOO_LARGE")
+    assert job_ids(stack, {refused}) == []
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+def test_a_head_that_never_ends_is_431_while_it_is_read(stack: Stack) -> None:
+    """A 4 MiB header whose head never ends (no blank line: the app never sees it): the
+    server answers 431 HEADERS_TOO_LARGE and closes once the head passes the cap, without
+    waiting for the rest (a server that kept reading would leave this read to its 10 s
+    timeout with no answer), and the API's memory does not grow by the header."""
+    rss0 = _rss_kb(stack.api.pid)
+    head = (
+        f"POST /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"{USER}: {_user()}\r\ntracestate: a="
+    ).encode()
+    raw = send_raw(stack, head, then=b"b" * (4 * 1024 * 1024), timeout=10)
+    assert raw.startswith(b"HTTP/1.1 431 "), raw[:300]
+    status, body = _status_and_body(raw)
+    assert (status, body["error"]["code"]) == (431, "HEADERS_TOO_LARGE"), body
+    assert "STUDIO_API_HEAD_MAX_BYTES" in body["error"]["message"]
+    assert _rss_kb(stack.api.pid) - rss0 < 2 * 1024, "the API kept the head"
+
+
 @pytest.mark.docker
 @pytest.mark.redis
 def test_every_framework_error_has_the_shape(stack: Stack) -> None:

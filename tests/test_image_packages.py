@@ -319,6 +319,85 @@ def test_the_lists_parse_as_pip_and_the_allow_list_do() -> None:
     assert ts_specs("npm:zod@3\nnpm:date-fns@4\n", "f") == TS_LIST.split(",")
 
 
+NOT_PINS = [
+    "--index-url http://127.0.0.1:9/simple",
+    "--find-links=/tmp/elsewhere",
+    "-i http://127.0.0.1:9/simple",
+    "-r other.txt",
+    "requests>=2",
+    "requests==2.32.*",
+    "requests==2.32.3,<3",
+    "requests[socks]==2.32.3",
+    "requests==2.32.3; python_version > '3'",
+    "requests @ http://127.0.0.1:9/requests-2.32.3.whl",
+    "requests==2.32.3 --hash=sha256:0",
+]
+
+
+@pytest.mark.parametrize("line", NOT_PINS)
+def test_a_constraints_line_that_is_not_a_pin_is_refused(line: str) -> None:
+    """--python-constraints is read with the list checker: a line pip would take as an
+    option (another index, links, another file) or anything but name==version is refused,
+    its line named."""
+    from api_client.image import ListInvalid, python_constraints
+
+    with pytest.raises(ListInvalid) as e:
+        python_constraints(f"# pins\ncowsay==6.1\n\n{line}\n", "--python-constraints f")
+    assert str(e.value).startswith(f"--python-constraints f line 4 '{line}' is not"), e.value
+    with pytest.raises(ListInvalid, match="names Cowsay twice"):
+        python_constraints("cowsay==6.1\nCowsay==6.0\n", "f")
+
+
+def test_the_command_refuses_a_constraints_file_with_an_index_before_building(
+    tmp_path: Path,
+) -> None:
+    """The real command, given a constraints file with an --index-url line: exit status 2,
+    REQUEST_INVALID naming the line, nothing built."""
+    constraints = tmp_path / "packages.lock"
+    constraints.write_text("cowsay==6.1\n--index-url http://127.0.0.1:9/simple\n", encoding="utf-8")
+    out = run_cli(
+        "image",
+        "build",
+        "--python-packages",
+        "cowsay",
+        "--python-constraints",
+        str(constraints),
+        "--python-tag",
+        "never-built:x",
+    )
+    body = json.loads(out.stdout)
+    assert out.returncode == 2 and body["error"]["code"] == "REQUEST_INVALID", out.stdout
+    message = body["error"]["message"]
+    assert message.startswith(
+        f"--python-constraints {constraints} line 2 '--index-url http://127.0.0.1:9/simple' "
+        "is not a pin"
+    ), message
+
+
+def test_pip_gets_a_constraints_file_written_from_the_pins_only(tmp_path: Path) -> None:
+    """A clean constraints file (comments, blank lines, pins): build.sh is handed a file of
+    the command's own, its pins one a line and nothing else, never the caller's file."""
+    from api_client.cli import build_parser
+    from api_client.image import build_env, check_lists
+
+    given = tmp_path / "packages.lock"
+    given.write_text(
+        "# an image's packages.lock\ncowsay==6.1   # the cow\n\nPython_Dateutil==2.8.2\n",
+        encoding="utf-8",
+    )
+    args = build_parser().parse_args(
+        ["image", "build", "--python-packages", "cowsay", "--python-constraints", str(given)]
+    )
+    plan = check_lists(args)
+    assert plan["constraints"] == ["cowsay==6.1", "Python_Dateutil==2.8.2"]
+    folder = tmp_path / "build"
+    folder.mkdir()
+    env = build_env(args, plan, folder, "never-built:x", "never-built-ts:x")
+    written = Path(env["STUDIO_PY_CONSTRAINTS"])
+    assert written.parent == folder and written != given
+    assert written.read_text(encoding="utf-8") == "cowsay==6.1\nPython_Dateutil==2.8.2\n"
+
+
 def test_the_label_parses_by_language() -> None:
     from executor.packages import parse_image_packages
 

@@ -8,6 +8,7 @@ sandboxes."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 
 from executor.models import CodeJob
 from testkit.sandboxes import run_and_end_from_outside
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.docker
 
@@ -116,31 +118,66 @@ def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
 
 
 @pytest.mark.redis
-def test_a_job_whose_sandbox_an_operator_kills_runs_again_and_succeeds(
+def test_a_job_whose_sandbox_an_operator_kills_runs_again_its_live_logs_marking_the_rerun(
     make_stack: Any, docker_client: Any
 ) -> None:
-    """One worker; the job's first sandbox is `docker kill`ed (the test's own container) while
-    its code runs: the job is handed back, runs again and ends ``succeeded`` with attempts
-    2, its trace beginning with the re-run row naming ``sandbox_killed``; no sandbox is left."""
+    """One worker; the job prints (a random word: each attempt its own) and sleeps; its first
+    sandbox is `docker kill`ed (the test's own container) once that text is in the live
+    stream: the job is handed back, runs again and ends ``succeeded`` with attempts 2, its
+    trace beginning with the re-run row naming ``sandbox_killed``; no sandbox is left. The
+    re-run's text comes after a ``rerun`` event with attempt 2, in the API's SSE stream, in
+    ``CodeClient.follow_logs`` and in ``studio-code logs --follow`` (a line between the two),
+    and the text after the boundary is the stored logs (the attempt that counts)."""
+    from api_client.http.docs import USER_HEADER
+    from testkit.api import read_sse
+    from worker.protocol import logs_key
+
     q = make_stack(code_concurrency=1)
-    q.start_worker("killed", concurrency=1)
-    code = "import time\n\ndef main(state):\n    time.sleep(2)\n    return 5\n"
-    job = q.client.submit(code, "python", {}, timeout_s=25)
+    q.start_worker("rerun", concurrency=1)
+    q.start_api()
+    code = (
+        "import os, time\n\ndef main(state):\n"
+        "    print('hello from', os.urandom(8).hex(), flush=True)\n"
+        "    time.sleep(2)\n    return 5\n"
+    )
+    user = "rerun-user"
+    r = q.http.post("/api/runs", json={"code": code}, headers={USER_HEADER: user})
+    assert r.status_code == 202, r.text
+    job = r.json()["job_id"]
     killed: list[str] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not killed:
-        for c in docker_client.containers.list(filters={"name": f"studio-code-{job}"}):
-            time.sleep(0.3)  # its code is sleeping now
-            c.kill()
-            killed.append(c.id)
+        if q.client.redis.xlen(logs_key(job)):  # attempt 1 has printed: it sleeps now
+            for c in docker_client.containers.list(filters={"name": f"studio-code-{job}"}):
+                c.kill()
+                killed.append(c.id)
         time.sleep(0.05)
-    r = q.client.wait(job, 60)
-    print(f"\nkilled {killed}; {r.status.value} {r.attempts} {r.error} {r.trace}")
-    assert killed, "the job's sandbox never ran"
-    assert r.status.value == "succeeded" and r.output == 5, (r.status, r.error)
-    assert r.attempts == 2, r
-    assert r.trace[0].step == "job.rerun" and "sandbox_killed" in r.trace[0].detail, r.trace
+    assert killed, "the job's first sandbox never printed"
+    events = read_sse(q.http, f"/api/runs/{job}/logs?follow=1", {USER_HEADER: user})
+    rec = q.client.wait(job, 60)
+    print(f"\nkilled {killed}; {rec.status.value} {rec.attempts} {rec.error} {rec.trace}")
+    assert rec.status.value == "succeeded" and rec.output == 5, (rec.status, rec.error)
+    assert rec.attempts == 2, rec
+    assert rec.trace[0].step == "job.rerun" and "sandbox_killed" in rec.trace[0].detail
     assert not docker_client.containers.list(all=True, filters={"id": killed[0]})
+    print(events)
+    kinds = [e for e, _, _ in events]
+    assert kinds.count("rerun") == 1 and kinds[-1] == "end", events
+    at = kinds.index("rerun")
+    assert json.loads(events[at][1]) == {"attempt": 2}, events
+    assert set(kinds[:at]) == set(kinds[at + 1 : -1]) == {"log"}, events
+    first = "".join(d for _, d, _ in events[:at])
+    second = "".join(d for _, d, _ in events[at + 1 : -1])
+    assert first.startswith("hello from") and second.startswith("hello from"), events
+    assert first != second and second == rec.logs, (first, second, rec.logs)
+    # the client's follow (Redis directly) gives the same events
+    followed = [(e.event, e.data) for e in q.client.follow_logs(job, timeout_s=30)]
+    assert followed == [(e, d) for e, d, _ in events], followed
+    # the CLI prints the boundary between the two attempts' text
+    out = run_cli("logs", job, "--follow", "--timeout", "30", env=q.env(), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.index(first) < out.stderr.index("attempt 2 starts here")
+    assert out.stderr.index("attempt 2 starts here") < out.stderr.index(second), out.stderr
 
 
 def test_a_rerun_waits_for_the_earlier_attempts_sandbox_to_be_removed(

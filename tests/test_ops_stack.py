@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from testkit.api import read_sse
 from testkit.processes import BIN, IN_CI, free_port, require, wait_for
 from testkit.sandboxes import containers_of
 from testkit.stack import DOCKER_PYTHON, Stack
@@ -503,33 +504,9 @@ def _sse(
     ops: Stack, job_id: str, user: str, headers: dict[str, str] | None = None, on_event: Any = None
 ) -> list[tuple[str, str, str | None]]:
     """Read the SSE stream to its end: [(event, data, id)]."""
-    out: list[tuple[str, str, str | None]] = []
-    event, data, eid = "message", [], None
-    with ops.http.stream(
-        "GET",
-        f"/api/runs/{job_id}/logs",
-        params={"follow": 1},
-        headers={USER: user, **(headers or {})},
-        timeout=60,
-    ) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line == "":
-                if data:
-                    out.append((event, "\n".join(data), eid))
-                    if on_event is not None:
-                        on_event(out[-1])
-                    if event == "end":
-                        break
-                event, data, eid = "message", [], None
-            elif line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].removeprefix(" "))
-            elif line.startswith("id:"):
-                eid = line[3:].strip()
-    return out
+    return read_sse(
+        ops.http, f"/api/runs/{job_id}/logs?follow=1", {USER: user, **(headers or {})}, on_event
+    )
 
 
 def test_live_logs_arrive_while_the_node_runs(ops: Stack) -> None:
@@ -554,6 +531,17 @@ def test_live_logs_arrive_while_the_node_runs(ops: Stack) -> None:
     resumed = _sse(ops, job, user, headers={"Last-Event-ID": str(first_id)})
     text = "".join(d for e, d, _ in resumed if e == "log")
     assert "first line" not in text and "second line" in text
+    # each part of an id at most 2^64-1, as Redis takes it: one over is 422 (Redis would
+    # refuse it), the largest there is reads nothing after it and ends
+    r = ops.http.get(
+        f"/api/runs/{job}/logs",
+        params={"follow": 1},
+        headers={USER: user, "Last-Event-ID": "1-18446744073709551616"},
+    )
+    assert r.status_code == 422 and r.json()["error"]["code"] == "REQUEST_INVALID", r.text
+    assert "2^64-1" in r.json()["error"]["message"], r.text
+    top = _sse(ops, job, user, headers={"Last-Event-ID": f"{2**64 - 1}-{2**64 - 1}"})
+    assert [e for e, _, _ in top] == ["end"], top
     # without follow: the stored logs as JSON; another user's run: 404
     r = ops.http.get(f"/api/runs/{job}/logs", headers={USER: user})
     assert r.json()["logs"] == stored and r.json()["finished"] is True

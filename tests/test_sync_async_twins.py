@@ -7,6 +7,7 @@ No worker runs: the jobs are rows and Redis keys the test writes as a worker wou
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -153,6 +154,127 @@ def test_follow_yields_the_same_events(client: Any) -> None:
         ("end", '{"status": "failed", "logs_truncated": false}'),
     ]
     assert asynced == sync
+
+
+def both_follows(
+    client: Any,
+    redis_sync: Any,
+    redis_async: Callable[[], Any],
+    job_id: str,
+    last_id: str = "0-0",
+) -> tuple[list[LogEvent], list[LogEvent], list[str]]:
+    """The events of ``follow`` and ``follow_async`` (the given Redis clients: the async one
+    made on the loop) and every
+    store read they made, in order (``status`` or ``final``); 30 s at most each (a guard
+    against a follow that never ends: it ends without an ``end`` then)."""
+    reads: list[str] = []
+
+    def status() -> Any:
+        reads.append("status")
+        return client.store.get_summary(job_id)
+
+    def final() -> Any:
+        reads.append("final")
+        return client.store.get(job_id, inputs=False)
+
+    sync = list(follow(redis_sync, job_id, status, final, timeout_s=30, last_id=last_id))
+
+    async def collect() -> list[LogEvent]:
+        events: AsyncIterator[LogEvent] = follow_async(
+            redis_async(), job_id, status, final, timeout_s=30, last_id=last_id
+        )
+        return [e async for e in events]
+
+    asynced = on_loop(client, collect)
+    return sync, asynced, reads
+
+
+def xreads(server: RedisServer) -> int:
+    """XREADs the server took (``calls`` counts the failed ones too)."""
+    stats = redis.Redis.from_url(server.url).info("commandstats").get("cmdstat_xread", {})
+    return int(stats.get("calls", 0)) + int(stats.get("rejected_calls", 0))
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["running", "finished"])
+def test_an_id_redis_refuses_ends_the_follow_at_once(
+    client: Any, own_redis: RedisServer, finished: bool
+) -> None:
+    """A Last-Event-ID part over 2^64-1 (the API refuses it first: tests/test_ops_stack.py)
+    given to the followers: Redis answers the XREAD with an error, and each follow ends at
+    once with an ``end`` naming why: one XREAD and one status read each (the run's record
+    too when it has finished), never a retry loop that reads the store for an hour."""
+    job_id = queued(client)
+    if finished:
+        job = client.store.get(job_id, inputs=True).to_job()
+        client.store.finish(
+            client._ended(job, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE, "gone"), worker="t"
+        )
+    before = xreads(own_redis)
+    sync, asynced, reads = both_follows(
+        client, client._blocking, lambda: client.async_redis, job_id, "1-18446744073709551616"
+    )
+    assert xreads(own_redis) - before == 2, "one XREAD per follow"
+    assert reads == (["status", "final"] if finished else ["status"]) * 2, reads
+    assert asynced == sync and [e.event for e in sync] == ["end"], sync
+    end = json.loads(sync[0].data)
+    assert end["reason"] == "stream_refused" and "Last-Event-ID" in end["message"], end
+    assert end["status"] == ("failed" if finished else "queued"), end
+
+
+def test_a_redis_outage_ends_the_follow_after_bounded_retries(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis down (a loopback port nothing listens on; the studio's own Redis clients,
+    worker.redis_conn): each follow tries REDIS_RETRIES reads, one status read before each,
+    then ends with ``end`` reason redis_unavailable (the pause between tries shortened
+    here: its length is not what is tested)."""
+    from api_client import log_follower
+    from testkit.processes import free_port
+    from worker import redis_conn
+
+    monkeypatch.setattr(log_follower, "REDIS_PAUSE_S", 0.01)
+    monkeypatch.setattr(log_follower, "REDIS_PAUSE_MAX_S", 0.01)
+    settings = client.settings.model_copy(
+        update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}
+    )
+    down = redis_conn.client(settings, block_s=1.0)
+    job_id = queued(client)
+    sync, asynced, reads = both_follows(
+        client,
+        down,
+        lambda: redis_conn.async_client(settings, block_s=1.0),
+        job_id,
+    )
+    assert reads == ["status"] * log_follower.REDIS_RETRIES * 2, len(reads)
+    assert asynced == sync and [e.event for e in sync] == ["end"], sync
+    end = json.loads(sync[0].data)
+    assert end["reason"] == "redis_unavailable" and end["status"] == "queued", end
+
+
+def test_follow_marks_where_a_rerun_starts(client: Any) -> None:
+    """An attempt lost mid-character (its worker died: no end mark), then the re-run's
+    boundary (``{"rerun": "2"}``, as worker.job.log_publisher writes it) and its own text:
+    both followers yield the lost attempt's text, a ``rerun`` event with attempt 2, then
+    the second attempt's text (its first character whole: the lost attempt's half
+    character is dropped)."""
+    job_id = queued(client)
+    job = client.store.get(job_id, inputs=True).to_job()
+    client.store.finish(
+        client._ended(job, Status.FAILED, ErrorCode.RUNTIME_UNAVAILABLE, "x"), worker="t"
+    )
+    key = logs_key(job_id)
+    client.redis.xadd(key, {"d": b"attempt one caf\xc3"})  # its worker died: no end mark
+    client.redis.xadd(key, {"rerun": b"2"})
+    client.redis.xadd(key, {"d": b"\xc3\xa9 attempt two\n"})
+    client.redis.xadd(key, {"end": b"1"})
+    sync, asynced, _ = both_follows(client, client._blocking, lambda: client.async_redis, job_id)
+    assert asynced == sync
+    assert [(e.event, e.data) for e in sync][:4] == [
+        ("log", "attempt one caf"),
+        ("rerun", '{"attempt": 2}'),
+        ("log", "é attempt two\n"),
+        ("end", '{"status": "failed", "logs_truncated": false}'),
+    ], sync
 
 
 # --- WorkerRegistry / AsyncWorkerRegistry; _check_served / check_served_async ----------

@@ -134,8 +134,9 @@ def serve(
     settings: Settings, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info"
 ) -> None:
     """Run the app with uvicorn until SIGTERM / Ctrl-C, then return (after uvicorn's
-    graceful shutdown). Every log line, access log included, goes to stderr: stdout is
-    the CLI's one JSON object."""
+    graceful shutdown); its HTTP protocol stops reading a request head past its cap
+    (api_client.http.head_limit). Every log line, access log included, goes to stderr:
+    stdout is the CLI's one JSON object."""
     import copy
     import signal
 
@@ -151,10 +152,14 @@ def serve(
         # uvicorn re-raises the signal that stopped it once it has shut down; with this
         # handler that ends in a normal return instead of the process dying on SIGTERM.
         signal.signal(signal.SIGTERM, lambda *_: None)
+    from api_client.http.head_limit import bounded_http_protocol
+
     uvicorn.run(
         create_app(settings, bind_host=host),
         host=host,
         port=port,
+        # httptools, a head that grows past STUDIO_API_HEAD_MAX_BYTES refused while read
+        http=bounded_http_protocol(settings),
         log_level=log_level,
         log_config=log_config,
         proxy_headers=False,

@@ -17,9 +17,10 @@ Every error is ``{"error": {"code": "...", "message": "..."}}``: the executor's 
 (CODE_INVALID 400, RATE_LIMITED 429, CODE_NODES_DISABLED and RUNTIME_UNAVAILABLE 503) and
 the HTTP ones (REQUEST_INVALID 400/422, HOST_NOT_ALLOWED, HEADER_REPEATED and
 REQUEST_TOO_DEEP 400, UNAUTHENTICATED 401, NOT_FOUND 404, METHOD_NOT_ALLOWED 405,
-CONFLICT 409, REQUEST_TOO_LARGE 413, INTERNAL 500), the framework's own 404/405/422
-included. ``ErrorRoute`` gives a router's own errors the shape, inside the router, so a
-studio app that mounts the routes needs no exception handler of ours.
+CONFLICT 409, REQUEST_TOO_LARGE 413, HEADERS_TOO_LARGE 431, INTERNAL 500), the
+framework's own 404/405/422 included. ``ErrorRoute`` gives a router's own errors the shape,
+inside the router, so a studio app that mounts the routes needs no exception handler of
+ours.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 ``RequestLimits`` runs before FastAPI (which reads a body whole and parses it with the
 recursion-prone ``json`` module) and answers in the documented error shape, in order:
 
+    a header or the head over its cap 431 HEADERS_TOO_LARGE (STUDIO_API_HEADER_MAX_BYTES,
+                                                            STUDIO_API_HEAD_MAX_BYTES)
     Host not in the allow-list        400 HOST_NOT_ALLOWED  (DNS rebinding)
     an identity header sent twice     400 HEADER_REPEATED   (X-Studio-User, X-Studio-Admin,
                                                             Authorization, Host)
@@ -11,6 +13,11 @@ recursion-prone ``json`` module) and answers in the documented error shape, in o
                                                             byte is read; a chunked body
                                                             counted as it arrives)
     JSON nested deeper than the cap   400 REQUEST_TOO_DEEP  (STUDIO_API_JSON_MAX_DEPTH)
+
+The head's sizes are those of the head as the server received it (each header line as
+``name: value``, the request line as ``METHOD target HTTP/1.1``); a server must also stop
+reading a head that grows too large before it is whole: ``studio-code serve`` does
+(api_client.http.head_limit), a studio serving the routers sets its own server's limit.
 
 ``GET /healthz/live`` skips the Host and token checks: a liveness probe (Kubernetes sends
 the pod's IP as Host) must work with no secret, and it answers nothing but ``{"ok": true}``.
@@ -47,8 +54,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 REFUSED_TOTAL = Counter(
     "studio_code_http_refused",
-    "Requests the API refused before reading them, by error code (HOST_NOT_ALLOWED, "
-    "HEADER_REPEATED, UNAUTHENTICATED, REQUEST_TOO_LARGE, REQUEST_TOO_DEEP, REQUEST_INVALID).",
+    "Requests the API refused before reading them, by error code (HEADERS_TOO_LARGE, "
+    "HOST_NOT_ALLOWED, HEADER_REPEATED, UNAUTHENTICATED, REQUEST_TOO_LARGE, REQUEST_TOO_DEEP, "
+    "REQUEST_INVALID).",
     ["code"],
 )
 
@@ -64,6 +72,45 @@ SMALL_BODY_BYTES = 64 * 1024
 CODE_BODY_BYTES = 8 * 1024 * 1024
 #: a body up to this size is scanned for depth on the event loop; a larger one in a thread
 _INLINE_SCAN_BYTES = 256 * 1024
+
+
+HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"
+
+
+def head_too_large_message(size: int, limit: int, *, at_least: bool = False) -> str:
+    """The sentence of a 431 for a head of ``size`` bytes (``at_least``: still growing)."""
+    return (
+        f"The request's head (its request line and headers) is {size} bytes"
+        f"{' or more' if at_least else ''}, over the {limit} the API takes "
+        "(STUDIO_API_HEAD_MAX_BYTES): send fewer or smaller headers (a proxy or tracer "
+        "adding large ones may be the cause)."
+    )
+
+
+def head_refusal(scope: Scope, settings: Settings) -> tuple[int, str, str] | None:
+    """431 HEADERS_TOO_LARGE when a header line (``name: value``) is longer than
+    STUDIO_API_HEADER_MAX_BYTES or the head (request line and header lines, each with its
+    CRLF) than STUDIO_API_HEAD_MAX_BYTES; None when it fits."""
+    line_max = settings.api_header_max_bytes
+    target = len(scope.get("raw_path") or scope.get("path", "").encode())
+    query = scope.get("query_string", b"")
+    size = len(scope.get("method", "")) + 1 + target + (len(query) + 1 if query else 0) + 11
+    for name, value in scope.get("headers", ()):
+        line = len(name) + 2 + len(value)
+        if line > line_max:
+            shown = name.decode("latin-1")[:100]
+            return (
+                431,
+                HEADERS_TOO_LARGE,
+                f"The request's {shown!r} header is {line} bytes, over the {line_max} the "
+                "API takes for one header (STUDIO_API_HEADER_MAX_BYTES): send it smaller, "
+                "or not at all (a proxy or tracer adding a large one may be the cause).",
+            )
+        size += line + 2
+    size += 2
+    if size > settings.api_head_max_bytes:
+        return 431, HEADERS_TOO_LARGE, head_too_large_message(size, settings.api_head_max_bytes)
+    return None
 
 
 def body_cap(settings: Settings, method: str, path: str) -> int:
@@ -179,7 +226,7 @@ class RequestLimits:
         if path is None:  # not ours (a studio's own route)
             await self.app(scope, receive, send)
             return
-        refusal = self._check_headers(scope, path)
+        refusal = head_refusal(scope, self.settings) or self._check_headers(scope, path)
         if refusal is not None:
             await _respond(send, *refusal)
             return

@@ -10,7 +10,10 @@ thread of this job sends them in batches (one XADD per batch). A Redis that is d
 the live view only (logged once); the stored logs are written as always.
 
 Stream ``studio:logs:{job_id}``: entries ``{"d": <bytes>}``, then ``{"end": "1"}`` when the
-sandbox is done; it expires LIVE_TTL_S after its last entry.
+sandbox is done; it expires LIVE_TTL_S after its last entry. An attempt after the first (a
+re-run after a sandbox lost to the infrastructure, or a redelivery after a worker stopped)
+starts with ``{"rerun": "<attempt>"}``, so a reader can tell the earlier attempt's text from
+the one that counts (api_client.log_follower's ``rerun`` event).
 """
 
 from __future__ import annotations
@@ -112,11 +115,17 @@ def add_end_mark(pipe: Any, job_id: str) -> None:
 
 
 @contextmanager
-def publishing(client: Any, job_id: str, *, end_mark: bool = True) -> Iterator[LivePublisher]:
+def publishing(
+    client: Any, job_id: str, *, end_mark: bool = True, attempt: int = 1
+) -> Iterator[LivePublisher]:
     """Publish what the job prints while the block runs (the runtime reads LOG_TAP). With
     ``end_mark=False`` the caller writes the end mark (``add_end_mark``) with its next
-    round trip: most nodes print nothing, and the mark alone was a round trip per job."""
+    round trip: most nodes print nothing, and the mark alone was a round trip per job.
+    ``attempt`` > 1 (a re-run) first writes the attempt boundary (one round trip, re-runs
+    only), before any of this attempt's pieces."""
     publisher = LivePublisher(client, job_id, end_mark=end_mark)
+    if attempt > 1:
+        publisher._send({"rerun": str(attempt)})
     token = LOG_TAP.set(publisher.write)
     try:
         yield publisher

@@ -425,7 +425,7 @@ def _execute(state: ProcessState, rec: JobRecord, flagged: bool | None) -> CodeR
         else:
             with (
                 _metrics_context(metrics.sandbox_running, job.language),
-                publishing(state.redis, rec.job_id, end_mark=False),
+                publishing(state.redis, rec.job_id, end_mark=False, attempt=rec.attempts),
             ):  # live logs, flushed before finish; the end mark goes with the done notice
                 state.owes_end_mark = True
                 result = state.executor.run(job, should_cancel=watch)

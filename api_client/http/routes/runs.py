@@ -38,7 +38,26 @@ from executor.errors import ErrorCode
 from executor.models import Status
 
 router = APIRouter(route_class=ErrorRoute)
-_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
+_STREAM_ID = re.compile(r"(\d{1,20})-(\d{1,20})")
+#: each part of a Redis stream id is an unsigned 64-bit number
+_STREAM_PART_MAX = 2**64 - 1
+
+
+def stream_id_refusal(value: str) -> str | None:
+    """Why ``value`` is not a Last-Event-ID this stream could have sent (None: it is):
+    ``<ms>-<seq>``, each part a number of at most 2^64-1, as Redis takes it."""
+    m = _STREAM_ID.fullmatch(value)
+    if m is None:
+        return (
+            "Last-Event-ID is not an event id of this stream (<number>-<number>): "
+            "reconnect without it to start from the beginning."
+        )
+    if any(int(part) > _STREAM_PART_MAX for part in m.groups()):
+        return (
+            f"Last-Event-ID {value!r} has a part over 2^64-1 ({_STREAM_PART_MAX}), so no "
+            "event of this stream has it: reconnect without it to start from the beginning."
+        )
+    return None
 
 
 @router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"], responses=ERRORS)
@@ -187,8 +206,12 @@ def list_runs(
             "description": "Without follow: the stored logs (JSON). With follow=1: Server-Sent "
             "Events, ``text/event-stream``: ``log`` events carry text as the node prints it (at "
             "most STUDIO_CODE_LOG_MAX_BYTES in all), ``truncated`` the stored logs' truncation "
-            "mark, and ``end`` (data: JSON status and logs_truncated) closes the stream once the "
-            "run has finished. A reconnect with Last-Event-ID resumes after that event.",
+            "mark, ``rerun`` (data: JSON attempt) where a re-run after an attempt lost to the "
+            "infrastructure starts (the text before it was the lost attempt's), and ``end`` "
+            "(data: JSON status and logs_truncated) closes the stream once the run has "
+            "finished, or with ``reason`` and ``message`` when the live view cannot go on "
+            "(stream_refused, redis_unavailable). A reconnect with Last-Event-ID resumes "
+            "after that event (each part of the id at most 2^64-1, else 422).",
             "content": {"application/json": {}, "text/event-stream": {}},
         },
     },
@@ -209,13 +232,9 @@ async def get_run_logs(
     from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
     last_id = request.headers.get("last-event-id") or "0-0"
-    if not _STREAM_ID.fullmatch(last_id):
-        raise ApiError(
-            422,
-            "REQUEST_INVALID",
-            "Last-Event-ID is not an event id of this "
-            "stream: reconnect without it to start from the beginning.",
-        )
+    refusal = stream_id_refusal(last_id)
+    if refusal is not None:
+        raise ApiError(422, "REQUEST_INVALID", refusal)
     # the client's pool: its read timeout waits longer than a follower's XREAD block
     client = services.client.async_redis
     store = services.client.store
