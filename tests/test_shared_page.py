@@ -17,12 +17,13 @@ def test_a_reader_in_another_process_never_takes_half_a_write() -> None:
     payloads = [bytes([n]) * page.capacity() for n in (1, 2)]  # two full, different slots
     page.write(1, payloads[0])
     child = os.fork()
-    if child == 0:  # the writer: both payloads in turn, as fast as it can
+    if child == 0:  # the writer: both payloads in turn, a write every millisecond or so
         try:
             n = 0
             while True:
                 page.write(1, payloads[n % 2])
                 n += 1
+                time.sleep(0.001)  # a reader that never gets between two writes reads None
         finally:
             os._exit(0)
     try:

@@ -24,6 +24,7 @@ import threading
 import time
 
 _HEAD = struct.Struct("<QI")
+_SEQ, _LEN = struct.Struct("<Q"), struct.Struct("<I")
 #: a payload of one double (``write_float``, ``read_float``)
 _FLOAT = struct.Struct("<d")
 READ_TRIES = 20
@@ -55,9 +56,13 @@ class SharedPage:
         with self._writing:
             seq = _HEAD.unpack_from(self._mem, at)[0]
             begin = seq + 1 if seq % 2 == 0 else seq + 2  # odd: being written
-            _HEAD.pack_into(self._mem, at, begin, len(payload))
+            # Each field copied in as bytes, never with struct.pack_into: CPython's pack_into
+            # zero-fills the whole struct before it writes the fields, so a reader could
+            # take (an even sequence, length 0) in between and return an empty payload.
+            self._mem[at : at + _SEQ.size] = _SEQ.pack(begin)
+            self._mem[at + _SEQ.size : at + _HEAD.size] = _LEN.pack(len(payload))
             self._mem[at + _HEAD.size : at + _HEAD.size + len(payload)] = payload
-            _HEAD.pack_into(self._mem, at, begin + 1, len(payload))
+            self._mem[at : at + _SEQ.size] = _SEQ.pack(begin + 1)
         return True
 
     def read(self, index: int) -> bytes | None:
