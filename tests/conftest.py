@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in slow_modules)  # stable: the order within
     for item in items:
         if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
         used = service_markers(item, getattr(item, "fixturenames", []))
         for name in sorted(used):
             item.add_marker(name)
