@@ -54,8 +54,12 @@ demo: host install image ## run a sample Python node end to end in a fresh sandb
 	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code run examples/hello.py --state-file examples/state.json
 	STUDIO_ENABLE_CODE_NODES=1 $(VENV)/bin/studio-code run examples/hello.ts --state-file examples/state.json
 
+# The suite waits on containers and services far more than it computes: its modules run on
+# TEST_PROCS processes at once (pytest-xdist; each module on one process, a group of modules
+# that must not overlap on one process in turn: tests/conftest.py). TEST_PROCS=0: one process.
+TEST_PROCS ?= 3
 test: host install image ## the whole test suite against real Docker, Redis, Deno, SQLite, PostgreSQL
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(TEST_PROCS)),-n $(TEST_PROCS) --dist loadgroup --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # The markers are derived from the fixtures a test uses (tests/conftest.py): what is left
 # needs no Docker engine, redis-server, PostgreSQL, Deno nor Compose, only `make install`.

@@ -500,6 +500,17 @@ class Settings(BaseSettings):
         "supervisor to restart it (0: wait for ever). A store that goes down later pauses the "
         "worker for as long as it is down.",
     )
+    queue_pool_start_timeout_s: float = Field(
+        120,
+        gt=0,
+        le=3600,
+        description="Seconds a worker's pool process may take to start (open the run store, "
+        "connect the runtime, pre-start its sandboxes). A worker takes no job and is not "
+        "announced until its pool processes have started; one still starting after this long "
+        "stops the worker with an error for its supervisor to restart it. A pool process that "
+        "replaces another later is killed and started again after this long (Celery's "
+        "worker_proc_alive_timeout).",
+    )
     queue_probe_interval_s: float = Field(
         5,
         gt=0,

@@ -43,8 +43,20 @@ def service_markers(item: pytest.Item, fixturenames: list[str]) -> set[str]:
     return {marker for f in fixturenames for marker in table.get(f, ())}
 
 
+#: ``make test`` runs the suite on a few processes (pytest-xdist, ``--dist loadgroup``): each
+#: module is one unit of work, kept on one process in its order (its module-scoped stacks
+#: are made once), unless it names a group of its own with
+#: ``pytestmark = pytest.mark.xdist_group("name")``: the modules of one group run one after
+#: another on one process (never at the same time as each other). A new module joins with no
+#: edit. The modules that hold a test marked ``slow`` are handed out first, so the longest
+#: ones do not start last.
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_modules)  # stable: the order within
     for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
         used = service_markers(item, getattr(item, "fixturenames", []))
         for name in sorted(used):
             item.add_marker(name)
@@ -138,21 +150,23 @@ def _docker_client():  # type: ignore[no-untyped-def]
         return None
 
 
-@pytest.fixture(scope="session")
-def docker_client():  # type: ignore[no-untyped-def]
-    client = _docker_client()
-    require(client is not None, "no Docker engine reachable")
-    before = {c["Id"] for c in client.api.containers(all=True, filters={"label": LABEL_OWNER})}
-    yield client
-    # The suite must leave no sandbox behind: whatever is left is a leak of the code path
-    # that made it, so report it as an error after removing it. A container still being
-    # removed by its runtime gets a moment to go.
+#: the name of this process in an xdist run (``gw0``...; None: a run on one process)
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _sandboxes(client) -> list[dict]:  # type: ignore[no-untyped-def]
+    return list(client.api.containers(all=True, filters={"label": LABEL_OWNER}))
+
+
+def _left_behind(client, before: set[str], ours_if_gone: bool) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The sandboxes this session made that are still there (not in ``before``), removed;
+    a container still being removed by its runtime gets a moment to go."""
     left: list[dict] = []
     for _ in range(20):
         left = [
             c
-            for c in client.api.containers(all=True, filters={"label": LABEL_OWNER})
-            if c["Id"] not in before and _made_by_this_session(c)
+            for c in _sandboxes(client)
+            if c["Id"] not in before and _made_by_this_session(c, ours_if_gone)
         ]
         if not left:
             break
@@ -162,8 +176,53 @@ def docker_client():  # type: ignore[no-untyped-def]
             client.api.remove_container(c["Id"], force=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
+    return left
+
+
+@pytest.fixture(scope="session")
+def docker_client():  # type: ignore[no-untyped-def]
+    client = _docker_client()
+    require(client is not None, "no Docker engine reachable")
+    before = {c["Id"] for c in _sandboxes(client)}
+    yield client
+    # The suite must leave no sandbox behind: whatever is left is a leak of the code path
+    # that made it, so report it as an error after removing it. In an xdist process, only
+    # those of its own live processes: one of a process that is gone may be another xdist
+    # process's, still being cleaned up by its test; the controller looks for those once
+    # every process has ended (``pytest_sessionfinish``).
+    left = _left_behind(client, before, ours_if_gone=XDIST_WORKER is None)
     client.close()
     assert not left, f"sandbox containers left behind: {[c['Names'] for c in left]}"
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    return config.pluginmanager.has_plugin("dsession") and not hasattr(config, "workerinput")
+
+
+_BEFORE = pytest.StashKey[set[str]]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _xdist_controller(session.config) and (client := _docker_client()) is not None:
+        session.config.stash[_BEFORE] = {c["Id"] for c in _sandboxes(client)}
+        client.close()
+
+
+@pytest.hookimpl(tryfirst=True)  # before the terminal's summary
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In the controller of an xdist run, the sandboxes of gone processes left by the run."""
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None or (client := _docker_client()) is None:
+        return
+    left = _left_behind(client, before, ours_if_gone=True)
+    client.close()
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(
+                f"ERROR: sandbox containers left behind: {[c['Names'] for c in left]}", red=True
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _parent(pid: int) -> int:
@@ -173,15 +232,16 @@ def _parent(pid: int) -> int:
         return 0
 
 
-def _made_by_this_session(container: dict) -> bool:
-    """Started by this pytest process or one of its descendants (worker pools), or by a
-    process that is gone: another session's live sandboxes on a shared engine are not ours."""
+def _made_by_this_session(container: dict, ours_if_gone: bool = True) -> bool:
+    """Started by this pytest process or one of its descendants (worker pools), or (with
+    ``ours_if_gone``) by a process that is gone: another session's live sandboxes on a
+    shared engine are not ours."""
     host, _, pid_text = container["Labels"].get("studio.owner", "").rpartition(":")
     if host != socket.gethostname() or not pid_text.isdigit():
         return False
     pid = int(pid_text)
     if not Path(f"/proc/{pid}").exists():
-        return True
+        return ours_if_gone
     while pid > 1:
         if pid == os.getpid():
             return True

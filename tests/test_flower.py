@@ -113,21 +113,45 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
-@pytest.fixture(scope="module")
-def flower(stack: Stack) -> Iterator[Flower]:
-    """Flower, and the worker started beside it (Flower's first look finds none ready)."""
+@pytest.fixture(scope="module", params=["flower-first", "worker-first"])
+def flower(request: pytest.FixtureRequest, stack: Stack) -> Iterator[tuple[Flower, Any, bool]]:
+    """Flower and a worker beside it, started in either order (an operator starts them in
+    any), and Flower's event receiver subscribed (``subscribed``); the worker stops at the
+    end."""
     celery = flower_venv()
-    with Flower(celery, stack.redis_url, stack.workdir / "flower.log") as f:
-        # `studio-code worker` as the docs and deploy/compose.yaml start it: no -E
-        worker = stack.start_worker(f"fl{uuid.uuid4().hex[:6]}", 2, cli=True, ping=False)
-        worker.wait_ready(60, app=stack.client.app)
+    # `studio-code worker` as the docs and deploy/compose.yaml start it: no -E
+    name = f"fl{uuid.uuid4().hex[:6]}"
+    if request.param == "worker-first":
+        worker = stack.start_worker(name, 2, cli=True)
+    with Flower(celery, stack.redis_url, stack.workdir / f"flower-{request.param}.log") as f:
+        if request.param == "flower-first":  # Flower's first look finds no worker
+            worker = stack.start_worker(name, 2, cli=True, ping=False)
+            worker.wait_ready(60, app=stack.client.app)
         wait_for(f.answers, 60, "Flower's /healthcheck", 0.2)
-        yield f
+        subscribed(stack, f)
+        yield f, worker, request.param == "worker-first"
         f.http.close()
+    worker.stop()
 
 
-def test_flower_lists_succeeded_failed_and_revoked_nodes(stack: Stack, flower: Flower) -> None:
-    client, worker = stack.client, stack.workers[0]
+def subscribed(stack: Stack, flower: Flower) -> None:
+    """Until Flower lists a probe task event sent by this test: its receiver is subscribed
+    (Redis hands an event only to those subscribed when it is sent, so a job before this
+    could be missing from Flower whatever the worker sent)."""
+    probe = f"probe-{uuid.uuid4().hex[:8]}"
+    with stack.client.app.events.default_dispatcher(hostname="probe@test") as dispatcher:
+
+        def listed() -> bool:
+            dispatcher.send("task-received", uuid=probe, name="probe")
+            return probe in flower.tasks()
+
+        wait_for(listed, 60, "Flower's event receiver subscribed", 0.5)
+
+
+def test_flower_lists_succeeded_failed_and_revoked_nodes(
+    stack: Stack, flower: tuple[Flower, Any, bool]
+) -> None:
+    client, (fl, worker, worker_first) = stack.client, flower
     # Flower broadcasts enable_events every 5 s; the worker logs the first one it gets
     wait_for(
         lambda: "Events of group {task} enabled by remote" in worker.output(),
@@ -150,22 +174,25 @@ def test_flower_lists_succeeded_failed_and_revoked_nodes(stack: Stack, flower: F
 
     def listed() -> bool:
         nonlocal seen
-        seen = {j: t.get("state") for j, t in flower.tasks().items() if j in want}
+        seen = {j: t.get("state") for j, t in fl.tasks().items() if j in want}
         return seen == want
 
     wait_for(listed, 30, "Flower listing the three nodes", 0.3, describe=lambda: seen)
-    tasks = flower.tasks()
+    tasks = fl.tasks()
     # the failure is the node's: Flower shows the stored outcome's code and message
     assert "NodeFailed" in str(tasks[bad].get("exception")), tasks[bad]
     assert "CODE_ERROR" in str(tasks[bad].get("exception")), tasks[bad]
     assert {tasks[j].get("worker") for j in want} == {worker.node}, tasks
-    # and still no worker event (worker-online, worker-heartbeat: the heartbeat's publish
-    # is what stalled the event loop): Flower counts the worker's events by type
-    r = flower.http.get("/workers", params={"json": 1})
+    # and still no worker event of Celery's heart (worker-online, a worker-heartbeat every
+    # 2 s: the heartbeat's publish is what stalled the event loop): Flower counts the
+    # worker's events by type. A worker already running when Flower starts answers its
+    # receiver's wake-up (the `heartbeat` broadcast) with one worker-heartbeat.
+    r = fl.http.get("/workers", params={"json": 1})
     assert r.status_code == 200, r.text
     mine = [w for w in r.json()["data"] if w.get("hostname") == worker.node]
     assert mine and mine[0].get("task-succeeded"), r.json()
-    assert not [k for k in mine[0] if k.startswith("worker-")], mine[0]
+    woken = {"worker-heartbeat": 1} if worker_first else {}
+    assert {k: n for k, n in mine[0].items() if k.startswith("worker-")} in ({}, woken), mine[0]
 
 
 # --- task events while Redis is silent -------------------------------------------------------

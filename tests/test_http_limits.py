@@ -624,6 +624,18 @@ def _wait_for_jobs(
     )
 
 
+def _each_call_ended(stack: Stack, user: str, queued: int, burst: Burst) -> None:
+    """Until each call of ``burst`` queued its run (``queued``: the user's runs before) or
+    was answered."""
+    wait_for(
+        lambda: len(job_ids(stack, {user})) - queued + len(burst.answered) >= IN_FLIGHT,
+        60,
+        "each call of the burst queued or answered",
+        0.2,
+        describe=lambda: burst.answered[:5],
+    )
+
+
 @pytest.mark.docker
 @pytest.mark.redis
 def test_the_in_flight_cap_is_429_and_a_disconnect_gives_the_slot_back(stack: Stack) -> None:
@@ -648,11 +660,14 @@ def test_the_in_flight_cap_is_429_and_a_disconnect_gives_the_slot_back(stack: St
     finally:
         burst.disconnect()
         assert burst.join(30), "the waiting calls did not end"
-    # every slot came back: the user may wait on IN_FLIGHT calls again
-    deadline = time.monotonic() + 10
+    # every slot came back: the user may wait on IN_FLIGHT calls again. Each call of a
+    # burst is seen to its end first (its run queued, or answered): on a loaded machine a
+    # call cut off before it reached the API would prove nothing
+    deadline = time.monotonic() + 60
     while True:
+        queued = len(job_ids(stack, {user}))
         again = Burst(stack, [(user, body)] * IN_FLIGHT)
-        time.sleep(1)
+        _each_call_ended(stack, user, queued, again)
         again.disconnect()
         assert again.join(30)
         codes = [getattr(x, "status_code", None) for x in again.results]

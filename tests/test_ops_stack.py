@@ -37,7 +37,10 @@ pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
 
 class EventLog:
-    """Celery events as a real receiver gets them (a thread of this test)."""
+    """Celery events as a real receiver gets them (a thread of this test). Ready once it got
+    its first event (the worker's, started with -E, beat every 2 s): Redis hands events to
+    whoever subscribed when they were sent, so a job submitted before the receiver's
+    subscription would have no events at all."""
 
     def __init__(self, broker: str) -> None:
         from celery import Celery
@@ -48,12 +51,15 @@ class EventLog:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        assert self._ready.wait(10), "the event receiver did not start"
+        assert self._ready.wait(60), "the event receiver got no event (not even a heartbeat)"
+
+    def _got(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        self._ready.set()
 
     def _run(self) -> None:
         with self.app.connection() as conn:
-            self._receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
-            self._ready.set()
+            self._receiver = self.app.events.Receiver(conn, handlers={"*": self._got})
             self._receiver.capture(limit=None, timeout=None, wakeup=False)
 
     def of(self, job_id: str) -> list[str]:

@@ -857,7 +857,9 @@ def test_without_a_cgroup_the_run_still_ends_whole_and_meta_says_so(make_setting
 
 # --- a server that is not root: what meta claims is what a run can do ---------------------
 
-SERVER_UID = 300123  # no account, outside the run range
+#: no account, outside the run range (and test_subprocess_landlock's), one per test session:
+#: a test counts every process of this uid, so two sessions on one machine must not share it
+SERVER_UID = 310_000 + os.getpid() % 10_000
 
 #: a run of the non-root server: starts a setsid() grandchild, says which pid namespace it
 #: is in, waits for the pids the test found (the server, the other run), then reports what

@@ -104,7 +104,7 @@ def worker_app(settings: Settings) -> StudioCelery:
     from worker import gate, outcomes
     from worker.consumer import pause, slots
     from worker.job import tasks
-    from worker.upkeep import broker_watch, heartbeat, owner
+    from worker.upkeep import broker_watch, heartbeat, owner, pool_start
 
     vis = visibility_timeout_s(settings)
     if vis < settings.code_max_seconds + KILL_GRACE_S:
@@ -126,6 +126,11 @@ def worker_app(settings: Settings) -> StudioCelery:
     # The main process's loops, store, Redis client and runtime: the gate's probe, the
     # janitor (reaper, revoke backstop, queued sweep, retention), the parked-result flush.
     app.steps["worker"].add(owner.UpkeepStep)
+    # The consumer (jobs, pings, the heartbeat) starts once every pool process has started;
+    # Celery kills a replacing one that is not up by then (its default: 4 s, which a loaded
+    # host's pre-start can take)
+    app.steps["worker"].add(pool_start.PoolStartStep)
+    app.conf.worker_proc_alive_timeout = settings.queue_pool_start_timeout_s
     # Announces the worker per queue, "paused" with the gate's reason while the gate is
     # closed (its store or runtime is down), so the API refuses what no worker would take.
     app.context.not_serving_reason = gate.pause_reason

@@ -33,7 +33,7 @@ from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import Ended, JobRecord, RunStore, open_store
-from worker import fair, gate, metrics, parked, poison, preimport, redis_conn
+from worker import fair, gate, metrics, parked, poison, pool_start, preimport, redis_conn
 from worker import tracing as worker_tracing
 from worker.cancel import CancelWatch
 from worker.context import studio_app
@@ -179,6 +179,13 @@ def _on_process_init(**_: Any) -> None:
     app = studio_app(current_app._get_current_object())
     if app is None:
         return
+    try:
+        _start_process(app)
+    finally:  # its errors are its first job's to report: it did start
+        pool_start.mark_started()
+
+
+def _start_process(app: Any) -> None:
     forked.release_inherited_sockets()  # before this process makes any of its own
     try:
         state = process_state(app)

@@ -10,7 +10,8 @@ limit minus what was imported for it. This module shows how much that is.
   image changes) is watched on a thread of its own, off every job's path. Its runner is done
   importing when it blocks reading its stdin: the host sees that as the sandbox's CPU time
   (cgroup ``cpuacct.usage`` / ``cpu.stat``) not growing for ``QUIET_S``. A sandbox taken by
-  a job before then, or meanwhile, is not measured (the next one is).
+  a job before then, or meanwhile, is not measured (the next one is); one still idle that
+  could not be read (a loaded host) is measured again, ``ATTEMPTS`` times at most.
 - **What**: the cgroup's anonymous memory (v1 ``memory.stat`` ``total_rss``, v2 ``anon``):
   what the interpreter and its imports hold privately. The file cache of the modules read is
   left out: pages of the image's files are shared between sandboxes and charged to whichever
@@ -107,6 +108,9 @@ QUIET_S = 0.5
 POLL_S = 0.1
 #: the longest the measurement waits for a sandbox to go quiet (a loaded host, heavy imports)
 SETTLE_TIMEOUT_S = 120.0
+#: measurements of one idle sandbox that could not be read, before waiting for the next one
+ATTEMPTS = 5
+RETRY_S = 1.0
 
 #: by pool, then language: the figures shown, and the image id they were measured on
 _figures: weakref.WeakKeyDictionary[MeasuredPool[Any], dict[str, dict[str, Any]]] = (
@@ -215,28 +219,44 @@ def _measure(pool: MeasuredPool[S], p: S) -> None:
         if usage.of(p.cid) is None:
             _record(pool, p, None, None, UNREADABLE)
             return
-        got = _idle_reading(pool, p)
-        if got is None:
-            return  # taken or ended first: the next sandbox started is measured
-        idle, source = got
-        without: int | None = idle
-        if pool.preimports(p.language):
-            if pool.closing():
-                return  # a closing pool starts nothing more (its drain may be over)
-            bare = pool.start_aside(p.language)
-            try:  # never in the pool's idle queue: no job can take it
-                base = _bare_reading(pool, bare)
-            finally:
-                pool.release(bare)
-            if base is None:
+        for attempt in range(1, ATTEMPTS + 1):
+            if _measure_once(pool, p):
                 return
-            without = base
-        _record(pool, p, idle, without, f"host, {source} memory.stat anonymous memory")
+            if not pool.is_idle(p) or pool.closing():
+                return  # taken or ended first: the next sandbox started is measured
+            # still idle, not read this time (a loaded host: not quiet in time, nothing
+            # resident yet, its bare twin not read): no other sandbox may be started for a
+            # long while (none is taken), so this one is measured again
+            log.debug("pre-import memory of %s not read (attempt %d)", p.language, attempt)
+            time.sleep(RETRY_S)
     except Exception as e:  # noqa: BLE001 - a figure never fails the pool
         log.debug("pre-import memory of %s not measured: %s", p.language, e)
     finally:
         with _lock:
             _measuring.discard((id(pool), p.language))
+
+
+def _measure_once(pool: MeasuredPool[S], p: S) -> bool:
+    """One measurement of idle ``p`` (and of a bare twin when it pre-imports); whether its
+    figures were recorded."""
+    got = _idle_reading(pool, p)
+    if got is None:
+        return False
+    idle, source = got
+    without: int | None = idle
+    if pool.preimports(p.language):
+        if pool.closing():
+            return False  # a closing pool starts nothing more (its drain may be over)
+        bare = pool.start_aside(p.language)
+        try:  # never in the pool's idle queue: no job can take it
+            base = _bare_reading(pool, bare)
+        finally:
+            pool.release(bare)
+        if base is None:
+            return False
+        without = base
+    _record(pool, p, idle, without, f"host, {source} memory.stat anonymous memory")
+    return True
 
 
 def _bare_reading(pool: MeasuredPool[S], bare: S) -> int | None:
