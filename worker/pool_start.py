@@ -10,21 +10,22 @@ while the jobs handed to that process wait for ever. So the main process waits f
 first pool process to say it started (worker.upkeep.pool_start) before its consumer starts:
 no job is taken, no ping answered and no heartbeat sent before then.
 
-The page: one 4-byte pid per pool process index (Celery's, 0..N-1), written by that process
-at the end of its start; an anonymous mmap made in the main process before the pool forks
-(MAP_SHARED: every pool process sees the same page).
+The page: the worker's shared page (worker.shared_page, the one protocol between its
+processes), one slot per pool process index (Celery's, 0..N-1) holding the pid that process
+wrote at the end of its start.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
+
+from worker.shared_page import SharedPage
 
 #: pool process indexes with a slot (a larger one is not waited for)
 SLOTS = 1024
 _PID = struct.Struct("<I")
-_page = mmap.mmap(-1, SLOTS * _PID.size)
+_page = SharedPage(SLOTS, 16)
 
 
 def mark_started(index: int | None = None) -> None:
@@ -36,11 +37,14 @@ def mark_started(index: int | None = None) -> None:
         index = current_process_index(base=0)
         if index is None:
             return  # not a pool process (solo, threads): nothing waits for it
-    if 0 <= index < SLOTS:
-        _PID.pack_into(_page, index * _PID.size, os.getpid())
+    _page.write(index, _PID.pack(os.getpid()))  # no slot past SLOTS: not waited for
 
 
 def started_pids() -> set[int]:
     """The pids the pool processes wrote as they started (main process)."""
-    pids = (_PID.unpack_from(_page, i * _PID.size)[0] for i in range(SLOTS))
-    return {pid for pid in pids if pid}
+    out = set()
+    for i in range(SLOTS):
+        data = _page.read(i)
+        if data is not None and len(data) == _PID.size:
+            out.add(_PID.unpack(data)[0])
+    return out
