@@ -369,6 +369,7 @@ class CodeClient:
         kind: str,
         memory: str | int | None = None,
         cpus: float | None = None,
+        retry: Any = None,
     ) -> CodeJob:
         if kind not in ("run", "test"):
             raise CodeInvalid(
@@ -387,6 +388,8 @@ class CodeClient:
             user=user,
             memory_bytes=inputs.memory_bytes(memory),
             cpus=cpus,
+            # the node's own policy, else the server's default (STUDIO_CODE_RETRY)
+            retry=parse_policy(retry) if retry is not None else self.settings.retry_policy,
         )
         self.executor.check_job(job, language=offered, state_checked=True)
         return job
@@ -408,6 +411,7 @@ class CodeClient:
         traceparent: str | None = None,
         tracestate: str | None = None,
         idempotency_key: str | None = None,
+        retry: Any = None,
     ) -> str:
         """Queue one Code-node call; returns its job id.
 
