@@ -77,10 +77,10 @@ class Backoff(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    initial_s: float = Field(1.0, ge=0.0, le=MAX_RETRY_DELAY_S)
-    factor: float = Field(2.0, ge=1.0, le=10.0)
-    max_s: float = Field(60.0, ge=0.0, le=MAX_RETRY_DELAY_S)
-    jitter: float = Field(0.1, ge=0.0, le=1.0)
+    initial_s: float = Field(default=1.0, ge=0.0, le=MAX_RETRY_DELAY_S)
+    factor: float = Field(default=2.0, ge=1.0, le=10.0)
+    max_s: float = Field(default=60.0, ge=0.0, le=MAX_RETRY_DELAY_S)
+    jitter: float = Field(default=0.1, ge=0.0, le=1.0)
 
 
 class RetryPolicy(BaseModel):
@@ -90,7 +90,7 @@ class RetryPolicy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_attempts: int = Field(2, ge=1, le=MAX_RETRY_ATTEMPTS)
+    max_attempts: int = Field(default=2, ge=1, le=MAX_RETRY_ATTEMPTS)
     backoff: Backoff = Field(default_factory=lambda: Backoff())
     on: tuple[ErrorCode, ...] = (ErrorCode.CODE_TIMEOUT, ErrorCode.CODE_MEMORY)
 

@@ -30,8 +30,8 @@ from executor.models import (
 
 ALLOWED = ", ".join(c.value for c in RETRYABLE_CODES)
 _SHAPE = (
-    '{"max_attempts": 1..%d, "backoff": {"initial_s", "factor" (1..10), "max_s" (each '
-    '0..%g s), "jitter" (0..1)}, "on": [%s]}' % (MAX_RETRY_ATTEMPTS, MAX_RETRY_DELAY_S, ALLOWED)
+    f'{{"max_attempts": 1..{MAX_RETRY_ATTEMPTS}, "backoff": {{"initial_s", "factor" (1..10), '
+    f'"max_s" (each 0..{MAX_RETRY_DELAY_S:g} s), "jitter" (0..1)}}, "on": [{ALLOWED}]}}'
 )
 
 

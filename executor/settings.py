@@ -576,7 +576,7 @@ class Settings(BaseSettings):
         return v
 
     @property
-    def retry_policy(self) -> "RetryPolicy | None":
+    def retry_policy(self) -> RetryPolicy | None:
         """STUDIO_CODE_RETRY as a policy (None: off)."""
         from executor.retry import parse_policy
 

@@ -183,9 +183,11 @@ def test_a_node_out_of_memory_once_passes_with_more_memory(stack: Stack) -> None
     # the second attempt ran under twice the memory: its sandbox says so from inside
     assert done["output"] == {"limit": 256 * MB}, done
     first, second = done["history"]
-    assert (first["attempt"], first["code"], first["memory_bytes"]) == (1, "CODE_MEMORY", 128 * MB)
-    assert first["usage"]["memory_peak_bytes"] > 100 * MB and first["next_memory_bytes"] == 256 * MB
-    assert (second["attempt"], second["status"], second["memory_bytes"]) == (2, "succeeded", 256 * MB)
+    assert (first["attempt"], first["code"]) == (1, "CODE_MEMORY")
+    assert first["memory_bytes"] == 128 * MB and first["next_memory_bytes"] == 256 * MB
+    assert first["usage"]["memory_peak_bytes"] > 100 * MB
+    assert (second["attempt"], second["status"]) == (2, "succeeded")
+    assert second["memory_bytes"] == 256 * MB
     assert done["memory_bytes"] == 256 * MB and done["attempts"] == 2
     assert any("asked for 256 MiB" in w for w in done["warnings"]), done["warnings"]
     assert [t["step"] for t in done["trace"]].count("attempt") == 1

@@ -148,7 +148,8 @@ class RunWaiting(BaseModel):
         description="no_worker: no live worker serves its queue; other_store: the only ones "
         "use another run store; workers_paused: every worker of its queue is paused "
         "(``paused``); retry_delay: its last attempt failed and its next one waits out "
-        "the retry policy's delay until ``not_before``; user_cap: its user has STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, "
+        "the retry policy's delay until ``not_before``; user_cap: its user has "
+        "STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, "
         "it goes when one of them ends; fairness: it waits for its user's turn; queue: it "
         "waits in its queue for a free slot; taken: a worker is starting it."
     )

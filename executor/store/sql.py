@@ -560,7 +560,8 @@ class SqlRunStore(RunStore):
     def due_retries(self, *, limit: int = 500) -> list[QueuedJob]:
         params = {"now": _utcnow().timestamp(), "lim": max(0, int(limit))}
         with self._read() as conn:
-            return [QueuedJob(r.job_id, r.kind, r.queued_at) for r in conn.execute(st.SELECT_DUE, params)]
+            found = conn.execute(st.SELECT_DUE, params)
+            return [QueuedJob(r.job_id, r.kind, r.queued_at) for r in found]
 
     def mark_retry_sent(self, job_id: str) -> bool:
         with self._write() as conn:
