@@ -110,8 +110,8 @@ jobs = Table(
     Column("retry", SafeText, nullable=True),
     Column("history", SafeText, nullable=True),
     Column("not_before_ts", Double, nullable=True),
-    Column("retry_sent", Boolean, nullable=False, default=False, server_default=false()),
-    Column("claims_before", Integer, nullable=False, default=0, server_default="0"),
+    Column("retry_sent", Boolean, nullable=False, server_default=false()),
+    Column("claims_before", Integer, nullable=False, server_default="0"),
     Index("ix_code_jobs_status", "status"),
     # Run history, newest first, with a keyset cursor: all runs (admins) and one user's.
     Index("ix_code_jobs_queued", "queued_at", "job_id"),

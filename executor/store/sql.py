@@ -640,10 +640,12 @@ class SqlRunStore(RunStore):
         cutoff_ts = _utcnow().timestamp() - older_than_s
         cutoff = datetime.fromtimestamp(cutoff_ts, UTC)
         # a retry's attempt counts from when it was due (its not_before_ts), not from the
-        # run's first queueing: one still held by its delay is never listed
+        # run's first queueing, and only once the retry sweep sent it (retry_sent): one
+        # held by its delay, or due and not sent yet, is the retry sweep's
+        # (worker.upkeep.retry_due), never sent twice by both
         waited = or_(
             and_(jobs.c.not_before_ts.is_(None), jobs.c.queued_at < cutoff),
-            jobs.c.not_before_ts < cutoff_ts,
+            and_(jobs.c.retry_sent.is_(True), jobs.c.not_before_ts < cutoff_ts),
         )
         stmt = (
             select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at)

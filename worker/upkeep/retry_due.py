@@ -5,7 +5,8 @@ Every worker's janitor looks every STUDIO_QUEUE_RETRY_TICK_S: queued rows whose
 UPDATE (``mark_retry_sent``) makes one sweep the sender, which then sends the message (an
 early message is refused by ``claim`` anyway). A sweep that dies between the two leaves a
 queued row without a message: the lost-message sweep (worker.upkeep.queued) sends it again
-STUDIO_QUEUE_LOST_AFTER_S after it was due, as for any lost message.
+STUDIO_QUEUE_LOST_AFTER_S after it was due, as for any lost message. Until a sweep marked
+it, the lost-message sweep leaves it alone (``list_queued``), so the two never both send it.
 """
 
 from __future__ import annotations
