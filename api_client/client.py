@@ -264,6 +264,7 @@ class CodeClient:
                 position=lambda: why_waiting.queue_position(self.redis, queue, rec.job_id),
                 done_lately=lambda: self.store.finished_since(rec.kind, why_waiting.since_window()),
                 not_before_ts=rec.not_before_ts,
+                retry_sent=rec.retry_sent,
             )
         except redis.RedisError as e:
             log.warning("why job %s waits is unknown (%s)", rec.job_id, e)

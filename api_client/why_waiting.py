@@ -97,6 +97,7 @@ def explain(
     position: Any,
     done_lately: Any,
     not_before_ts: float | None = None,
+    retry_sent: bool = False,
     now_ts: float | None = None,
 ) -> WhyWaiting:
     """The reason from what was read: the queue's live workers, the run's place on its
@@ -141,14 +142,19 @@ def explain(
             **base,
         )
     now = datetime.now(UTC).timestamp() if now_ts is None else now_ts
-    if not_before_ts is not None and not_before_ts > now:
+    if not_before_ts is not None and not retry_sent:
         at = datetime.fromtimestamp(not_before_ts, UTC)
-        wait = not_before_ts - now
+        wait = max(0.0, not_before_ts - now)
+        then = (
+            f"in {wait:.1f} s), then goes to {queue}"
+            if wait > 0
+            else f"passed): a worker's sweep sends it to {queue} within "
+            "STUDIO_QUEUE_RETRY_TICK_S"
+        )
         return WhyWaiting(
             held_by="retry_delay",
             reason=f"Its last attempt failed with an outcome its retry policy retries; the "
-            f"next attempt waits out the policy's delay until {at.isoformat()} (in "
-            f"{wait:.1f} s), then goes to {queue}.",
+            f"next attempt waits out the policy's delay until {at.isoformat()} ({then}.",
             **base,
             not_before=at,
             estimate_s=round(wait, 1),

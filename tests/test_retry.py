@@ -66,6 +66,37 @@ def test_the_policy_is_a_closed_list_with_bounds() -> None:
     assert more_memory(256 * mb, 256 * mb, 256 * mb) == 256 * mb
 
 
+def test_why_it_waits_names_the_retry_delay() -> None:
+    """``explain`` (api_client.why_waiting) with a live worker: a run waiting out its delay,
+    or due and not sent yet, is ``retry_delay``; once sent, its place in its queue."""
+    from api_client.why_waiting import explain
+    from worker.registry import WorkerInfo
+
+    live = [WorkerInfo(nodename="w@h", queue="code.run", slots=1)]
+
+    def why(**retry: Any) -> Any:
+        return explain(
+            queue="code.run",
+            job_id="j",
+            infos=live,
+            store_id="",
+            fair=None,
+            position=lambda: 0,
+            done_lately=lambda: 0,
+            now_ts=1000.0,
+            **retry,
+        )
+
+    held = why(not_before_ts=1012.5)
+    assert (held.held_by, held.estimate_s) == ("retry_delay", 12.5)
+    assert held.not_before is not None and held.not_before.timestamp() == 1012.5
+    assert "in 12.5 s" in held.reason
+    due = why(not_before_ts=999.0)
+    assert due.held_by == "retry_delay" and "STUDIO_QUEUE_RETRY_TICK_S" in due.reason
+    assert why(not_before_ts=999.0, retry_sent=True).held_by == "queue"
+    assert why().held_by == "queue"
+
+
 # --- the store form: SQLite and PostgreSQL ---------------------------------------------------
 
 
