@@ -148,8 +148,7 @@ def explain(
         then = (
             f"in {wait:.1f} s), then goes to {queue}"
             if wait > 0
-            else f"passed): a worker's sweep sends it to {queue} within "
-            "STUDIO_QUEUE_RETRY_TICK_S"
+            else f"passed): a worker's sweep sends it to {queue} within STUDIO_QUEUE_RETRY_TICK_S"
         )
         return WhyWaiting(
             held_by="retry_delay",
