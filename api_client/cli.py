@@ -342,6 +342,9 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         code, state = _read_code(args.file), _read_state(args, settings)
         timeout = _timeout(args, settings)
         _limits(args, settings)
+        from executor.retry import parse_policy
+
+        retry = parse_policy(args.retry)
     except StudioCodeError as e:
         _print(
             _refusal("submit", e.code, e.message, runtime=settings.code_runtime, language=language)
@@ -359,6 +362,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
                 memory=args.memory,
                 cpus=args.cpus,
                 idempotency_key=args.idempotency_key,
+                retry=retry,
             )
         except StudioCodeError as e:
             from executor.models import Status
@@ -636,6 +640,14 @@ def _queue_commands(sub: Any) -> None:
         default=None,
         help="this submit's key (e.g. a UUID): the same key and request again, by the same "
         "user, within STUDIO_IDEMPOTENCY_TTL_S, give the first job, never a second",
+    )
+    submit.add_argument(
+        "--retry",
+        default=None,
+        metavar="JSON",
+        help='the node\'s retry policy, e.g. \'{"max_attempts": 3, "on": ["CODE_MEMORY"]}\' '
+        "(only CODE_TIMEOUT, CODE_MEMORY, CODE_ERROR; a CODE_MEMORY retry asks for more "
+        "memory up to STUDIO_CODE_MAX_MEMORY); default STUDIO_CODE_RETRY (off)",
     )
     _limit_args(submit)
     submit.add_argument("--wait", action="store_true", help="wait for the result; print it")

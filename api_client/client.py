@@ -38,6 +38,7 @@ from executor.errors import (
 )
 from executor.languages.base import Problem
 from executor.models import CodeJob, CodeResult, Kind, Status
+from executor.retry import parse_policy
 from executor.service import Executor
 from executor.settings import Settings
 from executor.store import (
@@ -262,6 +263,8 @@ class CodeClient:
                 fair=fair,
                 position=lambda: why_waiting.queue_position(self.redis, queue, rec.job_id),
                 done_lately=lambda: self.store.finished_since(rec.kind, why_waiting.since_window()),
+                not_before_ts=rec.not_before_ts,
+                retry_sent=rec.retry_sent,
             )
         except redis.RedisError as e:
             log.warning("why job %s waits is unknown (%s)", rec.job_id, e)
@@ -367,6 +370,7 @@ class CodeClient:
         kind: str,
         memory: str | int | None = None,
         cpus: float | None = None,
+        retry: Any = None,
     ) -> CodeJob:
         if kind not in ("run", "test"):
             raise CodeInvalid(
@@ -385,6 +389,8 @@ class CodeClient:
             user=user,
             memory_bytes=inputs.memory_bytes(memory),
             cpus=cpus,
+            # the node's own policy, else the server's default (STUDIO_CODE_RETRY)
+            retry=parse_policy(retry) if retry is not None else self.settings.retry_policy,
         )
         self.executor.check_job(job, language=offered, state_checked=True)
         return job
@@ -406,6 +412,7 @@ class CodeClient:
         traceparent: str | None = None,
         tracestate: str | None = None,
         idempotency_key: str | None = None,
+        retry: Any = None,
     ) -> str:
         """Queue one Code-node call; returns its job id.
 
@@ -425,9 +432,12 @@ class CodeClient:
         ``idempotency_key``: the caller's key for this submit (api_client.idempotency): a
         repeat with the same key and request, by the same user, within
         STUDIO_IDEMPOTENCY_TTL_S, returns the first job's id and queues nothing; the same key
-        with another request raises IdempotencyConflict naming the first job."""
+        with another request raises IdempotencyConflict naming the first job. ``retry``:
+        the node's retry policy (executor.retry: a dict, its JSON text or a RetryPolicy;
+        None: the server's STUDIO_CODE_RETRY, off by default); an outcome that is never
+        retried, or a bound passed, raises CodeInvalid naming what is allowed."""
         with tracing.submitting(traceparent, tracestate):
-            job = self._job(code, language, state, timeout_s, user, kind, memory, cpus)
+            job = self._job(code, language, state, timeout_s, user, kind, memory, cpus, retry)
             return self._enqueue(job, rate_checked, idempotency_key)
 
     def prepare(
@@ -441,12 +451,13 @@ class CodeClient:
         *,
         memory: str | int | None = None,
         cpus: float | None = None,
+        retry: Any = None,
     ) -> CodeJob:
         """What ``submit`` checks before it asks Redis or the store anything, as the job it
         would queue: raises CodeNodesDisabled or CodeInvalid as ``submit`` does. No I/O:
         the HTTP test call runs it on the event loop while its admission is on the wire,
         then queues the job with ``enqueue``."""
-        return self._job(code, language, state, timeout_s, user, kind, memory, cpus)
+        return self._job(code, language, state, timeout_s, user, kind, memory, cpus, retry)
 
     def enqueue(
         self,

@@ -76,6 +76,8 @@ def request_hash(job: CodeJob) -> str:
         "memory_bytes": job.memory_bytes,
         "cpus": job.cpus,
     }
+    if job.retry is not None:  # only then: the digests of earlier keys stay what they were
+        request["retry"] = job.retry.model_dump(mode="json")
     text = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -8,6 +8,9 @@ The reasons, first that holds:
   queued); ``other_store``: the only ones serve from another run store;
 * ``workers_paused``: every worker of its queue is paused, each with its reason (its run
   store or its runtime is down: docs/operations.md, "Faults");
+* ``retry_delay``: its last attempt failed with an outcome its retry policy retries and the
+  next one waits out the policy's delay until ``not_before`` (worker.job.retries). After the
+  worker reasons: a run no worker would take after its delay says that first;
 * ``user_cap`` / ``fairness``: a workflow run waiting on its user's list (worker.fair): its
   user has STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, or it waits for its user's turn
   among ``users_waiting``;
@@ -55,6 +58,8 @@ class WhyWaiting:
     paused: list[dict[str, Any]] = field(default_factory=list)
     #: seconds until it starts, from the queue's recent throughput (None: cannot tell)
     estimate_s: float | None = None
+    #: retry_delay: when its next attempt may start
+    not_before: datetime | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +96,9 @@ def explain(
     fair: Waiting | None,
     position: Any,
     done_lately: Any,
+    not_before_ts: float | None = None,
+    retry_sent: bool = False,
+    now_ts: float | None = None,
 ) -> WhyWaiting:
     """The reason from what was read: the queue's live workers, the run's place on its
     user's list (``fair``), and, read only when needed, ``position()`` (queue_position)
@@ -132,6 +140,23 @@ def explain(
             reason=f"No live worker serves {queue}: it starts once one does (start one "
             "with `studio-code worker`).",
             **base,
+        )
+    now = datetime.now(UTC).timestamp() if now_ts is None else now_ts
+    if not_before_ts is not None and not retry_sent:
+        at = datetime.fromtimestamp(not_before_ts, UTC)
+        wait = max(0.0, not_before_ts - now)
+        then = (
+            f"in {wait:.1f} s), then goes to {queue}"
+            if wait > 0
+            else f"passed): a worker's sweep sends it to {queue} within STUDIO_QUEUE_RETRY_TICK_S"
+        )
+        return WhyWaiting(
+            held_by="retry_delay",
+            reason=f"Its last attempt failed with an outcome its retry policy retries; the "
+            f"next attempt waits out the policy's delay until {at.isoformat()} ({then}.",
+            **base,
+            not_before=at,
+            estimate_s=round(wait, 1),
         )
     if fair is not None:
         if fair.users_ahead is None:

@@ -63,6 +63,58 @@ class Limits(BaseModel):
     output_max_bytes: int
 
 
+#: outcomes a retry policy may name (CODE_ERROR only when the caller names it); every other
+#: code is deterministic or not the code's: a retry would only burn a worker
+RETRYABLE_CODES = (ErrorCode.CODE_TIMEOUT, ErrorCode.CODE_MEMORY, ErrorCode.CODE_ERROR)
+#: the most attempts a policy may ask for, and the longest delay between two (seconds)
+MAX_RETRY_ATTEMPTS = 10
+MAX_RETRY_DELAY_S = 3600.0
+
+
+class Backoff(BaseModel):
+    """The delay before attempt n+1: ``initial_s * factor**(n-1)``, at most ``max_s``, then
+    spread by up to ``jitter`` of itself (0: exact)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    initial_s: float = Field(default=1.0, ge=0.0, le=MAX_RETRY_DELAY_S)
+    factor: float = Field(default=2.0, ge=1.0, le=10.0)
+    max_s: float = Field(default=60.0, ge=0.0, le=MAX_RETRY_DELAY_S)
+    jitter: float = Field(default=0.1, ge=0.0, le=1.0)
+
+
+class RetryPolicy(BaseModel):
+    """A node's own retries (opt-in): up to ``max_attempts`` attempts in all, another one
+    only after an outcome in ``on`` (CODE_TIMEOUT, CODE_MEMORY, CODE_ERROR). Infrastructure
+    re-runs are not attempts of the code (worker.job.rerun keeps their own budget)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_attempts: int = Field(default=2, ge=1, le=MAX_RETRY_ATTEMPTS)
+    backoff: Backoff = Field(default_factory=lambda: Backoff())
+    on: tuple[ErrorCode, ...] = (ErrorCode.CODE_TIMEOUT, ErrorCode.CODE_MEMORY)
+
+
+class Attempt(BaseModel):
+    """One attempt of a node with a retry policy, as its run's ``history`` lists it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    attempt: int
+    status: str
+    code: str | None = None
+    message: str = ""
+    duration_ms: float = 0.0
+    usage: dict[str, Any] | None = None
+    #: the memory this attempt ran with (bytes)
+    memory_bytes: int | None = None
+    worker: str | None = None
+    ended_at: float | None = None  # Unix seconds
+    #: set when another attempt follows: when it may start (Unix seconds), its memory
+    retry_at: float | None = None
+    next_memory_bytes: int | None = None
+
+
 class CodeJob(BaseModel):
     """One Code node call. ``state_json`` is the state as JSON text, passed through untouched."""
 
@@ -79,6 +131,8 @@ class CodeJob(BaseModel):
     # STUDIO_CODE_MEMORY / STUDIO_CODE_CPUS.
     memory_bytes: int | None = None
     cpus: float | None = None
+    #: the node's retry policy (None: one attempt, the default)
+    retry: RetryPolicy | None = None
 
 
 class CodeErrorInfo(BaseModel):
@@ -153,6 +207,8 @@ class CodeResult(BaseModel):
     #: what the run used, measured by the host; None when it was not measured (killed
     #: before, the sandbox gone, or STUDIO_CODE_USAGE=0): never 0 for "unknown"
     usage: Usage | None = None
+    #: every attempt of a node with a retry policy, the last one included ([]: no policy)
+    history: list[Attempt] = Field(default_factory=lambda: [])
 
     @classmethod
     def ended(

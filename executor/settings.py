@@ -19,10 +19,10 @@ import sys
 from collections.abc import Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from executor.deferred_import import on_first_use
-from executor.errors import SettingsError
+from executor.errors import CodeInvalid, SettingsError
 from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES, MIN_PIDS
 from executor.packages import (
     DEFAULT_PYTHON_PACKAGES,
@@ -43,6 +43,9 @@ with (
 ):
     from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
     from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from executor.models import RetryPolicy
 
 log = logging.getLogger("studio_code.settings")
 
@@ -390,6 +393,21 @@ class Settings(BaseSettings):
         "is sent again by a worker's sweep (claim keeps it exactly-once).",
     )
 
+    code_retry: str = Field(
+        "",
+        description="The server's default retry policy of a node that sends none, as JSON "
+        '(e.g. {"max_attempts": 2, "on": ["CODE_MEMORY"]}: executor.retry; only '
+        "CODE_TIMEOUT, CODE_MEMORY and CODE_ERROR may be retried). Empty: off, one attempt; "
+        "a submit's own retry (max_attempts 1 included) wins.",
+    )
+    queue_retry_tick_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="Seconds between a worker's looks for retries whose delay has passed "
+        "(it sends their next attempt; one indexed SELECT of queued rows each time).",
+    )
+
     queue_run_fairness: Literal["users", "off"] = Field(
         "users",
         description="How code.run is shared between users. users: each user's runs wait on "
@@ -554,6 +572,26 @@ class Settings(BaseSettings):
         if size < MIN_MEMORY_BYTES:
             raise ValueError(f"at least {_MIN_MEMORY} (Deno and Python need that much to start)")
         return v
+
+    @field_validator("code_retry")
+    @classmethod
+    def _retry(cls, v: str) -> str:
+        if not v.strip():
+            return v
+        from executor.retry import parse_policy
+
+        try:
+            parse_policy(v)
+        except CodeInvalid as e:
+            raise ValueError(f"STUDIO_CODE_RETRY: {e.message}") from None
+        return v
+
+    @property
+    def retry_policy(self) -> RetryPolicy | None:
+        """STUDIO_CODE_RETRY as a policy (None: off)."""
+        from executor.retry import parse_policy
+
+        return parse_policy(self.code_retry)
 
     @field_validator("code_max_memory")
     @classmethod

@@ -17,7 +17,8 @@ from pydantic_core import PydanticCustomError
 from executor.errors import CodeInvalid
 from executor.floors import MIN_CPUS
 from executor.inputs import check_cpus
-from executor.models import CodeErrorInfo, Status, TraceRow, Usage
+from executor.models import Attempt, CodeErrorInfo, RetryPolicy, Status, TraceRow, Usage
+from executor.retry import parse_policy
 from executor.store.base import JobRecord, RunSummary
 
 #: the longest source a request may carry, in characters
@@ -75,6 +76,24 @@ class CodeBody(BaseModel):
         description="Seconds; at save time at most STUDIO_CODE_MAX_SECONDS (a run caps it there).",
     )
 
+    retry: RetryPolicy | None = Field(
+        None,
+        description="The node's retry policy: {max_attempts (1..10), backoff: {initial_s, "
+        "factor, max_s, jitter}, on: [CODE_TIMEOUT, CODE_MEMORY, CODE_ERROR]}; any other "
+        "outcome in ``on`` is 400 CODE_INVALID. A CODE_MEMORY retry asks for more memory "
+        "(up to STUDIO_CODE_MAX_MEMORY). Default: the server's STUDIO_CODE_RETRY (off).",
+    )
+
+    @field_validator("retry", mode="before")
+    @classmethod
+    def _retry(cls, v: Any) -> Any:
+        try:
+            return parse_policy(v)
+        except CodeInvalid as e:
+            raise PydanticCustomError(
+                CODE_INVALID_ERROR, "{message}", {"message": e.message}
+            ) from None
+
     @field_validator("cpus")
     @classmethod
     def _cpus(cls, v: float | None) -> float | None:
@@ -117,11 +136,20 @@ class RunWaiting(BaseModel):
 
     queue: str = Field(description="The queue it goes to: code.run or code.test.")
     held_by: Literal[
-        "no_worker", "other_store", "workers_paused", "user_cap", "fairness", "queue", "taken"
+        "no_worker",
+        "other_store",
+        "workers_paused",
+        "retry_delay",
+        "user_cap",
+        "fairness",
+        "queue",
+        "taken",
     ] = Field(
         description="no_worker: no live worker serves its queue; other_store: the only ones "
         "use another run store; workers_paused: every worker of its queue is paused "
-        "(``paused``); user_cap: its user has STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, "
+        "(``paused``); retry_delay: its last attempt failed and its next one waits out "
+        "the retry policy's delay until ``not_before``; user_cap: its user has "
+        "STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, "
         "it goes when one of them ends; fairness: it waits for its user's turn; queue: it "
         "waits in its queue for a free slot; taken: a worker is starting it."
     )
@@ -145,6 +173,9 @@ class RunWaiting(BaseModel):
         default=None,
         description="Seconds until it starts at the queue's pace of the last 5 minutes "
         "(null: no run of its kind ended then).",
+    )
+    not_before: datetime | None = Field(
+        default=None, description="retry_delay: when its next attempt may start."
     )
 
 
@@ -180,6 +211,13 @@ class RunView(BaseModel):
     finished_at: datetime | None = None
     worker: str | None = None
     attempts: int = 0
+    retry: RetryPolicy | None = Field(None, description="The node's retry policy, if any.")
+    history: list[Attempt] = Field(
+        default_factory=list,
+        description="Every attempt of a node with a retry policy so far: its outcome code, "
+        "message, duration, usage and the memory it ran with (and, when another followed, "
+        "when and with how much memory). Empty without a policy.",
+    )
     waiting: RunWaiting | None = Field(
         None,
         description="Only GET /api/runs/{job_id} of a queued run: why it waits.",

@@ -29,11 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from executor.errors import ErrorCode
 from executor.models import (
+    Attempt,
     CodeErrorInfo,
     CodeJob,
     CodeResult,
     Kind,
     Language,
+    RetryPolicy,
     Status,
     TraceRow,
     Usage,
@@ -86,10 +88,32 @@ class JobRecord(BaseModel):
     memory_bytes: int | None = None  # what the node asked for (None: the server's default)
     cpus: float | None = None
     usage: Usage | None = None  # what the run used, measured by the host (None: not measured)
+    #: the node's retry policy (executor.retry) and its attempts so far
+    retry: RetryPolicy | None = None
+    history: list[Attempt] = Field(default_factory=list)
+    #: its next attempt may not be claimed before this Unix time (a retry's delay)
+    not_before_ts: float | None = None
+    #: a worker's sweep sent the message of the attempt due at ``not_before_ts``
+    retry_sent: bool = False
+    #: claims of its earlier attempts (``attempts`` counts every claim)
+    claims_before: int = 0
 
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def claims(self) -> int:
+        """Claims of the current attempt: what the infrastructure's re-run budget
+        (worker.protocol.MAX_ATTEMPTS) counts; a code retry starts it again."""
+        return self.attempts - self.claims_before
+
+    @property
+    def code_attempt(self) -> int:
+        """The number of the current (or last) attempt of the code, from 1."""
+        if self.finished:
+            return max(1, len(self.history))
+        return len(self.history) + 1
 
     def to_job(self) -> CodeJob:
         """The job this record holds, to run it: every field of CodeJob from the record's
@@ -372,6 +396,32 @@ class RunStore(ABC):
         """queued -> failed (RUNTIME_UNAVAILABLE, ``message``) for each job of ``job_ids``
         that is STILL queued (one conditional UPDATE: a job a worker claimed meanwhile is
         left alone). The ids changed."""
+        raise NotImplementedError
+
+    # --- a node's retries (executor.retry) -----------------------------------------------
+
+    def retry(
+        self,
+        job_id: str,
+        worker: str,
+        *,
+        history: list[Attempt],
+        not_before_ts: float,
+        memory_bytes: int | None,
+    ) -> bool:
+        """running -> queued for the next attempt, once, by ``worker`` (the claim's): not
+        claimable before ``not_before_ts`` (Unix s), with ``history`` (every attempt so far)
+        and ``memory_bytes``; the claims so far leave the infrastructure's budget. False
+        (nothing changed) when the job is not running under that worker (a cancel made it
+        cancelling: it is then finished, and ends cancelled)."""
+        raise NotImplementedError
+
+    def due_retries(self, *, limit: int = 500) -> list[QueuedJob]:
+        """Queued attempts whose delay has passed and whose message no sweep sent yet."""
+        raise NotImplementedError
+
+    def mark_retry_sent(self, job_id: str) -> bool:
+        """The due attempt's message is the caller's to send: True once per attempt."""
         raise NotImplementedError
 
     @abstractmethod

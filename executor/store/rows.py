@@ -12,7 +12,15 @@ from typing import Any
 from sqlalchemy import Row
 
 from executor.errors import ErrorCode
-from executor.models import CodeErrorInfo, CodeResult, Status, TraceRow, Usage
+from executor.models import (
+    Attempt,
+    CodeErrorInfo,
+    CodeResult,
+    RetryPolicy,
+    Status,
+    TraceRow,
+    Usage,
+)
 from executor.outputs import (
     OutputInvalid,
     check_value,
@@ -117,8 +125,19 @@ def _record_strict(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord:
         warnings=json.loads(m["warnings"]),
         trace=[TraceRow.model_validate(t) for t in json.loads(m["trace"])],
         usage=usage_of(m["usage"]),
+        retry=retry_of(m["retry"]),
+        history=history_of(m["history"]),
+        retry_sent=bool(m["retry_sent"]),
     )
     return JobRecord(**fields)
+
+
+def retry_of(v: Any) -> RetryPolicy | None:
+    return None if v is None else RetryPolicy.model_validate_json(v)
+
+
+def history_of(v: Any) -> list[Attempt]:
+    return [] if v is None else [Attempt.model_validate(a) for a in json.loads(v)]
 
 
 def usage_of(v: Any) -> Usage | None:
@@ -167,6 +186,11 @@ _ALLOWED = {
     "memory_bytes": "a number of bytes",
     "cpus": "a CPU share",
     "usage": "a usage object ({memory_peak_bytes, cpu_ms, pids_peak, source})",
+    "retry": "a retry policy ({max_attempts, backoff, on})",
+    "history": "a JSON list of attempts",
+    "not_before_ts": "a Unix time",
+    "retry_sent": "true or false",
+    "claims_before": "an integer",
 }
 #: an unreadable column's value where the record has no default of its own
 _TOLERANT_DEFAULTS: dict[str, Any] = {
@@ -216,6 +240,9 @@ def _record_tolerant(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord
         "warnings": json.loads,
         "trace": trace_of,
         "usage": usage_of,
+        "retry": retry_of,
+        "history": history_of,
+        "retry_sent": bool,
     }
     job_id = _raw(row, "job_id")
     fields["job_id"] = str(job_id) if not isinstance(job_id, Exception) else "?"

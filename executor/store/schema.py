@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    false,
 )
 from sqlalchemy.types import TypeDecorator
 
@@ -103,6 +104,14 @@ jobs = Table(
     Column("memory_bytes", BigInteger, nullable=True),  # what the node asked for, if any
     Column("cpus", Double, nullable=True),
     Column("usage", SafeText, nullable=True),  # Usage as JSON text (migration 0002)
+    # A node's retries (migration 0004, executor.retry): its policy and attempts as JSON
+    # text, the Unix time before which its next attempt may not be claimed, whether a sweep
+    # sent that attempt's message, and the claims of its earlier attempts.
+    Column("retry", SafeText, nullable=True),
+    Column("history", SafeText, nullable=True),
+    Column("not_before_ts", Double, nullable=True),
+    Column("retry_sent", Boolean, nullable=False, server_default=false()),
+    Column("claims_before", Integer, nullable=False, server_default="0"),
     Index("ix_code_jobs_status", "status"),
     # Run history, newest first, with a keyset cursor: all runs (admins) and one user's.
     Index("ix_code_jobs_queued", "queued_at", "job_id"),

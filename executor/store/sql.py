@@ -40,6 +40,7 @@ from sqlalchemy import (
     insert,
     literal,
     literal_column,
+    or_,
     select,
     text,
     update,
@@ -48,7 +49,15 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 
 from executor.errors import ErrorCode, StoreUnavailable
-from executor.models import FINISHED, CodeErrorInfo, CodeJob, CodeResult, Kind, Status
+from executor.models import (
+    FINISHED,
+    Attempt,
+    CodeErrorInfo,
+    CodeJob,
+    CodeResult,
+    Kind,
+    Status,
+)
 from executor.store import migrations, rows, sqlite
 from executor.store import statements as st
 from executor.store.base import (
@@ -375,7 +384,8 @@ class SqlRunStore(RunStore):
     def _new_rows(job: CodeJob, code_runtime: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """The ``code_jobs`` row of a new queued job, and its ``code_job_inputs`` row."""
         values = {
-            **job.model_dump(exclude={"code", "state_json"}),  # fields = columns by name
+            **job.model_dump(exclude={"code", "state_json", "retry"}),  # fields = columns
+            "retry": None if job.retry is None else job.retry.model_dump_json(),
             "code": "",  # in job_inputs (see there)
             "state_json": "{}",
             "status": Status.QUEUED.value,
@@ -512,6 +522,11 @@ class SqlRunStore(RunStore):
             "f_code_runtime": result.code_runtime,
             "f_finished_at": _utcnow(),
             "f_worker": worker,
+            "f_history": (
+                rows.dumps([a.model_dump(mode="json") for a in result.history])
+                if result.history
+                else None
+            ),
         }
         if self._lane is not None:
             with self._wrote():
@@ -522,6 +537,35 @@ class SqlRunStore(RunStore):
             return None
         rec = rows.record(row)
         return Ended(rec.status, rec.error, rec)
+
+    def retry(
+        self,
+        job_id: str,
+        worker: str,
+        *,
+        history: list[Attempt],
+        not_before_ts: float,
+        memory_bytes: int | None,
+    ) -> bool:
+        params = {
+            "r_id": job_id,
+            "r_by": worker,
+            "r_nb": not_before_ts,
+            "r_history": rows.dumps([a.model_dump(mode="json") for a in history]),
+            "r_memory": memory_bytes,
+        }
+        with self._write() as conn:
+            return bool(conn.execute(st.RETRY, params).rowcount == 1)
+
+    def due_retries(self, *, limit: int = 500) -> list[QueuedJob]:
+        params = {"now": _utcnow().timestamp(), "lim": max(0, int(limit))}
+        with self._read() as conn:
+            found = conn.execute(st.SELECT_DUE, params)
+            return [QueuedJob(r.job_id, r.kind, r.queued_at) for r in found]
+
+    def mark_retry_sent(self, job_id: str) -> bool:
+        with self._write() as conn:
+            return bool(conn.execute(st.MARK_SENT, {"r_id": job_id}).rowcount == 1)
 
     def _finish_sa(self, params: dict[str, Any]) -> Any:
         with self._write() as conn:
@@ -593,10 +637,19 @@ class SqlRunStore(RunStore):
     def list_queued(
         self, older_than_s: float, *, kind: str | None = None, limit: int = 1000
     ) -> list[QueuedJob]:
-        cutoff = datetime.fromtimestamp(_utcnow().timestamp() - older_than_s, UTC)
+        cutoff_ts = _utcnow().timestamp() - older_than_s
+        cutoff = datetime.fromtimestamp(cutoff_ts, UTC)
+        # a retry's attempt counts from when it was due (its not_before_ts), not from the
+        # run's first queueing, and only once the retry sweep sent it (retry_sent): one
+        # held by its delay, or due and not sent yet, is the retry sweep's
+        # (worker.upkeep.retry_due), never sent twice by both
+        waited = or_(
+            and_(jobs.c.not_before_ts.is_(None), jobs.c.queued_at < cutoff),
+            and_(jobs.c.retry_sent.is_(True), jobs.c.not_before_ts < cutoff_ts),
+        )
         stmt = (
             select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at)
-            .where(jobs.c.status == Status.QUEUED.value, jobs.c.queued_at < cutoff)
+            .where(jobs.c.status == Status.QUEUED.value, waited)
             .order_by(jobs.c.queued_at)
             .limit(max(0, int(limit)))
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     Double,
     Integer,
@@ -18,8 +19,10 @@ from sqlalchemy import (
     bindparam,
     case,
     delete,
+    func,
     insert,
     literal,
+    or_,
     select,
     update,
 )
@@ -85,12 +88,15 @@ def _p(name: str, type_: Any) -> Any:
     return bindparam(name, type_=type_)
 
 
-#: queued -> running (or running -> running: a redelivery); parameters c_id, c_at, c_ts, c_by
+#: queued -> running (or running -> running: a redelivery); parameters c_id, c_at, c_ts, c_by.
+#: A retry's attempt is not claimed before its ``not_before_ts`` (a message that came early
+#: is skipped; the sweep sends it again when due: worker.upkeep.retry_due).
 CLAIM = (
     update(jobs)
     .where(
         jobs.c.job_id == _p("c_id", String),
         jobs.c.status.in_([Status.QUEUED.value, Status.RUNNING.value]),
+        or_(jobs.c.not_before_ts.is_(None), jobs.c.not_before_ts <= _p("c_ts", Double)),
     )
     .values(
         status=Status.RUNNING.value,
@@ -133,8 +139,56 @@ FINISH = (
         code_runtime=_p("f_code_runtime", String),
         finished_at=_p("f_finished_at", UtcDateTime),
         worker=_p("f_worker", String),
+        # the attempts of a node with a retry policy (NULL: the row's own, unchanged)
+        history=func.coalesce(_p("f_history", SafeText), jobs.c.history),
     )
 )
+#: running -> queued for the next attempt of a node's retry policy (executor.retry), once, by
+#: the worker that holds the claim (a cancel meanwhile made it cancelling: no retry, its
+#: finish ends it cancelled). Parameters r_id, r_by (the claim's worker), r_nb (not before,
+#: Unix s), r_history, r_memory.
+RETRY = (
+    update(jobs)
+    .where(
+        jobs.c.job_id == _p("r_id", String),
+        jobs.c.status == Status.RUNNING.value,
+        jobs.c.worker == _p("r_by", String),
+    )
+    .values(
+        status=Status.QUEUED.value,
+        not_before_ts=_p("r_nb", Double),
+        retry_sent=False,
+        history=_p("r_history", SafeText),
+        memory_bytes=_p("r_memory", BigInteger),
+        claims_before=jobs.c.attempts,
+        started_at=None,
+        started_ts=None,
+        worker=None,
+    )
+)
+#: queued attempts of a retry now due whose message no sweep sent yet (parameter now)
+SELECT_DUE = (
+    select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at)
+    .where(
+        jobs.c.status == Status.QUEUED.value,
+        jobs.c.retry_sent.is_(False),
+        jobs.c.not_before_ts <= _p("now", Double),
+    )
+    .order_by(jobs.c.not_before_ts)
+    .limit(_p("lim", Integer))
+)
+#: the due attempt's message is this sweep's to send (once: parameter r_id)
+MARK_SENT = (
+    update(jobs)
+    .where(
+        jobs.c.job_id == _p("r_id", String),
+        jobs.c.status == Status.QUEUED.value,
+        jobs.c.retry_sent.is_(False),
+    )
+    .values(retry_sent=True)
+)
+
+
 #: the row as written: the finished record goes out with the job's done notice, so a waiter
 #: does not read it back
 FINISH_RETURNING = FINISH.returning(*JOB_COLUMNS)

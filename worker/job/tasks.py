@@ -37,7 +37,7 @@ from worker import fair, gate, metrics, parked, poison, pool_start, preimport, r
 from worker import tracing as worker_tracing
 from worker.cancel import CancelWatch
 from worker.context import studio_app
-from worker.job import forked, pending, rerun, unrunnable
+from worker.job import forked, pending, rerun, retries, unrunnable
 from worker.job.log_publisher import add_end_mark, publishing
 from worker.outcomes import NodeFailed, report_outcome
 from worker.protocol import (
@@ -285,8 +285,9 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
             # the waiter re-reads the store (the reaper ends it)
             state.end_job(job_id, done=True, fair_end=False)
             raise
-        # a parked result is announced by whoever writes it
-        parked = outcome in ("parked", "parked-duplicate")
+        # a parked result is announced by whoever writes it; a run waiting out a retry's
+        # delay has not ended (its waiters keep waiting)
+        parked = outcome in ("parked", "parked-duplicate", "retry-wait")
         state.end_job(
             job_id,
             done=not parked,
@@ -361,6 +362,11 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
             _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
         if lost:
             result = rerun.with_rerun_row(result, rec.attempts, lost)
+        if rec.retry is not None:  # the node's own retries (worker.job.retries)
+            after = retries.after_attempt(state.store, state.settings, rec, result, worker)
+            if after is None:
+                return Outcome("retry-wait")
+            result = after
     return _finish(state, result, rec, worker, queue)
 
 
@@ -401,9 +407,9 @@ def _refused(rec: JobRecord, settings: Settings) -> CodeResult | None:
     if rec.problems:
         log.error("job %s: its row cannot be read: %s", rec.job_id, "; ".join(rec.problems))
         message = unrunnable.unreadable_message(rec)
-    elif rec.attempts > MAX_ATTEMPTS:
+    elif rec.claims > MAX_ATTEMPTS:
         message = (
-            f"The job was started {rec.attempts - 1} times and each time its worker stopped "
+            f"The job was started {rec.claims - 1} times and each time its worker stopped "
             "before it ended, so it was not started again: check the workers' logs (memory, "
             "crashes), then run it again."
         )
@@ -465,7 +471,7 @@ def _lost(
     (the main process probes the runtime at once: this worker steps aside while it is
     unhealthy); else the result, its message naming every cause."""
     runtime = state.executor.runtime
-    if runtime is not None and runtime.rerun_safe and rec.attempts < MAX_ATTEMPTS:
+    if runtime is not None and runtime.rerun_safe and rec.claims < MAX_ATTEMPTS:
         rerun.record(state.redis, rec.job_id, rec.attempts, cause, worker)
         # No engine call here: an engine starting again accepts connections before it
         # answers (a ping waited 15 s for it, measured); the gate's probe asks instead.
@@ -474,13 +480,13 @@ def _lost(
             "job %s handed back to run again (attempt %d of %d): its sandbox was lost to "
             "the infrastructure (%s)",
             rec.job_id,
-            rec.attempts,
+            rec.claims,
             MAX_ATTEMPTS,
             cause,
         )
         _hand_back(f"job {rec.job_id}: its sandbox was lost to the infrastructure ({cause})")
     if runtime is not None and runtime.rerun_safe:
-        return rerun.exhausted(result, rec.attempts, lost)
+        return rerun.exhausted(result, rec.claims, lost)
     return result
 
 
@@ -493,7 +499,7 @@ def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: Job
         return False
     if result.error.code is not ErrorCode.RUNTIME_UNAVAILABLE or result.trace:
         return False
-    if rec.attempts >= MAX_ATTEMPTS or state.executor.runtime is None:
+    if rec.claims >= MAX_ATTEMPTS or state.executor.runtime is None:
         return False
     try:
         reason = state.executor.runtime.unavailable_reason(state.executor.language(rec.language))
@@ -503,7 +509,7 @@ def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: Job
         return False
     gate.report(gate.RUNTIME, reason)
     log.error(
-        "job %s handed back (attempt %d of %d): %s", rec.job_id, rec.attempts, MAX_ATTEMPTS, reason
+        "job %s handed back (attempt %d of %d): %s", rec.job_id, rec.claims, MAX_ATTEMPTS, reason
     )
     return True
 

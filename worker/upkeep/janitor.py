@@ -42,6 +42,7 @@ from worker.upkeep.flusher import Flusher
 from worker.upkeep.loop import Supervised
 from worker.upkeep.queued import QueuedSweep
 from worker.upkeep.retention import apply_retention
+from worker.upkeep.retry_due import send_due
 
 log = logging.getLogger("studio_code.worker")
 
@@ -85,13 +86,21 @@ class Janitor:
         # its thread: restarted when the loop raises (worker.upkeep.loop)
         self._runner = Supervised("reaper", self._loop)
         self._stop = self._runner.stopping
+        #: the retries whose delay passed, sent every STUDIO_QUEUE_RETRY_TICK_S (its own
+        #: thread: the reaper's pass may take seconds)
+        self.app = app
+        self._retries = Supervised("retry-due", self._retry_loop) if app is not None else None
 
     # --- reaper ------------------------------------------------------------------------
 
     def start(self) -> None:
         self._runner.start()
+        if self._retries is not None:
+            self._retries.start()
 
     def stop(self) -> None:
+        if self._retries is not None:
+            self._retries.stop(10)
         self._runner.stop(30)
         if self._own_redis is not None:
             self._own_redis.close()
@@ -107,6 +116,16 @@ class Janitor:
             except Exception:  # noqa: BLE001 - keep sweeping
                 log.exception("reaper sweep failed")
             self._stop.wait(self.settings.queue_reap_interval_s)
+
+    def _retry_loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                send_due(self.store, self.app)
+            except StoreUnavailable as e:
+                log.warning("retry sweep waits for the run store: %s", e.message)
+            except Exception:  # noqa: BLE001 - keep sweeping (the lost-message sweep backs it)
+                log.exception("retry sweep failed")
+            stop.wait(self.settings.queue_retry_tick_s)
 
     def sweep(self) -> dict[str, list[str]]:
         """One pass: orphaned/overdue sandboxes removed, stuck jobs failed."""

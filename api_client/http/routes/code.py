@@ -140,6 +140,11 @@ async def test_code(
     # the first call of a process opens the run store: never on the event loop
     client = services.opened or await run_in_threadpool(lambda: services.client)
     wait_s = capped_timeout_s(body.timeout_s, max_seconds=s.code_max_seconds) + TEST_WAIT_MARGIN_S
+    policy = body.retry or s.retry_policy
+    if policy is not None:  # every attempt and every delay between two (executor.retry)
+        b = policy.backoff
+        delays = (policy.max_attempts - 1) * b.max_s * (1 + b.jitter)
+        wait_s = wait_s * policy.max_attempts + delays
     aredis = client.async_redis
     # Before its job is stored: its admission (its in-flight slot and its place in the
     # per-minute count, one round trip) and whether a live worker serves code.test (the
@@ -158,6 +163,7 @@ async def test_code(
             "test",
             memory=body.memory,
             cpus=body.cpus,
+            retry=body.retry,
         )
 
     key = idempotency_key(request)

@@ -77,6 +77,7 @@ def submit_run(body: RunBody, who: CallerDep, services: ServicesDep, request: Re
         kind="run",
         memory=body.memory,
         cpus=body.cpus,
+        retry=body.retry,
         idempotency_key=idempotency_key(request),
         **trace_headers(request),
     )
