@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,27 @@ def health(port: int) -> tuple[int, dict[str, Any]]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+@contextmanager
+def gated_heartbeat(
+    redis_url: str, reason: list[str | None], slots: int, nodename: str = "gated@test"
+) -> Iterator[Any]:
+    """The worker's own heartbeat (worker.upkeep.heartbeat.Heartbeat) announcing
+    ``nodename`` on code.run with ``slots``, paused while ``reason[0]`` is a sentence and
+    serving once it is None (a test flips it): a worker's announcement without its pool."""
+    from worker.upkeep.heartbeat import Heartbeat
+
+    beat = Heartbeat(
+        redis_url,
+        nodename,
+        {"code.run": slots},
+        interval_s=0.2,
+        ttl_s=1.6,
+        not_serving_reason=lambda: reason[0],
+    )
+    beat.start()
+    try:
+        yield beat
+    finally:
+        beat.stop()

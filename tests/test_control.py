@@ -30,7 +30,7 @@ from testkit.api import ApiServer
 from testkit.processes import Service, wait_for
 from testkit.relay import ClosingRelay
 from testkit.stack import client_for, env_for
-from testkit.worker import CeleryWorker, start_worker
+from testkit.worker import CeleryWorker, gated_heartbeat, start_worker
 from tests.snippets import TRIVIAL, USER
 
 pytestmark = [pytest.mark.redis]
@@ -79,19 +79,9 @@ def test_a_paused_worker_does_not_count_and_says_why(
     not_serving_reason gives a sentence, the worker is announced paused, the API refuses
     and quotes the reason; once it answers None again, submits pass."""
     from api_client import RuntimeUnavailable
-    from worker.upkeep.heartbeat import Heartbeat
 
     reason: list[str | None] = ["Docker is not reachable at unix:///nowhere.sock"]
-    beat = Heartbeat(
-        redis_server.url,
-        "gated@test",
-        {"code.run": 3},
-        interval_s=0.2,
-        ttl_s=1.6,
-        not_serving_reason=lambda: reason[0],
-    )
-    beat.start()
-    try:
+    with gated_heartbeat(redis_server.url, reason, slots=3):
         with client_for(
             make_settings, redis_server.url, sqlite(tmp_path, "s"), queue_heartbeat_interval_s=0.2
         ) as client:
@@ -108,8 +98,6 @@ def test_a_paused_worker_does_not_count_and_says_why(
             meta = client.meta()
             assert meta["workers"]["code.run"] == {"serving": 1, "slots": 3, "paused": []}
             assert meta["workers"]["code.test"]["serving"] == 0
-    finally:
-        beat.stop()
 
 
 def test_heartbeat_comes_and_goes_with_worker_processes(

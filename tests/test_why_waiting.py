@@ -15,6 +15,7 @@ import pytest
 
 from testkit.processes import wait_for
 from testkit.stack import FAST, Stack, client_for
+from testkit.worker import gated_heartbeat
 from tests.conftest import run_cli
 from tests.snippets import SLEEP_CODE, TRIVIAL
 
@@ -68,19 +69,8 @@ def test_paused_workers_are_named_with_their_reasons(
     """The heartbeat itself (as test_control's paused worker) announces a worker paused
     with a reason: a run queued meanwhile says every worker of its queue is paused, and
     why; once it serves again, the reason is no longer the pause."""
-    from worker.upkeep.heartbeat import Heartbeat
-
     reason: list[str | None] = ["the run store at sqlite:///x is not reachable"]
-    beat = Heartbeat(
-        redis_server.url,
-        "gated@test",
-        {"code.run": 2},
-        interval_s=0.2,
-        ttl_s=1.6,
-        not_serving_reason=lambda: reason[0],
-    )
-    beat.start()
-    try:
+    with gated_heartbeat(redis_server.url, reason, slots=2):
         with client_for(
             make_settings,
             redis_server.url,
@@ -103,8 +93,6 @@ def test_paused_workers_are_named_with_their_reasons(
             wait_for(lambda: client.live_workers()["code.run"][0].serving, 5, "serving")
             why = _why(client, job)  # nobody consumes: it waits in code.run, first
             assert (why.held_by, why.position, why.workers, why.slots) == ("queue", 0, 1, 2)
-    finally:
-        beat.stop()
 
 
 # --- real workers ----------------------------------------------------------------------------
