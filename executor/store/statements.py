@@ -86,11 +86,13 @@ def _p(name: str, type_: Any) -> Any:
 
 
 #: queued -> running (or running -> running: a redelivery); parameters c_id, c_at, c_ts, c_by
+#: and c_again: the other status a claim may take, ``running`` for a redelivered message,
+#: ``queued`` (so: only queued) for a first delivery (``SqlRunStore.claim``)
 CLAIM = (
     update(jobs)
     .where(
         jobs.c.job_id == _p("c_id", String),
-        jobs.c.status.in_([Status.QUEUED.value, Status.RUNNING.value]),
+        jobs.c.status.in_([Status.QUEUED.value, _p("c_again", String)]),
     )
     .values(
         status=Status.RUNNING.value,
