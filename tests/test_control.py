@@ -28,6 +28,7 @@ import pytest
 
 from testkit.api import ApiServer
 from testkit.processes import Service, wait_for
+from testkit.redis import take_lost
 from testkit.relay import ClosingRelay
 from testkit.stack import client_for, env_for
 from testkit.worker import CeleryWorker, start_worker
@@ -193,18 +194,6 @@ def test_queued_sweep_resends_a_lost_message_and_ends_overdue_jobs(
 #: a run that takes a few seconds and says what it was given (long enough for a second copy
 #: of its message to arrive while it runs)
 SLOW = "import time\n\ndef main(state):\n    time.sleep(4)\n    return state['n'] * 2\n"
-
-
-def take_lost(app: Any, queue: str) -> str:
-    """Take the next message of ``queue`` as a worker does (kombu moves it into its
-    ``unacked`` hash and ``unacked_index``) and lose it as a worker cut off from a dead
-    primary does (its channel never puts it back); its delivery tag."""
-    with app.connection_for_read() as conn:
-        channel = conn.default_channel
-        message = channel.basic_get(queue, no_ack=False)
-        assert message is not None, f"no message in {queue}"
-        channel.qos._delivered.pop(message.delivery_tag, None)  # not restored on close
-        return str(message.delivery_tag)
 
 
 def test_a_delivery_its_worker_lost_is_sent_again_past_the_bound_and_not_before(
