@@ -165,9 +165,7 @@ def take_stale(client: redis.Redis, tags: list[str], cutoff: float) -> int:
     counts as stale). How many were removed."""
     if not tags:
         return 0
-    return int(
-        client.eval(TAKE_STALE, 2, KOMBU_UNACKED, KOMBU_UNACKED_INDEX, repr(cutoff), *tags)
-    )
+    return int(client.eval(TAKE_STALE, 2, KOMBU_UNACKED, KOMBU_UNACKED_INDEX, repr(cutoff), *tags))
 
 
 class QueuedSweep:
