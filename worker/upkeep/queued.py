@@ -43,7 +43,7 @@ import redis
 
 from executor.settings import Settings
 from executor.store import RunStore
-from worker import redis_conn
+from worker import lua, redis_conn
 from worker.fair import FairQueue, user_cap
 from worker.protocol import (
     FAIR_JOBS_KEY,
@@ -136,27 +136,11 @@ def broker_job_ids(client: redis.Redis, candidates: Iterable[str] = ()) -> set[s
     return None if broker is None else broker.ids()
 
 
-#: removes stale deliveries from kombu's unacked hash and index, each only if it is still
-#: there and its delivery time is still at or before the cutoff (or it still has none): a
-#: delivery kombu restored, a worker acknowledged or took again meanwhile is left alone.
-#: KEYS: the hash, the index; ARGV: the cutoff, then the delivery tags. Returns how many
-#: it removed.
-TAKE_STALE = """
-local cutoff = tonumber(ARGV[1])
-local n = 0
-for i = 2, #ARGV do
-  local tag = ARGV[i]
-  if redis.call('HEXISTS', KEYS[1], tag) == 1 then
-    local at = redis.call('ZSCORE', KEYS[2], tag)
-    if not at or tonumber(at) <= cutoff then
-      redis.call('HDEL', KEYS[1], tag)
-      redis.call('ZREM', KEYS[2], tag)
-      n = n + 1
-    end
-  end
-end
-return n
-"""
+#: worker/upkeep/take_stale.lua: removes stale deliveries from kombu's unacked hash and
+#: index, each only if it is still there and its delivery time still at or before the cutoff
+#: (or it still has none): a delivery kombu restored, a worker acknowledged or took again
+#: meanwhile is left alone
+TAKE_STALE = lua.source(__package__, "take_stale.lua")
 
 
 def take_stale(client: redis.Redis, tags: list[str], cutoff: float) -> int:
