@@ -392,6 +392,16 @@ class Settings(BaseSettings):
         "no worker (lost: an API that died between the row and the message, a Redis crash) "
         "is sent again by a worker's sweep (claim keeps it exactly-once).",
     )
+    queue_held_lost_after_s: float = Field(
+        0,
+        ge=0,
+        le=86400,
+        description="A job still queued whose message a worker took this long ago without "
+        "claiming it (its worker lost it, e.g. with a Redis primary a Sentinel failover "
+        "replaced) is sent again by the sweep. 0: the larger of STUDIO_QUEUE_LOST_AFTER_S and "
+        "STUDIO_CODE_MAX_SECONDS + 40 (a live worker claims a message it took within one "
+        "running job's end).",
+    )
 
     code_retry: str = Field(
         "",

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from testkit.processes import (
     StopsOnExit,
@@ -97,3 +98,17 @@ def wait_redis(port: int, password: str = "", timeout_s: float = 10.0) -> None:
             pass
         time.sleep(0.05)
     raise RuntimeError(f"redis on port {port} did not start")
+
+
+def take_lost(app: Any, queue: str) -> str:
+    """Take the next message of ``queue`` as a worker does (kombu moves it into its
+    ``unacked`` hash and ``unacked_index``, with the time of this delivery) and lose it as a
+    worker cut off from a dead primary does (its channel never puts it back); its delivery
+    tag. ``app``: a Celery app of the studio's broker (``CodeClient.app``)."""
+    with app.connection_for_read() as conn:
+        channel = conn.default_channel
+        message = channel.basic_get(queue, no_ack=False)
+        if message is None:
+            raise AssertionError(f"no message in {queue}")
+        channel.qos._delivered.pop(message.delivery_tag, None)  # not restored on close
+        return str(message.delivery_tag)

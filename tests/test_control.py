@@ -28,6 +28,7 @@ import pytest
 
 from testkit.api import ApiServer
 from testkit.processes import Service, wait_for
+from testkit.redis import take_lost
 from testkit.relay import ClosingRelay
 from testkit.stack import client_for, env_for
 from testkit.worker import CeleryWorker, gated_heartbeat, start_worker
@@ -176,6 +177,108 @@ def test_queued_sweep_resends_a_lost_message_and_ends_overdue_jobs(
         assert ended.error and ended.error.code == "RUNTIME_UNAVAILABLE"
         assert "No worker took this job within 3 s" in ended.error.message
         assert "STUDIO_QUEUE_TEST_MAX_WAIT_S" in ended.error.message
+
+
+#: a run that takes a few seconds and says what it was given (long enough for a second copy
+#: of its message to arrive while it runs)
+SLOW = "import time\n\ndef main(state):\n    time.sleep(4)\n    return state['n'] * 2\n"
+
+
+def test_a_delivery_its_worker_lost_is_sent_again_past_the_bound_and_not_before(
+    redis_server: Any, tmp_path: Path, make_settings: Any
+) -> None:
+    """A job still queued whose message sits in kombu's unacked hash (taken by a worker
+    that never claimed it): within STUDIO_QUEUE_HELD_LOST_AFTER_S it is a live worker's and
+    the sweep leaves it; past it (the delivery made longer ago, as a worker that lost its
+    message with a failed-over primary leaves it) the stale delivery is removed from the
+    hash and the index and the job sent again, once."""
+    from worker.protocol import KOMBU_UNACKED, KOMBU_UNACKED_INDEX, message_job_id, queue_lists
+    from worker.upkeep.queued import QueuedSweep
+
+    with client_for(
+        make_settings,
+        redis_server.url,
+        sqlite(tmp_path, "s"),
+        queue_require_worker=False,
+        queue_run_fairness="off",
+        queue_lost_after_s=0.2,
+        queue_held_lost_after_s=30,
+    ) as client:
+        r = client.redis
+        job = client.submit(TRIVIAL, "python", {"n": 1})
+        tag = take_lost(client.app, "code.run")
+        time.sleep(0.3)  # past STUDIO_QUEUE_LOST_AFTER_S
+        sweep = QueuedSweep(client.settings, client.store, client.app, "sweeper@test")
+        try:
+            assert sweep.resend_lost() == [], "a delivery within the bound is a live worker's"
+            assert r.hexists(KOMBU_UNACKED, tag) and r.zscore(KOMBU_UNACKED_INDEX, tag)
+            assert sum(int(r.llen(k)) for k in queue_lists("code.run")) == 0
+            # the same delivery, made 31 s ago: its worker would have claimed it by now
+            r.zadd(KOMBU_UNACKED_INDEX, {tag: time.time() - 31}, xx=True)
+            assert sweep.resend_lost() == [job]
+            assert not r.hexists(KOMBU_UNACKED, tag) and r.zscore(KOMBU_UNACKED_INDEX, tag) is None
+            sent = r.lrange("code.run", 0, -1)
+            assert [message_job_id(m) for m in sent] == [job], "sent again, once"
+            assert not json.loads(sent[0])["properties"]["delivery_info"].get("redelivered"), (
+                "a first delivery (it claims only a queued job)"
+            )
+            assert sweep.resend_lost() == [], "its message is in code.run now"
+            assert client.status(job).status == "queued"
+        finally:
+            sweep.close()
+
+
+def test_a_run_whose_worker_lost_its_message_runs_once_within_the_bound(
+    redis_server: Any, tmp_path: Path, make_settings: Any, procs: list[Service]
+) -> None:
+    """Redis keeps a delivery whose worker lost the message (as a Sentinel failover leaves
+    it: the new primary has the delivery, the worker that took it dropped it with the old
+    primary's connection; kombu would hand it out only after its visibility timeout, 150 s
+    here): a real worker's sweep sends the job again within STUDIO_QUEUE_HELD_LOST_AFTER_S +
+    a sweep, and it succeeds exactly once; the first holder's copy, arriving while the job
+    runs (a slow holder, not a dead one), is skipped: one attempt, one result."""
+    from worker.protocol import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
+
+    db = sqlite(tmp_path, "s")
+    settings = {
+        "STUDIO_QUEUE_LOST_AFTER_S": "1",
+        "STUDIO_QUEUE_HELD_LOST_AFTER_S": "3",
+        "STUDIO_QUEUE_RUN_FAIRNESS": "off",
+        "STUDIO_QUEUE_TEST_SLOTS": "0",
+        "STUDIO_CODE_MAX_SECONDS": "15",
+    }
+    env = env_for(redis_server.url, db, **settings)
+    with client_for(
+        make_settings,
+        redis_server.url,
+        db,
+        queue_require_worker=False,
+        queue_run_fairness="off",
+        code_max_seconds=15,
+    ) as client:
+        r = client.redis
+        job = client.submit(SLOW, "python", {"n": 21})
+        tag = take_lost(client.app, "code.run")
+        held = r.hget(KOMBU_UNACKED, tag)
+        assert held is not None
+        r.zadd(KOMBU_UNACKED_INDEX, {tag: time.time() - 10}, xx=True)  # taken 10 s ago
+        w = CeleryWorker(env, tmp_path / "held.log", name="held", concurrency=2, queues="code.run")
+        procs.append(w)
+        wait_for(
+            lambda: client.status(job).status != "queued",
+            30,
+            "the sweep to send the job again and the worker to claim it",
+        )
+        assert "sent again" in w.output()
+        # the first holder's copy (a first delivery), while the job runs
+        r.lpush("code.run", json.dumps(json.loads(held)[0]))
+        wait_for(lambda: r.llen("code.run") == 0, 10, "the worker to take the first copy")
+        assert client.status(job).status == "running", "the copy arrived while the job ran"
+        rec = client.wait(job, 30)
+        assert rec.status == "succeeded" and rec.output == 42, w.output()[-3000:]
+        assert rec.attempts == 1, f"the job was claimed {rec.attempts} times"
+        wait_for(lambda: r.hlen(KOMBU_UNACKED) == 0, 10, "both copies acknowledged")
+        assert client.status(job).attempts == 1
 
 
 def test_a_job_past_its_wait_bound_ends_even_with_no_worker_left(

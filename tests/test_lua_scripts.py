@@ -197,6 +197,27 @@ def test_admit_takes_an_in_flight_slot_first_then_the_rate(r: Any) -> None:
     assert r.zcard(slots) == 0 and r.zrange(rate, 0, -1) == ["a", "b"]
 
 
+# --- worker/upkeep/take_stale.lua ------------------------------------------------------------
+
+
+def test_take_stale_removes_only_deliveries_still_there_and_still_old(r: Any) -> None:
+    """A delivery made before the cutoff and one the index lost go (hash and index); one made
+    after it (taken again meanwhile) and one only in the index (acknowledged halfway) stay."""
+    from worker.protocol import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
+    from worker.upkeep.queued import take_stale
+
+    entry = json.dumps([{"headers": {"id": "j"}}, "", "code.run"])
+    r.hset(KOMBU_UNACKED, mapping={"old": entry, "fresh": entry, "unindexed": entry})
+    r.zadd(KOMBU_UNACKED_INDEX, {"old": 1000.0, "fresh": 2000.0, "acked": 500.0})
+    assert take_stale(r, ["old", "fresh", "unindexed", "acked", "absent"], 1500.0) == 2
+    assert sorted(r.hkeys(KOMBU_UNACKED)) == ["fresh"]
+    assert r.zrange(KOMBU_UNACKED_INDEX, 0, -1, withscores=True) == [
+        ("acked", 500.0),
+        ("fresh", 2000.0),
+    ]
+    assert take_stale(r, ["old"], 1500.0) == 0, "gone: nothing more to remove"
+
+
 # --- every script is a loaded file, shipped, and no Lua hides in Python ------------------------
 
 

@@ -17,13 +17,15 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from testkit.processes import free_port, wait_for
+from testkit.redis import take_lost
 from testkit.relay import Relay
 from testkit.sentinel import start_sentinels
-from testkit.stack import Stack
-from testkit.worker import health
-from tests.snippets import USER
+from testkit.stack import Stack, client_for, env_for
+from testkit.worker import CeleryWorker, health
+from tests.snippets import TRIVIAL, USER
 
 #: a node that takes a moment and says what it was given
 WORK = "import time\n\ndef main(state):\n    time.sleep(0.2)\n    return state['n'] * 2\n"
@@ -398,3 +400,77 @@ def test_sentinel_failover_during_a_burst_loses_no_job(
                 http.close()
         finally:
             q.stop()
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(180)
+def test_a_delivery_a_failover_left_without_its_worker_is_sent_again_on_the_new_primary(
+    sqlite_url: str, tmp_path: Path, make_settings: Any
+) -> None:
+    """Redis made to lose an acknowledged message on purpose, as a Sentinel failover does:
+    a job's message taken by a worker and lost with its connection (the delivery written
+    to kombu's unacked hash and index and replicated), then the primary SIGKILLed. The new
+    primary holds a delivery no worker has, which kombu would hand out only after its
+    visibility timeout (150 s here). A worker connected to the old primary follows the
+    failover, its sweep (lock, reads, script, resend on the new primary) sends the job
+    again within STUDIO_QUEUE_HELD_LOST_AFTER_S + a sweep: the run succeeds once, well
+    before the visibility timeout (the 60 s wait is that proof, not a speed)."""
+    from executor.models import CodeJob
+    from worker.protocol import KOMBU_UNACKED, TASK_NAME, job_headers
+
+    held_s = 6
+    with start_sentinels(tmp_path) as sentinels:
+        env = env_for(
+            sentinels.url,
+            sqlite_url,
+            STUDIO_REDIS_SENTINEL_MASTER=sentinels.master,
+            STUDIO_QUEUE_LOST_AFTER_S="1",
+            STUDIO_QUEUE_HELD_LOST_AFTER_S=str(held_s),
+            STUDIO_QUEUE_RUN_FAIRNESS="off",
+            STUDIO_QUEUE_TEST_SLOTS="0",
+            STUDIO_CODE_MAX_SECONDS="15",
+        )
+        w = CeleryWorker(env, tmp_path / "w.log", name="follower", concurrency=1, queues="code.run")
+        client = client_for(
+            make_settings,
+            sentinels.url,
+            sqlite_url,
+            redis_sentinel_master=sentinels.master,
+            queue_require_worker=False,
+            queue_run_fairness="off",
+            code_max_seconds=15,
+        )
+        try:
+            w.wait_ready()
+            # a job whose message waits on a list no worker reads; taken from there and lost
+            job = CodeJob(code=TRIVIAL, state_json='{"n": 21}', kind="run", user="ann")
+            assert client.store.create(job, code_runtime="subprocess")
+            client.app.send_task(
+                TASK_NAME,
+                args=(job.job_id,),
+                task_id=job.job_id,
+                queue="parking",
+                ignore_result=True,
+                headers=job_headers(client.store.store_id, client.store.describe()),
+            )
+            tag = take_lost(client.app, "parking")
+            primary = redis.Redis(port=sentinels.master_port() or 0, socket_timeout=5)
+            assert primary.wait(1, 5000) == 1, "the replica has the delivery"
+            primary.close()
+            dead = sentinels.kill_primary()
+            new_port = sentinels.ports[sentinels.other(dead)]
+            sentinels.wait_master(new_port)
+            new = redis.Redis(port=new_port, socket_timeout=5)
+            try:
+                assert new.hexists(KOMBU_UNACKED, tag), "the failover kept the delivery"
+                assert client.store.get(job.job_id, inputs=False).status == "queued"
+                rec = client.wait(job.job_id, 60)
+                assert rec.status == "succeeded" and rec.output == 42, w.output()[-3000:]
+                assert rec.attempts == 1, rec
+                assert "sent again" in w.output()
+                assert not new.hexists(KOMBU_UNACKED, tag), "the stale delivery was removed"
+            finally:
+                new.close()
+        finally:
+            client.close()
+            w.stop(30)

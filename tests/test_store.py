@@ -156,6 +156,20 @@ def test_claim_queued_then_redelivered(store: RunStore) -> None:
     assert store.claim("unknown", "w") is None
 
 
+def test_a_first_delivery_claims_only_a_queued_job(store: RunStore) -> None:
+    """claim(again=False), a message's first delivery: a queued job is taken; a running one
+    is another copy's (the queued sweep's resend beside a slow holder) and is left as it is;
+    a redelivery (again=True) still takes it after a worker's death."""
+    job_id = _new(store)
+    rec = store.claim(job_id, "host-a:1", again=False)
+    assert rec is not None and rec.status is Status.RUNNING and rec.attempts == 1
+    before = store.get(job_id)
+    assert store.claim(job_id, "host-b:2", again=False) is None
+    assert store.get(job_id) == before, "nothing changed"
+    again = store.claim(job_id, "host-c:3")
+    assert again is not None and again.worker == "host-c:3" and again.attempts == 2
+
+
 def test_claim_after_cancel_returns_none(store: RunStore) -> None:
     queued = _new(store)
     assert store.request_cancel(queued) is Status.CANCELLED

@@ -129,6 +129,28 @@ def visibility_timeout_s(settings: Settings) -> float:
     return 2 * settings.code_max_seconds + 120.0
 
 
+#: beyond the longest wait of a live worker's reserved message: its pool's busy moments
+HELD_MARGIN_S = 30.0
+
+
+def held_lost_after_s(settings: Settings) -> float:
+    """How long a message may sit delivered (in kombu's ``unacked`` hash) while its job is
+    still ``queued`` before the queued sweep takes it for lost and sends the job again
+    (worker.upkeep.queued). A live worker claims a delivered message at once, or after at
+    most one running job's end (STUDIO_CODE_MAX_SECONDS + the kill grace); past that, its
+    holder lost it (a connection lost with a Redis primary that a failover replaced: the
+    message was replicated as delivered, the worker dropped it). Never shorter than
+    STUDIO_QUEUE_LOST_AFTER_S. A copy sent again claims only a queued job, and so does the
+    first holder's: the job runs once whoever is first. STUDIO_QUEUE_HELD_LOST_AFTER_S,
+    when set, instead."""
+    if settings.queue_held_lost_after_s > 0:
+        return float(settings.queue_held_lost_after_s)
+    return max(
+        float(settings.queue_lost_after_s),
+        settings.code_max_seconds + KILL_GRACE_S + HELD_MARGIN_S,
+    )
+
+
 def restore_interval_s(settings: Settings) -> float:
     """How often a worker looks for messages whose visibility timeout has passed."""
     return max(1.0, min(10.0, visibility_timeout_s(settings) / 4))

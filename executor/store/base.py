@@ -283,10 +283,13 @@ class RunStore(ABC):
         )
 
     @abstractmethod
-    def claim(self, job_id: str, worker: str) -> JobRecord | None:
+    def claim(self, job_id: str, worker: str, *, again: bool = True) -> JobRecord | None:
         """queued -> running, or running -> running when redelivered (attempts += 1, new
         worker, new started_at). None (nothing changed) when the job is unknown, cancelling,
-        cancelled or finished: the worker must not run it."""
+        cancelled or finished: the worker must not run it. ``again=False`` (a message's
+        first delivery, never handed back by the broker) takes only a queued job: a running
+        one is another copy's (the queued sweep's resend of a message a slow holder still
+        has), never a redelivery after a worker's death."""
 
     @abstractmethod
     def request_cancel(self, job_id: str) -> Status | None:

@@ -440,9 +440,15 @@ class SqlRunStore(RunStore):
                 out.update({job_id: Status(status) for job_id, status in found})
         return out
 
-    def claim(self, job_id: str, worker: str) -> JobRecord | None:
+    def claim(self, job_id: str, worker: str, *, again: bool = True) -> JobRecord | None:
         now = _utcnow()
-        params = {"c_id": job_id, "c_at": now, "c_ts": now.timestamp(), "c_by": worker}
+        params = {
+            "c_id": job_id,
+            "c_at": now,
+            "c_ts": now.timestamp(),
+            "c_by": worker,
+            "c_again": Status.RUNNING.value if again else Status.QUEUED.value,
+        }
         if self._lane is not None:
             with self._wrote():
                 claimed = self._lane.claim(params)

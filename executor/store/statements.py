@@ -88,14 +88,16 @@ def _p(name: str, type_: Any) -> Any:
     return bindparam(name, type_=type_)
 
 
-#: queued -> running (or running -> running: a redelivery); parameters c_id, c_at, c_ts, c_by.
-#: A retry's attempt is not claimed before its ``not_before_ts`` (a message that came early
-#: is skipped; the sweep sends it again when due: worker.upkeep.retry_due).
+#: queued -> running (or running -> running: a redelivery); parameters c_id, c_at, c_ts, c_by
+#: and c_again: the other status a claim may take, ``running`` for a redelivered message,
+#: ``queued`` (so: only queued) for a first delivery (``SqlRunStore.claim``). A retry's
+#: attempt is not claimed before its ``not_before_ts`` (a message that came early is
+#: skipped; the sweep sends it again when due: worker.upkeep.retry_due).
 CLAIM = (
     update(jobs)
     .where(
         jobs.c.job_id == _p("c_id", String),
-        jobs.c.status.in_([Status.QUEUED.value, Status.RUNNING.value]),
+        jobs.c.status.in_([Status.QUEUED.value, _p("c_again", String)]),
         or_(jobs.c.not_before_ts.is_(None), jobs.c.not_before_ts <= _p("c_ts", Double)),
     )
     .values(

@@ -342,7 +342,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
     if written is not None:
         return Outcome("finished" if written else "parked-duplicate")
     try:
-        rec = state.store.claim(job_id, worker)
+        rec = state.store.claim(job_id, worker, again=redelivered(request))
     except StoreUnavailable as e:  # any other error (a bug) raises: handing back would loop
         gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
         _hand_back(f"job {job_id}: the run store is unreachable")
@@ -390,6 +390,18 @@ def _start(
         gate.report(gate.RUN_STORE, str(e))  # the result stays parked
         _hand_back(f"job {job_id}: its parked result waits for the run store")
     return written, flagged, lost
+
+
+def redelivered(request: Any) -> bool:
+    """Whether the broker handed this message back before (kombu marks a message it puts
+    back on its queue: a worker died holding it, its visibility timeout passed, a worker
+    handed it back): only such a delivery may take a job that is ``running`` (its worker
+    died). A first delivery claims only a ``queued`` job, so the queued sweep's resend of a
+    message a slow worker still holds never runs the job beside it (worker.upkeep.queued).
+    No request (a direct call): as before, a redelivery."""
+    if request is None:
+        return True
+    return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
 
 
 def _not_claimed(state: ProcessState, job_id: str, worker: str, request: Any) -> Outcome:

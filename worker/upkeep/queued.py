@@ -14,6 +14,15 @@ janitor at a time (a Redis lock) every STUDIO_QUEUE_REAP_INTERVAL_S.
   the list to the hash in two steps), and the row must still be queued: only then is it
   re-sent. ``claim`` keeps a job exactly-once. A run waiting on its user's list
   (worker.fair) is not lost: that list is read in the same MULTI.
+* **Lost holder**: a job still queued whose message has sat in the ``unacked`` hash for
+  longer than a live worker ever holds one unclaimed (``held_lost_after_s``, by kombu's
+  ``unacked_index``: the delivery's time) is sent again too. Its worker lost it: after a
+  Sentinel failover the new primary has the delivery (replicated) while the worker that
+  took it dropped it with the old primary's connection, and kombu would hand it out only
+  after the visibility timeout. Read twice as above; then the stale delivery is removed
+  (hash and index, in one script, only if it is still there and still that old) before the
+  job is sent again. A first delivery claims only a queued job (``claim(again=False)``),
+  so the holder, if it was only slow, and the new copy cannot both run it.
 * **Fair bookkeeping**: ended jobs leave their user's waiting list, and a run released to
   code.run whose job ended without its end being seen (failed by the reaper, a worker
   killed after its result) frees its user's cap slot (``FairQueue.reconcile``).
@@ -28,21 +37,23 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
 from executor.settings import Settings
 from executor.store import RunStore
-from worker import redis_conn
+from worker import lua, redis_conn
 from worker.fair import FairQueue, user_cap
 from worker.protocol import (
     FAIR_JOBS_KEY,
     KOMBU_UNACKED,
+    KOMBU_UNACKED_INDEX,
     QUEUE_TEST,
     QUEUES,
     SWEEP_LOCK_KEY,
     TASK_NAME,
+    held_lost_after_s,
     job_headers,
     max_wait_s,
     message_job_id,
@@ -57,10 +68,24 @@ MAX_SCAN = 20_000
 CONFIRM_AFTER_S = 1.0
 
 
-def broker_job_ids(client: redis.Redis, candidates: Iterable[str] = ()) -> set[str] | None:
-    """The job ids of every message in the queues or held by a worker, and those of
-    ``candidates`` waiting on their user's list (worker.fair), read in one MULTI; None when
-    there are more than MAX_SCAN messages (too many to read every sweep)."""
+class Broker(NamedTuple):
+    """What the broker holds, as one MULTI read it: ``waiting``, the job ids of messages in
+    a queue list (or of candidates on their user's list, worker.fair); ``held``, for each
+    job id whose message a worker took and has not acknowledged (kombu's ``unacked`` hash),
+    its deliveries: (delivery tag, delivery time by kombu's ``unacked_index``, None when the
+    index has no entry)."""
+
+    waiting: set[str]
+    held: dict[str, list[tuple[str, float | None]]]
+
+    def ids(self) -> set[str]:
+        return self.waiting | set(self.held)
+
+
+def read_broker(client: redis.Redis, candidates: Iterable[str] = ()) -> Broker | None:
+    """The broker's messages (``Broker``), with ``candidates`` looked for on their users'
+    lists, read in one MULTI; None when there are more than MAX_SCAN messages (too many to
+    read every sweep)."""
     asked = list(candidates)
     keys = [k for q in QUEUES for k in queue_lists(q)]
     pipe = client.pipeline(transaction=True)
@@ -72,27 +97,59 @@ def broker_job_ids(client: redis.Redis, candidates: Iterable[str] = ()) -> set[s
     pipe = client.pipeline(transaction=True)
     for key in keys:
         pipe.lrange(key, 0, -1)
-    pipe.hvals(KOMBU_UNACKED)
+    pipe.hgetall(KOMBU_UNACKED)
+    pipe.zrange(KOMBU_UNACKED_INDEX, 0, -1, withscores=True)
     if asked:
         pipe.hmget(FAIR_JOBS_KEY, asked)
-    *lists, held = pipe.execute()
-    ids: set[str] = set()
+    replies = pipe.execute()
+    waiting: set[str] = set()
     if asked:
-        ids.update(j for j, user in zip(asked, held, strict=True) if user is not None)
-        *lists, held = lists
+        users = replies.pop()
+        waiting.update(j for j, user in zip(asked, users, strict=True) if user is not None)
+    *lists, unacked, index = replies
     for items in lists:
         for raw in items:
             job_id = message_job_id(raw)
             if job_id:
-                ids.add(job_id)
-    for raw in held:
+                waiting.add(job_id)
+    delivered = {_text(tag): float(score) for tag, score in index}
+    held: dict[str, list[tuple[str, float | None]]] = {}
+    for tag, raw in unacked.items():
         try:
             job_id = message_job_id(json.loads(raw)[0])
         except (ValueError, IndexError, TypeError):
             job_id = None
         if job_id:
-            ids.add(job_id)
-    return ids
+            held.setdefault(job_id, []).append((_text(tag), delivered.get(_text(tag))))
+    return Broker(waiting, held)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def broker_job_ids(client: redis.Redis, candidates: Iterable[str] = ()) -> set[str] | None:
+    """The job ids of every message in the queues or held by a worker, and those of
+    ``candidates`` waiting on their user's list (worker.fair), read in one MULTI; None when
+    there are more than MAX_SCAN messages (too many to read every sweep)."""
+    broker = read_broker(client, candidates)
+    return None if broker is None else broker.ids()
+
+
+#: worker/upkeep/take_stale.lua: removes stale deliveries from kombu's unacked hash and
+#: index, each only if it is still there and its delivery time still at or before the cutoff
+#: (or it still has none): a delivery kombu restored, a worker acknowledged or took again
+#: meanwhile is left alone
+TAKE_STALE = lua.source(__package__, "take_stale.lua")
+
+
+def take_stale(client: redis.Redis, tags: list[str], cutoff: float) -> int:
+    """Remove the deliveries ``tags`` from kombu's unacked hash and index, atomically, those
+    still there and delivered at or before ``cutoff`` (Unix seconds; no delivery time
+    counts as stale). How many were removed."""
+    if not tags:
+        return 0
+    return int(client.eval(TAKE_STALE, 2, KOMBU_UNACKED, KOMBU_UNACKED_INDEX, repr(cutoff), *tags))
 
 
 class QueuedSweep:
@@ -194,25 +251,36 @@ class QueuedSweep:
         candidates = self.store.list_queued(self.settings.queue_lost_after_s, limit=500)
         if not candidates:
             return []
-        asked = [c.job_id for c in candidates]
-        present = broker_job_ids(self.redis, asked)
-        if present is None:
+        bound = held_lost_after_s(self.settings)
+        broker = read_broker(self.redis, [c.job_id for c in candidates])
+        if broker is None:
             log.warning(
                 "queued sweep: more than %d messages queued; lost messages are not "
                 "looked for (the queue-wait bounds still end old jobs)",
                 MAX_SCAN,
             )
             return []
-        missing = {c.job_id: c for c in candidates if c.job_id not in present}
+        missing = {
+            c.job_id: c for c in candidates if _unowned(broker, c.job_id, time.time() - bound)
+        }
         if not missing:
             return []
         time.sleep(CONFIRM_AFTER_S)
-        present = broker_job_ids(self.redis, list(missing)) or set()
-        still = self.store.get_many((j for j in missing if j not in present), inputs=False)
-        resent = []
+        cutoff = time.time() - bound
+        broker = read_broker(self.redis, list(missing)) or Broker(set(), {})
+        still = self.store.get_many(
+            (j for j in missing if _unowned(broker, j, cutoff)), inputs=False
+        )
+        resent, taken = [], []
         for job_id, rec in still.items():
             if rec.status != "queued":
                 continue
+            stale = [tag for tag, _ in broker.held.get(job_id, [])]
+            if stale:
+                # its holder lost it: the delivery goes first, unless it moved meanwhile
+                if not take_stale(self.redis, stale, cutoff):
+                    continue
+                taken.append(job_id)
             queue = queue_of(missing[job_id].kind)
             self.app.send_task(
                 TASK_NAME,
@@ -226,8 +294,19 @@ class QueuedSweep:
         if resent:
             log.error(
                 "queued sweep: %d queued job(s) had no message in the queues nor held "
-                "by a worker (lost); sent again: %s",
+                "by a live worker (lost; %d of them delivered more than %g s ago to a "
+                "worker that never claimed them); sent again: %s",
                 len(resent),
+                len(taken),
+                bound,
                 ", ".join(resent[:20]),
             )
         return sorted(resent)
+
+
+def _unowned(broker: Broker, job_id: str, cutoff: float) -> bool:
+    """No message of ``job_id`` waits in a queue and none is held by a live worker: every
+    delivery of it (if any) was made at or before ``cutoff`` (or has no delivery time)."""
+    if job_id in broker.waiting:
+        return False
+    return all(at is None or at <= cutoff for _, at in broker.held.get(job_id, []))
