@@ -269,8 +269,11 @@ def test_an_oom_killed_node_reports_the_limit_it_hit(executor: Any, language: st
     assert r.status is Status.FAILED and r.error.code is ErrorCode.CODE_MEMORY, r.error
     peak = r.usage.memory_peak_bytes
     # Python in a subprocess meets RLIMIT_AS (MemoryError) a little below the cgroup's limit;
+    # Deno's V8 heap is capped at three quarters of it (the spec), so where its process ends
+    # depends on what V8 holds beside the heap then (seen: 0.89 of the limit, under load);
     # a cgroup's own peak may pass the limit by a few kernel pages
-    assert 0.9 * LIMIT <= peak <= 1.01 * LIMIT, r.usage
+    floor = 0.85 if language == "typescript" else 0.9
+    assert floor * LIMIT <= peak <= 1.01 * LIMIT, r.usage
     assert f"used {mib(peak)} of 256 MiB" in r.error.message
 
 
@@ -285,14 +288,15 @@ def test_a_pre_started_sandbox_start_is_not_in_its_job_cpu(executor: Any, langua
     assert r.usage.cpu_ms < cold / 2, (r.usage, cold)
 
 
-_COLD: dict[tuple[str, str], float] = {}
+_COLD: dict[tuple[str, str, str], float] = {}
 
 
 def cold_idle_cpu(ex: Any, language: str) -> float:
     """The CPU of an idle node in a cold sandbox of the same runtime (its start included)."""
     from executor.service import Executor
 
-    key = (ex.settings.code_runtime, language)
+    # the OCI runtime too: a cold start under gVisor costs its kernel's start as well
+    key = (ex.settings.code_runtime, ex.settings.code_oci_runtime, language)
     if key not in _COLD:
         cold = Executor(ex.settings.model_copy(update={"code_prewarm": 0}))
         try:

@@ -20,6 +20,7 @@ that fails in any way ends alone: nothing a client does ends the guard.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -252,14 +253,25 @@ class SockGuard:
                 os.unlink(self.listen)  # a previous guard's
         except FileNotFoundError:
             pass
+        # Bound and listening under a name of its own, then renamed into place: the path
+        # appears only once a connect to it is accepted (a client that sees the path
+        # between bind and listen would be refused, ECONNREFUSED).
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        staging = f"{self.listen}.{os.getpid()}.new"
         old = os.umask(0o777 & ~self.mode)
         try:
-            server.bind(self.listen)
+            server.bind(staging)
         finally:
             os.umask(old)
-        os.chmod(self.listen, self.mode)
-        server.listen(4096)
+        try:
+            os.chmod(staging, self.mode)
+            server.listen(4096)
+            os.rename(staging, self.listen)
+        except BaseException:
+            server.close()
+            with contextlib.suppress(OSError):
+                os.unlink(staging)
+            raise
         server.setblocking(False)
         self._server = server
 
