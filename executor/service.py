@@ -442,7 +442,7 @@ class Executor:
                 f"STUDIO_CODE_MAX_SECONDS={s.code_max_seconds:g}).",
                 **common,
             )
-        if raw.oom_killed:
+        if raw.oom_killed or _killed_at_its_memory_limit(raw, limits):
             return self._memory_result(job, limits, **common)
         crash = language.crash_error(raw)
         if crash is not None:
@@ -594,3 +594,13 @@ def mib(n: int) -> str:
     """Bytes as the CODE_MEMORY message says them: "256 MiB" (one decimal below 10 MiB)."""
     m = n / (1 << 20)
     return f"{m:.1f} MiB" if m < 10 else f"{round(m)} MiB"
+
+
+def _killed_at_its_memory_limit(raw: Any, limits: Any) -> bool:
+    """A sandbox SIGKILLed (137) whose memory, measured by the host in its cgroup, reached
+    its limit: the kernel's OOM killer, even where the engine does not flag it (under
+    gVisor the host's OOM killer ends the sandbox's own kernel, and the engine's OOMKilled
+    stays false). A timeout or a cancel is told apart before this is asked."""
+    usage = getattr(raw, "usage", None)
+    peak = getattr(usage, "memory_peak_bytes", None)
+    return raw.exit_code == 137 and peak is not None and peak >= 0.95 * limits.memory_bytes
