@@ -317,6 +317,31 @@ def test_close_removes_idle_and_the_reaper_those_of_a_dead_owner(
     assert pool_containers(docker_client, dead) == []
 
 
+def test_a_sandbox_started_aside_as_the_pool_closes_is_not_left_behind(
+    pooled: Any, docker_client: Any
+) -> None:
+    """The pre-import measurement starts a bare twin beside the pool (``start_aside``) on a
+    thread of its own: ``close`` waits until it is released and removes it; once closing, the
+    pool starts none (a CI run found one left behind: the measurement asked ``closing()``,
+    then the pool closed and drained, then the twin was started)."""
+    from executor.errors import RuntimeUnavailable
+
+    ex = pooled()  # no pre-import: the pool's own measurement starts no twin here
+    pool = ex.runtime.pool
+    bare = pool.start_aside("python")
+    assert {c["Id"] for c in pool_containers(docker_client, pool.owner)} >= {bare.cid}
+    closer = threading.Thread(target=ex.close, name="test-close")
+    closer.start()
+    closer.join(2.0)
+    assert closer.is_alive(), "close returned while a sandbox started aside was out"
+    with pytest.raises(RuntimeUnavailable, match="closing"):
+        pool.start_aside("python")
+    pool.release(bare)
+    closer.join(60)
+    assert not closer.is_alive()
+    assert pool_containers(docker_client, pool.owner) == []
+
+
 def test_meta_shows_the_pool(pooled: Any) -> None:
     from executor.meta import runtime_meta
 

@@ -200,6 +200,9 @@ class SandboxPool(IdlePoolStats):
         self.misses: Counter[str] = Counter()
         self._cond = threading.Condition()
         self._stop = False
+        #: sandboxes started aside (the pre-import measurement's bare twin) not released yet:
+        #: ``close`` waits for them, or one started as it closes is left behind
+        self._aside = 0
         self._thread: threading.Thread | None = None
         self._remover: threading.Thread | None = None
         self._image_ids: dict[str, str] = {}
@@ -224,6 +227,8 @@ class SandboxPool(IdlePoolStats):
                 q.clear()
             self._cond.notify_all()
         deadline = time.monotonic() + timeout_s
+        with self._cond:  # a bare twin being measured: released once it sees the stop
+            self._cond.wait_for(lambda: self._aside == 0, max(0.0, deadline - time.monotonic()))
         for thread in (self._thread, self._remover):
             if thread is not None:
                 thread.join(max(0.0, deadline - time.monotonic()))
@@ -523,11 +528,22 @@ class SandboxPool(IdlePoolStats):
             return any(q is sandbox for q in self._idle[sandbox.language])
 
     def start_aside(self, language: str) -> Pooled:
-        return self._create(self.languages[language], preimport=False)
+        with self._cond:  # the stop and the count under one lock: close waits for it
+            if self._stop:
+                raise RuntimeUnavailable("the sandbox pool is closing")
+            self._aside += 1
+        try:
+            return self._create(self.languages[language], preimport=False)
+        except BaseException:
+            with self._cond:
+                self._aside -= 1
+                self._cond.notify_all()
+            raise
 
     def release(self, sandbox: Pooled) -> None:
         with self._cond:
             self._retire.append(sandbox)
+            self._aside -= 1
             self._cond.notify_all()
 
     # --- the pool's thread: start, replace, remove ----------------------------------------

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from executor.runtimes.docker import usage
@@ -182,13 +183,19 @@ def shown(
     }
 
 
-def wait_quiet(api: Any, meter: usage.Meter, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+def wait_quiet(
+    api: Any,
+    meter: usage.Meter,
+    timeout_s: float = SETTLE_TIMEOUT_S,
+    stop: Callable[[], bool] = lambda: False,
+) -> bool:
     """Until the sandbox's CPU time stops growing for QUIET_S (its runner blocks on stdin);
-    False at ``timeout_s`` or when its cgroup cannot be read (it ended)."""
+    False at ``timeout_s``, when its cgroup cannot be read (it ended) or once ``stop``
+    says so (its pool is closing)."""
     deadline = time.monotonic() + timeout_s
     last: int | None = None
     since = time.monotonic()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop():
         got = meter._read(api)
         if got is None or got[1] is None:
             return False
@@ -206,7 +213,7 @@ def _idle_reading(pool: MeasuredPool[S], p: S) -> tuple[int, str] | None:
     """``p``'s anonymous memory once it is quiet, and the source; None when it could not
     be read while ``p`` was idle (taken by a job, ended, or no view of its cgroup)."""
     meter = usage.of(p.cid)
-    if meter is None or not wait_quiet(pool.api, meter):
+    if meter is None or not wait_quiet(pool.api, meter, stop=pool.closing):
         return None
     figure = meter.resident()
     if not figure or not pool.is_idle(p):  # nothing resident yet is not a figure
@@ -261,7 +268,7 @@ def _measure_once(pool: MeasuredPool[S], p: S) -> bool:
 
 def _bare_reading(pool: MeasuredPool[S], bare: S) -> int | None:
     meter = usage.of(bare.cid)
-    if meter is None or not wait_quiet(pool.api, meter):
+    if meter is None or not wait_quiet(pool.api, meter, stop=pool.closing):
         return None
     return meter.resident() or None  # nothing resident yet is not a figure
 
