@@ -52,10 +52,12 @@ from executor.store import (
 )
 from worker import lua, preimport, redis_conn
 from worker.cancel import CancelWatch
-from worker.fair import FairQueue, Waiting, user_cap
+from worker.fair import FairQueue, Waiting, check_key
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
+    HEADER_FAIR_TENANT,
     HEADER_FAIR_USER,
+    HEADER_FAIR_WORKFLOW,
     QUEUE_RUN,
     QUEUES,
     TASK_NAME,
@@ -159,7 +161,7 @@ class CodeClient:
         self.workers = WorkerRegistry(self.redis)
         #: workflow runs wait per user and take turns (worker.fair) unless fairness is off
         self.fair_users = settings.queue_run_fairness == "users"
-        self.fair = FairQueue(self.redis, user_cap(settings))
+        self.fair = FairQueue.of(self.redis, settings)
         self._served_until: dict[str, float] = {}
         self._aworkers: AsyncWorkerRegistry | None = None  # on async_redis (the API's loop)
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
@@ -371,6 +373,9 @@ class CodeClient:
         memory: str | int | None = None,
         cpus: float | None = None,
         retry: Any = None,
+        *,
+        tenant: str | None = None,
+        workflow: str | None = None,
     ) -> CodeJob:
         if kind not in ("run", "test"):
             raise CodeInvalid(
@@ -391,6 +396,8 @@ class CodeClient:
             cpus=cpus,
             # the node's own policy, else the server's default (STUDIO_CODE_RETRY)
             retry=parse_policy(retry) if retry is not None else self.settings.retry_policy,
+            tenant=check_key("tenant", tenant),
+            workflow=check_key("workflow", workflow),
         )
         self.executor.check_job(job, language=offered, state_checked=True)
         return job
@@ -413,6 +420,8 @@ class CodeClient:
         tracestate: str | None = None,
         idempotency_key: str | None = None,
         retry: Any = None,
+        tenant: str | None = None,
+        workflow: str | None = None,
     ) -> str:
         """Queue one Code-node call; returns its job id.
 
@@ -435,9 +444,24 @@ class CodeClient:
         with another request raises IdempotencyConflict naming the first job. ``retry``:
         the node's retry policy (executor.retry: a dict, its JSON text or a RetryPolicy;
         None: the server's STUDIO_CODE_RETRY, off by default); an outcome that is never
-        retried, or a bound passed, raises CodeInvalid naming what is allowed."""
+        retried, or a bound passed, raises CodeInvalid naming what is allowed. ``tenant``
+        and ``workflow``: the run's concurrency keys (worker.fair: the share key and the
+        caps STUDIO_QUEUE_RUN_SHARE_KEY, _TENANT_SLOTS, _WORKFLOW_SLOTS); a key that is not
+        one (worker.fair.check_key) raises CodeInvalid."""
         with tracing.submitting(traceparent, tracestate):
-            job = self._job(code, language, state, timeout_s, user, kind, memory, cpus, retry)
+            job = self._job(
+                code,
+                language,
+                state,
+                timeout_s,
+                user,
+                kind,
+                memory,
+                cpus,
+                retry,
+                tenant=tenant,
+                workflow=workflow,
+            )
             return self._enqueue(job, rate_checked, idempotency_key)
 
     def prepare(
@@ -452,12 +476,26 @@ class CodeClient:
         memory: str | int | None = None,
         cpus: float | None = None,
         retry: Any = None,
+        tenant: str | None = None,
+        workflow: str | None = None,
     ) -> CodeJob:
         """What ``submit`` checks before it asks Redis or the store anything, as the job it
         would queue: raises CodeNodesDisabled or CodeInvalid as ``submit`` does. No I/O:
         the HTTP test call runs it on the event loop while its admission is on the wire,
         then queues the job with ``enqueue``."""
-        return self._job(code, language, state, timeout_s, user, kind, memory, cpus, retry)
+        return self._job(
+            code,
+            language,
+            state,
+            timeout_s,
+            user,
+            kind,
+            memory,
+            cpus,
+            retry,
+            tenant=tenant,
+            workflow=workflow,
+        )
 
     def enqueue(
         self,
@@ -511,8 +549,12 @@ class CodeClient:
                 return keyed.first_job(made)
         headers = job_headers(self.store.store_id, self.store.describe())
         if queue == QUEUE_RUN and self.fair_users:
-            # the broker channel puts it on the user's list (worker.fair.FairChannel)
+            # the broker channel puts it on its lane (worker.fair.FairChannel)
             headers[HEADER_FAIR_USER] = user
+            if job.tenant:
+                headers[HEADER_FAIR_TENANT] = job.tenant
+            if job.workflow:
+                headers[HEADER_FAIR_WORKFLOW] = job.workflow
         tracing.message_headers(headers, job, self.settings.code_runtime)  # when traced
         try:
             self.app.send_task(

@@ -133,6 +133,9 @@ class CodeJob(BaseModel):
     cpus: float | None = None
     #: the node's retry policy (None: one attempt, the default)
     retry: RetryPolicy | None = None
+    #: its concurrency keys (worker.fair; "": none): they ride in its message, never stored
+    tenant: str = ""
+    workflow: str = ""
 
 
 class CodeErrorInfo(BaseModel):

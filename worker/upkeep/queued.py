@@ -44,7 +44,7 @@ import redis
 from executor.settings import Settings
 from executor.store import RunStore
 from worker import lua, redis_conn
-from worker.fair import FairQueue, user_cap
+from worker.fair import FairQueue
 from worker.protocol import (
     FAIR_JOBS_KEY,
     KOMBU_UNACKED,
@@ -165,7 +165,7 @@ class QueuedSweep:
         self.nodename = nodename
         self._owns_client = client is None
         self.redis: redis.Redis = client or redis_conn.client(settings)
-        self.fair = FairQueue(self.redis, user_cap(settings))
+        self.fair = FairQueue.of(self.redis, settings)
 
     def close(self) -> None:
         if self._owns_client:

@@ -164,6 +164,8 @@ async def test_code(
             memory=body.memory,
             cpus=body.cpus,
             retry=body.retry,
+            tenant=body.tenant,
+            workflow=body.workflow,
         )
 
     key = idempotency_key(request)
