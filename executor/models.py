@@ -134,8 +134,13 @@ class CodeJob(BaseModel):
     #: the node's retry policy (None: one attempt, the default)
     retry: RetryPolicy | None = None
     #: its concurrency keys (worker.fair; "": none): they ride in its message, never stored
+    #: (MESSAGE_ONLY)
     tenant: str = ""
     workflow: str = ""
+
+
+#: the fields of a CodeJob the run store does not hold (a job read back has them empty)
+MESSAGE_ONLY = frozenset({"tenant", "workflow"})
 
 
 class CodeErrorInfo(BaseModel):

@@ -51,6 +51,7 @@ from sqlalchemy.pool import StaticPool
 from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import (
     FINISHED,
+    MESSAGE_ONLY,
     Attempt,
     CodeErrorInfo,
     CodeJob,
@@ -385,7 +386,7 @@ class SqlRunStore(RunStore):
         """The ``code_jobs`` row of a new queued job, and its ``code_job_inputs`` row."""
         values = {
             # fields = columns (the concurrency keys ride in the message only)
-            **job.model_dump(exclude={"code", "state_json", "retry", "tenant", "workflow"}),
+            **job.model_dump(exclude={"code", "state_json", "retry", *MESSAGE_ONLY}),
             "retry": None if job.retry is None else job.retry.model_dump_json(),
             "code": "",  # in job_inputs (see there)
             "state_json": "{}",
