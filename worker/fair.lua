@@ -19,7 +19,7 @@
 -- of the other per-flow and per-key keys; the operation's own arguments follow.
 
 local Q, WORKERS, USERS, CAPPED, JOBS, MSGS, HELD, HELD_N, COUNTS, CLOCK, BACKLOG, SEQ,
-  PARKED, PARKED_KINDS = unpack(KEYS)
+  PARKED, PARKED_KINDS, SEQ_NEXT = unpack(KEYS)
 local WAIT = ARGV[1]
 local CAPS = {u = tonumber(ARGV[2]), t = tonumber(ARGV[7]), w = tonumber(ARGV[8])}
 local MIN_AHEAD = tonumber(ARGV[3])
@@ -232,7 +232,7 @@ function ops.enqueue()
   -- once per job (waiting or released): kombu's publish retry may put one message twice
   if redis.call('HEXISTS', HELD, job) == 0 and redis.call('HSETNX', JOBS, job, lane) == 1 then
     local flow = flow_of(lane)
-    local seq = redis.call('INCR', SEQ .. ':next')
+    local seq = redis.call('INCR', SEQ_NEXT)
     redis.call('HSET', SEQ, job, seq)
     redis.call('HSET', MSGS, job, msg)
     redis.call('ZINCRBY', COUNTS, 1, flow)

@@ -71,6 +71,7 @@ from worker.protocol import (
     FAIR_PREFIX,
     FAIR_RELEASE_INTERVAL_S,
     FAIR_SEQ_KEY,
+    FAIR_SEQ_NEXT_KEY,
     FAIR_USERS_KEY,
     FAIR_WAIT_PREFIX,
     HEADER_FAIR_TENANT,
@@ -88,7 +89,8 @@ RELEASE_MAX = 500
 #: users meta and /metrics rank by runs waiting
 TOP_USERS = 5
 
-#: the script's KEYS, in this order (the user lists are FAIR_WAIT_PREFIX + user)
+#: the script's KEYS, in this order (the lane lists are FAIR_WAIT_PREFIX + lane; per flow
+#: and per capped key, FAIR_PREFIX + ``lanes:<flow>`` and ``parked:<key>``)
 KEYS = (
     QUEUE_RUN,
     workers_key(QUEUE_RUN),
@@ -104,6 +106,7 @@ KEYS = (
     FAIR_SEQ_KEY,
     FAIR_PARKED_KEY,
     FAIR_PARKED_KINDS_KEY,
+    FAIR_SEQ_NEXT_KEY,
 )
 
 #: the script (worker/fair.lua): one operation per call, named in its arguments (``_args``)

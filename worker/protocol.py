@@ -341,9 +341,10 @@ FAIR_HELD_KEY = f"{_FAIR}:held"
 FAIR_HELD_COUNT_KEY = f"{_FAIR}:held_count"
 #: ZSET flow -> runs waiting (what meta and /metrics rank)
 FAIR_COUNTS_KEY = f"{_FAIR}:counts"
-#: HASH job id -> its arrival number (a lane's order among its flow's lanes; the counter:
-#: this key + ":next")
+#: HASH job id -> its arrival number (a lane's order among its flow's lanes), and the
+#: counter that numbers them
 FAIR_SEQ_KEY = f"{_FAIR}:seq"
+FAIR_SEQ_NEXT_KEY = f"{_FAIR}:seq_next"
 #: HASH lane -> the key at its cap it is parked on; HASH key kind (u, t, w) -> lanes parked
 FAIR_PARKED_KEY = f"{_FAIR}:parked"
 FAIR_PARKED_KINDS_KEY = f"{_FAIR}:parked_kinds"
