@@ -96,10 +96,12 @@ KEYS_ON = {
 
 def keys_latency(on: Any, off: Any, n: int) -> tuple[list[float], list[float]]:
     """ms from submit to claim (the store's queued_at -> started_at) of one run at a time,
-    keys on vs off, interleaved; each run ends before the next is sent."""
+    keys on vs off, interleaved (each side first in turn); each run ends before the next is
+    sent."""
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(n):
-        for i, client in enumerate((on, off)):
+    for k in range(n):
+        for i in (0, 1) if k % 2 == 0 else (1, 0):  # each side first in turn
+            client = (on, off)[i]
             keys = {"tenant": "acme", "workflow": "nightly"} if i == 0 else {}
             job = client.submit(TRIVIAL, "python", {}, user="ann", **keys)
             rec = _wait(client, [job], 60)[job]
