@@ -327,8 +327,7 @@ def test_workflow_cap_holds_under_four_submitters_and_a_sigkill(
             assert p.returncode == 0, err
             ids += json.loads(out)
         assert len(set(ids)) == 24
-        held = q.client.where(ids[-1])
-        assert held is not None and held.cap_kind == "workflow", held
+        last_waits = q.client.where(ids[-1])  # asserted below, after the samples
 
         # a run of w1's holds a slot: SIGKILL w1 (main process and pool) while it runs
         def w1_runs() -> list[str]:
@@ -360,6 +359,7 @@ def test_workflow_cap_holds_under_four_submitters_and_a_sigkill(
     )
     assert peak_held <= 2 and peak_running <= 2, (peak_held, peak_running)
     assert peak_held == 2, "the cap was reached (the test saw it hold)"
+    assert last_waits is not None and last_waits.cap_kind == "workflow", last_waits
     # the runs the kill interrupted (at most the cap's 2 ran on w1): ran again, or ended
     # failed naming the worker; every other run succeeded
     lost = [r for r in recs.values() if r.status != "succeeded"]
