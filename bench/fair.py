@@ -87,7 +87,7 @@ def submit_overhead(on: Any, off: Any, n: int) -> tuple[list[float], list[float]
 
 
 #: the settings of the keys-on side (caps high enough never to hold a run)
-KEYS_ON = {
+KEYS_ON: dict[str, Any] = {
     "queue_run_share_key": "tenant/user",
     "queue_run_tenant_slots": 1000,
     "queue_run_workflow_slots": 1000,
@@ -109,6 +109,35 @@ def keys_latency(on: Any, off: Any, n: int) -> tuple[list[float], list[float]]:
     return times
 
 
+def script_cost(client: Any, n: int) -> dict[str, tuple[list[float], list[float]]]:
+    """µs of one enqueue (with its release) and one end of worker/fair.lua, keys on vs off,
+    interleaved, on the stack's Redis (no worker: code.run emptied between the two)."""
+    import json
+
+    from worker.fair import FairQueue
+
+    sides = {
+        "on": (FairQueue(client, 0, share="tenant/user", tenant_cap=1000, workflow_cap=1000), 1),
+        "off": (FairQueue(client, 0), 0),
+    }
+    msg = json.dumps({"headers": {"id": "x"}, "body": "x" * 600})
+    out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in sides}
+    for k in range(n):
+        for name in ("on", "off") if k % 2 == 0 else ("off", "on"):
+            fair, keyed = sides[name]
+            keys = {"tenant": "acme", "workflow": "nightly"} if keyed else {}
+            t0 = time.perf_counter()
+            fair.enqueue(f"bench-{name}-{k}", "ann", msg, **keys)
+            t1 = time.perf_counter()
+            client.delete("code.run")
+            t2 = time.perf_counter()
+            fair.ended([f"bench-{name}-{k}"])
+            t3 = time.perf_counter()
+            out[name][0].append((t1 - t0) * 1e6)
+            out[name][1].append((t3 - t2) * 1e6)
+    return out
+
+
 def keys_main(args: Any) -> None:
     from testkit.stack import Stack
 
@@ -125,6 +154,9 @@ def keys_main(args: Any) -> None:
         for _ in range(2 * args.slots):  # warm-up: every pool process, the engine, the store
             on.wait(on.submit(TRIVIAL, "python", {}), 60)
         t_on, t_off = keys_latency(on, off, args.submits)
+        for worker in stack.workers:  # the worker gone: the script alone, on the same Redis
+            worker.stop()
+        cost = script_cost(plain.client.redis, 20 * args.submits)
         print(
             f"# bench.fair --keys: 1 worker, {args.slots} run slots, prefork; SQLite store; "
             f"redis-server; trivial Python node, one run at a time; {os.cpu_count()} CPUs"
@@ -138,6 +170,14 @@ def keys_main(args: Any) -> None:
             f"{pct(t_off, 50):.2f} / {pct(t_off, 95):.2f} ms | "
             f"{pct(t_on, 50) - pct(t_off, 50):+.2f} ms (goal: within 1 ms) |"
         )
+        for i, what in enumerate(("enqueue (+ its release)", "end of a run (+ release)")):
+            on_us, off_us = cost["on"][i], cost["off"][i]
+            print(
+                f"| worker/fair.lua {what}, p50 / p95 (n={len(on_us)} each, interleaved, "
+                f"client round trip included) | {pct(on_us, 50):.0f} / {pct(on_us, 95):.0f} µs | "
+                f"{pct(off_us, 50):.0f} / {pct(off_us, 95):.0f} µs | "
+                f"{(pct(on_us, 50) - pct(off_us, 50)) / 1000:+.3f} ms |"
+            )
     finally:
         plain.stop()
         end_stack(stack)
