@@ -148,6 +148,27 @@ def test_keys_are_checked() -> None:
     assert lane_of("ann") == "ann" and lane_of("ann", "acme", "") == '["acme","ann",""]'
 
 
+def test_cli_submit_checks_the_keys(tmp_path: Any) -> None:
+    """``studio-code submit --workflow`` with a key that is not one: refused before any
+    connection, CODE_INVALID with the sentence."""
+    from testkit.stack import base_env
+    from tests.conftest import run_cli
+    from tests.test_cli import one_json
+
+    path = tmp_path / "node.py"
+    path.write_text(TRIVIAL)
+    # this checkout first on PYTHONPATH (the console script is the venv's)
+    env = {
+        **base_env(),
+        "STUDIO_ENABLE_CODE_NODES": "1",
+        "STUDIO_REDIS_URL": "redis://127.0.0.1:1/0",
+    }
+    proc = run_cli("submit", str(path), "--tenant", "acme", "--workflow", "a b", env=env)
+    out = one_json(proc)
+    assert proc.returncode == 1 and out["error"]["code"] == "CODE_INVALID", out
+    assert "--workflow 'a b' is not a key" in out["error"]["message"]
+
+
 @pytest.mark.redis
 def test_api_checks_the_keys_and_says_a_run_waits_at_its_workflow_cap(
     redis_server: Any, tmp_path: Any, make_settings: Any
