@@ -233,12 +233,15 @@ class CodeClient:
         return meta
 
     def fairness(self, *, names: bool = False) -> dict[str, Any]:
-        """How code.run is shared (STUDIO_QUEUE_RUN_FAIRNESS, _USER_SLOTS) and the runs
-        waiting on the users' lists: how many, and the users with the most (by rank; their
-        ids only with ``names``)."""
+        """How code.run is shared (STUDIO_QUEUE_RUN_FAIRNESS, _USER_SLOTS, _SHARE_KEY,
+        _TENANT_SLOTS, _WORKFLOW_SLOTS) and the runs waiting on the lanes: how many, and the
+        share-key values with the most (by rank; their ids only with ``names``)."""
         out: dict[str, Any] = {
             "mode": self.settings.queue_run_fairness,
             "user_slots": self.settings.queue_run_user_slots or None,
+            "share_key": self.settings.queue_run_share_key,
+            "tenant_slots": self.settings.queue_run_tenant_slots or None,
+            "workflow_slots": self.settings.queue_run_workflow_slots or None,
         }
         try:
             out.update(self.fair.stats().as_dict(names=names))

@@ -215,6 +215,12 @@ def test_api_checks_the_keys_and_says_a_run_waits_at_its_workflow_cap(
         assert "2 of its workflow's runs are in flight" in waiting["reason"]
         assert "bob" not in json.dumps(view), "another user is never named"
         assert client.where(ids[1]) is None  # bob's two: released
+        meta = client.fairness()
+        assert (meta["share_key"], meta["workflow_slots"], meta["tenant_slots"]) == (
+            "user",
+            2,
+            None,
+        )
         with pytest.raises(Exception) as e:
             client.submit(TRIVIAL, "python", {}, user="ann", tenant="ac me")
         assert getattr(e.value, "code", None) == "CODE_INVALID"
