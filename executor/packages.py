@@ -226,7 +226,7 @@ def image_packages(settings: Settings, language: str) -> ImagePackages | None:
         return ImagePackages(settings.code_image, MappingProxyType(versions))
     image = settings.code_ts_image
     try:
-        from executor.docker_api import shared_api
+        from executor.runtimes.docker.client import shared_api
 
         labels = shared_api().inspect_image(image)["Config"].get("Labels") or {}
     except Exception as e:  # noqa: BLE001 - no engine or no image: readiness says why

@@ -212,8 +212,8 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
 RUN_NEVER_USES = (
     "executor.runtimes.docker.posture",
     "tomllib",
-    "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (executor.docker_api)
-    # requests' guess of a text's encoding (executor.docker_api): its package, which loads
+    "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (runtimes/docker/client.py)
+    # requests' guess of a text's encoding (runtimes/docker/client.py): its package, which loads
     # .api first, and not its version module (imported for requests to read)
     "charset_normalizer.api",
 )
@@ -261,7 +261,7 @@ def test_what_the_docker_sdk_is_imported_without_still_works_when_used():
     HTTP/2 check still reads a package's version, each importing it then."""
     mods = loaded_after("""
         import sys
-        from executor.docker_api import import_sdk
+        from executor.runtimes.docker.client import import_sdk
         import_sdk()
         assert "docker" in sys.modules
         assert "charset_normalizer" not in sys.modules

@@ -62,7 +62,7 @@ def read_image_modules(
     ``settings``: the caller's, for the container the file is read from. None when it
     cannot be read."""
     try:
-        from executor.docker_api import shared_api
+        from executor.runtimes.docker.client import shared_api
 
         api = shared_api()
         image_id = api.inspect_image(image)["Id"]

@@ -53,7 +53,7 @@ def oci_runtime(settings: Settings, api: Any = None) -> str | None:
     if seen is not None and time.monotonic() - seen[0] < AUTO_TTL_S:
         return seen[1]
     if api is None:
-        from executor.docker_api import shared_api
+        from executor.runtimes.docker.client import shared_api
 
         api = shared_api()
     try:

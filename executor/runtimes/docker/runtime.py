@@ -17,7 +17,7 @@ import docker
 import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
-from executor.docker_api import shared_api
+from executor.runtimes.docker.client import shared_api
 from executor.errors import InfrastructureLost, RuntimeUnavailable
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits, RawRun
