@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from executor.packages import image_packages, packages_warning, shown_packages
+from executor.packages import packages_warning, shown_packages
 from executor.runtimes.docker import preimport_memory
 from executor.runtimes.docker.policy import TMPFS_SIZE
 from executor.runtimes.docker.posture import sandbox_proof
@@ -28,7 +28,7 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             lang = executor.language(name)
             ready = executor.readiness(lang, fresh=fresh)
             # the image's own list at its versions (its studio.packages label, modules.json)
-            found = image_packages(s, name)
+            found = executor.image_facts(lang).packages()
             entry.update(
                 ready=ready.ready,
                 reason=ready.reason,

@@ -8,7 +8,8 @@ from that check so that reading the settings loads no TypeScript parser.
 
 An image built by ``studio-code image build`` (docker/build.sh) says what it has: the label
 ``studio.packages`` (``pydantic==2.10.3,...``; ``npm:zod@3.25.76,...``) and, for Python,
-``modules.json``'s ``versions``. ``image_packages`` reads them, ``shown_packages`` is what
+``modules.json``'s ``versions``. The runtime reads them (``ImageFacts.packages()``, e.g.
+executor/runtimes/docker/images.py) into an ``ImagePackages``; ``shown_packages`` is what
 the editor and meta show (an unset STUDIO_CODE_PACKAGES means the image's own list), and
 ``packages_warning`` is the one sentence readiness and meta give when a setting disagrees
 with the image.
@@ -16,7 +17,6 @@ with the image.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,15 +34,12 @@ __all__ = [
     "ImagePackages",
     "PackageSpec",
     "compares",
-    "image_packages",
     "packages_warning",
     "parse_image_packages",
     "parse_packages",
     "parse_preimport",
     "shown_packages",
 ]
-
-log = logging.getLogger("studio_code.executor")
 
 #: Default of ``STUDIO_CODE_PACKAGES`` (the seed's image): what is shown when the image's own
 #: list cannot be read (no Docker, the subprocess runtime, an image without modules.json).
@@ -207,35 +204,6 @@ def parse_image_packages(label: str, language: str) -> dict[str, str]:
             if scheme and at and name and _MAJOR_RE.fullmatch(major):
                 out[f"{scheme['scheme']}:{name}@{major}"] = version
     return out
-
-
-def image_packages(settings: Settings, language: str) -> ImagePackages | None:
-    """What the language's image lists, or None when it cannot be known (not the docker
-    runtime, no engine, no image, an image built before the list was recorded)."""
-    if settings.code_runtime != "docker":
-        return None
-    if language == "python":
-        from executor.languages.python_modules import read_image_modules
-
-        found = read_image_modules(
-            settings.code_image, settings, settings.data_dir / "image-modules"
-        )
-        if found is None:
-            return None
-        versions = {name: found.versions.get(name, "") for name in found.packages}
-        return ImagePackages(settings.code_image, MappingProxyType(versions))
-    image = settings.code_ts_image
-    try:
-        from executor.runtimes.docker.client import shared_api
-
-        labels = shared_api().inspect_image(image)["Config"].get("Labels") or {}
-    except Exception as e:  # noqa: BLE001 - no engine or no image: readiness says why
-        log.debug("the packages of %s are unknown: %s", image, e)
-        return None
-    if PACKAGES_LABEL not in labels:
-        return None
-    versions = parse_image_packages(labels[PACKAGES_LABEL], "typescript")
-    return ImagePackages(image, MappingProxyType(versions))
 
 
 def _same(name: str) -> str:

@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from executor.languages.base import Language
+from executor.languages.base import NO_FACTS, ImageFacts, Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.settings import Settings
 
@@ -160,6 +160,15 @@ class Runtime(ABC):
     def image(self, language: Language) -> str | None:
         """The image ``language`` runs from in this runtime, or None (no images)."""
         return None
+
+    @classmethod
+    def image_facts(cls, settings: Settings, language: Language) -> ImageFacts:
+        """What ``language``'s image has (its modules, its packages), as this runtime reads
+        it under ``settings``, each read on its first ask; ``NO_FACTS`` for a runtime
+        without images. The languages get it as data (``Language.check``, ``packages``).
+        A class method: a caller without a runtime of its own (``studio-code validate``)
+        asks the class, and makes no runtime."""
+        return NO_FACTS
 
     def engine_posture(self, *, fresh: bool = False) -> EnginePosture | None:
         """The engine under this runtime's sandboxes and its known escapes (cached; ``fresh``

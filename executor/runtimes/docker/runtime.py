@@ -17,9 +17,8 @@ import docker
 import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
-from executor.runtimes.docker.client import shared_api
 from executor.errors import InfrastructureLost, RuntimeUnavailable
-from executor.languages.base import Language
+from executor.languages.base import ImageFacts, Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes.base import (
     CancelCheck,
@@ -38,6 +37,8 @@ from executor.runtimes.docker.attached import (
     run_attached,
     sandbox_failures,
 )
+from executor.runtimes.docker.client import shared_api
+from executor.runtimes.docker.images import DockerImageFacts
 from executor.runtimes.docker.policy import (
     AUTO,
     LABEL_DEADLINE,
@@ -104,6 +105,10 @@ class DockerRuntime(Runtime):
 
     def image(self, language: Language) -> str | None:
         return language.image(self.settings)
+
+    @classmethod
+    def image_facts(cls, settings: Settings, language: Language) -> ImageFacts:
+        return DockerImageFacts(settings, language)
 
     def health_problem(self) -> str | None:
         """Asked on a fresh connection (``engine_stopping``): an engine shutting down still
