@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from executor.packages import packages_warning, shown_packages
+from executor.package_lists import packages_warning, shown_packages
 from executor.runtimes.docker import preimport_memory
 from executor.runtimes.docker.policy import TMPFS_SIZE
 from executor.runtimes.docker.posture import sandbox_proof

@@ -87,7 +87,7 @@ class Readiness:
     reason: str | None
     checked_at: float
     #: a ready language whose package setting disagrees with its image: the names, in one
-    #: sentence (executor.packages.packages_warning)
+    #: sentence (executor.package_lists.packages_warning)
     warning: str | None = None
 
 
@@ -259,7 +259,7 @@ class Executor:
         )
         result = self._run(job, language, self.limits(READINESS_TIMEOUT_S), None, probe=True)
         if result.status is Status.SUCCEEDED and result.output == Language.TEST_OUTPUT:
-            from executor.packages import compares, packages_warning
+            from executor.package_lists import compares, packages_warning
 
             warning = None
             if compares(self.settings, language.name):

@@ -79,8 +79,8 @@ class Python(Language):
         return _unavailable_imports(tree, facts)
 
     def packages(self, settings: Settings, facts: ImageFacts) -> list[str]:
-        # STUDIO_CODE_PACKAGES when set, else the image's own list (executor.packages)
-        from executor.packages import shown_packages
+        # STUDIO_CODE_PACKAGES when set, else the image's own list (executor.package_lists)
+        from executor.package_lists import shown_packages
 
         return shown_packages(settings, self.name, facts.packages())
 
