@@ -399,6 +399,16 @@ def test_api_client_has_no_import_circle():
     assert found is None, "import circle: " + " -> ".join(found or [])
 
 
+def test_the_api_loads_no_docker_sdk():
+    """The API's process talks to Redis and the run store, never to the Docker engine at
+    import: neither the client nor the HTTP app loads the Docker SDK (a runtime loads it
+    when it is made, e.g. by a readiness probe)."""
+    for module in ("api_client.client", "api_client.http.app"):
+        mods = loaded_after(f"import {module}")
+        assert module in mods
+        assert loaded_of(mods, ("docker", "executor.runtimes.docker")) == [], module
+
+
 RUNTIMES = ROOT / "executor" / "runtimes"
 
 

@@ -93,6 +93,11 @@ class Language(ABC):
         while it waits for its job (STUDIO_CODE_PREIMPORT); none by default."""
         return {}
 
+    def preimport_modules(self, settings: Settings) -> list[str]:
+        """What a pre-started sandbox imports while it waits, as STUDIO_CODE_PREIMPORT
+        names it (meta, the workers' heartbeats); none by default."""
+        return []
+
     @abstractmethod
     def check(self, code: str, settings: Settings, facts: ImageFacts) -> list[Problem]:
         """Save-time problems of ``code``; empty when it may be saved. ``facts``: what the

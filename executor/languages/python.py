@@ -62,6 +62,9 @@ class Python(Language):
         # read, and removed from the environment, by python_runner.py's _preimport
         return {"STUDIO_PREIMPORT": settings.code_preimport} if settings.code_preimport else {}
 
+    def preimport_modules(self, settings: Settings) -> list[str]:
+        return settings.code_preimport.split(",") if settings.code_preimport else []
+
     def check(self, code: str, settings: Settings, facts: ImageFacts) -> list[Problem]:
         try:
             with _PARSE_LOCK:

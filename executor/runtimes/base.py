@@ -150,6 +150,9 @@ class Runtime(ABC):
     audit_event: str | None = None
     #: the service it needs, checked by health probes under this key (None: none)
     service: str | None = None
+    #: True when its pre-started sandboxes (STUDIO_CODE_PREWARM > 0) are measured for what
+    #: their pre-imports hold (a worker's heartbeat announces the figures: worker/preimport.py)
+    preimport_measured: bool = False
     #: True when a run the infrastructure killed (``InfrastructureLost``) can run again
     #: elsewhere without harm (no network, no host files, nothing kept): the worker hands
     #: it back. False: it ends RUNTIME_UNAVAILABLE naming the cause.

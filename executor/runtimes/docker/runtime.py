@@ -71,6 +71,8 @@ class DockerRuntime(Runtime):
     #: no network, no host files, nothing kept after the call: a run the infrastructure
     #: killed runs again elsewhere without harm
     rerun_safe = True
+    # the pool measures its sandboxes' pre-imports (preimport_memory)
+    preimport_measured = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
