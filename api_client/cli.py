@@ -30,6 +30,7 @@ from executor.errors import CodeInvalid, ErrorCode, StudioCodeError
 from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES
 
 if TYPE_CHECKING:
+    from executor.languages import base as languages
     from executor.models import Language
     from executor.settings import Settings
 
@@ -177,14 +178,28 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if result.status == "succeeded" else 1
 
 
+def _image_facts(settings: Settings, language: languages.Language) -> languages.ImageFacts:
+    """``language``'s image facts as the runtime STUDIO_CODE_RUNTIME names reads them,
+    asked of its class (no runtime is made); none for an unknown runtime."""
+    from executor.languages.base import NO_FACTS
+    from executor.service import runtime_class
+
+    cls = runtime_class(settings)
+    return NO_FACTS if cls is None else cls.image_facts(settings, language)
+
+
 def cmd_validate(args: argparse.Namespace, settings: Settings) -> int:
-    # The language's own check, without an Executor: no runtime (Docker SDK) is loaded.
+    # The language's own check, without an Executor: no runtime (Docker SDK) is loaded
+    # unless the check asks for the image's facts (code that imports something).
     from executor.languages import offered_language
+    from executor.languages.base import AskedLater
 
     language: str | None = args.language
     try:
         language = _language(args)
-        problems = offered_language(language, settings).check(_read_code(args.file), settings)
+        lang = offered_language(language, settings)
+        facts = AskedLater(lambda: _image_facts(settings, lang))
+        problems = lang.check(_read_code(args.file), settings, facts)
     except StudioCodeError as e:
         _print(_refusal("validate", e.code, e.message, language=language))
         return 1

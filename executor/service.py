@@ -32,7 +32,7 @@ from executor.inputs import (
     size_text,
 )
 from executor.languages import get_language, offered_language
-from executor.languages.base import Language, Problem
+from executor.languages.base import NO_FACTS, ImageFacts, Language, Problem
 from executor.models import (
     CodeErrorInfo,
     CodeJob,
@@ -87,7 +87,7 @@ class Readiness:
     reason: str | None
     checked_at: float
     #: a ready language whose package setting disagrees with its image: the names, in one
-    #: sentence (executor.packages.packages_warning)
+    #: sentence (executor.package_lists.packages_warning)
     warning: str | None = None
 
 
@@ -171,10 +171,18 @@ class Executor:
             output_max_bytes=s.code_output_max_bytes,
         )
 
+    def image_facts(self, language: Language) -> ImageFacts:
+        """What ``language``'s image has, as this executor's runtime reads it (``NO_FACTS``
+        without a runtime): the languages' save-time check and package lists take it."""
+        if self.runtime is None:
+            return NO_FACTS
+        return self.runtime.image_facts(self.settings, language)
+
     def check_code(self, code: str, language: str) -> list[Problem]:
         """Save-time check: [] when the code may be saved. Raises CodeInvalid for a language
         that is not offered."""
-        return self.language(language).check(code, self.settings)
+        lang = self.language(language)
+        return lang.check(code, self.settings, self.image_facts(lang))
 
     def check_job(
         self, job: CodeJob, *, language: Language | None = None, state_checked: bool = False
@@ -189,7 +197,7 @@ class Executor:
             raise CodeNodesDisabled(reason)
         if language is None or language.name != job.language:
             language = self.language(job.language)
-        problems = language.check(job.code, self.settings)
+        problems = language.check(job.code, self.settings, self.image_facts(language))
         if problems:
             raise CodeInvalid("; ".join(str(p) for p in problems))
         self.check_limits(memory_bytes=job.memory_bytes, cpus=job.cpus)
@@ -251,11 +259,11 @@ class Executor:
         )
         result = self._run(job, language, self.limits(READINESS_TIMEOUT_S), None, probe=True)
         if result.status is Status.SUCCEEDED and result.output == Language.TEST_OUTPUT:
-            from executor.packages import compares, image_packages, packages_warning
+            from executor.package_lists import compares, packages_warning
 
             warning = None
             if compares(self.settings, language.name):
-                found = image_packages(self.settings, language.name)
+                found = self.image_facts(language).packages()
                 warning = packages_warning(self.settings, language.name, found)
             return Readiness(True, None, now, warning)
         detail = result.error.message if result.error else f"output {result.output!r}"

@@ -212,8 +212,8 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
 RUN_NEVER_USES = (
     "executor.runtimes.docker.posture",
     "tomllib",
-    "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (executor.docker_api)
-    # requests' guess of a text's encoding (executor.docker_api): its package, which loads
+    "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (runtimes/docker/client.py)
+    # requests' guess of a text's encoding (runtimes/docker/client.py): its package, which loads
     # .api first, and not its version module (imported for requests to read)
     "charset_normalizer.api",
 )
@@ -261,7 +261,7 @@ def test_what_the_docker_sdk_is_imported_without_still_works_when_used():
     HTTP/2 check still reads a package's version, each importing it then."""
     mods = loaded_after("""
         import sys
-        from executor.docker_api import import_sdk
+        from executor.runtimes.docker.client import import_sdk
         import_sdk()
         assert "docker" in sys.modules
         assert "charset_normalizer" not in sys.modules
@@ -397,6 +397,58 @@ def test_api_client_has_no_import_circle():
     assert "api_client.http.kit" in graph["api_client.http.routes.runs"]  # the scan sees it
     found = circle_in(graph)
     assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+def test_the_product_has_no_import_circle():
+    """No module of the product (executor, worker, api_client, the test kit) imports itself
+    back through others, counting the imports inside functions and under TYPE_CHECKING: an
+    import moved into a function hides a circle, it does not end it. (The languages read
+    their image's facts as data the runtime hands them, never through a runtime's module.)"""
+    graph = import_graph(*(ROOT / top for top in ("executor", "worker", "api_client", "testkit")))
+    # the scan sees an import inside a function (runtime_class's import of a runtime)
+    assert "executor.runtimes.docker.runtime" in graph["executor.service"]
+    found = circle_in(graph)
+    assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+def test_the_api_loads_no_docker_sdk():
+    """The API's process talks to Redis and the run store, never to the Docker engine at
+    import: neither the client nor the HTTP app loads the Docker SDK (a runtime loads it
+    when it is made, e.g. by a readiness probe)."""
+    for module in ("api_client.client", "api_client.http.app"):
+        mods = loaded_after(f"import {module}")
+        assert module in mods
+        assert loaded_of(mods, ("docker", "executor.runtimes.docker")) == [], module
+
+
+def runtime_name_branches(*tops: Path) -> list[str]:
+    """Where the code compares STUDIO_CODE_RUNTIME's value (``code_runtime``) with a
+    runtime's name, as ``path:function``: read from the source."""
+    found = []
+    for top in tops:
+        for path in sorted(top.rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            for func in ast.walk(tree):
+                if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Compare) and "code_runtime" in ast.unparse(node):
+                        sides = [node.left, *node.comparators]
+                        if any(
+                            isinstance(x, ast.Constant) and isinstance(x.value, str) for x in sides
+                        ):
+                            found.append(f"{path.relative_to(ROOT)}:{func.name}")
+    return sorted(set(found))
+
+
+def test_only_runtime_class_branches_on_the_runtimes_name():
+    """Callers ask a runtime what it can do (executor/runtimes/base.py): the one place that
+    compares STUDIO_CODE_RUNTIME with a runtime's name is the choice of the runtime
+    (``runtime_class``); the settings may check their own values by it."""
+    branches = runtime_name_branches(*(ROOT / top for top in ("executor", "worker", "api_client")))
+    assert "executor/service.py:runtime_class" in branches  # the scan sees it
+    others = [b for b in branches if not b.startswith("executor/settings.py:")]
+    assert others == ["executor/service.py:runtime_class"]
 
 
 RUNTIMES = ROOT / "executor" / "runtimes"

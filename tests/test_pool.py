@@ -579,7 +579,7 @@ def test_an_oci_runtime_the_engine_does_not_know_is_not_ready_and_says_so(
 
 ENGINE_CALLS = """
 import json, os, sys, uuid
-from executor.docker_api import shared_api
+from executor.runtimes.docker.client import shared_api
 
 def sockets():
     out = 0
@@ -623,8 +623,8 @@ def test_the_engine_client_keeps_one_pool_of_connections_for_all_containers(
     """A pooled job's engine calls (create, attach, start, rename, wait, remove) each name a
     container the client never named before. The SDK as it comes keeps a connection pool per
     URL, so each call opened a new connection, and up to 25 stayed open, idle; the shared
-    client keeps one pool for the engine's socket (executor.docker_api._lighten). 12 sandbox
-    lives in a process of its own, on the engine's own socket (a socket guard would refuse
+    client keeps one pool for the engine's socket (runtimes/docker/client.py's _lighten). 12
+    sandbox lives in a process of its own, on the engine's own socket (a socket guard would refuse
     these containers, which are not made by sandbox_policy; through a guard the client's
     connections are the same): every call answers, and the process then holds at most 2
     sockets more than before (on the SDK as it comes: one per container, 12 or more)."""
