@@ -75,6 +75,12 @@ class CodeBody(BaseModel):
         le=86400,
         description="Seconds; at save time at most STUDIO_CODE_MAX_SECONDS (a run caps it there).",
     )
+    group: str | None = Field(
+        None,
+        max_length=32,
+        description="The worker group to run on (default, or one of STUDIO_WORKER_GROUPS); "
+        "none: chosen by size (the smallest group whose slot holds memory and cpus).",
+    )
 
     retry: RetryPolicy | None = Field(
         None,
