@@ -58,12 +58,12 @@ from worker.protocol import (
     CANCEL_SIGNAL_NAME,
     HEADER_FAIR_USER,
     QUEUE_RUN,
-    QUEUES,
     TASK_NAME,
     cancel_flag_ttl_s,
     cancel_key,
     done_key,
     group_of_queue,
+    group_queues,
     job_headers,
     max_wait_s,
     never_taken_message,
@@ -167,6 +167,8 @@ class CodeClient:
         self.groups = groups_of(settings)
         if len(self.groups) > 1:
             self.executor.caps = widest(self.groups)
+        #: every group's queues, the default group's (QUEUES) first
+        self.queues = tuple(q for g in self.groups for q in group_queues(g.name))
         self.redis = redis_conn.client(settings)
         self.workers = WorkerRegistry(self.redis)
         #: workflow runs wait per user and take turns (worker.fair) unless fairness is off
@@ -204,15 +206,18 @@ class CodeClient:
         memory: str | int | None = None,
         cpus: float | None = None,
         timeout_s: float | None = None,
+        group: str | None = None,
     ) -> list[Problem]:
         """The editor's save-time check: [] when the code may be saved. Raises CodeInvalid
         for a language that is not offered, or for limits the node asks for outside their
         range (below the floors of executor/floors.py, or over the server's caps
-        STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS), giving the range."""
+        STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS; with worker groups, no group
+        holding them, or ``group`` unknown or too small: executor.groups), giving the range."""
         problems = self.executor.check_code(code, language)
-        self.executor.check_limits(
-            memory_bytes=inputs.memory_bytes(memory), cpus=cpus, timeout_s=timeout_s
-        )
+        memory_bytes = inputs.memory_bytes(memory)
+        self.executor.check_limits(memory_bytes=memory_bytes, cpus=cpus, timeout_s=timeout_s)
+        # a worker group holds it (the caller's ``group``, else one by size)
+        choose(self.groups, *self.ask_of(memory_bytes, cpus), group or None)
         return problems
 
     def validate_node(self, language: str) -> None:
@@ -236,7 +241,9 @@ class CodeClient:
             meta["engine"]["workers"] = {i.nodename: i.engine for q in live.values() for i in q}
             # what the workers' pre-started sandboxes pre-import and hold, from their heartbeats
             meta["preimport"] = preimport.summary(live, self.settings.languages)
+            meta["groups"] = self.groups_view(live)
         except redis.RedisError as e:
+            meta["groups"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
             meta["workers"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
             meta["preimport"] = {"languages": {}, "workers": {}, "error": meta["workers"]["error"]}
         meta["fairness"] = self.fairness(names=names)
@@ -302,9 +309,38 @@ class CodeClient:
         return {"url": self.store.describe(), "id": store_id}
 
     def live_workers(self) -> dict[str, list[WorkerInfo]]:
-        """The workers announced on each queue now (one Redis round trip; paused ones
-        included). Raises redis.RedisError."""
-        return self.workers.live(QUEUES)
+        """The workers announced on each queue of every worker group now (one Redis round
+        trip; paused ones included). Raises redis.RedisError."""
+        return self.workers.live(self.queues)
+
+    def groups_view(self, live: dict[str, list[WorkerInfo]]) -> dict[str, Any]:
+        """What meta shows of the worker groups (executor.groups): each group's slot (what
+        this API routes by), its queues, and its live workers with what their slots hold."""
+        out: dict[str, Any] = {}
+        for g in self.groups:
+            queues = group_queues(g.name)
+            workers: dict[str, dict[str, Any]] = {}
+            for q in queues:
+                for i in live.get(q, []):
+                    w = workers.setdefault(
+                        i.nodename,
+                        {
+                            "memory_bytes": i.memory_bytes or None,
+                            "cpus": i.cpus or None,
+                            "slots": {},
+                            "state": i.state,
+                        },
+                    )
+                    w["slots"][q] = i.slots
+                    if not i.serving:
+                        w["state"] = i.state
+            out[g.name] = {
+                "memory_bytes": g.memory_bytes,
+                "cpus": g.cpus,
+                "queues": list(queues),
+                "workers": workers,
+            }
+        return out
 
     def ask_of(self, memory_bytes: int | None, cpus: float | None) -> tuple[int, float]:
         """What a job asks of a slot: its memory and CPU share (none: the defaults,

@@ -90,6 +90,18 @@ def test_a_big_node_runs_only_on_the_big_group(make_stack: Any, docker_client: A
         assert int(rec.output) == 256 * MIB  # STUDIO_CODE_MEMORY, the default group's
     assert q.client.status(big2).status == "queued", "the second big node waits its turn"
     assert q.client.status(big1).status == "running"
+    # the API's /metrics: the backlog per group (KEDA scales each group on its own list)
+    backlog = _backlog(q.http.get("/metrics").text)
+    assert (backlog["code.run.big"], backlog["code.run"], backlog["code.test.big"]) == (1, 0, 0)
+    # meta: the groups, what a slot holds, their live workers
+    groups = q.http.get("/api/meta/runtime").json()["groups"]
+    assert list(groups) == ["default", "big"]
+    assert (groups["big"]["memory_bytes"], groups["big"]["cpus"]) == (GIB, 1.0)
+    assert groups["big"]["queues"] == ["code.test.big", "code.run.big"]
+    assert list(groups["big"]["workers"]) == [big_worker.node]
+    assert groups["big"]["workers"][big_worker.node]["memory_bytes"] == GIB
+    assert list(groups["default"]["workers"]) == [small_worker.node]
+    assert groups["default"]["workers"][small_worker.node]["memory_bytes"] == 256 * MIB
 
     q.client.cancel(big1)
     rec = q.client.wait(big2, 120)
@@ -122,6 +134,18 @@ def test_a_big_node_runs_only_on_the_big_group(make_stack: Any, docker_client: A
     assert r.status_code == 400 and r.json()["error"]["code"] == "CODE_INVALID", r.text
     assert "group default (256m, 0.5 CPU per slot)" in r.json()["error"]["message"]
     print(json.dumps({"big": rec.worker, "small": sorted(r.worker for r in done.values())}))
+
+
+def _backlog(text: str) -> dict[str, float]:
+    """studio_code_queue_backlog by queue, from a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        sample.labels["queue"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "studio_code_queue_backlog"
+        for sample in family.samples
+    }
 
 
 # --- the rule and the settings, no service ---------------------------------------------------

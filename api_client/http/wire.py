@@ -341,6 +341,12 @@ class RuntimeMeta(BaseModel):
         description="What the workers' pre-started sandboxes import while they wait and the "
         "memory it holds (STUDIO_CODE_PREIMPORT), per language, from the workers' heartbeats.",
     )
+    groups: dict[str, Any] | None = Field(
+        None,
+        description="The worker groups (STUDIO_WORKER_GROUPS; default first): per group, what "
+        "one slot holds (memory_bytes, cpus: what a job is routed by), its queues, and its "
+        "live workers with what their slots hold, their slots per queue and state.",
+    )
 
 
 class Health(BaseModel):

@@ -85,7 +85,12 @@ def validate_code(body: CodeBody, who: CallerDep, services: ServicesDep) -> Vali
     message (and ``problems``) give the reason."""
     problems = _problems(
         services.client.validate(
-            body.code, body.language, memory=body.memory, cpus=body.cpus, timeout_s=body.timeout_s
+            body.code,
+            body.language,
+            memory=body.memory,
+            cpus=body.cpus,
+            timeout_s=body.timeout_s,
+            group=body.group,
         )
     )
     if problems:
