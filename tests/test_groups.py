@@ -7,6 +7,7 @@ service at all."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,6 +135,45 @@ def test_a_big_node_runs_only_on_the_big_group(make_stack: Any, docker_client: A
     assert r.status_code == 400 and r.json()["error"]["code"] == "CODE_INVALID", r.text
     assert "group default (256m, 0.5 CPU per slot)" in r.json()["error"]["message"]
     print(json.dumps({"big": rec.worker, "small": sorted(r.worker for r in done.values())}))
+
+
+@pytest.mark.redis
+def test_a_group_whose_live_workers_hold_less_is_refused(
+    redis_server: Any, tmp_path: Path, make_settings: Any
+) -> None:
+    """A live worker of the group whose slot holds less than the job asks (its announced
+    caps) does not count: the submit is refused naming it and what its slot holds; a job
+    it holds is queued in the group's own list. The worker's own heartbeat, real Redis."""
+    from testkit.stack import client_for
+    from worker.upkeep.heartbeat import Heartbeat
+
+    beat = Heartbeat(
+        redis_server.url,
+        "half@test",
+        {"code.test.big": 1, "code.run.big": 1},
+        interval_s=0.2,
+        ttl_s=1.6,
+        group={"group": "big", "memory_bytes": 512 * MIB, "cpus": 1.0},
+    )
+    beat.start()
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    try:
+        with client_for(make_settings, redis_server.url, url, worker_groups="big:1g:1") as c:
+            with pytest.raises(RuntimeUnavailable) as refused:
+                c.submit(TRIVIAL, "python", {}, memory="1g", user="ann")
+            message = refused.value.message
+            assert "No live worker of group 'big' holds this job" in message, message
+            assert "half@test (512m of memory and 1 CPU per slot)" in message, message
+            # 512m: more than the default group holds, what big's worker does
+            job = c.submit(TRIVIAL, "python", {}, memory="512m", user="ann")
+            assert c.store.get(job).worker_group == "big"
+            assert (c.redis.llen("code.run.big"), c.redis.llen("code.run")) == (1, 0)
+            test = c.submit(TRIVIAL, "python", {}, kind="test", group="big", user="ann")
+            assert c.status(test).status == "queued" and c.redis.llen("code.test.big") == 1
+            why = c.why_waiting(c.status(job))
+            assert why is not None and why.queue == "code.run.big", why
+    finally:
+        beat.stop()
 
 
 def _backlog(text: str) -> dict[str, float]:
