@@ -534,7 +534,11 @@ class CodeClient:
         with another request raises IdempotencyConflict naming the first job. ``retry``:
         the node's retry policy (executor.retry: a dict, its JSON text or a RetryPolicy;
         None: the server's STUDIO_CODE_RETRY, off by default); an outcome that is never
-        retried, or a bound passed, raises CodeInvalid naming what is allowed."""
+        retried, or a bound passed, raises CodeInvalid naming what is allowed. ``group``: the
+        worker group to run on (executor.groups; None: chosen by size, the default group
+        when it holds ``memory`` and ``cpus``); a group unknown or too small for them raises
+        CodeInvalid, one with no live worker that holds the job RuntimeUnavailable naming
+        the group and what the job asks."""
         with tracing.submitting(traceparent, tracestate):
             job = self._job(
                 code, language, state, timeout_s, user, kind, memory, cpus, retry, group
