@@ -348,6 +348,12 @@ class CodeClient:
         s = self.settings
         return (memory_bytes or s.memory_bytes, cpus or s.code_cpus)
 
+    @staticmethod
+    def _asked(memory_bytes: int | None, cpus: float | None) -> tuple[int, float]:
+        """What a job asks of a live worker's slot: only what it names (0: nothing, so
+        the worker's own STUDIO_CODE_MEMORY / _CPUS, which any slot holds)."""
+        return (memory_bytes or 0, cpus or 0.0)
+
     def test_queue_hint(
         self, memory: str | int | None, cpus: float | None, group: str | None
     ) -> tuple[str, tuple[int, float] | None]:
@@ -356,16 +362,17 @@ class CodeClient:
         Never raises: a body the check refuses points at the default group's queue (the
         job's own error is said first)."""
         try:
-            ask = self.ask_of(inputs.memory_bytes(memory), cpus)
-            return queue_of("test", choose(self.groups, *ask, group).name), ask
+            memory_bytes = inputs.memory_bytes(memory)
+            chosen = choose(self.groups, *self.ask_of(memory_bytes, cpus), group or None)
+            return queue_of("test", chosen.name), self._asked(memory_bytes, cpus)
         except Exception:  # noqa: BLE001 - prepare() says what is wrong with the body
             return queue_of("test"), None
 
     def _check_served(self, queue: str, ask: tuple[int, float] | None = None) -> None:
         """Refuse at once a job no live worker would take (STUDIO_QUEUE_REQUIRE_WORKER):
-        none serves ``queue`` (its worker group's), or none whose slot holds ``ask`` (its
-        memory and CPU share). A yes is believed for SERVED_CACHE_S; a no is asked again
-        each time."""
+        none serves ``queue`` (its worker group's), or none whose slot holds ``ask`` (the
+        memory and CPU share it names: ``_asked``). A yes is believed for SERVED_CACHE_S;
+        a no is asked again each time."""
         if not self._served_asked(queue, ask):
             return
         try:
@@ -423,7 +430,7 @@ class CodeClient:
             self._served_until[(queue, *(ask or (0, 0.0)))] = time.monotonic() + SERVED_CACHE_S
             return
         group = group_of_queue(queue)
-        asks = f" (the job asks {asks_text(*ask)})" if ask is not None else ""
+        asks = f" (the job asks {asks_text(*self.ask_of(*ask))})" if ask is not None else ""
         if group == DEFAULT_GROUP and len(live_serving) == len(serving):
             message = f"No worker is serving {queue}: start one with `studio-code worker`"
         elif len(live_serving) > len(serving):
@@ -601,7 +608,7 @@ class CodeClient:
                 return keyed.first_job(found)
         queue = queue_of(kind, job.worker_group)  # its worker group's (executor.groups)
         # before the row: a refused job leaves nothing queued
-        self._check_served(queue, self.ask_of(job.memory_bytes, job.cpus))
+        self._check_served(queue, self._asked(job.memory_bytes, job.cpus))
         if kind == "test" and not rate_checked:
             self._check_rate(user)
         if keyed is None:
