@@ -279,6 +279,14 @@ def test_queues_of_a_group() -> None:
     assert group_of_queue("code.run.big") == "big" and group_of_queue("code.run") == "default"
 
 
+def test_a_group_job_never_taken_says_how_to_start_its_worker(make_settings: Any) -> None:
+    from worker.protocol import never_taken_message
+
+    s = make_settings(queue_run_max_wait_s=60)
+    assert "`studio-code worker --group big`" in never_taken_message(s, "code.run.big")
+    assert "`studio-code worker`" in never_taken_message(s, "code.run")
+
+
 def test_an_announcement_says_its_group() -> None:
     from worker.registry import WorkerInfo
 

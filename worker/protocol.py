@@ -249,9 +249,11 @@ def never_taken_message(settings: Settings, queue: str) -> str:
     """Why a job that waited past its queue's bound ended failed."""
     test = kind_of_queue(queue) == "test"
     name = "STUDIO_QUEUE_TEST_MAX_WAIT_S" if test else "STUDIO_QUEUE_RUN_MAX_WAIT_S"
+    group = group_of_queue(queue)
+    start = "studio-code worker" + ("" if group == DEFAULT_GROUP else f" --group {group}")
     return (
         f"No worker took this job within {max_wait_s(settings, queue):g} s ({name}) on "
-        f"queue {queue}: start a worker (`studio-code worker`) or check the running ones "
+        f"queue {queue}: start a worker (`{start}`) or check the running ones "
         "(their logs, GET /healthz/ready), then run it again."
     )
 
