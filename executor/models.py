@@ -133,6 +133,8 @@ class CodeJob(BaseModel):
     cpus: float | None = None
     #: the node's retry policy (None: one attempt, the default)
     retry: RetryPolicy | None = None
+    #: the worker group it goes to (executor.groups; None: the default group)
+    worker_group: str | None = None
 
 
 class CodeErrorInfo(BaseModel):

@@ -127,6 +127,10 @@ class Executor:
         self._readiness: dict[str, Readiness] = {}
         self._audit_lock = threading.Lock()
         self._audited = False
+        #: the memory and CPU caps a node's ask is checked against (None: this process's
+        #: STUDIO_CODE_MAX_MEMORY / _MAX_CPUS). The API sets the widest of its worker
+        #: groups (executor.groups): the group's own is checked when it is chosen.
+        self.caps: tuple[int, float] | None = None
 
     # --- what may run -----------------------------------------------------------------
 
@@ -215,8 +219,9 @@ class Executor:
         """What a node asks for, against the floors and the server's caps (one rule,
         executor.inputs): CodeInvalid giving the range."""
         s = self.settings
-        check_memory(memory_bytes, max_bytes=s.max_memory_bytes)
-        check_cpus(cpus, max_cpus=s.max_cpus)
+        max_memory, max_cpus = self.caps or (s.max_memory_bytes, s.max_cpus)
+        check_memory(memory_bytes, max_bytes=max_memory)
+        check_cpus(cpus, max_cpus=max_cpus)
         if timeout_s is not None and not 0 < timeout_s <= s.code_max_seconds:
             raise CodeInvalid(
                 f"The node's timeout of {timeout_s:g} s is not allowed: give more than 0 and "

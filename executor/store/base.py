@@ -87,6 +87,8 @@ class JobRecord(BaseModel):
     pruned_at: datetime | None = None  # retention cleared code, state, output and logs
     memory_bytes: int | None = None  # what the node asked for (None: the server's default)
     cpus: float | None = None
+    #: the worker group it was sent to (executor.groups; None: the default group)
+    worker_group: str | None = None
     usage: Usage | None = None  # what the run used, measured by the host (None: not measured)
     #: the node's retry policy (executor.retry) and its attempts so far
     retry: RetryPolicy | None = None
@@ -138,6 +140,8 @@ class QueuedJob(NamedTuple):
     job_id: str
     kind: str
     queued_at: datetime
+    #: its worker group (executor.groups; None: the default group)
+    worker_group: str | None = None
 
 
 class RunSummary(BaseModel):

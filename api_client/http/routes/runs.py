@@ -78,6 +78,7 @@ def submit_run(body: RunBody, who: CallerDep, services: ServicesDep, request: Re
         memory=body.memory,
         cpus=body.cpus,
         retry=body.retry,
+        group=body.group,
         idempotency_key=idempotency_key(request),
         **trace_headers(request),
     )
