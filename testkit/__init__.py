@@ -8,6 +8,7 @@ imports nothing from tests/).
 * ``postgres``: the shared PostgreSQL (a schema of one's own) and a cluster of one's own;
 * ``engine``: a dockerd of one's own; ``sandboxes``: what a worker leaves on an engine;
 * ``relay``: loopback relays that can be cut; ``otlp``: an OTLP/HTTP receiver;
+* ``imports``: what a fresh interpreter loads after a script (``loaded_after``);
 * ``stack``: Redis + run store + workers + API of one test or bench (``Stack``).
 
 Nothing here is imported by the product (executor/, worker/, api_client/)."""

@@ -6,14 +6,11 @@ Celery, Docker SDK or tree-sitter; ``run`` loads no queue or store."""
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from testkit.imports import loaded_after, loaded_of
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = (
@@ -40,30 +37,6 @@ QUEUE_AND_STORE = (
     "api_client.http",
     "fastapi",
 )
-
-
-def loaded_after(script: str, env: dict[str, str] | None = None) -> set[str]:
-    """The modules (top-level names and dotted names) a fresh interpreter holds after
-    running ``script``, which may print to stdout (it is set aside)."""
-    probe = textwrap.dedent(script) + textwrap.dedent("""
-        import sys as _sys, json as _json
-        _sys.__stdout__.write("\\n@@MODULES@@" + _json.dumps(sorted(_sys.modules)) + "\\n")
-    """)
-    proc = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    names = json.loads(proc.stdout.rsplit("@@MODULES@@", 1)[1])
-    return set(names) | {n.split(".")[0] for n in names}
-
-
-def loaded_of(modules: set[str], wanted: tuple[str, ...]) -> list[str]:
-    return sorted(m for m in modules if m in wanted)
 
 
 @pytest.mark.parametrize(
