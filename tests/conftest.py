@@ -4,6 +4,7 @@ FAILS it when CI=true."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -193,6 +194,17 @@ def docker_client():  # type: ignore[no-untyped-def]
     left = _left_behind(client, before, ours_if_gone=XDIST_WORKER is None)
     client.close()
     assert not left, f"sandbox containers left behind: {[c['Names'] for c in left]}"
+
+
+@pytest.fixture(scope="session")
+def deno_bin() -> str:
+    """The deno binary of subprocess-mode TypeScript (a missing one skips, fails under CI)."""
+    from executor.languages.typescript import deno_binary
+    from executor.settings import load_settings
+
+    path = deno_binary(load_settings())
+    require(shutil.which(path) is not None, f"no deno binary ({path}): pip install deno")
+    return path
 
 
 def _xdist_controller(config: pytest.Config) -> bool:
