@@ -59,7 +59,15 @@ def containers_of(docker_client: Any, job_id: str) -> list[Any]:
     )
 
 
+LABEL_POOL = "studio.pool"
 LABEL_OWNER = "studio.owner"
+
+
+def pool_containers(docker_client: Any, owner: str) -> list[dict]:
+    """The pre-started sandboxes of the pool ``owner`` (its studio.pool label), any state."""
+    return docker_client.api.containers(all=True, filters={"label": f"{LABEL_POOL}={owner}"})
+
+
 #: a sandbox that ran and ended: what awaits its removal (a pre-started one waiting for its
 #: job is running; one being created for a cold job is "created", not used yet)
 ENDED = ("exited", "dead")

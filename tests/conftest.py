@@ -313,6 +313,27 @@ def docker_executor(make_settings, python_image):  # type: ignore[no-untyped-def
 
 
 @pytest.fixture
+def pooled(make_settings: Callable[..., Any], python_image: str) -> Iterator[Callable[..., Any]]:
+    """Factory of executors with a filled pool (Python); closed at the end."""
+    from executor.service import Executor
+
+    made: list[Executor] = []
+
+    def make(**overrides: Any) -> Executor:
+        base = {"code_runtime": "docker", "code_image": python_image, "code_languages": "python"}
+        ex = Executor(make_settings(**{**base, **overrides}))
+        made.append(ex)
+        ex.prepare()
+        assert ex.runtime is not None and ex.runtime.pool is not None
+        assert ex.runtime.pool.wait_ready(60)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.close()
+
+
+@pytest.fixture
 def docker_pool_executor(make_settings, python_image):  # type: ignore[no-untyped-def]
     """A docker executor whose pool of pre-started sandboxes is filled (Python only), as in
     a worker's pool process; its idle sandboxes are removed at the end."""
