@@ -6,6 +6,7 @@ under CI=true) and the check that a test is marked for what it starts (``needs``
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -235,6 +236,48 @@ class Service(StopsOnExit):
                 pass
             code = self.wait(10)
         return code
+
+
+def non_root_python(
+    script: str, *args: str, uid: int, marker: str, env: dict[str, str] | None = None, **kw: Any
+) -> subprocess.Popen[str]:
+    """``script`` run by /usr/bin/python3 as a server of uid ``uid`` (no supplementary
+    group) with this checkout and the tests' virtualenv on its path, ``marker`` in its
+    STUDIO_ISO_MARKER (and ``env``'s variables); ``kw`` for Popen. Its stdout and stderr
+    are pipes (``last_json_line``)."""
+    venv = Path(sys.prefix)  # the tests' own virtualenv (a worktree has none of its own)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    if not os.path.exists("/usr/bin/python3"):
+        pytest.skip("no /usr/bin/python3 for the unprivileged server")
+    env = {
+        **(env or {}),
+        "PYTHONPATH": f"{ROOT}:{site}",
+        "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+        "STUDIO_ISO_MARKER": marker,
+    }
+    return subprocess.Popen(
+        ["/usr/bin/python3", "-c", script, *args],
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
+
+
+def last_json_line(server: subprocess.Popen[str], timeout_s: float) -> Any:
+    """The last line ``server`` prints, as JSON, once it exited 0 (killed if it does not)."""
+    try:
+        stdout, stderr = server.communicate(timeout=timeout_s)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert server.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def tree_usage(pid: int) -> tuple[int, int, int]:
