@@ -488,3 +488,55 @@ def test_the_api_imports_no_room_of_the_worker():
         if room_of(target) is not None
     )
     assert reads == [], "the API imports a room of the worker"
+
+
+# --- the tests themselves ----------------------------------------------------------------------
+
+
+def imports_between_tests(folder: Path) -> dict[str, list[str]]:
+    """Every test module (``test_*.py``) of ``folder`` -> the other test modules it imports,
+    anywhere in it (top level or inside a function), in any form: ``import tests.test_x``,
+    ``from tests.test_x import y``, ``from tests import test_x``, ``from .test_x import y``,
+    ``from . import test_x``, ``import test_x``. Read from the source, nothing imported."""
+    own = {path.stem for path in folder.glob("test_*.py")}
+    found: dict[str, list[str]] = {}
+    for path in sorted(folder.glob("test_*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = "." * node.level + (node.module or "")
+                names |= {base, *(f"{base}.{a.name}" for a in node.names)}
+        imported = {
+            last for name in names if (last := name.rpartition(".")[2]) in own and last != path.stem
+        }
+        found[path.stem] = sorted(imported)
+    return {name: others for name, others in found.items() if others}
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in tests/conftest.py (fixtures), tests/snippets.py (what
+    they send) or testkit/ (the services and the helpers): a test module that imports
+    another runs that module's import-time code and ties the two together."""
+    assert len(list((ROOT / "tests").glob("test_*.py"))) > 50  # the scan sees the tests
+    assert imports_between_tests(ROOT / "tests") == {}
+
+
+def test_the_scan_sees_every_form_of_a_test_module_import(tmp_path):
+    forms = [
+        "import tests.test_b",
+        "from tests.test_b import x",
+        "from tests import test_b",
+        "from .test_b import x",
+        "from . import test_b",
+        "import test_b",
+        "def f():\n    from tests.test_b import x",
+    ]
+    (tmp_path / "test_b.py").write_text("x = 1\n")
+    (tmp_path / "snippets.py").write_text("y = 1\n")
+    for form in forms:
+        (tmp_path / "test_a.py").write_text(f"from tests.snippets import y\n{form}\n")
+        assert imports_between_tests(tmp_path) == {"test_a": ["test_b"]}, form
+    (tmp_path / "test_a.py").write_text("from tests.snippets import y\nimport testkit.stack\n")
+    assert imports_between_tests(tmp_path) == {}
