@@ -20,6 +20,9 @@ from typing import Any, Self
 
 import pytest
 
+from testkit.reaper import children as children  # re-exported: tests read it here
+from testkit.reaper import disown, own, process_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
 BIN = Path(sys.executable).parent
@@ -57,32 +60,6 @@ def free_port() -> int:
 
 
 # --- processes by pid ----------------------------------------------------------------------
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            out += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, read from /proc."""
-    seen, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.append(p)
-        todo += children(p)
-    return seen
 
 
 def alive(pid: int) -> bool:
@@ -182,6 +159,7 @@ class Service(StopsOnExit):
                 stderr=out,
                 start_new_session=True,
             )
+        own(self.proc.pid)  # stopped by the reaper if this process ends first
 
     @property
     def pid(self) -> int:
@@ -217,6 +195,7 @@ class Service(StopsOnExit):
         pids = self.tree()
         kill_pids(pids)
         self.proc.wait(timeout=10)
+        disown(self.pid)
         return pids
 
     def stop(self, timeout: float | None = None) -> int | None:
@@ -224,6 +203,7 @@ class Service(StopsOnExit):
         of its tree as it was before the SIGTERM, and its own process group. Returns its
         exit code (None when it could not be reaped)."""
         if not self.alive():
+            disown(self.pid)
             return self.proc.returncode
         pids = self.tree()
         self.signal(signal.SIGTERM)
@@ -235,6 +215,7 @@ class Service(StopsOnExit):
             except ProcessLookupError:
                 pass
             code = self.wait(10)
+        disown(self.pid)
         return code
 
 

@@ -1,0 +1,219 @@
+"""What a test or a bench starts ends with it, however it ends.
+
+Two parts:
+
+* ``stop_on_sigterm()``: a SIGTERM raises (``SystemExit`` in a bench, ``KeyboardInterrupt``
+  in pytest) in the main thread, so every ``with`` block and ``finally`` clause on the way
+  out stops what it started, in order (the workers before their Redis), as on Ctrl-C;
+* the reaper: one watchdog process per process that starts a service (``own(pid)`` when it
+  starts one, ``disown(pid)`` when it stopped it). It reads a pipe whose only writer is that
+  process; the pipe's end (EOF) is that process's end, whatever ended it (a return, an
+  exception, SIGTERM, SIGKILL, an OOM kill). Then it sends each service still running its
+  stop signal (the one a clean stop sends: SIGTERM, SIGINT for PostgreSQL's fast shutdown),
+  waits for them, and SIGKILLs what is left of their process trees.
+
+Processes are named by pid AND start time (``/proc/<pid>/stat``), so a pid reused after a
+service ended is never signalled; nothing is looked up by name.
+
+Why not PR_SET_PDEATHSIG on the children: it fires when the THREAD that started the child
+ends (a service started from a helper thread would die with that thread), a fork clears it
+(``pg_ctl`` starts the postmaster through a fork, so the postmaster would not have it), so
+does a change of uid (``runuser -u postgres``), and it kills only the direct child (a
+dockerd's containerd and a worker's pool processes would be left).
+
+This file is also the watchdog's program (``python reaper.py``): standard library only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+#: how long the reaper waits for the services to stop on their stop signal before SIGKILL
+GRACE_S = 60.0
+
+
+# --- processes by pid and start time --------------------------------------------------------
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, read from /proc."""
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.append(p)
+        todo += children(p)
+    return seen
+
+
+def started(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot; with the pid it names one process),
+    None when there is no such process or it is a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+# --- the owner's side -----------------------------------------------------------------------
+
+_lock = threading.Lock()
+_pipe: int | None = None  # the write end (None in a forked child: it is no owner)
+_owned: dict[int, str] = {}  # pid -> the line that told the watchdog
+#: the watchdogs started (a forked child keeps its parent's in the list, never waits for it)
+_watchdogs: list[subprocess.Popen[bytes]] = []
+
+
+def _forget_in_child() -> None:
+    """A forked child is not the owner: it closes its copy of the write end (else the
+    reaper would wait for it too) and starts a reaper of its own if it starts a service."""
+    global _pipe, _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    if _pipe is not None:
+        try:
+            os.close(_pipe)
+        except OSError:
+            pass
+    _pipe = None
+    _owned.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _start_watchdog() -> None:
+    global _pipe
+    read, write = os.pipe()  # both close-on-exec: no other program inherits them
+    watchdog = subprocess.Popen(
+        [sys.executable, "-S", "-I", __file__],
+        stdin=read,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # not in the owner's process group: it outlives it
+    )
+    os.close(read)
+    _watchdogs.append(watchdog)
+    _pipe = write
+    for line in _owned.values():  # a watchdog started again (one ended) learns them all
+        os.write(write, line.encode())
+
+
+def _send(pid: int, line: str | None) -> None:
+    """``line`` (None: forget ``pid``) to this process's watchdog, started on first use
+    (it learns every pid owned then, this one too)."""
+    global _pipe
+    with _lock:
+        if line is None:
+            _owned.pop(pid, None)
+        else:
+            _owned[pid] = line
+        if _pipe is None:  # (a forked child's is None: see _forget_in_child)
+            if line is not None:
+                _start_watchdog()
+            return
+        try:
+            os.write(_pipe, (line or f"- {pid}\n").encode())
+        except OSError:  # its watchdog ended (killed by hand?): a new one takes them all
+            os.close(_pipe)
+            _pipe = None
+            _start_watchdog()
+
+
+def own(pid: int, stop_signal: int = signal.SIGTERM) -> None:
+    """Process ``pid`` (a service this process started) ends when this process ends: the
+    reaper sends it ``stop_signal`` then, and SIGKILLs what is left of its tree."""
+    start = started(pid)
+    if start is not None:
+        _send(pid, f"+ {pid} {start} {int(stop_signal)}\n")
+
+
+def disown(pid: int) -> None:
+    """Process ``pid`` was stopped (or handed on): the reaper forgets it."""
+    if pid in _owned:
+        _send(pid, None)
+
+
+def stop_on_sigterm(raising: Callable[[], BaseException] | None = None) -> None:
+    """A SIGTERM raises ``raising()`` (``SystemExit(143)`` unless told) in the main thread,
+    once: a second SIGTERM ends the process at once (the reaper still stops its services).
+    Called from another thread, or where SIGTERM has a handler already, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return
+
+    def raise_on_sigterm(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise raising() if raising is not None else SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, raise_on_sigterm)
+
+
+# --- the watchdog ---------------------------------------------------------------------------
+
+
+def _kill(pid: int, start: int, sig: int) -> None:
+    if started(pid) == start:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def reap(owned: dict[int, tuple[int, int]], grace_s: float = GRACE_S) -> None:
+    """Stop each of ``owned`` (pid -> (start time, stop signal)) still running: its stop
+    signal, up to ``grace_s`` for it to end, then SIGKILL to its tree (as it was at the
+    start of the stop and as it is at the end) and to what is left of itself."""
+    live = {pid: v for pid, v in owned.items() if started(pid) == v[0]}
+    tree: dict[int, int] = {}
+    for pid in live:
+        tree.update({p: s for p in process_tree(pid) if (s := started(p)) is not None})
+    for pid, (start, sig) in live.items():
+        _kill(pid, start, sig)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(started(p) == s for p, (s, _) in live.items()):
+        time.sleep(0.1)
+    for pid, (start, _) in live.items():
+        if started(pid) == start:
+            tree.update({p: s for p in process_tree(pid) if (s := started(p)) is not None})
+    for pid, start in tree.items():
+        _kill(pid, start, signal.SIGKILL)
+
+
+def watch() -> None:
+    """The watchdog: the owner's messages on stdin until its end, then ``reap``."""
+    owned: dict[int, tuple[int, int]] = {}
+    for line in sys.stdin.buffer:
+        words = line.split()
+        if len(words) == 4 and words[0] == b"+":
+            owned[int(words[1])] = (int(words[2]), int(words[3]))
+        elif len(words) == 2 and words[0] == b"-":
+            owned.pop(int(words[1]), None)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it finishes its work
+    reap(owned)
+
+
+if __name__ == "__main__":
+    watch()
