@@ -18,6 +18,7 @@ import pytest
 from testkit import processes
 from testkit.postgres import POSTGRES_URL, pg_schema, pg_unreachable
 from testkit.processes import ROOT, require
+from testkit.reaper import stop_on_sigterm
 from testkit.redis import RedisServer, start_redis
 from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
 from testkit.stack import Stack
@@ -65,6 +66,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # service fixture (a marker added above and then lost would show here)
         if not any(item.get_closest_marker(m) for m in SERVICE_MARKERS):
             assert not used, f"{item.nodeid} uses {used} but is not marked"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # a SIGTERM (a CI job's timeout, an operator) ends the run as Ctrl-C does: pytest stops
+    # and the fixtures' teardowns stop what they started; what a SIGKILL leaves behind,
+    # each service's reaper stops (testkit/reaper.py)
+    stop_on_sigterm(KeyboardInterrupt)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -161,3 +161,75 @@ def test_a_sigkilled_process_leaves_no_service_running(holder: Any) -> None:
     assert proc.wait(30) == -signal.SIGKILL
     wait_for(lambda: not _running(procs), 120, "every service gone", 0.2, lambda: _running(procs))
     assert _refused(seen["relay_port"])  # a thread of the holder: gone with it
+
+
+# --- a pytest run -----------------------------------------------------------------------------
+
+#: a test of a pytest run under test (tests/conftest.py as a plugin): its redis-server's pid
+#: in a file, then a long sleep; a fixture of its own says when its teardown ran
+HELD_RUN = """
+import os, time
+from pathlib import Path
+
+import pytest
+
+OUT = Path(os.environ["HELD_OUT"])
+
+
+@pytest.fixture
+def marks_its_teardown():
+    yield
+    (OUT / "torn-down").write_text("yes")
+
+
+def test_holds_a_redis_server(marks_its_teardown, redis_server):
+    (OUT / "redis.pid").write_text(str(redis_server.proc.pid))
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_signalled_pytest_run_leaves_no_service_running(tmp_path: Path, sig: int) -> None:
+    """SIGTERM: the run stops as on Ctrl-C (exit status 2, interrupted), its fixtures' teardowns
+    run (the redis_server fixture's stop); SIGKILL: no teardown runs, the run's reaper stops
+    the redis-server."""
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    (tmp_path / "test_held.py").write_text(HELD_RUN)
+    out = tmp_path / "out"
+    out.mkdir()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider"]
+        + ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-q"]
+        + ["--basetemp", str(tmp_path / "base"), str(tmp_path / "test_held.py")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HELD_OUT": str(out), "CI": "true"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        pid_file = out / "redis.pid"
+        wait_for(
+            lambda: (pid_file.exists() and pid_file.read_text()) or run.poll() is not None,
+            120,
+            "the held test",
+        )
+        assert run.poll() is None, run.communicate()[0][-4000:]
+        redis = int(pid_file.read_text())
+        procs = _identified([redis])
+        assert procs, "its redis-server is not running"
+        run.send_signal(sig)
+        output = run.communicate(timeout=120)[0]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(30)
+    if sig == signal.SIGTERM:
+        assert run.returncode == pytest.ExitCode.INTERRUPTED, output[-4000:]
+        assert (out / "torn-down").exists(), output[-4000:]
+        assert not _running(procs), "the redis_server fixture's teardown did not stop it"
+    else:
+        assert run.returncode == -signal.SIGKILL
+        assert not (out / "torn-down").exists()
+        wait_for(lambda: not _running(procs), 120, "the redis-server gone", 0.2)
