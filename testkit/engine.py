@@ -67,7 +67,7 @@ class SecondEngine:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        own(self.proc.pid)  # stopped by the reaper (SIGTERM: its containers too) if need be
+        own(self.proc.pid, remove=self.root)  # the reaper: SIGTERM (its containers too), rm
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -126,9 +126,10 @@ class PgCluster:
             "start",
         )
         # pg_ctl's postmaster is no child of this process: the reaper stops it by its pid
-        # (SIGINT: PostgreSQL's fast shutdown, what ``stop`` asks) if this process ends first
+        # (SIGINT: PostgreSQL's fast shutdown, what ``stop`` asks) and removes the cluster's
+        # folder if this process ends first
         self.postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
-        own(self.postmaster, signal.SIGINT)
+        own(self.postmaster, signal.SIGINT, remove=self.dir)
 
     def stop(self) -> None:
         """A fast shutdown: connected clients are cut off, as in an outage."""

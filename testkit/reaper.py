@@ -10,7 +10,8 @@ Two parts:
   process; the pipe's end (EOF) is that process's end, whatever ended it (a return, an
   exception, SIGTERM, SIGKILL, an OOM kill). Then it sends each service still running its
   stop signal (the one a clean stop sends: SIGTERM, SIGINT for PostgreSQL's fast shutdown),
-  waits for them, and SIGKILLs what is left of their process trees.
+  the last started first, waits for each, SIGKILLs what is left of their process trees and
+  removes the folders they were owned with (a cluster's, an engine's).
 
 Processes are named by pid AND start time (``/proc/<pid>/stat``), so a pid reused after a
 service ended is never signalled; nothing is looked up by name.
@@ -25,7 +26,9 @@ This file is also the watchdog's program (``python reaper.py``): standard librar
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,8 +37,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-#: how long the reaper waits for the services to stop on their stop signal before SIGKILL
-GRACE_S = 60.0
+#: how long the reaper waits for a service to stop on its stop signal (and for them all)
+#: before SIGKILL
+GRACE_S = 30.0
+BUDGET_S = 120.0
 
 
 # --- processes by pid and start time --------------------------------------------------------
@@ -134,19 +139,23 @@ def _send(pid: int, line: str | None) -> None:
                 _start_watchdog()
             return
         try:
-            os.write(_pipe, (line or f"- {pid}\n").encode())
+            os.write(_pipe, (line or json.dumps({"disown": pid}) + "\n").encode())
         except OSError:  # its watchdog ended (killed by hand?): a new one takes them all
             os.close(_pipe)
             _pipe = None
             _start_watchdog()
 
 
-def own(pid: int, stop_signal: int = signal.SIGTERM) -> None:
+def own(pid: int, stop_signal: int = signal.SIGTERM, *, remove: str | Path | None = None) -> None:
     """Process ``pid`` (a service this process started) ends when this process ends: the
-    reaper sends it ``stop_signal`` then, and SIGKILLs what is left of its tree."""
+    reaper sends it ``stop_signal`` then, SIGKILLs what is left of its tree, and removes its
+    folder ``remove`` (if given) once it is gone."""
     start = started(pid)
     if start is not None:
-        _send(pid, f"+ {pid} {start} {int(stop_signal)}\n")
+        message: dict[str, object] = {"own": pid, "start": start, "signal": int(stop_signal)}
+        if remove is not None:
+            message["remove"] = str(remove)
+        _send(pid, json.dumps(message) + "\n")
 
 
 def disown(pid: int) -> None:
@@ -182,35 +191,55 @@ def _kill(pid: int, start: int, sig: int) -> None:
             pass
 
 
-def reap(owned: dict[int, tuple[int, int]], grace_s: float = GRACE_S) -> None:
-    """Stop each of ``owned`` (pid -> (start time, stop signal)) still running: its stop
-    signal, up to ``grace_s`` for it to end, then SIGKILL to its tree (as it was at the
-    start of the stop and as it is at the end) and to what is left of itself."""
-    live = {pid: v for pid, v in owned.items() if started(pid) == v[0]}
+def _tree_of(pid: int) -> dict[int, int]:
+    return {p: s for p in process_tree(pid) if (s := started(p)) is not None}
+
+
+def _remove(folder: str) -> None:
+    """``folder`` removed, never through a live mount (a dockerd's data-root)."""
+    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    if not any(m == folder or m.startswith(folder + "/") for m in mounts):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def reap(owned: dict[int, dict], grace_s: float = GRACE_S, budget_s: float = BUDGET_S) -> None:
+    """Stop each of ``owned`` (pid -> {"start", "signal", "remove"}) still running, the last
+    owned first (the workers before their Redis, as the owner's ``with`` blocks would):
+    its stop signal, up to ``grace_s`` for it to end (``budget_s`` for them all); then
+    SIGKILL to what is left of their trees (as they were before and after the stop), and
+    the folders to ``remove`` of those that ended."""
+    live = {pid: v for pid, v in owned.items() if started(pid) == v["start"]}
     tree: dict[int, int] = {}
-    for pid in live:
-        tree.update({p: s for p in process_tree(pid) if (s := started(p)) is not None})
-    for pid, (start, sig) in live.items():
-        _kill(pid, start, sig)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(started(p) == s for p, (s, _) in live.items()):
-        time.sleep(0.1)
-    for pid, (start, _) in live.items():
-        if started(pid) == start:
-            tree.update({p: s for p in process_tree(pid) if (s := started(p)) is not None})
+    end_by = time.monotonic() + budget_s
+    for pid, v in reversed(live.items()):
+        tree.update(_tree_of(pid))
+        _kill(pid, v["start"], v["signal"])
+        deadline = min(end_by, time.monotonic() + grace_s)
+        while started(pid) == v["start"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if started(pid) == v["start"]:
+            tree.update(_tree_of(pid))
     for pid, start in tree.items():
         _kill(pid, start, signal.SIGKILL)
+    time.sleep(0.5)  # the kernel's reaping of what it killed
+    for pid, v in owned.items():
+        if v.get("remove") and started(pid) != v["start"]:
+            _remove(v["remove"])
 
 
 def watch() -> None:
     """The watchdog: the owner's messages on stdin until its end, then ``reap``."""
-    owned: dict[int, tuple[int, int]] = {}
+    owned: dict[int, dict] = {}
     for line in sys.stdin.buffer:
-        words = line.split()
-        if len(words) == 4 and words[0] == b"+":
-            owned[int(words[1])] = (int(words[2]), int(words[3]))
-        elif len(words) == 2 and words[0] == b"-":
-            owned.pop(int(words[1]), None)
+        try:
+            message = json.loads(line)
+        except ValueError:
+            continue
+        if "own" in message:
+            owned.pop(message["own"], None)  # a reused pid owned again goes last
+            owned[message["own"]] = message
+        elif "disown" in message:
+            owned.pop(message["disown"], None)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it finishes its work
     reap(owned)
 

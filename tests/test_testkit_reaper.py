@@ -155,12 +155,15 @@ def test_a_sigtermed_process_stops_its_services_on_its_way_out(holder: Any) -> N
 def test_a_sigkilled_process_leaves_no_service_running(holder: Any) -> None:
     """SIGKILL: nothing of the holder runs; its reaper (its pipe's end is the holder's end)
     stops every service by pid: the redis-servers, the sentinels, the postmaster and its
-    backends, dockerd and its containerd."""
+    backends, dockerd and its containerd; then it removes the cluster's and the engine's
+    folders."""
     proc, seen, procs = holder
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(30) == -signal.SIGKILL
-    wait_for(lambda: not _running(procs), 120, "every service gone", 0.2, lambda: _running(procs))
+    wait_for(lambda: not _running(procs), 180, "every service gone", 0.2, lambda: _running(procs))
     assert _refused(seen["relay_port"])  # a thread of the holder: gone with it
+    folders = [Path(seen["pg_dir"]), Path(seen["engine_root"])]
+    wait_for(lambda: not any(f.exists() for f in folders), 30, "their folders removed")
 
 
 # --- a pytest run -----------------------------------------------------------------------------
