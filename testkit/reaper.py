@@ -87,6 +87,7 @@ def started(pid: int) -> int | None:
 _lock = threading.Lock()
 _pipe: int | None = None  # the write end (None in a forked child: it is no owner)
 _owned: dict[int, str] = {}  # pid -> the line that told the watchdog
+_PROGRAM = os.path.abspath(__file__)  # this file, wherever the owner's cwd goes later
 #: the watchdogs started (a forked child keeps its parent's in the list, never waits for it)
 _watchdogs: list[subprocess.Popen[bytes]] = []
 
@@ -112,7 +113,7 @@ def _start_watchdog() -> None:
     global _pipe
     read, write = os.pipe()  # both close-on-exec: no other program inherits them
     watchdog = subprocess.Popen(
-        [sys.executable, "-S", "-I", __file__],
+        [sys.executable, "-S", "-I", _PROGRAM],
         stdin=read,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
