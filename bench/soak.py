@@ -30,7 +30,9 @@ when an invariant fails.
 
     .venv/bin/python -m bench.soak --jobs 1000 --chaos-s 120
 
-Everything runs on loopback; only the processes started here are killed, by pid.
+Everything runs on loopback; only the processes started here are killed, by pid. A SIGTERM
+ends the soak through each round's ``finally`` (workers, relay, Redis, PostgreSQL, engine
+stopped); after a SIGKILL its reaper stops them (testkit/reaper.py): none is left running.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 from testkit.engine import SecondEngine  # noqa: E402
 from testkit.postgres import PgCluster  # noqa: E402
 from testkit.processes import kill_pids, process_tree, tree_usage  # noqa: E402
+from testkit.reaper import disown, own, stop_on_sigterm  # noqa: E402
 from testkit.redis import RedisServer  # noqa: E402
 from testkit.relay import Relay  # noqa: E402
 from testkit.sentinel import SentinelSet  # noqa: E402
@@ -102,6 +105,7 @@ class Worker:
             stderr=log,
             start_new_session=True,
         )
+        own(self.proc.pid)  # stopped by the soak's reaper if the soak ends first
 
     def pids(self) -> list[int]:
         return process_tree(self.proc.pid) if self.proc else []
@@ -113,6 +117,7 @@ class Worker:
         tree = self.pids()
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
+        disown(self.proc.pid)
         time.sleep(1)
         kill_pids(tree)
         self.start()
@@ -135,6 +140,7 @@ class Worker:
         except subprocess.TimeoutExpired:
             pass
         kill_pids(tree)
+        disown(self.proc.pid)
 
 
 class StartCounter(threading.Thread):
@@ -628,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image", default="studio-code:1")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
+    # SIGTERM raises SystemExit: each round's finally stops its workers and services (what
+    # a SIGKILL leaves, the soak's reaper stops: testkit/reaper.py)
+    stop_on_sigterm()
     if args.jobs is None:
         args.jobs = 20_000 if args.long else 1000
     if args.chaos_s is None and not args.long:

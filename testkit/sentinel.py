@@ -14,6 +14,7 @@ from testkit.processes import (
     free_port,
     require,
 )
+from testkit.reaper import disown, own
 from testkit.redis import wait_redis
 
 
@@ -82,6 +83,7 @@ class SentinelSet(StopsOnExit):
         self.procs[name] = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+        own(self.procs[name].pid)  # stopped by the reaper if this process ends first
         wait_redis(self.ports[name], self.password)
 
     def start(self) -> SentinelSet:
@@ -117,6 +119,7 @@ class SentinelSet(StopsOnExit):
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+            own(self.procs[f"s{i}"].pid)
             wait_redis(port, self.sentinel_password)
         self.wait_master(self.ports["a"])
         self.wait_synced("b")
@@ -171,6 +174,7 @@ class SentinelSet(StopsOnExit):
         proc = self.procs.pop(name)
         proc.kill()
         proc.wait(timeout=10)
+        disown(proc.pid)
         return name
 
     def other(self, name: str) -> str:
@@ -181,6 +185,7 @@ class SentinelSet(StopsOnExit):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+            disown(proc.pid)
         self.procs.clear()
 
 

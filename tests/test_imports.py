@@ -6,14 +6,11 @@ Celery, Docker SDK or tree-sitter; ``run`` loads no queue or store."""
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from testkit.imports import loaded_after, loaded_of
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = (
@@ -40,30 +37,6 @@ QUEUE_AND_STORE = (
     "api_client.http",
     "fastapi",
 )
-
-
-def loaded_after(script: str, env: dict[str, str] | None = None) -> set[str]:
-    """The modules (top-level names and dotted names) a fresh interpreter holds after
-    running ``script``, which may print to stdout (it is set aside)."""
-    probe = textwrap.dedent(script) + textwrap.dedent("""
-        import sys as _sys, json as _json
-        _sys.__stdout__.write("\\n@@MODULES@@" + _json.dumps(sorted(_sys.modules)) + "\\n")
-    """)
-    proc = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    names = json.loads(proc.stdout.rsplit("@@MODULES@@", 1)[1])
-    return set(names) | {n.split(".")[0] for n in names}
-
-
-def loaded_of(modules: set[str], wanted: tuple[str, ...]) -> list[str]:
-    return sorted(m for m in modules if m in wanted)
 
 
 @pytest.mark.parametrize(
@@ -567,3 +540,55 @@ def test_the_api_imports_no_room_of_the_worker():
         if room_of(target) is not None
     )
     assert reads == [], "the API imports a room of the worker"
+
+
+# --- the tests themselves ----------------------------------------------------------------------
+
+
+def imports_between_tests(folder: Path) -> dict[str, list[str]]:
+    """Every test module (``test_*.py``) of ``folder`` -> the other test modules it imports,
+    anywhere in it (top level or inside a function), in any form: ``import tests.test_x``,
+    ``from tests.test_x import y``, ``from tests import test_x``, ``from .test_x import y``,
+    ``from . import test_x``, ``import test_x``. Read from the source, nothing imported."""
+    own = {path.stem for path in folder.glob("test_*.py")}
+    found: dict[str, list[str]] = {}
+    for path in sorted(folder.glob("test_*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = "." * node.level + (node.module or "")
+                names |= {base, *(f"{base}.{a.name}" for a in node.names)}
+        imported = {
+            last for name in names if (last := name.rpartition(".")[2]) in own and last != path.stem
+        }
+        found[path.stem] = sorted(imported)
+    return {name: others for name, others in found.items() if others}
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in tests/conftest.py (fixtures), tests/snippets.py (what
+    they send) or testkit/ (the services and the helpers): a test module that imports
+    another runs that module's import-time code and ties the two together."""
+    assert len(list((ROOT / "tests").glob("test_*.py"))) > 50  # the scan sees the tests
+    assert imports_between_tests(ROOT / "tests") == {}
+
+
+def test_the_scan_sees_every_form_of_a_test_module_import(tmp_path):
+    forms = [
+        "import tests.test_b",
+        "from tests.test_b import x",
+        "from tests import test_b",
+        "from .test_b import x",
+        "from . import test_b",
+        "import test_b",
+        "def f():\n    from tests.test_b import x",
+    ]
+    (tmp_path / "test_b.py").write_text("x = 1\n")
+    (tmp_path / "snippets.py").write_text("y = 1\n")
+    for form in forms:
+        (tmp_path / "test_a.py").write_text(f"from tests.snippets import y\n{form}\n")
+        assert imports_between_tests(tmp_path) == {"test_a": ["test_b"]}, form
+    (tmp_path / "test_a.py").write_text("from tests.snippets import y\nimport testkit.stack\n")
+    assert imports_between_tests(tmp_path) == {}

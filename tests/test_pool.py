@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,13 @@ import pytest
 
 from executor.models import CodeJob, Status
 from testkit.processes import ROOT, children, wait_for
+from testkit.sandboxes import LABEL_POOL, pool_containers
 from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
 from testkit.stack import Stack
 from tests.conftest import THROUGH_SOCKGUARD
 from tests.snippets import WHOAMI
 
 pytestmark = pytest.mark.docker
-
-LABEL_POOL = "studio.pool"
 
 
 def cid_in_logs(logs: str) -> str:
@@ -39,31 +37,6 @@ def cid_in_logs(logs: str) -> str:
 
 def start_detail(trace: list[Any]) -> str:
     return next(r.detail for r in trace if r.step == "sandbox.start")
-
-
-def pool_containers(docker_client: Any, owner: str) -> list[dict]:
-    return docker_client.api.containers(all=True, filters={"label": f"{LABEL_POOL}={owner}"})
-
-
-@pytest.fixture
-def pooled(make_settings: Callable[..., Any], python_image: str) -> Iterator[Callable[..., Any]]:
-    """Factory of executors with a filled pool (Python); closed at the end."""
-    from executor.service import Executor
-
-    made: list[Executor] = []
-
-    def make(**overrides: Any) -> Executor:
-        base = {"code_runtime": "docker", "code_image": python_image, "code_languages": "python"}
-        ex = Executor(make_settings(**{**base, **overrides}))
-        made.append(ex)
-        ex.prepare()
-        assert ex.runtime is not None and ex.runtime.pool is not None
-        assert ex.runtime.pool.wait_ready(60)
-        return ex
-
-    yield make
-    for ex in made:
-        ex.close()
 
 
 # --- one job per container ------------------------------------------------------------------
