@@ -1,8 +1,9 @@
 """A run the infrastructure killed, run again elsewhere (docs/operations.md, "Faults").
 
-When the executor's result says the sandbox was lost to the infrastructure (its trace row
-``sandbox.lost``, from ``InfrastructureLost``: the engine went away or restarted, the
-sandbox vanished, its stream or its wait broke), the outcome is never the code's:
+When the executor's result says the sandbox was lost to the infrastructure
+(``CodeResult.lost``, from ``InfrastructureLost``: the engine went away or restarted, the
+sandbox vanished, its stream or its wait broke; its trace shows a ``sandbox.lost`` row, for
+people only), the outcome is never the code's:
 
 * a runtime whose re-run is harmless (``Runtime.rerun_safe``: docker, no network, no host
   files, nothing kept) hands the job back while it has attempts left (MAX_ATTEMPTS, the
@@ -15,11 +16,11 @@ sandbox vanished, its stream or its wait broke), the outcome is never the code's
   is not harmless; or the attempts are spent) the job ends ``failed`` RUNTIME_UNAVAILABLE
   with the executor's sentence naming the cause.
 
-A sandbox the engine refused to make or start (``SandboxRefused``: its trace row
-``sandbox.refused``) was never lost: the job's input was never written, and a re-run would
-meet the same refusal. It ends at once, never handed back: CODE_INVALID when the node asked
-for limits of its own, else RUNTIME_UNAVAILABLE, and then the gate is told once
-(``refused_by_engine``).
+A sandbox the engine refused to make or start (``SandboxRefused``: ``CodeResult.refused``,
+shown as a ``sandbox.refused`` trace row) was never lost: the job's input was never
+written, and a re-run would meet the same refusal. It ends at once, never handed back:
+CODE_INVALID when the node asked for limits of its own, else RUNTIME_UNAVAILABLE, and then
+the gate is told once (``refused_by_engine``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import redis
 
 from executor.models import CodeResult, TraceRow
-from executor.service import LOST_STEP, REFUSED_ENGINE, REFUSED_STEP, RERUN_STEP
+from executor.service import REFUSED_ENGINE, RERUN_STEP
 from worker.protocol import lost_key
 
 log = logging.getLogger("studio_code.worker")
@@ -42,18 +43,15 @@ LOST_TTL_S = 24 * 3600
 
 def lost_cause(result: CodeResult) -> str | None:
     """The machine-readable cause when the infrastructure killed this run's sandbox."""
-    for row in result.trace:
-        if row.step == LOST_STEP:
-            return row.detail or "unknown"
-    return None
+    return result.lost
 
 
 def refused_by_engine(result: CodeResult) -> bool:
     """True when the engine refused this run's sandbox before its input was written and
-    the node asked for nothing of its own (SandboxRefused: RUNTIME_UNAVAILABLE, a
-    ``sandbox.refused`` row whose detail is ``engine``). The job never ran, so it is never
-    run again: it ends now, and the worker's runtime gate is told once."""
-    return any(row.step == REFUSED_STEP and row.detail == REFUSED_ENGINE for row in result.trace)
+    the node asked for nothing of its own (SandboxRefused: RUNTIME_UNAVAILABLE, refused
+    ``engine``). The job never ran, so it is never run again: it ends now, and the worker's
+    runtime gate is told once."""
+    return result.refused == REFUSED_ENGINE
 
 
 def add_lookup(pipe: Any, job_id: str) -> None:

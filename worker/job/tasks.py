@@ -509,7 +509,7 @@ def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: Job
     the last attempt ends with the runtime's own message)."""
     if result.status is not Status.FAILED or result.error is None:
         return False
-    if result.error.code is not ErrorCode.RUNTIME_UNAVAILABLE or result.trace:
+    if result.error.code is not ErrorCode.RUNTIME_UNAVAILABLE or result.started:
         return False
     if rec.claims >= MAX_ATTEMPTS or state.executor.runtime is None:
         return False
