@@ -263,8 +263,11 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     try:
         state = process_state(task.app)
     except StoreUnavailable as e:
-        gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
-        _hand_back(f"job {job_id}: this pool process could not start")
+        _step_aside(
+            gate.RUN_STORE,
+            f"the pool process cannot open the run store: {e}",
+            f"job {job_id}: this pool process could not start",
+        )
     request = task.request
     if job_id is None:
         poison.dead_letter_task(state.redis, request, args, kwargs)
@@ -322,6 +325,15 @@ def _job_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     return None
 
 
+def _step_aside(part: str, reason: str, why: str) -> NoReturn:
+    """Report, then hand back: the gate hears that ``part`` (gate.RUN_STORE or gate.RUNTIME)
+    failed here, for ``reason`` (the main process probes it and closes the gate while it is
+    down), and the message goes back to its queue, unconsumed (``why``: the Reject's
+    reason)."""
+    gate.report(part, reason)
+    _hand_back(why)
+
+
 def _hand_back(why: str) -> NoReturn:
     """The message goes back to its queue, unconsumed (the gate stops this worker taking it
     again; a pause first keeps a gate that has not closed yet from spinning on it)."""
@@ -344,8 +356,11 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
     try:
         rec = state.store.claim(job_id, worker, again=redelivered(request))
     except StoreUnavailable as e:  # any other error (a bug) raises: handing back would loop
-        gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
-        _hand_back(f"job {job_id}: the run store is unreachable")
+        _step_aside(
+            gate.RUN_STORE,
+            f"claim of job {job_id} failed: {e}",
+            f"job {job_id}: the run store is unreachable",
+        )
     if rec is None:
         return _not_claimed(state, job_id, worker, request)
     result = _refused(rec, state.settings)
@@ -358,8 +373,10 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
             # never run again (it would be refused the same way): the job ends now, and the
             # main process probes the runtime once
             gate.report(gate.RUNTIME, f"the engine refused the sandbox of job {job_id}")
-        elif _runtime_down_before_start(state, result, rec):
-            _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
+        elif (reason := _runtime_down_before_start(state, result, rec)) is not None:
+            _step_aside(
+                gate.RUNTIME, reason, f"job {job_id}: the runtime cannot run it on this worker"
+            )
         if lost:
             result = rerun.with_rerun_row(result, rec.attempts, lost)
         if rec.retry is not None:  # the node's own retries (worker.job.retries)
@@ -387,8 +404,10 @@ def _start(
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
         written = None
     except StoreUnavailable as e:
-        gate.report(gate.RUN_STORE, str(e))  # the result stays parked
-        _hand_back(f"job {job_id}: its parked result waits for the run store")
+        # the result stays parked
+        _step_aside(
+            gate.RUN_STORE, str(e), f"job {job_id}: its parked result waits for the run store"
+        )
     return written, flagged, lost
 
 
@@ -485,9 +504,6 @@ def _lost(
     runtime = state.executor.runtime
     if runtime is not None and runtime.rerun_safe and rec.claims < MAX_ATTEMPTS:
         rerun.record(state.redis, rec.job_id, rec.attempts, cause, worker)
-        # No engine call here: an engine starting again accepts connections before it
-        # answers (a ping waited 15 s for it, measured); the gate's probe asks instead.
-        gate.report(gate.RUNTIME, f"a sandbox was lost to the infrastructure ({cause})")
         log.error(
             "job %s handed back to run again (attempt %d of %d): its sandbox was lost to "
             "the infrastructure (%s)",
@@ -496,34 +512,44 @@ def _lost(
             MAX_ATTEMPTS,
             cause,
         )
-        _hand_back(f"job {rec.job_id}: its sandbox was lost to the infrastructure ({cause})")
+        # No engine call here: an engine starting again accepts connections before it
+        # answers (a ping waited 15 s for it, measured); the gate's probe asks instead.
+        _step_aside(
+            gate.RUNTIME,
+            f"a sandbox was lost to the infrastructure ({cause})",
+            f"job {rec.job_id}: its sandbox was lost to the infrastructure ({cause})",
+        )
     if runtime is not None and runtime.rerun_safe:
         return rerun.exhausted(result, rec.claims, lost)
     return result
 
 
-def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: JobRecord) -> bool:
-    """True when the runtime failed the job before its sandbox started and cannot run its
+def _runtime_down_before_start(
+    state: ProcessState, result: CodeResult, rec: JobRecord
+) -> str | None:
+    """Why, when the runtime failed the job before its sandbox started and cannot run its
     language here now (Docker unreachable, image missing): the job is handed back for
     another worker instead of failed, while it has attempts left (MAX_ATTEMPTS bounds it:
-    the last attempt ends with the runtime's own message)."""
+    the last attempt ends with the runtime's own message); else None."""
     if result.status is not Status.FAILED or result.error is None:
-        return False
+        return None
     if result.error.code is not ErrorCode.RUNTIME_UNAVAILABLE or result.started:
-        return False
+        return None
     if rec.claims >= MAX_ATTEMPTS or state.executor.runtime is None:
-        return False
+        return None
     try:
         reason = state.executor.runtime.unavailable_reason(state.executor.language(rec.language))
     except Exception as e:  # noqa: BLE001
         reason = str(e)
-    if reason is None:
-        return False
-    gate.report(gate.RUNTIME, reason)
-    log.error(
-        "job %s handed back (attempt %d of %d): %s", rec.job_id, rec.claims, MAX_ATTEMPTS, reason
-    )
-    return True
+    if reason is not None:
+        log.error(
+            "job %s handed back (attempt %d of %d): %s",
+            rec.job_id,
+            rec.claims,
+            MAX_ATTEMPTS,
+            reason,
+        )
+    return reason
 
 
 def _finish(
