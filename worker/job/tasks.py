@@ -365,18 +365,7 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         return _not_claimed(state, job_id, worker, request)
     result = _refused(rec, state.settings)
     if result is None:
-        result = _execute(state, rec, flagged)
-        cause = rerun.lost_cause(result)
-        if cause is not None:
-            result = _lost(state, result, rec, worker, cause, lost)
-        elif rerun.refused_by_engine(result):
-            # never run again (it would be refused the same way): the job ends now, and the
-            # main process probes the runtime once
-            gate.report(gate.RUNTIME, f"the engine refused the sandbox of job {job_id}")
-        elif (reason := _runtime_down_before_start(state, result, rec)) is not None:
-            _step_aside(
-                gate.RUNTIME, reason, f"job {job_id}: the runtime cannot run it on this worker"
-            )
+        result = _decided(state, _execute(state, rec, flagged), rec, worker, lost)
         if lost:
             result = rerun.with_rerun_row(result, rec.attempts, lost)
         if rec.retry is not None:  # the node's own retries (worker.job.retries)
@@ -489,67 +478,52 @@ def _execute(state: ProcessState, rec: JobRecord, flagged: bool | None) -> CodeR
     return result
 
 
-def _lost(
+def _decided(
     state: ProcessState,
     result: CodeResult,
     rec: JobRecord,
     worker: str,
-    cause: str,
     lost: list[dict[str, Any]],
 ) -> CodeResult:
-    """The infrastructure killed this run's sandbox (worker.job.rerun): hand the job back
-    to run again elsewhere while the runtime's re-run is harmless and attempts are left
-    (the main process probes the runtime at once: this worker steps aside while it is
-    unhealthy); else the result, its message naming every cause."""
+    """The run's re-run decision (``rerun.decide``) carried out: the result to finish, or
+    the job handed back (its lost cause kept for the next attempt first) to run again
+    elsewhere (the main process probes the runtime at once: this worker steps aside while
+    it is unhealthy)."""
     runtime = state.executor.runtime
-    if runtime is not None and runtime.rerun_safe and rec.claims < MAX_ATTEMPTS:
-        rerun.record(state.redis, rec.job_id, rec.attempts, cause, worker)
-        log.error(
-            "job %s handed back to run again (attempt %d of %d): its sandbox was lost to "
-            "the infrastructure (%s)",
-            rec.job_id,
-            rec.claims,
-            MAX_ATTEMPTS,
-            cause,
-        )
+    decision = rerun.decide(
+        result,
+        claims=rec.claims,
+        rerun_safe=runtime is not None and runtime.rerun_safe,
+        why_down=lambda: _why_down(state, rec),
+        lost=lost,
+    )
+    if decision.action == "hand back":
+        if decision.cause is not None:
+            rerun.record(state.redis, rec.job_id, rec.attempts, decision.cause, worker)
+        log.error("job %s %s", rec.job_id, decision.note)
         # No engine call here: an engine starting again accepts connections before it
         # answers (a ping waited 15 s for it, measured); the gate's probe asks instead.
-        _step_aside(
-            gate.RUNTIME,
-            f"a sandbox was lost to the infrastructure ({cause})",
-            f"job {rec.job_id}: its sandbox was lost to the infrastructure ({cause})",
+        why = (
+            "the runtime cannot run it on this worker"
+            if decision.cause is None
+            else f"its sandbox was lost to the infrastructure ({decision.cause})"
         )
-    if runtime is not None and runtime.rerun_safe:
-        return rerun.exhausted(result, rec.claims, lost)
-    return result
+        _step_aside(gate.RUNTIME, decision.report or "", f"job {rec.job_id}: {why}")
+    if decision.report is not None:  # the engine refused it: the job ends, the gate is told
+        gate.report(gate.RUNTIME, decision.report)
+    return decision.result
 
 
-def _runtime_down_before_start(
-    state: ProcessState, result: CodeResult, rec: JobRecord
-) -> str | None:
-    """Why, when the runtime failed the job before its sandbox started and cannot run its
-    language here now (Docker unreachable, image missing): the job is handed back for
-    another worker instead of failed, while it has attempts left (MAX_ATTEMPTS bounds it:
-    the last attempt ends with the runtime's own message); else None."""
-    if result.status is not Status.FAILED or result.error is None:
-        return None
-    if result.error.code is not ErrorCode.RUNTIME_UNAVAILABLE or result.started:
-        return None
-    if rec.claims >= MAX_ATTEMPTS or state.executor.runtime is None:
+def _why_down(state: ProcessState, rec: JobRecord) -> str | None:
+    """Why the runtime cannot run the job's language here now (Docker unreachable, image
+    missing), or None."""
+    runtime = state.executor.runtime
+    if runtime is None:
         return None
     try:
-        reason = state.executor.runtime.unavailable_reason(state.executor.language(rec.language))
+        return runtime.unavailable_reason(state.executor.language(rec.language))
     except Exception as e:  # noqa: BLE001
-        reason = str(e)
-    if reason is not None:
-        log.error(
-            "job %s handed back (attempt %d of %d): %s",
-            rec.job_id,
-            rec.claims,
-            MAX_ATTEMPTS,
-            reason,
-        )
-    return reason
+        return str(e)
 
 
 def _finish(
