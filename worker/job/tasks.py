@@ -32,7 +32,7 @@ from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
-from executor.store import Ended, JobRecord, RunStore, open_store
+from executor.store import Claim, Ended, JobRecord, RunStore, open_store
 from worker import fair, gate, metrics, parked, poison, pool_start, preimport, redis_conn
 from worker import tracing as worker_tracing
 from worker.cancel import CancelWatch
@@ -143,12 +143,16 @@ class ProcessState:
 
 
 class Outcome(NamedTuple):
-    """What one run of the task body did: ``name`` for the worker's log (see run_job) and,
+    """What one run of the task body did: ``name`` for the worker's log (see run_job);
     when this run stored the job's result, what that finish wrote (``report_outcome`` tells
-    Celery from it, without reading the row back)."""
+    Celery from it, without reading the row back); ``fair_end``: whether it ends the job for
+    the fair queue (after its result is stored, before its message is acknowledged): a
+    delivery the claim skipped because the job has not ended (still running elsewhere, a
+    retry's attempt before its time) frees nothing."""
 
     name: str
     ended: Ended | None = None
+    fair_end: bool = True
 
 
 _state: ProcessState | None = None
@@ -279,7 +283,7 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     # its answer.
     with state.executor.on_path():
         try:
-            outcome, ended = _run(state, job_id, worker, queue, request)
+            outcome, ended, fair_end = _run(state, job_id, worker, queue, request)
         except Reject:
             # handed back: the job has not ended, nothing to announce but the end mark
             state.end_job(job_id, done=False, fair_end=False)
@@ -294,27 +298,13 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
         state.end_job(
             job_id,
             done=not parked,
-            fair_end=_fair_ends(state, job_id, outcome),
+            fair_end=fair_end,
             record=None if ended is None else ended.record,
         )
     if not parked:
         # failed: NodeFailed, cancelled: Terminated (Celery's view)
         report_outcome(state.store, job_id, ended)
     return outcome
-
-
-def _fair_ends(state: ProcessState, job_id: str, outcome: str) -> bool:
-    """Whether this run ends the job for the fair queue (after its result is stored, before
-    its message is acknowledged). A skipped delivery ends it only when the store says the
-    job ended (a redelivery of a job still running elsewhere frees nothing)."""
-    if outcome == "skipped":
-        try:
-            status = state.store.statuses([job_id]).get(job_id)
-        except Exception:  # noqa: BLE001 - the sweep's reconcile frees it later
-            return False
-        if status is not None and not status.finished:
-            return False
-    return True
 
 
 def _job_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -354,15 +344,16 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
     if written is not None:
         return Outcome("finished" if written else "parked-duplicate")
     try:
-        rec = state.store.claim(job_id, worker, again=redelivered(request))
+        claim = state.store.try_claim(job_id, worker, again=redelivered(request))
     except StoreUnavailable as e:  # any other error (a bug) raises: handing back would loop
         _step_aside(
             gate.RUN_STORE,
             f"claim of job {job_id} failed: {e}",
             f"job {job_id}: the run store is unreachable",
         )
+    rec = claim.record
     if rec is None:
-        return _not_claimed(state, job_id, worker, request)
+        return _not_claimed(state, claim, job_id, worker, request)
     result = _refused(rec, state.settings)
     if result is None:
         result = _decided(state, _execute(state, rec, flagged), rec, worker, lost)
@@ -412,13 +403,18 @@ def redelivered(request: Any) -> bool:
     return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
 
 
-def _not_claimed(state: ProcessState, job_id: str, worker: str, request: Any) -> Outcome:
-    """Unknown, cancelled while queued, or already finished (a redelivery): nothing to do."""
-    if _cancelled_before_start(state, job_id):
-        _metrics(metrics.record_cancel, stage="queued")
-    elif unrunnable.unknown_job(state.store, state.redis, job_id, request, worker):
+def _not_claimed(
+    state: ProcessState, claim: Claim, job_id: str, worker: str, request: Any
+) -> Outcome:
+    """Unknown, cancelled while queued, already finished (a redelivery) or not ended
+    (running elsewhere, a retry's attempt before its time), as the claim said (no read of
+    the row after it): nothing to do."""
+    if claim.unknown:
+        unrunnable.unknown_job(state.store, state.redis, job_id, request, worker)
         return Outcome("unknown")
-    return Outcome("skipped")
+    if claim.cancelled_queued:
+        _metrics(metrics.record_cancel, stage="queued")
+    return Outcome("skipped", fair_end=not claim.open)
 
 
 def _refused(rec: JobRecord, settings: Settings) -> CodeResult | None:
@@ -542,14 +538,6 @@ def _finish(
             wait_s = (rec.started_at - rec.queued_at).total_seconds()
         _metrics(metrics.record_result, result, wait_s, queue=queue)
         return Outcome("finished", stored.ended)
-
-
-def _cancelled_before_start(state: ProcessState, job_id: str) -> bool:
-    try:
-        rec = state.store.get(job_id, inputs=False)
-    except Exception:  # noqa: BLE001
-        return False
-    return rec is not None and rec.status is Status.CANCELLED and rec.started_at is None
 
 
 def _result(
