@@ -580,7 +580,7 @@ class Executor:
                 ),
             ]
         warnings = list(self.runtime.run_warnings) if self.runtime is not None else []
-        return CodeResult(
+        result = CodeResult(
             job_id=job.job_id,
             language=job.language,
             status=status,
@@ -601,6 +601,7 @@ class Executor:
             trace=trace,
             usage=raw.usage if raw is not None else None,
         )
+        return result.with_sandbox(started=raw is not None, lost=lost, refused=refused)
 
 
 def mib(n: int) -> str:

@@ -64,6 +64,7 @@ from executor.store.base import (
     CANCELLED_BEFORE_START,
     WORKER_STOPPED,
     AuditEntry,
+    Claim,
     Ended,
     JobRecord,
     KeyedJob,
@@ -115,6 +116,14 @@ def describe_url(url: str | URL) -> str:
         return normalize_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - not a URL at all: show nothing secret
         return "<a run store URL that cannot be parsed>"
+
+
+def _unclaimed(found: Any) -> Claim:
+    """Why a claim took nothing, from the row as it found it (``SELECT_UNCLAIMED``; None:
+    no such job)."""
+    if found is None:
+        return Claim(None)
+    return Claim(None, Status(found.status), found.started_at is not None)
 
 
 def _read_inputs(conn: Connection, job_id: str) -> Any:
@@ -440,7 +449,7 @@ class SqlRunStore(RunStore):
                 out.update({job_id: Status(status) for job_id, status in found})
         return out
 
-    def claim(self, job_id: str, worker: str, *, again: bool = True) -> JobRecord | None:
+    def try_claim(self, job_id: str, worker: str, *, again: bool = True) -> Claim:
         now = _utcnow()
         params = {
             "c_id": job_id,
@@ -451,22 +460,23 @@ class SqlRunStore(RunStore):
         }
         if self._lane is not None:
             with self._wrote():
-                claimed = self._lane.claim(params)
-            return None if claimed is None else rows.record(*claimed)
+                claimed, other = self._lane.claim(params)
+            if claimed is None:
+                return _unclaimed(other)
+            return Claim(rows.record(claimed, other))
         with self._write() as conn:
+            row = None
             if self._engine.dialect.update_returning:
                 row = conn.execute(st.CLAIM_RETURNING, params).first()  # the row as written
-                if row is None:
-                    return None
-            else:
-                if conn.execute(st.CLAIM, params).rowcount != 1:
-                    return None
+            elif conn.execute(st.CLAIM, params).rowcount == 1:
                 # Same transaction: the row is still locked by us, so this is what we wrote.
                 row = conn.execute(st.SELECT_JOB, {"r_id": job_id}).one()
+            if row is None:  # why not, in the same transaction
+                return _unclaimed(conn.execute(st.SELECT_UNCLAIMED, {"r_id": job_id}).first())
             # Its code and state: a second statement, not a subquery in the RETURNING (SQLite
             # buffers what RETURNING yields: a 10 MB state was copied twice more).
             own = _read_inputs(conn, job_id)
-        return rows.record(row, own)
+        return Claim(rows.record(row, own))
 
     def request_cancel(self, job_id: str) -> Status | None:
         now = _utcnow()

@@ -227,3 +227,7 @@ SELECT_INPUTS = select(job_inputs.c.code, job_inputs.c.state_json).where(
 SUMMARY_COLUMNS = tuple(jobs.c[name] for name in RunSummary.model_fields)
 SELECT_SUMMARY = select(*SUMMARY_COLUMNS).where(jobs.c.job_id == _p("r_id", String))
 SELECT_STATUS = select(jobs.c.status).where(jobs.c.job_id == _p("r_id", String))
+#: why a claim took nothing: the row as the claim found it, in the claim's transaction
+SELECT_UNCLAIMED = select(jobs.c.status, jobs.c.started_at).where(
+    jobs.c.job_id == _p("r_id", String)
+)
