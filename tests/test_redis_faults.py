@@ -46,8 +46,14 @@ def submit_http(http: httpx.Client, n: int) -> httpx.Response:
 
 
 def assert_all_doubled(q: Stack, jobs: dict[str, int], timeout_s: float) -> None:
-    """Every job ended once, succeeded, with its own output."""
-    recs = q.wait_all(list(jobs), timeout_s)
+    """Every job ended once, succeeded, with its own output. Prints its accounting line
+    (accepted, ended per status, claimed more than once), also when some never end."""
+    try:
+        recs = q.wait_all(list(jobs), timeout_s)
+    except AssertionError:
+        print(f"\naccounting: {accounting(q, jobs)}", flush=True)
+        raise
+    print(f"\naccounting: {accounting(q, jobs)}", flush=True)
     wrong = {
         j: (r.status.value, r.output, r.error and r.error.message)
         for j, r in recs.items()
@@ -56,6 +62,27 @@ def assert_all_doubled(q: Stack, jobs: dict[str, int], timeout_s: float) -> None
     assert not wrong, f"{len(wrong)} of {len(jobs)} jobs did not end with their outcome: {wrong}"
     twice = {j: r.attempts for j, r in recs.items() if r.attempts > 1}
     assert not twice, f"jobs claimed more than once: {twice}"
+
+
+def accounting(q: Stack, jobs: dict[str, int]) -> str:
+    """accepted N; succeeded with their own output S; each other state and its count;
+    claimed more than once C (the run store's word)."""
+    recs = q.client.store.get_many(list(jobs), inputs=False)
+    ends: dict[str, int] = {}
+    for j, r in recs.items():
+        key = r.status.value
+        if key == "succeeded" and r.output != 2 * jobs[j]:
+            key = "succeeded with a wrong output"
+        ends[key] = ends.get(key, 0) + 1
+    missing = len(jobs) - len(recs)
+    twice = sum(1 for r in recs.values() if r.attempts > 1)
+    others = ", ".join(f"{k} {n}" for k, n in sorted(ends.items()) if k != "succeeded")
+    return (
+        f"accepted {len(jobs)}, succeeded {ends.get('succeeded', 0)}"
+        + (f", {others}" if others else "")
+        + (f", no row {missing}" if missing else "")
+        + f", claimed more than once {twice}"
+    )
 
 
 # --- "serving" is proven ---------------------------------------------------------------------
