@@ -449,6 +449,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
     pending: set[str] = set()
     ended = 0
     submit_errors = 0
+    self_exits = 0  # workers that stopped without a fault killing them, restarted
     first_error = ""
     samples: list[dict[str, Any]] = []
     client = None
@@ -526,6 +527,17 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
             pending.difference_update(done)
             ended += len(done)
             for w in workers:
+                if w.proc is not None and w.proc.poll() is not None:
+                    # it stopped by itself (e.g. Celery's "Could not start worker processes"
+                    # when a pool process is killed as it starts): a supervisor's
+                    # restart: on-failure, counted and told
+                    exited = w.proc.returncode
+                    kill_pids(w.pids())
+                    w.start()
+                    self_exits += 1
+                    at = time.monotonic() - t_start
+                    events.append(f"{at:6.1f} s  {w.name} exited by itself ({exited}): restarted")
+                    print(f"  {events[-1]}", flush=True)
                 pids.update(w.pids())
             if args.long and ended >= next_sample:
                 next_sample += args.sample_every
@@ -606,6 +618,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         "duration_s": round(took, 1),
         "faults made, per kind": dict(kinds),
         "faults": events,
+        "workers that exited by themselves (restarted)": self_exits,
         "submitted": len(jobs),
         "submits refused (tried again)": submit_errors,
         "first refusal": first_error,
