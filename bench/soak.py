@@ -28,15 +28,15 @@ are made to test it: one in ten a node that allocates 150 MB under 128m (CODE_ME
 retry asks for more memory and passes; its policy retries CODE_TIMEOUT too: on a loaded host
 the cgroup's reclaim before the OOM kill can outlast the timeout), two in ten that raise
 (CODE_ERROR, their policy names it) while the clock is before a time the soak gives in their
-state (the submit's time + FLAKY_S, as long as their retry delay: a first attempt before it
-fails, the next one passes), one in ten that always raises under a policy that does not name
-CODE_ERROR (it must end failed after one attempt), the rest trivial under the default policy
-(CODE_TIMEOUT, CODE_MEMORY). The accounting then counts attempts by cause (the code's:
-CODE_ERROR, memory, timeout; the infrastructure's re-runs: claims beyond the code's
-attempts) and fails the soak when a job made more code attempts than its policy allows,
-retried an outcome its policy does not name, ended otherwise than its kind must, or was
-executed more times than it was claimed (a job's claims = 1 + its policy retries taken + the
-infrastructure's re-runs).
+state (the submit's time + FLAKY_S; their retries wait 60 s, then 120 s: an attempt before
+it fails, the third passes at the latest), one in ten that always raises under a policy that
+does not name CODE_ERROR (it must end failed after one attempt), the rest trivial under the
+default policy (CODE_TIMEOUT, CODE_MEMORY). The accounting then counts attempts by cause
+(the code's: CODE_ERROR, memory, timeout; the infrastructure's re-runs: claims beyond the
+code's attempts) and fails the soak when a job made more code attempts than its policy
+allows, retried an outcome its policy does not name, ended otherwise than its kind must, or
+was executed more times than it was claimed (a job's claims = 1 + its policy retries taken +
+the infrastructure's re-runs).
 
 It prints the accounting: submitted, ended per status, executed more than once (counted
 from Docker's events: a container started with the job's label, or a pre-started one
@@ -90,8 +90,9 @@ RELAY_FAULTS = {"redis", "silent"}  # through the soak's relay: not with Sentine
 # --- --retries: the jobs' kinds, their policies and the ends they must reach --------------
 
 #: a flaky node fails (CODE_ERROR) while the clock is before its state's ``until`` (its
-#: submit + FLAKY_S), and its retry waits FLAKY_S: its next attempt always passes
-FLAKY_S = 40.0
+#: submit + FLAKY_S, long enough for most first attempts of a burst to come before it); its
+#: retries wait 60 s, then 120 s: its third attempt at the latest passes
+FLAKY_S = 150.0
 #: allocates and touches 150 MB: killed under 128m (CODE_MEMORY), passes under 256m
 MEMORY_HOG = (
     "def main(state):\n"
@@ -123,9 +124,9 @@ KINDS: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "flaky": (
         FLAKY,
         {
-            "max_attempts": 3,
+            "max_attempts": 4,
             "on": ["CODE_ERROR", "CODE_TIMEOUT"],
-            "backoff": {"initial_s": FLAKY_S, "jitter": 0},
+            "backoff": {"initial_s": 60, "factor": 2, "jitter": 0},
         },
         None,
     ),
