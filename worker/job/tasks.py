@@ -360,7 +360,10 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
         if lost:
             result = rerun.with_rerun_row(result, rec.attempts, lost)
         if rec.retry is not None:  # the node's own retries (worker.job.retries)
-            after = retries.after_attempt(state.store, state.settings, rec, result, worker)
+            try:
+                after = retries.after_attempt(state.store, state.settings, rec, result, worker)
+            except StoreUnavailable as e:
+                after = _next_attempt_unwritten(rec, result, e)
             if after is None:
                 return Outcome("retry-wait")
             result = after
@@ -520,6 +523,27 @@ def _why_down(state: ProcessState, rec: JobRecord) -> str | None:
         return runtime.unavailable_reason(state.executor.language(rec.language))
     except Exception as e:  # noqa: BLE001
         return str(e)
+
+
+def _next_attempt_unwritten(rec: JobRecord, result: CodeResult, error: Exception) -> CodeResult:
+    """The store went away as an attempt ended with an outcome its policy retries: its next
+    attempt could not be written (worker.job.retries). The message is handed back while the
+    infrastructure's budget lasts (MAX_ATTEMPTS claims of this attempt), so the attempt runs
+    again once a worker can reach the store: an infrastructure re-run, since this attempt's
+    outcome was never recorded. Acknowledging the message instead would leave the run
+    ``running`` with no message until the reaper ended it failed. With the budget spent, the
+    run ends with this attempt's outcome (parked until the store is back, as any result)."""
+    gate.report(gate.RUN_STORE, f"the next attempt of job {rec.job_id} was not written: {error}")
+    if rec.claims < MAX_ATTEMPTS:
+        _hand_back(f"job {rec.job_id}: its next attempt waits for the run store")
+    log.error(
+        "job %s: its next attempt could not be written (%s) and its %d claims are spent: it "
+        "ends with this attempt's outcome",
+        rec.job_id,
+        error,
+        rec.claims,
+    )
+    return result
 
 
 def _finish(
