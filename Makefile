@@ -70,7 +70,7 @@ test-fast: install ## the one-minute tier: the tests that need no Docker, Redis,
 bench: install image ## benchmarks: executor vs raw floors, side by side in one run
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench
 
-soak: install image ## chaos soak: jobs over 2 workers while workers, Redis, the store are killed (SOAK_ARGS="--jobs 1000", --faults ... engine sentinel, --long)
+soak: install image ## chaos soak: jobs over 2 workers while workers, Redis, the store are killed (SOAK_ARGS="--jobs 1000", --faults ... engine sentinel, --retries, --long)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.soak $(SOAK_ARGS)
 
 lint: install ## ruff (lint and format) and mypy

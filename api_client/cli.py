@@ -30,6 +30,7 @@ from executor.errors import CodeInvalid, ErrorCode, StudioCodeError
 from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES
 
 if TYPE_CHECKING:
+    from executor.languages import base as languages
     from executor.models import Language
     from executor.settings import Settings
 
@@ -142,14 +143,21 @@ def _timeout(args: argparse.Namespace, settings: Settings) -> float:
     return timeout_s(args.timeout, max_seconds=settings.code_max_seconds, source="--timeout")
 
 
-def _limits(args: argparse.Namespace, settings: Settings) -> tuple[int | None, float | None]:
+def _limits(
+    args: argparse.Namespace, settings: Settings, *, groups: bool = False
+) -> tuple[int | None, float | None]:
     """--memory and --cpus under the one rule of the node's limits (executor.inputs):
-    each between its floor and the server's cap, or none for the default."""
+    each between its floor and the server's cap (``groups``: the widest of the worker
+    groups', executor.groups, as a submit's), or none for the default."""
+    from executor.groups import groups_of, widest
     from executor.inputs import check_cpus, check_memory, memory_bytes
 
+    max_memory, max_cpus = (
+        widest(groups_of(settings)) if groups else (settings.max_memory_bytes, settings.max_cpus)
+    )
     memory = memory_bytes(args.memory)
-    check_memory(memory, max_bytes=settings.max_memory_bytes, source="--memory")
-    check_cpus(args.cpus, max_cpus=settings.max_cpus, source="--cpus")
+    check_memory(memory, max_bytes=max_memory, source="--memory")
+    check_cpus(args.cpus, max_cpus=max_cpus, source="--cpus")
     return memory, args.cpus
 
 
@@ -177,14 +185,28 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if result.status == "succeeded" else 1
 
 
+def _image_facts(settings: Settings, language: languages.Language) -> languages.ImageFacts:
+    """``language``'s image facts as the runtime STUDIO_CODE_RUNTIME names reads them,
+    asked of its class (no runtime is made); none for an unknown runtime."""
+    from executor.languages.base import NO_FACTS
+    from executor.service import runtime_class
+
+    cls = runtime_class(settings)
+    return NO_FACTS if cls is None else cls.image_facts(settings, language)
+
+
 def cmd_validate(args: argparse.Namespace, settings: Settings) -> int:
-    # The language's own check, without an Executor: no runtime (Docker SDK) is loaded.
+    # The language's own check, without an Executor: no runtime (Docker SDK) is loaded
+    # unless the check asks for the image's facts (code that imports something).
     from executor.languages import offered_language
+    from executor.languages.base import AskedLater
 
     language: str | None = args.language
     try:
         language = _language(args)
-        problems = offered_language(language, settings).check(_read_code(args.file), settings)
+        lang = offered_language(language, settings)
+        facts = AskedLater(lambda: _image_facts(settings, lang))
+        problems = lang.check(_read_code(args.file), settings, facts)
     except StudioCodeError as e:
         _print(_refusal("validate", e.code, e.message, language=language))
         return 1
@@ -341,7 +363,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         language = _language(args)
         code, state = _read_code(args.file), _read_state(args, settings)
         timeout = _timeout(args, settings)
-        _limits(args, settings)
+        _limits(args, settings, groups=True)
         from executor.retry import parse_policy
         from worker.fair import check_key
 
@@ -368,6 +390,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
                 retry=retry,
                 tenant=args.tenant,
                 workflow=args.workflow,
+                group=args.group,
             )
         except StudioCodeError as e:
             from executor.models import Status
@@ -445,7 +468,7 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
 
 
 WORKER_HELP = """\
-usage: studio-code worker [CELERY WORKER OPTION ...]
+usage: studio-code worker [--group NAME] [CELERY WORKER OPTION ...]
 
 Run a Celery worker for Code nodes on this machine, with this process's STUDIO_* settings
 (STUDIO_REDIS_URL, STUDIO_DATABASE_URL, STUDIO_ENABLE_CODE_NODES=1, ...). It consumes the
@@ -454,7 +477,12 @@ code.run (workflow runs, STUDIO_CODE_CONCURRENCY processes) until SIGTERM or Ctr
 prints ONE JSON object: {"command": "worker", "status": "stopped", "exit_code": N}.
 The banner and logs go to stderr.
 
-Every argument is passed to `celery worker` unchanged, for example:
+  --group NAME      the worker group it serves (default: STUDIO_WORKER_GROUP, "default"):
+                    another group consumes code.test.NAME and code.run.NAME, and one of
+                    its slots holds STUDIO_CODE_MAX_MEMORY and STUDIO_CODE_MAX_CPUS
+                    (docs/operations.md, "Worker groups")
+
+Every other argument is passed to `celery worker` unchanged, for example:
   -n NAME           the worker's node name (default celery@HOSTNAME)
   -l, --loglevel L  DEBUG, INFO, WARNING (default), ERROR
   -Q, --queues Q    default: code.test,code.run
@@ -558,17 +586,43 @@ def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _worker_group(extra: list[str], settings: Settings) -> tuple[list[str], Settings]:
+    """``--group NAME`` (or ``--group=NAME``) taken out of the worker's arguments, as its
+    STUDIO_WORKER_GROUP; raises CodeInvalid for a bad or missing name."""
+    from executor.groups import check_name
+
+    rest: list[str] = []
+    group: str | None = None
+    items = iter(extra)
+    for a in items:
+        if a == "--group":
+            group = next(items, "")
+        elif a.startswith("--group="):
+            group = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if group is None:
+        return rest, settings
+    try:
+        check_name(group)
+    except ValueError as e:
+        raise CodeInvalid(f"--group: {e}.") from None
+    return rest, settings.model_copy(update={"worker_group": group})
+
+
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     """Run a Celery worker (``celery -A worker worker`` with this process's Settings). Its
     banner and logs go to stderr; ONE JSON object goes to stdout when it stops."""
     from worker.assembly import worker_app
+    from worker.protocol import group_queues
 
     extra = list(args.celery_args or [])
     if extra and extra[0] == "--":
         extra = extra[1:]
+    extra, settings = _worker_group(extra, settings)
     argv = ["worker"]
     if not any(a in ("-Q", "--queues") or a.startswith(("-Q", "--queues=")) for a in extra):
-        argv += ["-Q", "code.test,code.run"]
+        argv += ["-Q", ",".join(group_queues(settings.worker_group))]
     if not any(a in ("-P", "--pool") or a.startswith(("-P", "--pool=")) for a in extra):
         argv += ["--pool", "prefork"]
     argv += extra
@@ -665,6 +719,12 @@ def _queue_commands(sub: Any) -> None:
         "memory up to STUDIO_CODE_MAX_MEMORY); default STUDIO_CODE_RETRY (off)",
     )
     _limit_args(submit)
+    submit.add_argument(
+        "--group",
+        default=None,
+        help="the worker group to run on (default, or one of STUDIO_WORKER_GROUPS); "
+        "default: chosen by size (the smallest group whose slot holds --memory and --cpus)",
+    )
     submit.add_argument("--wait", action="store_true", help="wait for the result; print it")
     submit.add_argument(
         "--wait-timeout",

@@ -36,6 +36,7 @@ from executor.errors import (
     RuntimeUnavailable,
     StoreUnavailable,
 )
+from executor.groups import DEFAULT_GROUP, asks_text, choose, groups_of, widest
 from executor.languages.base import Problem
 from executor.models import CodeJob, CodeResult, Kind, Status
 from executor.retry import parse_policy
@@ -59,11 +60,12 @@ from worker.protocol import (
     HEADER_FAIR_USER,
     HEADER_FAIR_WORKFLOW,
     QUEUE_RUN,
-    QUEUES,
     TASK_NAME,
     cancel_flag_ttl_s,
     cancel_key,
     done_key,
+    group_of_queue,
+    group_queues,
     job_headers,
     max_wait_s,
     never_taken_message,
@@ -102,6 +104,11 @@ def rate_limited(user: str, limit: int, wait_us: int) -> RateLimited:
         f"STUDIO_CODE_TEST_PER_MINUTE={limit}): try again in {retry} s.",
         retry_after_s=retry,
     )
+
+
+def _slot_text(info: WorkerInfo) -> str:
+    """What one slot of a live worker holds, as a refusal names it."""
+    return asks_text(info.memory_bytes, info.cpus) + " per slot"
 
 
 class RunPage(BaseModel):
@@ -157,12 +164,19 @@ class CodeClient:
         )
         log.info("run store: %s", self.store.describe())
         self.executor = Executor(settings, audit=self.store)
+        #: the worker groups jobs go to (executor.groups), the default group first; a
+        #: node's ask is checked against the widest, then against its group's
+        self.groups = groups_of(settings)
+        if len(self.groups) > 1:
+            self.executor.caps = widest(self.groups)
+        #: every group's queues, the default group's (QUEUES) first
+        self.queues = tuple(q for g in self.groups for q in group_queues(g.name))
         self.redis = redis_conn.client(settings)
         self.workers = WorkerRegistry(self.redis)
         #: workflow runs wait per user and take turns (worker.fair) unless fairness is off
         self.fair_users = settings.queue_run_fairness == "users"
         self.fair = FairQueue.of(self.redis, settings)
-        self._served_until: dict[str, float] = {}
+        self._served_until: dict[tuple[str, int, float], float] = {}
         self._aworkers: AsyncWorkerRegistry | None = None  # on async_redis (the API's loop)
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
         self._blocking = redis_conn.client(settings, block_s=WAIT_SLICE_S)
@@ -194,15 +208,18 @@ class CodeClient:
         memory: str | int | None = None,
         cpus: float | None = None,
         timeout_s: float | None = None,
+        group: str | None = None,
     ) -> list[Problem]:
         """The editor's save-time check: [] when the code may be saved. Raises CodeInvalid
         for a language that is not offered, or for limits the node asks for outside their
         range (below the floors of executor/floors.py, or over the server's caps
-        STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS), giving the range."""
+        STUDIO_CODE_MAX_MEMORY, _MAX_CPUS, _MAX_SECONDS; with worker groups, no group
+        holding them, or ``group`` unknown or too small: executor.groups), giving the range."""
         problems = self.executor.check_code(code, language)
-        self.executor.check_limits(
-            memory_bytes=inputs.memory_bytes(memory), cpus=cpus, timeout_s=timeout_s
-        )
+        memory_bytes = inputs.memory_bytes(memory)
+        self.executor.check_limits(memory_bytes=memory_bytes, cpus=cpus, timeout_s=timeout_s)
+        # a worker group holds it (the caller's ``group``, else one by size)
+        choose(self.groups, *self.ask_of(memory_bytes, cpus), group or None)
         return problems
 
     def validate_node(self, language: str) -> None:
@@ -226,7 +243,9 @@ class CodeClient:
             meta["engine"]["workers"] = {i.nodename: i.engine for q in live.values() for i in q}
             # what the workers' pre-started sandboxes pre-import and hold, from their heartbeats
             meta["preimport"] = preimport.summary(live, self.settings.languages)
+            meta["groups"] = self.groups_view(live)
         except redis.RedisError as e:
+            meta["groups"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
             meta["workers"] = {"error": f"Redis at STUDIO_REDIS_URL cannot be read: {e}"}
             meta["preimport"] = {"languages": {}, "workers": {}, "error": meta["workers"]["error"]}
         meta["fairness"] = self.fairness(names=names)
@@ -256,7 +275,7 @@ class CodeClient:
         cannot be read (logged)."""
         if rec.status is not Status.QUEUED:
             return None
-        queue = queue_of(rec.kind)
+        queue = queue_of(rec.kind, rec.worker_group)
         try:
             infos = self.workers.live([queue])[queue]
             fair = self.fair.where(rec.job_id) if queue == QUEUE_RUN else None
@@ -295,26 +314,83 @@ class CodeClient:
         return {"url": self.store.describe(), "id": store_id}
 
     def live_workers(self) -> dict[str, list[WorkerInfo]]:
-        """The workers announced on each queue now (one Redis round trip; paused ones
-        included). Raises redis.RedisError."""
-        return self.workers.live(QUEUES)
+        """The workers announced on each queue of every worker group now (one Redis round
+        trip; paused ones included). Raises redis.RedisError."""
+        return self.workers.live(self.queues)
 
-    def _check_served(self, queue: str) -> None:
-        """Refuse at once a job no live worker would take (STUDIO_QUEUE_REQUIRE_WORKER). A
-        yes is believed for SERVED_CACHE_S; a no is asked again each time."""
-        if not self._served_asked(queue):
+    def groups_view(self, live: dict[str, list[WorkerInfo]]) -> dict[str, Any]:
+        """What meta shows of the worker groups (executor.groups): each group's slot (what
+        this API routes by), its queues, and its live workers with what their slots hold."""
+        out: dict[str, Any] = {}
+        for g in self.groups:
+            queues = group_queues(g.name)
+            workers: dict[str, dict[str, Any]] = {}
+            for q in queues:
+                for i in live.get(q, []):
+                    w = workers.setdefault(
+                        i.nodename,
+                        {
+                            "memory_bytes": i.memory_bytes or None,
+                            "cpus": i.cpus or None,
+                            "slots": {},
+                            "state": i.state,
+                        },
+                    )
+                    w["slots"][q] = i.slots
+                    if not i.serving:
+                        w["state"] = i.state
+            out[g.name] = {
+                "memory_bytes": g.memory_bytes,
+                "cpus": g.cpus,
+                "queues": list(queues),
+                "workers": workers,
+            }
+        return out
+
+    def ask_of(self, memory_bytes: int | None, cpus: float | None) -> tuple[int, float]:
+        """What a job asks of a slot: its memory and CPU share (none: the defaults,
+        STUDIO_CODE_MEMORY / STUDIO_CODE_CPUS)."""
+        s = self.settings
+        return (memory_bytes or s.memory_bytes, cpus or s.code_cpus)
+
+    @staticmethod
+    def _asked(memory_bytes: int | None, cpus: float | None) -> tuple[int, float]:
+        """What a job asks of a live worker's slot: only what it names (0: nothing, so
+        the worker's own STUDIO_CODE_MEMORY / _CPUS, which any slot holds)."""
+        return (memory_bytes or 0, cpus or 0.0)
+
+    def test_queue_hint(
+        self, memory: str | int | None, cpus: float | None, group: str | None
+    ) -> tuple[str, tuple[int, float] | None]:
+        """The test queue and ask an editor test call's body points at (its group, given or
+        by size), for the live-worker check the HTTP route sends before the job is checked.
+        Never raises: a body the check refuses points at the default group's queue (the
+        job's own error is said first)."""
+        try:
+            memory_bytes = inputs.memory_bytes(memory)
+            chosen = choose(self.groups, *self.ask_of(memory_bytes, cpus), group or None)
+            return queue_of("test", chosen.name), self._asked(memory_bytes, cpus)
+        except Exception:  # noqa: BLE001 - prepare() says what is wrong with the body
+            return queue_of("test"), None
+
+    def _check_served(self, queue: str, ask: tuple[int, float] | None = None) -> None:
+        """Refuse at once a job no live worker would take (STUDIO_QUEUE_REQUIRE_WORKER):
+        none serves ``queue`` (its worker group's), or none whose slot holds ``ask`` (the
+        memory and CPU share it names: ``_asked``). A yes is believed for SERVED_CACHE_S;
+        a no is asked again each time."""
+        if not self._served_asked(queue, ask):
             return
         try:
             live: Any = self.workers.live([queue])
         except redis.RedisError as e:
             live = e
-        self._judge_served(queue, live)
+        self._judge_served(queue, live, ask)
 
-    async def check_served_async(self, queue: str) -> None:
+    async def check_served_async(self, queue: str, ask: tuple[int, float] | None = None) -> None:
         """``_check_served`` on the event loop (redis.asyncio), so the HTTP test call asks
         it beside its admission instead of after it, in the submit's thread: a yes it finds
         is what that submit then believes (SERVED_CACHE_S)."""
-        if not self._served_asked(queue):
+        if not self._served_asked(queue, ask):
             return
         aredis = self.async_redis
         registry = self._aworkers
@@ -328,30 +404,53 @@ class CodeClient:
             # the judge compares store ids: this API's is read (once, then kept) off the
             # loop, as the sync check reads it in the submit's thread
             await asyncio.to_thread(lambda: self.store.store_id)
-        self._judge_served(queue, live)
+        self._judge_served(queue, live, ask)
 
-    def _served_asked(self, queue: str) -> bool:
-        """Whether a job of ``queue`` needs the registry read now (not believed)."""
+    def _served_asked(self, queue: str, ask: tuple[int, float] | None = None) -> bool:
+        """Whether a job of ``queue`` asking ``ask`` needs the registry read now (not
+        believed)."""
         if not self.settings.queue_require_worker:
             return False
-        return self._served_until.get(queue, 0.0) <= time.monotonic()
+        return self._served_until.get((queue, *(ask or (0, 0.0))), 0.0) <= time.monotonic()
 
     def _judge_served(
-        self, queue: str, live: dict[str, list[WorkerInfo]] | redis.RedisError
+        self,
+        queue: str,
+        live: dict[str, list[WorkerInfo]] | redis.RedisError,
+        ask: tuple[int, float] | None = None,
     ) -> None:
         """The answer of both checks, from what their registry read gave (the live
         workers, or the error Redis raised): returns (a yes, believed SERVED_CACHE_S) or
-        raises RuntimeUnavailable saying why no job of ``queue`` would be taken."""
+        raises RuntimeUnavailable saying why no job of ``queue`` asking ``ask`` would be
+        taken (naming its worker group and what it asks, for a group's queue or a job no
+        live worker's slot holds)."""
         if isinstance(live, redis.RedisError):
             raise _registry_unreadable(live) from live
         infos = live[queue]
         mine = self.store.store_id
-        serving = [i for i in infos if i.serving]
+        live_serving = [i for i in infos if i.serving]
+        serving = [i for i in live_serving if ask is None or i.holds(*ask)]
         elsewhere = [i for i in serving if i.store_id and mine and i.store_id != mine]
         if len(serving) > len(elsewhere):
-            self._served_until[queue] = time.monotonic() + SERVED_CACHE_S
+            self._served_until[(queue, *(ask or (0, 0.0)))] = time.monotonic() + SERVED_CACHE_S
             return
-        message = f"No worker is serving {queue}: start one with `studio-code worker`"
+        group = group_of_queue(queue)
+        asks = f" (the job asks {asks_text(*self.ask_of(*ask))})" if ask is not None else ""
+        if group == DEFAULT_GROUP and len(live_serving) == len(serving):
+            message = f"No worker is serving {queue}: start one with `studio-code worker`"
+        elif len(live_serving) > len(serving):
+            small = [i for i in live_serving if i not in serving]
+            message = (
+                f"No live worker of group {group!r} holds this job{asks}: its worker(s) "
+                + ", ".join(f"{i.nodename} ({_slot_text(i)})" for i in small)
+                + " hold less per slot. Start one whose STUDIO_CODE_MAX_MEMORY and "
+                f"STUDIO_CODE_MAX_CPUS hold it, with `studio-code worker --group {group}`"
+            )
+        else:
+            message = (
+                f"No live worker of group {group!r} is serving {queue}{asks}: start one "
+                f"with `studio-code worker --group {group}` (STUDIO_WORKER_GROUP={group})"
+            )
         paused = [i for i in infos if not i.serving]
         if elsewhere:
             w = elsewhere[0]
@@ -376,6 +475,7 @@ class CodeClient:
         memory: str | int | None = None,
         cpus: float | None = None,
         retry: Any = None,
+        group: str | None = None,
         *,
         tenant: str | None = None,
         workflow: str | None = None,
@@ -403,6 +503,11 @@ class CodeClient:
             workflow=check_key("workflow", workflow),
         )
         self.executor.check_job(job, language=offered, state_checked=True)
+        # its worker group: the caller's, else by size (executor.groups: CodeInvalid
+        # naming the groups when the asked one is unknown or too small, or none holds it)
+        chosen = choose(self.groups, *self.ask_of(job.memory_bytes, job.cpus), group or None)
+        if chosen.name != DEFAULT_GROUP:
+            job = job.model_copy(update={"worker_group": chosen.name})
         return job
 
     # --- the queue ---------------------------------------------------------------------
@@ -423,6 +528,7 @@ class CodeClient:
         tracestate: str | None = None,
         idempotency_key: str | None = None,
         retry: Any = None,
+        group: str | None = None,
         tenant: str | None = None,
         workflow: str | None = None,
     ) -> str:
@@ -447,10 +553,14 @@ class CodeClient:
         with another request raises IdempotencyConflict naming the first job. ``retry``:
         the node's retry policy (executor.retry: a dict, its JSON text or a RetryPolicy;
         None: the server's STUDIO_CODE_RETRY, off by default); an outcome that is never
-        retried, or a bound passed, raises CodeInvalid naming what is allowed. ``tenant``
-        and ``workflow``: the run's concurrency keys (worker.fair: the share key and the
-        caps STUDIO_QUEUE_RUN_SHARE_KEY, _TENANT_SLOTS, _WORKFLOW_SLOTS); a key that is not
-        one (worker.fair.check_key) raises CodeInvalid."""
+        retried, or a bound passed, raises CodeInvalid naming what is allowed. ``group``: the
+        worker group to run on (executor.groups; None: chosen by size, the default group
+        when it holds ``memory`` and ``cpus``); a group unknown or too small for them raises
+        CodeInvalid, one with no live worker that holds the job RuntimeUnavailable naming
+        the group and what the job asks. ``tenant`` and ``workflow``: the run's concurrency
+        keys (worker.fair: the share key and the caps STUDIO_QUEUE_RUN_SHARE_KEY,
+        _TENANT_SLOTS, _WORKFLOW_SLOTS); a key that is not one (worker.fair.check_key)
+        raises CodeInvalid."""
         with tracing.submitting(traceparent, tracestate):
             job = self._job(
                 code,
@@ -462,6 +572,7 @@ class CodeClient:
                 memory,
                 cpus,
                 retry,
+                group,
                 tenant=tenant,
                 workflow=workflow,
             )
@@ -479,6 +590,7 @@ class CodeClient:
         memory: str | int | None = None,
         cpus: float | None = None,
         retry: Any = None,
+        group: str | None = None,
         tenant: str | None = None,
         workflow: str | None = None,
     ) -> CodeJob:
@@ -496,6 +608,7 @@ class CodeClient:
             memory,
             cpus,
             retry,
+            group,
             tenant=tenant,
             workflow=workflow,
         )
@@ -534,8 +647,9 @@ class CodeClient:
             found = self.store.find_key(user, keyed.key_hash)
             if found is not None:
                 return keyed.first_job(found)
-        queue = queue_of(kind)
-        self._check_served(queue)  # before the row: a refused job leaves nothing queued
+        queue = queue_of(kind, job.worker_group)  # its worker group's (executor.groups)
+        # before the row: a refused job leaves nothing queued
+        self._check_served(queue, self._asked(job.memory_bytes, job.cpus))
         if kind == "test" and not rate_checked:
             self._check_rate(user)
         if keyed is None:
@@ -594,7 +708,7 @@ class CodeClient:
         return rec
 
     def _settle(self, rec: JobRecord) -> JobRecord:
-        queue = queue_of(rec.kind)
+        queue = queue_of(rec.kind, rec.worker_group)
         bound = max_wait_s(self.settings, queue)
         message = None
         if bound > 0 and time.time() - rec.queued_at.timestamp() > bound:

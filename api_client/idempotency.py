@@ -78,6 +78,8 @@ def request_hash(job: CodeJob) -> str:
     }
     if job.retry is not None:  # only then: the digests of earlier keys stay what they were
         request["retry"] = job.retry.model_dump(mode="json")
+    if job.worker_group is not None:  # likewise: a job of another worker group than default
+        request["worker_group"] = job.worker_group
     text = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 

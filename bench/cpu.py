@@ -161,11 +161,11 @@ def calls(base: str, auth: dict[str, str], n: int, path: str) -> None:
 
 def sdk_floor(image: str, n: int) -> float:
     """CPU ms of the Docker SDK's calls in one pre-started sandbox's life (create, attach,
-    start, rename, remove) through this process's client (executor.docker_api, as the
+    start, rename, remove) through this process's client (runtimes/docker/client.py, as the
     pool's), SETTLE_S apart as the jobs; the container waits on its stdin as a runner."""
     import uuid
 
-    from executor.docker_api import shared_api
+    from executor.runtimes.docker.client import shared_api
 
     api = shared_api()
     host_config = api.create_host_config(network_mode="none")

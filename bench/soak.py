@@ -23,14 +23,33 @@ fault killed starts afresh, so a leak shows within one life), and the containers
 whole run. ``--jobs`` is the total over the rounds (two rounds when Sentinel and the relay
 faults are both asked: each runs half).
 
+``--retries``: every job is submitted with a retry policy (executor.retry) and four in ten
+are made to test it: one in ten a node that allocates 150 MB under 128m (CODE_MEMORY; its
+retry asks for more memory and passes; its policy retries CODE_TIMEOUT too: on a loaded host
+the cgroup's reclaim before the OOM kill can outlast the timeout), two in ten that raise
+(CODE_ERROR, their policy names it) while the clock is before a time the soak gives in their
+state (the submit's time + FLAKY_S; their retries wait 60 s, then 120 s: an attempt before
+it fails, the third passes at the latest), one in ten that always raises under a policy that
+does not name CODE_ERROR (it must end failed after one attempt), the rest trivial under the
+default policy (CODE_TIMEOUT, CODE_MEMORY). The accounting then counts attempts by cause
+(the code's: CODE_ERROR, memory, timeout; the infrastructure's re-runs: claims beyond the
+code's attempts) and fails the soak when a job made more code attempts than its policy
+allows, retried an outcome its policy does not name, ended otherwise than its kind must, or
+was executed more times than it was claimed (a job's claims = 1 + its policy retries taken +
+the infrastructure's re-runs).
+
 It prints the accounting: submitted, ended per status, executed more than once (counted
-from Docker's container start events; allowed only for a job whose worker died while it
-ran, and listed), lost (must be 0), stuck (must be 0), containers left (must be 0). Exit 1
+from Docker's events: a container started with the job's label, or a pre-started one
+renamed to the job's name when the job took it; more executions than claims fail the
+soak, more than one is allowed only for a job its worker's death or its policy ran again,
+and listed), lost (must be 0), stuck (must be 0), containers left (must be 0). Exit 1
 when an invariant fails.
 
     .venv/bin/python -m bench.soak --jobs 1000 --chaos-s 120
 
-Everything runs on loopback; only the processes started here are killed, by pid.
+Everything runs on loopback; only the processes started here are killed, by pid. A SIGTERM
+ends the soak through each round's ``finally`` (workers, relay, Redis, PostgreSQL, engine
+stopped); after a SIGKILL its reaper stops them (testkit/reaper.py): none is left running.
 """
 
 from __future__ import annotations
@@ -53,9 +72,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from executor.sandbox_names import NAME_PREFIX, POOL_NAME_PREFIX  # noqa: E402
 from testkit.engine import SecondEngine  # noqa: E402
 from testkit.postgres import PgCluster  # noqa: E402
 from testkit.processes import kill_pids, process_tree, tree_usage  # noqa: E402
+from testkit.reaper import disown, own, stop_on_sigterm  # noqa: E402
 from testkit.redis import RedisServer  # noqa: E402
 from testkit.relay import Relay  # noqa: E402
 from testkit.sentinel import SentinelSet  # noqa: E402
@@ -68,6 +89,73 @@ LABEL_POOL = "studio.pool"
 FAULTS = ("worker", "pool", "redis", "store", "silent", "engine", "sentinel")
 DEFAULT_FAULTS = ("worker", "pool", "redis", "store", "silent")
 RELAY_FAULTS = {"redis", "silent"}  # through the soak's relay: not with Sentinel
+
+# --- --retries: the jobs' kinds, their policies and the ends they must reach --------------
+
+#: a flaky node fails (CODE_ERROR) while the clock is before its state's ``until`` (its
+#: submit + FLAKY_S, long enough for most first attempts of a burst to come before it); its
+#: retries wait 60 s, then 120 s: its third attempt at the latest passes
+FLAKY_S = 150.0
+#: allocates and touches 150 MB: killed under 128m (CODE_MEMORY), passes under 256m
+MEMORY_HOG = (
+    "def main(state):\n"
+    "    b = bytearray(150_000_000)\n"
+    "    b[::4096] = b'x' * len(b[::4096])\n"
+    "    return state['n'] * 2\n"
+)
+FLAKY = (
+    "import time\n\n"
+    "def main(state):\n"
+    "    if time.time() < state['until']:\n"
+    "        raise RuntimeError('flaky: this attempt came before ' + str(state['until']))\n"
+    "    return state['n'] * 2\n"
+)
+RAISES = "def main(state):\n    raise ValueError('always: a bug the policy does not retry')\n"
+#: kind -> (code, its retry policy, the memory it asks for)
+KINDS: dict[str, tuple[str, dict[str, Any], str | None]] = {
+    # a cgroup at its limit without swap reclaims the interpreter's own pages before its OOM
+    # kill: on a loaded host that can outlast the timeout (CODE_TIMEOUT, the same 128m next)
+    "memory": (
+        MEMORY_HOG,
+        {
+            "max_attempts": 3,
+            "on": ["CODE_MEMORY", "CODE_TIMEOUT"],
+            "backoff": {"initial_s": 0.5, "jitter": 0},
+        },
+        "128m",
+    ),
+    "flaky": (
+        FLAKY,
+        {
+            "max_attempts": 4,
+            "on": ["CODE_ERROR", "CODE_TIMEOUT"],
+            "backoff": {"initial_s": 60, "factor": 2, "jitter": 0},
+        },
+        None,
+    ),
+    "raises": (RAISES, {"max_attempts": 3, "backoff": {"initial_s": 0.5, "jitter": 0}}, None),
+    "trivial": (TRIVIAL, {"max_attempts": 2, "backoff": {"initial_s": 0.5}}, None),
+}
+#: what a retried attempt's outcome is counted as
+CAUSE = {"CODE_ERROR": "code", "CODE_MEMORY": "memory", "CODE_TIMEOUT": "timeout"}
+
+
+def kind_of(n: int, retries: bool) -> str:
+    if not retries:
+        return "plain"
+    return {0: "memory", 1: "flaky", 2: "flaky", 3: "raises"}.get(n % 10, "trivial")
+
+
+def submission(n: int, retries: bool) -> tuple[str, Any, dict[str, Any]]:
+    """Job ``n``'s code, state and submit options."""
+    kind = kind_of(n, retries)
+    if kind == "plain":
+        return TRIVIAL, {"n": n}, {}
+    code, policy, memory = KINDS[kind]
+    state: dict[str, Any] = {"n": n}
+    if kind == "flaky":
+        state["until"] = time.time() + FLAKY_S
+    return code, state, {"retry": policy, "memory": memory}
 
 
 class Worker:
@@ -102,6 +190,7 @@ class Worker:
             stderr=log,
             start_new_session=True,
         )
+        own(self.proc.pid)  # stopped by the soak's reaper if the soak ends first
 
     def pids(self) -> list[int]:
         return process_tree(self.proc.pid) if self.proc else []
@@ -113,6 +202,7 @@ class Worker:
         tree = self.pids()
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
+        disown(self.proc.pid)
         time.sleep(1)
         kill_pids(tree)
         self.start()
@@ -135,11 +225,14 @@ class Worker:
         except subprocess.TimeoutExpired:
             pass
         kill_pids(tree)
+        disown(self.proc.pid)
 
 
 class StartCounter(threading.Thread):
-    """Counts Docker's container start events of the soak's jobs, from a stream that is
-    opened again when the engine goes away (an engine restart ends the stream, and a
+    """Counts the executions of the soak's jobs from Docker's events: a container started
+    with a job's label (a cold start), or a pre-started one renamed to a job's name (the
+    pool's, executor.runtimes.docker.pool: renamed when a job takes it). From a stream that
+    is opened again when the engine goes away (an engine restart ends the stream, and a
     restarted dockerd has forgotten its earlier events)."""
 
     def __init__(self, dk: Any, since: int) -> None:
@@ -155,7 +248,7 @@ class StartCounter(threading.Thread):
                 stream = self.dk.api.events(
                     since=self.since,
                     decode=True,
-                    filters={"type": "container", "event": "start", "label": LABEL_JOB},
+                    filters={"type": "container", "event": ["start", "rename"]},
                 )
                 for ev in stream:
                     key = (ev.get("id", ""), int(ev.get("timeNano", 0)))
@@ -163,7 +256,7 @@ class StartCounter(threading.Thread):
                     if key in self.seen:
                         continue
                     self.seen.add(key)
-                    job = (ev.get("Actor", {}).get("Attributes") or {}).get(LABEL_JOB)
+                    job = job_of_event(ev)
                     if job:
                         self.starts[job] += 1
                     if self.done.is_set():
@@ -171,6 +264,19 @@ class StartCounter(threading.Thread):
             except Exception:  # noqa: BLE001 - the engine restarts: open the stream again
                 pass
             self.done.wait(1)
+
+
+def job_of_event(ev: dict[str, Any]) -> str | None:
+    """The job a start event (its label) or a rename event (its new name) executes."""
+    attrs = ev.get("Actor", {}).get("Attributes") or {}
+    action = ev.get("Action") or ev.get("status")
+    if action == "start":
+        return attrs.get(LABEL_JOB)
+    if action == "rename":
+        name = str(attrs.get("name", "")).lstrip("/")
+        if name.startswith(NAME_PREFIX) and not name.startswith(POOL_NAME_PREFIX):
+            return name[len(NAME_PREFIX) :]
+    return None
 
 
 def soak_containers(dk: Any, jobs: dict[str, int], pids: set[int], own_engine: bool) -> list[Any]:
@@ -358,6 +464,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
     pending: set[str] = set()
     ended = 0
     submit_errors = 0
+    self_exits = 0  # workers that stopped without a fault killing them, restarted
     first_error = ""
     samples: list[dict[str, Any]] = []
     client = None
@@ -369,6 +476,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         client = CodeClient(settings)
         print(
             f"soak: seed {seed}, faults {' '.join(faults) or 'none'}, {args.jobs} jobs"
+            + (" with retry policies (--retries)" if args.retries else "")
             + (f" in waves of {args.wave}" if args.long else "")
             + (
                 f"; chaos for {args.chaos_s:g} s"
@@ -403,7 +511,8 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
                 upto = min(args.jobs, n + (args.wave if args.long else args.jobs))
                 while n < upto:
                     try:
-                        job = client.submit(TRIVIAL, "python", {"n": n}, user=f"soak{n % 3}")
+                        node, state, options = submission(n, args.retries)
+                        job = client.submit(node, "python", state, user=f"soak{n % 3}", **options)
                     except Exception as e:  # noqa: BLE001 - Redis or the store mid-fault: later
                         submit_errors += 1
                         first_error = first_error or f"{type(e).__name__}: {e}"[:300]
@@ -433,6 +542,17 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
             pending.difference_update(done)
             ended += len(done)
             for w in workers:
+                if w.proc is not None and w.proc.poll() is not None:
+                    # it stopped by itself (e.g. Celery's "Could not start worker processes"
+                    # when a pool process is killed as it starts): a supervisor's
+                    # restart: on-failure, counted and told
+                    exited = w.proc.returncode
+                    kill_pids(w.pids())
+                    w.start()
+                    self_exits += 1
+                    at = time.monotonic() - t_start
+                    events.append(f"{at:6.1f} s  {w.name} exited by itself ({exited}): restarted")
+                    print(f"  {events[-1]}", flush=True)
                 pids.update(w.pids())
             if args.long and ended >= next_sample:
                 next_sample += args.sample_every
@@ -458,6 +578,7 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         failed_by_infra = blamed_on_code = 0
         attempts: dict[str, int] = {}
         twice = {j: k for j, k in counter.starts.items() if k > 1 and j in jobs}
+        retried = RetryBook()
         ids = list(jobs)
         for i in range(0, len(ids), 500):
             chunk = ids[i : i + 500]
@@ -465,15 +586,21 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
             lost += sum(1 for j in chunk if j not in recs)
             for j, r in recs.items():
                 statuses[r.status.value] += 1
+                kind = kind_of(jobs[j], args.retries)
+                if args.retries:
+                    retried.add(j, kind, r, counter.starts.get(j, 0))
                 if r.status == "queued":
                     lost += 1
                 elif r.status in ("running", "cancelling"):
                     stuck += 1
+                elif kind == "raises":
+                    pass  # its own end is judged by RetryBook (failed CODE_ERROR, once)
                 elif r.status == "succeeded" and r.output != 2 * jobs[j]:
                     wrong += 1
                 elif r.finished and r.status != "succeeded":
-                    # every soak job is a trivial node that succeeds: any other end is the
-                    # infrastructure's doing (the faults); a CODE_* one blames the code for it
+                    # every soak job but a "raises" one (--retries) ends succeeded: any other
+                    # end is the infrastructure's doing (the faults); a CODE_* one blames the
+                    # code for it
                     failed_by_infra += 1
                     code = r.error.code.value if r.error is not None else None
                     blamed_on_code += bool(code and code.startswith("CODE_"))
@@ -497,23 +624,23 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         if engine is not None:
             engine.stop()
             remove_engine(engine)
-    twice_list = {j: {"starts": k, "attempts": attempts.get(j)} for j, k in twice.items()}
-    unexplained_twice = {
-        j: v for j, v in twice_list.items() if v["attempts"] is not None and v["attempts"] < 2
-    }
+    twice_list = {j: {"executions": k, "claims": attempts.get(j)} for j, k in twice.items()}
+    # a job's claims are 1 + its policy's retries taken + the infrastructure's re-runs
+    unexplained_twice = {j: twice_list[j] for j, k in twice.items() if k > (attempts.get(j) or 0)}
     report = {
         "seed": seed,
         "faults asked": faults,
         "duration_s": round(took, 1),
         "faults made, per kind": dict(kinds),
         "faults": events,
+        "workers that exited by themselves (restarted)": self_exits,
         "submitted": len(jobs),
         "submits refused (tried again)": submit_errors,
         "first refusal": first_error,
         "ended": dict(statuses),
         "wrong outputs": wrong,
-        "executed more than once": twice_list,
-        "executed more than once without a worker dying mid-run": unexplained_twice,
+        "executed more than once": len(twice_list) if args.retries else twice_list,
+        "executed more times than claimed (beyond the policy and the re-runs)": unexplained_twice,
         "not succeeded": not_succeeded,
         "failed by infrastructure": failed_by_infra,
         "blamed on code": blamed_on_code,
@@ -521,6 +648,8 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         "stuck": stuck,
         "containers left": len(left),
     }
+    if args.retries:
+        report["retries"] = retried.report()
     print(json.dumps(report, indent=2))
     flat = True
     if args.long:
@@ -544,9 +673,91 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
         and not unexplained_twice
         and not failed_by_infra
         and flat
+        and (not args.retries or retried.ok())
     )
     print("soak:", "PASS" if ok else "FAIL", f"(logs in {tmp})", flush=True)
     return ok
+
+
+class RetryBook:
+    """The accounting of ``--retries``: attempts by cause, and the policy kept."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, Counter[str]] = {}
+        self.causes: Counter[str] = Counter()
+        self.claims = self.executions = 0
+        self.memory_raised = 0
+        #: invariant -> {job: what was seen} (at most 10 listed each, all counted)
+        self.broken: dict[str, dict[str, Any]] = {}
+        self.broken_count: Counter[str] = Counter()
+
+    def _broke(self, what: str, job: str, seen: Any) -> None:
+        self.broken_count[what] += 1
+        listed = self.broken.setdefault(what, {})
+        if len(listed) < 10:
+            listed[job] = seen
+
+    def add(self, job: str, kind: str, r: Any, executions: int) -> None:
+        _, policy, _ = KINDS[kind]
+        on = policy.get("on", ["CODE_TIMEOUT", "CODE_MEMORY"])
+        history = list(r.history)
+        ends = self.kinds.setdefault(kind, Counter())
+        ends["jobs"] += 1
+        ends[r.status.value] += 1
+        if not r.finished:
+            return  # lost or stuck: counted by the soak's own accounting
+        code_attempts = len(history)
+        infra = max(0, r.attempts - max(1, code_attempts))
+        self.claims += r.attempts
+        self.executions += executions
+        self.causes["first attempts"] += 1 if code_attempts else 0
+        self.causes["infrastructure (re-runs: claims beyond the code's attempts)"] += infra
+        for a in history[:-1]:
+            self.causes[f"{CAUSE.get(a.code or '', a.code)} ({a.code} retried)"] += 1
+            if a.code not in on or a.retry_at is None:
+                self._broke("retried an outcome its policy does not name", job, a.code)
+        if code_attempts > policy["max_attempts"]:
+            self._broke("more code attempts than its policy allows", job, code_attempts)
+        last = history[-1].code if history else None
+        seen = (r.status.value, r.error.code.value if r.error else None, code_attempts)
+        if kind == "raises":
+            good = r.status == "failed" and last == "CODE_ERROR" and code_attempts == 1
+        elif kind == "memory":
+            # succeeded, after a CODE_MEMORY attempt whose next one had more memory
+            oom = [i for i, a in enumerate(history[:-1]) if a.code == "CODE_MEMORY"]
+            good = r.status == "succeeded" and bool(oom)
+            raised = bool(oom) and (history[oom[0] + 1].memory_bytes or 0) > (
+                history[oom[0]].memory_bytes or 0
+            )
+            if good and raised:
+                self.memory_raised += 1
+            elif good:
+                self._broke(
+                    "a memory retry without more memory", job, [a.memory_bytes for a in history]
+                )
+        else:
+            good = r.status == "succeeded"
+        if good:
+            ends["as its kind must end"] += 1
+        else:
+            self._broke(f"a {kind} job did not end as it must", job, seen)
+        if code_attempts and r.attempts < code_attempts:
+            self._broke("fewer claims than code attempts", job, (r.attempts, code_attempts))
+
+    def ok(self) -> bool:
+        return not self.broken_count
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "policies": {k: policy for k, (_, policy, _) in KINDS.items()},
+            "per kind": {k: dict(v) for k, v in sorted(self.kinds.items())},
+            "attempts by cause": dict(self.causes),
+            "memory retries that asked for more memory": self.memory_raised,
+            "claims (1 + policy retries taken + infrastructure re-runs, summed)": self.claims,
+            "executions seen (container starts + pool renames)": self.executions,
+            "invariants broken": {k: self.broken_count[k] for k in self.broken_count},
+            "first offenders": self.broken,
+        }
 
 
 def down(stop: Any, start: Any, seconds: float) -> float:
@@ -625,9 +836,18 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds between faults: 3 10; 20 60 with --long",
     )
     ap.add_argument("--deadline-s", type=float, default=None, help="bound on each round")
+    ap.add_argument(
+        "--retries",
+        action="store_true",
+        help="submit with retry policies (some nodes fail once for memory or CODE_ERROR) "
+        "and count attempts by cause",
+    )
     ap.add_argument("--image", default="studio-code:1")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
+    # SIGTERM raises SystemExit: each round's finally stops its workers and services (what
+    # a SIGKILL leaves, the soak's reaper stops: testkit/reaper.py)
+    stop_on_sigterm()
     if args.jobs is None:
         args.jobs = 20_000 if args.long else 1000
     if args.chaos_s is None and not args.long:

@@ -82,7 +82,8 @@ write_env() { # $@: NAME=image lines from build-images.sh
     # this shell, else kept from the last env file; none: the executor's defaults
     local v val
     for v in STUDIO_CODE_IMAGE STUDIO_CODE_TS_IMAGE STUDIO_CODE_PACKAGES STUDIO_CODE_TS_PACKAGES \
-        STUDIO_CODE_PREIMPORT STUDIO_CODE_USAGE_CGROUP_PARENT; do
+        STUDIO_CODE_PREIMPORT STUDIO_CODE_USAGE_CGROUP_PARENT STUDIO_WORKER_GROUPS \
+        BIG_WORKER_MEMORY BIG_WORKER_CPUS; do
       val=${!v:-$(old "$v")}
       [[ -z $val ]] || echo "$v=$val"
     done

@@ -5,18 +5,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from executor.packages import image_packages, packages_warning, shown_packages
-from executor.runtimes.docker import preimport_memory
-from executor.runtimes.docker.policy import TMPFS_SIZE
-from executor.runtimes.docker.posture import sandbox_proof
-from executor.runtimes.docker.seccomp import profile_sha256
+from executor.package_lists import packages_warning, shown_packages
+from executor.runtimes.base import MetaSection
+from executor.runtimes.constants import TMPFS_SIZE
 from executor.service import Executor
-from executor.settings import KNOWN_LANGUAGES, NOBODY, sandbox_ids
+from executor.settings import KNOWN_LANGUAGES, sandbox_ids
 
 
 def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
     """Enabled, runtime, each language's readiness (proven by its test program) and
-    packages, the limits in force and the sandbox's uid:gid."""
+    packages, the limits in force and the sandbox's uid:gid. What is one runtime's own
+    (its seccomp profile, its isolation, its pool's pre-import memory...) the runtime says
+    (``Runtime.meta_section``): nothing here asks which runtime it is."""
     s = executor.settings
     runtime = executor.runtime
     reason = executor.disabled_reason()
@@ -28,7 +28,7 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             lang = executor.language(name)
             ready = executor.readiness(lang, fresh=fresh)
             # the image's own list at its versions (its studio.packages label, modules.json)
-            found = image_packages(s, name)
+            found = executor.image_facts(lang).packages()
             entry.update(
                 ready=ready.ready,
                 reason=ready.reason,
@@ -48,15 +48,14 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             )
         languages.append(entry)
     uid, gid = sandbox_ids()
-    isolation = getattr(executor.runtime, "isolation", None)
-    warnings = list(runtime.warnings) if runtime is not None else []
-    if isolation is not None:
-        from executor.runtimes.subprocess.runtime import isolation_warning
-
-        warnings.append(isolation_warning(isolation))
     posture = runtime.engine_posture(fresh=fresh) if runtime is not None else None
+    section = (
+        runtime.meta_section(posture, fresh=fresh, probe=executor.run)
+        if runtime is not None
+        else MetaSection()
+    )
+    warnings = [*(runtime.warnings if runtime is not None else ()), *section.warnings]
     engine_warning = posture.warning() if posture is not None else None
-    gvisor = posture is not None and posture.oci_runtime_kernel == "gvisor"
     if engine_warning is not None:
         warnings.append(engine_warning)
     from executor.store.sql import describe_url  # SQLAlchemy's URL parser; no driver
@@ -85,26 +84,12 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             "uid": uid,
             "gid": gid,
             "note": (
-                (
-                    f"The server runs as root, so each subprocess run gets its own uid and gid "
-                    f"from STUDIO_CODE_SUBPROCESS_UIDS={s.code_subprocess_uids}."
-                    if s.code_runtime == "subprocess"
-                    else f"The server runs as root, so sandboxes run as nobody ({NOBODY}:{NOBODY})."
-                )
+                section.root_note
                 if os.getuid() == 0
                 else "Sandboxes run as the server's own uid and gid."
             ),
         },
-        "seccomp": (
-            {
-                "profile": "executor/runtimes/docker/seccomp.json",
-                "sha256": profile_sha256(gvisor=gvisor),
-                # under gVisor: the variant runsc gets (docs/security.md, "The second wall")
-                "variant": "gvisor (clone3 goes to gVisor's kernel)" if gvisor else None,
-            }
-            if s.code_runtime == "docker"
-            else None
-        ),
+        "seccomp": section.seccomp,
         "warnings": warnings,
         # The Docker engine under the sandboxes and its known escapes, as this process sees
         # it (None: no engine here, e.g. the API under Compose has no socket); the API adds
@@ -115,13 +100,9 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             "workers": None,
             # asked fresh (studio-code meta): what the kernel says from inside one sandbox
             # (no_new_privs, a seccomp filter, capabilities, uid); None otherwise
-            "sandbox": (
-                sandbox_proof(executor)
-                if fresh and posture is not None and "python" in s.languages
-                else None
-            ),
+            "sandbox": section.sandbox,
         },
-        "subprocess_isolation": isolation,
+        "subprocess_isolation": section.isolation,
         # Pre-started sandboxes: the setting, and this process's own pool when it keeps one
         # (a worker's pool process; the API's process starts sandboxes cold).
         "pool": {
@@ -131,15 +112,7 @@ def runtime_meta(executor: Executor, *, fresh: bool = False) -> dict[str, Any]:
             # per language: what an idle pre-started sandbox holds once its pre-imports are
             # done and without them, measured by the host from its cgroup (null until the
             # pool of this process measured it; counted against the sandbox's own limit)
-            "preimport_memory": (
-                preimport_memory.shown(
-                    s,
-                    [n for n in KNOWN_LANGUAGES if n in s.languages],
-                    getattr(runtime, "pool", None),
-                )
-                if s.code_runtime == "docker"
-                else None
-            ),
+            "preimport_memory": section.preimport_memory,
             "max_idle_s": s.code_prewarm_max_idle_s,
             "this_process": runtime.pool_stats() if runtime is not None else None,
         },

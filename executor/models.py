@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from executor.errors import ErrorCode
 
@@ -133,6 +133,8 @@ class CodeJob(BaseModel):
     cpus: float | None = None
     #: the node's retry policy (None: one attempt, the default)
     retry: RetryPolicy | None = None
+    #: the worker group it goes to (executor.groups; None: the default group)
+    worker_group: str | None = None
     #: its concurrency keys (worker.fair; "": none): they ride in its message, never stored
     #: (MESSAGE_ONLY)
     tenant: str = ""
@@ -217,6 +219,42 @@ class CodeResult(BaseModel):
     usage: Usage | None = None
     #: every attempt of a node with a retry policy, the last one included ([]: no policy)
     history: list[Attempt] = Field(default_factory=lambda: [])
+    # What became of the run's sandbox, for the job path to decide on (worker.job.rerun):
+    # typed here, set by the executor (``with_sandbox``), never in the result's JSON (its
+    # trace rows say the same to people, and nothing reads them back).
+    _started: bool = PrivateAttr(default=False)
+    _lost: str | None = PrivateAttr(default=None)
+    _refused: str | None = PrivateAttr(default=None)
+
+    @property
+    def started(self) -> bool:
+        """True when the code ran in a sandbox and the executor read how it ended; False
+        when the run ended before that (refused, cancelled or failed before its start,
+        its sandbox lost)."""
+        return self._started
+
+    @property
+    def lost(self) -> str | None:
+        """The machine-readable cause when the infrastructure killed the run's sandbox
+        (``InfrastructureLost``: the engine went away, the sandbox vanished, ...); else
+        None. Never the code's doing."""
+        return self._lost
+
+    @property
+    def refused(self) -> str | None:
+        """``"limits"`` (the node's own limits) or ``"engine"`` (the server's defaults) when
+        the engine refused the run's sandbox before its input was written
+        (``SandboxRefused``); else None."""
+        return self._refused
+
+    def with_sandbox(
+        self, *, started: bool = False, lost: str | None = None, refused: str | None = None
+    ) -> CodeResult:
+        """This result, saying what became of its sandbox (``started``, ``lost``,
+        ``refused``)."""
+        out = self.model_copy()
+        out._started, out._lost, out._refused = started, lost, refused
+        return out
 
     @classmethod
     def ended(

@@ -8,23 +8,19 @@ from that check so that reading the settings loads no TypeScript parser.
 
 An image built by ``studio-code image build`` (docker/build.sh) says what it has: the label
 ``studio.packages`` (``pydantic==2.10.3,...``; ``npm:zod@3.25.76,...``) and, for Python,
-``modules.json``'s ``versions``. ``image_packages`` reads them, ``shown_packages`` is what
-the editor and meta show (an unset STUDIO_CODE_PACKAGES means the image's own list), and
-``packages_warning`` is the one sentence readiness and meta give when a setting disagrees
-with the image.
+``modules.json``'s ``versions``. The runtime reads them (``ImageFacts.packages()``, e.g.
+executor/runtimes/docker/images.py) into an ``ImagePackages``; what the editor, meta and
+readiness make of it against the settings is executor/package_lists.py (this module is
+what the settings import: it imports no settings).
 """
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final, NoReturn
-
-if TYPE_CHECKING:
-    from executor.settings import Settings
+from typing import Final, NoReturn
 
 __all__ = [
     "DEFAULT_PYTHON_PACKAGES",
@@ -33,16 +29,10 @@ __all__ = [
     "SETTING_REASONS",
     "ImagePackages",
     "PackageSpec",
-    "compares",
-    "image_packages",
-    "packages_warning",
     "parse_image_packages",
     "parse_packages",
     "parse_preimport",
-    "shown_packages",
 ]
-
-log = logging.getLogger("studio_code.executor")
 
 #: Default of ``STUDIO_CODE_PACKAGES`` (the seed's image): what is shown when the image's own
 #: list cannot be read (no Docker, the subprocess runtime, an image without modules.json).
@@ -207,87 +197,3 @@ def parse_image_packages(label: str, language: str) -> dict[str, str]:
             if scheme and at and name and _MAJOR_RE.fullmatch(major):
                 out[f"{scheme['scheme']}:{name}@{major}"] = version
     return out
-
-
-def image_packages(settings: Settings, language: str) -> ImagePackages | None:
-    """What the language's image lists, or None when it cannot be known (not the docker
-    runtime, no engine, no image, an image built before the list was recorded)."""
-    if settings.code_runtime != "docker":
-        return None
-    if language == "python":
-        from executor.languages.python_modules import read_image_modules
-
-        found = read_image_modules(
-            settings.code_image, settings, settings.data_dir / "image-modules"
-        )
-        if found is None:
-            return None
-        versions = {name: found.versions.get(name, "") for name in found.packages}
-        return ImagePackages(settings.code_image, MappingProxyType(versions))
-    image = settings.code_ts_image
-    try:
-        from executor.docker_api import shared_api
-
-        labels = shared_api().inspect_image(image)["Config"].get("Labels") or {}
-    except Exception as e:  # noqa: BLE001 - no engine or no image: readiness says why
-        log.debug("the packages of %s are unknown: %s", image, e)
-        return None
-    if PACKAGES_LABEL not in labels:
-        return None
-    versions = parse_image_packages(labels[PACKAGES_LABEL], "typescript")
-    return ImagePackages(image, MappingProxyType(versions))
-
-
-def _same(name: str) -> str:
-    return name
-
-
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def shown_packages(settings: Settings, language: str, found: ImagePackages | None) -> list[str]:
-    """The list the editor shows: STUDIO_CODE_TS_PACKAGES for TypeScript (the allow-list);
-    for Python STUDIO_CODE_PACKAGES when it is set, else the image's own list (``found``),
-    else the seed's default."""
-    if language != "python":
-        return [str(p) for p in settings.ts_packages]
-    if "code_packages" in settings.model_fields_set or found is None:
-        return list(settings.python_packages)
-    return list(found.versions)
-
-
-def compares(settings: Settings, language: str) -> bool:
-    """Whether ``packages_warning`` can say anything: a TypeScript list (always set, the
-    spec's default or not), or a STUDIO_CODE_PACKAGES that is set. Readiness reads the image
-    only then."""
-    return language != "python" or "code_packages" in settings.model_fields_set
-
-
-def packages_warning(settings: Settings, language: str, found: ImagePackages | None) -> str | None:
-    """One sentence naming the packages a setting lists that the image has not, and those the
-    image has that it leaves out; None when they agree or the image's list is unknown. An
-    unset STUDIO_CODE_PACKAGES is the image's list, so it never disagrees."""
-    if found is None or not compares(settings, language):
-        return None
-    if language == "python":
-        setting, listed = "STUDIO_CODE_PACKAGES", list(settings.python_packages)
-        key: Callable[[str], str] = _norm
-        how = "unset it (the image's own list is then shown) or set it to"
-    else:
-        setting, listed = "STUDIO_CODE_TS_PACKAGES", [str(p) for p in settings.ts_packages]
-        key = _same
-        how = "set it to"
-    have = {key(name): name for name in found.versions}
-    named = {key(name): name for name in listed}
-    absent = [named[k] for k in named if k not in have]
-    extra = [have[k] for k in have if k not in named]
-    if not absent and not extra:
-        return None
-    parts = []
-    if absent:
-        parts.append(f"lists {', '.join(absent)}, which the image {found.image} does not have")
-    if extra:
-        where = "it" if absent else f"the image {found.image}"
-        parts.append(f"leaves out {', '.join(extra)}, which {where} has")
-    return f"{setting} {', and '.join(parts)}: {how} {','.join(found.versions)}."

@@ -32,7 +32,7 @@ from executor.inputs import (
     size_text,
 )
 from executor.languages import get_language, offered_language
-from executor.languages.base import Language, Problem
+from executor.languages.base import NO_FACTS, ImageFacts, Language, Problem
 from executor.models import (
     CodeErrorInfo,
     CodeJob,
@@ -87,7 +87,7 @@ class Readiness:
     reason: str | None
     checked_at: float
     #: a ready language whose package setting disagrees with its image: the names, in one
-    #: sentence (executor.packages.packages_warning)
+    #: sentence (executor.package_lists.packages_warning)
     warning: str | None = None
 
 
@@ -127,6 +127,10 @@ class Executor:
         self._readiness: dict[str, Readiness] = {}
         self._audit_lock = threading.Lock()
         self._audited = False
+        #: the memory and CPU caps a node's ask is checked against (None: this process's
+        #: STUDIO_CODE_MAX_MEMORY / _MAX_CPUS). The API sets the widest of its worker
+        #: groups (executor.groups): the group's own is checked when it is chosen.
+        self.caps: tuple[int, float] | None = None
 
     # --- what may run -----------------------------------------------------------------
 
@@ -171,10 +175,18 @@ class Executor:
             output_max_bytes=s.code_output_max_bytes,
         )
 
+    def image_facts(self, language: Language) -> ImageFacts:
+        """What ``language``'s image has, as this executor's runtime reads it (``NO_FACTS``
+        without a runtime): the languages' save-time check and package lists take it."""
+        if self.runtime is None:
+            return NO_FACTS
+        return self.runtime.image_facts(self.settings, language)
+
     def check_code(self, code: str, language: str) -> list[Problem]:
         """Save-time check: [] when the code may be saved. Raises CodeInvalid for a language
         that is not offered."""
-        return self.language(language).check(code, self.settings)
+        lang = self.language(language)
+        return lang.check(code, self.settings, self.image_facts(lang))
 
     def check_job(
         self, job: CodeJob, *, language: Language | None = None, state_checked: bool = False
@@ -189,7 +201,7 @@ class Executor:
             raise CodeNodesDisabled(reason)
         if language is None or language.name != job.language:
             language = self.language(job.language)
-        problems = language.check(job.code, self.settings)
+        problems = language.check(job.code, self.settings, self.image_facts(language))
         if problems:
             raise CodeInvalid("; ".join(str(p) for p in problems))
         self.check_limits(memory_bytes=job.memory_bytes, cpus=job.cpus)
@@ -207,8 +219,9 @@ class Executor:
         """What a node asks for, against the floors and the server's caps (one rule,
         executor.inputs): CodeInvalid giving the range."""
         s = self.settings
-        check_memory(memory_bytes, max_bytes=s.max_memory_bytes)
-        check_cpus(cpus, max_cpus=s.max_cpus)
+        max_memory, max_cpus = self.caps or (s.max_memory_bytes, s.max_cpus)
+        check_memory(memory_bytes, max_bytes=max_memory)
+        check_cpus(cpus, max_cpus=max_cpus)
         if timeout_s is not None and not 0 < timeout_s <= s.code_max_seconds:
             raise CodeInvalid(
                 f"The node's timeout of {timeout_s:g} s is not allowed: give more than 0 and "
@@ -251,11 +264,11 @@ class Executor:
         )
         result = self._run(job, language, self.limits(READINESS_TIMEOUT_S), None, probe=True)
         if result.status is Status.SUCCEEDED and result.output == Language.TEST_OUTPUT:
-            from executor.packages import compares, image_packages, packages_warning
+            from executor.package_lists import compares, packages_warning
 
             warning = None
             if compares(self.settings, language.name):
-                found = image_packages(self.settings, language.name)
+                found = self.image_facts(language).packages()
                 warning = packages_warning(self.settings, language.name, found)
             return Readiness(True, None, now, warning)
         detail = result.error.message if result.error else f"output {result.output!r}"
@@ -567,7 +580,7 @@ class Executor:
                 ),
             ]
         warnings = list(self.runtime.run_warnings) if self.runtime is not None else []
-        return CodeResult(
+        result = CodeResult(
             job_id=job.job_id,
             language=job.language,
             status=status,
@@ -588,6 +601,7 @@ class Executor:
             trace=trace,
             usage=raw.usage if raw is not None else None,
         )
+        return result.with_sandbox(started=raw is not None, lost=lost, refused=refused)
 
 
 def mib(n: int) -> str:

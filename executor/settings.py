@@ -418,6 +418,20 @@ class Settings(BaseSettings):
         "(it sends their next attempt; one indexed SELECT of queued rows each time).",
     )
 
+    worker_group: str = Field(
+        "default",
+        description="The group this worker serves (studio-code worker --group): default "
+        "takes code.run and code.test; any other group takes code.run.NAME and "
+        "code.test.NAME. What one of its slots holds is its STUDIO_CODE_MAX_MEMORY and "
+        "STUDIO_CODE_MAX_CPUS, announced with it.",
+    )
+    worker_groups: str = Field(
+        "",
+        description="The worker groups beyond default the API sends jobs to, each "
+        "NAME:MEMORY:CPUS (what one slot of the group holds), comma-separated, e.g. "
+        "big:4g:4. A job asking more than the default group holds (STUDIO_CODE_MAX_MEMORY, "
+        "_MAX_CPUS) goes to the smallest group that holds it. Empty: the default group only.",
+    )
     queue_run_fairness: Literal["users", "off"] = Field(
         "users",
         description="How code.run is shared between users. users: each user's runs wait on "
@@ -657,6 +671,21 @@ class Settings(BaseSettings):
         if v != 0 and not v >= MIN_CPUS:
             raise ValueError(_CPUS_FLOOR + ", or 0 for STUDIO_CODE_CPUS")
         return v
+
+    @field_validator("worker_group")
+    @classmethod
+    def _worker_group(cls, v: str) -> str:
+        from executor.groups import check_name
+
+        return check_name(v.strip())
+
+    @field_validator("worker_groups")
+    @classmethod
+    def _worker_groups(cls, v: str) -> str:
+        from executor.groups import parse_groups
+
+        parse_groups(v)
+        return v.strip()
 
     @field_validator("code_languages")
     @classmethod

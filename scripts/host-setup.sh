@@ -62,8 +62,10 @@ if ! answers docker; then
   done
   if [[ -z $running ]]; then
     log "starting dockerd --bridge=none --iptables=false --ip6tables=false (log: /var/log/dockerd-studio.log)"
-    "${SUDO[@]}" sh -c 'nohup dockerd --bridge=none --iptables=false --ip6tables=false \
-      >/var/log/dockerd-studio.log 2>&1 &'
+    # In a session of its own (setsid): the engine outlives the command that started it, and a
+    # Ctrl-C of `make test` or a signal to its process group never reaches dockerd.
+    "${SUDO[@]}" setsid -f sh -c 'exec dockerd --bridge=none --iptables=false --ip6tables=false \
+      </dev/null >>/var/log/dockerd-studio.log 2>&1'
   fi
   for _ in $(seq 1 120); do answers "${SUDO[@]}" docker && break; sleep 1; done
   if ! answers "${SUDO[@]}" docker; then

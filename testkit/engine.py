@@ -18,6 +18,7 @@ from testkit.processes import (
     needs,
     require,
 )
+from testkit.reaper import disown, own
 
 
 class SecondEngine:
@@ -66,6 +67,7 @@ class SecondEngine:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        own(self.proc.pid, remove=self.root)  # the reaper: SIGTERM (its containers too), rm
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -118,6 +120,8 @@ class SecondEngine:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        if self.proc is not None:
+            disown(self.proc.pid)
 
     def remove(self) -> None:
         mounted = [
@@ -144,6 +148,7 @@ class KillableEngine(SecondEngine):
         for pid in shims:
             os.kill(pid, signal.SIGKILL)
         self.proc.wait(30)
+        disown(self.proc.pid)
         return [self.proc.pid, *shims]
 
     def shims(self, container: str) -> list[int]:

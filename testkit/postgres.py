@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import uuid
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from testkit.processes import ROOT, free_port, needs, require
+from testkit.reaper import disown, own
 
 #: the shared PostgreSQL of tests and benchmarks (a test that stops one starts its own)
 POSTGRES_URL = os.environ.get(
@@ -86,6 +88,7 @@ class PgCluster:
         self.dir = Path(tempfile.mkdtemp(prefix="studio-pg-"))
         self.data = self.dir / "data"
         self.user: list[str] = []
+        self.postmaster: int | None = None  # its pid while it runs
         if os.getuid() == 0:
             shutil.chown(self.dir, "postgres", "postgres")
             self.user = ["runuser", "-u", "postgres", "--"]
@@ -122,10 +125,18 @@ class PgCluster:
             "-w",
             "start",
         )
+        # pg_ctl's postmaster is no child of this process: the reaper stops it by its pid
+        # (SIGINT: PostgreSQL's fast shutdown, what ``stop`` asks) and removes the cluster's
+        # folder if this process ends first
+        self.postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        own(self.postmaster, signal.SIGINT, remove=self.dir)
 
     def stop(self) -> None:
         """A fast shutdown: connected clients are cut off, as in an outage."""
         self._run(pg_bin("pg_ctl") or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+        if self.postmaster is not None:
+            disown(self.postmaster)
+            self.postmaster = None
 
     def running(self) -> bool:
         return (self.data / "postmaster.pid").exists()

@@ -6,6 +6,7 @@ under CI=true) and the check that a test is marked for what it starts (``needs``
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,9 @@ from types import TracebackType
 from typing import Any, Self
 
 import pytest
+
+from testkit.reaper import children as children  # re-exported: tests read it here
+from testkit.reaper import disown, own, process_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -56,32 +60,6 @@ def free_port() -> int:
 
 
 # --- processes by pid ----------------------------------------------------------------------
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            out += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, read from /proc."""
-    seen, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.append(p)
-        todo += children(p)
-    return seen
 
 
 def alive(pid: int) -> bool:
@@ -181,6 +159,7 @@ class Service(StopsOnExit):
                 stderr=out,
                 start_new_session=True,
             )
+        own(self.proc.pid)  # stopped by the reaper if this process ends first
 
     @property
     def pid(self) -> int:
@@ -216,6 +195,7 @@ class Service(StopsOnExit):
         pids = self.tree()
         kill_pids(pids)
         self.proc.wait(timeout=10)
+        disown(self.pid)
         return pids
 
     def stop(self, timeout: float | None = None) -> int | None:
@@ -223,6 +203,7 @@ class Service(StopsOnExit):
         of its tree as it was before the SIGTERM, and its own process group. Returns its
         exit code (None when it could not be reaped)."""
         if not self.alive():
+            disown(self.pid)
             return self.proc.returncode
         pids = self.tree()
         self.signal(signal.SIGTERM)
@@ -234,7 +215,50 @@ class Service(StopsOnExit):
             except ProcessLookupError:
                 pass
             code = self.wait(10)
+        disown(self.pid)
         return code
+
+
+def non_root_python(
+    script: str, *args: str, uid: int, marker: str, env: dict[str, str] | None = None, **kw: Any
+) -> subprocess.Popen[str]:
+    """``script`` run by /usr/bin/python3 as a server of uid ``uid`` (no supplementary
+    group) with this checkout and the tests' virtualenv on its path, ``marker`` in its
+    STUDIO_ISO_MARKER (and ``env``'s variables); ``kw`` for Popen. Its stdout and stderr
+    are pipes (``last_json_line``)."""
+    venv = Path(sys.prefix)  # the tests' own virtualenv (a worktree has none of its own)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    if not os.path.exists("/usr/bin/python3"):
+        pytest.skip("no /usr/bin/python3 for the unprivileged server")
+    env = {
+        **(env or {}),
+        "PYTHONPATH": f"{ROOT}:{site}",
+        "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+        "STUDIO_ISO_MARKER": marker,
+    }
+    return subprocess.Popen(
+        ["/usr/bin/python3", "-c", script, *args],
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
+
+
+def last_json_line(server: subprocess.Popen[str], timeout_s: float) -> Any:
+    """The last line ``server`` prints, as JSON, once it exited 0 (killed if it does not)."""
+    try:
+        stdout, stderr = server.communicate(timeout=timeout_s)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert server.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def tree_usage(pid: int) -> tuple[int, int, int]:

@@ -15,6 +15,7 @@ from testkit.processes import (
     needs,
     require,
 )
+from testkit.reaper import disown, own
 
 
 class RedisServer(StopsOnExit):
@@ -58,6 +59,7 @@ class RedisServer(StopsOnExit):
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        own(self.proc.pid)  # stopped by the reaper if this process ends first
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -74,6 +76,8 @@ class RedisServer(StopsOnExit):
         if self.proc and self.proc.poll() is None:
             self.proc.kill() if kill else self.proc.terminate()
             self.proc.wait(timeout=10)
+        if self.proc:
+            disown(self.proc.pid)
         self.proc = None
 
 

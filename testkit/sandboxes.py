@@ -51,15 +51,27 @@ def run_and_end_from_outside(executor: Any, docker_client: Any, end: Any) -> Any
     return out["r"]
 
 
-def containers_of(docker_client: Any, job_id: str) -> list[Any]:
-    # by name: a pre-started sandbox gets its job's name when taken (its labels are fixed)
+def containers_of(docker_client: Any, job_id: str, *, running: bool = False) -> list[Any]:
+    """The sandbox of ``job_id`` (a docker SDK Container; only a running one with
+    ``running``): found by its name, which a container started for the job has from its
+    create and a pre-started one from the moment it is taken (its labels were fixed before
+    the job was known)."""
+    filters: dict[str, Any] = {"name": f"^/studio-code-{job_id}$"}
+    if running:
+        filters["status"] = "running"
     # ignore_removed: a sandbox removed between the list and its inspect is gone, not an error
-    return docker_client.containers.list(
-        all=True, filters={"name": f"^/studio-code-{job_id}$"}, ignore_removed=True
-    )
+    return docker_client.containers.list(all=True, filters=filters, ignore_removed=True)
 
 
+LABEL_POOL = "studio.pool"
 LABEL_OWNER = "studio.owner"
+
+
+def pool_containers(docker_client: Any, owner: str) -> list[dict]:
+    """The pre-started sandboxes of the pool ``owner`` (its studio.pool label), any state."""
+    return docker_client.api.containers(all=True, filters={"label": f"{LABEL_POOL}={owner}"})
+
+
 #: a sandbox that ran and ended: what awaits its removal (a pre-started one waiting for its
 #: job is running; one being created for a cold job is "created", not used yet)
 ENDED = ("exited", "dead")

@@ -14,7 +14,9 @@ from testkit.processes import (
     free_port,
     require,
 )
+from testkit.reaper import disown, own
 from testkit.redis import wait_redis
+from testkit.relay import Relay
 
 
 class SentinelSet(StopsOnExit):
@@ -22,14 +24,28 @@ class SentinelSet(StopsOnExit):
     own folders in ``workdir``: a primary, a replica and three sentinels (quorum 2, a
     primary unanswered for 1 s is down). Every node announces 127.0.0.1, so what the
     sentinels hand out is reachable here. ``url`` is the STUDIO_REDIS_URL of it (with
-    ``master`` as STUDIO_REDIS_SENTINEL_MASTER)."""
+    ``master`` as STUDIO_REDIS_SENTINEL_MASTER).
+
+    ``relayed_replica``: the replica reaches its primary through a Relay of the set's own,
+    which ``cut_replication()`` silences: from then on the primary acknowledges writes the
+    replica never gets (asynchronous replication's loss, on purpose), while the sentinels
+    still reach both nodes directly and promote the replica when the primary dies."""
 
     master = "studio"
 
-    def __init__(self, workdir: Path, *, password: str = "", sentinel_password: str = ""):
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        password: str = "",
+        sentinel_password: str = "",
+        relayed_replica: bool = False,
+    ):
         self.workdir = workdir
         self.password = password
         self.sentinel_password = sentinel_password
+        self.relayed_replica = relayed_replica
+        self.replica_relay: Relay | None = None
         self.ports = {"a": free_port(), "b": free_port()}
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -82,11 +98,16 @@ class SentinelSet(StopsOnExit):
         self.procs[name] = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+        own(self.procs[name].pid)  # stopped by the reaper if this process ends first
         wait_redis(self.ports[name], self.password)
 
     def start(self) -> SentinelSet:
         self.start_node("a")
-        self.start_node("b", replica_of=self.ports["a"])
+        upstream = self.ports["a"]
+        if self.relayed_replica:
+            self.replica_relay = Relay(upstream)
+            upstream = self.replica_relay.port
+        self.start_node("b", replica_of=upstream)
         for i, port in enumerate(self.sentinel_ports):
             folder = self.workdir / f"sentinel-{i}"
             folder.mkdir(exist_ok=True)
@@ -117,6 +138,7 @@ class SentinelSet(StopsOnExit):
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+            own(self.procs[f"s{i}"].pid)
             wait_redis(port, self.sentinel_password)
         self.wait_master(self.ports["a"])
         self.wait_synced("b")
@@ -171,7 +193,14 @@ class SentinelSet(StopsOnExit):
         proc = self.procs.pop(name)
         proc.kill()
         proc.wait(timeout=10)
+        disown(proc.pid)
         return name
+
+    def cut_replication(self) -> None:
+        """The replica's link to its primary goes silent for good (``relayed_replica``)."""
+        if self.replica_relay is None:
+            raise RuntimeError("cut_replication needs SentinelSet(..., relayed_replica=True)")
+        self.replica_relay.cut()
 
     def other(self, name: str) -> str:
         return "b" if name == "a" else "a"
@@ -181,10 +210,13 @@ class SentinelSet(StopsOnExit):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+            disown(proc.pid)
         self.procs.clear()
+        if self.replica_relay is not None:
+            self.replica_relay.stop()
 
 
-def start_sentinels(workdir: Path, **options: str) -> SentinelSet:
+def start_sentinels(workdir: Path, **options: Any) -> SentinelSet:
     """A started SentinelSet; a missing redis-server skips (fails under CI)."""
     require(shutil.which("redis-server") is not None, "redis-server is not installed")
     return SentinelSet(workdir, **options).start()

@@ -63,6 +63,10 @@ FAST = {
 }
 
 
+#: FAST as settings by field name (a Stack's ``overrides``)
+FAST_SETTINGS = {k.removeprefix("STUDIO_").lower(): v for k, v in FAST.items()}
+
+
 def env_for(redis_url: str, database_url: str, **extra: Any) -> dict[str, str]:
     return studio_env(redis_url, database_url, "studio-code:1", **{**FAST, **extra})
 
@@ -123,16 +127,21 @@ class Stack(StopsOnExit):
     def settings(self) -> Any:
         """The client's settings: as the processes' environment sets them."""
         if self._settings is None:
-            from executor.settings import load_settings
-
-            self._settings = load_settings(
-                enable_code_nodes=True,
-                data_dir=self.workdir,
-                redis_url=self.redis_url,
-                database_url=self.database_url,
-                **self.overrides,
-            )
+            self._settings = self.settings_with()
         return self._settings
+
+    def settings_with(self, **extra: Any) -> Any:
+        """The stack's settings with ``extra`` settings on top (as ``env(**extra)`` sets
+        them for a process)."""
+        from executor.settings import load_settings
+
+        return load_settings(
+            enable_code_nodes=True,
+            data_dir=self.workdir,
+            redis_url=self.redis_url,
+            database_url=self.database_url,
+            **{**self.overrides, **extra},
+        )
 
     @property
     def client(self) -> Any:

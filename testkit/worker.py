@@ -23,7 +23,8 @@ from testkit.processes import (
 class CeleryWorker(Service):
     """``celery -A <app> worker --pool prefork -c N -Q <queues> -n <name>@%h`` (``app``: the
     studio's ``worker`` unless a bench gives its own), or, with ``cli``, ``studio-code
-    worker`` with the same options; ``extra_args`` go last.
+    worker`` with the same options (``queues=""``: no -Q, the queues of its worker group);
+    ``extra_args`` go last.
     Not waited for: see ``wait_ready``."""
 
     def __init__(
@@ -51,8 +52,7 @@ class CeleryWorker(Service):
             pool,
             "-c",
             str(concurrency),
-            "-Q",
-            queues,
+            *(["-Q", queues] if queues else []),  # "": the worker's own (its group's)
             "-n",
             f"{self.name}@%h",
             "--loglevel",

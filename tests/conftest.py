@@ -4,6 +4,7 @@ FAILS it when CI=true."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from testkit import processes
 from testkit.postgres import POSTGRES_URL, pg_schema, pg_unreachable
 from testkit.processes import ROOT, require
+from testkit.reaper import stop_on_sigterm
 from testkit.redis import RedisServer, start_redis
 from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
 from testkit.stack import Stack
@@ -64,6 +66,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # service fixture (a marker added above and then lost would show here)
         if not any(item.get_closest_marker(m) for m in SERVICE_MARKERS):
             assert not used, f"{item.nodeid} uses {used} but is not marked"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # a SIGTERM (a CI job's timeout, an operator) ends the run as Ctrl-C does: pytest stops
+    # and the fixtures' teardowns stop what they started; what a SIGKILL leaves behind,
+    # each service's reaper stops (testkit/reaper.py)
+    stop_on_sigterm(KeyboardInterrupt)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -195,6 +204,17 @@ def docker_client():  # type: ignore[no-untyped-def]
     assert not left, f"sandbox containers left behind: {[c['Names'] for c in left]}"
 
 
+@pytest.fixture(scope="session")
+def deno_bin() -> str:
+    """The deno binary of subprocess-mode TypeScript (a missing one skips, fails under CI)."""
+    from executor.languages.typescript import deno_binary
+    from executor.settings import load_settings
+
+    path = deno_binary(load_settings())
+    require(shutil.which(path) is not None, f"no deno binary ({path}): pip install deno")
+    return path
+
+
 def _xdist_controller(config: pytest.Config) -> bool:
     return config.pluginmanager.has_plugin("dsession") and not hasattr(config, "workerinput")
 
@@ -298,6 +318,27 @@ def docker_executor(make_settings, python_image):  # type: ignore[no-untyped-def
     from executor.service import Executor
 
     return Executor(make_settings(code_runtime="docker", code_image=python_image))
+
+
+@pytest.fixture
+def pooled(make_settings: Callable[..., Any], python_image: str) -> Iterator[Callable[..., Any]]:
+    """Factory of executors with a filled pool (Python); closed at the end."""
+    from executor.service import Executor
+
+    made: list[Executor] = []
+
+    def make(**overrides: Any) -> Executor:
+        base = {"code_runtime": "docker", "code_image": python_image, "code_languages": "python"}
+        ex = Executor(make_settings(**{**base, **overrides}))
+        made.append(ex)
+        ex.prepare()
+        assert ex.runtime is not None and ex.runtime.pool is not None
+        assert ex.runtime.pool.wait_ready(60)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.close()
 
 
 @pytest.fixture

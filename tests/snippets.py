@@ -83,3 +83,46 @@ def cpu_share(out: dict[str, Any]) -> float | None:
         return None if quota < 0 else quota / int(out["period"])
     quota, period = out["cpu"].split()
     return None if quota == "max" else int(quota) / int(period)
+
+
+#: shared by the hostile programs of tests/test_subprocess_isolation.py and
+#: tests/test_subprocess_landlock.py: try one thing, report "ok" or the errno's name
+PRELUDE = r"""
+import ctypes, errno, os, signal, sys, time, json
+
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+
+def read(path):
+    with open(path, "rb") as f:
+        f.read()
+
+def open_only(path):
+    os.close(os.open(path, os.O_RDONLY))
+
+def seize(pid):
+    # PTRACE_SEIZE does not stop the tracee; detach at once if the kernel allowed it
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    if libc.ptrace(0x4206, pid, None, None) == 0:
+        libc.ptrace(17, pid, None, None)
+        return
+    e = ctypes.get_errno()
+    raise OSError(e, os.strerror(e))
+
+def probe(pid, kill):
+    r = {
+        "environ": attempt(lambda: read(f"/proc/{pid}/environ")),
+        "mem": attempt(lambda: open_only(f"/proc/{pid}/mem")),
+        "cwd": attempt(lambda: os.listdir(f"/proc/{pid}/cwd")),
+        "ptrace": attempt(lambda: seize(pid)),
+        "signal0": attempt(lambda: os.kill(pid, 0)),
+    }
+    if kill:
+        r["sigkill"] = attempt(lambda: os.kill(pid, signal.SIGKILL))
+    return r
+"""

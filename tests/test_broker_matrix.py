@@ -20,7 +20,6 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,7 @@ import redis
 from testkit.api import ApiServer
 from testkit.processes import BIN, wait_for
 from testkit.sentinel import SentinelSet, start_sentinels
-from testkit.stack import env_for
-from testkit.worker import CeleryWorker
+from testkit.stack import FAST_SETTINGS, Stack
 from tests.snippets import USER
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(600)]
@@ -69,16 +67,28 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool,
             yield {False: plain, True: secure}
 
 
-@dataclass
-class Form:
-    """One URL form: its environment, its worker, an API server per fairness setting."""
+class Form(Stack):
+    """One URL form: a Stack on its URL (the subprocess runtime, a SQLite store of its own),
+    one worker, an API server per fairness setting."""
 
-    name: str
-    env: dict[str, str]
-    tmp: Path
-    worker: CeleryWorker
-    primary: tuple[int, str]
-    apis: dict[str, ApiServer] = field(default_factory=dict)
+    def __init__(self, name: str, workdir: Path, deployment: SentinelSet, secure: bool) -> None:
+        _, sentinels, db = FORMS[name]
+        d = deployment
+        overrides: dict[str, Any] = {**FAST_SETTINGS, "code_max_seconds": 15}
+        if sentinels:
+            overrides["redis_sentinel_master"] = d.master
+            if secure:
+                overrides["redis_sentinel_password"] = SENTINEL_PASSWORD
+        super().__init__(
+            workdir,
+            redis_url=d.sentinel_url(sentinels, db) if sentinels else d.primary_url(db),
+            database_url=f"sqlite:///{workdir / 'store.db'}",
+            **overrides,
+        )
+        self.name = name
+        self.primary = (d.ports["a"], d.password)
+        self.apis: dict[str, ApiServer] = {}
+        self.worker = self.start_worker(f"w-{name}", stop_timeout=20, ping=False)
 
     @contextmanager
     def commands(self) -> Iterator[list[str]]:
@@ -113,31 +123,23 @@ class Form:
             client.close()
             other.close()
 
-    def settings(self, fairness: str) -> Any:
-        from executor.settings import load_settings
+    def fair_settings(self, fairness: str) -> Any:
+        return self.settings_with(queue_run_fairness=fairness)
 
-        return load_settings(
-            **{
-                k.removeprefix("STUDIO_").lower(): v
-                for k, v in self.env_with(fairness).items()
-                if k.startswith("STUDIO_")
-            }
-        )
+    def fair_env(self, fairness: str) -> dict[str, str]:
+        return self.env(queue_run_fairness=fairness)
 
-    def env_with(self, fairness: str) -> dict[str, str]:
-        return {**self.env, "STUDIO_QUEUE_RUN_FAIRNESS": fairness}
-
-    def api(self, fairness: str) -> ApiServer:
+    def fair_api(self, fairness: str) -> ApiServer:
         if fairness not in self.apis:
             self.apis[fairness] = ApiServer(
-                self.env_with(fairness), self.tmp / f"api-{fairness}.log", log_level="warning"
+                self.fair_env(fairness), self.workdir / f"api-{fairness}.log", log_level="warning"
             )
         return self.apis[fairness]
 
-    def close(self) -> None:
+    def stop(self) -> None:
         for api in self.apis.values():
             api.stop()
-        self.worker.stop()
+        super().stop()
 
 
 @pytest.fixture(scope="module", params=list(FORMS))
@@ -147,23 +149,12 @@ def form(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Form]:
     name = request.param
-    secure, sentinels, db = FORMS[name]
-    d = deployments[secure]
-    tmp = tmp_path_factory.mktemp(name)
-    url = d.sentinel_url(sentinels, db) if sentinels else d.primary_url(db)
-    extra: dict[str, str] = {"STUDIO_DATA_DIR": str(tmp)}
-    if sentinels:
-        extra["STUDIO_REDIS_SENTINEL_MASTER"] = d.master
-        if secure:
-            extra["STUDIO_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
-    env = env_for(url, f"sqlite:///{tmp / 'store.db'}", **extra)
-    worker = CeleryWorker(env, tmp / "worker.log", name=f"w-{name}", stop_timeout=20)
-    f = Form(name, env, tmp, worker, (d.ports["a"], d.password))
-    try:
-        worker.wait_ready(60)
+    secure = FORMS[name][0]
+    with Form(name, tmp_path_factory.mktemp(name), deployments[secure], secure) as f:
+        f.worker.wait_ready(60)
         from api_client import CodeClient
 
-        with CodeClient(f.settings("off")) as c:  # until the worker is announced serving
+        with CodeClient(f.fair_settings("off")) as c:  # until the worker is announced serving
             wait_for(
                 lambda: any(i.serving for i in c.live_workers()["code.run"]),
                 60,
@@ -171,8 +162,6 @@ def form(
                 0.2,
             )
         yield f
-    finally:
-        f.close()
 
 
 def _submit(form: Form, fairness: str, door: str, n: int) -> str:
@@ -181,23 +170,23 @@ def _submit(form: Form, fairness: str, door: str, n: int) -> str:
         from api_client import CodeClient
 
         # a fresh client (a process's first submit is the one that failed through sentinels)
-        with CodeClient(form.settings(fairness)) as c:
+        with CodeClient(form.fair_settings(fairness)) as c:
             return str(c.submit(DOUBLE, "python", {"n": n}, user="ann"))
     if door == "http":
         r = httpx.post(
-            f"{form.api(fairness).base}/api/runs",
+            f"{form.fair_api(fairness).base}/api/runs",
             json={"code": DOUBLE, "language": "python", "state": {"n": n}},
             headers={USER: "ann"},
             timeout=60,
         )
         assert r.status_code == 202, (r.status_code, r.text)
         return str(r.json()["job_id"])
-    node = form.tmp / "double.py"
+    node = form.workdir / "double.py"
     node.write_text(DOUBLE)
     proc = subprocess.run(
         [str(BIN / "studio-code"), "submit", str(node), "--state", json.dumps({"n": n})]
         + ["--user", "ann"],
-        env=form.env_with(fairness),
+        env=form.fair_env(fairness),
         capture_output=True,
         text=True,
         timeout=120,
@@ -224,7 +213,7 @@ def test_a_job_submitted_through_each_door_runs_once(form: Form, fairness: str, 
         assert scripted and not pushed, f"the run did not go to its user's list: {pushed}"
     else:
         assert pushed and not scripted, f"the run did not go straight to code.run: {scripted}"
-    with CodeClient(form.settings(fairness)) as c:
+    with CodeClient(form.fair_settings(fairness)) as c:
         rec = c.wait(job_id, 60)
         counts = {status: n for status, n in c.store.counts_by_status().items() if n}
     assert rec.status == "succeeded", (rec.status, rec.error, form.worker.tail(30))

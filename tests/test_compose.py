@@ -62,6 +62,7 @@ def compose_config(
     tmp: Path,
     *files: Path,
     env: dict[str, str] | None = None,
+    profiles: tuple[str, ...] = ("images",),
 ) -> subprocess.CompletedProcess[str]:
     cmd = compose_cmd()
     require(cmd is not None, "neither docker-compose nor the docker compose plugin is installed")
@@ -70,7 +71,14 @@ def compose_config(
     env_file.write_text("".join(f"{k}={v}\n" for k, v in (env or {}).items()))
     args = [a for f in files for a in ("-f", str(f))]
     return subprocess.run(
-        [*cmd, "--env-file", str(env_file), *args, "--profile", "images", "config"],
+        [
+            *cmd,
+            "--env-file",
+            str(env_file),
+            *args,
+            *(a for p in profiles for a in ("--profile", p)),
+            "config",
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -175,7 +183,9 @@ def test_no_password_or_group_is_defaulted(tmp_path: Path) -> None:
 def test_only_the_socket_guard_gets_the_docker_socket(config: dict[str, Any]) -> None:
     for name, svc in config["services"].items():
         has = any("docker.sock" in (src or "") for src, _ in _mounts(svc))
-        assert has == (name == "sockguard"), f"{name}: engine socket mounted = {has}"
+        # the default workers' guard, and the big worker group's own (`--profile big`)
+        guard = name in ("sockguard", "sockguard-big")
+        assert has == guard, f"{name}: engine socket mounted = {has}"
     guard = config["services"]["sockguard"]
     assert guard["group_add"] == ["4242"]
     assert guard["command"][:2] == ["studio-code", "sockguard"]
@@ -247,8 +257,8 @@ def test_only_the_usage_sweeper_writes_the_host_cgroups(config: dict[str, Any]) 
     for name, svc in config["services"].items():
         if ("/sys/fs/cgroup", "/host/sys/fs/cgroup") not in _mounts(svc):
             continue
-        assert name in ("worker", "usage-sweeper"), name
-        assert _read_only(svc, "/host/sys/fs/cgroup") == (name == "worker"), name
+        assert name in ("worker", "worker-big", "usage-sweeper"), name
+        assert _read_only(svc, "/host/sys/fs/cgroup") == (name != "usage-sweeper"), name
     sweeper = config["services"]["usage-sweeper"]
     assert sweeper["network_mode"] == "none" and sweeper["cap_drop"] == ["ALL"]
     # rmdir in a v1 hierarchy's root (root's, mode 0555): the one capability it gets
@@ -284,6 +294,53 @@ def test_the_workers_start_sandboxes_through_the_socket_guard(config: dict[str, 
     for port in api.get("ports") or []:
         host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).split(":")[0]
         assert host_ip == "127.0.0.1", port
+
+
+def test_the_big_worker_group_is_a_second_worker_service_off_until_asked(
+    config: dict[str, Any], tmp_path: Path
+) -> None:
+    """deploy/compose.yaml's example of a second worker group (docs/operations.md, "Worker
+    groups"): worker-big and its own socket guard, in profile big (not started without
+    `--profile big`); with
+    it, the workers of group big with the big slot's caps, behind a guard holding the same
+    caps, and the API told of the group by STUDIO_WORKER_GROUPS."""
+    for name in ("worker-big", "sockguard-big"):  # `config` lists them; `up` starts them not
+        assert config["services"].get(name, {}).get("profiles", ["big"]) == ["big"], name
+    env = {
+        **SECRETS,
+        "DOCKER_GID": "4242",
+        "STATE_DIR": str(tmp_path),
+        "STUDIO_WORKER_GROUPS": "big:4g:3",
+        "BIG_WORKER_MEMORY": "4g",
+        "BIG_WORKER_CPUS": "3",
+    }
+    svcs = _parse(compose_config(tmp_path, COMPOSE_FILE, BRIDGE_FILE, env=env, profiles=("big",)))[
+        "services"
+    ]
+    big, guard, worker = svcs["worker-big"], svcs["sockguard-big"], svcs["worker"]
+    assert big["environment"]["STUDIO_WORKER_GROUP"] == "big"
+    assert "STUDIO_WORKER_GROUP" not in worker["environment"]  # default
+    for svc in (big, guard, worker, svcs["api"]):
+        assert svc["environment"]["STUDIO_WORKER_GROUPS"] == "big:4g:3"
+    for svc in (big, guard):
+        assert svc["environment"]["STUDIO_CODE_MAX_MEMORY"] == "4g"
+        assert str(svc["environment"]["STUDIO_CODE_MAX_CPUS"]) == "3"
+    assert "STUDIO_CODE_MAX_MEMORY" not in svcs["sockguard"]["environment"]
+    assert big["command"] == worker["command"] and big["mem_limit"] == worker["mem_limit"]
+    assert sorted(_mounts(big)) == [
+        ("/sys/fs/cgroup", "/host/sys/fs/cgroup"),
+        ("docker-guard-big", "/run/studio"),
+    ]
+    assert ("docker-guard-big", "/run/studio") in _mounts(guard)
+    assert big["environment"]["DOCKER_HOST"] == "unix:///run/studio/docker.sock"
+    assert big["depends_on"]["sockguard-big"]["condition"] == "service_healthy"
+    assert guard["network_mode"] == "none" and guard["command"][:2] == ["studio-code", "sockguard"]
+    # on the host network the big workers are reaped as every worker is (pid: host)
+    host = _parse(compose_config(tmp_path, COMPOSE_FILE, HOSTNET_FILE, env=env, profiles=("big",)))[
+        "services"
+    ]
+    assert host["worker-big"]["pid"] == "host" and host["worker-big"]["network_mode"] == "host"
+    assert host["worker-big"]["environment"]["STUDIO_WORKER_GROUP"] == "big"
 
 
 def test_redis_keeps_acknowledged_jobs(config: dict[str, Any]) -> None:

@@ -353,7 +353,7 @@ def test_the_sandboxes_kernel_applies_no_new_privileges_and_seccomp(  # type: ig
     docker_executor = Executor(
         make_settings(code_runtime="docker", code_image=python_image, code_oci_runtime=oci)
     )
-    proof = sandbox_proof(docker_executor)
+    proof = sandbox_proof(docker_executor.run)
     print("\nfrom inside a sandbox:", json.dumps(proof))
     assert proof == {
         "no_new_privs": True,

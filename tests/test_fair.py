@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from testkit.processes import wait_for
-from testkit.sandboxes import sandbox_events
+from testkit.sandboxes import containers_of, sandbox_events
 from tests.snippets import TRIVIAL, sleeper
-from tests.test_queue import containers_of
 
 # --- the scripts, on a real redis-server -----------------------------------------------------
 

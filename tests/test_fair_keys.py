@@ -18,9 +18,41 @@ from typing import Any
 import pytest
 
 from tests.snippets import TRIVIAL
-from tests.test_fair import _announce, _drain, _released
 
 # --- the script, on a real redis-server ------------------------------------------------------
+
+
+def _announce(r: Any, slots: int) -> None:
+    """A live serving worker of code.run with ``slots`` run slots (as worker.upkeep.heartbeat)."""
+    from worker.protocol import QUEUE_RUN
+    from worker.upkeep.heartbeat import Heartbeat
+
+    url = r.connection_pool.connection_kwargs
+    hb = Heartbeat(
+        f"redis://{url['host']}:{url['port']}/0",
+        "w@test",
+        {QUEUE_RUN: slots},
+        interval_s=60,
+        ttl_s=60,
+    )
+    hb.beat()
+    hb.redis.close()
+
+
+def _released(r: Any) -> list[str]:
+    """The messages in code.run, oldest first, as job ids."""
+    return [json.loads(m)["headers"]["id"] for m in reversed(r.lrange("code.run", 0, -1))]
+
+
+def _drain(r: Any, fair: Any, n: int) -> list[str]:
+    """Runs released, ``code.run`` emptied before each release (every slot free again)."""
+    out: list[str] = []
+    while len(out) < n:
+        r.delete("code.run")
+        if not fair.release():
+            break
+        out += _released(r)
+    return out
 
 
 def _message(job_id: str) -> str:
@@ -153,7 +185,6 @@ def test_cli_submit_checks_the_keys(tmp_path: Any) -> None:
     connection, CODE_INVALID with the sentence."""
     from testkit.stack import base_env
     from tests.conftest import run_cli
-    from tests.test_cli import one_json
 
     path = tmp_path / "node.py"
     path.write_text(TRIVIAL)
@@ -164,7 +195,9 @@ def test_cli_submit_checks_the_keys(tmp_path: Any) -> None:
         "STUDIO_REDIS_URL": "redis://127.0.0.1:1/0",
     }
     proc = run_cli("submit", str(path), "--tenant", "acme", "--workflow", "a b", env=env)
-    out = one_json(proc)
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    out = json.loads(lines[0])
     assert proc.returncode == 1 and out["error"]["code"] == "CODE_INVALID", out
     assert "--workflow 'a b' is not a key" in out["error"]["message"]
 

@@ -136,9 +136,11 @@ def test_the_command_prints_each_image_at_its_versions(
 def test_modules_json_gives_the_versions(
     built: dict[str, Any], wheels: Path, make_settings: Any
 ) -> None:
-    from executor.languages.python_modules import read_image_modules
+    from executor.languages import get_language
+    from executor.runtimes.docker.runtime import DockerRuntime
 
-    found = read_image_modules(PY_TAG, make_settings(code_image=PY_TAG))
+    settings = make_settings(code_image=PY_TAG)
+    found = DockerRuntime.image_facts(settings, get_language("python")).modules()
     assert found is not None
     assert found.packages == {"cowsay": ["cowsay"], "python-dateutil": ["dateutil"]}
     assert found.versions == {

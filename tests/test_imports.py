@@ -6,14 +6,11 @@ Celery, Docker SDK or tree-sitter; ``run`` loads no queue or store."""
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from testkit.imports import loaded_after, loaded_of
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = (
@@ -40,30 +37,6 @@ QUEUE_AND_STORE = (
     "api_client.http",
     "fastapi",
 )
-
-
-def loaded_after(script: str, env: dict[str, str] | None = None) -> set[str]:
-    """The modules (top-level names and dotted names) a fresh interpreter holds after
-    running ``script``, which may print to stdout (it is set aside)."""
-    probe = textwrap.dedent(script) + textwrap.dedent("""
-        import sys as _sys, json as _json
-        _sys.__stdout__.write("\\n@@MODULES@@" + _json.dumps(sorted(_sys.modules)) + "\\n")
-    """)
-    proc = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    names = json.loads(proc.stdout.rsplit("@@MODULES@@", 1)[1])
-    return set(names) | {n.split(".")[0] for n in names}
-
-
-def loaded_of(modules: set[str], wanted: tuple[str, ...]) -> list[str]:
-    return sorted(m for m in modules if m in wanted)
 
 
 @pytest.mark.parametrize(
@@ -212,8 +185,8 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
 RUN_NEVER_USES = (
     "executor.runtimes.docker.posture",
     "tomllib",
-    "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (executor.docker_api)
-    # requests' guess of a text's encoding (executor.docker_api): its package, which loads
+    "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (runtimes/docker/client.py)
+    # requests' guess of a text's encoding (runtimes/docker/client.py): its package, which loads
     # .api first, and not its version module (imported for requests to read)
     "charset_normalizer.api",
 )
@@ -261,7 +234,7 @@ def test_what_the_docker_sdk_is_imported_without_still_works_when_used():
     HTTP/2 check still reads a package's version, each importing it then."""
     mods = loaded_after("""
         import sys
-        from executor.docker_api import import_sdk
+        from executor.runtimes.docker.client import import_sdk
         import_sdk()
         assert "docker" in sys.modules
         assert "charset_normalizer" not in sys.modules
@@ -399,6 +372,58 @@ def test_api_client_has_no_import_circle():
     assert found is None, "import circle: " + " -> ".join(found or [])
 
 
+def test_the_product_has_no_import_circle():
+    """No module of the product (executor, worker, api_client, the test kit) imports itself
+    back through others, counting the imports inside functions and under TYPE_CHECKING: an
+    import moved into a function hides a circle, it does not end it. (The languages read
+    their image's facts as data the runtime hands them, never through a runtime's module.)"""
+    graph = import_graph(*(ROOT / top for top in ("executor", "worker", "api_client", "testkit")))
+    # the scan sees an import inside a function (runtime_class's import of a runtime)
+    assert "executor.runtimes.docker.runtime" in graph["executor.service"]
+    found = circle_in(graph)
+    assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+def test_the_api_loads_no_docker_sdk():
+    """The API's process talks to Redis and the run store, never to the Docker engine at
+    import: neither the client nor the HTTP app loads the Docker SDK (a runtime loads it
+    when it is made, e.g. by a readiness probe)."""
+    for module in ("api_client.client", "api_client.http.app"):
+        mods = loaded_after(f"import {module}")
+        assert module in mods
+        assert loaded_of(mods, ("docker", "executor.runtimes.docker")) == [], module
+
+
+def runtime_name_branches(*tops: Path) -> list[str]:
+    """Where the code compares STUDIO_CODE_RUNTIME's value (``code_runtime``) with a
+    runtime's name, as ``path:function``: read from the source."""
+    found = []
+    for top in tops:
+        for path in sorted(top.rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            for func in ast.walk(tree):
+                if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Compare) and "code_runtime" in ast.unparse(node):
+                        sides = [node.left, *node.comparators]
+                        if any(
+                            isinstance(x, ast.Constant) and isinstance(x.value, str) for x in sides
+                        ):
+                            found.append(f"{path.relative_to(ROOT)}:{func.name}")
+    return sorted(set(found))
+
+
+def test_only_runtime_class_branches_on_the_runtimes_name():
+    """Callers ask a runtime what it can do (executor/runtimes/base.py): the one place that
+    compares STUDIO_CODE_RUNTIME with a runtime's name is the choice of the runtime
+    (``runtime_class``); the settings may check their own values by it."""
+    branches = runtime_name_branches(*(ROOT / top for top in ("executor", "worker", "api_client")))
+    assert "executor/service.py:runtime_class" in branches  # the scan sees it
+    others = [b for b in branches if not b.startswith("executor/settings.py:")]
+    assert others == ["executor/service.py:runtime_class"]
+
+
 RUNTIMES = ROOT / "executor" / "runtimes"
 
 
@@ -515,3 +540,55 @@ def test_the_api_imports_no_room_of_the_worker():
         if room_of(target) is not None
     )
     assert reads == [], "the API imports a room of the worker"
+
+
+# --- the tests themselves ----------------------------------------------------------------------
+
+
+def imports_between_tests(folder: Path) -> dict[str, list[str]]:
+    """Every test module (``test_*.py``) of ``folder`` -> the other test modules it imports,
+    anywhere in it (top level or inside a function), in any form: ``import tests.test_x``,
+    ``from tests.test_x import y``, ``from tests import test_x``, ``from .test_x import y``,
+    ``from . import test_x``, ``import test_x``. Read from the source, nothing imported."""
+    own = {path.stem for path in folder.glob("test_*.py")}
+    found: dict[str, list[str]] = {}
+    for path in sorted(folder.glob("test_*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = "." * node.level + (node.module or "")
+                names |= {base, *(f"{base}.{a.name}" for a in node.names)}
+        imported = {
+            last for name in names if (last := name.rpartition(".")[2]) in own and last != path.stem
+        }
+        found[path.stem] = sorted(imported)
+    return {name: others for name, others in found.items() if others}
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in tests/conftest.py (fixtures), tests/snippets.py (what
+    they send) or testkit/ (the services and the helpers): a test module that imports
+    another runs that module's import-time code and ties the two together."""
+    assert len(list((ROOT / "tests").glob("test_*.py"))) > 50  # the scan sees the tests
+    assert imports_between_tests(ROOT / "tests") == {}
+
+
+def test_the_scan_sees_every_form_of_a_test_module_import(tmp_path):
+    forms = [
+        "import tests.test_b",
+        "from tests.test_b import x",
+        "from tests import test_b",
+        "from .test_b import x",
+        "from . import test_b",
+        "import test_b",
+        "def f():\n    from tests.test_b import x",
+    ]
+    (tmp_path / "test_b.py").write_text("x = 1\n")
+    (tmp_path / "snippets.py").write_text("y = 1\n")
+    for form in forms:
+        (tmp_path / "test_a.py").write_text(f"from tests.snippets import y\n{form}\n")
+        assert imports_between_tests(tmp_path) == {"test_a": ["test_b"]}, form
+    (tmp_path / "test_a.py").write_text("from tests.snippets import y\nimport testkit.stack\n")
+    assert imports_between_tests(tmp_path) == {}

@@ -80,6 +80,20 @@ def test_code_that_exits_137_itself_is_still_the_codes(executor: Any) -> None:
     assert [t.step for t in r.trace] == ["sandbox.start", "code.run"]
 
 
+def test_the_result_says_its_sandbox_was_lost_or_ran_as_typed_facts(
+    docker_executor: Any, docker_client: Any
+) -> None:
+    """What became of the sandbox is typed on the result (the job path decides on it,
+    worker.job.rerun): lost and its cause, or the code ran. The trace only shows it (a
+    result without its trace still says it) and the result's JSON is unchanged."""
+    r = run_and_end_from_outside(docker_executor, docker_client, lambda c: c.remove(force=True))
+    assert (r.lost, r.started, r.refused) == ("sandbox_vanished", False, None), r
+    assert r.model_copy(update={"trace": []}).lost == "sandbox_vanished"
+    assert not {"lost", "started", "refused"} & set(r.model_dump(mode="json"))
+    ran = docker_executor.run(CodeJob(code=EXITS_137, timeout_s=20))
+    assert (ran.lost, ran.started, ran.refused) == (None, True, None), ran
+
+
 @pytest.mark.redis
 def test_a_job_lost_on_every_attempt_ends_runtime_unavailable_naming_each_cause(
     make_stack: Any, docker_client: Any

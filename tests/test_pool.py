@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,13 @@ import pytest
 
 from executor.models import CodeJob, Status
 from testkit.processes import ROOT, children, wait_for
+from testkit.sandboxes import LABEL_POOL, pool_containers
 from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
 from testkit.stack import Stack
 from tests.conftest import THROUGH_SOCKGUARD
 from tests.snippets import WHOAMI
 
 pytestmark = pytest.mark.docker
-
-LABEL_POOL = "studio.pool"
 
 
 def cid_in_logs(logs: str) -> str:
@@ -39,31 +37,6 @@ def cid_in_logs(logs: str) -> str:
 
 def start_detail(trace: list[Any]) -> str:
     return next(r.detail for r in trace if r.step == "sandbox.start")
-
-
-def pool_containers(docker_client: Any, owner: str) -> list[dict]:
-    return docker_client.api.containers(all=True, filters={"label": f"{LABEL_POOL}={owner}"})
-
-
-@pytest.fixture
-def pooled(make_settings: Callable[..., Any], python_image: str) -> Iterator[Callable[..., Any]]:
-    """Factory of executors with a filled pool (Python); closed at the end."""
-    from executor.service import Executor
-
-    made: list[Executor] = []
-
-    def make(**overrides: Any) -> Executor:
-        base = {"code_runtime": "docker", "code_image": python_image, "code_languages": "python"}
-        ex = Executor(make_settings(**{**base, **overrides}))
-        made.append(ex)
-        ex.prepare()
-        assert ex.runtime is not None and ex.runtime.pool is not None
-        assert ex.runtime.pool.wait_ready(60)
-        return ex
-
-    yield make
-    for ex in made:
-        ex.close()
 
 
 # --- one job per container ------------------------------------------------------------------
@@ -579,7 +552,7 @@ def test_an_oci_runtime_the_engine_does_not_know_is_not_ready_and_says_so(
 
 ENGINE_CALLS = """
 import json, os, sys, uuid
-from executor.docker_api import shared_api
+from executor.runtimes.docker.client import shared_api
 
 def sockets():
     out = 0
@@ -623,8 +596,8 @@ def test_the_engine_client_keeps_one_pool_of_connections_for_all_containers(
     """A pooled job's engine calls (create, attach, start, rename, wait, remove) each name a
     container the client never named before. The SDK as it comes keeps a connection pool per
     URL, so each call opened a new connection, and up to 25 stayed open, idle; the shared
-    client keeps one pool for the engine's socket (executor.docker_api._lighten). 12 sandbox
-    lives in a process of its own, on the engine's own socket (a socket guard would refuse
+    client keeps one pool for the engine's socket (runtimes/docker/client.py's _lighten). 12
+    sandbox lives in a process of its own, on the engine's own socket (a socket guard would refuse
     these containers, which are not made by sandbox_policy; through a guard the client's
     connections are the same): every call answers, and the process then holds at most 2
     sockets more than before (on the SDK as it comes: one per container, 12 or more)."""

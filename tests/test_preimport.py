@@ -18,10 +18,7 @@ import pytest
 
 from executor.models import CodeJob, Status
 from testkit.processes import wait_for
-from tests import test_pool
-
-#: the fixture of tests/test_pool.py: executors with a filled pool (Python), closed at the end
-pooled = test_pool.pooled
+from testkit.sandboxes import pool_containers
 
 SEEN = (
     "import os, sys\n"
@@ -182,7 +179,7 @@ def test_meta_shows_the_memory_pre_imports_hold_measured_by_the_host(
     assert before["idle_memory_bytes"] < before["memory_limit_bytes"]
     # the sandbox measured without pre-import went, like any other one not handed out
     wait_for(
-        lambda: len(test_pool.pool_containers(docker_client, ex.runtime.pool.owner)) <= 2,
+        lambda: len(pool_containers(docker_client, ex.runtime.pool.owner)) <= 2,
         60,
         "the sandbox measured aside to be removed",
     )

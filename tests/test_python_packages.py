@@ -67,9 +67,11 @@ def test_build_sh_maps_the_requirements_to_debian_names(tmp_path: Path) -> None:
 
 @pytest.mark.docker
 def test_the_image_records_what_it_can_import(make_settings: Any, python_image: str) -> None:
-    from executor.languages.python_modules import read_image_modules
+    from executor.languages import get_language
+    from executor.runtimes.docker.runtime import DockerRuntime
 
-    found = read_image_modules(python_image, make_settings(code_image=python_image))
+    settings = make_settings(code_image=python_image)
+    found = DockerRuntime.image_facts(settings, get_language("python")).modules()
     assert found is not None, f"{python_image} has no modules.json: rebuild it (make image)"
     assert sorted(found.packages) == sorted(_listed())
     assert found.packages["python-dateutil"] == ["dateutil"]

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from testkit.processes import HOST, alive, children, wait_for
-from testkit.sandboxes import sandbox_events
+from testkit.sandboxes import containers_of, sandbox_events
 from tests.conftest import run_cli
 from tests.snippets import SPIN, TRIVIAL, sleeper
 
@@ -33,16 +33,6 @@ LABEL_OWNER = "studio.owner"
 #: how long a test waits for a job's sandbox to be running: a hang guard, not a speed test
 #: (on a loaded CI machine one such wait once ran past 30 s; speed is in make bench)
 SANDBOX_UP_S = 60.0
-
-
-def containers_of(docker_client: Any, job_id: str, *, running: bool = False) -> list[dict]:
-    """The sandbox of ``job_id``: found by its name, which a container started for the job
-    has from its create and a pre-started one from the moment it is taken (its labels were
-    fixed before the job was known)."""
-    filters: dict[str, Any] = {"name": f"^/studio-code-{job_id}$"}
-    if running:
-        filters["status"] = "running"
-    return docker_client.api.containers(all=not running, filters=filters)
 
 
 # --- fixtures -------------------------------------------------------------------------------
@@ -265,7 +255,7 @@ def test_cancel_running_job_from_another_process(make_stack: Any, docker_client:
     box = wait_for(
         lambda: containers_of(docker_client, job, running=True), SANDBOX_UP_S, "the sandbox"
     )
-    owner_pid = int(box[0]["Labels"][LABEL_OWNER].rpartition(":")[2])
+    owner_pid = int(box[0].labels[LABEL_OWNER].rpartition(":")[2])
     t0 = time.monotonic()
     proc = run_cli("cancel", job, env=q.env(), timeout=60)
     t_cli = time.monotonic()
@@ -328,7 +318,7 @@ def test_stray_cancel_signal_does_not_kill_the_next_job(
     box = wait_for(
         lambda: containers_of(docker_client, job, running=True), SANDBOX_UP_S, "the sandbox"
     )
-    pid = int(box[0]["Labels"][LABEL_OWNER].rpartition(":")[2])
+    pid = int(box[0].labels[LABEL_OWNER].rpartition(":")[2])
     os.kill(pid, CANCEL_SIGNAL)  # as a terminate meant for this process's previous job
     rec = q.client.wait(job, 30)
     assert rec.status == "succeeded" and rec.output == "survived"
@@ -347,7 +337,7 @@ def test_backstop_kills_when_the_pool_process_cannot(make_stack: Any, docker_cli
     box = wait_for(
         lambda: containers_of(docker_client, job, running=True), SANDBOX_UP_S, "the sandbox"
     )
-    pid = int(box[0]["Labels"][LABEL_OWNER].rpartition(":")[2])
+    pid = int(box[0].labels[LABEL_OWNER].rpartition(":")[2])
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -383,7 +373,7 @@ def test_worker_sigkill_mid_job(make_stack: Any, docker_client: Any) -> None:
     box = wait_for(
         lambda: containers_of(docker_client, job, running=True), SANDBOX_UP_S, "the sandbox"
     )
-    orphan = box[0]["Id"]
+    orphan = box[0].id
     killed = w1.kill_hard()
     wait_for(lambda: not any(alive(p) for p in killed), 10, "the killed processes to end")
     assert containers_of(docker_client, job), "the sandbox outlives its worker"

@@ -46,8 +46,14 @@ def submit_http(http: httpx.Client, n: int) -> httpx.Response:
 
 
 def assert_all_doubled(q: Stack, jobs: dict[str, int], timeout_s: float) -> None:
-    """Every job ended once, succeeded, with its own output."""
-    recs = q.wait_all(list(jobs), timeout_s)
+    """Every job ended once, succeeded, with its own output. Prints its accounting line
+    (accepted, ended per status, claimed more than once), also when some never end."""
+    try:
+        recs = q.wait_all(list(jobs), timeout_s)
+    except AssertionError:
+        print(f"\naccounting: {accounting(q, jobs)}", flush=True)
+        raise
+    print(f"\naccounting: {accounting(q, jobs)}", flush=True)
     wrong = {
         j: (r.status.value, r.output, r.error and r.error.message)
         for j, r in recs.items()
@@ -56,6 +62,27 @@ def assert_all_doubled(q: Stack, jobs: dict[str, int], timeout_s: float) -> None
     assert not wrong, f"{len(wrong)} of {len(jobs)} jobs did not end with their outcome: {wrong}"
     twice = {j: r.attempts for j, r in recs.items() if r.attempts > 1}
     assert not twice, f"jobs claimed more than once: {twice}"
+
+
+def accounting(q: Stack, jobs: dict[str, int]) -> str:
+    """accepted N; succeeded with their own output S; each other state and its count;
+    claimed more than once C (the run store's word)."""
+    recs = q.client.store.get_many(list(jobs), inputs=False)
+    ends: dict[str, int] = {}
+    for j, r in recs.items():
+        key = r.status.value
+        if key == "succeeded" and r.output != 2 * jobs[j]:
+            key = "succeeded with a wrong output"
+        ends[key] = ends.get(key, 0) + 1
+    missing = len(jobs) - len(recs)
+    twice = sum(1 for r in recs.values() if r.attempts > 1)
+    others = ", ".join(f"{k} {n}" for k, n in sorted(ends.items()) if k != "succeeded")
+    return (
+        f"accepted {len(jobs)}, succeeded {ends.get('succeeded', 0)}"
+        + (f", {others}" if others else "")
+        + (f", no row {missing}" if missing else "")
+        + f", claimed more than once {twice}"
+    )
 
 
 # --- "serving" is proven ---------------------------------------------------------------------
@@ -472,5 +499,93 @@ def test_a_delivery_a_failover_left_without_its_worker_is_sent_again_on_the_new_
             finally:
                 new.close()
         finally:
+            client.close()
+            w.stop(30)
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(240)
+def test_a_message_the_old_primary_acknowledged_and_never_replicated_is_sent_again(
+    sqlite_url: str, tmp_path: Path, make_settings: Any
+) -> None:
+    """Redis made to lose an acknowledged message on purpose, as asynchronous replication
+    does in a failover: the replica reaches its primary through a relay that is silenced,
+    a run is submitted (the primary acknowledges its message: it is on the primary's
+    code.run list, never on the replica), then the primary is SIGKILLed and the sentinels
+    promote the replica. The new primary has no trace of the message; the run store's row
+    (queued, 0 attempts) is the only promise left. The worker, connected to the old primary
+    all along (its one slot busy with a slower run, so the message waited), follows the
+    failover, and its queued sweep (lock, reads, resend on the new primary) sends the run
+    again once it is STUDIO_QUEUE_LOST_AFTER_S old: it succeeds, claimed once. Without the
+    sweep it would wait out STUDIO_QUEUE_RUN_MAX_WAIT_S (30 min): the 90 s wait is a hang
+    guard far below that, not a speed."""
+    from worker.protocol import KOMBU_UNACKED, QUEUE_RUN, message_job_id, queue_lists
+
+    slow = "import time\n\ndef main(state):\n    time.sleep(state['s'])\n    return state['s']\n"
+    with start_sentinels(tmp_path, relayed_replica=True) as sentinels:
+        env = env_for(
+            sentinels.url,
+            sqlite_url,
+            STUDIO_REDIS_SENTINEL_MASTER=sentinels.master,
+            STUDIO_QUEUE_LOST_AFTER_S="3",
+            STUDIO_QUEUE_RUN_FAIRNESS="off",
+            STUDIO_QUEUE_TEST_SLOTS="0",
+            STUDIO_CODE_MAX_SECONDS="30",
+        )
+        w = CeleryWorker(env, tmp_path / "w.log", name="follower", concurrency=1, queues="code.run")
+        client = client_for(
+            make_settings,
+            sentinels.url,
+            sqlite_url,
+            redis_sentinel_master=sentinels.master,
+            queue_require_worker=False,
+            queue_run_fairness="off",
+            code_max_seconds=30,
+        )
+        primary = new = None
+        try:
+            w.wait_ready()
+            # the worker's only slot busy: the next message waits on the list
+            busy = client.submit(slow, "python", {"s": 8}, user="ann")
+            wait_for(
+                lambda: client.store.get(busy, inputs=False).status == "running",
+                60,
+                "the slow run running",
+            )
+            old_port = sentinels.master_port() or 0
+            primary = redis.Redis(port=old_port, socket_timeout=5)
+            assert primary.wait(1, 5000) == 1, "the replica has everything so far"
+            sentinels.cut_replication()
+            job = client.submit(TRIVIAL, "python", {"n": 21}, user="ann")
+
+            def waiting(r: redis.Redis) -> list[str]:
+                return [
+                    str(message_job_id(m))
+                    for key in queue_lists(QUEUE_RUN)
+                    for m in r.lrange(key, 0, -1)
+                ]
+
+            # acknowledged by the primary, never on the replica
+            assert waiting(primary) == [job], waiting(primary)
+            assert primary.wait(1, 500) == 0, "the replica acknowledged the message"
+            dead = sentinels.kill_primary()
+            new_port = sentinels.ports[sentinels.other(dead)]
+            sentinels.wait_master(new_port)
+            new = redis.Redis(port=new_port, socket_timeout=5)
+            assert waiting(new) == [], "the failover kept the message"
+            held = new.hvals(KOMBU_UNACKED)
+            assert not any(job.encode() in v for v in held), "the failover kept a delivery"
+            rec = client.store.get(job, inputs=False)
+            assert (rec.status, rec.attempts) == ("queued", 0), rec
+            done = client.wait(job, 90)
+            assert done.status == "succeeded" and done.output == 42, w.output()[-3000:]
+            assert done.attempts == 1, done
+            assert "sent again" in w.output() and job in w.output(), w.output()[-3000:]
+            ended = client.wait(busy, 60)
+            assert ended.status == "succeeded" and ended.output == 8, ended
+        finally:
+            for c in (primary, new):
+                if c is not None:
+                    c.close()
             client.close()
             w.stop(30)

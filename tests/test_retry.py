@@ -294,3 +294,67 @@ def test_a_cancel_during_the_delay_ends_the_run(stack: Stack) -> None:
     done = stack.run(job_id, user)
     assert done["status"] == "cancelled" and done["error"]["code"] == "CODE_CANCELLED", done
     assert len(done["history"]) == 1 and done["attempts"] == 1, done
+
+
+#: takes a moment (the store is stopped meanwhile), then raises
+SLOW_RAISE = (
+    "import time\n\n"
+    "def main(state):\n"
+    "    time.sleep(state['s'])\n"
+    "    raise ValueError('boom after a moment')\n"
+)
+
+
+@pytest.mark.redis
+@pytest.mark.postgres
+@pytest.mark.timeout(240)
+def test_a_retry_the_store_could_not_take_is_run_again_not_lost(tmp_path: Any) -> None:
+    """The run store (a PostgreSQL cluster of the test's own) stops while an attempt runs;
+    the attempt ends CODE_ERROR, which its policy retries, and its next attempt cannot be
+    written. The message goes back to its queue (an infrastructure re-run, the attempt's
+    outcome never recorded), never acknowledged: once the store is back the attempt runs
+    again, then its retry: the run ends failed CODE_ERROR with both code attempts in its
+    history and the re-run counted apart in ``attempts``. (Acknowledged, as before, the run
+    stayed ``running`` without a message until the reaper ended it failed
+    RUNTIME_UNAVAILABLE: the soak with --retries found it.)"""
+    from testkit.postgres import start_pg_cluster
+
+    with (
+        start_pg_cluster() as pg,
+        Stack(
+            tmp_path,
+            database_url=pg.url,
+            code_runtime="subprocess",
+            code_languages="python",
+            code_max_seconds=30,
+            queue_retry_tick_s=0.2,
+            queue_reap_interval_s=1,
+        ) as q,
+    ):
+        w = q.start_worker("w", 1)
+        policy = {"max_attempts": 2, "on": ["CODE_ERROR"], "backoff": {"initial_s": 0.2}}
+        job = q.client.submit(SLOW_RAISE, "python", {"s": 4}, user="ann", retry=policy)
+        wait_for(lambda: q.client.store.get(job, inputs=False).status == "running", 60, "running")
+        pg.stop()
+        try:
+            # the attempt ends while the store is down: handed back (or, before, acknowledged)
+            wait_for(
+                lambda: (
+                    "next attempt waits for the run store" in w.output()
+                    or "raised unexpected" in w.output()
+                ),
+                60,
+                "the attempt's end",
+            )
+        finally:
+            pg.start()
+        rec = q.client.wait(job, 120)
+        assert rec.status == "failed", (rec.status, rec.error, w.output()[-3000:])
+        assert rec.error is not None and rec.error.code == "CODE_ERROR", rec.error
+        assert [(a.attempt, a.code) for a in rec.history] == [
+            (1, "CODE_ERROR"),
+            (2, "CODE_ERROR"),
+        ], rec.history
+        # its claims: the attempt handed back, its re-run, the retry
+        assert rec.attempts == 3, rec.attempts
+        assert "its next attempt waits for the run store" in w.output()

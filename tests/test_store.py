@@ -193,6 +193,61 @@ def test_claim_finished_returns_none(store: RunStore) -> None:
     assert store.get(job_id) == before
 
 
+@pytest.mark.parametrize("use_lane", [True, False], ids=["lane", "sqlalchemy"])
+def test_a_claim_that_takes_nothing_says_why_in_its_own_transaction(
+    store: RunStore, use_lane: bool
+) -> None:
+    """try_claim answers claimed, or why not (the row's status as the claim found it, and
+    whether it had started; no status: unknown), so the worker reads the row no more after
+    a failed claim (worker.job.tasks._not_claimed). Through the DBAPI lane and through
+    SQLAlchemy's statements."""
+    if not use_lane:
+        store._lane = None  # type: ignore[attr-defined]
+    queued = _new(store)
+    assert store.request_cancel(queued) is Status.CANCELLED
+    cancelling = _running(store)
+    assert store.request_cancel(cancelling) is Status.CANCELLING
+    finished = _running(store)
+    assert store.finish(_result(finished), worker="w1")
+    running = _running(store)
+
+    taken = store.try_claim(_new(store), "w2")
+    assert taken.record is not None and taken.record.status is Status.RUNNING, taken
+    unknown = store.try_claim("unknown", "w2")
+    assert (unknown.record, unknown.status, unknown.unknown, unknown.open) == (
+        None,
+        None,
+        True,
+        False,
+    )
+    c = store.try_claim(queued, "w2")
+    assert (c.record, c.status, c.started, c.cancelled_queued, c.open) == (
+        None,
+        Status.CANCELLED,
+        False,
+        True,
+        False,
+    )
+    c = store.try_claim(cancelling, "w2")
+    assert (c.status, c.started, c.cancelled_queued, c.open) == (
+        Status.CANCELLING,
+        True,
+        False,
+        True,
+    )
+    c = store.try_claim(finished, "w2")
+    assert (c.record, c.status, c.started, c.open) == (None, Status.SUCCEEDED, True, False)
+    c = store.try_claim(running, "w2", again=False)  # another copy's first delivery
+    assert (c.record, c.status, c.started, c.open, c.unknown) == (
+        None,
+        Status.RUNNING,
+        True,
+        True,
+        False,
+    )
+    assert store.get(running) is not None and store.get(running).worker == "w1"  # type: ignore[union-attr]
+
+
 # --- request_cancel ----------------------------------------------------------------------
 
 

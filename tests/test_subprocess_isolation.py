@@ -26,8 +26,9 @@ import pytest
 
 from executor.models import CodeJob, CodeResult, Status
 from executor.service import Executor
-from testkit.processes import alive, wait_for
+from testkit.processes import alive, last_json_line, non_root_python, wait_for
 from tests.conftest import FORK_BOMB, prewarm_both_ways
+from tests.snippets import PRELUDE
 
 #: every test here that builds its runtime with make_subprocess_executor (the ``iso``
 #: fixture, the hostile-program table...) runs twice: cold runners, and runners pre-started
@@ -57,48 +58,6 @@ def run_file(name: str) -> Path | None:
         if found:
             return found[0]
     return None
-
-
-#: shared by the programs: try one thing, report "ok" or the errno's name
-PRELUDE = r"""
-import ctypes, errno, os, signal, sys, time, json
-
-def attempt(fn):
-    try:
-        fn()
-        return "ok"
-    except OSError as e:
-        return errno.errorcode.get(e.errno, str(e.errno))
-
-def read(path):
-    with open(path, "rb") as f:
-        f.read()
-
-def open_only(path):
-    os.close(os.open(path, os.O_RDONLY))
-
-def seize(pid):
-    # PTRACE_SEIZE does not stop the tracee; detach at once if the kernel allowed it
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-    if libc.ptrace(0x4206, pid, None, None) == 0:
-        libc.ptrace(17, pid, None, None)
-        return
-    e = ctypes.get_errno()
-    raise OSError(e, os.strerror(e))
-
-def probe(pid, kill):
-    r = {
-        "environ": attempt(lambda: read(f"/proc/{pid}/environ")),
-        "mem": attempt(lambda: open_only(f"/proc/{pid}/mem")),
-        "cwd": attempt(lambda: os.listdir(f"/proc/{pid}/cwd")),
-        "ptrace": attempt(lambda: seize(pid)),
-        "signal0": attempt(lambda: os.kill(pid, 0)),
-    }
-    if kill:
-        r["sigkill"] = attempt(lambda: os.kill(pid, signal.SIGKILL))
-    return r
-"""
 
 
 def run(executor: Executor, code: str, state: Any = None, timeout_s: float = 20) -> CodeResult:
@@ -948,52 +907,11 @@ print(json.dumps({
 """
 
 
-def _non_root_python(
-    script: str, *args: str, uid: int = SERVER_UID, env: dict[str, str] | None = None, **kw: Any
-) -> subprocess.Popen[str]:
-    """``script`` as a server of uid ``uid`` (no supplementary group), with a secret in
-    its environment (and ``env``'s variables)."""
-    root = Path(__file__).resolve().parent.parent
-    venv = Path(sys.prefix)  # the tests' own virtualenv (a worktree has none of its own)
-    site = next((venv / "lib").glob("python3*/site-packages"))
-    if not os.path.exists("/usr/bin/python3"):
-        pytest.skip("no /usr/bin/python3 for the unprivileged server")
-    env = {
-        **(env or {}),
-        "PYTHONPATH": f"{root}:{site}",
-        "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
-        "STUDIO_ISO_MARKER": kw.pop("marker"),
-    }
-    return subprocess.Popen(
-        ["/usr/bin/python3", "-c", script, *args],
-        user=uid,
-        group=uid,
-        extra_groups=[],
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        **kw,
-    )
-
-
 def _pid_namespace(pid: int) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
         return None
-
-
-def _last_json_line(server: subprocess.Popen[str], timeout_s: float) -> Any:
-    """The last line ``server`` prints, as JSON, once it exited 0 (killed if it does not)."""
-    try:
-        stdout, stderr = server.communicate(timeout=timeout_s)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-    assert server.returncode == 0, stderr[-3000:]
-    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def _started(pid: int) -> int | None:
@@ -1035,9 +953,10 @@ def test_a_non_root_server_claims_what_its_runs_can_really_do(
     data = shared / "data"  # the server's data folder (covered in its runs), not the shared one
     data.mkdir(mode=0o777)
     os.chmod(data, 0o777)
-    server = _non_root_python(
+    server = non_root_python(
         NON_ROOT_SERVER,
         *(str(data), str(shared), mode, NON_ROOT_RUN, str(prewarm), landlock, token),
+        uid=SERVER_UID,
         marker=marker,
         cwd=shared,
         stdin=subprocess.DEVNULL,
@@ -1219,8 +1138,9 @@ def test_a_non_root_servers_runs_end_the_same_with_or_without_namespaces(
     limits, as the executor reports them: a run in namespaces is PID 2 under an init, so
     nothing changes."""
     cases = ENDINGS if (Path(sys.prefix) / "bin" / "deno").exists() else ENDINGS[:-1]
-    server = _non_root_python(
+    server = non_root_python(
         *(EXITS, str(shared), mode, "python,typescript", str(prewarm)),
+        uid=SERVER_UID,
         marker="x",
         cwd=shared,
         stdin=subprocess.PIPE,
@@ -1286,12 +1206,19 @@ def test_a_non_root_servers_killed_run_is_gone_whole_when_its_result_is(shared: 
     The relay dies at once and the kernel empties the namespace only as its init exits, so
     the result waits for that init. (Before it did, this passed here too: the window is
     microseconds; the test keeps the promise, it did not catch the race.)"""
-    server = _non_root_python(
-        KILLED, str(shared), "auto", "3", marker="k", cwd=shared, stdin=subprocess.DEVNULL
+    server = non_root_python(
+        KILLED,
+        str(shared),
+        "auto",
+        "3",
+        uid=SERVER_UID,
+        marker="k",
+        cwd=shared,
+        stdin=subprocess.DEVNULL,
     )
     from executor.runtimes.subprocess.namespaces import refusing_knob
 
-    seen = _last_json_line(server, 180)
+    seen = last_json_line(server, 180)
     # this kernel allows unprivileged user namespaces unless a knob says otherwise
     assert seen["namespaces"] == (refusing_knob() is None), refusing_knob()
     if not seen["namespaces"]:

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from testkit.processes import require
-from tests.test_subprocess_isolation import PRELUDE, _last_json_line, _non_root_python
+from testkit.processes import last_json_line, non_root_python, require
+from tests.snippets import PRELUDE
 
 pytestmark = pytest.mark.skipif(
     os.getuid() != 0 or not sys.platform.startswith("linux"),
@@ -360,7 +360,7 @@ def test_a_non_root_servers_runs_write_only_their_own_folder(
     token = uuid.uuid4().hex[:10]
     state = _state(paths, token, helper.pid, abstract)
     try:
-        server = _non_root_python(
+        server = non_root_python(
             SERVER,
             *(str(paths["data"]), landlock, namespaces, PROBE, json.dumps(state)),
             uid=SERVER_UID,
@@ -369,7 +369,7 @@ def test_a_non_root_servers_runs_write_only_their_own_folder(
             cwd=base,
             stdin=subprocess.DEVNULL,
         )
-        seen = _last_json_line(server, 120)
+        seen = last_json_line(server, 120)
         assert helper.poll() is None  # SIGCONT and signal 0 only: it sleeps on
         pool = seen["pool"]["languages"]["python"]
         assert (pool["hits"], pool["misses"]) == (1, 1), pool  # one pre-started, one cold
@@ -646,7 +646,7 @@ def test_what_a_run_needs_beneath_a_cover_is_bound_back_read_only() -> None:
             check=True,
             env={"PATH": "/usr/bin:/bin"},
         )
-        server = _non_root_python(
+        server = non_root_python(
             EXPOSED_SERVER,
             str(home),
             EXPOSED_PROBE,
@@ -656,7 +656,7 @@ def test_what_a_run_needs_beneath_a_cover_is_bound_back_read_only() -> None:
             cwd=base,
             stdin=subprocess.DEVNULL,
         )
-        seen = _last_json_line(server, 60)
+        seen = last_json_line(server, 60)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     assert seen["covered"] == ["the data folder", "the server's home"], seen

@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from testkit.api import ApiServer
+from testkit.imports import loaded_after
 from testkit.otlp import Receiver, Span
 from testkit.processes import children, wait_for
 from testkit.redis import start_redis
 from testkit.stack import studio_env
 from testkit.worker import CeleryWorker, start_worker
 from tests.snippets import USER
-from tests.test_imports import loaded_after
 
 #: the sandbox's code reports its whole environment
 ENV_CODE = "import os\n\ndef main(state):\n    return dict(os.environ)\n"

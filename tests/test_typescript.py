@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from executor.errors import CodeInvalid, RuntimeUnavailable
-from executor.languages.typescript import PERMISSION_MESSAGE, RUNNER_MESSAGES, deno_binary
+from executor.languages.typescript import PERMISSION_MESSAGE, RUNNER_MESSAGES
 from executor.meta import runtime_meta
 from executor.models import CodeJob, Status
 from executor.service import Executor
-from executor.settings import NOBODY, load_settings
+from executor.settings import NOBODY
 from testkit.gvisor import KERNEL_PROBE, RUNSC, assert_ran_under, require_runsc
 from testkit.processes import ROOT, require
 from tests.conftest import run_cli
@@ -49,13 +49,6 @@ pytestmark = pytest.mark.deno
 
 
 # --- fixtures ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def deno_bin() -> str:
-    path = deno_binary(load_settings())
-    require(shutil.which(path) is not None, f"no deno binary ({path}): pip install deno")
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,6 @@ from executor.errors import ErrorCode
 from executor.models import CodeJob, Status
 from testkit.gvisor import KERNEL_PROBE, RUNSC, assert_ran_under, require_runsc
 from tests.conftest import run_cli
-from tests.test_typescript import deno_bin  # noqa: F401 - the fixture
 
 #: the subprocess ways need Deno, the docker ways the engine (and the CLI's test)
 pytestmark = [pytest.mark.docker, pytest.mark.deno]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from testkit.processes import wait_for
-from testkit.stack import FAST, Stack, client_for
+from testkit.stack import FAST_SETTINGS, Stack, client_for
 from testkit.worker import gated_heartbeat
 from tests.conftest import run_cli
 from tests.snippets import SLEEP_CODE, TRIVIAL
@@ -111,11 +111,8 @@ def stack(tmp_path: Path, redis_server: Any) -> Iterator[Any]:
         s.stop()
 
 
-_SUBPROCESS = {k[len("STUDIO_") :].lower(): v for k, v in FAST.items()}
-
-
 def test_a_run_behind_its_users_cap_says_so(stack: Any) -> None:
-    s = stack(**_SUBPROCESS, queue_run_fairness="users", queue_run_user_slots=1)
+    s = stack(**FAST_SETTINGS, queue_run_fairness="users", queue_run_user_slots=1)
     s.start_worker("w", concurrency=3)
     first = s.client.submit(SLEEP_CODE, "python", {"s": 30}, user="ann")
     wait_for(lambda: s.client.status(first).status == "running", 30, "the first running")
@@ -128,7 +125,7 @@ def test_a_run_behind_its_users_cap_says_so(stack: Any) -> None:
 
 
 def test_a_run_waiting_for_its_users_turn_says_so(stack: Any) -> None:
-    s = stack(**_SUBPROCESS, queue_run_fairness="users")
+    s = stack(**FAST_SETTINGS, queue_run_fairness="users")
     s.start_worker("w", concurrency=2)  # one slot of code.run
     ann = [s.client.submit(SLEEP_CODE, "python", {"s": 30}, user="ann") for _ in range(4)]
     bob = s.client.submit(SLEEP_CODE, "python", {"s": 30}, user="bob")
@@ -147,7 +144,7 @@ def test_runs_in_their_queue_say_their_place_and_an_estimate(stack: Any) -> None
     """Fairness off, one slot: runs behind the running one say their place in code.run,
     one apart; with runs of the kind ended lately, an estimate. Editor test calls in
     code.test the same. Over HTTP too, as the editor reads it."""
-    s = stack(**_SUBPROCESS, queue_run_fairness="off")
+    s = stack(**FAST_SETTINGS, queue_run_fairness="off")
     s.start_worker("w", concurrency=2)  # code.run: 1 slot, code.test: 1
     s.start_api()
     quick = [s.client.submit(TRIVIAL, "python", {"n": i}, user="ann") for i in range(3)]

@@ -24,8 +24,7 @@ from executor.settings import Settings, load_settings
 from worker import broker, redis_conn
 from worker.context import StudioCelery
 from worker.protocol import (
-    QUEUE_RUN,
-    QUEUE_TEST,
+    group_queues,
     restore_interval_s,
     visibility_timeout_s,
 )
@@ -36,6 +35,7 @@ log = logging.getLogger("studio_code.worker")
 def make_app(settings: Settings) -> StudioCelery:
     """A Celery app configured for ``settings``: enough to send jobs and cancels."""
     app = StudioCelery(settings, "studio_code", set_as_current=False)
+    test_q, run_q = group_queues(settings.worker_group)
     # every connection notices a silent Redis within STUDIO_REDIS_DEAD_AFTER_S; a
     # sentinel:// URL gets its master's name (worker.redis_conn)
     redis_options = redis_conn.transport_options(settings)
@@ -48,11 +48,13 @@ def make_app(settings: Settings) -> StudioCelery:
         task_serializer="json",
         accept_content=["json"],
         result_serializer="json",
-        task_queues=(
-            Queue(QUEUE_TEST, Exchange(QUEUE_TEST, type="direct"), routing_key=QUEUE_TEST),
-            Queue(QUEUE_RUN, Exchange(QUEUE_RUN, type="direct"), routing_key=QUEUE_RUN),
+        # the queues of this process's worker group (STUDIO_WORKER_GROUP; the default
+        # group's are code.test and code.run): what a worker consumes. A client sends to
+        # another group's queue by name (Celery declares it on first use, as these).
+        task_queues=tuple(
+            Queue(q, Exchange(q, type="direct"), routing_key=q) for q in (test_q, run_q)
         ),
-        task_default_queue=QUEUE_RUN,
+        task_default_queue=run_q,
         # A message is acknowledged when its job ENDS, so a worker that dies mid-job gives it
         # back (after the visibility timeout), and one message per free slot is fetched.
         task_acks_late=True,

@@ -4,7 +4,8 @@ workers and busy/idle slots per queue.
 * ``QueueCollector`` (served by the API's ``/metrics``, which stays up when workers scale
   to zero): ``studio_code_queue_backlog{queue}`` is every run waiting: LLEN of the queue's
   Redis lists plus, for code.run, the runs waiting on their users' lists (worker.fair; see
-  docs/operations.md for what KEDA reads), and ``studio_code_queue_oldest_seconds{queue}``
+  docs/operations.md for what KEDA reads; every worker group's queues, executor.groups),
+  and ``studio_code_queue_oldest_seconds{queue}``
   the age of the oldest job still ``queued`` in the run store (0 when none waits). With
   them: ``studio_code_queue_fairness{mode}``, ``studio_code_queue_user_waiting{rank}`` (the
   runs waiting of the TOP_USERS users with the most, rank 1..TOP_USERS, 0 where fewer users
@@ -45,7 +46,16 @@ class QueueCollector(Collector):
     source that cannot be read leaves its family empty for that scrape (and is logged):
     an autoscaler then sees no data, never a false 0."""
 
-    def __init__(self, redis_client: Any, store_factory: Any, fairness: str = "users") -> None:
+    def __init__(
+        self,
+        redis_client: Any,
+        store_factory: Any,
+        fairness: str = "users",
+        queues: Iterable[str] = QUEUES,
+    ) -> None:
+        """``queues``: whose backlog to report (the default worker group's, then every
+        other group's: worker.protocol.group_queues; bounded by executor.groups.MAX_GROUPS)."""
+        self.queues = tuple(dict.fromkeys([*QUEUES, *queues]))
         self.redis = redis_client
         self.store_factory = store_factory  # called per scrape: the store may open late
         self.fairness = fairness
@@ -103,12 +113,12 @@ class QueueCollector(Collector):
         try:
             stats = self.fair.stats(TOP_USERS)
             pipe = self.redis.pipeline(transaction=False)
-            for queue in QUEUES:
+            for queue in self.queues:
                 for key in queue_lists(queue):
                     pipe.llen(key)
             lengths = pipe.execute()
             n = len(KOMBU_PRIORITY_STEPS)
-            for i, queue in enumerate(QUEUES):
+            for i, queue in enumerate(self.queues):
                 waiting = sum(lengths[i * n : (i + 1) * n])
                 if queue == QUEUE_RUN:  # and the runs held back on their users' lists
                     waiting += stats.waiting
@@ -158,8 +168,9 @@ class SlotsCollector(Collector):
         concurrency = int(controller.concurrency or 0)
         test_slots = context_of(consumer.app).test_slots
         queues = consumer.app.amqp.queues
-        names = [q for q in QUEUES if q in set(queues.consume_from or queues)]
-        busy_by_queue = {q: 0 for q in QUEUES}
+        # its worker group's (code.test and code.run for the default group)
+        names = sorted(set(queues.consume_from or queues))
+        busy_by_queue = {q: 0 for q in names}
         busy = 0
         for req in list(active_requests):
             busy += 1
@@ -193,7 +204,9 @@ class SlotsCollector(Collector):
                 table = self.slots(consumer)
             except Exception as e:  # noqa: BLE001
                 log.warning("worker slots unreadable: %s", e)
-        for q in QUEUES:
+        # the default group's queues always (at 0 on another group's worker), and this
+        # worker's own
+        for q in dict.fromkeys([*QUEUES, *table]):
             busy, total = table.get(q, (0, 0))
             up.add_metric([q], 1.0 if q in table else 0.0)
             slots.add_metric([q, "busy"], float(busy))

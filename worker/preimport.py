@@ -26,7 +26,8 @@ import statistics
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from executor.runtimes.docker import preimport_memory
+from executor.languages import get_language
+from executor.runtimes.constants import PREIMPORT_NOT_YET
 from worker.shared_page import SharedPage
 
 if TYPE_CHECKING:
@@ -102,10 +103,14 @@ def reports() -> list[dict[str, Any]]:
 
 def announcement(settings: Settings) -> dict[str, Any]:
     """The heartbeat's ``preimport``: whether this worker keeps pre-started sandboxes
-    (``pooled``: the docker runtime with STUDIO_CODE_PREWARM > 0) and, per offered language,
-    what they pre-import and hold when idle: the largest figure its pool processes measured
-    (their sandboxes are made alike), and how many measured it."""
-    pooled = settings.code_runtime == "docker" and settings.code_prewarm > 0
+    (``pooled``: a runtime that measures them, ``Runtime.preimport_measured``, with
+    STUDIO_CODE_PREWARM > 0) and, per offered language, what they pre-import and hold when
+    idle: the largest figure its pool processes measured (their sandboxes are made alike),
+    and how many measured it."""
+    from executor.service import runtime_class
+
+    runtime = runtime_class(settings)
+    pooled = runtime is not None and runtime.preimport_measured and settings.code_prewarm > 0
     languages: dict[str, Any] = {}
     if pooled:
         got = reports()
@@ -120,10 +125,11 @@ def announcement(settings: Settings) -> dict[str, Any]:
                     "idle_memory_bytes": None,
                     "without_preimport_bytes": None,
                     "memory_limit_bytes": None,
-                    "source": mine[0]["source"] if mine else preimport_memory.NOT_YET,
+                    "source": mine[0]["source"] if mine else PREIMPORT_NOT_YET,
                     "processes": 0,
                 }
-            languages[name] = {"modules": preimport_memory.modules(settings, name), **entry}
+            modules = get_language(name).preimport_modules(settings)
+            languages[name] = {"modules": modules, **entry}
     return {"pooled": pooled, "languages": languages}
 
 
@@ -195,7 +201,7 @@ def summary(live: dict[str, list[WorkerInfo]], languages: Iterable[str]) -> dict
         elif not modules:
             note = _nothing(name)
         elif not done:
-            note = str(entries[0].get("source") or preimport_memory.NOT_YET)
+            note = str(entries[0].get("source") or PREIMPORT_NOT_YET)
         else:
             note = None
         out[name] = {

@@ -13,6 +13,7 @@ import json
 import signal
 from typing import Any
 
+from executor.groups import DEFAULT_GROUP
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.settings import Settings
 
@@ -213,22 +214,46 @@ SWEEP_LOCK_KEY = f"{_PREFIX}:sweep:queued"
 
 def max_wait_s(settings: Settings, queue: str) -> float:
     """How long a job may wait in ``queue`` before it ends failed (0: no bound)."""
-    if queue == QUEUE_TEST:
+    if kind_of_queue(queue) == "test":
         return float(settings.queue_test_max_wait_s)
     return float(settings.queue_run_max_wait_s)
 
 
-def queue_of(kind: str) -> str:
-    """The queue a job of ``kind`` ('run' | 'test') goes to."""
-    return QUEUE_TEST if kind == "test" else QUEUE_RUN
+def queue_of(kind: str, group: str | None = None) -> str:
+    """The queue a job of ``kind`` ('run' | 'test') of worker group ``group`` goes to (None
+    or "default": code.run / code.test; another group: code.run.GROUP / code.test.GROUP)."""
+    base = QUEUE_TEST if kind == "test" else QUEUE_RUN
+    return base if not group or group == DEFAULT_GROUP else f"{base}.{group}"
+
+
+def group_queues(group: str | None) -> tuple[str, str]:
+    """The two queues of a worker group (test calls, workflow runs), as QUEUES is the
+    default group's."""
+    return (queue_of("test", group), queue_of("run", group))
+
+
+def kind_of_queue(queue: str) -> str:
+    """'test' for a queue of editor test calls (of any group), else 'run'."""
+    return "test" if queue == QUEUE_TEST or queue.startswith(QUEUE_TEST + ".") else "run"
+
+
+def group_of_queue(queue: str) -> str:
+    """The worker group whose queue ``queue`` is."""
+    for base in (QUEUE_TEST, QUEUE_RUN):
+        if queue.startswith(base + "."):
+            return queue[len(base) + 1 :]
+    return DEFAULT_GROUP
 
 
 def never_taken_message(settings: Settings, queue: str) -> str:
     """Why a job that waited past its queue's bound ended failed."""
-    name = "STUDIO_QUEUE_TEST_MAX_WAIT_S" if queue == QUEUE_TEST else "STUDIO_QUEUE_RUN_MAX_WAIT_S"
+    test = kind_of_queue(queue) == "test"
+    name = "STUDIO_QUEUE_TEST_MAX_WAIT_S" if test else "STUDIO_QUEUE_RUN_MAX_WAIT_S"
+    group = group_of_queue(queue)
+    start = "studio-code worker" + ("" if group == DEFAULT_GROUP else f" --group {group}")
     return (
         f"No worker took this job within {max_wait_s(settings, queue):g} s ({name}) on "
-        f"queue {queue}: start a worker (`studio-code worker`) or check the running ones "
+        f"queue {queue}: start a worker (`{start}`) or check the running ones "
         "(their logs, GET /healthz/ready), then run it again."
     )
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from executor.groups import DEFAULT_GROUP
 from worker import lua
 from worker.protocol import QUEUE_RUN, QUEUE_TEST, workers_key
 
@@ -45,6 +46,17 @@ class WorkerInfo:
     #: its pre-started sandboxes and what they pre-import (worker/preimport.py); None: an
     #: older worker that does not say
     preimport: dict[str, Any] | None = None
+    #: its worker group (executor.groups) and what one of its slots holds (its caps); 0:
+    #: an older worker that does not say (it counts as holding any job of its queue)
+    group: str = DEFAULT_GROUP
+    memory_bytes: int = 0
+    cpus: float = 0.0
+
+    def holds(self, memory_bytes: int, cpus: float) -> bool:
+        """Whether one of its slots holds a job asking this much (unknown: yes)."""
+        if self.memory_bytes and memory_bytes > self.memory_bytes:
+            return False
+        return not (self.cpus and cpus > self.cpus + 1e-9)
 
     @property
     def serving(self) -> bool:
@@ -61,6 +73,9 @@ class WorkerInfo:
             "store": self.store,
             "store_id": self.store_id,
             "engine": self.engine,
+            "group": self.group,
+            "memory_bytes": self.memory_bytes or None,
+            "cpus": self.cpus or None,
         }
 
     @classmethod
@@ -81,6 +96,9 @@ class WorkerInfo:
                 seen_at=float(d.get("seen_at") or 0),
                 expires_at=float(d.get("expires_at") or 0),
                 preimport=d["preimport"] if isinstance(d.get("preimport"), dict) else None,
+                group=str(d.get("group") or DEFAULT_GROUP),
+                memory_bytes=int(d.get("memory_bytes") or 0),
+                cpus=float(d.get("cpus") or 0),
             )
         except (ValueError, TypeError, KeyError):
             return None

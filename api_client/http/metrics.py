@@ -92,7 +92,14 @@ def instrument(app: FastAPI, services: Any) -> CollectorRegistry:
                 REQUESTS.labels(method, route.path, cls)
     registry = CollectorRegistry(auto_describe=False)
     client = redis_conn.client(services.settings)
+    from executor.groups import groups_of
+    from worker.protocol import group_queues
+
+    # the backlog of every worker group's queues (bounded: executor.groups.MAX_GROUPS)
+    queues = [q for g in groups_of(services.settings) for q in group_queues(g.name)]
     registry.register(
-        QueueCollector(client, lambda: services.client.store, services.settings.queue_run_fairness)
+        QueueCollector(
+            client, lambda: services.client.store, services.settings.queue_run_fairness, queues
+        )
     )
     return registry

@@ -76,6 +76,12 @@ class CodeBody(BaseModel):
         le=86400,
         description="Seconds; at save time at most STUDIO_CODE_MAX_SECONDS (a run caps it there).",
     )
+    group: str | None = Field(
+        None,
+        max_length=32,
+        description="The worker group to run on (default, or one of STUDIO_WORKER_GROUPS); "
+        "none: chosen by size (the smallest group whose slot holds memory and cpus).",
+    )
 
     retry: RetryPolicy | None = Field(
         None,
@@ -362,6 +368,12 @@ class RuntimeMeta(BaseModel):
         None,
         description="What the workers' pre-started sandboxes import while they wait and the "
         "memory it holds (STUDIO_CODE_PREIMPORT), per language, from the workers' heartbeats.",
+    )
+    groups: dict[str, Any] | None = Field(
+        None,
+        description="The worker groups (STUDIO_WORKER_GROUPS; default first): per group, what "
+        "one slot holds (memory_bytes, cpus: what a job is routed by), its queues, and its "
+        "live workers with what their slots hold, their slots per queue and state.",
     )
 
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: a save-time check loads none of them
+    from executor.languages.python_modules import ImageModules
     from executor.models import CodeErrorInfo, CodeJob, Limits, RawRun
+    from executor.packages import ImagePackages
     from executor.settings import Settings
 
 
@@ -22,6 +26,46 @@ class Problem:
 
     def __str__(self) -> str:
         return f"line {self.line}: {self.message}" if self.line else self.message
+
+
+class ImageFacts:
+    """What the image a language runs from says it has, as the runtime that runs it reads it
+    (``Runtime.image_facts``) and hands it to the language as data: the modules its Python
+    can import (the image's modules file) and the packages it lists at their versions (its
+    ``studio.packages`` label; Python's from the modules file). Each is read on its first
+    ask, so a check of code that imports nothing reads nothing. This base knows none (a
+    runtime without images): None to each, as when a runtime cannot tell (no engine, no
+    image, an image built before it recorded them)."""
+
+    def modules(self) -> ImageModules | None:
+        """What the image's Python can import, or None (unknown: imports are not checked)."""
+        return None
+
+    def packages(self) -> ImagePackages | None:
+        """The packages the image lists at their versions, or None (unknown)."""
+        return None
+
+
+#: the facts of no image (a runtime without images, or none at all)
+NO_FACTS = ImageFacts()
+
+
+class AskedLater(ImageFacts):
+    """Facts got from ``source`` on the first ask, for a caller that has no runtime of its
+    own (``studio-code validate``): a check that asks nothing loads no runtime."""
+
+    def __init__(self, source: Callable[[], ImageFacts]) -> None:
+        self._source = source
+
+    @cached_property
+    def _facts(self) -> ImageFacts:
+        return self._source()
+
+    def modules(self) -> ImageModules | None:
+        return self._facts.modules()
+
+    def packages(self) -> ImagePackages | None:
+        return self._facts.packages()
 
 
 class Language(ABC):
@@ -49,13 +93,19 @@ class Language(ABC):
         while it waits for its job (STUDIO_CODE_PREIMPORT); none by default."""
         return {}
 
-    @abstractmethod
-    def check(self, code: str, settings: Settings) -> list[Problem]:
-        """Save-time problems of ``code``; empty when it may be saved."""
+    def preimport_modules(self, settings: Settings) -> list[str]:
+        """What a pre-started sandbox imports while it waits, as STUDIO_CODE_PREIMPORT
+        names it (meta, the workers' heartbeats); none by default."""
+        return []
 
     @abstractmethod
-    def packages(self, settings: Settings) -> list[str]:
-        """Packages the editor shows for this language."""
+    def check(self, code: str, settings: Settings, facts: ImageFacts) -> list[Problem]:
+        """Save-time problems of ``code``; empty when it may be saved. ``facts``: what the
+        language's image has, as the runtime read it (``NO_FACTS``: not known)."""
+
+    @abstractmethod
+    def packages(self, settings: Settings, facts: ImageFacts) -> list[str]:
+        """Packages the editor shows for this language (``facts``: as for ``check``)."""
 
     def crash_error(self, raw: RawRun) -> CodeErrorInfo | None:
         """A language-specific reading of a sandbox that died without a result (e.g. V8's

@@ -7,7 +7,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from executor.languages.base import Language, Problem
+from executor.languages.base import ImageFacts, Language, Problem
+from executor.languages.python_modules import imports
 
 if TYPE_CHECKING:
     from executor.models import Limits
@@ -61,7 +62,10 @@ class Python(Language):
         # read, and removed from the environment, by python_runner.py's _preimport
         return {"STUDIO_PREIMPORT": settings.code_preimport} if settings.code_preimport else {}
 
-    def check(self, code: str, settings: Settings) -> list[Problem]:
+    def preimport_modules(self, settings: Settings) -> list[str]:
+        return settings.code_preimport.split(",") if settings.code_preimport else []
+
+    def check(self, code: str, settings: Settings, facts: ImageFacts) -> list[Problem]:
         try:
             with _PARSE_LOCK:
                 tree = ast.parse(code, filename="main.py")
@@ -75,13 +79,13 @@ class Python(Language):
                     "returning the node's output.",
                 )
             ]
-        return _unavailable_imports(tree, settings)
+        return _unavailable_imports(tree, facts)
 
-    def packages(self, settings: Settings) -> list[str]:
-        # STUDIO_CODE_PACKAGES when set, else the image's own list (executor.packages)
-        from executor.packages import image_packages, shown_packages
+    def packages(self, settings: Settings, facts: ImageFacts) -> list[str]:
+        # STUDIO_CODE_PACKAGES when set, else the image's own list (executor.package_lists)
+        from executor.package_lists import shown_packages
 
-        return shown_packages(settings, self.name, image_packages(settings, self.name))
+        return shown_packages(settings, self.name, facts.packages())
 
 
 def _binds_main(node: ast.stmt) -> bool:
@@ -94,19 +98,15 @@ def _binds_main(node: ast.stmt) -> bool:
     return False
 
 
-def _unavailable_imports(tree: ast.Module, settings: Settings) -> list[Problem]:
+def _unavailable_imports(tree: ast.Module, facts: ImageFacts) -> list[Problem]:
     """An import that is neither in the image's standard library nor installed in the image
-    fails at run time: refuse it at save time, naming what is available."""
-    if settings.code_runtime != "docker":
-        return []
-    from executor.languages.python_modules import imports, read_image_modules
-
+    fails at run time: refuse it at save time, naming what is available. The image's
+    modules are asked only for code that imports something; unknown (no image: the
+    subprocess runtime; no engine; an image without the file): nothing is refused."""
     found = imports(tree)
     if not found:
         return []
-    available = read_image_modules(
-        settings.code_image, settings, settings.data_dir / "image-modules"
-    )
+    available = facts.modules()
     if available is None:
         return []
     problems = []
@@ -121,7 +121,7 @@ def _unavailable_imports(tree: ast.Module, settings: Settings) -> list[Problem]:
                     line,
                     (
                         f"`{module}` cannot be imported in the sandbox image "
-                        f"{settings.code_image}: it is not in its standard library nor among "
+                        f"{available.image}: it is not in its standard library nor among "
                         f"its packages: {listed}. Use one of those, or ask an admin to add the "
                         "package to the image (docker/README.md)."
                     ),

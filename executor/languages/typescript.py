@@ -25,7 +25,7 @@ import signal
 from pathlib import Path
 
 from executor.errors import ErrorCode
-from executor.languages.base import Language, Problem
+from executor.languages.base import NO_FACTS, ImageFacts, Language, Problem
 from executor.languages.ts_imports import check_typescript
 from executor.models import CodeErrorInfo, CodeJob, Limits, RawRun
 from executor.settings import Settings, sandbox_ids
@@ -147,7 +147,7 @@ class TypeScript(Language):
             v8_flags.append("--single-threaded")
         config = {
             "outputMaxBytes": limits.output_max_bytes,
-            "packages": self.packages(settings),
+            "packages": self.packages(settings, NO_FACTS),
             "messages": {**RUNNER_MESSAGES, **_cache_messages(settings, in_container)},
         }
         deno = IMAGE_DENO if in_container else deno_binary(settings)
@@ -186,10 +186,11 @@ class TypeScript(Language):
 
     # --- what may be saved, what the editor shows ----------------------------------------
 
-    def check(self, code: str, settings: Settings) -> list[Problem]:
+    def check(self, code: str, settings: Settings, facts: ImageFacts) -> list[Problem]:
+        # the allow-list is the setting's (the image's cache holds it: docker/README.md)
         return check_typescript(code, settings.ts_packages)
 
-    def packages(self, settings: Settings) -> list[str]:
+    def packages(self, settings: Settings, facts: ImageFacts) -> list[str]:
         return [str(p) for p in settings.ts_packages]
 
     # --- reading what it did ---------------------------------------------------------------

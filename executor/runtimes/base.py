@@ -9,11 +9,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from executor.languages.base import Language
-from executor.models import CodeJob, Limits, RawRun
-from executor.settings import Settings
+from executor.languages.base import NO_FACTS, ImageFacts, Language
+from executor.models import CodeJob, CodeResult, Limits, RawRun
+from executor.settings import NOBODY, Settings
 
 if TYPE_CHECKING:
     from executor.runtimes.docker.posture import EnginePosture
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 CancelCheck = Callable[[], bool]
 #: called with a runtime's pool_stats() (worker metrics)
 PoolObserver = Callable[[dict[str, Any]], None]
+#: runs one job to its result (an Executor's ``run``): how a runtime proves its sandbox
+ProbeRun = Callable[[CodeJob], CodeResult]
 POLL_S = 0.05
 
 
@@ -107,6 +110,26 @@ class BoundedBuffer:
         return b"".join(self.chunks)
 
 
+@dataclass(frozen=True)
+class MetaSection:
+    """What meta (GET /api/meta/runtime, ``executor/meta.py``) shows of one runtime beyond
+    what every runtime answers (``Runtime.meta_section``), each at its place in meta. The
+    defaults are a runtime that shows none of them (and no runtime at all)."""
+
+    #: added to meta's ``warnings``, after ``Runtime.warnings``
+    warnings: tuple[str, ...] = ()
+    #: ``sandbox_user.note`` under a server that runs as root: whose uid the sandboxes get
+    root_note: str = f"The server runs as root, so sandboxes run as nobody ({NOBODY}:{NOBODY})."
+    #: ``seccomp``: the profile the sandboxes get
+    seccomp: dict[str, Any] | None = None
+    #: ``subprocess_isolation``: what holds runs apart from each other and from the server
+    isolation: dict[str, Any] | None = None
+    #: ``pool.preimport_memory``: what a pre-started sandbox holds, per offered language
+    preimport_memory: dict[str, Any] | None = None
+    #: ``engine.sandbox``: what the kernel says from inside one sandbox (asked fresh only)
+    sandbox: dict[str, Any] | None = None
+
+
 class Runtime(ABC):
     """A way to run one job: ``docker`` or ``subprocess``.
 
@@ -127,6 +150,9 @@ class Runtime(ABC):
     audit_event: str | None = None
     #: the service it needs, checked by health probes under this key (None: none)
     service: str | None = None
+    #: True when its pre-started sandboxes (STUDIO_CODE_PREWARM > 0) are measured for what
+    #: their pre-imports hold (a worker's heartbeat announces the figures: worker/preimport.py)
+    preimport_measured: bool = False
     #: True when a run the infrastructure killed (``InfrastructureLost``) can run again
     #: elsewhere without harm (no network, no host files, nothing kept): the worker hands
     #: it back. False: it ends RUNTIME_UNAVAILABLE naming the cause.
@@ -161,10 +187,27 @@ class Runtime(ABC):
         """The image ``language`` runs from in this runtime, or None (no images)."""
         return None
 
+    @classmethod
+    def image_facts(cls, settings: Settings, language: Language) -> ImageFacts:
+        """What ``language``'s image has (its modules, its packages), as this runtime reads
+        it under ``settings``, each read on its first ask; ``NO_FACTS`` for a runtime
+        without images. The languages get it as data (``Language.check``, ``packages``).
+        A class method: a caller without a runtime of its own (``studio-code validate``)
+        asks the class, and makes no runtime."""
+        return NO_FACTS
+
     def engine_posture(self, *, fresh: bool = False) -> EnginePosture | None:
         """The engine under this runtime's sandboxes and its known escapes (cached; ``fresh``
         asks again), or None when the runtime has no engine or it does not answer."""
         return None
+
+    def meta_section(
+        self, posture: EnginePosture | None, *, fresh: bool, probe: ProbeRun
+    ) -> MetaSection:
+        """What meta shows of this runtime (``MetaSection``). ``posture``: its
+        ``engine_posture(fresh=fresh)``, already asked; ``fresh`` (``studio-code meta``):
+        it may prove its sandbox by running one job through ``probe``."""
+        return MetaSection()
 
     def pool_stats(self) -> dict[str, Any] | None:
         """Pre-started sandboxes of this process (size, hits, misses, idle age per

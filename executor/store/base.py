@@ -88,6 +88,8 @@ class JobRecord(BaseModel):
     pruned_at: datetime | None = None  # retention cleared code, state, output and logs
     memory_bytes: int | None = None  # what the node asked for (None: the server's default)
     cpus: float | None = None
+    #: the worker group it was sent to (executor.groups; None: the default group)
+    worker_group: str | None = None
     usage: Usage | None = None  # what the run used, measured by the host (None: not measured)
     #: the node's retry policy (executor.retry) and its attempts so far
     retry: RetryPolicy | None = None
@@ -141,6 +143,8 @@ class QueuedJob(NamedTuple):
     job_id: str
     kind: str
     queued_at: datetime
+    #: its worker group (executor.groups; None: the default group)
+    worker_group: str | None = None
 
 
 class RunSummary(BaseModel):
@@ -179,6 +183,32 @@ class Ended:
     status: Status
     error: CodeErrorInfo | None
     record: JobRecord | None = field(default=None, compare=False, repr=False)
+
+
+class Claim(NamedTuple):
+    """What ``try_claim`` answered, in its one transaction: the job, claimed (``record``),
+    or why not, from the row as the claim found it: ``status`` (None: no such job) and
+    ``started`` (whether it had started before)."""
+
+    record: JobRecord | None
+    status: Status | None = None
+    started: bool = False
+
+    @property
+    def unknown(self) -> bool:
+        """No such job in this store."""
+        return self.record is None and self.status is None
+
+    @property
+    def cancelled_queued(self) -> bool:
+        """Not claimed: it was cancelled while queued (it never started)."""
+        return self.status is Status.CANCELLED and not self.started
+
+    @property
+    def open(self) -> bool:
+        """Not claimed and not ended: queued (a retry's attempt before its time), running
+        (another delivery's) or cancelling."""
+        return self.record is None and self.status is not None and not self.status.finished
 
 
 class RunFilter(BaseModel):
@@ -285,7 +315,6 @@ class RunStore(ABC):
             else RunSummary(**rec.model_dump(include=set(RunSummary.model_fields)))
         )
 
-    @abstractmethod
     def claim(self, job_id: str, worker: str, *, again: bool = True) -> JobRecord | None:
         """queued -> running, or running -> running when redelivered (attempts += 1, new
         worker, new started_at). None (nothing changed) when the job is unknown, cancelling,
@@ -293,6 +322,13 @@ class RunStore(ABC):
         first delivery, never handed back by the broker) takes only a queued job: a running
         one is another copy's (the queued sweep's resend of a message a slow holder still
         has), never a redelivery after a worker's death."""
+        return self.try_claim(job_id, worker, again=again).record
+
+    @abstractmethod
+    def try_claim(self, job_id: str, worker: str, *, again: bool = True) -> Claim:
+        """``claim``, answering in the same transaction why not when it does not claim (the
+        row's status and whether it had started; no status: unknown), so the worker reads
+        the row no more after a failed claim."""
 
     @abstractmethod
     def request_cancel(self, job_id: str) -> Status | None:

@@ -164,6 +164,10 @@ class FastLane:
         return Prepared(st.CLAIM_RETURNING, self.dialect)
 
     @cached_property
+    def _unclaimed(self) -> Prepared:
+        return Prepared(st.SELECT_UNCLAIMED, self.dialect)
+
+    @cached_property
     def _finish(self) -> Prepared:
         return Prepared(st.FINISH_RETURNING, self.dialect)
 
@@ -199,16 +203,22 @@ class FastLane:
         except self.dialect.dbapi.IntegrityError:  # an inputs row without its job
             return False
 
-    def claim(self, params: dict[str, Any]) -> tuple[_LazyRow, _LazyRow | None] | None:
+    def claim(
+        self, params: dict[str, Any]
+    ) -> tuple[_LazyRow, _LazyRow | None] | tuple[None, _LazyRow | None]:
         """queued/running -> running (``statements.CLAIM``); the row as written and its
-        inputs' row (None: retention removed it), or None when the job was not claimable."""
-        claim, inputs = self._claim, self._inputs
+        inputs' row (None: retention removed it), or, when the job was not claimable,
+        None and the row as the claim found it (``statements.SELECT_UNCLAIMED``; None: no
+        such job), in the same transaction."""
+        claim, inputs, unclaimed = self._claim, self._inputs, self._unclaimed
 
-        def work(cur: Any) -> tuple[_LazyRow, _LazyRow | None] | None:
+        def work(cur: Any) -> tuple[Any, _LazyRow | None]:
             cur.execute(claim.sql, claim.params(params))
             row = cur.fetchone()
             if row is None:
-                return None
+                cur.execute(unclaimed.sql, unclaimed.params({"r_id": params["c_id"]}))
+                found = cur.fetchone()
+                return None, None if found is None else unclaimed.row(found, cur)
             claimed = claim.row(row, cur)
             cur.execute(inputs.sql, inputs.params({"r_id": params["c_id"]}))
             own = cur.fetchone()

@@ -185,6 +185,7 @@ _ALLOWED = {
     "pruned_at": "a time",
     "memory_bytes": "a number of bytes",
     "cpus": "a CPU share",
+    "worker_group": "a worker group's name",
     "usage": "a usage object ({memory_peak_bytes, cpu_ms, pids_peak, source})",
     "retry": "a retry policy ({max_attempts, backoff, on})",
     "history": "a JSON list of attempts",

@@ -112,6 +112,8 @@ jobs = Table(
     Column("not_before_ts", Double, nullable=True),
     Column("retry_sent", Boolean, nullable=False, server_default=false()),
     Column("claims_before", Integer, nullable=False, server_default="0"),
+    # The job's worker group (migration 0005, executor.groups; NULL: default).
+    Column("worker_group", String(32), nullable=True),
     Index("ix_code_jobs_status", "status"),
     # Run history, newest first, with a keyset cursor: all runs (admins) and one user's.
     Index("ix_code_jobs_queued", "queued_at", "job_id"),

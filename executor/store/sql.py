@@ -65,6 +65,7 @@ from executor.store.base import (
     CANCELLED_BEFORE_START,
     WORKER_STOPPED,
     AuditEntry,
+    Claim,
     Ended,
     JobRecord,
     KeyedJob,
@@ -116,6 +117,14 @@ def describe_url(url: str | URL) -> str:
         return normalize_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - not a URL at all: show nothing secret
         return "<a run store URL that cannot be parsed>"
+
+
+def _unclaimed(found: Any) -> Claim:
+    """Why a claim took nothing, from the row as it found it (``SELECT_UNCLAIMED``; None:
+    no such job)."""
+    if found is None:
+        return Claim(None)
+    return Claim(None, Status(found.status), found.started_at is not None)
 
 
 def _read_inputs(conn: Connection, job_id: str) -> Any:
@@ -442,7 +451,7 @@ class SqlRunStore(RunStore):
                 out.update({job_id: Status(status) for job_id, status in found})
         return out
 
-    def claim(self, job_id: str, worker: str, *, again: bool = True) -> JobRecord | None:
+    def try_claim(self, job_id: str, worker: str, *, again: bool = True) -> Claim:
         now = _utcnow()
         params = {
             "c_id": job_id,
@@ -453,22 +462,23 @@ class SqlRunStore(RunStore):
         }
         if self._lane is not None:
             with self._wrote():
-                claimed = self._lane.claim(params)
-            return None if claimed is None else rows.record(*claimed)
+                claimed, other = self._lane.claim(params)
+            if claimed is None:
+                return _unclaimed(other)
+            return Claim(rows.record(claimed, other))
         with self._write() as conn:
+            row = None
             if self._engine.dialect.update_returning:
                 row = conn.execute(st.CLAIM_RETURNING, params).first()  # the row as written
-                if row is None:
-                    return None
-            else:
-                if conn.execute(st.CLAIM, params).rowcount != 1:
-                    return None
+            elif conn.execute(st.CLAIM, params).rowcount == 1:
                 # Same transaction: the row is still locked by us, so this is what we wrote.
                 row = conn.execute(st.SELECT_JOB, {"r_id": job_id}).one()
+            if row is None:  # why not, in the same transaction
+                return _unclaimed(conn.execute(st.SELECT_UNCLAIMED, {"r_id": job_id}).first())
             # Its code and state: a second statement, not a subquery in the RETURNING (SQLite
             # buffers what RETURNING yields: a 10 MB state was copied twice more).
             own = _read_inputs(conn, job_id)
-        return rows.record(row, own)
+        return Claim(rows.record(row, own))
 
     def request_cancel(self, job_id: str) -> Status | None:
         now = _utcnow()
@@ -569,7 +579,7 @@ class SqlRunStore(RunStore):
         params = {"now": _utcnow().timestamp(), "lim": max(0, int(limit))}
         with self._read() as conn:
             found = conn.execute(st.SELECT_DUE, params)
-            return [QueuedJob(r.job_id, r.kind, r.queued_at) for r in found]
+            return [QueuedJob(r.job_id, r.kind, r.queued_at, r.worker_group) for r in found]
 
     def mark_retry_sent(self, job_id: str) -> bool:
         with self._write() as conn:
@@ -656,7 +666,7 @@ class SqlRunStore(RunStore):
             and_(jobs.c.retry_sent.is_(True), jobs.c.not_before_ts < cutoff_ts),
         )
         stmt = (
-            select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at)
+            select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at, jobs.c.worker_group)
             .where(jobs.c.status == Status.QUEUED.value, waited)
             .order_by(jobs.c.queued_at)
             .limit(max(0, int(limit)))
@@ -664,7 +674,8 @@ class SqlRunStore(RunStore):
         if kind is not None:
             stmt = stmt.where(jobs.c.kind == kind)
         with self._read() as conn:
-            return [QueuedJob(r.job_id, r.kind, r.queued_at) for r in conn.execute(stmt)]
+            rows = conn.execute(stmt)
+            return [QueuedJob(r.job_id, r.kind, r.queued_at, r.worker_group) for r in rows]
 
     def fail_queued(self, job_ids: Iterable[str], message: str) -> list[str]:
         ids = list(dict.fromkeys(job_ids))

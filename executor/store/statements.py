@@ -170,7 +170,7 @@ RETRY = (
 )
 #: queued attempts of a retry now due whose message no sweep sent yet (parameter now)
 SELECT_DUE = (
-    select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at)
+    select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at, jobs.c.worker_group)
     .where(
         jobs.c.status == Status.QUEUED.value,
         jobs.c.retry_sent.is_(False),
@@ -227,3 +227,7 @@ SELECT_INPUTS = select(job_inputs.c.code, job_inputs.c.state_json).where(
 SUMMARY_COLUMNS = tuple(jobs.c[name] for name in RunSummary.model_fields)
 SELECT_SUMMARY = select(*SUMMARY_COLUMNS).where(jobs.c.job_id == _p("r_id", String))
 SELECT_STATUS = select(jobs.c.status).where(jobs.c.job_id == _p("r_id", String))
+#: why a claim took nothing: the row as the claim found it, in the claim's transaction
+SELECT_UNCLAIMED = select(jobs.c.status, jobs.c.started_at).where(
+    jobs.c.job_id == _p("r_id", String)
+)

@@ -1,8 +1,9 @@
 """A run the infrastructure killed, run again elsewhere (docs/operations.md, "Faults").
 
-When the executor's result says the sandbox was lost to the infrastructure (its trace row
-``sandbox.lost``, from ``InfrastructureLost``: the engine went away or restarted, the
-sandbox vanished, its stream or its wait broke), the outcome is never the code's:
+When the executor's result says the sandbox was lost to the infrastructure
+(``CodeResult.lost``, from ``InfrastructureLost``: the engine went away or restarted, the
+sandbox vanished, its stream or its wait broke; its trace shows a ``sandbox.lost`` row, for
+people only), the outcome is never the code's:
 
 * a runtime whose re-run is harmless (``Runtime.rerun_safe``: docker, no network, no host
   files, nothing kept) hands the job back while it has attempts left (MAX_ATTEMPTS, the
@@ -15,24 +16,26 @@ sandbox vanished, its stream or its wait broke), the outcome is never the code's
   is not harmless; or the attempts are spent) the job ends ``failed`` RUNTIME_UNAVAILABLE
   with the executor's sentence naming the cause.
 
-A sandbox the engine refused to make or start (``SandboxRefused``: its trace row
-``sandbox.refused``) was never lost: the job's input was never written, and a re-run would
-meet the same refusal. It ends at once, never handed back: CODE_INVALID when the node asked
-for limits of its own, else RUNTIME_UNAVAILABLE, and then the gate is told once
-(``refused_by_engine``).
+A sandbox the engine refused to make or start (``SandboxRefused``: ``CodeResult.refused``,
+shown as a ``sandbox.refused`` trace row) was never lost: the job's input was never
+written, and a re-run would meet the same refusal. It ends at once, never handed back:
+CODE_INVALID when the node asked for limits of its own, else RUNTIME_UNAVAILABLE, and then
+the gate is told once. ``decide`` is the one decision: finish or hand back.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import redis
 
-from executor.models import CodeResult, TraceRow
-from executor.service import LOST_STEP, REFUSED_ENGINE, REFUSED_STEP, RERUN_STEP
-from worker.protocol import lost_key
+from executor.errors import ErrorCode
+from executor.models import CodeResult, Status, TraceRow
+from executor.service import REFUSED_ENGINE, RERUN_STEP
+from worker.protocol import MAX_ATTEMPTS, lost_key
 
 log = logging.getLogger("studio_code.worker")
 
@@ -40,20 +43,69 @@ log = logging.getLogger("studio_code.worker")
 LOST_TTL_S = 24 * 3600
 
 
-def lost_cause(result: CodeResult) -> str | None:
-    """The machine-readable cause when the infrastructure killed this run's sandbox."""
-    for row in result.trace:
-        if row.step == LOST_STEP:
-            return row.detail or "unknown"
-    return None
+class Decision(NamedTuple):
+    """What the job path does with a run's result: ``finish`` (store ``result``) or ``hand
+    back`` (the message goes back to its queue for another attempt). ``report``: what the
+    worker's runtime gate is told (a hand-back always tells it; a finish when the engine
+    refused the sandbox); ``note``: the worker's log line of a hand-back; ``cause``: a lost
+    sandbox's cause, kept for the next attempt (``record``) before it is handed back."""
+
+    action: Literal["finish", "hand back"]
+    result: CodeResult
+    report: str | None = None
+    note: str = ""
+    cause: str | None = None
 
 
-def refused_by_engine(result: CodeResult) -> bool:
-    """True when the engine refused this run's sandbox before its input was written and
-    the node asked for nothing of its own (SandboxRefused: RUNTIME_UNAVAILABLE, a
-    ``sandbox.refused`` row whose detail is ``engine``). The job never ran, so it is never
-    run again: it ends now, and the worker's runtime gate is told once."""
-    return any(row.step == REFUSED_STEP and row.detail == REFUSED_ENGINE for row in result.trace)
+def decide(
+    result: CodeResult,
+    *,
+    claims: int,
+    rerun_safe: bool,
+    why_down: Callable[[], str | None],
+    lost: list[dict[str, Any]],
+) -> Decision:
+    """The one re-run decision, from the result's typed facts (never its trace):
+
+    * its sandbox lost to the infrastructure: hand back while the runtime's re-run is
+      harmless (``rerun_safe``) and attempts are left (``claims`` < MAX_ATTEMPTS); else
+      finish, the message naming every cause (``lost``: the earlier attempts') when the
+      re-run would have been harmless;
+    * its sandbox refused by the engine with the server's defaults: finish (a re-run would
+      be refused the same way), the gate told once;
+    * failed RUNTIME_UNAVAILABLE before its code started, with attempts left, while the
+      runtime cannot run the language here (``why_down()``: why, or None): hand back;
+    * anything else: finish."""
+    cause = result.lost
+    if cause is not None:
+        if rerun_safe and claims < MAX_ATTEMPTS:
+            return Decision(
+                "hand back",
+                result,
+                f"a sandbox was lost to the infrastructure ({cause})",
+                f"handed back to run again (attempt {claims} of {MAX_ATTEMPTS}): its sandbox "
+                f"was lost to the infrastructure ({cause})",
+                cause,
+            )
+        return Decision("finish", exhausted(result, claims, lost) if rerun_safe else result)
+    if result.refused == REFUSED_ENGINE:
+        return Decision("finish", result, f"the engine refused the sandbox of job {result.job_id}")
+    error = result.error
+    if (
+        result.status is Status.FAILED
+        and error is not None
+        and error.code is ErrorCode.RUNTIME_UNAVAILABLE
+        and not result.started
+        and claims < MAX_ATTEMPTS
+        and (reason := why_down()) is not None
+    ):
+        return Decision(
+            "hand back",
+            result,
+            reason,
+            f"handed back (attempt {claims} of {MAX_ATTEMPTS}): {reason}",
+        )
+    return Decision("finish", result)
 
 
 def add_lookup(pipe: Any, job_id: str) -> None:

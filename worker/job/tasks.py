@@ -32,7 +32,7 @@ from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import CodeResult, Status
 from executor.service import Executor
 from executor.settings import Settings
-from executor.store import Ended, JobRecord, RunStore, open_store
+from executor.store import Claim, Ended, JobRecord, RunStore, open_store
 from worker import fair, gate, metrics, parked, poison, pool_start, preimport, redis_conn
 from worker import tracing as worker_tracing
 from worker.cancel import CancelWatch
@@ -143,12 +143,16 @@ class ProcessState:
 
 
 class Outcome(NamedTuple):
-    """What one run of the task body did: ``name`` for the worker's log (see run_job) and,
+    """What one run of the task body did: ``name`` for the worker's log (see run_job);
     when this run stored the job's result, what that finish wrote (``report_outcome`` tells
-    Celery from it, without reading the row back)."""
+    Celery from it, without reading the row back); ``fair_end``: whether it ends the job for
+    the fair queue (after its result is stored, before its message is acknowledged): a
+    delivery the claim skipped because the job has not ended (still running elsewhere, a
+    retry's attempt before its time) frees nothing."""
 
     name: str
     ended: Ended | None = None
+    fair_end: bool = True
 
 
 _state: ProcessState | None = None
@@ -263,8 +267,11 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     try:
         state = process_state(task.app)
     except StoreUnavailable as e:
-        gate.report(gate.RUN_STORE, f"the pool process cannot open the run store: {e}")
-        _hand_back(f"job {job_id}: this pool process could not start")
+        _step_aside(
+            gate.RUN_STORE,
+            f"the pool process cannot open the run store: {e}",
+            f"job {job_id}: this pool process could not start",
+        )
     request = task.request
     if job_id is None:
         poison.dead_letter_task(state.redis, request, args, kwargs)
@@ -276,7 +283,7 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     # its answer.
     with state.executor.on_path():
         try:
-            outcome, ended = _run(state, job_id, worker, queue, request)
+            outcome, ended, fair_end = _run(state, job_id, worker, queue, request)
         except Reject:
             # handed back: the job has not ended, nothing to announce but the end mark
             state.end_job(job_id, done=False, fair_end=False)
@@ -291,7 +298,7 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
         state.end_job(
             job_id,
             done=not parked,
-            fair_end=_fair_ends(state, job_id, outcome),
+            fair_end=fair_end,
             record=None if ended is None else ended.record,
         )
     if not parked:
@@ -300,26 +307,21 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
     return outcome
 
 
-def _fair_ends(state: ProcessState, job_id: str, outcome: str) -> bool:
-    """Whether this run ends the job for the fair queue (after its result is stored, before
-    its message is acknowledged). A skipped delivery ends it only when the store says the
-    job ended (a redelivery of a job still running elsewhere frees nothing)."""
-    if outcome == "skipped":
-        try:
-            status = state.store.statuses([job_id]).get(job_id)
-        except Exception:  # noqa: BLE001 - the sweep's reconcile frees it later
-            return False
-        if status is not None and not status.finished:
-            return False
-    return True
-
-
 def _job_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     if len(args) == 1 and not kwargs and isinstance(args[0], str) and args[0]:
         return args[0]
     if not args and set(kwargs) == {"job_id"} and isinstance(kwargs["job_id"], str):
         return kwargs["job_id"] or None
     return None
+
+
+def _step_aside(part: str, reason: str, why: str) -> NoReturn:
+    """Report, then hand back: the gate hears that ``part`` (gate.RUN_STORE or gate.RUNTIME)
+    failed here, for ``reason`` (the main process probes it and closes the gate while it is
+    down), and the message goes back to its queue, unconsumed (``why``: the Reject's
+    reason)."""
+    gate.report(part, reason)
+    _hand_back(why)
 
 
 def _hand_back(why: str) -> NoReturn:
@@ -342,28 +344,26 @@ def _run(state: ProcessState, job_id: str, worker: str, queue: str, request: Any
     if written is not None:
         return Outcome("finished" if written else "parked-duplicate")
     try:
-        rec = state.store.claim(job_id, worker, again=redelivered(request))
+        claim = state.store.try_claim(job_id, worker, again=redelivered(request))
     except StoreUnavailable as e:  # any other error (a bug) raises: handing back would loop
-        gate.report(gate.RUN_STORE, f"claim of job {job_id} failed: {e}")
-        _hand_back(f"job {job_id}: the run store is unreachable")
+        _step_aside(
+            gate.RUN_STORE,
+            f"claim of job {job_id} failed: {e}",
+            f"job {job_id}: the run store is unreachable",
+        )
+    rec = claim.record
     if rec is None:
-        return _not_claimed(state, job_id, worker, request)
+        return _not_claimed(state, claim, job_id, worker, request)
     result = _refused(rec, state.settings)
     if result is None:
-        result = _execute(state, rec, flagged)
-        cause = rerun.lost_cause(result)
-        if cause is not None:
-            result = _lost(state, result, rec, worker, cause, lost)
-        elif rerun.refused_by_engine(result):
-            # never run again (it would be refused the same way): the job ends now, and the
-            # main process probes the runtime once
-            gate.report(gate.RUNTIME, f"the engine refused the sandbox of job {job_id}")
-        elif _runtime_down_before_start(state, result, rec):
-            _hand_back(f"job {job_id}: the runtime cannot run it on this worker")
+        result = _decided(state, _execute(state, rec, flagged), rec, worker, lost)
         if lost:
             result = rerun.with_rerun_row(result, rec.attempts, lost)
         if rec.retry is not None:  # the node's own retries (worker.job.retries)
-            after = retries.after_attempt(state.store, state.settings, rec, result, worker)
+            try:
+                after = retries.after_attempt(state.store, state.settings, rec, result, worker)
+            except StoreUnavailable as e:
+                after = _next_attempt_unwritten(rec, result, e)
             if after is None:
                 return Outcome("retry-wait")
             result = after
@@ -387,8 +387,10 @@ def _start(
         log.warning("job %s: cannot look for a parked result (%s)", job_id, e)
         written = None
     except StoreUnavailable as e:
-        gate.report(gate.RUN_STORE, str(e))  # the result stays parked
-        _hand_back(f"job {job_id}: its parked result waits for the run store")
+        # the result stays parked
+        _step_aside(
+            gate.RUN_STORE, str(e), f"job {job_id}: its parked result waits for the run store"
+        )
     return written, flagged, lost
 
 
@@ -404,13 +406,18 @@ def redelivered(request: Any) -> bool:
     return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
 
 
-def _not_claimed(state: ProcessState, job_id: str, worker: str, request: Any) -> Outcome:
-    """Unknown, cancelled while queued, or already finished (a redelivery): nothing to do."""
-    if _cancelled_before_start(state, job_id):
-        _metrics(metrics.record_cancel, stage="queued")
-    elif unrunnable.unknown_job(state.store, state.redis, job_id, request, worker):
+def _not_claimed(
+    state: ProcessState, claim: Claim, job_id: str, worker: str, request: Any
+) -> Outcome:
+    """Unknown, cancelled while queued, already finished (a redelivery) or not ended
+    (running elsewhere, a retry's attempt before its time), as the claim said (no read of
+    the row after it): nothing to do."""
+    if claim.unknown:
+        unrunnable.unknown_job(state.store, state.redis, job_id, request, worker)
         return Outcome("unknown")
-    return Outcome("skipped")
+    if claim.cancelled_queued:
+        _metrics(metrics.record_cancel, stage="queued")
+    return Outcome("skipped", fair_end=not claim.open)
 
 
 def _refused(rec: JobRecord, settings: Settings) -> CodeResult | None:
@@ -470,60 +477,73 @@ def _execute(state: ProcessState, rec: JobRecord, flagged: bool | None) -> CodeR
     return result
 
 
-def _lost(
+def _decided(
     state: ProcessState,
     result: CodeResult,
     rec: JobRecord,
     worker: str,
-    cause: str,
     lost: list[dict[str, Any]],
 ) -> CodeResult:
-    """The infrastructure killed this run's sandbox (worker.job.rerun): hand the job back
-    to run again elsewhere while the runtime's re-run is harmless and attempts are left
-    (the main process probes the runtime at once: this worker steps aside while it is
-    unhealthy); else the result, its message naming every cause."""
+    """The run's re-run decision (``rerun.decide``) carried out: the result to finish, or
+    the job handed back (its lost cause kept for the next attempt first) to run again
+    elsewhere (the main process probes the runtime at once: this worker steps aside while
+    it is unhealthy)."""
     runtime = state.executor.runtime
-    if runtime is not None and runtime.rerun_safe and rec.claims < MAX_ATTEMPTS:
-        rerun.record(state.redis, rec.job_id, rec.attempts, cause, worker)
+    decision = rerun.decide(
+        result,
+        claims=rec.claims,
+        rerun_safe=runtime is not None and runtime.rerun_safe,
+        why_down=lambda: _why_down(state, rec),
+        lost=lost,
+    )
+    if decision.action == "hand back":
+        if decision.cause is not None:
+            rerun.record(state.redis, rec.job_id, rec.attempts, decision.cause, worker)
+        log.error("job %s %s", rec.job_id, decision.note)
         # No engine call here: an engine starting again accepts connections before it
         # answers (a ping waited 15 s for it, measured); the gate's probe asks instead.
-        gate.report(gate.RUNTIME, f"a sandbox was lost to the infrastructure ({cause})")
-        log.error(
-            "job %s handed back to run again (attempt %d of %d): its sandbox was lost to "
-            "the infrastructure (%s)",
-            rec.job_id,
-            rec.claims,
-            MAX_ATTEMPTS,
-            cause,
+        why = (
+            "the runtime cannot run it on this worker"
+            if decision.cause is None
+            else f"its sandbox was lost to the infrastructure ({decision.cause})"
         )
-        _hand_back(f"job {rec.job_id}: its sandbox was lost to the infrastructure ({cause})")
-    if runtime is not None and runtime.rerun_safe:
-        return rerun.exhausted(result, rec.claims, lost)
-    return result
+        _step_aside(gate.RUNTIME, decision.report or "", f"job {rec.job_id}: {why}")
+    if decision.report is not None:  # the engine refused it: the job ends, the gate is told
+        gate.report(gate.RUNTIME, decision.report)
+    return decision.result
 
 
-def _runtime_down_before_start(state: ProcessState, result: CodeResult, rec: JobRecord) -> bool:
-    """True when the runtime failed the job before its sandbox started and cannot run its
-    language here now (Docker unreachable, image missing): the job is handed back for
-    another worker instead of failed, while it has attempts left (MAX_ATTEMPTS bounds it:
-    the last attempt ends with the runtime's own message)."""
-    if result.status is not Status.FAILED or result.error is None:
-        return False
-    if result.error.code is not ErrorCode.RUNTIME_UNAVAILABLE or result.trace:
-        return False
-    if rec.claims >= MAX_ATTEMPTS or state.executor.runtime is None:
-        return False
+def _why_down(state: ProcessState, rec: JobRecord) -> str | None:
+    """Why the runtime cannot run the job's language here now (Docker unreachable, image
+    missing), or None."""
+    runtime = state.executor.runtime
+    if runtime is None:
+        return None
     try:
-        reason = state.executor.runtime.unavailable_reason(state.executor.language(rec.language))
+        return runtime.unavailable_reason(state.executor.language(rec.language))
     except Exception as e:  # noqa: BLE001
-        reason = str(e)
-    if reason is None:
-        return False
-    gate.report(gate.RUNTIME, reason)
+        return str(e)
+
+
+def _next_attempt_unwritten(rec: JobRecord, result: CodeResult, error: Exception) -> CodeResult:
+    """The store went away as an attempt ended with an outcome its policy retries: its next
+    attempt could not be written (worker.job.retries). The message is handed back while the
+    infrastructure's budget lasts (MAX_ATTEMPTS claims of this attempt), so the attempt runs
+    again once a worker can reach the store: an infrastructure re-run, since this attempt's
+    outcome was never recorded. Acknowledging the message instead would leave the run
+    ``running`` with no message until the reaper ended it failed. With the budget spent, the
+    run ends with this attempt's outcome (parked until the store is back, as any result)."""
+    gate.report(gate.RUN_STORE, f"the next attempt of job {rec.job_id} was not written: {error}")
+    if rec.claims < MAX_ATTEMPTS:
+        _hand_back(f"job {rec.job_id}: its next attempt waits for the run store")
     log.error(
-        "job %s handed back (attempt %d of %d): %s", rec.job_id, rec.claims, MAX_ATTEMPTS, reason
+        "job %s: its next attempt could not be written (%s) and its %d claims are spent: it "
+        "ends with this attempt's outcome",
+        rec.job_id,
+        error,
+        rec.claims,
     )
-    return True
+    return result
 
 
 def _finish(
@@ -542,14 +562,6 @@ def _finish(
             wait_s = (rec.started_at - rec.queued_at).total_seconds()
         _metrics(metrics.record_result, result, wait_s, queue=queue)
         return Outcome("finished", stored.ended)
-
-
-def _cancelled_before_start(state: ProcessState, job_id: str) -> bool:
-    try:
-        rec = state.store.get(job_id, inputs=False)
-    except Exception:  # noqa: BLE001
-        return False
-    return rec is not None and rec.status is Status.CANCELLED and rec.started_at is None
 
 
 def _result(

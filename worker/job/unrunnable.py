@@ -25,14 +25,14 @@ log = logging.getLogger("studio_code.worker")
 
 def unknown_job(
     store: RunStore, client: redis.Redis, job_id: str, request: Any, worker: str
-) -> bool:
-    """When ``job_id`` is not in ``store``: log at ERROR, leave the notice, return True."""
+) -> None:
+    """The claim found no ``job_id`` in ``store`` (``Claim.unknown``): log at ERROR and
+    leave the notice."""
+    mine = store.describe()
     try:
-        if store.get(job_id, inputs=False) is not None:
-            return False
-        mine, mine_id = store.describe(), store.store_id
-    except Exception:  # noqa: BLE001 - the store is down: not this case
-        return False
+        mine_id = store.store_id
+    except Exception:  # noqa: BLE001 - its id is read once, and is not what matters here
+        mine_id = "unknown"
     theirs = getattr(request, HEADER_STORE_URL, None) or "an unknown store"
     theirs_id = getattr(request, HEADER_STORE_ID, None) or "unknown"
     message = (
@@ -46,7 +46,6 @@ def unknown_job(
         leave_notice(client, job_id, str(ErrorCode.RUNTIME_UNAVAILABLE), message)
     except redis.RedisError as e:
         log.warning("could not leave the notice of job %s: %s", job_id, e)
-    return True
 
 
 def unreadable_message(rec: JobRecord) -> str:

@@ -8,10 +8,11 @@ worker's nodename, value = JSON with the queue, the slots it gives that queue, i
 (``serving``, or ``paused`` with the reason ``not_serving_reason`` gave), its host, pid and
 run store, its engine (versions and known escapes, worker/upkeep/engine_watch.py; null
 without one), what its pre-started sandboxes pre-import and hold (``preimport``,
-worker/preimport.py), and ``seen_at`` / ``expires_at`` in REDIS's clock (so machines whose clocks
-disagree still agree on who is alive). A worker that stops cleanly removes its fields at
-once; a killed one stops counting ``heartbeat_ttl_s`` after its last beat (its field is
-removed by the next beat of any worker of that queue).
+worker/preimport.py), its worker group and what one slot holds (``group``,
+``memory_bytes``, ``cpus``: executor.groups), and ``seen_at`` / ``expires_at`` in REDIS's
+clock (so machines whose clocks disagree still agree on who is alive). A worker that stops
+cleanly removes its fields at once; a killed one stops counting ``heartbeat_ttl_s`` after
+its last beat (its field is removed by the next beat of any worker of that queue).
 
 Cost: one script call per beat (all queues of the worker), one per read (all queues asked).
 """
@@ -75,8 +76,12 @@ class Heartbeat:
         queue_reason: Callable[[str], str | None] | None = None,
         client: redis.Redis | None = None,
         preimport: Callable[[], dict[str, Any] | None] | None = None,
+        group: dict[str, Any] | None = None,
     ) -> None:
         self.nodename = nodename
+        #: its worker group and what one slot holds (executor.groups): {"group",
+        #: "memory_bytes", "cpus"}; None: not announced (read as the default group)
+        self.group = dict(group or {})
         self.slots = dict(slots)
         self.interval_s = interval_s
         self.ttl_s = ttl_s
@@ -142,6 +147,7 @@ class Heartbeat:
             "store_id": self._identity(),
             "engine": self._engine_now(),
             "preimport": self._preimport_now(),
+            **self.group,
         }
         queues = sorted(self.slots)
         states: dict[str, tuple[str, str | None]] = {}
@@ -281,6 +287,12 @@ class HeartbeatStep(bootsteps.StartStopStep):
             client=redis_conn.client(settings),
             # what the pool processes measured of their pre-started sandboxes (worker/preimport.py)
             preimport=lambda: preimport_report.announcement(settings),
+            # its group and what a slot holds: the caps its guard enforces
+            group={
+                "group": settings.worker_group,
+                "memory_bytes": settings.max_memory_bytes,
+                "cpus": settings.max_cpus,
+            },
         )
         self.heartbeat.start()
 

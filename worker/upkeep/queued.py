@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import redis
 
+from executor.groups import groups_of
 from executor.settings import Settings
 from executor.store import RunStore
 from worker import lua, redis_conn
@@ -53,6 +54,7 @@ from worker.protocol import (
     QUEUES,
     SWEEP_LOCK_KEY,
     TASK_NAME,
+    group_queues,
     held_lost_after_s,
     job_headers,
     max_wait_s,
@@ -82,12 +84,14 @@ class Broker(NamedTuple):
         return self.waiting | set(self.held)
 
 
-def read_broker(client: redis.Redis, candidates: Iterable[str] = ()) -> Broker | None:
-    """The broker's messages (``Broker``), with ``candidates`` looked for on their users'
-    lists, read in one MULTI; None when there are more than MAX_SCAN messages (too many to
-    read every sweep)."""
+def read_broker(
+    client: redis.Redis, candidates: Iterable[str] = (), queues: Iterable[str] = QUEUES
+) -> Broker | None:
+    """The broker's messages (``Broker``) in ``queues`` (default: the default worker
+    group's), with ``candidates`` looked for on their users' lists, read in one MULTI; None
+    when there are more than MAX_SCAN messages (too many to read every sweep)."""
     asked = list(candidates)
-    keys = [k for q in QUEUES for k in queue_lists(q)]
+    keys = [k for q in queues for k in queue_lists(q)]
     pipe = client.pipeline(transaction=True)
     for key in keys:
         pipe.llen(key)
@@ -166,6 +170,10 @@ class QueuedSweep:
         self._owns_client = client is None
         self.redis: redis.Redis = client or redis_conn.client(settings)
         self.fair = FairQueue.of(self.redis, settings)
+        #: every worker group's queues (executor.groups: the default group's, this
+        #: worker's, STUDIO_WORKER_GROUPS'): a message waiting in any is not lost
+        names = {settings.worker_group, *(g.name for g in groups_of(settings))}
+        self.queues = tuple(q for name in sorted(names) for q in group_queues(name))
 
     def close(self) -> None:
         if self._owns_client:
@@ -252,7 +260,7 @@ class QueuedSweep:
         if not candidates:
             return []
         bound = held_lost_after_s(self.settings)
-        broker = read_broker(self.redis, [c.job_id for c in candidates])
+        broker = read_broker(self.redis, [c.job_id for c in candidates], self.queues)
         if broker is None:
             log.warning(
                 "queued sweep: more than %d messages queued; lost messages are not "
@@ -267,7 +275,7 @@ class QueuedSweep:
             return []
         time.sleep(CONFIRM_AFTER_S)
         cutoff = time.time() - bound
-        broker = read_broker(self.redis, list(missing)) or Broker(set(), {})
+        broker = read_broker(self.redis, list(missing), self.queues) or Broker(set(), {})
         still = self.store.get_many(
             (j for j in missing if _unowned(broker, j, cutoff)), inputs=False
         )
@@ -281,7 +289,7 @@ class QueuedSweep:
                 if not take_stale(self.redis, stale, cutoff):
                     continue
                 taken.append(job_id)
-            queue = queue_of(missing[job_id].kind)
+            queue = queue_of(missing[job_id].kind, missing[job_id].worker_group)
             self.app.send_task(
                 TASK_NAME,
                 args=(job_id,),

@@ -30,7 +30,7 @@ def send_due(store: RunStore, app: Any) -> list[str]:
             TASK_NAME,
             args=(due.job_id,),
             task_id=due.job_id,
-            queue=queue_of(due.kind),
+            queue=queue_of(due.kind, due.worker_group),  # its worker group's
             ignore_result=True,
             headers=job_headers(store.store_id, store.describe()),
         )

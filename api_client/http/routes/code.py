@@ -46,7 +46,6 @@ from api_client.http.wire import (
 from executor.errors import ErrorCode
 from executor.inputs import capped_timeout_s
 from executor.store.base import JobRecord
-from worker.protocol import QUEUE_TEST
 
 #: waited for a test call's result on top of its own timeout: queue wait and sandbox start
 TEST_WAIT_MARGIN_S = 30.0
@@ -86,7 +85,12 @@ def validate_code(body: CodeBody, who: CallerDep, services: ServicesDep) -> Vali
     message (and ``problems``) give the reason."""
     problems = _problems(
         services.client.validate(
-            body.code, body.language, memory=body.memory, cpus=body.cpus, timeout_s=body.timeout_s
+            body.code,
+            body.language,
+            memory=body.memory,
+            cpus=body.cpus,
+            timeout_s=body.timeout_s,
+            group=body.group,
         )
     )
     if problems:
@@ -166,6 +170,7 @@ async def test_code(
             retry=body.retry,
             tenant=body.tenant,
             workflow=body.workflow,
+            group=body.group,
         )
 
     key = idempotency_key(request)
@@ -178,7 +183,10 @@ async def test_code(
         if first is not None:
             wait = client.wait_async(first, wait_s, submitted=True, **trace_headers(request))
             return _answer(await _unless_disconnected(request, wait))
-    served = asyncio.ensure_future(client.check_served_async(QUEUE_TEST))
+    # the test queue of the job's worker group (executor.groups), as far as the body says
+    served = asyncio.ensure_future(
+        client.check_served_async(*client.test_queue_hint(body.memory, body.cpus, body.group))
+    )
     admitted = asyncio.ensure_future(
         services.in_flight.admit(aredis, who.user, wait_s + 5, s.code_test_per_minute)
     )

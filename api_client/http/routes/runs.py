@@ -80,6 +80,7 @@ def submit_run(body: RunBody, who: CallerDep, services: ServicesDep, request: Re
         retry=body.retry,
         tenant=body.tenant,
         workflow=body.workflow,
+        group=body.group,
         idempotency_key=idempotency_key(request),
         **trace_headers(request),
     )

@@ -16,7 +16,7 @@ from executor.floors import MIN_MEMORY_BYTES, MIN_NANO_CPUS, MIN_PIDS
 from executor.inputs import check_cpus, cpus_range, size_text
 from executor.languages.base import Language
 from executor.models import CodeJob, Limits
-from executor.runtimes.constants import KILL_GRACE_S
+from executor.runtimes.constants import KILL_GRACE_S, TMPFS_SIZE
 from executor.runtimes.docker.seccomp import is_gvisor, profile_json
 from executor.sandbox_names import (  # noqa: F401 (the runtime's names, from here)
     LABEL_DEADLINE,
@@ -28,7 +28,6 @@ from executor.sandbox_names import (  # noqa: F401 (the runtime's names, from he
 )
 from executor.settings import Settings, sandbox_ids
 
-TMPFS_SIZE = "64m"
 #: STUDIO_CODE_OCI_RUNTIME=auto: gVisor's runsc when the engine lists it, else its default
 AUTO = "auto"
 GVISOR = "runsc"
@@ -53,7 +52,7 @@ def oci_runtime(settings: Settings, api: Any = None) -> str | None:
     if seen is not None and time.monotonic() - seen[0] < AUTO_TTL_S:
         return seen[1]
     if api is None:
-        from executor.docker_api import shared_api
+        from executor.runtimes.docker.client import shared_api
 
         api = shared_api()
     try:

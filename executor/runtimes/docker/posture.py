@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -32,6 +32,9 @@ from executor.runtimes.docker.escapes import (
     load_table,
     parse_version,
 )
+
+if TYPE_CHECKING:
+    from executor.models import CodeJob, CodeResult
 
 Component = Literal["runc", "containerd", "docker"]
 #: how long a read of the engine's posture is believed (an engine upgrade restarts dockerd)
@@ -390,13 +393,13 @@ def main(state):
 """
 
 
-def sandbox_proof(executor: Any) -> dict[str, Any]:
-    """Run one Python sandbox under the real policy and report what its kernel says:
-    ``no_new_privs`` and ``seccomp_filter`` (mode 2) true when applied, its effective
-    capabilities and uid. ``error`` instead when it could not run."""
+def sandbox_proof(run: Callable[[CodeJob], CodeResult]) -> dict[str, Any]:
+    """Run one Python sandbox under the real policy (``run``: an Executor's) and report what
+    its kernel says: ``no_new_privs`` and ``seccomp_filter`` (mode 2) true when applied, its
+    effective capabilities and uid. ``error`` instead when it could not run."""
     from executor.models import CodeJob
 
-    result = executor.run(CodeJob(language="python", code=SANDBOX_PROBE, timeout_s=20))
+    result = run(CodeJob(language="python", code=SANDBOX_PROBE, timeout_s=20))
     if not isinstance(result.output, dict):
         message = result.error.message if result.error else repr(result.output)
         return {"error": f"the probe sandbox did not run: {message}"}

@@ -36,6 +36,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from executor.languages import get_language
+from executor.runtimes.constants import PREIMPORT_NOT_YET
 from executor.runtimes.docker import usage
 
 if TYPE_CHECKING:
@@ -95,6 +97,7 @@ class MeasuredPool(Protocol[S]):
 log = logging.getLogger("studio_code")
 
 #: ``source`` of a language not measured (yet, or at all)
+NOT_YET = PREIMPORT_NOT_YET
 NOT_YET = (
     "not measured yet: measured by the process that keeps pre-started sandboxes (a worker's "
     "pool process, STUDIO_CODE_PREWARM > 0) once its first one is idle"
@@ -138,10 +141,8 @@ def after_fill(pool: MeasuredPool[S], p: S) -> None:
 
 def modules(settings: Settings, language: str) -> list[str]:
     """What a pre-started sandbox of ``language`` imports while it waits
-    (STUDIO_CODE_PREIMPORT; Python only: TypeScript has none)."""
-    if language != "python" or not settings.code_preimport:
-        return []
-    return settings.code_preimport.split(",")
+    (``Language.preimport_modules``)."""
+    return get_language(language).preimport_modules(settings)
 
 
 def measured(pool: MeasuredPool[Any]) -> dict[str, dict[str, Any]]:

@@ -17,14 +17,15 @@ import docker
 import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
-from executor.docker_api import shared_api
 from executor.errors import InfrastructureLost, RuntimeUnavailable
-from executor.languages.base import Language
+from executor.languages.base import ImageFacts, Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes.base import (
     CancelCheck,
     CancelledBeforeStart,
+    MetaSection,
     PoolObserver,
+    ProbeRun,
     Runtime,
     owner_dead,
     owner_id,
@@ -38,6 +39,8 @@ from executor.runtimes.docker.attached import (
     run_attached,
     sandbox_failures,
 )
+from executor.runtimes.docker.client import shared_api
+from executor.runtimes.docker.images import DockerImageFacts
 from executor.runtimes.docker.policy import (
     AUTO,
     LABEL_DEADLINE,
@@ -49,7 +52,7 @@ from executor.runtimes.docker.policy import (
     sandbox_policy,
 )
 from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, NAME_FREE_S, SandboxPool
-from executor.settings import Settings
+from executor.settings import KNOWN_LANGUAGES, Settings
 
 if TYPE_CHECKING:
     from executor.runtimes.docker.posture import EnginePosture
@@ -68,6 +71,8 @@ class DockerRuntime(Runtime):
     #: no network, no host files, nothing kept after the call: a run the infrastructure
     #: killed runs again elsewhere without harm
     rerun_safe = True
+    # the pool measures its sandboxes' pre-imports (preimport_memory)
+    preimport_measured = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -105,6 +110,10 @@ class DockerRuntime(Runtime):
     def image(self, language: Language) -> str | None:
         return language.image(self.settings)
 
+    @classmethod
+    def image_facts(cls, settings: Settings, language: Language) -> ImageFacts:
+        return DockerImageFacts(settings, language)
+
     def health_problem(self) -> str | None:
         """Asked on a fresh connection (``engine_stopping``): an engine shutting down still
         answers on the connections kept alive from before, not on a new one; a ping on a
@@ -118,6 +127,34 @@ class DockerRuntime(Runtime):
 
     def pool_stats(self) -> dict[str, Any] | None:
         return self.pool.stats() if self.pool is not None else None
+
+    def meta_section(
+        self, posture: EnginePosture | None, *, fresh: bool, probe: ProbeRun
+    ) -> MetaSection:
+        """The seccomp profile the sandboxes get (under gVisor, the variant runsc gets:
+        docs/security.md, "The second wall"), what a pre-started sandbox holds once its
+        pre-imports are done (this process's pool; null figures without one), and, asked
+        fresh with an engine that answers, what the kernel says inside one sandbox."""
+        from executor.runtimes.docker import preimport_memory
+        from executor.runtimes.docker.posture import sandbox_proof
+        from executor.runtimes.docker.seccomp import profile_sha256
+
+        s = self.settings
+        gvisor = posture is not None and posture.oci_runtime_kernel == "gvisor"
+        offered = [n for n in KNOWN_LANGUAGES if n in s.languages]
+        return MetaSection(
+            seccomp={
+                "profile": "executor/runtimes/docker/seccomp.json",
+                "sha256": profile_sha256(gvisor=gvisor),
+                "variant": "gvisor (clone3 goes to gVisor's kernel)" if gvisor else None,
+            },
+            preimport_memory=preimport_memory.shown(s, offered, self.pool),
+            sandbox=(
+                sandbox_proof(probe)
+                if fresh and posture is not None and "python" in s.languages
+                else None
+            ),
+        )
 
     def engine_posture(self, *, fresh: bool = False) -> EnginePosture | None:
         # here: a one-shot run reads no posture, so it loads no table of escapes (tomllib)

@@ -64,7 +64,9 @@ from executor.runtimes.base import (
     POLL_S,
     BoundedBuffer,
     CancelCheck,
+    MetaSection,
     PoolObserver,
+    ProbeRun,
     Runtime,
 )
 from executor.runtimes.subprocess import fence, landlock, namespaces, seccomp, usage
@@ -159,6 +161,18 @@ class SubprocessRuntime(Runtime):
         )
         self.warnings = (startup_warning(self.isolation),)
         log.warning(isolation_warning(self.isolation))
+
+    def meta_section(self, posture: object, *, fresh: bool, probe: ProbeRun) -> MetaSection:
+        """What holds runs apart (``isolation``, and it in a sentence among the warnings),
+        and whose uid a run gets under a root server."""
+        return MetaSection(
+            warnings=(isolation_warning(self.isolation),),
+            root_note=(
+                "The server runs as root, so each subprocess run gets its own uid and gid "
+                f"from STUDIO_CODE_SUBPROCESS_UIDS={self.settings.code_subprocess_uids}."
+            ),
+            isolation=self.isolation,
+        )
 
     def unavailable_reason(self, language: Language) -> str | None:
         binary = language.command(self.settings, _PROBE_LIMITS, in_container=False)[0]

@@ -1,9 +1,10 @@
 """The process's one connection to the Docker engine, opened on first use.
 
-The docker runtime and the save-time check of imports (executor/languages/python_modules.py)
-share it, so a one-shot ``studio-code run`` asks the engine its API version once, not once
-per user. A forked child (a Celery pool process) opens its own: a connection is never
-shared across a fork.
+Everything of the docker runtime that asks the engine shares it (its sandboxes, and the
+image facts it reads for the save-time check and the package lists: ``images``), so a
+one-shot ``studio-code run`` asks the engine its API version once, not once per user. A
+forked child (a Celery pool process) opens its own: a connection is never shared across a
+fork.
 """
 
 from __future__ import annotations
