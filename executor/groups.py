@@ -15,12 +15,26 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from executor.errors import CodeInvalid
+from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES
+from executor.sizes import parse_size, size_text
 
-if TYPE_CHECKING:
-    from executor.settings import Settings
+
+class GroupSettings(Protocol):
+    """What ``groups_of`` reads of the settings (executor.settings.Settings is one; the
+    settings import this module to check their own values, so it names no Settings)."""
+
+    @property
+    def max_memory_bytes(self) -> int: ...
+
+    @property
+    def max_cpus(self) -> float: ...
+
+    @property
+    def worker_groups(self) -> str: ...
+
 
 DEFAULT_GROUP = "default"
 #: the most groups STUDIO_WORKER_GROUPS may declare (each is a metrics label value)
@@ -44,8 +58,6 @@ class Group:
         return memory_bytes <= self.memory_bytes and cpus <= self.cpus + 1e-9
 
     def describe(self) -> str:
-        from executor.inputs import size_text
-
         return f"{self.name} ({size_text(self.memory_bytes)}, {self.cpus:g} CPU per slot)"
 
     def as_dict(self) -> dict[str, object]:
@@ -61,8 +73,6 @@ def check_name(name: str) -> str:
 
 def parse_groups(text: str) -> tuple[Group, ...]:
     """STUDIO_WORKER_GROUPS as groups (ValueError with the rule for a bad one)."""
-    from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES
-    from executor.settings import parse_size
 
     out: list[Group] = []
     for item in (p.strip() for p in text.split(",")):
@@ -96,7 +106,7 @@ def parse_groups(text: str) -> tuple[Group, ...]:
     return tuple(out)
 
 
-def groups_of(settings: Settings) -> tuple[Group, ...]:
+def groups_of(settings: GroupSettings) -> tuple[Group, ...]:
     """Every group the API sends jobs to, the default group first (what this process's
     caps hold), then STUDIO_WORKER_GROUPS."""
     default = Group(DEFAULT_GROUP, settings.max_memory_bytes, settings.max_cpus)
@@ -109,8 +119,6 @@ def widest(groups: tuple[Group, ...]) -> tuple[int, float]:
 
 
 def _asks(memory_bytes: int, cpus: float) -> str:
-    from executor.inputs import size_text
-
     return f"{size_text(memory_bytes)} of memory and {cpus:g} CPU"
 
 

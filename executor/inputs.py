@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from executor.errors import CodeInvalid
 from executor.floors import MIN_CPUS, MIN_MEMORY_BYTES
+from executor.sizes import parse_size, size_text
 
 _JSON_KINDS = {
     list: "an array",
@@ -140,22 +141,12 @@ def memory_bytes(memory: str | int | None) -> int | None:
     range is ``check_memory``'s)."""
     if memory is None or isinstance(memory, int):
         return memory
-    from executor.settings import parse_size
-
     try:
         return parse_size(memory)
     except ValueError:
         raise CodeInvalid(
             f"memory={memory!r} is not a size: give one such as 512m (a number with b, k, m or g)."
         ) from None
-
-
-def size_text(n: int) -> str:
-    """``268435456`` -> ``256m``: a size in the largest unit it is a whole number of."""
-    for unit, size in (("g", 1024**3), ("m", 1024**2), ("k", 1024)):
-        if n % size == 0:
-            return f"{n // size}{unit}"
-    return f"{n}b"
 
 
 def check_memory(value: int | None, *, max_bytes: int, source: str = "memory") -> None:

@@ -31,6 +31,7 @@ from executor.packages import (
     parse_packages,
     parse_preimport,
 )
+from executor.sizes import parse_size
 
 # None is used here: asyncio only by CliApp.run, entry_points only to look for plugins,
 # dotenv_values only to read an env_file (Settings has none), secrets (hmac, OpenSSL's
@@ -59,19 +60,9 @@ KNOWN_LANGUAGES = ("python", "typescript")
 API_TOKEN_MIN_CHARS = 16
 NOBODY = 65534  # uid/gid a sandbox gets when the server runs as root: no sandbox runs as root
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([bkmg]?)b?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 #: STUDIO_CODE_USAGE_CGROUP_PARENT: an absolute cgroup path below the root, each name of safe
 #: characters and not starting with a dot (so no "." or ".."), no empty name, no trailing "/"
 CGROUP_PARENT_SHAPE = re.compile(r"(/[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}){1,16}")
-
-
-def parse_size(value: str) -> int:
-    """'256m' -> 268435456, Docker's units (b, k, m, g; powers of 1024)."""
-    m = _SIZE.match(value)
-    if not m:
-        raise ValueError("not a size")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def parse_uid_range(text: str) -> range:
