@@ -365,8 +365,11 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         timeout = _timeout(args, settings)
         _limits(args, settings, groups=True)
         from executor.retry import parse_policy
+        from worker.fair import check_key
 
         retry = parse_policy(args.retry)
+        check_key("--tenant", args.tenant)
+        check_key("--workflow", args.workflow)
     except StudioCodeError as e:
         _print(
             _refusal("submit", e.code, e.message, runtime=settings.code_runtime, language=language)
@@ -385,6 +388,8 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
                 cpus=args.cpus,
                 idempotency_key=args.idempotency_key,
                 retry=retry,
+                tenant=args.tenant,
+                workflow=args.workflow,
                 group=args.group,
             )
         except StudioCodeError as e:
@@ -689,6 +694,16 @@ def _queue_commands(sub: Any) -> None:
         "call (queue code.test, rate limited per user)",
     )
     submit.add_argument("--user", default="", help="who asks (editor test calls' limit)")
+    submit.add_argument(
+        "--tenant",
+        default=None,
+        help="the run's tenant, a concurrency key (STUDIO_QUEUE_RUN_SHARE_KEY, _TENANT_SLOTS)",
+    )
+    submit.add_argument(
+        "--workflow",
+        default=None,
+        help="the run's workflow, a concurrency key (STUDIO_QUEUE_RUN_WORKFLOW_SLOTS)",
+    )
     submit.add_argument(
         "--idempotency-key",
         default=None,

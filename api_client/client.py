@@ -53,10 +53,12 @@ from executor.store import (
 )
 from worker import lua, preimport, redis_conn
 from worker.cancel import CancelWatch
-from worker.fair import FairQueue, Waiting, user_cap
+from worker.fair import FairQueue, Waiting, check_key
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
+    HEADER_FAIR_TENANT,
     HEADER_FAIR_USER,
+    HEADER_FAIR_WORKFLOW,
     QUEUE_RUN,
     TASK_NAME,
     cancel_flag_ttl_s,
@@ -173,7 +175,7 @@ class CodeClient:
         self.workers = WorkerRegistry(self.redis)
         #: workflow runs wait per user and take turns (worker.fair) unless fairness is off
         self.fair_users = settings.queue_run_fairness == "users"
-        self.fair = FairQueue(self.redis, user_cap(settings))
+        self.fair = FairQueue.of(self.redis, settings)
         self._served_until: dict[tuple[str, int, float], float] = {}
         self._aworkers: AsyncWorkerRegistry | None = None  # on async_redis (the API's loop)
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
@@ -250,12 +252,15 @@ class CodeClient:
         return meta
 
     def fairness(self, *, names: bool = False) -> dict[str, Any]:
-        """How code.run is shared (STUDIO_QUEUE_RUN_FAIRNESS, _USER_SLOTS) and the runs
-        waiting on the users' lists: how many, and the users with the most (by rank; their
-        ids only with ``names``)."""
+        """How code.run is shared (STUDIO_QUEUE_RUN_FAIRNESS, _USER_SLOTS, _SHARE_KEY,
+        _TENANT_SLOTS, _WORKFLOW_SLOTS) and the runs waiting on the lanes: how many, and the
+        share-key values with the most (by rank; their ids only with ``names``)."""
         out: dict[str, Any] = {
             "mode": self.settings.queue_run_fairness,
             "user_slots": self.settings.queue_run_user_slots or None,
+            "share_key": self.settings.queue_run_share_key,
+            "tenant_slots": self.settings.queue_run_tenant_slots or None,
+            "workflow_slots": self.settings.queue_run_workflow_slots or None,
         }
         try:
             out.update(self.fair.stats().as_dict(names=names))
@@ -471,6 +476,9 @@ class CodeClient:
         cpus: float | None = None,
         retry: Any = None,
         group: str | None = None,
+        *,
+        tenant: str | None = None,
+        workflow: str | None = None,
     ) -> CodeJob:
         if kind not in ("run", "test"):
             raise CodeInvalid(
@@ -491,6 +499,8 @@ class CodeClient:
             cpus=cpus,
             # the node's own policy, else the server's default (STUDIO_CODE_RETRY)
             retry=parse_policy(retry) if retry is not None else self.settings.retry_policy,
+            tenant=check_key("tenant", tenant),
+            workflow=check_key("workflow", workflow),
         )
         self.executor.check_job(job, language=offered, state_checked=True)
         # its worker group: the caller's, else by size (executor.groups: CodeInvalid
@@ -519,6 +529,8 @@ class CodeClient:
         idempotency_key: str | None = None,
         retry: Any = None,
         group: str | None = None,
+        tenant: str | None = None,
+        workflow: str | None = None,
     ) -> str:
         """Queue one Code-node call; returns its job id.
 
@@ -545,10 +557,24 @@ class CodeClient:
         worker group to run on (executor.groups; None: chosen by size, the default group
         when it holds ``memory`` and ``cpus``); a group unknown or too small for them raises
         CodeInvalid, one with no live worker that holds the job RuntimeUnavailable naming
-        the group and what the job asks."""
+        the group and what the job asks. ``tenant`` and ``workflow``: the run's concurrency
+        keys (worker.fair: the share key and the caps STUDIO_QUEUE_RUN_SHARE_KEY,
+        _TENANT_SLOTS, _WORKFLOW_SLOTS); a key that is not one (worker.fair.check_key)
+        raises CodeInvalid."""
         with tracing.submitting(traceparent, tracestate):
             job = self._job(
-                code, language, state, timeout_s, user, kind, memory, cpus, retry, group
+                code,
+                language,
+                state,
+                timeout_s,
+                user,
+                kind,
+                memory,
+                cpus,
+                retry,
+                group,
+                tenant=tenant,
+                workflow=workflow,
             )
             return self._enqueue(job, rate_checked, idempotency_key)
 
@@ -565,12 +591,27 @@ class CodeClient:
         cpus: float | None = None,
         retry: Any = None,
         group: str | None = None,
+        tenant: str | None = None,
+        workflow: str | None = None,
     ) -> CodeJob:
         """What ``submit`` checks before it asks Redis or the store anything, as the job it
         would queue: raises CodeNodesDisabled or CodeInvalid as ``submit`` does. No I/O:
         the HTTP test call runs it on the event loop while its admission is on the wire,
         then queues the job with ``enqueue``."""
-        return self._job(code, language, state, timeout_s, user, kind, memory, cpus, retry, group)
+        return self._job(
+            code,
+            language,
+            state,
+            timeout_s,
+            user,
+            kind,
+            memory,
+            cpus,
+            retry,
+            group,
+            tenant=tenant,
+            workflow=workflow,
+        )
 
     def enqueue(
         self,
@@ -625,8 +666,12 @@ class CodeClient:
                 return keyed.first_job(made)
         headers = job_headers(self.store.store_id, self.store.describe())
         if queue == QUEUE_RUN and self.fair_users:
-            # the broker channel puts it on the user's list (worker.fair.FairChannel)
+            # the broker channel puts it on its lane (worker.fair.FairChannel)
             headers[HEADER_FAIR_USER] = user
+            if job.tenant:
+                headers[HEADER_FAIR_TENANT] = job.tenant
+            if job.workflow:
+                headers[HEADER_FAIR_WORKFLOW] = job.workflow
         tracing.message_headers(headers, job, self.settings.code_runtime)  # when traced
         try:
             self.app.send_task(

@@ -11,9 +11,11 @@ The reasons, first that holds:
 * ``retry_delay``: its last attempt failed with an outcome its retry policy retries and the
   next one waits out the policy's delay until ``not_before`` (worker.job.retries). After the
   worker reasons: a run no worker would take after its delay says that first;
-* ``user_cap`` / ``fairness``: a workflow run waiting on its user's list (worker.fair): its
-  user has STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, or it waits for its user's turn
-  among ``users_waiting``;
+* ``workflow_cap`` / ``user_cap`` / ``tenant_cap`` / ``fairness``: a workflow run waiting on
+  its lane (worker.fair): its workflow, its user or its tenant has as many runs in flight as
+  STUDIO_QUEUE_RUN_WORKFLOW_SLOTS, _USER_SLOTS or _TENANT_SLOTS allow, or it waits for its
+  share key's turn (its user's, its tenant's: STUDIO_QUEUE_RUN_SHARE_KEY) among
+  ``users_waiting``;
 * ``queue``: it is in its queue for the next free slot, ``position`` runs ahead of it;
 * ``taken``: a worker holds its message and is starting it.
 
@@ -159,6 +161,8 @@ def explain(
             estimate_s=round(wait, 1),
         )
     if fair is not None:
+        if fair.cap_kind is not None:
+            return WhyWaiting(held_by=fair.held_by, reason=_at_cap(fair), **base)
         if fair.users_ahead is None:
             return WhyWaiting(
                 held_by="user_cap",
@@ -190,6 +194,25 @@ def explain(
         f"run(s) ahead of it{then}.",
         **{**base, "position": ahead},
         estimate_s=est,
+    )
+
+
+#: the setting of each cap kind's number
+_CAP_SETTINGS = {
+    "workflow": "STUDIO_QUEUE_RUN_WORKFLOW_SLOTS",
+    "user": "STUDIO_QUEUE_RUN_USER_SLOTS",
+    "tenant": "STUDIO_QUEUE_RUN_TENANT_SLOTS",
+}
+
+
+def _at_cap(fair: Waiting) -> str:
+    """A run held at a cap of one of its keys, in words: the cap and the key's runs in
+    flight (counts only: whose they are is never said)."""
+    kind = fair.cap_kind or "user"
+    return (
+        f"It waits behind its {kind}'s cap of {fair.cap} ({_CAP_SETTINGS[kind]}): "
+        f"{fair.cap_held} of its {kind}'s runs are in flight, and it goes when one of them "
+        f"ends, after {fair.position} run(s) ahead of it on its list. It is not refused."
     )
 
 

@@ -12,7 +12,13 @@ store. No assertions: it measures.
 * submit overhead: ``submit()`` with fairness on vs off, interleaved (the enqueue script
   vs kombu's LPUSH), while the worker runs the jobs.
 
+With ``--keys`` it measures only the concurrency keys' cost: submit -> claim (the store's
+queued_at -> started_at) of one run at a time on an idle worker, keys on (the run names a
+tenant and a workflow; STUDIO_QUEUE_RUN_SHARE_KEY=tenant/user, a tenant cap and a workflow
+cap set high enough never to hold) vs off (user share, no caps, no keys), interleaved.
+
     python -m bench.fair [--slots 4] [--flood 500] [--others 10] [--submits 100] [--rounds 2]
+    python -m bench.fair --keys [--submits 100]
 """
 
 from __future__ import annotations
@@ -80,6 +86,103 @@ def submit_overhead(on: Any, off: Any, n: int) -> tuple[list[float], list[float]
     return times
 
 
+#: the settings of the keys-on side (caps high enough never to hold a run)
+KEYS_ON: dict[str, Any] = {
+    "queue_run_share_key": "tenant/user",
+    "queue_run_tenant_slots": 1000,
+    "queue_run_workflow_slots": 1000,
+}
+
+
+def keys_latency(on: Any, off: Any, n: int) -> tuple[list[float], list[float]]:
+    """ms from submit to claim (the store's queued_at -> started_at) of one run at a time,
+    keys on vs off, interleaved (each side first in turn); each run ends before the next is
+    sent."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for k in range(n):
+        for i in (0, 1) if k % 2 == 0 else (1, 0):  # each side first in turn
+            client = (on, off)[i]
+            keys = {"tenant": "acme", "workflow": "nightly"} if i == 0 else {}
+            job = client.submit(TRIVIAL, "python", {}, user="ann", **keys)
+            rec = _wait(client, [job], 60)[job]
+            times[i].append((rec.started_at - rec.queued_at).total_seconds() * 1000)
+    return times
+
+
+def script_cost(client: Any, n: int) -> dict[str, tuple[list[float], list[float]]]:
+    """µs of one enqueue (with its release) and one end of worker/fair.lua, keys on vs off,
+    interleaved, on the stack's Redis (no worker: code.run emptied between the two)."""
+    import json
+
+    from worker.fair import FairQueue
+
+    sides = {
+        "on": (FairQueue(client, 0, share="tenant/user", tenant_cap=1000, workflow_cap=1000), 1),
+        "off": (FairQueue(client, 0), 0),
+    }
+    msg = json.dumps({"headers": {"id": "x"}, "body": "x" * 600})
+    out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in sides}
+    for k in range(n):
+        for name in ("on", "off") if k % 2 == 0 else ("off", "on"):
+            fair, keyed = sides[name]
+            keys = {"tenant": "acme", "workflow": "nightly"} if keyed else {}
+            t0 = time.perf_counter()
+            fair.enqueue(f"bench-{name}-{k}", "ann", msg, **keys)
+            t1 = time.perf_counter()
+            client.delete("code.run")
+            t2 = time.perf_counter()
+            fair.ended([f"bench-{name}-{k}"])
+            t3 = time.perf_counter()
+            out[name][0].append((t1 - t0) * 1e6)
+            out[name][1].append((t3 - t2) * 1e6)
+    return out
+
+
+def keys_main(args: Any) -> None:
+    from testkit.stack import Stack
+
+    slots = {"code_concurrency": args.slots, "queue_test_slots": 0}
+    # the workers run with the keys' settings (their releases pass the caps); the off side
+    # is a client without them, on the same Redis and store
+    stack = bench_stack("fair-keys", queue_run_fairness="users", **slots, **KEYS_ON)
+    plain = Stack(
+        stack.workdir, redis_url=stack.redis_url, database_url=stack.database_url, **slots
+    )
+    try:
+        on, off = stack.client, plain.client
+        stack.start_worker(concurrency=args.slots, stop_timeout=30)
+        for _ in range(2 * args.slots):  # warm-up: every pool process, the engine, the store
+            on.wait(on.submit(TRIVIAL, "python", {}), 60)
+        t_on, t_off = keys_latency(on, off, args.submits)
+        for worker in stack.workers:  # the worker gone: the script alone, on the same Redis
+            worker.stop()
+        cost = script_cost(plain.client.redis, 20 * args.submits)
+        print(
+            f"# bench.fair --keys: 1 worker, {args.slots} run slots, prefork; SQLite store; "
+            f"redis-server; trivial Python node, one run at a time; {os.cpu_count()} CPUs"
+        )
+        print("| what | keys on | keys off | on − off |")
+        print("|---|---|---|---|")
+        print(
+            f"| submit → claim, p50 / p95 (n={args.submits} each, interleaved; on: tenant + "
+            f"workflow named, share key tenant/user, tenant and workflow caps) | "
+            f"{pct(t_on, 50):.2f} / {pct(t_on, 95):.2f} ms | "
+            f"{pct(t_off, 50):.2f} / {pct(t_off, 95):.2f} ms | "
+            f"{pct(t_on, 50) - pct(t_off, 50):+.2f} ms (goal: within 1 ms) |"
+        )
+        for i, what in enumerate(("enqueue (+ its release)", "end of a run (+ release)")):
+            on_us, off_us = cost["on"][i], cost["off"][i]
+            print(
+                f"| worker/fair.lua {what}, p50 / p95 (n={len(on_us)} each, interleaved, "
+                f"client round trip included) | {pct(on_us, 50):.0f} / {pct(on_us, 95):.0f} µs | "
+                f"{pct(off_us, 50):.0f} / {pct(off_us, 95):.0f} µs | "
+                f"{(pct(on_us, 50) - pct(off_us, 50)) / 1000:+.3f} ms |"
+            )
+    finally:
+        plain.stop()
+        end_stack(stack)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--slots", type=int, default=4)
@@ -87,7 +190,11 @@ def main() -> None:
     p.add_argument("--others", type=int, default=10)
     p.add_argument("--submits", type=int, default=100)
     p.add_argument("--rounds", type=int, default=2, help="floods of each kind")
+    p.add_argument("--keys", action="store_true", help="only the keys on vs off row")
     args = p.parse_args()
+    if args.keys:
+        keys_main(args)
+        return
 
     from testkit.stack import Stack
 

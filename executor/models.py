@@ -135,6 +135,14 @@ class CodeJob(BaseModel):
     retry: RetryPolicy | None = None
     #: the worker group it goes to (executor.groups; None: the default group)
     worker_group: str | None = None
+    #: its concurrency keys (worker.fair; "": none): they ride in its message, never stored
+    #: (MESSAGE_ONLY)
+    tenant: str = ""
+    workflow: str = ""
+
+
+#: the fields of a CodeJob the run store does not hold (a job read back has them empty)
+MESSAGE_ONLY = frozenset({"tenant", "workflow"})
 
 
 class CodeErrorInfo(BaseModel):

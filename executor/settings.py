@@ -438,6 +438,29 @@ class Settings(BaseSettings):
         "released to the workers at once (running or about to); more wait, not refused, "
         "until one of theirs ends. 0: no cap beyond fairness.",
     )
+    queue_run_share_key: Literal["user", "tenant", "tenant/user"] = Field(
+        "user",
+        description="With STUDIO_QUEUE_RUN_FAIRNESS=users: what takes turns in code.run. "
+        "user: each user; tenant: each tenant (a run's ``tenant`` in the submit); "
+        "tenant/user: each user of each tenant. A run that names no tenant takes its "
+        "user's turns. Set the same on the API and the workers.",
+    )
+    queue_run_tenant_slots: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="With STUDIO_QUEUE_RUN_FAIRNESS=users: most workflow runs of one tenant "
+        "(the submit's ``tenant``) released to the workers at once; more wait, in order, "
+        "not refused, until one of the tenant's ends. 0: no cap.",
+    )
+    queue_run_workflow_slots: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="With STUDIO_QUEUE_RUN_FAIRNESS=users: most runs of one workflow (the "
+        "submit's ``workflow``, within its tenant) released to the workers at once; more "
+        "wait, in order, not refused, until one of the workflow's ends. 0: no cap.",
+    )
 
     code_test_in_flight: int = Field(
         5,

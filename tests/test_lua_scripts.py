@@ -121,11 +121,15 @@ def test_fair_enqueue_leaves_the_state_its_keys_describe(r: Any) -> None:
     assert r.hgetall("studio:fair:jobs") == {j: "ann" for j in waiting}
     assert r.hgetall("studio:fair:messages") == {j: f"msg-{j}" for j in waiting}
     assert r.hgetall("studio:fair:held") == {f"j{i}": "ann" for i in range(FAIR_MIN_AHEAD)}
-    assert r.hget("studio:fair:held_count", "ann") == str(FAIR_MIN_AHEAD)
+    # per key: the user's (u:), and its flow's (f:, the user under the default share key)
+    assert r.hgetall("studio:fair:held_count") == {
+        "u:ann": str(FAIR_MIN_AHEAD),
+        "f:ann": str(FAIR_MIN_AHEAD),
+    }
     assert r.zscore("studio:fair:counts", "ann") == 2 and r.llen("studio:fair:backlog") == 2
     assert r.zrange("studio:fair:users", 0, -1) == ["ann"]
-    # every key the script touched is one of KEYS, or a user list under the prefix
-    assert set(r.keys()) <= {*KEYS, "studio:fair:wait:ann"}
+    # every key the script touched is one of KEYS, a lane's list or a flow's lanes
+    assert set(r.keys()) <= {*KEYS, "studio:fair:wait:ann", "studio:fair:lanes:ann"}
 
 
 def test_fair_names_an_unknown_operation(r: Any) -> None:
@@ -144,9 +148,9 @@ def test_fair_ended_takes_more_job_ids_than_lua_can_unpack(r: Any) -> None:
 
     fair = FairQueue(r, cap=0)
     r.hset("studio:fair:held", mapping={f"j{i}": "ann" for i in range(10_000)})
-    r.hset("studio:fair:held_count", "ann", 10_000)
+    r.hset("studio:fair:held_count", mapping={"u:ann": 10_000, "f:ann": 10_000})
     assert fair.ended([f"j{i}" for i in range(10_000)]) == 0
-    assert r.hlen("studio:fair:held") == 0 and not r.hexists("studio:fair:held_count", "ann")
+    assert r.hlen("studio:fair:held") == 0 and not r.exists("studio:fair:held_count")
 
 
 # --- api_client/admit.lua ------------------------------------------------------------------------

@@ -41,7 +41,9 @@ its end.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
+from executor.errors import CodeInvalid
 from executor.settings import Settings
 from worker import lua
 from worker.protocol import (
@@ -63,10 +66,17 @@ from worker.protocol import (
     FAIR_JOBS_KEY,
     FAIR_MESSAGES_KEY,
     FAIR_MIN_AHEAD,
+    FAIR_PARKED_KEY,
+    FAIR_PARKED_KINDS_KEY,
+    FAIR_PREFIX,
     FAIR_RELEASE_INTERVAL_S,
+    FAIR_SEQ_KEY,
+    FAIR_SEQ_NEXT_KEY,
     FAIR_USERS_KEY,
     FAIR_WAIT_PREFIX,
+    HEADER_FAIR_TENANT,
     HEADER_FAIR_USER,
+    HEADER_FAIR_WORKFLOW,
     QUEUE_RUN,
     fair_wait_key,
     workers_key,
@@ -79,7 +89,8 @@ RELEASE_MAX = 500
 #: users meta and /metrics rank by runs waiting
 TOP_USERS = 5
 
-#: the script's KEYS, in this order (the user lists are FAIR_WAIT_PREFIX + user)
+#: the script's KEYS, in this order (the lane lists are FAIR_WAIT_PREFIX + lane; per flow
+#: and per capped key, FAIR_PREFIX + ``lanes:<flow>`` and ``parked:<key>``)
 KEYS = (
     QUEUE_RUN,
     workers_key(QUEUE_RUN),
@@ -92,28 +103,54 @@ KEYS = (
     FAIR_COUNTS_KEY,
     FAIR_CLOCK_KEY,
     FAIR_BACKLOG_KEY,
+    FAIR_SEQ_KEY,
+    FAIR_PARKED_KEY,
+    FAIR_PARKED_KINDS_KEY,
+    FAIR_SEQ_NEXT_KEY,
 )
 
 #: the script (worker/fair.lua): one operation per call, named in its arguments (``_args``)
 SCRIPT = lua.source(__package__, "fair.lua")
 
 
+#: the kinds of worker/fair.lua's capped keys, by the letter it names them with
+CAP_KINDS = {"u": "user", "t": "tenant", "w": "workflow"}
+
+
 @dataclass(frozen=True)
 class Waiting:
-    """Where a run held back by fairness (or its user's cap) waits."""
+    """Where a run held back by fairness (or a cap of one of its keys) waits."""
 
-    user: str
-    #: runs of the same user ahead of it on its list
+    #: its share key's value (the user with STUDIO_QUEUE_RUN_SHARE_KEY=user; the tenant's
+    #: or the tenant's and user's otherwise): shown to admins only
+    flow: str
+    #: runs of its lane (same tenant, user and workflow) ahead of it
     position: int
-    #: users whose turn comes before its user's next one; None: the user is at its cap
+    #: flows whose turn comes before its flow's next one; None: a cap holds it
     users_ahead: int | None
-    #: users with runs waiting (its own included)
+    #: flows with runs waiting (its own included)
     users_waiting: int
+    #: the kind of the key at its cap that holds it (user, tenant, workflow; None: none)
+    cap_kind: str | None = None
+    #: that kind's cap, and that key's runs released and not ended
+    cap: int = 0
+    cap_held: int = 0
+
+    @property
+    def user(self) -> str:
+        """The flow (the user, under the default share key)."""
+        return self.flow
+
+    @property
+    def held_by(self) -> str:
+        if self.cap_kind is not None:
+            return f"{self.cap_kind}_cap"
+        return "fairness" if self.users_ahead is not None else "user_cap"
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "queue": QUEUE_RUN,
-            "held_by": "user_cap" if self.users_ahead is None else "fairness",
+            "held_by": self.held_by,
             "position": self.position,
             "users_ahead": self.users_ahead,
             "users_waiting": self.users_waiting,
@@ -163,26 +200,100 @@ def user_cap(settings: Settings) -> int:
     return settings.queue_run_user_slots if settings.queue_run_fairness == "users" else 0
 
 
+#: a tenant or workflow key: what the submit may name (never a metrics label nor logged)
+KEY_MAX = 64
+_KEY_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:-]{{0,{KEY_MAX - 1}}}")
+
+
+def check_key(field: str, value: str | None) -> str:
+    """A submit's ``tenant`` or ``workflow`` ("" when not given); raises CodeInvalid with
+    what a key may be."""
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str) or not _KEY_RE.fullmatch(value):
+        shown = repr(value) if isinstance(value, str) and len(value) <= 80 else "the one given"
+        raise CodeInvalid(
+            f"{field} {shown} is not a key: give 1 to {KEY_MAX} characters, letters, digits, "
+            f"'.', '_', ':' or '-', starting with a letter or digit (or leave {field} out)."
+        )
+    return value
+
+
+def lane_of(user: str, tenant: str = "", workflow: str = "") -> str:
+    """The lane a run waits on (worker/fair.lua): the user alone when it names no tenant nor
+    workflow, else the JSON array of the three."""
+    if not tenant and not workflow:
+        return user
+    return json.dumps([tenant, user, workflow], separators=(",", ":"))
+
+
 class FairQueue:
     """worker/fair.lua's operations on one Redis client. Every method raises
     redis.RedisError when Redis cannot be reached."""
 
-    def __init__(self, client: redis.Redis, cap: int) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        cap: int,
+        *,
+        share: str = "user",
+        tenant_cap: int = 0,
+        workflow_cap: int = 0,
+    ) -> None:
+        """``cap``: runs released and not ended per user, ``tenant_cap`` per tenant,
+        ``workflow_cap`` per workflow (0: none); ``share``: what takes turns (user, tenant,
+        tenant/user)."""
         self.client = client
         self.cap = cap
+        self.share = share
+        self.tenant_cap = tenant_cap
+        self.workflow_cap = workflow_cap
         self._script = client.register_script(SCRIPT)
+
+    @classmethod
+    def of(cls, client: redis.Redis, settings: Settings) -> FairQueue:
+        """The queue with the share key and caps of ``settings`` (none when fairness is off)."""
+        on = settings.queue_run_fairness == "users"
+        return cls(
+            client,
+            user_cap(settings),
+            share=settings.queue_run_share_key,
+            tenant_cap=settings.queue_run_tenant_slots if on else 0,
+            workflow_cap=settings.queue_run_workflow_slots if on else 0,
+        )
 
     def _args(self, op: str, *more: Any) -> list[Any]:
         """The script's arguments for the operation ``op`` (worker/fair.lua's ``ops``)."""
-        return [FAIR_WAIT_PREFIX, self.cap, FAIR_MIN_AHEAD, RELEASE_MAX, op, *more]
+        return [
+            FAIR_WAIT_PREFIX,
+            self.cap,
+            FAIR_MIN_AHEAD,
+            RELEASE_MAX,
+            op,
+            self.share,
+            self.tenant_cap,
+            self.workflow_cap,
+            FAIR_PREFIX,
+            *more,
+        ]
 
     def _run(self, op: str, *more: Any, client: Any = None) -> Any:
         return self._script(keys=KEYS, args=self._args(op, *more), client=client or self.client)
 
-    def enqueue(self, job_id: str, user: str, message: str, client: Any = None) -> int:
-        """Put a run's message on its user's list, then release what has room (returns
-        how many runs went to code.run)."""
-        return int(self._run("enqueue", job_id, user, message, client=client))
+    def enqueue(
+        self,
+        job_id: str,
+        user: str,
+        message: str,
+        client: Any = None,
+        *,
+        tenant: str = "",
+        workflow: str = "",
+    ) -> int:
+        """Put a run's message on its lane (its user's, tenant's and workflow's), then
+        release what has room (returns how many runs went to code.run)."""
+        lane = lane_of(user, tenant, workflow)
+        return int(self._run("enqueue", job_id, lane, message, client=client))
 
     def release(self) -> int:
         """Move waiting runs into code.run, in turns, while it has room."""
@@ -210,8 +321,17 @@ class FairQueue:
         reply = self._run("where", job_id)
         if not reply:
             return None
-        user, position, rank, users = reply
-        return Waiting(_text(user), int(position), None if int(rank) < 0 else int(rank), int(users))
+        flow, position, rank, users, kind, cap, held = reply
+        cap_kind = CAP_KINDS.get(_text(kind))
+        return Waiting(
+            _text(flow),
+            int(position),
+            None if int(rank) < 0 or cap_kind else int(rank),
+            int(users),
+            cap_kind,
+            int(cap),
+            int(held),
+        )
 
     def stats(self, top: int = TOP_USERS) -> FairStats:
         reply = self._run("stats", max(1, top))
@@ -223,7 +343,8 @@ class FairQueue:
         return FairStats(int(waiting), int(users), int(held), loads)
 
     def held(self) -> dict[str, str]:
-        """job id -> user of every run released and not ended (bounded by the runs in
+        """job id -> lane (the user, for a run naming no tenant nor workflow) of every run
+        released and not ended (bounded by the runs in
         code.run and the workers' slots, plus any whose end was not seen)."""
         return {_text(k): _text(v) for k, v in self.client.hgetall(FAIR_HELD_KEY).items()}
 
@@ -235,8 +356,12 @@ class FairQueue:
 
 # --- the broker channel's part (worker.broker composes it) -----------------------------------
 
-#: the broker transport option that carries the per-user cap to the channel
+#: the broker transport options that carry the per-user cap, the share key and the other
+#: caps to the channel
 CAP_OPTION = "studio_fair_user_cap"
+SHARE_OPTION = "studio_fair_share_key"
+TENANT_CAP_OPTION = "studio_fair_tenant_cap"
+WORKFLOW_CAP_OPTION = "studio_fair_workflow_cap"
 
 if TYPE_CHECKING:
     _ChannelBase = kombu_redis.Channel
@@ -258,15 +383,34 @@ class FairChannel(_ChannelBase):
             return super()._put(queue, message, **kwargs)
         with self.conn_or_acquire() as client:
             if self._fair is None:
-                cap = int(self.connection.client.transport_options.get(CAP_OPTION) or 0)
-                self._fair = FairQueue(client, cap)
-            self._fair.enqueue(str(headers["id"]), str(user), dumps(message), client=client)
+                opts = self.connection.client.transport_options
+                self._fair = FairQueue(
+                    client,
+                    int(opts.get(CAP_OPTION) or 0),
+                    share=str(opts.get(SHARE_OPTION) or "user"),
+                    tenant_cap=int(opts.get(TENANT_CAP_OPTION) or 0),
+                    workflow_cap=int(opts.get(WORKFLOW_CAP_OPTION) or 0),
+                )
+            self._fair.enqueue(
+                str(headers["id"]),
+                str(user),
+                dumps(message),
+                client=client,
+                tenant=str(headers.get(HEADER_FAIR_TENANT) or ""),
+                workflow=str(headers.get(HEADER_FAIR_WORKFLOW) or ""),
+            )
         return None
 
 
 def transport_options(settings: Settings) -> dict[str, Any]:
     """The broker transport options the channel's part reads (worker.broker adds them)."""
-    return {CAP_OPTION: user_cap(settings)}
+    on = settings.queue_run_fairness == "users"
+    return {
+        CAP_OPTION: user_cap(settings),
+        SHARE_OPTION: settings.queue_run_share_key,
+        TENANT_CAP_OPTION: settings.queue_run_tenant_slots if on else 0,
+        WORKFLOW_CAP_OPTION: settings.queue_run_workflow_slots if on else 0,
+    }
 
 
 # --- the worker's side: releases ---------------------------------------------------------------
@@ -307,6 +451,8 @@ def job_ended(queue: FairQueue, job_id: str) -> None:
 
 
 __all__ = [
+    "check_key",
+    "lane_of",
     "FairQueue",
     "FairStats",
     "FairChannel",

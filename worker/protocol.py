@@ -335,24 +335,44 @@ FAIRNESS_MODES = ("users", "off")
 #: user. The broker channel (worker.fair.FairChannel) puts such a message on the user's
 #: waiting list instead of code.run; released, the same message goes to code.run.
 HEADER_FAIR_USER = "studio_fair_user"
+#: beside it, when the submit named them: the run's tenant and workflow (its concurrency
+#: keys; worker.fair puts the run on the lane of its tenant, user and workflow)
+HEADER_FAIR_TENANT = "studio_fair_tenant"
+HEADER_FAIR_WORKFLOW = "studio_fair_workflow"
+
+#: STUDIO_QUEUE_RUN_SHARE_KEY values: what takes turns in code.run (worker.fair)
+SHARE_KEYS = ("user", "tenant", "tenant/user")
 
 _FAIR = f"{_PREFIX}:fair"
-#: the key of one user's waiting list is this prefix + the user ("" for runs without one)
+#: the prefix of the keys worker/fair.lua names itself (per flow: ``lanes:<flow>``; per
+#: capped key: ``parked:<key>``)
+FAIR_PREFIX = f"{_FAIR}:"
+#: the key of one lane's waiting list is this prefix + the lane: the user ("" for runs
+#: without one) when the run names no tenant nor workflow, else the JSON array
+#: ["tenant","user","workflow"] (worker.fair.lane_of)
 FAIR_WAIT_PREFIX = f"{_FAIR}:wait:"
-#: ZSET user -> virtual start time: users with runs waiting and under their cap
+#: ZSET flow -> virtual start time: flows (share-key values) with a lane that may go
 FAIR_USERS_KEY = f"{_FAIR}:users"
-#: HASH user -> virtual start time: users with runs waiting who are at their cap
+#: HASH flow -> virtual start time: flows with runs waiting whose every lane is at a cap
 FAIR_CAPPED_KEY = f"{_FAIR}:capped"
-#: HASH job id -> user: every run waiting on a user's list
+#: HASH job id -> lane: every run waiting on a lane
 FAIR_JOBS_KEY = f"{_FAIR}:jobs"
 #: HASH job id -> the kombu message (JSON) to put on code.run when the run is released
 FAIR_MESSAGES_KEY = f"{_FAIR}:messages"
-#: HASH job id -> user: runs released into code.run whose job has not ended (the cap)
+#: HASH job id -> lane: runs released into code.run whose job has not ended (the caps)
 FAIR_HELD_KEY = f"{_FAIR}:held"
-#: HASH user -> how many of FAIR_HELD_KEY's runs are theirs
+#: HASH key -> how many of FAIR_HELD_KEY's runs are of that key (u:<user>, t:<tenant>,
+#: w:<tenant>/<workflow>, f:<flow>)
 FAIR_HELD_COUNT_KEY = f"{_FAIR}:held_count"
-#: ZSET user -> runs waiting (what meta and /metrics rank)
+#: ZSET flow -> runs waiting (what meta and /metrics rank)
 FAIR_COUNTS_KEY = f"{_FAIR}:counts"
+#: HASH job id -> its arrival number (a lane's order among its flow's lanes), and the
+#: counter that numbers them
+FAIR_SEQ_KEY = f"{_FAIR}:seq"
+FAIR_SEQ_NEXT_KEY = f"{_FAIR}:seq_next"
+#: HASH lane -> the key at its cap it is parked on; HASH key kind (u, t, w) -> lanes parked
+FAIR_PARKED_KEY = f"{_FAIR}:parked"
+FAIR_PARKED_KINDS_KEY = f"{_FAIR}:parked_kinds"
 #: STRING: the virtual time of the last turn taken (a new user starts there)
 FAIR_CLOCK_KEY = f"{_FAIR}:clock"
 #: LIST with one item per run waiting on a user's list: its LLEN is what an autoscaler that

@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from executor.errors import CodeInvalid
@@ -20,6 +20,7 @@ from executor.inputs import check_cpus
 from executor.models import Attempt, CodeErrorInfo, RetryPolicy, Status, TraceRow, Usage
 from executor.retry import parse_policy
 from executor.store.base import JobRecord, RunSummary
+from worker.fair import KEY_MAX, check_key
 
 #: the longest source a request may carry, in characters
 CODE_MAX_CHARS = 1_000_000
@@ -123,6 +124,29 @@ class RunBody(CodeBody):
         le=86400,
         description="Seconds; capped by STUDIO_CODE_MAX_SECONDS (a request can only lower it).",
     )
+    tenant: str | None = Field(
+        None,
+        json_schema_extra={"maxLength": KEY_MAX},
+        description="The run's tenant (a concurrency key: STUDIO_QUEUE_RUN_SHARE_KEY, "
+        f"_TENANT_SLOTS): 1 to {KEY_MAX} letters, digits, '.', '_', ':' or '-'.",
+    )
+    workflow: str | None = Field(
+        None,
+        json_schema_extra={"maxLength": KEY_MAX},
+        description="The run's workflow (a concurrency key: STUDIO_QUEUE_RUN_WORKFLOW_SLOTS, "
+        f"per tenant): 1 to {KEY_MAX} letters, digits, '.', '_', ':' or '-'.",
+    )
+
+    @field_validator("tenant", "workflow")
+    @classmethod
+    def _key(cls, v: str | None, info: ValidationInfo) -> str | None:
+        try:
+            check_key(str(info.field_name), v)
+        except CodeInvalid as e:
+            raise PydanticCustomError(
+                CODE_INVALID_ERROR, "{message}", {"message": e.message}
+            ) from None
+        return v
 
 
 class ValidateResult(BaseModel):
@@ -147,6 +171,8 @@ class RunWaiting(BaseModel):
         "workers_paused",
         "retry_delay",
         "user_cap",
+        "tenant_cap",
+        "workflow_cap",
         "fairness",
         "queue",
         "taken",
@@ -156,7 +182,9 @@ class RunWaiting(BaseModel):
         "(``paused``); retry_delay: its last attempt failed and its next one waits out "
         "the retry policy's delay until ``not_before``; user_cap: its user has "
         "STUDIO_QUEUE_RUN_USER_SLOTS runs in flight, "
-        "it goes when one of them ends; fairness: it waits for its user's turn; queue: it "
+        "it goes when one of them ends; tenant_cap, workflow_cap: the same for its tenant "
+        "(STUDIO_QUEUE_RUN_TENANT_SLOTS) or its workflow (_WORKFLOW_SLOTS); fairness: it "
+        "waits for its user's turn; queue: it "
         "waits in its queue for a free slot; taken: a worker is starting it."
     )
     reason: str = Field(description="The same in a sentence, with what to do when any.")

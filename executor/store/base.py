@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from executor.errors import ErrorCode
 from executor.models import (
+    MESSAGE_ONLY,
     Attempt,
     CodeErrorInfo,
     CodeJob,
@@ -119,8 +120,10 @@ class JobRecord(BaseModel):
 
     def to_job(self) -> CodeJob:
         """The job this record holds, to run it: every field of CodeJob from the record's
-        own field of the same name."""
-        return CodeJob.model_validate({name: getattr(self, name) for name in CodeJob.model_fields})
+        own field of the same name (but MESSAGE_ONLY's, which it does not hold)."""
+        return CodeJob.model_validate(
+            {name: getattr(self, name) for name in CodeJob.model_fields if name not in MESSAGE_ONLY}
+        )
 
     def to_result(self) -> CodeResult | None:
         """The CodeResult this record holds, or None while the job has not finished."""

@@ -51,6 +51,7 @@ from sqlalchemy.pool import StaticPool
 from executor.errors import ErrorCode, StoreUnavailable
 from executor.models import (
     FINISHED,
+    MESSAGE_ONLY,
     Attempt,
     CodeErrorInfo,
     CodeJob,
@@ -393,7 +394,8 @@ class SqlRunStore(RunStore):
     def _new_rows(job: CodeJob, code_runtime: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """The ``code_jobs`` row of a new queued job, and its ``code_job_inputs`` row."""
         values = {
-            **job.model_dump(exclude={"code", "state_json", "retry"}),  # fields = columns
+            # fields = columns (the concurrency keys ride in the message only)
+            **job.model_dump(exclude={"code", "state_json", "retry", *MESSAGE_ONLY}),
             "retry": None if job.retry is None else job.retry.model_dump_json(),
             "code": "",  # in job_inputs (see there)
             "state_json": "{}",

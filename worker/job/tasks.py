@@ -66,7 +66,7 @@ class ProcessState:
         # Short timeouts: the cancel flag is read inside the sandbox's poll loop.
         self.redis = redis_conn.client(settings, socket_timeout=0.5, socket_connect_timeout=0.5)
         #: this process frees a user's cap slot and releases the next runs at a job's end
-        self.fair = fair.FairQueue(self.redis, fair.user_cap(settings))
+        self.fair = fair.FairQueue.of(self.redis, settings)
         self.pid = os.getpid()
         self.current_job: str | None = None
         #: the job that ran owes its live-logs stream the end mark (sent by end_job)

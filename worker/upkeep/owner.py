@@ -29,7 +29,7 @@ from executor.settings import Settings
 from executor.store import RunStore, open_store
 from worker import redis_conn
 from worker.context import studio_app
-from worker.fair import FairQueue, release_loop, user_cap
+from worker.fair import FairQueue, release_loop
 from worker.upkeep.engine_watch import EngineWatch
 from worker.upkeep.flusher import Flusher
 from worker.upkeep.gate_watch import GateWatch
@@ -141,7 +141,7 @@ class Upkeep:
             flush=self.flusher,
         )
         self.fair_release = Supervised(
-            "fair-release", release_loop(FairQueue(self.redis, user_cap(settings)))
+            "fair-release", release_loop(FairQueue.of(self.redis, settings))
         )
 
     def start(self) -> None:

@@ -45,7 +45,7 @@ from executor.groups import groups_of
 from executor.settings import Settings
 from executor.store import RunStore
 from worker import lua, redis_conn
-from worker.fair import FairQueue, user_cap
+from worker.fair import FairQueue
 from worker.protocol import (
     FAIR_JOBS_KEY,
     KOMBU_UNACKED,
@@ -169,7 +169,7 @@ class QueuedSweep:
         self.nodename = nodename
         self._owns_client = client is None
         self.redis: redis.Redis = client or redis_conn.client(settings)
-        self.fair = FairQueue(self.redis, user_cap(settings))
+        self.fair = FairQueue.of(self.redis, settings)
         #: every worker group's queues (executor.groups: the default group's, this
         #: worker's, STUDIO_WORKER_GROUPS'): a message waiting in any is not lost
         names = {settings.worker_group, *(g.name for g in groups_of(settings))}

@@ -168,6 +168,8 @@ async def test_code(
             memory=body.memory,
             cpus=body.cpus,
             retry=body.retry,
+            tenant=body.tenant,
+            workflow=body.workflow,
             group=body.group,
         )
 

@@ -78,6 +78,8 @@ def submit_run(body: RunBody, who: CallerDep, services: ServicesDep, request: Re
         memory=body.memory,
         cpus=body.cpus,
         retry=body.retry,
+        tenant=body.tenant,
+        workflow=body.workflow,
         group=body.group,
         idempotency_key=idempotency_key(request),
         **trace_headers(request),
