@@ -406,12 +406,17 @@ def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_not
     idle = wait_for(lambda: pool_containers(docker_client, owner), 60, "a new idle sandbox")
     assert {c["Id"] for c in idle}.isdisjoint(seen)
     w.kill_hard()
-    assert pool_containers(docker_client, owner), "the idle sandbox outlived its owner"
+    left = {c["Names"][0].lstrip("/") for c in pool_containers(docker_client, owner)}
+    assert idle[0]["Names"][0].lstrip("/") in left, "the idle sandbox outlived its owner"
     from worker.upkeep.janitor import Janitor
 
     janitor = Janitor(q.settings, "reaper@test")
     try:
-        assert janitor.reap_sandboxes() == [f"pool:{idle[0]['Names'][0].lstrip('/')}"]
+        # every pre-started sandbox of the dead owner: the idle one, and any the pool had
+        # started beside it by then (the pre-import measurement's bare twin: a CI run saw
+        # two). Other tests' dead owners on this engine may be reaped in the same sweep.
+        reaped = janitor.reap_sandboxes()
+        assert {f"pool:{name}" for name in left} <= set(reaped), (left, reaped)
     finally:
         janitor.store.close()
     assert pool_containers(docker_client, owner) == []
