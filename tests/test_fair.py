@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from testkit.fair import announce, drain, released
 from testkit.processes import wait_for
 from testkit.sandboxes import containers_of, sandbox_events
 from tests.snippets import TRIVIAL, sleeper
@@ -25,28 +26,6 @@ def _message(job_id: str, user: str) -> str:
     return json.dumps({"headers": {"id": job_id, "studio_fair_user": user}, "body": job_id})
 
 
-def _announce(r: Any, slots: int) -> None:
-    """A live serving worker of code.run with ``slots`` run slots (as worker.upkeep.heartbeat)."""
-    from worker.protocol import QUEUE_RUN
-    from worker.upkeep.heartbeat import Heartbeat
-
-    url = r.connection_pool.connection_kwargs
-    hb = Heartbeat(
-        f"redis://{url['host']}:{url['port']}/0",
-        "w@test",
-        {QUEUE_RUN: slots},
-        interval_s=60,
-        ttl_s=60,
-    )
-    hb.beat()
-    hb.redis.close()
-
-
-def _released(r: Any) -> list[str]:
-    """The messages in code.run, oldest first, as job ids."""
-    return [json.loads(m)["headers"]["id"] for m in reversed(r.lrange("code.run", 0, -1))]
-
-
 @pytest.mark.redis
 def test_runs_are_released_in_turns_by_user(redis_server: Any) -> None:
     import redis
@@ -55,10 +34,10 @@ def test_runs_are_released_in_turns_by_user(redis_server: Any) -> None:
 
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     fair = FairQueue(r, cap=0)
-    _announce(r, 2)  # room: 2 run slots -> 2 messages ahead
+    announce(r, 2)  # room: 2 run slots -> 2 messages ahead
     for i in range(10):
         fair.enqueue(f"a{i}", "ann", _message(f"a{i}", "ann"))
-    assert _released(r) == ["a0", "a1"], "a user alone takes every free slot at once"
+    assert released(r) == ["a0", "a1"], "a user alone takes every free slot at once"
     fair.enqueue("b0", "bob", _message("b0", "bob"))
     fair.enqueue("c0", "cy", _message("c0", "cy"))
     fair.enqueue("b1", "bob", _message("b1", "bob"))
@@ -71,10 +50,10 @@ def test_runs_are_released_in_turns_by_user(redis_server: Any) -> None:
     assert (stats.top[0].user, stats.top[0].waiting, stats.top[0].held) == ("ann", 8, 2)
     assert r.llen("studio:fair:backlog") == 11
     # one turn each: bob and cy wait behind one run of ann's, never her backlog
-    assert _drain(r, fair, 6) == ["a2", "b0", "c0", "a3", "b1", "a4"]
+    assert drain(r, fair, 6) == ["a2", "b0", "c0", "a3", "b1", "a4"]
     assert fair.forget(["a9"]) == 1 and fair.forget(["a9"]) == 0
     assert fair.stats().waiting == 4 == r.llen("studio:fair:backlog")
-    assert _drain(r, fair, 10) == ["a5", "a6", "a7", "a8"], "a user alone takes every turn"
+    assert drain(r, fair, 10) == ["a5", "a6", "a7", "a8"], "a user alone takes every turn"
     assert fair.stats().waiting == 0 and r.zcard("studio:fair:users") == 0
     assert fair.stats().held == 12
     r.close()
@@ -88,20 +67,20 @@ def test_user_cap_parks_a_user_until_one_of_theirs_ends(redis_server: Any) -> No
 
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     fair = FairQueue(r, cap=2)
-    _announce(r, 8)
+    announce(r, 8)
     for i in range(5):
         fair.enqueue(f"a{i}", "ann", _message(f"a{i}", "ann"))
     fair.enqueue("b0", "bob", _message("b0", "bob"))
-    assert _released(r) == ["a0", "a1", "b0"], "ann is at her cap of 2; bob is not held"
+    assert released(r) == ["a0", "a1", "b0"], "ann is at her cap of 2; bob is not held"
     where = fair.where("a2")
     assert where is not None and where.users_ahead is None  # parked at the cap
     assert where.as_dict()["held_by"] == "user_cap"
     r.delete("code.run")
     assert fair.release() == 0, "the cap holds with room in code.run"
-    assert fair.ended(["a0"]) == 1 and _released(r) == ["a2"]
+    assert fair.ended(["a0"]) == 1 and released(r) == ["a2"]
     assert fair.ended(["a0"]) == 0, "an end counts once"
     assert fair.ended(["b0"]) == 0
-    assert fair.ended(["a1", "a2"]) == 2 and _released(r) == ["a2", "a3", "a4"]
+    assert fair.ended(["a1", "a2"]) == 2 and released(r) == ["a2", "a3", "a4"]
     assert fair.stats().held == 2 and fair.stats().waiting == 0
     assert fair.held() == {"a3": "ann", "a4": "ann"}
     r.close()
@@ -124,19 +103,9 @@ def test_without_live_workers_only_a_few_runs_go_to_code_run(redis_server: Any) 
         fair.enqueue(job, "", _message(job, ""))
     assert r.llen("code.run") == FAIR_MIN_AHEAD
     assert r.llen("studio:fair:backlog") == 6 - FAIR_MIN_AHEAD
-    _announce(r, 3)
+    announce(r, 3)
     assert fair.release() == 1 and r.llen("code.run") == 3
     r.close()
-
-
-def _drain(r: Any, fair: Any, n: int) -> list[str]:
-    out: list[str] = []
-    while len(out) < n:
-        r.delete("code.run")
-        if not fair.release():
-            break
-        out += _released(r)
-    return out
 
 
 @pytest.mark.redis

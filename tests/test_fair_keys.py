@@ -17,42 +17,10 @@ from typing import Any
 
 import pytest
 
+from testkit.fair import announce, drain, released
 from tests.snippets import TRIVIAL
 
 # --- the script, on a real redis-server ------------------------------------------------------
-
-
-def _announce(r: Any, slots: int) -> None:
-    """A live serving worker of code.run with ``slots`` run slots (as worker.upkeep.heartbeat)."""
-    from worker.protocol import QUEUE_RUN
-    from worker.upkeep.heartbeat import Heartbeat
-
-    url = r.connection_pool.connection_kwargs
-    hb = Heartbeat(
-        f"redis://{url['host']}:{url['port']}/0",
-        "w@test",
-        {QUEUE_RUN: slots},
-        interval_s=60,
-        ttl_s=60,
-    )
-    hb.beat()
-    hb.redis.close()
-
-
-def _released(r: Any) -> list[str]:
-    """The messages in code.run, oldest first, as job ids."""
-    return [json.loads(m)["headers"]["id"] for m in reversed(r.lrange("code.run", 0, -1))]
-
-
-def _drain(r: Any, fair: Any, n: int) -> list[str]:
-    """Runs released, ``code.run`` emptied before each release (every slot free again)."""
-    out: list[str] = []
-    while len(out) < n:
-        r.delete("code.run")
-        if not fair.release():
-            break
-        out += _released(r)
-    return out
 
 
 def _message(job_id: str) -> str:
@@ -73,13 +41,13 @@ def test_a_workflow_at_its_cap_waits_in_order_and_its_user_goes_on(redis_server:
 
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     fair = _queue(r, workflow_cap=2)
-    _announce(r, 8)
+    announce(r, 8)
     for i in range(5):
         fair.enqueue(f"w{i}", "ann", _message(f"w{i}"), tenant="acme", workflow="big")
     fair.enqueue("o0", "ann", _message("o0"), tenant="acme", workflow="small")
     fair.enqueue("b0", "bob", _message("b0"), tenant="acme", workflow="big")  # same workflow
     fair.enqueue("c0", "cy", _message("c0"), tenant="beta", workflow="big")  # another tenant's
-    assert _released(r) == ["w0", "w1", "o0", "c0"], "acme/big is at its cap of 2"
+    assert released(r) == ["w0", "w1", "o0", "c0"], "acme/big is at its cap of 2"
     where = fair.where("w2")
     assert where is not None and where.cap_kind == "workflow" and where.users_ahead is None
     assert (where.cap, where.cap_held, where.position) == (2, 2, 0)
@@ -89,9 +57,9 @@ def test_a_workflow_at_its_cap_waits_in_order_and_its_user_goes_on(redis_server:
     assert fair.release() == 0, "the cap holds with room in code.run"
     assert fair.ended(["o0", "c0"]) == 0, "other keys' ends free no slot of acme/big"
     # the freed slot: bob's turn first (ann took 3 turns), then ann's runs in their order
-    assert fair.ended(["w0"]) == 1 and _released(r) == ["b0"], "bob's turn"
+    assert fair.ended(["w0"]) == 1 and released(r) == ["b0"], "bob's turn"
     assert fair.ended(["w0"]) == 0, "an end counts once"
-    assert fair.ended(["w1", "b0"]) == 2 and _released(r) == ["b0", "w2", "w3"]
+    assert fair.ended(["w1", "b0"]) == 2 and released(r) == ["b0", "w2", "w3"]
     assert r.hget("studio:fair:held_count", "w:acme/big") == "2"
     assert fair.forget(["w4"]) == 1
     assert fair.ended(["w2", "w3"]) == 0 and fair.stats().waiting == 0
@@ -111,7 +79,7 @@ def test_share_key_tenant_gives_each_tenant_one_turn(redis_server: Any) -> None:
     for share in ("tenant", "tenant/user", "user"):
         r.flushdb()
         fair = _queue(r, share=share)
-        _announce(r, 1)
+        announce(r, 1)
         fair.enqueue("x", "", _message("x"))  # fills code.run's room (FAIR_MIN_AHEAD is 2)
         fair.enqueue("y", "", _message("y"))
         for i in range(3):  # acme: 3 users, 2 runs each, oldest first
@@ -120,7 +88,7 @@ def test_share_key_tenant_gives_each_tenant_one_turn(redis_server: Any) -> None:
         for i in range(3):
             fair.enqueue(f"b-{i}", "b1", _message(f"b-{i}"), tenant="beta")
         r.delete("code.run")
-        orders[share] = _drain(r, fair, 6)
+        orders[share] = drain(r, fair, 6)
     assert orders["tenant"] == ["a1-0", "b-0", "a2-0", "b-1", "a3-0", "b-2"]
     assert (
         orders["tenant/user"] == orders["user"] == ["a1-0", "a2-0", "a3-0", "b-0", "a1-1", "a2-1"]
@@ -134,17 +102,17 @@ def test_a_tenant_cap_holds_all_its_users(redis_server: Any) -> None:
 
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     fair = _queue(r, tenant_cap=3)
-    _announce(r, 10)
+    announce(r, 10)
     for i in range(3):
         for u in ("a1", "a2"):
             fair.enqueue(f"{u}-{i}", u, _message(f"{u}-{i}"), tenant="acme")
     fair.enqueue("b-0", "b1", _message("b-0"), tenant="beta")
     fair.enqueue("n-0", "nobody", _message("n-0"))  # no tenant: no tenant cap
-    assert sorted(_released(r)) == ["a1-0", "a1-1", "a2-0", "b-0", "n-0"]
+    assert sorted(released(r)) == ["a1-0", "a1-1", "a2-0", "b-0", "n-0"]
     where = fair.where("a2-1")
     assert where is not None and where.cap_kind == "tenant" and where.cap_held == 3
     assert fair.ended(["b-0", "n-0"]) == 0, "other tenants' ends free none of acme's"
-    assert fair.ended(["a1-0"]) == 1 and _released(r)[-1] in ("a1-2", "a2-1")
+    assert fair.ended(["a1-0"]) == 1 and released(r)[-1] in ("a1-2", "a2-1")
     assert r.hget("studio:fair:held_count", "t:acme") == "3"
     r.close()
 
@@ -156,12 +124,12 @@ def test_caps_set_to_zero_free_the_parked_lanes(redis_server: Any) -> None:
     import redis
 
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    _announce(r, 8)
+    announce(r, 8)
     capped = _queue(r, workflow_cap=1)
     for i in range(3):
         capped.enqueue(f"w{i}", "ann", _message(f"w{i}"), workflow="wf")
-    assert _released(r) == ["w0"]
-    assert _queue(r).release() == 2 and _released(r) == ["w0", "w1", "w2"]
+    assert released(r) == ["w0"]
+    assert _queue(r).release() == 2 and released(r) == ["w0", "w1", "w2"]
     assert r.hlen("studio:fair:parked") == 0
     r.close()
 
@@ -220,7 +188,7 @@ def test_api_checks_the_keys_and_says_a_run_waits_at_its_workflow_cap(
         queue_run_workflow_slots=2,
     )
     with CodeClient(settings) as client:
-        _announce(client.redis, 8)  # a live worker of code.run (none consumes)
+        announce(client.redis, 8)  # a live worker of code.run (none consumes)
         app = create_app(settings, client=client)
 
         async def call(method: str, path: str, user: str, body: Any = None) -> Any:
