@@ -562,17 +562,17 @@ class CodeClient:
         _TENANT_SLOTS, _WORKFLOW_SLOTS); a key that is not one (worker.fair.check_key)
         raises CodeInvalid."""
         with tracing.submitting(traceparent, tracestate):
-            job = self._job(
+            job = self.prepare(
                 code,
                 language,
                 state,
                 timeout_s,
                 user,
                 kind,
-                memory,
-                cpus,
-                retry,
-                group,
+                memory=memory,
+                cpus=cpus,
+                retry=retry,
+                group=group,
                 tenant=tenant,
                 workflow=workflow,
             )
