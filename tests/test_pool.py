@@ -406,6 +406,12 @@ def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_not
     idle = wait_for(lambda: pool_containers(docker_client, owner), 60, "a new idle sandbox")
     assert {c["Id"] for c in idle}.isdisjoint(seen)
     w.kill_hard()
+    # a SIGKILL is delivered, not awaited: the reaper judges the owner by its pid, so the
+    # sweep below starts once the pool process is gone (a CI run's sweep found it still
+    # there and rightly removed nothing)
+    from executor.runtimes.base import pid_alive
+
+    wait_for(lambda: not pid_alive(slot), 30, "the killed pool process gone")
     left = {c["Names"][0].lstrip("/") for c in pool_containers(docker_client, owner)}
     assert idle[0]["Names"][0].lstrip("/") in left, "the idle sandbox outlived its owner"
     from worker.upkeep.janitor import Janitor
