@@ -290,6 +290,50 @@ def test_close_removes_idle_and_the_reaper_those_of_a_dead_owner(
     assert pool_containers(docker_client, dead) == []
 
 
+def test_the_reaper_counts_a_live_owners_deadline_from_the_sandboxs_start(
+    make_settings: Any, python_image: str, docker_client: Any
+) -> None:
+    """A sandbox's studio.deadline is written before it is made, while its node's timeout
+    runs from its start: a start slower than the grace (a loaded host, gVisor's) must not
+    let a reaper remove a sandbox of a live owner whose node is still within its timeout
+    (a loaded CI run saw four runsc sandboxes "vanish" at once). Played with a real
+    container whose start comes 8 s after it was made, its label 5 s after: still being
+    started, it is left; started, its deadline moves by the 8 s; past that, it goes."""
+    import uuid
+
+    from executor.runtimes.base import owner_id
+    from executor.runtimes.docker.runtime import DockerRuntime
+
+    job_id = f"reap-start-{uuid.uuid4().hex[:12]}"
+    made = time.time()
+    label = int(made) + 5
+    c = docker_client.containers.create(
+        python_image,
+        ["sleep", "120"],
+        labels={"studio.owner": owner_id(), "studio.job_id": job_id, "studio.deadline": str(label)},
+        network_disabled=True,
+    )
+    runtime = DockerRuntime(make_settings(code_image=python_image))
+    try:
+        wait_for(lambda: time.time() > label + 3, 20, "past its label")
+        assert job_id not in runtime.reap(), "removed while its live owner was starting it"
+        c.start()
+        started = time.time()
+        assert job_id not in runtime.reap(), (
+            f"removed {time.time() - started:.1f} s after its start, its node's 5 s not over"
+        )
+        # its label moved by the start's delay (≥ 8 s): past that, any reaper removes it
+        wait_for(lambda: time.time() > started + 6, 20, "past its moved deadline")
+        runtime.reap()  # (another process's reaper may have removed it first: any may)
+        with pytest.raises(Exception, match="404|No such container"):
+            c.reload()
+    finally:
+        try:
+            c.remove(force=True)
+        except Exception:
+            pass
+
+
 def test_a_sandbox_started_aside_as_the_pool_closes_is_not_left_behind(
     pooled: Any, docker_client: Any
 ) -> None:

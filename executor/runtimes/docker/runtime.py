@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import docker
@@ -60,6 +61,52 @@ if TYPE_CHECKING:
 log = logging.getLogger("studio_code")
 
 LEFTOVERS_RETRY_S = 0.5
+
+
+#: A sandbox still being started (state "created") by a live owner: how long past its
+#: studio.deadline the reapers leave it (its owner either starts it, and its deadline moves
+#: with the start, see start_delay, or removes it).
+CREATED_HOLD_S = 600.0
+
+
+def start_delay(api: docker.APIClient, c: dict[str, Any], now: float, deadline: float) -> float:
+    """How far a live owner's sandbox's studio.deadline moves: by the time its start took.
+    The label is written before the sandbox is made, counting the node's whole timeout from
+    then, while the node's clock starts when the sandbox has started; a start that takes
+    longer than KILL_GRACE_S (a loaded host, gVisor's) would otherwise let any reaper remove
+    a sandbox whose node is still within its timeout (seen: four runsc sandboxes "vanished"
+    at once in a loaded CI run). Read only for a sandbox already past its label (one inspect,
+    rare); 0 when it cannot be read (the label alone decides, as before)."""
+    if now <= deadline:
+        return 0.0
+    try:
+        state = api.inspect_container(c["Id"]).get("State") or {}
+    except NotFound:
+        return float("inf")  # gone already: nothing to remove
+    except (APIError, requests.exceptions.RequestException) as e:
+        log.debug("reaper: %s not inspected (%s): its label decides", c["Id"][:12], e)
+        return 0.0
+    if state.get("Status") == "created":
+        return CREATED_HOLD_S
+    started = engine_time(state.get("StartedAt") or "")
+    created = float(c.get("Created") or 0)
+    if started is None or not created:
+        return 0.0
+    return max(0.0, started - created)
+
+
+def engine_time(stamp: str) -> float | None:
+    """Epoch seconds of an engine timestamp (RFC 3339 with nanoseconds, "Z"); None for the
+    zero time ("0001-01-01T00:00:00Z", never started) or what does not parse."""
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    try:
+        moment = datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    if moment.year < 1971:
+        return None
+    digits = "".join(ch for ch in frac if ch.isdigit())[:6]
+    return moment.timestamp() + (int(digits) / 10 ** len(digits) if digits else 0.0)
 
 
 class DockerRuntime(Runtime):
@@ -191,7 +238,7 @@ class DockerRuntime(Runtime):
             except ValueError:
                 deadline = float("inf")
             orphan = owner_dead(labels.get(LABEL_OWNER, ""))
-            if not orphan and now <= deadline:
+            if not orphan and now <= deadline + start_delay(api, c, now, deadline):
                 continue
             try:
                 if not self.remove(api, c["Id"]):
