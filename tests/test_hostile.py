@@ -880,7 +880,9 @@ def _run_all(executor: Executor, runtime: str, cases: list[Case] | None = None) 
         results = list(pool.map(executor.run, jobs))
     # A sandbox lost to the infrastructure (InfrastructureLost: the trace's sandbox.lost) is
     # not the code's answer; a worker runs such a job again, and so does the battery, once.
-    # (A CI run under load saw four runsc sandboxes vanish at once, not explained yet.)
+    # (A CI run under load saw four runsc sandboxes vanish at once: most likely another
+    # test's reaper, which counted their studio.deadline from before a slow start; the
+    # reapers now move it by the start's delay, test_pool's test of it.)
     results = [
         executor.run(j) if any(t.step == "sandbox.lost" for t in r.trace) else r
         for j, r in zip(jobs, results, strict=True)
