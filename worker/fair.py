@@ -57,6 +57,8 @@ from executor.errors import CodeInvalid
 from executor.settings import Settings
 from worker import lua
 from worker.protocol import (
+    DEFAULT_GROUP,
+    FAIR_AGAIN_KEY,
     FAIR_BACKLOG_KEY,
     FAIR_CAPPED_KEY,
     FAIR_CLOCK_KEY,
@@ -74,11 +76,15 @@ from worker.protocol import (
     FAIR_SEQ_NEXT_KEY,
     FAIR_USERS_KEY,
     FAIR_WAIT_PREFIX,
+    HEADER_FAIR_AGAIN,
     HEADER_FAIR_TENANT,
     HEADER_FAIR_USER,
     HEADER_FAIR_WORKFLOW,
     QUEUE_RUN,
     fair_wait_key,
+    group_of_queue,
+    kind_of_queue,
+    queue_of,
     workers_key,
 )
 
@@ -89,8 +95,9 @@ RELEASE_MAX = 500
 #: users meta and /metrics rank by runs waiting
 TOP_USERS = 5
 
-#: the script's KEYS, in this order (the lane lists are FAIR_WAIT_PREFIX + lane; per flow
-#: and per capped key, FAIR_PREFIX + ``lanes:<flow>`` and ``parked:<key>``)
+#: the script's KEYS, in this order, for the default worker group (the lane lists are
+#: FAIR_WAIT_PREFIX + lane; per flow and per capped key, FAIR_PREFIX + ``lanes:<flow>`` and
+#: ``parked:<key>``); another group's are ``group_keys``'
 KEYS = (
     QUEUE_RUN,
     workers_key(QUEUE_RUN),
@@ -107,7 +114,32 @@ KEYS = (
     FAIR_PARKED_KEY,
     FAIR_PARKED_KINDS_KEY,
     FAIR_SEQ_NEXT_KEY,
+    FAIR_AGAIN_KEY,
 )
+
+
+def group_prefix(group: str | None) -> str:
+    """The prefix of a worker group's fair-share keys: FAIR_PREFIX for the default group
+    (its keys as they always were), ``studio:fair:g:<group>:`` for another. Each group's
+    workflow runs take turns and count against their caps in that group's state alone
+    (bounded: one set of keys per group, STUDIO_WORKER_GROUPS has at most MAX_GROUPS)."""
+    if not group or group == DEFAULT_GROUP:
+        return FAIR_PREFIX
+    return f"{FAIR_PREFIX}g:{group}:"
+
+
+def group_keys(group: str | None) -> tuple[str, ...]:
+    """The script's KEYS for the workflow-run queue of worker group ``group``."""
+    prefix = group_prefix(group)
+    if prefix == FAIR_PREFIX:
+        return KEYS
+    queue = queue_of("run", group)
+    return (
+        queue,
+        workers_key(queue),
+        *(k.replace(FAIR_PREFIX, prefix, 1) for k in KEYS[2:]),
+    )
+
 
 #: the script (worker/fair.lua): one operation per call, named in its arguments (``_args``)
 SCRIPT = lua.source(__package__, "fair.lua")
@@ -135,6 +167,8 @@ class Waiting:
     #: that kind's cap, and that key's runs released and not ended
     cap: int = 0
     cap_held: int = 0
+    #: the workflow-run queue it goes to (its worker group's)
+    queue: str = QUEUE_RUN
 
     @property
     def user(self) -> str:
@@ -149,7 +183,7 @@ class Waiting:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "queue": QUEUE_RUN,
+            "queue": self.queue,
             "held_by": self.held_by,
             "position": self.position,
             "users_ahead": self.users_ahead,
@@ -239,20 +273,27 @@ class FairQueue:
         share: str = "user",
         tenant_cap: int = 0,
         workflow_cap: int = 0,
+        group: str | None = None,
     ) -> None:
         """``cap``: runs released and not ended per user, ``tenant_cap`` per tenant,
         ``workflow_cap`` per workflow (0: none); ``share``: what takes turns (user, tenant,
-        tenant/user)."""
+        tenant/user); ``group``: the worker group whose workflow-run queue this is (None:
+        the default group's, code.run)."""
         self.client = client
         self.cap = cap
         self.share = share
         self.tenant_cap = tenant_cap
         self.workflow_cap = workflow_cap
+        self.group = group or DEFAULT_GROUP
+        self.keys = group_keys(group)
+        self.prefix = group_prefix(group)
+        self.wait_prefix = FAIR_WAIT_PREFIX.replace(FAIR_PREFIX, self.prefix, 1)
         self._script = client.register_script(SCRIPT)
 
     @classmethod
-    def of(cls, client: redis.Redis, settings: Settings) -> FairQueue:
-        """The queue with the share key and caps of ``settings`` (none when fairness is off)."""
+    def of(cls, client: redis.Redis, settings: Settings, group: str | None = None) -> FairQueue:
+        """The queue of worker group ``group`` (None: the default group) with the share key
+        and caps of ``settings`` (none when fairness is off)."""
         on = settings.queue_run_fairness == "users"
         return cls(
             client,
@@ -260,12 +301,13 @@ class FairQueue:
             share=settings.queue_run_share_key,
             tenant_cap=settings.queue_run_tenant_slots if on else 0,
             workflow_cap=settings.queue_run_workflow_slots if on else 0,
+            group=group,
         )
 
     def _args(self, op: str, *more: Any) -> list[Any]:
         """The script's arguments for the operation ``op`` (worker/fair.lua's ``ops``)."""
         return [
-            FAIR_WAIT_PREFIX,
+            self.wait_prefix,
             self.cap,
             FAIR_MIN_AHEAD,
             RELEASE_MAX,
@@ -273,12 +315,14 @@ class FairQueue:
             self.share,
             self.tenant_cap,
             self.workflow_cap,
-            FAIR_PREFIX,
+            self.prefix,
             *more,
         ]
 
     def _run(self, op: str, *more: Any, client: Any = None) -> Any:
-        return self._script(keys=KEYS, args=self._args(op, *more), client=client or self.client)
+        return self._script(
+            keys=self.keys, args=self._args(op, *more), client=client or self.client
+        )
 
     def enqueue(
         self,
@@ -299,16 +343,40 @@ class FairQueue:
         """Move waiting runs into code.run, in turns, while it has room."""
         return int(self._run("release"))
 
+    def again(
+        self,
+        job_id: str,
+        user: str,
+        message: str,
+        client: Any = None,
+        *,
+        tenant: str = "",
+        workflow: str = "",
+    ) -> int:
+        """A message sent again for a job sent before (a retry's next attempt, a lost
+        message): straight to code.run when the job holds its slot (released, not ended:
+        counted once), nothing when it waits on its lane, else on its lane (the one its last
+        attempt had, else its user's) as a new run. Then release."""
+        lane = lane_of(user, tenant, workflow)
+        return int(self._run("again", job_id, lane, message, client=client))
+
     def ended(self, job_ids: list[str]) -> int:
         """These jobs ended: their user's cap slots are free. Then release."""
         return int(self._run("ended", *job_ids))
 
-    def add_ended(self, pipe: Any, job_ids: list[str]) -> None:
-        """``ended`` added to a pipeline the job's end shares (EVALSHA only: a pipeline
-        given the script object would first ask SCRIPT EXISTS, a round trip of its own).
-        The reply is a NoScriptError when this Redis has not loaded the script yet (new,
-        restarted, failed over): ``ended`` then loads it."""
-        pipe.evalsha(self._script.sha, len(KEYS), *KEYS, *self._args("ended", *job_ids))
+    def pause(self, job_ids: list[str]) -> int:
+        """These jobs' attempts ended and their next attempts wait out a retry's delay: their
+        slots are free as at an end, their lanes kept for the next attempts (``again``).
+        Then release."""
+        return int(self._run("pause", *job_ids))
+
+    def add_ended(self, pipe: Any, job_ids: list[str], *, paused: bool = False) -> None:
+        """``ended`` (``pause`` with ``paused``) added to a pipeline the job's end shares
+        (EVALSHA only: a pipeline given the script object would first ask SCRIPT EXISTS, a
+        round trip of its own). The reply is a NoScriptError when this Redis has not loaded
+        the script yet (new, restarted, failed over): ``ended`` then loads it."""
+        op = "pause" if paused else "ended"
+        pipe.evalsha(self._script.sha, len(self.keys), *self.keys, *self._args(op, *job_ids))
 
     def forget(self, job_ids: list[str]) -> int:
         """Take runs off their users' lists (cancelled or ended while waiting there)."""
@@ -331,6 +399,7 @@ class FairQueue:
             cap_kind,
             int(cap),
             int(held),
+            self.keys[0],
         )
 
     def stats(self, top: int = TOP_USERS) -> FairStats:
@@ -346,7 +415,17 @@ class FairQueue:
         """job id -> lane (the user, for a run naming no tenant nor workflow) of every run
         released and not ended (bounded by the runs in
         code.run and the workers' slots, plus any whose end was not seen)."""
-        return {_text(k): _text(v) for k, v in self.client.hgetall(FAIR_HELD_KEY).items()}
+        held = self.client.hgetall(self.keys[KEYS.index(FAIR_HELD_KEY)])
+        return {_text(k): _text(v) for k, v in held.items()}
+
+    def paused(self) -> list[str]:
+        """The jobs whose lane is kept for a retry's next attempt (``pause``)."""
+        return [_text(k) for k in self.client.hkeys(self.keys[KEYS.index(FAIR_AGAIN_KEY)])]
+
+    @property
+    def jobs_key(self) -> str:
+        """The hash of the runs waiting on a lane (job id -> lane)."""
+        return self.keys[KEYS.index(FAIR_JOBS_KEY)]
 
     def reconcile(self, finished: set[str]) -> int:
         """End the held runs of ``held()`` whose job the run store says ended (their
@@ -371,27 +450,38 @@ else:
 
 class FairChannel(_ChannelBase):
     """A part of kombu's Redis channels (plain and Sentinel: worker.broker composes them):
-    a message for code.run carrying ``HEADER_FAIR_USER`` goes to its user's waiting list
-    instead (the message kombu built, unchanged). Every other message is kombu's."""
+    a message for a workflow-run queue (code.run, or a worker group's code.run.NAME)
+    carrying ``HEADER_FAIR_USER`` goes to its lane in that group's fair state instead (the
+    message kombu built, unchanged); with ``HEADER_FAIR_AGAIN`` too (a message the workers
+    send again), ``FairQueue.again`` admits it. Every other message is kombu's."""
 
-    _fair: FairQueue | None = None
+    _fair: dict[str, FairQueue] | None = None
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> Any:
         headers = message.get("headers") or {}
         user = headers.get(HEADER_FAIR_USER)
-        if queue != QUEUE_RUN or user is None or kwargs.get("_publish_batch") is not None:
+        if (
+            user is None
+            or kind_of_queue(queue) != "run"
+            or kwargs.get("_publish_batch") is not None
+        ):
             return super()._put(queue, message, **kwargs)
         with self.conn_or_acquire() as client:
             if self._fair is None:
+                self._fair = {}
+            fair = self._fair.get(queue)
+            if fair is None:
                 opts = self.connection.client.transport_options
-                self._fair = FairQueue(
+                fair = self._fair[queue] = FairQueue(
                     client,
                     int(opts.get(CAP_OPTION) or 0),
                     share=str(opts.get(SHARE_OPTION) or "user"),
                     tenant_cap=int(opts.get(TENANT_CAP_OPTION) or 0),
                     workflow_cap=int(opts.get(WORKFLOW_CAP_OPTION) or 0),
+                    group=group_of_queue(queue),
                 )
-            self._fair.enqueue(
+            admit = fair.again if headers.get(HEADER_FAIR_AGAIN) else fair.enqueue
+            admit(
                 str(headers["id"]),
                 str(user),
                 dumps(message),
@@ -400,6 +490,30 @@ class FairChannel(_ChannelBase):
                 workflow=str(headers.get(HEADER_FAIR_WORKFLOW) or ""),
             )
         return None
+
+
+def fair_headers(
+    settings: Settings,
+    kind: str,
+    user: str,
+    tenant: str = "",
+    workflow: str = "",
+    *,
+    again: bool = False,
+) -> dict[str, str]:
+    """The headers that send a job's message through its group's fair queue (none for a
+    test call, nor with fairness off): its user, its tenant and workflow when it has them;
+    ``again`` for a message the workers send again (a retry's next attempt, a lost one)."""
+    if kind != "run" or settings.queue_run_fairness != "users":
+        return {}
+    headers = {HEADER_FAIR_USER: user}
+    if tenant:
+        headers[HEADER_FAIR_TENANT] = tenant
+    if workflow:
+        headers[HEADER_FAIR_WORKFLOW] = workflow
+    if again:
+        headers[HEADER_FAIR_AGAIN] = "1"
+    return headers
 
 
 def transport_options(settings: Settings) -> dict[str, Any]:
@@ -441,17 +555,23 @@ def release_loop(
     return body
 
 
-def job_ended(queue: FairQueue, job_id: str) -> None:
-    """A pool process's job ended: free its user's cap slot and release (never raises: the
-    main process's releases and the sweep's reconcile catch up)."""
+def job_ended(queue: FairQueue, job_id: str, *, paused: bool = False) -> None:
+    """A pool process's job ended (its attempt, for a retry, with ``paused``): free its
+    user's cap slot and release (never raises: the main process's releases and the sweep's
+    reconcile catch up)."""
     try:
-        queue.ended([job_id])
+        if paused:
+            queue.pause([job_id])
+        else:
+            queue.ended([job_id])
     except Exception as e:  # noqa: BLE001 - the job's outcome is stored; this is bookkeeping
         log.warning("job %s: fair release after its end failed (%s); the workers retry", job_id, e)
 
 
 __all__ = [
     "check_key",
+    "fair_headers",
+    "group_keys",
     "lane_of",
     "FairQueue",
     "FairStats",
