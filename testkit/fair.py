@@ -38,3 +38,82 @@ def drain(r: Any, fair: Any, n: int) -> list[str]:
             break
         out += released(r)
     return out
+
+
+class CapWatch:
+    """Samples, every ``every_s`` (50 ms) in a thread of its own, one concurrency key's runs
+    released and not ended (``held_key``'s field ``key`` in Redis, as worker/fair.lua counts
+    them) and how many of ``ids`` (the key's runs: the test appends them as they are made)
+    the run store says are running. A sample Redis cannot answer (a failover) counts its
+    Redis side as unknown; the run store's side is still taken. ``with`` it: started, then
+    stopped; ``peaks`` the most seen of each."""
+
+    def __init__(
+        self,
+        client: Any,
+        key: str,
+        ids: list[str],
+        *,
+        held_key: str = "studio:fair:held_count",
+        every_s: float = 0.05,
+    ) -> None:
+        import threading
+
+        self.client = client
+        self.key = key
+        self.held_key = held_key
+        self.ids = ids
+        self.every_s = every_s
+        #: (runs released and not ended, None: Redis unanswered; runs running)
+        self.samples: list[tuple[int | None, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from executor.models import Status
+
+        while not self._stop.is_set():
+            held: int | None
+            try:
+                held = int(self.client.redis.hget(self.held_key, self.key) or 0)
+            except Exception:  # noqa: BLE001 - Redis away (a failover): unknown this time
+                held = None
+            running = 0
+            ids = list(self.ids)
+            if ids:
+                try:
+                    statuses = self.client.store.statuses(ids)
+                    running = sum(1 for s in statuses.values() if s is Status.RUNNING)
+                except Exception:  # noqa: BLE001 - a busy SQLite: the next sample
+                    pass
+            self.samples.append((held, running))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> CapWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    @property
+    def peaks(self) -> tuple[int, int]:
+        """The most runs released and not ended seen at once, and running at once."""
+        held = [h for h, _ in self.samples if h is not None]
+        return max(held, default=0), max((r for _, r in self.samples), default=0)
+
+    def account(self, recs: dict[str, Any]) -> str:
+        """The accounting a test prints: submitted, each outcome, lost (not finished), and
+        the peaks over how many samples."""
+        from collections import Counter
+
+        outcomes = Counter(str(r.status) for r in recs.values())
+        lost = sum(1 for j in self.ids if j not in recs or not recs[j].finished)
+        held, running = self.peaks
+        unknown = sum(1 for h, _ in self.samples if h is None)
+        return (
+            f"submitted {len(self.ids)} / {dict(outcomes)} / lost {lost} / max released "
+            f"{held}, max running {running} over {len(self.samples)} samples every "
+            f"{self.every_s * 1000:.0f} ms ({unknown} with Redis unanswered)"
+        )

@@ -1,0 +1,220 @@
+"""The caps of the concurrency keys (worker.fair) on every path a run's message takes, not only
+the submit: a retry's next attempt (worker.upkeep.retry_due), a lost message the queued sweep
+sends again (worker.upkeep.queued), a worker group's own queue (code.run.NAME), many API
+processes submitting at once, and a Redis Sentinel failover. The script on a real
+redis-server first; then real workers, the engine and Redis, a key's runs sampled every
+50 ms (testkit.fair.CapWatch): never more than its cap released nor running, every run ends
+once, and its slots come back. Each test prints its accounting."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from testkit.fair import CapWatch, announce, released
+from tests.snippets import sleeper
+
+SLOW_RAISE = (
+    "import time\n\ndef main(state):\n    time.sleep(state['s'])\n    raise ValueError('boom')\n"
+)
+#: a retry on CODE_ERROR, 3 attempts, 0.3 s apart
+RETRY = {"max_attempts": 3, "on": ["CODE_ERROR"], "backoff": {"initial_s": 0.3, "jitter": 0}}
+
+
+def _message(job_id: str) -> str:
+    return json.dumps({"headers": {"id": job_id}, "body": job_id})
+
+
+# --- the script, on a real redis-server ------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_a_message_sent_again_is_admitted_once_at_its_keys_caps(redis_server: Any) -> None:
+    """Workflow cap 2. A retry's wait (``pause``) frees the slot and keeps the lane; its next
+    attempt (``again``, naming only the user) waits on that lane at the cap; a job holding its
+    slot whose message is sent again goes straight to code.run, counted once; a job waiting
+    on its lane sent again changes nothing."""
+    import redis
+
+    from worker.fair import FairQueue
+
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    fair = FairQueue(r, 0, workflow_cap=2)
+    announce(r, 8)
+    for i in range(3):
+        fair.enqueue(f"w{i}", "ann", _message(f"w{i}"), tenant="acme", workflow="wf")
+    assert released(r) == ["w0", "w1"] and r.hget("studio:fair:held_count", "w:acme/wf") == "2"
+    # w0's message was lost after its release (it holds its slot): back in code.run, once
+    r.delete("code.run")
+    fair.again("w0", "ann", _message("w0"))
+    assert released(r) == ["w0"], "straight back: it holds its slot"
+    assert r.hget("studio:fair:held_count", "w:acme/wf") == "2", "counted once"
+    fair.again("w2", "ann", _message("w2"))  # waits on its lane: nothing changes
+    assert fair.stats().waiting == 1 and released(r) == ["w0"]
+    # w1's attempt ended for a retry: its slot frees (w2 goes), its lane is kept
+    r.delete("code.run")
+    assert fair.pause(["w1"]) == 1 and released(r) == ["w2"]
+    assert r.hget("studio:fair:again", "w1") == '["acme","ann","wf"]'
+    # its next attempt, sent knowing only its user, waits on its workflow's lane at the cap
+    fair.again("w1", "ann", _message("w1"))
+    where = fair.where("w1")
+    assert where is not None and where.cap_kind == "workflow", where
+    assert r.hget("studio:fair:again", "w1") is None
+    assert fair.ended(["w0"]) == 1 and released(r) == ["w2", "w1"]
+    assert r.hget("studio:fair:held_count", "w:acme/wf") == "2"
+    # a job cancelled during its retry's delay: its kept lane goes with forget
+    fair.pause(["w1"])
+    assert fair.forget(["w1"]) == 0 and r.hlen("studio:fair:again") == 0
+    fair.ended(["w2"])
+    assert r.hgetall("studio:fair:held_count") == {} and r.hlen("studio:fair:held") == 0
+    r.close()
+
+
+@pytest.mark.redis
+def test_a_worker_group_has_its_own_lanes_and_caps(redis_server: Any) -> None:
+    """Group big's workflow runs wait in its own fair state and go to code.run.big, up to its
+    workers' slots and its keys' caps; the default group's state is untouched."""
+    import redis
+
+    from worker.fair import FairQueue
+    from worker.upkeep.heartbeat import Heartbeat
+
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    hb = Heartbeat(redis_server.url, "big@test", {"code.run.big": 4}, interval_s=60, ttl_s=60)
+    hb.beat()
+    hb.redis.close()
+    big = FairQueue(r, 0, workflow_cap=2, group="big")
+    for i in range(4):
+        big.enqueue(f"b{i}", "ann", _message(f"b{i}"), workflow="wf")
+    assert [json.loads(m)["headers"]["id"] for m in reversed(r.lrange("code.run.big", 0, -1))] == [
+        "b0",
+        "b1",
+    ]
+    assert r.llen("code.run") == 0 and r.hlen("studio:fair:held") == 0
+    assert r.hget("studio:fair:g:big:held_count", "w:/wf") == "2"
+    assert big.where("b2").cap_kind == "workflow"  # type: ignore[union-attr]
+    assert big.where("b2").as_dict()["queue"] == "code.run.big"  # type: ignore[union-attr]
+    assert FairQueue(r, 0, workflow_cap=2).where("b2") is None, "not the default group's"
+    r.delete("code.run.big")
+    assert big.ended(["b0", "b1"]) == 2 and r.llen("code.run.big") == 2
+    r.close()
+
+
+# --- real workers, the engine, Redis ---------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(600)
+def test_workflow_cap_holds_through_retries_and_sweep_resends(make_stack: Any) -> None:
+    """STUDIO_QUEUE_RUN_WORKFLOW_SLOTS=2. 10 runs of one workflow, 4 of them failing on every
+    attempt with a retry policy of 3 attempts (8 next attempts sent by the retry sweep); no
+    worker yet, so 2 are released and their messages are then lost (deleted from code.run:
+    the queued sweep sends them again). Then 2 workers of 3 slots: sampled every 50 ms, the
+    workflow never has more than 2 runs released nor running; every run ends once; the
+    slots come back."""
+    q = make_stack(
+        code_concurrency=3,
+        queue_test_slots=0,
+        queue_run_workflow_slots=2,
+        queue_require_worker=False,
+        queue_lost_after_s=2,
+        queue_reap_interval_s=1,
+        queue_retry_tick_s=0.2,
+    )
+    ids: list[str] = []
+    failing: list[str] = []
+    with CapWatch(q.client, "w:acme/nightly", ids) as watch:
+        for i in range(10):
+            if i % 5 in (1, 3):
+                job = q.client.submit(
+                    SLOW_RAISE,
+                    "python",
+                    {"s": 0.3},
+                    user=f"u{i % 3}",
+                    tenant="acme",
+                    workflow="nightly",
+                    retry=RETRY,
+                )
+                failing.append(job)
+            else:
+                job = q.client.submit(
+                    sleeper(0.4, "ok"),
+                    "python",
+                    {},
+                    user=f"u{i % 3}",
+                    tenant="acme",
+                    workflow="nightly",
+                )
+            ids.append(job)
+        lost = [json.loads(m)["headers"]["id"] for m in q.client.redis.lrange("code.run", 0, -1)]
+        assert len(lost) == 2, lost
+        q.client.redis.delete("code.run")  # lost after their release: they hold their slots
+        q.start_worker("w1", 3)
+        q.start_worker("w2", 3)
+        recs = q.wait_all(ids, 300)
+    print(f"\n{watch.account(recs)}; lost messages resent: {lost}")
+    held, running = watch.peaks
+    assert held <= 2 and running <= 2, watch.account(recs)
+    assert held == 2, "the cap was reached (the test saw it hold)"
+    for j in ids:
+        want = ("failed", 3) if j in failing else ("succeeded", 1)
+        assert (str(recs[j].status), max(1, len(recs[j].history))) == want, (j, recs[j])
+    assert all(recs[j].finished for j in lost)
+    r = q.client.redis
+    assert r.hget("studio:fair:held_count", "w:acme/nightly") is None, "every slot came back"
+    assert r.hlen("studio:fair:held") == 0 and r.hlen("studio:fair:again") == 0
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(600)
+def test_workflow_cap_holds_on_a_big_group_worker(make_stack: Any) -> None:
+    """A worker of group big (`studio-code worker --group big`, 3 slots) and the workflow cap
+    of 2: 8 runs of one workflow sent to group big wait on the group's own lanes; sampled
+    every 50 ms, never more than 2 released nor running; every run ends once on the big
+    worker; the group's slots come back."""
+    q = make_stack(
+        worker_groups="big:1g:1",
+        code_concurrency=3,
+        queue_test_slots=0,
+        queue_run_workflow_slots=2,
+    )
+    q.start_worker("small", 1)
+    q.start_worker(
+        "big",
+        3,
+        cli=True,
+        queues="",  # its group's own, from --group
+        extra_args=["--group", "big"],
+        code_max_memory="1g",
+        code_max_cpus=1,
+    )
+    ids: list[str] = []
+    with CapWatch(q.client, "w:acme/nightly", ids, held_key="studio:fair:g:big:held_count") as w:
+        for i in range(8):
+            ids.append(
+                q.client.submit(
+                    sleeper(0.5, "ok"),
+                    "python",
+                    {},
+                    user=f"u{i % 2}",
+                    tenant="acme",
+                    workflow="nightly",
+                    group="big",
+                )
+            )
+        waits = q.client.why_waiting(q.client.store.get(ids[-1], inputs=False))
+        recs = q.wait_all(ids, 300)
+    print(f"\n{w.account(recs)}")
+    held, running = w.peaks
+    assert held <= 2 and running <= 2, w.account(recs)
+    assert held == 2, "the cap was reached (the test saw it hold)"
+    assert all(str(r.status) == "succeeded" for r in recs.values()), w.account(recs)
+    assert {(r.worker or "").split("@")[0] for r in recs.values()} == {"big"}
+    assert waits is not None and "workflow" in json.dumps(waits.as_dict()), waits
+    r = q.client.redis
+    assert r.hget("studio:fair:g:big:held_count", "w:acme/nightly") is None
+    assert r.hlen("studio:fair:held") == 0, "the default group's state was not used"
