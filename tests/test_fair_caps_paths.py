@@ -9,6 +9,7 @@ once, and its slots come back. Each test prints its accounting."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -218,3 +219,169 @@ def test_workflow_cap_holds_on_a_big_group_worker(make_stack: Any) -> None:
     r = q.client.redis
     assert r.hget("studio:fair:g:big:held_count", "w:acme/nightly") is None
     assert r.hlen("studio:fair:held") == 0, "the default group's state was not used"
+
+
+def _kill_one_running(q: Any, worker: Any, ids: list[str]) -> str:
+    """Once a run of ``ids`` runs on ``worker``: SIGKILL it (main process and pool) and
+    return that run's id."""
+    from executor.models import Status
+    from testkit.processes import wait_for
+
+    def runs_there() -> list[str]:
+        recs = q.client.store.get_many(list(ids), inputs=False)
+        return [
+            j
+            for j, rec in recs.items()
+            if rec.status is Status.RUNNING and (rec.worker or "").startswith(f"{worker.name}@")
+        ]
+
+    killed = str(wait_for(runs_there, 120, f"a run of the workflow on {worker.name}")[0])
+    worker.kill_hard()
+    return killed
+
+
+def _ended_once(q: Any, recs: dict[str, Any], killed: str | None = None) -> None:
+    """Every run succeeded but those a SIGKILL interrupted (at most the cap's 2, each ended
+    failed naming its worker); each ended once (one done notice); the key's slots are back."""
+    lost = [j for j, r in recs.items() if str(r.status) != "succeeded"]
+    assert len(lost) <= 2 and (killed is None or killed in lost or recs[killed].attempts > 1)
+    for j in lost:
+        assert recs[j].error is not None and "worker" in recs[j].error.message, recs[j].error
+    assert all(q.done_count(j) == 1 for j in recs if j not in lost), "each ended once"
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(600)
+def test_workflow_cap_holds_under_four_api_processes_and_a_sigkill(
+    make_stack: Any, tmp_path: Path
+) -> None:
+    """4 API processes (`studio-code serve`, each on its own port) take POST /api/runs at
+    once, 6 runs of one workflow each from 4 users of one tenant; a worker is SIGKILLed while
+    it runs one. Sampled every 50 ms: never more than 2 of the workflow's runs released nor
+    running; every run ends once; the killed run's slot comes back."""
+    import threading
+
+    import httpx
+
+    from testkit.api import ApiServer
+
+    q = make_stack(
+        code_concurrency=3,
+        queue_test_slots=0,
+        queue_run_workflow_slots=2,
+        code_max_seconds=5,
+        queue_visibility_timeout_s=6,
+        queue_reap_interval_s=1,
+    )
+    w1 = q.start_worker("w1", 3)
+    q.start_worker("w2", 3)
+    apis = [ApiServer(q.env(), tmp_path / f"api{i}.log") for i in range(4)]
+    ids: list[str] = []
+    go = threading.Barrier(4)
+    errors: list[str] = []
+
+    def submit(api: Any, n: int) -> None:
+        with httpx.Client(base_url=api.base, timeout=60) as http:
+            go.wait()
+            for _ in range(n):
+                r = http.post(
+                    "/api/runs",
+                    json={"code": sleeper(0.6, "wf"), "tenant": "acme", "workflow": "nightly"},
+                    headers=q.as_user(f"p{api.port}"),
+                )
+                if r.status_code != 202:
+                    errors.append(r.text)
+                else:
+                    ids.append(r.json()["job_id"])
+
+    try:
+        with CapWatch(q.client, "w:acme/nightly", ids) as watch:
+            threads = [threading.Thread(target=submit, args=(api, 6)) for api in apis]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not errors and len(set(ids)) == 24, errors
+            last_waits = q.client.where(ids[-1])
+            killed = _kill_one_running(q, w1, ids)
+            recs = q.wait_all(ids, 300)
+    finally:
+        for api in apis:
+            api.stop()
+    print(f"\n{watch.account(recs)}; killed {killed}: {recs[killed].status}")
+    held, running = watch.peaks
+    assert held <= 2 and running <= 2, watch.account(recs)
+    assert held == 2, "the cap was reached (the test saw it hold)"
+    assert last_waits is not None and last_waits.cap_kind == "workflow", last_waits
+    _ended_once(q, recs, killed)
+    assert q.client.redis.hget("studio:fair:held_count", "w:acme/nightly") is None
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(900)
+def test_workflow_cap_holds_across_a_sentinel_failover(
+    sqlite_url: str, tmp_path: Path, python_image: str
+) -> None:
+    """A primary, a replica and three sentinels; 20 runs of one workflow (cap 2) on 2 workers
+    of 3 slots; the primary SIGKILLed once a few ended. Sampled every 50 ms (Redis's side
+    unknown while no primary answers; the run store's always read): never more than 2 of
+    the workflow's runs released nor running; every run ends once; its slots come back on
+    the new primary."""
+    from testkit.processes import wait_for
+    from testkit.sentinel import start_sentinels
+    from testkit.stack import Stack
+
+    with start_sentinels(tmp_path) as sentinels:
+        q = Stack(
+            tmp_path,
+            redis_url=sentinels.url,
+            database_url=sqlite_url,
+            code_image=python_image,
+            redis_sentinel_master="studio",
+            queue_lost_after_s=10,
+            queue_heartbeat_interval_s=1,
+            code_concurrency=3,
+            queue_test_slots=0,
+            queue_run_workflow_slots=2,
+        )
+        try:
+            q.start_worker("w1", 3)
+            q.start_worker("w2", 3)
+            ids: list[str] = []
+            with CapWatch(q.client, "w:acme/nightly", ids) as watch:
+                for i in range(20):
+                    ids.append(
+                        q.client.submit(
+                            sleeper(0.5, "ok"),
+                            "python",
+                            {},
+                            user=f"u{i % 4}",
+                            tenant="acme",
+                            workflow="nightly",
+                        )
+                    )
+                wait_for(
+                    lambda: sum(s.finished for s in q.client.store.statuses(ids).values()) >= 4,
+                    120,
+                    "4 runs ended",
+                    0.1,
+                )
+                dead = sentinels.kill_primary()
+                sentinels.wait_master(sentinels.ports[sentinels.other(dead)], 60)
+                recs = q.wait_all(ids, 600)
+            print(f"\n{watch.account(recs)}; primary {dead} killed")
+            held, running = watch.peaks
+            assert held <= 2 and running <= 2, watch.account(recs)
+            assert all(str(r.status) == "succeeded" for r in recs.values()), watch.account(recs)
+            # ended once: the store's finish is one conditional UPDATE (a done notice may
+            # have been lost with the old primary, so none is counted here)
+            assert all(r.finished_at is not None for r in recs.values())
+            wait_for(
+                lambda: q.client.redis.hget("studio:fair:held_count", "w:acme/nightly") is None,
+                30,
+                "the workflow's slots back on the new primary",
+            )
+        finally:
+            q.stop()
