@@ -37,6 +37,18 @@ the next message), and each worker's main process every FAIR_RELEASE_INTERVAL_S
 script, atomic in Redis: many releasers never release one run twice nor overfill
 ``code.run``. Cost per run: one script call at submit (instead of kombu's LPUSH), one at
 its end.
+
+Messages sent again (a retry's next attempt, worker.upkeep.retry_due; a lost message the
+queued sweep sends, worker.upkeep.queued) carry ``HEADER_FAIR_AGAIN`` too and go through
+``FairQueue.again``: a run that holds its slot (released, not ended) gets its message back
+in its queue, counted once; a run waiting on its lane is left there; any other waits on the
+lane its last attempt had (kept by ``pause`` when that attempt ended for a retry) or its
+user's. A message kombu restores or a worker hands back (Reject) is not sent through a
+channel's ``_put``: its run keeps its slot.
+
+Each worker group's workflow-run queue (code.run.NAME) has a fair state of its own, the
+same keys under ``group_prefix``: its runs take turns and count against their caps within
+the group, released up to the group's live workers' slots.
 """
 
 from __future__ import annotations
