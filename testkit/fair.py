@@ -29,6 +29,43 @@ def released(r: Any) -> list[str]:
     return [json.loads(m)["headers"]["id"] for m in reversed(r.lrange("code.run", 0, -1))]
 
 
+#: a stack whose workflow cap (2) is tested with a worker SIGKILLed mid-run: 3 run slots
+#: per worker, the kill's run delivered again within seconds (make_stack's settings)
+SIGKILL_CAP_STACK: dict[str, Any] = {
+    "code_concurrency": 3,
+    "queue_test_slots": 0,
+    "queue_run_workflow_slots": 2,
+    "code_max_seconds": 5,
+    "queue_visibility_timeout_s": 6,
+    "queue_reap_interval_s": 1,
+}
+
+
+def kill_one_running(q: Any, worker: Any, ids: list[str]) -> str:
+    """Once one of ``ids`` runs on ``worker`` (the Stack ``q``'s): SIGKILL the worker (main
+    process and pool) and return that run's id."""
+    from collections import Counter
+
+    from executor.models import Status
+    from testkit.processes import wait_for
+
+    def runs_there() -> list[str]:
+        recs = q.client.store.get_many(list(ids), inputs=False)
+        return [
+            j
+            for j, rec in recs.items()
+            if rec.status is Status.RUNNING and (rec.worker or "").startswith(f"{worker.name}@")
+        ]
+
+    def seen() -> Any:
+        recs = q.client.store.get_many(list(ids), inputs=False).values()
+        return Counter((str(r.status), (r.worker or "").split("@")[0]) for r in recs)
+
+    killed = str(wait_for(runs_there, 120, f"a run on {worker.name}", describe=seen)[0])
+    worker.kill_hard()
+    return killed
+
+
 def drain(r: Any, fair: Any, n: int) -> list[str]:
     """Runs released, ``code.run`` emptied before each release (every slot free again)."""
     out: list[str] = []

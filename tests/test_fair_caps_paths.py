@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from testkit.fair import CapWatch, announce, released
+from testkit.fair import SIGKILL_CAP_STACK, CapWatch, announce, kill_one_running, released
+from testkit.stack import BIG_WORKER
 from tests.snippets import sleeper
 
 SLOW_RAISE = (
@@ -49,17 +50,17 @@ def test_a_message_sent_again_is_admitted_once_at_its_keys_caps(redis_server: An
     assert released(r) == ["w0", "w1"] and r.hget("studio:fair:held_count", "w:acme/wf") == "2"
     # w0's message was lost after its release (it holds its slot): back in code.run, once
     r.delete("code.run")
-    fair.again("w0", "ann", _message("w0"))
+    fair.enqueue("w0", "ann", _message("w0"), again=True)
     assert released(r) == ["w0"], "straight back: it holds its slot"
     assert r.hget("studio:fair:held_count", "w:acme/wf") == "2", "counted once"
-    fair.again("w2", "ann", _message("w2"))  # waits on its lane: nothing changes
+    fair.enqueue("w2", "ann", _message("w2"), again=True)  # waits on its lane: nothing changes
     assert fair.stats().waiting == 1 and released(r) == ["w0"]
     # w1's attempt ended for a retry: its slot frees (w2 goes), its lane is kept
     r.delete("code.run")
     assert fair.pause(["w1"]) == 1 and released(r) == ["w2"]
     assert r.hget("studio:fair:again", "w1") == '["acme","ann","wf"]'
     # its next attempt, sent knowing only its user, waits on its workflow's lane at the cap
-    fair.again("w1", "ann", _message("w1"))
+    fair.enqueue("w1", "ann", _message("w1"), again=True)
     where = fair.where("w1")
     assert where is not None and where.cap_kind == "workflow", where
     assert r.hget("studio:fair:again", "w1") is None
@@ -104,6 +105,23 @@ def test_a_worker_group_has_its_own_lanes_and_caps(redis_server: Any) -> None:
 
 
 # --- real workers, the engine, Redis ---------------------------------------------------------
+
+
+def _submit_nightly(q: Any, ids: list[str], n: int, *, users: int, **more: Any) -> None:
+    """``n`` runs of acme's workflow nightly (half a second each) by ``users`` users, their
+    ids appended to ``ids`` as they are made."""
+    for i in range(n):
+        ids.append(
+            q.client.submit(
+                sleeper(0.5, "ok"),
+                "python",
+                {},
+                user=f"u{i % users}",
+                tenant="acme",
+                workflow="nightly",
+                **more,
+            )
+        )
 
 
 @pytest.mark.docker
@@ -184,29 +202,10 @@ def test_workflow_cap_holds_on_a_big_group_worker(make_stack: Any) -> None:
         queue_run_workflow_slots=2,
     )
     q.start_worker("small", 1)
-    q.start_worker(
-        "big",
-        3,
-        cli=True,
-        queues="",  # its group's own, from --group
-        extra_args=["--group", "big"],
-        code_max_memory="1g",
-        code_max_cpus=1,
-    )
+    q.start_worker("big", 3, **BIG_WORKER)
     ids: list[str] = []
     with CapWatch(q.client, "w:acme/nightly", ids, held_key="studio:fair:g:big:held_count") as w:
-        for i in range(8):
-            ids.append(
-                q.client.submit(
-                    sleeper(0.5, "ok"),
-                    "python",
-                    {},
-                    user=f"u{i % 2}",
-                    tenant="acme",
-                    workflow="nightly",
-                    group="big",
-                )
-            )
+        _submit_nightly(q, ids, 8, users=2, group="big")
         waits = q.client.why_waiting(q.client.store.get(ids[-1], inputs=False))
         recs = q.wait_all(ids, 300)
     print(f"\n{w.account(recs)}")
@@ -219,25 +218,6 @@ def test_workflow_cap_holds_on_a_big_group_worker(make_stack: Any) -> None:
     r = q.client.redis
     assert r.hget("studio:fair:g:big:held_count", "w:acme/nightly") is None
     assert r.hlen("studio:fair:held") == 0, "the default group's state was not used"
-
-
-def _kill_one_running(q: Any, worker: Any, ids: list[str]) -> str:
-    """Once a run of ``ids`` runs on ``worker``: SIGKILL it (main process and pool) and
-    return that run's id."""
-    from executor.models import Status
-    from testkit.processes import wait_for
-
-    def runs_there() -> list[str]:
-        recs = q.client.store.get_many(list(ids), inputs=False)
-        return [
-            j
-            for j, rec in recs.items()
-            if rec.status is Status.RUNNING and (rec.worker or "").startswith(f"{worker.name}@")
-        ]
-
-    killed = str(wait_for(runs_there, 120, f"a run of the workflow on {worker.name}")[0])
-    worker.kill_hard()
-    return killed
 
 
 def _ended_once(q: Any, recs: dict[str, Any], killed: str | None = None) -> None:
@@ -266,14 +246,7 @@ def test_workflow_cap_holds_under_four_api_processes_and_a_sigkill(
 
     from testkit.api import ApiServer
 
-    q = make_stack(
-        code_concurrency=3,
-        queue_test_slots=0,
-        queue_run_workflow_slots=2,
-        code_max_seconds=5,
-        queue_visibility_timeout_s=6,
-        queue_reap_interval_s=1,
-    )
+    q = make_stack(**SIGKILL_CAP_STACK)
     w1 = q.start_worker("w1", 3)
     q.start_worker("w2", 3)
     apis = [ApiServer(q.env(), tmp_path / f"api{i}.log") for i in range(4)]
@@ -304,7 +277,7 @@ def test_workflow_cap_holds_under_four_api_processes_and_a_sigkill(
                 t.join(120)
             assert not errors and len(set(ids)) == 24, errors
             last_waits = q.client.where(ids[-1])
-            killed = _kill_one_running(q, w1, ids)
+            killed = kill_one_running(q, w1, ids)
             recs = q.wait_all(ids, 300)
     finally:
         for api in apis:
@@ -351,17 +324,7 @@ def test_workflow_cap_holds_across_a_sentinel_failover(
             q.start_worker("w2", 3)
             ids: list[str] = []
             with CapWatch(q.client, "w:acme/nightly", ids) as watch:
-                for i in range(20):
-                    ids.append(
-                        q.client.submit(
-                            sleeper(0.5, "ok"),
-                            "python",
-                            {},
-                            user=f"u{i % 4}",
-                            tenant="acme",
-                            workflow="nightly",
-                        )
-                    )
+                _submit_nightly(q, ids, 20, users=4)
                 wait_for(
                     lambda: sum(s.finished for s in q.client.store.statuses(ids).values()) >= 4,
                     120,

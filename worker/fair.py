@@ -40,11 +40,11 @@ its end.
 
 Messages sent again (a retry's next attempt, worker.upkeep.retry_due; a lost message the
 queued sweep sends, worker.upkeep.queued) carry ``HEADER_FAIR_AGAIN`` too and go through
-``FairQueue.again``: a run that holds its slot (released, not ended) gets its message back
-in its queue, counted once; a run waiting on its lane is left there; any other waits on the
-lane its last attempt had (kept by ``pause`` when that attempt ended for a retry) or its
-user's. A message kombu restores or a worker hands back (Reject) is not sent through a
-channel's ``_put``: its run keeps its slot.
+``FairQueue.enqueue(again=True)``: a run that holds its slot (released, not ended) gets its
+message back in its queue, counted once; a run waiting on its lane is left there; any
+other waits on the lane its last attempt had (kept by ``pause`` when that attempt ended for
+a retry) or its user's. A message kombu restores or a worker hands back (Reject) is not
+sent through a channel's ``_put``: its run keeps its slot.
 
 Each worker group's workflow-run queue (code.run.NAME) has a fair state of its own, the
 same keys under ``group_prefix``: its runs take turns and count against their caps within
@@ -345,32 +345,21 @@ class FairQueue:
         *,
         tenant: str = "",
         workflow: str = "",
+        again: bool = False,
     ) -> int:
         """Put a run's message on its lane (its user's, tenant's and workflow's), then
-        release what has room (returns how many runs went to code.run)."""
+        release what has room (returns how many runs went to code.run). ``again``: a
+        message sent again for a job sent before (a retry's next attempt, a lost message):
+        straight to its queue when the job holds its slot (released, not ended: counted
+        once), nothing when it waits on its lane, else on the lane its last attempt had
+        (kept by ``pause``), or on this one."""
         lane = lane_of(user, tenant, workflow)
-        return int(self._run("enqueue", job_id, lane, message, client=client))
+        op = "again" if again else "enqueue"
+        return int(self._run(op, job_id, lane, message, client=client))
 
     def release(self) -> int:
         """Move waiting runs into code.run, in turns, while it has room."""
         return int(self._run("release"))
-
-    def again(
-        self,
-        job_id: str,
-        user: str,
-        message: str,
-        client: Any = None,
-        *,
-        tenant: str = "",
-        workflow: str = "",
-    ) -> int:
-        """A message sent again for a job sent before (a retry's next attempt, a lost
-        message): straight to code.run when the job holds its slot (released, not ended:
-        counted once), nothing when it waits on its lane, else on its lane (the one its last
-        attempt had, else its user's) as a new run. Then release."""
-        lane = lane_of(user, tenant, workflow)
-        return int(self._run("again", job_id, lane, message, client=client))
 
     def ended(self, job_ids: list[str]) -> int:
         """These jobs ended: their user's cap slots are free. Then release."""
@@ -378,7 +367,8 @@ class FairQueue:
 
     def pause(self, job_ids: list[str]) -> int:
         """These jobs' attempts ended and their next attempts wait out a retry's delay: their
-        slots are free as at an end, their lanes kept for the next attempts (``again``).
+        slots are free as at an end, their lanes kept for the next attempts (``enqueue``'s
+        ``again``).
         Then release."""
         return int(self._run("pause", *job_ids))
 
@@ -465,7 +455,7 @@ class FairChannel(_ChannelBase):
     a message for a workflow-run queue (code.run, or a worker group's code.run.NAME)
     carrying ``HEADER_FAIR_USER`` goes to its lane in that group's fair state instead (the
     message kombu built, unchanged); with ``HEADER_FAIR_AGAIN`` too (a message the workers
-    send again), ``FairQueue.again`` admits it. Every other message is kombu's."""
+    send again), ``FairQueue.enqueue(again=True)`` admits it. Any other message is kombu's."""
 
     _fair: dict[str, FairQueue] | None = None
 
@@ -492,14 +482,14 @@ class FairChannel(_ChannelBase):
                     workflow_cap=int(opts.get(WORKFLOW_CAP_OPTION) or 0),
                     group=group_of_queue(queue),
                 )
-            admit = fair.again if headers.get(HEADER_FAIR_AGAIN) else fair.enqueue
-            admit(
+            fair.enqueue(
                 str(headers["id"]),
                 str(user),
                 dumps(message),
                 client=client,
                 tenant=str(headers.get(HEADER_FAIR_TENANT) or ""),
                 workflow=str(headers.get(HEADER_FAIR_WORKFLOW) or ""),
+                again=bool(headers.get(HEADER_FAIR_AGAIN)),
             )
         return None
 
