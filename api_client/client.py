@@ -53,13 +53,9 @@ from executor.store import (
 )
 from worker import lua, preimport, redis_conn
 from worker.cancel import CancelWatch
-from worker.fair import FairQueue, Waiting, check_key
+from worker.fair import FairQueue, Waiting, check_key, fair_headers
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
-    HEADER_FAIR_TENANT,
-    HEADER_FAIR_USER,
-    HEADER_FAIR_WORKFLOW,
-    QUEUE_RUN,
     TASK_NAME,
     cancel_flag_ttl_s,
     cancel_key,
@@ -175,7 +171,10 @@ class CodeClient:
         self.workers = WorkerRegistry(self.redis)
         #: workflow runs wait per user and take turns (worker.fair) unless fairness is off
         self.fair_users = settings.queue_run_fairness == "users"
+        #: the default group's fair queue, and every group's (worker.fair.group_keys)
         self.fair = FairQueue.of(self.redis, settings)
+        self.fairs = {g.name: FairQueue.of(self.redis, settings, g.name) for g in self.groups}
+        self.fairs[self.fair.group] = self.fair
         self._served_until: dict[tuple[str, int, float], float] = {}
         self._aworkers: AsyncWorkerRegistry | None = None  # on async_redis (the API's loop)
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
@@ -278,7 +277,7 @@ class CodeClient:
         queue = queue_of(rec.kind, rec.worker_group)
         try:
             infos = self.workers.live([queue])[queue]
-            fair = self.fair.where(rec.job_id) if queue == QUEUE_RUN else None
+            fair = self.fair_of(rec.worker_group).where(rec.job_id) if rec.kind == "run" else None
             return why_waiting.explain(
                 queue=queue,
                 job_id=rec.job_id,
@@ -293,6 +292,12 @@ class CodeClient:
         except redis.RedisError as e:
             log.warning("why job %s waits is unknown (%s)", rec.job_id, e)
             return None
+
+    def fair_of(self, group: str | None) -> FairQueue:
+        """The fair queue of worker group ``group``'s workflow runs (None: the default's)."""
+        return self.fairs.get(group or self.fair.group) or FairQueue.of(
+            self.redis, self.settings, group
+        )
 
     def where(self, job_id: str) -> Waiting | None:
         """Where a queued workflow run waits when fairness or its user's cap holds it back
@@ -665,13 +670,9 @@ class CodeClient:
             if not made.created:  # a concurrent repeat stored its job first: that one runs
                 return keyed.first_job(made)
         headers = job_headers(self.store.store_id, self.store.describe())
-        if queue == QUEUE_RUN and self.fair_users:
-            # the broker channel puts it on its lane (worker.fair.FairChannel)
-            headers[HEADER_FAIR_USER] = user
-            if job.tenant:
-                headers[HEADER_FAIR_TENANT] = job.tenant
-            if job.workflow:
-                headers[HEADER_FAIR_WORKFLOW] = job.workflow
+        # a workflow run (of any group): the broker channel puts it on its lane in its
+        # group's fair queue (worker.fair.FairChannel)
+        headers.update(fair_headers(self.settings, kind, user, job.tenant, job.workflow))
         tracing.message_headers(headers, job, self.settings.code_runtime)  # when traced
         try:
             self.app.send_task(
@@ -999,7 +1000,8 @@ class CodeClient:
         """Take an ended job off its user's waiting list (if it is on one). Best effort:
         a run left there is released later and skipped by claim, never started."""
         try:
-            self.fair.forget([job_id])
+            for fair in self.fairs.values():  # a few groups at most (MAX_GROUPS)
+                fair.forget([job_id])
         except redis.RedisError as e:
             log.warning("job %s stays on its user's waiting list (%s): claim skips it", job_id, e)
 

@@ -55,6 +55,17 @@ def studio_env(redis_url: str, database_url: str, image: str, **extra: Any) -> d
     return env
 
 
+#: Stack.start_worker's arguments for a worker of group big (`studio-code worker --group
+#: big`, its group's own queues) whose slot holds 1g and 1 CPU (STUDIO_WORKER_GROUPS=big:1g:1)
+BIG_WORKER: dict[str, Any] = {
+    "cli": True,
+    "queues": "",
+    "extra_args": ["--group", "big"],
+    "code_max_memory": "1g",
+    "code_max_cpus": 1,
+}
+
+
 FAST = {
     "STUDIO_QUEUE_HEARTBEAT_INTERVAL_S": "0.5",
     "STUDIO_QUEUE_REAP_INTERVAL_S": "1",

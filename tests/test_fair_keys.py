@@ -10,14 +10,13 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from typing import Any
 
 import pytest
 
-from testkit.fair import announce, drain, released
+from testkit.fair import SIGKILL_CAP_STACK, CapWatch, announce, drain, kill_one_running, released
 from tests.snippets import TRIVIAL
 
 # --- the script, on a real redis-server ------------------------------------------------------
@@ -307,17 +306,7 @@ def test_workflow_cap_holds_under_four_submitters_and_a_sigkill(
     workflow's runs at once, as 4 users of one tenant; a worker is SIGKILLed while it runs
     one. Sampled every 50 ms, the workflow's runs released and not ended (Redis) and running
     (the run store) never pass 2; the killed run's slot comes back and every run ends."""
-    from executor.models import Status
-    from testkit.processes import wait_for
-
-    q = make_stack(
-        code_concurrency=3,
-        queue_test_slots=0,
-        queue_run_workflow_slots=2,
-        code_max_seconds=5,
-        queue_visibility_timeout_s=6,
-        queue_reap_interval_s=1,
-    )
+    q = make_stack(**SIGKILL_CAP_STACK)
     w1 = q.start_worker("w1", 3)
     q.start_worker("w2", 3)
     go = tmp_path / "go"
@@ -331,23 +320,8 @@ def test_workflow_cap_holds_under_four_submitters_and_a_sigkill(
         )
         for _ in range(4)
     ]
-    samples: list[tuple[int, int]] = []
     ids: list[str] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            held = int(q.client.redis.hget("studio:fair:held_count", "w:acme/nightly") or 0)
-            running = 0
-            if ids:
-                statuses = q.client.store.statuses(list(ids))
-                running = sum(1 for s in statuses.values() if s is Status.RUNNING)
-            samples.append((held, running))
-            stop.wait(0.05)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with CapWatch(q.client, "w:acme/nightly", ids) as watch:
         time.sleep(3.0)  # the submitters are connected (each sent a warm-up run)
         go.touch()
         for p in procs:
@@ -356,33 +330,12 @@ def test_workflow_cap_holds_under_four_submitters_and_a_sigkill(
             ids += json.loads(out)
         assert len(set(ids)) == 24
         last_waits = q.client.where(ids[-1])  # asserted below, after the samples
-
         # a run of w1's holds a slot: SIGKILL w1 (main process and pool) while it runs
-        def w1_runs() -> list[str]:
-            recs = q.client.store.get_many(ids, inputs=False)
-            return [
-                j
-                for j, rec in recs.items()
-                if rec.status is Status.RUNNING and (rec.worker or "").startswith("w1@")
-            ]
-
-        def seen() -> Any:
-            recs = q.client.store.get_many(ids, inputs=False).values()
-            errors = {r.error.message for r in recs if r.error}
-            return Counter((str(r.status), (r.worker or "").split("@")[0]) for r in recs), errors
-
-        killed = wait_for(w1_runs, 120, "a run of the workflow on w1", describe=seen)[0]
-        w1.kill_hard()
+        killed = kill_one_running(q, w1, ids)
         recs = q.wait_all(ids, 300)
-    finally:
-        stop.set()
-        sampler.join(5)
-    statuses = Counter(r.status for r in recs.values())
-    peak_held = max(h for h, _ in samples)
-    peak_running = max(r for _, r in samples)
+    peak_held, peak_running = watch.peaks
     print(
-        f"\n{len(samples)} samples; most released at once {peak_held}, running at once "
-        f"{peak_running}; statuses {dict(statuses)}; killed {killed}: {recs[killed].status} "
+        f"\n{watch.account(recs)}; killed {killed}: {recs[killed].status} "
         f"(attempts {recs[killed].attempts})"
     )
     assert peak_held <= 2 and peak_running <= 2, (peak_held, peak_running)

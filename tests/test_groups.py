@@ -15,6 +15,7 @@ import pytest
 from executor.errors import CodeInvalid, ErrorCode, RuntimeUnavailable
 from executor.groups import DEFAULT_GROUP, Group, choose, groups_of, parse_groups, widest
 from testkit.processes import wait_for
+from testkit.stack import BIG_WORKER
 from tests.snippets import READ_FIRST, TRIVIAL
 
 GIB = 1024**3
@@ -60,16 +61,7 @@ def test_a_big_node_runs_only_on_the_big_group(make_stack: Any, docker_client: A
     assert error["code"] == "RUNTIME_UNAVAILABLE" and "group 'big'" in error["message"], error
     assert q.client.list_runs().runs == [], "a refused submit stores nothing"
 
-    big_worker = q.start_worker(
-        "big",
-        1,
-        cli=True,
-        queues="",  # its group's own, from --group
-        extra_args=["--group", "big"],
-        code_max_memory="1g",
-        code_max_cpus=1,
-        code_prewarm=0,
-    )
+    big_worker = q.start_worker("big", 1, **BIG_WORKER, code_prewarm=0)
     live = q.client.live_workers()
     # the default group's queues keep their names; the big group has its own
     assert [i.nodename for i in live["code.run"]] == [small_worker.node]

@@ -33,7 +33,15 @@ from prometheus_client.registry import Collector
 
 from worker.context import context_of
 from worker.fair import TOP_USERS, FairQueue
-from worker.protocol import KOMBU_PRIORITY_STEPS, QUEUE_RUN, QUEUE_TEST, QUEUES, queue_lists
+from worker.protocol import (
+    KOMBU_PRIORITY_STEPS,
+    QUEUE_RUN,
+    QUEUE_TEST,
+    QUEUES,
+    group_of_queue,
+    kind_of_queue,
+    queue_lists,
+)
 
 log = logging.getLogger("studio_code.metrics")
 
@@ -60,6 +68,12 @@ class QueueCollector(Collector):
         self.store_factory = store_factory  # called per scrape: the store may open late
         self.fairness = fairness
         self.fair = FairQueue(redis_client, 0)
+        #: another group's workflow runs waiting on its lanes (worker.fair.group_keys)
+        self.lanes = {
+            q: FairQueue(redis_client, 0, group=group_of_queue(q)).jobs_key
+            for q in self.queues
+            if q != QUEUE_RUN and kind_of_queue(q) == "run"
+        }
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return [
@@ -116,12 +130,16 @@ class QueueCollector(Collector):
             for queue in self.queues:
                 for key in queue_lists(queue):
                     pipe.llen(key)
+            for key in self.lanes.values():
+                pipe.hlen(key)
             lengths = pipe.execute()
+            on_lanes = dict(zip(self.lanes, lengths[len(lengths) - len(self.lanes) :], strict=True))
             n = len(KOMBU_PRIORITY_STEPS)
             for i, queue in enumerate(self.queues):
                 waiting = sum(lengths[i * n : (i + 1) * n])
                 if queue == QUEUE_RUN:  # and the runs held back on their users' lists
                     waiting += stats.waiting
+                waiting += int(on_lanes.get(queue, 0))  # another group's, on its lanes
                 backlog.add_metric([queue], float(waiting))
             # ranks only, every one of them each scrape: a bounded, stable set of series
             counts = [load.waiting for load in stats.top[:TOP_USERS]]

@@ -14,8 +14,10 @@ studio's parts composed over it, each written once:
 
 ``Channel`` and ``SentinelChannel`` below are those parts over kombu's ``Channel`` and
 ``SentinelChannel``; ``configure`` gives a Celery app the transport of its URL. A process
-that only sends never pops (the poison part is idle there); the worker's own resends carry
-no user (the fair part passes them to kombu).
+that only sends never pops (the poison part is idle there); the workers' own resends of a
+workflow run (a retry's next attempt, a lost message) carry its user and the fair part
+admits them once (worker.fair, ``again``); a message kombu restores or a worker hands
+back is kombu's LPUSH, not a send: its run keeps the slot it holds.
 
 Sentinel: kombu asks the sentinels of ``sentinel://H1:P1;sentinel://H2:P2...`` for the
 master (``master_name``: STUDIO_REDIS_SENTINEL_MASTER, in worker.redis_conn's transport

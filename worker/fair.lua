@@ -19,7 +19,7 @@
 -- of the other per-flow and per-key keys; the operation's own arguments follow.
 
 local Q, WORKERS, USERS, CAPPED, JOBS, MSGS, HELD, HELD_N, COUNTS, CLOCK, BACKLOG, SEQ,
-  PARKED, PARKED_KINDS, SEQ_NEXT = unpack(KEYS)
+  PARKED, PARKED_KINDS, SEQ_NEXT, AGAIN = unpack(KEYS)
 local WAIT = ARGV[1]
 local CAPS = {u = tonumber(ARGV[2]), t = tonumber(ARGV[7]), w = tonumber(ARGV[8])}
 local MIN_AHEAD = tonumber(ARGV[3])
@@ -225,11 +225,9 @@ function ops.release()
   return n
 end
 
--- Arguments: job id, lane, the kombu message. Puts the run on its lane, then releases.
--- Returns the runs released.
-function ops.enqueue()
-  local job, lane, msg = ARGV[FIRST], ARGV[FIRST + 1], ARGV[FIRST + 2]
-  -- once per job (waiting or released): kombu's publish retry may put one message twice
+-- the run goes on its lane, once per job (waiting or released): kombu's publish retry may
+-- put one message twice
+local function admit(job, lane, msg)
   if redis.call('HEXISTS', HELD, job) == 0 and redis.call('HSETNX', JOBS, job, lane) == 1 then
     local flow = flow_of(lane)
     local seq = redis.call('INCR', SEQ_NEXT)
@@ -243,35 +241,76 @@ function ops.enqueue()
       wake(flow)
     end
   end
+end
+
+-- Arguments: job id, lane, the kombu message. Puts the run on its lane, then releases.
+-- Returns the runs released.
+function ops.enqueue()
+  admit(ARGV[FIRST], ARGV[FIRST + 1], ARGV[FIRST + 2])
   return ops.release()
+end
+
+-- Arguments: job id, lane (its user's: what the sender knows), the kombu message. A
+-- message the workers send again for a job that was sent before: a retry's next attempt
+-- (worker.upkeep.retry_due) or a lost message (worker.upkeep.queued). A job released and
+-- not ended (HELD: its message was lost after its release) holds its slot: the message
+-- goes straight to code.run, the slot counted once. A job waiting on its lane has its
+-- message there: nothing. Any other waits on its lane as a new run does: the lane its last
+-- attempt had (AGAIN, kept by ``pause``), else the one given. Then releases. Returns the
+-- runs released.
+function ops.again()
+  local job, lane, msg = ARGV[FIRST], ARGV[FIRST + 1], ARGV[FIRST + 2]
+  if redis.call('HEXISTS', HELD, job) == 1 then
+    redis.call('LPUSH', Q, msg)
+  elseif redis.call('HEXISTS', JOBS, job) == 0 then
+    lane = redis.call('HGET', AGAIN, job) or lane
+    redis.call('HDEL', AGAIN, job)
+    admit(job, lane, msg)
+  end
+  return ops.release()
+end
+
+-- the job's keys' slots are free (it was released and has not ended before): its lane, or
+-- nil when it holds none
+local function end_one(job)
+  local lane = redis.call('HGET', HELD, job)
+  if not lane then return nil end
+  redis.call('HDEL', HELD, job)
+  local keys = keys_of(lane)
+  table.insert(keys, {'f', 'f:' .. flow_of(lane)})
+  for _, k in ipairs(keys) do
+    local left = redis.call('HINCRBY', HELD_N, k[2], -1)
+    if left <= 0 then redis.call('HDEL', HELD_N, k[2]); left = 0 end
+    if k[1] ~= 'f' and (CAPS[k[1]] <= 0 or left < CAPS[k[1]]) then free(k[2]) end
+  end
+  return lane
 end
 
 -- Arguments: job ids whose job ended (their keys' slots are free). Then releases. Returns
 -- the runs released.
 function ops.ended()
+  for i = FIRST, #ARGV do end_one(ARGV[i]) end
+  return ops.release()
+end
+
+-- Arguments: job ids whose attempt ended and whose next attempt waits out a retry's delay
+-- (worker.job.retries): their slots are free as at an end, and their lane is kept (AGAIN)
+-- for the next attempt's message (``again``). Then releases. Returns the runs released.
+function ops.pause()
   for i = FIRST, #ARGV do
-    local job = ARGV[i]
-    local lane = redis.call('HGET', HELD, job)
-    if lane then
-      redis.call('HDEL', HELD, job)
-      local keys = keys_of(lane)
-      table.insert(keys, {'f', 'f:' .. flow_of(lane)})
-      for _, k in ipairs(keys) do
-        local left = redis.call('HINCRBY', HELD_N, k[2], -1)
-        if left <= 0 then redis.call('HDEL', HELD_N, k[2]); left = 0 end
-        if k[1] ~= 'f' and (CAPS[k[1]] <= 0 or left < CAPS[k[1]]) then free(k[2]) end
-      end
-    end
+    local lane = end_one(ARGV[i])
+    if lane then redis.call('HSET', AGAIN, ARGV[i], lane) end
   end
   return ops.release()
 end
 
--- Arguments: job ids taken off their lane (cancelled, ended while waiting). Returns how
--- many were on a lane.
+-- Arguments: job ids taken off their lane (cancelled, ended while waiting; their lane kept
+-- for a next attempt goes too). Returns how many were on a lane.
 function ops.forget()
   local n = 0
   for i = FIRST, #ARGV do
     local job = ARGV[i]
+    redis.call('HDEL', AGAIN, job)  -- ended while waiting out a retry's delay
     local lane = redis.call('HGET', JOBS, job)
     if lane then
       local flow = flow_of(lane)

@@ -37,6 +37,18 @@ the next message), and each worker's main process every FAIR_RELEASE_INTERVAL_S
 script, atomic in Redis: many releasers never release one run twice nor overfill
 ``code.run``. Cost per run: one script call at submit (instead of kombu's LPUSH), one at
 its end.
+
+Messages sent again (a retry's next attempt, worker.upkeep.retry_due; a lost message the
+queued sweep sends, worker.upkeep.queued) carry ``HEADER_FAIR_AGAIN`` too and go through
+``FairQueue.enqueue(again=True)``: a run that holds its slot (released, not ended) gets its
+message back in its queue, counted once; a run waiting on its lane is left there; any
+other waits on the lane its last attempt had (kept by ``pause`` when that attempt ended for
+a retry) or its user's. A message kombu restores or a worker hands back (Reject) is not
+sent through a channel's ``_put``: its run keeps its slot.
+
+Each worker group's workflow-run queue (code.run.NAME) has a fair state of its own, the
+same keys under ``group_prefix``: its runs take turns and count against their caps within
+the group, released up to the group's live workers' slots.
 """
 
 from __future__ import annotations
@@ -57,6 +69,8 @@ from executor.errors import CodeInvalid
 from executor.settings import Settings
 from worker import lua
 from worker.protocol import (
+    DEFAULT_GROUP,
+    FAIR_AGAIN_KEY,
     FAIR_BACKLOG_KEY,
     FAIR_CAPPED_KEY,
     FAIR_CLOCK_KEY,
@@ -74,11 +88,15 @@ from worker.protocol import (
     FAIR_SEQ_NEXT_KEY,
     FAIR_USERS_KEY,
     FAIR_WAIT_PREFIX,
+    HEADER_FAIR_AGAIN,
     HEADER_FAIR_TENANT,
     HEADER_FAIR_USER,
     HEADER_FAIR_WORKFLOW,
     QUEUE_RUN,
     fair_wait_key,
+    group_of_queue,
+    kind_of_queue,
+    queue_of,
     workers_key,
 )
 
@@ -89,8 +107,9 @@ RELEASE_MAX = 500
 #: users meta and /metrics rank by runs waiting
 TOP_USERS = 5
 
-#: the script's KEYS, in this order (the lane lists are FAIR_WAIT_PREFIX + lane; per flow
-#: and per capped key, FAIR_PREFIX + ``lanes:<flow>`` and ``parked:<key>``)
+#: the script's KEYS, in this order, for the default worker group (the lane lists are
+#: FAIR_WAIT_PREFIX + lane; per flow and per capped key, FAIR_PREFIX + ``lanes:<flow>`` and
+#: ``parked:<key>``); another group's are ``group_keys``'
 KEYS = (
     QUEUE_RUN,
     workers_key(QUEUE_RUN),
@@ -107,7 +126,32 @@ KEYS = (
     FAIR_PARKED_KEY,
     FAIR_PARKED_KINDS_KEY,
     FAIR_SEQ_NEXT_KEY,
+    FAIR_AGAIN_KEY,
 )
+
+
+def group_prefix(group: str | None) -> str:
+    """The prefix of a worker group's fair-share keys: FAIR_PREFIX for the default group
+    (its keys as they always were), ``studio:fair:g:<group>:`` for another. Each group's
+    workflow runs take turns and count against their caps in that group's state alone
+    (bounded: one set of keys per group, STUDIO_WORKER_GROUPS has at most MAX_GROUPS)."""
+    if not group or group == DEFAULT_GROUP:
+        return FAIR_PREFIX
+    return f"{FAIR_PREFIX}g:{group}:"
+
+
+def group_keys(group: str | None) -> tuple[str, ...]:
+    """The script's KEYS for the workflow-run queue of worker group ``group``."""
+    prefix = group_prefix(group)
+    if prefix == FAIR_PREFIX:
+        return KEYS
+    queue = queue_of("run", group)
+    return (
+        queue,
+        workers_key(queue),
+        *(k.replace(FAIR_PREFIX, prefix, 1) for k in KEYS[2:]),
+    )
+
 
 #: the script (worker/fair.lua): one operation per call, named in its arguments (``_args``)
 SCRIPT = lua.source(__package__, "fair.lua")
@@ -135,6 +179,8 @@ class Waiting:
     #: that kind's cap, and that key's runs released and not ended
     cap: int = 0
     cap_held: int = 0
+    #: the workflow-run queue it goes to (its worker group's)
+    queue: str = QUEUE_RUN
 
     @property
     def user(self) -> str:
@@ -149,7 +195,7 @@ class Waiting:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "queue": QUEUE_RUN,
+            "queue": self.queue,
             "held_by": self.held_by,
             "position": self.position,
             "users_ahead": self.users_ahead,
@@ -239,20 +285,27 @@ class FairQueue:
         share: str = "user",
         tenant_cap: int = 0,
         workflow_cap: int = 0,
+        group: str | None = None,
     ) -> None:
         """``cap``: runs released and not ended per user, ``tenant_cap`` per tenant,
         ``workflow_cap`` per workflow (0: none); ``share``: what takes turns (user, tenant,
-        tenant/user)."""
+        tenant/user); ``group``: the worker group whose workflow-run queue this is (None:
+        the default group's, code.run)."""
         self.client = client
         self.cap = cap
         self.share = share
         self.tenant_cap = tenant_cap
         self.workflow_cap = workflow_cap
+        self.group = group or DEFAULT_GROUP
+        self.keys = group_keys(group)
+        self.prefix = group_prefix(group)
+        self.wait_prefix = FAIR_WAIT_PREFIX.replace(FAIR_PREFIX, self.prefix, 1)
         self._script = client.register_script(SCRIPT)
 
     @classmethod
-    def of(cls, client: redis.Redis, settings: Settings) -> FairQueue:
-        """The queue with the share key and caps of ``settings`` (none when fairness is off)."""
+    def of(cls, client: redis.Redis, settings: Settings, group: str | None = None) -> FairQueue:
+        """The queue of worker group ``group`` (None: the default group) with the share key
+        and caps of ``settings`` (none when fairness is off)."""
         on = settings.queue_run_fairness == "users"
         return cls(
             client,
@@ -260,12 +313,13 @@ class FairQueue:
             share=settings.queue_run_share_key,
             tenant_cap=settings.queue_run_tenant_slots if on else 0,
             workflow_cap=settings.queue_run_workflow_slots if on else 0,
+            group=group,
         )
 
     def _args(self, op: str, *more: Any) -> list[Any]:
         """The script's arguments for the operation ``op`` (worker/fair.lua's ``ops``)."""
         return [
-            FAIR_WAIT_PREFIX,
+            self.wait_prefix,
             self.cap,
             FAIR_MIN_AHEAD,
             RELEASE_MAX,
@@ -273,12 +327,14 @@ class FairQueue:
             self.share,
             self.tenant_cap,
             self.workflow_cap,
-            FAIR_PREFIX,
+            self.prefix,
             *more,
         ]
 
     def _run(self, op: str, *more: Any, client: Any = None) -> Any:
-        return self._script(keys=KEYS, args=self._args(op, *more), client=client or self.client)
+        return self._script(
+            keys=self.keys, args=self._args(op, *more), client=client or self.client
+        )
 
     def enqueue(
         self,
@@ -289,11 +345,17 @@ class FairQueue:
         *,
         tenant: str = "",
         workflow: str = "",
+        again: bool = False,
     ) -> int:
         """Put a run's message on its lane (its user's, tenant's and workflow's), then
-        release what has room (returns how many runs went to code.run)."""
+        release what has room (returns how many runs went to code.run). ``again``: a
+        message sent again for a job sent before (a retry's next attempt, a lost message):
+        straight to its queue when the job holds its slot (released, not ended: counted
+        once), nothing when it waits on its lane, else on the lane its last attempt had
+        (kept by ``pause``), or on this one."""
         lane = lane_of(user, tenant, workflow)
-        return int(self._run("enqueue", job_id, lane, message, client=client))
+        op = "again" if again else "enqueue"
+        return int(self._run(op, job_id, lane, message, client=client))
 
     def release(self) -> int:
         """Move waiting runs into code.run, in turns, while it has room."""
@@ -303,12 +365,20 @@ class FairQueue:
         """These jobs ended: their user's cap slots are free. Then release."""
         return int(self._run("ended", *job_ids))
 
-    def add_ended(self, pipe: Any, job_ids: list[str]) -> None:
-        """``ended`` added to a pipeline the job's end shares (EVALSHA only: a pipeline
-        given the script object would first ask SCRIPT EXISTS, a round trip of its own).
-        The reply is a NoScriptError when this Redis has not loaded the script yet (new,
-        restarted, failed over): ``ended`` then loads it."""
-        pipe.evalsha(self._script.sha, len(KEYS), *KEYS, *self._args("ended", *job_ids))
+    def pause(self, job_ids: list[str]) -> int:
+        """These jobs' attempts ended and their next attempts wait out a retry's delay: their
+        slots are free as at an end, their lanes kept for the next attempts (``enqueue``'s
+        ``again``).
+        Then release."""
+        return int(self._run("pause", *job_ids))
+
+    def add_ended(self, pipe: Any, job_ids: list[str], *, paused: bool = False) -> None:
+        """``ended`` (``pause`` with ``paused``) added to a pipeline the job's end shares
+        (EVALSHA only: a pipeline given the script object would first ask SCRIPT EXISTS, a
+        round trip of its own). The reply is a NoScriptError when this Redis has not loaded
+        the script yet (new, restarted, failed over): ``ended`` then loads it."""
+        op = "pause" if paused else "ended"
+        pipe.evalsha(self._script.sha, len(self.keys), *self.keys, *self._args(op, *job_ids))
 
     def forget(self, job_ids: list[str]) -> int:
         """Take runs off their users' lists (cancelled or ended while waiting there)."""
@@ -331,6 +401,7 @@ class FairQueue:
             cap_kind,
             int(cap),
             int(held),
+            self.keys[0],
         )
 
     def stats(self, top: int = TOP_USERS) -> FairStats:
@@ -346,7 +417,17 @@ class FairQueue:
         """job id -> lane (the user, for a run naming no tenant nor workflow) of every run
         released and not ended (bounded by the runs in
         code.run and the workers' slots, plus any whose end was not seen)."""
-        return {_text(k): _text(v) for k, v in self.client.hgetall(FAIR_HELD_KEY).items()}
+        held = self.client.hgetall(self.keys[KEYS.index(FAIR_HELD_KEY)])
+        return {_text(k): _text(v) for k, v in held.items()}
+
+    def paused(self) -> list[str]:
+        """The jobs whose lane is kept for a retry's next attempt (``pause``)."""
+        return [_text(k) for k in self.client.hkeys(self.keys[KEYS.index(FAIR_AGAIN_KEY)])]
+
+    @property
+    def jobs_key(self) -> str:
+        """The hash of the runs waiting on a lane (job id -> lane)."""
+        return self.keys[KEYS.index(FAIR_JOBS_KEY)]
 
     def reconcile(self, finished: set[str]) -> int:
         """End the held runs of ``held()`` whose job the run store says ended (their
@@ -371,35 +452,70 @@ else:
 
 class FairChannel(_ChannelBase):
     """A part of kombu's Redis channels (plain and Sentinel: worker.broker composes them):
-    a message for code.run carrying ``HEADER_FAIR_USER`` goes to its user's waiting list
-    instead (the message kombu built, unchanged). Every other message is kombu's."""
+    a message for a workflow-run queue (code.run, or a worker group's code.run.NAME)
+    carrying ``HEADER_FAIR_USER`` goes to its lane in that group's fair state instead (the
+    message kombu built, unchanged); with ``HEADER_FAIR_AGAIN`` too (a message the workers
+    send again), ``FairQueue.enqueue(again=True)`` admits it. Any other message is kombu's."""
 
-    _fair: FairQueue | None = None
+    _fair: dict[str, FairQueue] | None = None
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> Any:
         headers = message.get("headers") or {}
         user = headers.get(HEADER_FAIR_USER)
-        if queue != QUEUE_RUN or user is None or kwargs.get("_publish_batch") is not None:
+        if (
+            user is None
+            or kind_of_queue(queue) != "run"
+            or kwargs.get("_publish_batch") is not None
+        ):
             return super()._put(queue, message, **kwargs)
         with self.conn_or_acquire() as client:
             if self._fair is None:
+                self._fair = {}
+            fair = self._fair.get(queue)
+            if fair is None:
                 opts = self.connection.client.transport_options
-                self._fair = FairQueue(
+                fair = self._fair[queue] = FairQueue(
                     client,
                     int(opts.get(CAP_OPTION) or 0),
                     share=str(opts.get(SHARE_OPTION) or "user"),
                     tenant_cap=int(opts.get(TENANT_CAP_OPTION) or 0),
                     workflow_cap=int(opts.get(WORKFLOW_CAP_OPTION) or 0),
+                    group=group_of_queue(queue),
                 )
-            self._fair.enqueue(
+            fair.enqueue(
                 str(headers["id"]),
                 str(user),
                 dumps(message),
                 client=client,
                 tenant=str(headers.get(HEADER_FAIR_TENANT) or ""),
                 workflow=str(headers.get(HEADER_FAIR_WORKFLOW) or ""),
+                again=bool(headers.get(HEADER_FAIR_AGAIN)),
             )
         return None
+
+
+def fair_headers(
+    settings: Settings,
+    kind: str,
+    user: str,
+    tenant: str = "",
+    workflow: str = "",
+    *,
+    again: bool = False,
+) -> dict[str, str]:
+    """The headers that send a job's message through its group's fair queue (none for a
+    test call, nor with fairness off): its user, its tenant and workflow when it has them;
+    ``again`` for a message the workers send again (a retry's next attempt, a lost one)."""
+    if kind != "run" or settings.queue_run_fairness != "users":
+        return {}
+    headers = {HEADER_FAIR_USER: user}
+    if tenant:
+        headers[HEADER_FAIR_TENANT] = tenant
+    if workflow:
+        headers[HEADER_FAIR_WORKFLOW] = workflow
+    if again:
+        headers[HEADER_FAIR_AGAIN] = "1"
+    return headers
 
 
 def transport_options(settings: Settings) -> dict[str, Any]:
@@ -441,17 +557,23 @@ def release_loop(
     return body
 
 
-def job_ended(queue: FairQueue, job_id: str) -> None:
-    """A pool process's job ended: free its user's cap slot and release (never raises: the
-    main process's releases and the sweep's reconcile catch up)."""
+def job_ended(queue: FairQueue, job_id: str, *, paused: bool = False) -> None:
+    """A pool process's job ended (its attempt, for a retry, with ``paused``): free its
+    user's cap slot and release (never raises: the main process's releases and the sweep's
+    reconcile catch up)."""
     try:
-        queue.ended([job_id])
+        if paused:
+            queue.pause([job_id])
+        else:
+            queue.ended([job_id])
     except Exception as e:  # noqa: BLE001 - the job's outcome is stored; this is bookkeeping
         log.warning("job %s: fair release after its end failed (%s); the workers retry", job_id, e)
 
 
 __all__ = [
     "check_key",
+    "fair_headers",
+    "group_keys",
     "lane_of",
     "FairQueue",
     "FairStats",

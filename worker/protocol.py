@@ -339,6 +339,9 @@ HEADER_FAIR_USER = "studio_fair_user"
 #: keys; worker.fair puts the run on the lane of its tenant, user and workflow)
 HEADER_FAIR_TENANT = "studio_fair_tenant"
 HEADER_FAIR_WORKFLOW = "studio_fair_workflow"
+#: beside HEADER_FAIR_USER on a message the workers send again for a job sent before (a
+#: retry's next attempt, a lost message): worker.fair admits it once (``again``)
+HEADER_FAIR_AGAIN = "studio_fair_again"
 
 #: STUDIO_QUEUE_RUN_SHARE_KEY values: what takes turns in code.run (worker.fair)
 SHARE_KEYS = ("user", "tenant", "tenant/user")
@@ -373,6 +376,9 @@ FAIR_SEQ_NEXT_KEY = f"{_FAIR}:seq_next"
 #: HASH lane -> the key at its cap it is parked on; HASH key kind (u, t, w) -> lanes parked
 FAIR_PARKED_KEY = f"{_FAIR}:parked"
 FAIR_PARKED_KINDS_KEY = f"{_FAIR}:parked_kinds"
+#: HASH job id -> lane: runs whose attempt ended for a retry of the node (their slots
+#: freed), the lane their next attempt's message waits on (worker.fair, ``again``)
+FAIR_AGAIN_KEY = f"{_FAIR}:again"
 #: STRING: the virtual time of the last turn taken (a new user starts there)
 FAIR_CLOCK_KEY = f"{_FAIR}:clock"
 #: LIST with one item per run waiting on a user's list: its LLEN is what an autoscaler that

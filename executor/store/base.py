@@ -145,6 +145,8 @@ class QueuedJob(NamedTuple):
     queued_at: datetime
     #: its worker group (executor.groups; None: the default group)
     worker_group: str | None = None
+    #: its user (a message sent again goes to its user's lane: worker.fair)
+    user: str = ""
 
 
 class RunSummary(BaseModel):

@@ -579,7 +579,7 @@ class SqlRunStore(RunStore):
         params = {"now": _utcnow().timestamp(), "lim": max(0, int(limit))}
         with self._read() as conn:
             found = conn.execute(st.SELECT_DUE, params)
-            return [QueuedJob(r.job_id, r.kind, r.queued_at, r.worker_group) for r in found]
+            return [QueuedJob(r.job_id, r.kind, r.queued_at, r.worker_group, r.user) for r in found]
 
     def mark_retry_sent(self, job_id: str) -> bool:
         with self._write() as conn:
@@ -666,7 +666,7 @@ class SqlRunStore(RunStore):
             and_(jobs.c.retry_sent.is_(True), jobs.c.not_before_ts < cutoff_ts),
         )
         stmt = (
-            select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at, jobs.c.worker_group)
+            select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at, jobs.c.worker_group, jobs.c.user)
             .where(jobs.c.status == Status.QUEUED.value, waited)
             .order_by(jobs.c.queued_at)
             .limit(max(0, int(limit)))
@@ -675,7 +675,7 @@ class SqlRunStore(RunStore):
             stmt = stmt.where(jobs.c.kind == kind)
         with self._read() as conn:
             rows = conn.execute(stmt)
-            return [QueuedJob(r.job_id, r.kind, r.queued_at, r.worker_group) for r in rows]
+            return [QueuedJob(r.job_id, r.kind, r.queued_at, r.worker_group, r.user) for r in rows]
 
     def fail_queued(self, job_ids: Iterable[str], message: str) -> list[str]:
         ids = list(dict.fromkeys(job_ids))

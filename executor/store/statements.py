@@ -170,7 +170,7 @@ RETRY = (
 )
 #: queued attempts of a retry now due whose message no sweep sent yet (parameter now)
 SELECT_DUE = (
-    select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at, jobs.c.worker_group)
+    select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at, jobs.c.worker_group, jobs.c.user)
     .where(
         jobs.c.status == Status.QUEUED.value,
         jobs.c.retry_sent.is_(False),

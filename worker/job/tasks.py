@@ -66,7 +66,7 @@ class ProcessState:
         # Short timeouts: the cancel flag is read inside the sandbox's poll loop.
         self.redis = redis_conn.client(settings, socket_timeout=0.5, socket_connect_timeout=0.5)
         #: this process frees a user's cap slot and releases the next runs at a job's end
-        self.fair = fair.FairQueue.of(self.redis, settings)
+        self.fair = fair.FairQueue.of(self.redis, settings, settings.worker_group)
         self.pid = os.getpid()
         self.current_job: str | None = None
         #: the job that ran owes its live-logs stream the end mark (sent by end_job)
@@ -103,14 +103,22 @@ class ProcessState:
         return found, bool(flagged), rerun.decode(lost)
 
     def end_job(
-        self, job_id: str, *, done: bool, fair_end: bool, record: JobRecord | None = None
+        self,
+        job_id: str,
+        *,
+        done: bool,
+        fair_end: bool,
+        record: JobRecord | None = None,
+        paused: bool = False,
     ) -> None:
         """The job's end in one round trip: the live-logs end mark (owed by ``publishing``
         with ``end_mark=False``), the done notice that wakes ``CodeClient.wait`` (one item
         per time the task body ended for the job) and the fair queue's end (frees the
         user's cap slot and releases the next runs into code.run, so the slot this frees
         finds a message); ``record``: the finished record this run wrote, which the notice
-        carries to the waiters (worker.protocol.notice_item). Never raises: waiters poll
+        carries to the waiters (worker.protocol.notice_item); ``paused``: the attempt ended
+        and the next one waits out a retry's delay (its slot is freed, its lane kept for the
+        next attempt's message: worker.fair, ``pause``). Never raises: waiters poll
         the store, the workers' release loop and the sweep's reconcile catch up."""
         end_mark, self.owes_end_mark = self.owes_end_mark, False
         if not (end_mark or done or fair_end):
@@ -121,7 +129,7 @@ class ProcessState:
         if done:
             add_done_notice(pipe, job_id, record)
         if fair_end:
-            self.fair.add_ended(pipe, [job_id])
+            self.fair.add_ended(pipe, [job_id], paused=paused)
         try:
             replies = pipe.execute(raise_on_error=False)
         except redis.RedisError as e:
@@ -130,7 +138,8 @@ class ProcessState:
             )
             return
         if fair_end and isinstance(replies[-1], redis.exceptions.NoScriptError):
-            fair.job_ended(self.fair, job_id)  # this Redis has not seen the script: load it
+            # this Redis has not seen the script: load it
+            fair.job_ended(self.fair, job_id, paused=paused)
             replies = replies[:-1]
         failed = [r for r in replies if isinstance(r, Exception)]
         if failed:
@@ -300,6 +309,7 @@ def _run_job(task: Task, *args: Any, **kwargs: Any) -> str:
             done=not parked,
             fair_end=fair_end,
             record=None if ended is None else ended.record,
+            paused=outcome == "retry-wait",
         )
     if not parked:
         # failed: NodeFailed, cancelled: Terminated (Celery's view)

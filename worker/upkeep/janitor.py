@@ -120,7 +120,7 @@ class Janitor:
     def _retry_loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                send_due(self.store, self.app)
+                send_due(self.store, self.app, self.settings)
             except StoreUnavailable as e:
                 log.warning("retry sweep waits for the run store: %s", e.message)
             except Exception:  # noqa: BLE001 - keep sweeping (the lost-message sweep backs it)

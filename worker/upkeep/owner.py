@@ -141,7 +141,7 @@ class Upkeep:
             flush=self.flusher,
         )
         self.fair_release = Supervised(
-            "fair-release", release_loop(FairQueue.of(self.redis, settings))
+            "fair-release", release_loop(FairQueue.of(self.redis, settings, settings.worker_group))
         )
 
     def start(self) -> None:

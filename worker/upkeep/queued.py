@@ -25,7 +25,14 @@ janitor at a time (a Redis lock) every STUDIO_QUEUE_REAP_INTERVAL_S.
   so the holder, if it was only slow, and the new copy cannot both run it.
 * **Fair bookkeeping**: ended jobs leave their user's waiting list, and a run released to
   code.run whose job ended without its end being seen (failed by the reaper, a worker
-  killed after its result) frees its user's cap slot (``FairQueue.reconcile``).
+  killed after its result) frees its user's cap slot (``FairQueue.reconcile``); a lane kept
+  for a retry's next attempt (worker.fair, ``pause``) whose job ended meanwhile goes. Each
+  worker group's fair queue alike.
+
+A workflow run's message sent again goes through its group's fair queue (worker.fair,
+``again``), never straight to its queue: a job that holds its slot (released, its message
+lost after) gets its message back in its queue, the slot counted once; any other waits on
+its lane (the one its last attempt had, else its user's) at its keys' caps.
 
 Cost: one SELECT of old queued rows per sweep; the broker is read only when there are some,
 and never when the queues hold more than MAX_SCAN messages (then only the wait bound acts).
@@ -45,7 +52,7 @@ from executor.groups import groups_of
 from executor.settings import Settings
 from executor.store import RunStore
 from worker import lua, redis_conn
-from worker.fair import FairQueue
+from worker.fair import FairQueue, fair_headers
 from worker.protocol import (
     FAIR_JOBS_KEY,
     KOMBU_UNACKED,
@@ -85,11 +92,15 @@ class Broker(NamedTuple):
 
 
 def read_broker(
-    client: redis.Redis, candidates: Iterable[str] = (), queues: Iterable[str] = QUEUES
+    client: redis.Redis,
+    candidates: Iterable[str] = (),
+    queues: Iterable[str] = QUEUES,
+    jobs_keys: Iterable[str] = (FAIR_JOBS_KEY,),
 ) -> Broker | None:
     """The broker's messages (``Broker``) in ``queues`` (default: the default worker
-    group's), with ``candidates`` looked for on their users' lists, read in one MULTI; None
-    when there are more than MAX_SCAN messages (too many to read every sweep)."""
+    group's), with ``candidates`` looked for on their lanes (``jobs_keys``: the fair queues'
+    hashes of waiting runs, default: the default group's), read in one MULTI; None when
+    there are more than MAX_SCAN messages (too many to read every sweep)."""
     asked = list(candidates)
     keys = [k for q in queues for k in queue_lists(q)]
     pipe = client.pipeline(transaction=True)
@@ -103,11 +114,12 @@ def read_broker(
         pipe.lrange(key, 0, -1)
     pipe.hgetall(KOMBU_UNACKED)
     pipe.zrange(KOMBU_UNACKED_INDEX, 0, -1, withscores=True)
-    if asked:
-        pipe.hmget(FAIR_JOBS_KEY, asked)
+    lanes = list(jobs_keys) if asked else []
+    for key in lanes:
+        pipe.hmget(key, asked)
     replies = pipe.execute()
     waiting: set[str] = set()
-    if asked:
+    for _ in lanes:
         users = replies.pop()
         waiting.update(j for j, user in zip(asked, users, strict=True) if user is not None)
     *lists, unacked, index = replies
@@ -169,11 +181,12 @@ class QueuedSweep:
         self.nodename = nodename
         self._owns_client = client is None
         self.redis: redis.Redis = client or redis_conn.client(settings)
-        self.fair = FairQueue.of(self.redis, settings)
         #: every worker group's queues (executor.groups: the default group's, this
         #: worker's, STUDIO_WORKER_GROUPS'): a message waiting in any is not lost
         names = {settings.worker_group, *(g.name for g in groups_of(settings))}
         self.queues = tuple(q for name in sorted(names) for q in group_queues(name))
+        #: and each group's fair queue (worker.fair.group_keys)
+        self.fairs = [FairQueue.of(self.redis, settings, name) for name in sorted(names)]
 
     def close(self) -> None:
         if self._owns_client:
@@ -205,15 +218,21 @@ class QueuedSweep:
         }
 
     def reconcile(self) -> list[str]:
-        """Runs released to code.run whose job the store says ended, though their end was
-        not seen: their users' cap slots are freed (and runs released)."""
+        """Runs released to their queue whose job the store says ended, though their end was
+        not seen: their keys' cap slots are freed (and runs released); lanes kept for a
+        retry's next attempt whose job ended go. Every group's fair queue."""
+        ended: set[str] = set()
         try:
-            held = self.fair.held()
-            if not held:
-                return []
-            statuses = self.store.statuses(held)
-            ended = {j for j in held if j not in statuses or statuses[j].finished}
-            self.fair.reconcile(ended)
+            for fair in self.fairs:
+                held, paused = fair.held(), fair.paused()
+                if not held and not paused:
+                    continue
+                statuses = self.store.statuses([*held, *paused])
+                gone = {j for j in statuses if statuses[j].finished}
+                gone |= {j for j in [*held, *paused] if j not in statuses}
+                fair.reconcile(gone & set(held))
+                fair.forget(sorted(gone & set(paused)))
+                ended |= gone & set(held)
         except redis.RedisError as e:
             log.warning("queued sweep: fair bookkeeping not reconciled (%s)", e)
             return []
@@ -251,7 +270,8 @@ class QueuedSweep:
 
     def _forget(self, job_ids: list[str]) -> None:
         try:
-            self.fair.forget(job_ids)
+            for fair in self.fairs:
+                fair.forget(job_ids)
         except redis.RedisError as e:  # claim skips them when they are released
             log.warning("queued sweep: ended jobs stay on their users' lists (%s)", e)
 
@@ -260,7 +280,8 @@ class QueuedSweep:
         if not candidates:
             return []
         bound = held_lost_after_s(self.settings)
-        broker = read_broker(self.redis, [c.job_id for c in candidates], self.queues)
+        lanes = [f.jobs_key for f in self.fairs]
+        broker = read_broker(self.redis, [c.job_id for c in candidates], self.queues, lanes)
         if broker is None:
             log.warning(
                 "queued sweep: more than %d messages queued; lost messages are not "
@@ -275,7 +296,7 @@ class QueuedSweep:
             return []
         time.sleep(CONFIRM_AFTER_S)
         cutoff = time.time() - bound
-        broker = read_broker(self.redis, list(missing), self.queues) or Broker(set(), {})
+        broker = read_broker(self.redis, list(missing), self.queues, lanes) or Broker(set(), {})
         still = self.store.get_many(
             (j for j in missing if _unowned(broker, j, cutoff)), inputs=False
         )
@@ -289,14 +310,18 @@ class QueuedSweep:
                 if not take_stale(self.redis, stale, cutoff):
                     continue
                 taken.append(job_id)
-            queue = queue_of(missing[job_id].kind, missing[job_id].worker_group)
+            lost = missing[job_id]
             self.app.send_task(
                 TASK_NAME,
                 args=(job_id,),
                 task_id=job_id,
-                queue=queue,
+                queue=queue_of(lost.kind, lost.worker_group),
                 ignore_result=True,
-                headers=job_headers(self.store.store_id, self.store.describe()),
+                headers={
+                    **job_headers(self.store.store_id, self.store.describe()),
+                    # a workflow run: through its group's fair queue (the module's doc)
+                    **fair_headers(self.settings, lost.kind, lost.user, again=True),
+                },
             )
             resent.append(job_id)
         if resent:
