@@ -676,7 +676,7 @@ class SandboxPool(IdlePoolStats):
                 + KILL_GRACE_S
             )
         )
-        meter = usage.new_meter(api, self.settings.code_usage_cgroup_parent)
+        meter = usage.new_meter(self.settings)
         args = {
             **policy,
             "labels": labels,

@@ -253,11 +253,7 @@ class DockerRuntime(Runtime):
                 "reaper: removed the sandbox %s (%s, owner %s)", what, why, labels.get(LABEL_OWNER)
             )
             reaped.append(what)
-        usage.sweep(
-            api,
-            self.settings.code_max_seconds + usage.SWEEP_GRACE_S,
-            self.settings.code_usage_cgroup_parent,
-        )
+        usage.sweep(self.settings, self.settings.code_max_seconds + usage.SWEEP_GRACE_S)
         return reaped
 
     @property
@@ -359,7 +355,7 @@ class DockerRuntime(Runtime):
         if should_cancel is not None and should_cancel():
             # e.g. cancelled while it waited for a pre-started one: make nothing
             raise CancelledBeforeStart()
-        meter = usage.new_meter(api, self.settings.code_usage_cgroup_parent)
+        meter = usage.new_meter(self.settings)
         policy["host_config"] = api.create_host_config(**usage.host_config(meter, policy))
         t0 = time.monotonic()
         cid = self._create(api, policy, job.job_id)
