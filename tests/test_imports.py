@@ -451,6 +451,32 @@ def test_the_runtimes_are_laid_out_by_runtime():
         assert [t for t in loaded if t.count(".") > 2] == [], shared
 
 
+def engine_calls(method: str) -> list[str]:
+    """Where the product calls ``<anything>.<method>(...)``: ``path:function`` per call."""
+    calls = []
+    for top in ("executor", "worker", "api_client"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for fn in ast.walk(tree):
+                if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                for node in ast.walk(fn):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == method
+                    ):
+                        calls.append(f"{path.relative_to(ROOT)}:{fn.name}")
+    return calls
+
+
+def test_one_function_creates_every_sandbox():
+    """A sandbox's life begins in one place: ``sandbox.create`` is the only engine call that
+    creates a container (a cold run's, a pre-started one, the never-started one an image's
+    file is read from), so each gets its handle, and its usage meter, the same way."""
+    assert engine_calls("create_container") == ["executor/runtimes/docker/sandbox.py:create"]
+
+
 def test_no_import_circle_in_the_runtimes():
     """No module of executor/runtimes/ imports itself back through others, counting the
     imports inside functions and under TYPE_CHECKING (a cycle they would only hide)."""

@@ -53,6 +53,8 @@ from executor.runtimes.docker.policy import (
     sandbox_policy,
 )
 from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, NAME_FREE_S, SandboxPool
+from executor.runtimes.docker.sandbox import Sandbox, create
+from executor.runtimes.docker.sandbox import remove as remove_sandbox
 from executor.settings import KNOWN_LANGUAGES, Settings
 
 if TYPE_CHECKING:
@@ -127,7 +129,7 @@ class DockerRuntime(Runtime):
         self._lock = threading.Lock()
         self.pool: SandboxPool | None = None
         #: sandboxes whose removal failed (the engine was away): retried, see retry_leftovers
-        self._leftovers: set[str] = set()
+        self._leftovers: set[Sandbox] = set()
         self._posture: tuple[float, EnginePosture] | None = None
 
     # --- what it can do (the Runtime interface) ---------------------------------------
@@ -355,11 +357,9 @@ class DockerRuntime(Runtime):
         if should_cancel is not None and should_cancel():
             # e.g. cancelled while it waited for a pre-started one: make nothing
             raise CancelledBeforeStart()
-        meter = usage.new_meter(self.settings)
-        policy["host_config"] = api.create_host_config(**usage.host_config(meter, policy))
         t0 = time.monotonic()
-        cid = self._create(api, policy, job.job_id)
-        usage.attach(meter, cid)
+        box = self._create(api, policy, job.job_id)
+        cid = box.cid
         sock = None
         lost = False
         try:
@@ -375,7 +375,7 @@ class DockerRuntime(Runtime):
                 run = run_attached(
                     api, cid, raw, payload, limits, should_cancel, started=started, t0=t0
                 ).run
-                run.usage = usage.read(api, cid)
+                run.usage = box.usage(api)
                 return run
         except InfrastructureLost as e:
             lost = not e.engine_answers
@@ -385,14 +385,14 @@ class DockerRuntime(Runtime):
                 getattr(sock, "_sock", sock).close()  # SocketIO.close leaves the socket open
                 sock.close()
             if lost:
-                self.leave(cid)
+                self.leave(box)
             else:
-                self.remove_surely(api, cid)
+                self.remove_surely(api, box)
 
-    def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> str:
+    def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> Sandbox:
         name = container_name(job_id)
         try:
-            return api.create_container(name=name, **policy)["Id"]
+            return create(api, self.settings, policy, name)
         except ImageNotFound as e:
             raise RuntimeUnavailable(
                 f"The image {policy['image']} is missing: build it with `make image`."
@@ -410,7 +410,7 @@ class DockerRuntime(Runtime):
         while True:
             self.kill(job_id)
             try:
-                return api.create_container(name=name, **policy)["Id"]
+                return create(api, self.settings, policy, name)
             except APIError as e:
                 if e.status_code != 409 or time.monotonic() > deadline:
                     if e.status_code == 409:
@@ -422,27 +422,29 @@ class DockerRuntime(Runtime):
                     raise refusal(e, "create", job_id) from e
             time.sleep(0.1)
 
-    def remove_surely(self, api: docker.APIClient, cid: str) -> None:
+    def remove_surely(self, api: docker.APIClient, sandbox: Sandbox) -> None:
         """Remove in a ``finally``: retried, never raising. What still fails (the engine is
         away: a restart) is kept and retried later by ``retry_leftovers``, until this
         process stops; after that the reapers (its studio.deadline label says when anyone
         may remove it)."""
         for attempt in range(3):
             try:
-                self.remove(api, cid)
+                self.remove(api, sandbox)
                 return
             except (APIError, requests.exceptions.RequestException) as e:
-                log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12], attempt + 1, e)
+                log.warning(
+                    "removing sandbox %s failed (attempt %d): %s", sandbox.cid[:12], attempt + 1, e
+                )
                 time.sleep(0.2 * (attempt + 1))
         with self._lock:
-            self._leftovers.add(cid)
+            self._leftovers.add(sandbox)
 
-    def leave(self, cid: str) -> None:
+    def leave(self, sandbox: Sandbox) -> None:
         """A sandbox the infrastructure took (its engine away, restarting or gone): removed
         later by ``retry_leftovers``, never on its job's path (a removal that waits for an
         engine coming back held the job's hand-back 15 s, measured)."""
         with self._lock:
-            self._leftovers.add(cid)
+            self._leftovers.add(sandbox)
 
     def retry_leftovers(self, timeout_s: float = 0.0) -> None:
         """Remove the sandboxes whose removal failed before; with ``timeout_s`` (a stopping
@@ -454,17 +456,17 @@ class DockerRuntime(Runtime):
             if not todo:
                 return
             away = False
-            for cid in todo:
+            for box in todo:
                 try:
-                    self.remove(self.api, cid)
+                    self.remove(self.api, box)
                 except (RuntimeUnavailable, requests.exceptions.RequestException):
                     away = True  # still away: try again later
                     break
                 except APIError:
                     continue  # this one refused (the engine is up): the others go on
                 with self._lock:
-                    self._leftovers.discard(cid)
-                log.info("removed sandbox %s, left over while the engine was away", cid[:12])
+                    self._leftovers.discard(box)
+                log.info("removed sandbox %s, left over while the engine was away", box.cid[:12])
             if not away and len(todo) > len(self._leftovers):
                 continue  # progress: once more for what came meanwhile (or to return)
             if time.monotonic() >= deadline:
@@ -480,20 +482,9 @@ class DockerRuntime(Runtime):
             time.sleep(LEFTOVERS_RETRY_S)
 
     @staticmethod
-    def remove(api: docker.APIClient, cid: str) -> bool:
-        """Force-remove; True when this call removed it. Gone, or already being removed by
-        another process (409), counts as done."""
-        try:
-            api.remove_container(cid, force=True)
-            usage.released(cid)
-            return True
-        except NotFound:
-            usage.released(cid)
-            return False
-        except APIError as e:
-            if e.status_code == 409:
-                return False
-            raise
+    def remove(api: docker.APIClient, sandbox: Sandbox | str) -> bool:
+        """Force-remove (sandbox.remove); True when this call removed it."""
+        return remove_sandbox(api, sandbox)
 
     # --- from anywhere ----------------------------------------------------------------
 

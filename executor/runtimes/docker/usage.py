@@ -54,6 +54,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -223,9 +224,10 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-@dataclass
+@dataclass(eq=False)
 class Meter:
-    """One sandbox's readings, from its creation to its removal."""
+    """One sandbox's readings, from its creation to its removal: it rides on the sandbox's
+    handle (sandbox.py), never looked up by container id."""
 
     host: CgroupHost | None
     parent: str | None
@@ -305,6 +307,8 @@ class Meter:
 
     def release(self) -> None:
         """After the container's removal: its parent's directories go."""
+        with _unreleased_lock:
+            _unreleased.discard(self)
         if self.host is None or self.parent is None or not self.host.removes:
             return
         for d in self.host.all_parent_dirs(self.parent):
@@ -316,9 +320,10 @@ class Meter:
                 log.debug("usage: could not remove %s: %s", d, e)
 
 
-#: the meters of this process's sandboxes, by container id (until removed)
-_meters: dict[str, Meter] = {}
-_meters_lock = threading.Lock()
+#: this process's meters not released yet: ``sweep`` leaves their parents (each is found on
+#: its sandbox's handle, never here)
+_unreleased: weakref.WeakSet[Meter] = weakref.WeakSet()
+_unreleased_lock = threading.Lock()
 
 
 def new_meter(settings: Settings) -> Meter | None:
@@ -329,7 +334,10 @@ def new_meter(settings: Settings) -> Meter | None:
     host = cgroup_host(settings)
     if host is None:
         return None
-    return Meter(host, PARENT_PREFIX + secrets.token_hex(8) if host.parents else None)
+    meter = Meter(host, PARENT_PREFIX + secrets.token_hex(8) if host.parents else None)
+    with _unreleased_lock:
+        _unreleased.add(meter)
+    return meter
 
 
 def host_config(meter: Meter | None, policy: dict[str, Any]) -> dict[str, Any]:
@@ -338,49 +346,25 @@ def host_config(meter: Meter | None, policy: dict[str, Any]) -> dict[str, Any]:
     return meter.host_config(hc) if meter is not None else hc
 
 
-def attach(meter: Meter | None, cid: str) -> None:
-    """The sandbox of ``meter`` was created as ``cid``."""
-    if meter is None:
-        return
-    meter.cid = cid
-    with _meters_lock:
-        _meters[cid] = meter
-
-
-def of(cid: str) -> Meter | None:
-    with _meters_lock:
-        return _meters.get(cid)
-
-
 #: read at hand-over and at the end (the bench turns it off for its without-usage side, the
 #: sandboxes made alike: what it measures is the cost on a job's path)
 READING = True
 
 
-def hand_over(api: Any, cid: str) -> None:
-    meter = of(cid) if READING else None
-    if meter is not None:
+def hand_over(api: Any, meter: Meter | None) -> None:
+    if meter is not None and READING:
         meter.hand_over(api)
 
 
-def read(api: Any, cid: str) -> Usage | None:
-    """The usage of the sandbox ``cid`` so far, or None (off, or it could not be read)."""
-    meter = of(cid) if READING else None
-    if meter is None:
+def read(api: Any, meter: Meter | None) -> Usage | None:
+    """What the sandbox of ``meter`` used so far, or None (off, or it could not be read)."""
+    if meter is None or not READING:
         return None
     try:
         return meter.read(api)
     except Exception as e:  # noqa: BLE001 - figures never fail a run
-        log.debug("usage of %s not read: %s", cid[:12], e)
+        log.debug("usage of %s not read: %s", meter.cid[:12], e)
         return None
-
-
-def released(cid: str) -> None:
-    """``cid`` was removed (or found gone): its parent cgroup goes too."""
-    with _meters_lock:
-        meter = _meters.pop(cid, None)
-    if meter is not None:
-        meter.release()
 
 
 def sweep(settings: Settings, older_than_s: float) -> int:
@@ -391,8 +375,8 @@ def sweep(settings: Settings, older_than_s: float) -> int:
     host = cgroup_host(settings)
     if host is None or not host.parents or not host.removes:
         return 0
-    with _meters_lock:
-        mine = {m.parent for m in _meters.values()}
+    with _unreleased_lock:
+        mine = {m.parent for m in _unreleased}
     base = host.parents_dir()
     cutoff = time.time() - older_than_s
     gone = 0
