@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import docker
-from docker.errors import APIError, DockerException
+from docker.errors import DockerException
 
 from executor.errors import InfrastructureLost, RuntimeUnavailable
 from executor.languages.base import Language
@@ -75,7 +75,8 @@ from executor.runtimes.base import (
 )
 from executor.runtimes.constants import KILL_GRACE_S
 from executor.runtimes.docker import preimport_memory
-from executor.runtimes.docker.attached import RunLogs, run_attached, sandbox_failures
+from executor.runtimes.docker.attached import RunLogs, run_attached
+from executor.runtimes.docker.engine_errors import ENGINE_ERRORS, at_step, kind
 from executor.runtimes.docker.policy import (
     LABEL_DEADLINE,
     LABEL_JOB,
@@ -412,7 +413,7 @@ class SandboxPool(IdlePoolStats):
         renamer = p.renamer = _Renamer(self, p, job.job_id)
         lost = False
         try:
-            with sandbox_failures(job.job_id):
+            with at_step(job.job_id, "run"):
                 p.hand_over(api)  # its start so far is not the job's
                 started = time.monotonic()
                 mark = f"\x1estudio-end:{secrets.token_hex(16)}\x1e"
@@ -466,8 +467,8 @@ class SandboxPool(IdlePoolStats):
         try:
             api.rename(p.cid, name)
             return
-        except APIError as e:
-            if e.status_code != 409:
+        except ENGINE_ERRORS as e:
+            if kind(e) != "conflict":
                 raise
         # A container of this job already exists (a redelivery after a crash, or a re-run
         # after an earlier attempt's sandbox was lost, its removal perhaps still under way):
@@ -487,8 +488,8 @@ class SandboxPool(IdlePoolStats):
             try:
                 api.rename(p.cid, name)
                 return
-            except APIError as e:
-                if e.status_code != 409 or time.monotonic() > deadline:
+            except ENGINE_ERRORS as e:
+                if kind(e) != "conflict" or time.monotonic() > deadline:
                     raise
             time.sleep(0.1)
 

@@ -15,8 +15,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import docker
-import requests
-from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.errors import DockerException
 
 from executor.errors import InfrastructureLost, RuntimeUnavailable
 from executor.languages.base import ImageFacts, Language
@@ -32,15 +31,17 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.docker import usage
-from executor.runtimes.docker.attached import (
-    docker_down,
-    engine_refusals,
-    engine_stopping,
-    refusal,
-    run_attached,
-    sandbox_failures,
-)
+from executor.runtimes.docker.attached import engine_stopping, run_attached
 from executor.runtimes.docker.client import shared_api
+from executor.runtimes.docker.engine_errors import (
+    ANSWERED,
+    AWAY,
+    ENGINE_ERRORS,
+    at_step,
+    docker_down,
+    kind,
+    meaning,
+)
 from executor.runtimes.docker.images import DockerImageFacts
 from executor.runtimes.docker.policy import (
     AUTO,
@@ -83,9 +84,11 @@ def start_delay(api: docker.APIClient, c: dict[str, Any], now: float, deadline: 
         return 0.0
     try:
         state = api.inspect_container(c["Id"]).get("State") or {}
-    except NotFound:
-        return float("inf")  # gone already: nothing to remove
-    except (APIError, requests.exceptions.RequestException) as e:
+    except ENGINE_ERRORS as e:
+        if kind(e) == "gone":
+            return float("inf")  # gone already: nothing to remove
+        if kind(e) not in ANSWERED | AWAY:
+            raise
         log.debug("reaper: %s not inspected (%s): its label decides", c["Id"][:12], e)
         return 0.0
     if state.get("Status") == "created":
@@ -245,7 +248,9 @@ class DockerRuntime(Runtime):
             try:
                 if not self.remove(api, c["Id"]):
                     continue
-            except APIError as e:
+            except ENGINE_ERRORS as e:
+                if kind(e) not in ANSWERED:
+                    raise
                 log.warning("reaper: could not remove %s: %s", c["Id"][:12], e)
                 continue
             name = (c.get("Names") or ["?"])[0].lstrip("/")
@@ -293,12 +298,12 @@ class DockerRuntime(Runtime):
         image = language.image(self.settings)
         try:
             self.api.inspect_image(image)
-        except ImageNotFound:
-            return (
-                f"The {language.name} image {image} is missing: build it with `make image` "
-                f"(docker/build.sh {language.name})."
-            )
         except DockerException as e:
+            if kind(e) == "no_image":
+                return (
+                    f"The {language.name} image {image} is missing: build it with `make image` "
+                    f"(docker/build.sh {language.name})."
+                )
             return docker_down(e)
         return None
 
@@ -363,13 +368,13 @@ class DockerRuntime(Runtime):
         sock = None
         lost = False
         try:
-            with sandbox_failures(job.job_id):
-                with engine_refusals(job.job_id, "start"):  # no input written yet
-                    sock = api.attach_socket(
-                        cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
-                    )
-                    raw = getattr(sock, "_sock", sock)
-                    api.start(cid)
+            with at_step(job.job_id, "start"):  # no input written yet
+                sock = api.attach_socket(
+                    cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+                )
+                raw = getattr(sock, "_sock", sock)
+                api.start(cid)
+            with at_step(job.job_id, "run"):
                 started = time.monotonic()
                 payload = language.stdin_payload(job)
                 run = run_attached(
@@ -390,37 +395,33 @@ class DockerRuntime(Runtime):
                 self.remove_surely(api, box)
 
     def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> Sandbox:
+        """Its sandbox (engine_errors.py: an answer of the engine is a refusal). A container
+        of this job that already exists (409: a redelivery after a crash, or a re-run after
+        the infrastructure lost the sandbox of an earlier attempt, whose removal may still be
+        under way, off that attempt's path) must not run twice: the old one goes first, and
+        the name is taken once the engine has let it go."""
         name = container_name(job_id)
-        try:
-            return create(api, self.settings, policy, name)
-        except ImageNotFound as e:
-            raise RuntimeUnavailable(
-                f"The image {policy['image']} is missing: build it with `make image`."
-            ) from e
-        except APIError as e:
-            if e.status_code != 409:  # any other answer: the engine refused it (SandboxRefused)
-                raise refusal(e, "create", job_id) from e
-        except requests.exceptions.ConnectionError as e:
-            raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
-        # A container of this job already exists: a redelivery after a crash, or a re-run
-        # after the infrastructure lost the sandbox of an earlier attempt (whose removal may
-        # still be under way, off that attempt's path). It must not run twice, so the old
-        # one goes first, and the name is taken once the engine has let it go.
-        deadline = time.monotonic() + NAME_FREE_S
+        deadline: float | None = None  # from the first conflict on
         while True:
-            self.kill(job_id)
             try:
                 return create(api, self.settings, policy, name)
-            except APIError as e:
-                if e.status_code != 409 or time.monotonic() > deadline:
-                    if e.status_code == 409:
-                        raise InfrastructureLost(
-                            InfrastructureLost.ENGINE_ERROR,
-                            f"the sandbox of an earlier attempt, {name}, was still not removed "
-                            f"after {NAME_FREE_S:.0f} s: {e}",
-                        ) from e
-                    raise refusal(e, "create", job_id) from e
-            time.sleep(0.1)
+            except ENGINE_ERRORS as e:
+                if kind(e) != "conflict":
+                    said = meaning(e, "create", job_id, image=policy["image"])
+                    if said is None:
+                        raise
+                    raise said from e
+                if deadline is None:
+                    deadline = time.monotonic() + NAME_FREE_S
+                elif time.monotonic() > deadline:
+                    raise InfrastructureLost(
+                        InfrastructureLost.ENGINE_ERROR,
+                        f"the sandbox of an earlier attempt, {name}, was still not removed "
+                        f"after {NAME_FREE_S:.0f} s: {e}",
+                    ) from e
+                else:
+                    time.sleep(0.1)
+            self.kill(job_id)
 
     def remove_surely(self, api: docker.APIClient, sandbox: Sandbox) -> None:
         """Remove in a ``finally``: retried, never raising. What still fails (the engine is
@@ -431,7 +432,9 @@ class DockerRuntime(Runtime):
             try:
                 self.remove(api, sandbox)
                 return
-            except (APIError, requests.exceptions.RequestException) as e:
+            except ENGINE_ERRORS as e:
+                if kind(e) not in ANSWERED | AWAY:
+                    raise
                 log.warning(
                     "removing sandbox %s failed (attempt %d): %s", sandbox.cid[:12], attempt + 1, e
                 )
@@ -459,11 +462,16 @@ class DockerRuntime(Runtime):
             for box in todo:
                 try:
                     self.remove(self.api, box)
-                except (RuntimeUnavailable, requests.exceptions.RequestException):
+                except RuntimeUnavailable:
                     away = True  # still away: try again later
                     break
-                except APIError:
-                    continue  # this one refused (the engine is up): the others go on
+                except ENGINE_ERRORS as e:
+                    if kind(e) in AWAY:
+                        away = True
+                        break
+                    if kind(e) in ANSWERED:
+                        continue  # this one refused (the engine is up): the others go on
+                    raise
                 with self._lock:
                     self._leftovers.discard(box)
                 log.info("removed sandbox %s, left over while the engine was away", box.cid[:12])
@@ -495,7 +503,9 @@ class DockerRuntime(Runtime):
         cid = self.pool.taken_by(job_id) if self.pool is not None else None
         try:
             killed |= self.remove(self.api, cid or container_name(job_id))
-        except APIError as e:
+        except ENGINE_ERRORS as e:
+            if kind(e) not in ANSWERED:
+                raise
             log.warning("removing the sandbox of job %s failed: %s", job_id, e)
         return killed
 

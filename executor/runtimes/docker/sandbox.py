@@ -8,7 +8,7 @@ removed. A pre-started sandbox's meter is found on its handle when a job takes i
 looked up by container id.
 
 ``create`` raises what the engine raises: what an error means (the engine away, a refusal,
-a name taken) depends on the step, and each caller asks ``engine_errors``.
+a name taken) depends on the step, and each caller asks engine_errors.py.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from docker.errors import APIError, NotFound
-
 from executor.runtimes.docker import usage
+from executor.runtimes.docker.engine_errors import ENGINE_ERRORS, kind
 
 if TYPE_CHECKING:
     import docker
@@ -78,12 +77,12 @@ def remove(api: docker.APIClient, sandbox: Sandbox | str) -> bool:
     try:
         api.remove_container(cid, force=True)
         removed = True
-    except NotFound:
-        removed = False
-    except APIError as e:
-        if e.status_code == 409:
+    except ENGINE_ERRORS as e:
+        if kind(e) == "conflict":
             return False
-        raise
+        if kind(e) != "gone":
+            raise
+        removed = False
     if not isinstance(sandbox, str):
         sandbox.released()
     return removed
