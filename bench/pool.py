@@ -57,8 +57,7 @@ def idle_memory(ex: Executor) -> dict[str, float]:
     time.sleep(1.0)
     out = {}
     for name, q in pool._idle.items():
-        cid = q[0].cid
-        meter = usage.of(cid)
+        cid, meter = q[0].cid, q[0].meter
         # its run's own parent below the engine's (/docker/studio-code-usage-...), else /docker
         group = "/docker"
         if meter is not None and meter.host is not None and meter.parent is not None:
@@ -100,12 +99,12 @@ def read_cost_us(ex: Executor, n: int = 2000) -> tuple[float, float]:
     """What hand-over + read cost on their own, on an idle pre-started sandbox: µs p50 / p95."""
     pool = ex.runtime.pool  # type: ignore[union-attr]
     api = ex.runtime.api  # type: ignore[union-attr]
-    cid = next(q[0].cid for q in pool._idle.values() if q)
+    sandbox = next(q[0] for q in pool._idle.values() if q)
     samples = []
     for _ in range(n):
         t0 = time.perf_counter()
-        usage.hand_over(api, cid)
-        got = usage.read(api, cid)
+        sandbox.hand_over(api)
+        got = sandbox.usage(api)
         samples.append((time.perf_counter() - t0) * 1e6)
         assert got is not None
     return pct(samples, 50), pct(samples, 95)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from dataclasses import dataclass
 from enum import StrEnum
@@ -163,12 +162,6 @@ class TraceRow(BaseModel):
     runtime: str
     duration_ms: float
     detail: str = ""
-
-
-def usage_on() -> bool:
-    """Whether runs measure their usage: STUDIO_CODE_USAGE=0 turns it off (usage null), for
-    the bench's with/without comparison and for an engine that refuses what it needs."""
-    return os.environ.get("STUDIO_CODE_USAGE", "1").strip().lower() not in ("0", "off", "false")
 
 
 UsageSource = Literal["cgroup-v2", "cgroup-v1", "rusage"]

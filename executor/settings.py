@@ -224,6 +224,24 @@ class Settings(BaseSettings):
         "<this>/studio-code-usage-<16 hex>, so its usage outlives it and the limits and CPU "
         "weight of the engine's group hold it; the socket guard passes only that shape.",
     )
+    code_usage: bool = Field(
+        True,
+        description="Read what each run used (memory peak, CPU, processes: the run's usage) "
+        "from its cgroup or rusage. 0: not read, usage null (the bench's comparison).",
+    )
+    code_host_cgroup: str = Field(
+        "/sys/fs/cgroup",
+        description="Docker runtime: where this process sees the host's cgroup fs, the "
+        "sandboxes' figures (a worker in a container: the host's /sys/fs/cgroup bound there, "
+        "read-only under Compose; the usage-sweeper: read-write).",
+    )
+    code_usage_sweeper: bool = Field(
+        False,
+        description="Docker runtime: a usage-sweeper service (python -m "
+        "executor.runtimes.docker.usage) removes the empty per-run parents, so a worker whose "
+        "view of the host's cgroups is read-only still makes them (Compose). Off: such a "
+        "worker makes none, and a cold run that ended by itself is not measured.",
+    )
     code_sockguard_max_connections: int = Field(
         4096,
         ge=1,
@@ -891,10 +909,6 @@ OTHER_VARIABLES = frozenset(
         "STUDIO_PY_BASE",
         "STUDIO_TS_BASE",
         "STUDIO_TEST_THROUGH_SOCKGUARD",
-        # read where no settings are loaded (executor/runtimes/docker/usage.py, models.py)
-        "STUDIO_CODE_USAGE",
-        "STUDIO_CODE_HOST_CGROUP",
-        "STUDIO_CODE_USAGE_SWEEPER",
     }
 )
 _warned: set[str] = set()

@@ -451,6 +451,55 @@ def test_the_runtimes_are_laid_out_by_runtime():
         assert [t for t in loaded if t.count(".") > 2] == [], shared
 
 
+def engine_calls(method: str) -> list[str]:
+    """Where the product calls ``<anything>.<method>(...)``: ``path:function`` per call."""
+    calls = []
+    for top in ("executor", "worker", "api_client"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for fn in ast.walk(tree):
+                if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                for node in ast.walk(fn):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == method
+                    ):
+                        calls.append(f"{path.relative_to(ROOT)}:{fn.name}")
+    return calls
+
+
+def test_one_function_creates_every_sandbox():
+    """A sandbox's life begins in one place: ``sandbox.create`` is the only engine call that
+    creates a container (a cold run's, a pre-started one, the never-started one an image's
+    file is read from), so each gets its handle, and its usage meter, the same way."""
+    assert engine_calls("create_container") == ["executor/runtimes/docker/sandbox.py:create"]
+
+
+def test_one_rule_says_what_an_engine_error_means():
+    """What an engine's answer means (the engine away, a refusal, the sandbox gone, a name
+    taken) is decided in executor/runtimes/docker/engine_errors.py only: no other module
+    imports the SDK's error classes (its base class, DockerException, aside: "any engine
+    failure") or requests' errors to decide by them."""
+    deciding = set()
+    for top in ("executor", "worker", "api_client"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.module == "docker.errors":
+                    if any(a.name != "DockerException" for a in node.names):
+                        deciding.add(str(path.relative_to(ROOT)))
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "requests"
+                ):
+                    deciding.add(str(path.relative_to(ROOT)))
+                elif isinstance(node, ast.Import) and any(
+                    a.name.split(".")[0] == "requests" for a in node.names
+                ):
+                    deciding.add(str(path.relative_to(ROOT)))
+    assert sorted(deciding) == ["executor/runtimes/docker/engine_errors.py"]
+
+
 def test_no_import_circle_in_the_runtimes():
     """No module of executor/runtimes/ imports itself back through others, counting the
     imports inside functions and under TYPE_CHECKING (a cycle they would only hide)."""

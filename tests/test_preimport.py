@@ -162,7 +162,7 @@ def test_meta_shows_the_memory_pre_imports_hold_measured_by_the_host(
     from executor.runtimes.docker.usage import cgroup_host
 
     ex = pooled(code_preimport="pydantic.main,dateutil.parser", code_prewarm=1)
-    if cgroup_host(ex.runtime.api) is None:
+    if cgroup_host(ex.settings) is None:
         pytest.skip("this process cannot read the sandboxes' cgroups")
     before = _memory(ex)
     bare = pooled(code_prewarm=1)

@@ -206,10 +206,15 @@ def test_a_misspelled_variable_is_named_with_the_closest_known_one(monkeypatch, 
     assert any("did you mean STUDIO_CODE_CONCURRENCY?" in r.getMessage() for r in caplog.records)
 
 
+#: the usage switches: settings since issue 40 (they were read outside Settings), their
+#: names unchanged so that operators' configurations (the Compose file) keep working
+USAGE_SWITCHES = ("STUDIO_CODE_USAGE", "STUDIO_CODE_HOST_CGROUP", "STUDIO_CODE_USAGE_SWEEPER")
+
+
 def test_every_setting_has_a_row_in_the_readme_and_every_read_variable_is_known():
     """The README's configuration table is where an operator looks: every setting has its
-    row there. A variable read outside the settings (the usage reader and sweeper, the
-    Compose file sets STUDIO_CODE_HOST_CGROUP) is known, not warned about as misspelled."""
+    row there. The usage switches (the Compose file sets STUDIO_CODE_HOST_CGROUP) are
+    settings, known, not warned about as misspelled."""
     import re
 
     from executor.settings import OTHER_VARIABLES, Settings, unknown_variables
@@ -219,8 +224,87 @@ def test_every_setting_has_a_row_in_the_readme_and_every_read_variable_is_known(
     missing = sorted(f"STUDIO_{name.upper()}" for name in Settings.model_fields)
     missing = [name for name in missing if name not in rows]
     assert missing == [], f"settings without a README row: {missing}"
-    read = {"STUDIO_CODE_USAGE", "STUDIO_CODE_HOST_CGROUP", "STUDIO_CODE_USAGE_SWEEPER"}
-    assert read <= OTHER_VARIABLES
-    assert unknown_variables({name: "1" for name in read}) == []
-    for name in read:
-        assert f"`{name}" in readme, name
+    fields = {f"STUDIO_{name.upper()}" for name in Settings.model_fields}
+    assert set(USAGE_SWITCHES) <= fields and not set(USAGE_SWITCHES) & OTHER_VARIABLES
+    assert unknown_variables({name: "1" for name in USAGE_SWITCHES}) == []
+
+
+def test_the_usage_switches_are_read_through_the_settings(monkeypatch, caplog):
+    """STUDIO_CODE_USAGE=0 (and the two others) reach the runtimes through Settings, with no
+    misspelling warning: a Settings with usage off makes no meter, whatever the
+    environment says afterwards."""
+    import logging
+
+    from executor.runtimes.docker import usage
+    from executor.settings import unknown_variables
+
+    env = dict(zip(USAGE_SWITCHES, ("0", "/host/sys/fs/cgroup", "1"), strict=True))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING, logger="studio_code.settings"):
+        s = load_settings()
+    assert (s.code_usage, s.code_host_cgroup, s.code_usage_sweeper) == (
+        False,
+        "/host/sys/fs/cgroup",
+        True,
+    )
+    assert unknown_variables(env) == []
+    assert not [r for r in caplog.records if "STUDIO_CODE_" in r.getMessage()]
+    for off in ("0", "off", "false", "False"):
+        monkeypatch.setenv("STUDIO_CODE_USAGE", off)
+        assert load_settings().code_usage is False, off
+    for name in USAGE_SWITCHES[1:]:
+        monkeypatch.delenv(name)
+    off = load_settings()  # STUDIO_CODE_USAGE=0, this host's own view of its cgroups
+    monkeypatch.delenv("STUDIO_CODE_USAGE")
+    on = load_settings()
+    assert on.code_usage is True and on.code_usage_sweeper is False
+    assert on.code_host_cgroup == "/sys/fs/cgroup"
+    if usage.new_meter(on) is None:
+        pytest.skip("this process cannot see the host's cgroups: no meter either way")
+    assert usage.new_meter(off) is None  # the settings decide, not the environment now
+
+
+def test_the_product_reads_no_studio_variable_outside_the_settings():
+    """A STUDIO_* variable the product reads from the environment itself (``os.environ``,
+    ``os.getenv``) is one of OTHER_VARIABLES (the image build's, the test suite's): every
+    other one is a Settings field, read once, validated and documented."""
+    import ast
+
+    from executor.settings import OTHER_VARIABLES
+
+    root = Path(__file__).resolve().parent.parent
+    # runs inside the sandbox, where the host sets STUDIO_PREIMPORT: no operator's variable
+    in_the_sandbox = {root / "executor/languages/python_runner.py"}
+    read: list[str] = []
+    for package in ("executor", "worker", "api_client"):
+        for path in sorted(set((root / package).rglob("*.py")) - in_the_sandbox):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                name = _environ_read(node)
+                if name is not None and name.startswith("STUDIO_"):
+                    read.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    assert [r for r in read if r.split()[-1] not in OTHER_VARIABLES] == []
+
+
+def _environ_read(node: object) -> str | None:
+    """The constant name ``node`` reads, when it is ``os.environ.get(NAME...)``,
+    ``os.getenv(NAME...)``, ``os.environ[NAME]`` or ``NAME in os.environ``."""
+    import ast
+
+    def environ(n: ast.AST) -> bool:
+        return isinstance(n, ast.Attribute) and n.attr == "environ"
+
+    def const(n: ast.AST) -> str | None:
+        return n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else None
+
+    if isinstance(node, ast.Call) and node.args:
+        f = node.func
+        if isinstance(f, ast.Attribute) and (
+            (f.attr in ("get", "pop", "setdefault") and environ(f.value)) or f.attr == "getenv"
+        ):
+            return const(node.args[0])
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and environ(node.value):
+        return const(node.slice)
+    if isinstance(node, ast.Compare) and any(environ(c) for c in node.comparators):
+        return const(node.left)
+    return None

@@ -20,6 +20,7 @@ import pytest
 
 from executor.errors import ErrorCode
 from executor.models import CodeJob, Status
+from executor.settings import Settings
 from testkit.gvisor import KERNEL_PROBE, RUNSC, assert_ran_under, require_runsc
 from tests.conftest import run_cli
 
@@ -180,7 +181,7 @@ def test_a_sandbox_runs_in_its_run_parent_below_the_engine_parent(executor: Any)
         pytest.skip("docker sandboxes only")
     if _v2():
         pytest.skip("cgroup v1 only (a v2 sandbox's own cgroup namespace shows '/'): untested")
-    host = usage.cgroup_host(executor.runtime.api, executor.settings.code_usage_cgroup_parent)
+    host = usage.cgroup_host(executor.settings)
     if host is None or host.driver != "cgroupfs":
         pytest.skip("no per-run parents here (systemd driver, or no view of the cgroups)")
     assert host.parents and host.engine_parent == "/docker", host
@@ -342,8 +343,8 @@ def recording_meters(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     made: list[Any] = []
     real = usage.new_meter
 
-    def recording(api: Any, engine_parent: str) -> Any:
-        meter = real(api, engine_parent)
+    def recording(settings: Any) -> Any:
+        meter = real(settings)
         made.append(meter)
         return meter
 
@@ -362,14 +363,14 @@ def test_a_cold_sandbox_parent_cgroup_goes_with_it(
     ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
     for what in ("idle", "oom"):
         assert ex.run(CodeJob(code=CODE["python"][what])).usage is not None
-    host = usage.cgroup_host(ex.runtime.api)  # type: ignore[union-attr]
+    host = usage.cgroup_host(ex.settings)
     if host is None or not host.parents:
         pytest.skip("no per-run parents here")
     parents = [m.parent for m in made]
     assert len(parents) == 2 and all(parents)
     left = [d for p in parents for d in host.all_parent_dirs(p)]
     assert left == []
-    assert not any(usage.of(m.cid) for m in made)
+    assert not set(made) & set(usage._unreleased)  # released with their sandboxes
 
 
 def test_the_reaper_sweeps_a_dead_process_parents_and_keeps_the_live_ones(
@@ -383,8 +384,7 @@ def test_the_reaper_sweeps_a_dead_process_parents_and_keeps_the_live_ones(
     from executor.service import Executor
 
     ex = Executor(make_settings(code_runtime="docker", code_image=python_image))
-    api = ex.runtime.api  # type: ignore[union-attr]
-    host = usage.cgroup_host(api)
+    host = usage.cgroup_host(ex.settings)
     if host is None or not host.parents:
         pytest.skip("no per-run parents here")
     left = usage.PARENT_PREFIX + secrets.token_hex(8)
@@ -397,7 +397,7 @@ def test_the_reaper_sweeps_a_dead_process_parents_and_keeps_the_live_ones(
     for name in (left, busy):
         os.utime(host.parent_dir("memory", name), (day_ago, day_ago))
     try:
-        assert usage.sweep(api, 3600, ex.settings.code_usage_cgroup_parent) >= 1
+        assert usage.sweep(ex.settings, 3600) >= 1
         assert host.all_parent_dirs(left) == []
         assert os.path.isdir(host.parent_dir("memory", busy))
     finally:
@@ -441,7 +441,7 @@ def test_runs_through_a_socket_guard_are_measured(
     with SockGuardProcess(tmp_path / "guard") as guard:
         monkeypatch.setenv("DOCKER_HOST", guard.host)
         cold = Executor(make_settings(code_runtime="docker", code_image=python_image))
-        host = usage.cgroup_host(cold.runtime.api)  # type: ignore[union-attr]
+        host = usage.cgroup_host(cold.settings)
         assert host is not None and host.parents, host
         want = "cgroup-v2" if _v2() else "cgroup-v1"
         meters = recording_meters(monkeypatch)
@@ -502,7 +502,7 @@ real = usage.new_meter
 usage.new_meter = lambda *a: made.append(real(*a)) or made[-1]
 ex = Executor(load_settings(enable_code_nodes=True, code_runtime="docker", code_memory="256m"))
 r = ex.run(CodeJob(code=sys.argv[1]))
-host = usage.cgroup_host(None)
+host = usage.cgroup_host(ex.settings)
 print(json.dumps({"status": r.status, "usage": r.usage and r.usage.model_dump(),
     "parents": [m and m.parent for m in made], "writable": host and host.removes}))
 ' "$CODE"
@@ -561,11 +561,12 @@ def test_a_worker_with_a_read_only_view_is_measured_and_the_sweeper_removes_its_
         assert got["usage"]["source"] in ("cgroup-v1", "cgroup-v2"), got
         assert got["usage"]["memory_peak_bytes"] >= 100 * MB, got
         (parent,) = got["parents"]
-        host = usage.cgroup_host(None)
+        settings = Settings()  # this process's: the host's cgroup fs, writable
+        host = usage.cgroup_host(settings)
         assert host is not None and host.removes
         assert host.all_parent_dirs(parent), "the worker could not remove it: still there"
         seen: dict[str, float] = {}
-        usage.sweep_empty(seen, empty_for_s=3600)
+        usage.sweep_empty(settings, seen, empty_for_s=3600)
         assert host.all_parent_dirs(parent) and parent in seen  # empty, not long enough
         # a parent holding a sandbox's group (a run going on) stays, however long seen
         busy = usage.PARENT_PREFIX + secrets.token_hex(8)
@@ -573,7 +574,7 @@ def test_a_worker_with_a_read_only_view_is_measured_and_the_sweeper_removes_its_
         try:
             seen[parent] -= 3600
             seen[busy] = seen[parent]
-            assert usage.sweep_empty(seen, empty_for_s=3600) >= 1
+            assert usage.sweep_empty(settings, seen, empty_for_s=3600) >= 1
             assert host.all_parent_dirs(parent) == []
             assert os.path.isdir(host.parent_dir("memory", busy)) and busy not in seen
         finally:
@@ -598,7 +599,7 @@ def test_the_sweeper_removes_empty_parents_below_the_engine_parent() -> None:
     from testkit.processes import require, wait_for
 
     require(os.geteuid() == 0, "root (the sweeper removes groups of the host's cgroup fs)")
-    host = usage.cgroup_host(None)
+    host = usage.cgroup_host(Settings())
     if host is None or not host.parents:
         pytest.skip("no per-run parents here")
     name = usage.PARENT_PREFIX + secrets.token_hex(8)

@@ -16,7 +16,8 @@ killed engine takes none at all), or that the engine was asked to signal while i
 signals a sandbox, it removes it) was lost to the infrastructure. A sandbox that ended on
 its own (any exit status) while its engine answers on a fresh connection and signalled it
 not is the code's. An engine that refuses to make or start a sandbox (before the job's
-input is written: ``engine_refusals``) lost nothing: the job never ran (``SandboxRefused``).
+input is written) lost nothing: the job never ran (``SandboxRefused``). What each engine error
+means is engine_errors.py's rule, asked by the callers (``at_step``) and by ``exit_state``.
 """
 
 from __future__ import annotations
@@ -26,84 +27,15 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import NamedTuple
 
 import docker
-import requests
-from docker.errors import APIError, NotFound
 
-from executor.errors import InfrastructureLost, RuntimeUnavailable, SandboxRefused
+from executor.errors import InfrastructureLost
 from executor.models import Limits, RawRun
 from executor.runtimes.base import LOG_TAP, POLL_S, BoundedBuffer, CancelCheck
-
-
-def docker_down(e: BaseException) -> str:
-    return (
-        f"Docker is not reachable ({e}). Start the Docker engine, or under Compose mount "
-        "/var/run/docker.sock into this service; or set STUDIO_CODE_RUNTIME=subprocess for "
-        "trusted local work only."
-    )
-
-
-@contextmanager
-def sandbox_failures(job_id: str) -> Iterator[None]:
-    """An engine call or a socket that fails while a sandbox runs its job: InfrastructureLost
-    when the engine broke (a connection or stream error, a 5xx, the sandbox gone), else
-    RuntimeUnavailable (the engine refused: a 4xx, e.g. a socket guard's 403)."""
-    try:
-        yield
-    except InfrastructureLost:
-        raise
-    except NotFound as e:
-        raise InfrastructureLost(
-            InfrastructureLost.SANDBOX_VANISHED,
-            f"the sandbox of job {job_id} was removed while it ran ({e})",
-        ) from e
-    except APIError as e:
-        if e.is_server_error():
-            raise InfrastructureLost(
-                InfrastructureLost.ENGINE_ERROR, f"the engine failed the sandbox: {e}"
-            ) from e
-        raise RuntimeUnavailable(
-            f"The sandbox for job {job_id} failed to run: {e}. Check the Docker "
-            "engine (docker info) and the image."
-        ) from e
-    except requests.exceptions.ConnectionError as e:
-        raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
-    except OSError as e:
-        raise InfrastructureLost(
-            InfrastructureLost.STREAM_BROKEN, f"the sandbox's stream to the engine broke: {e}"
-        ) from e
-
-
-@contextmanager
-def engine_refusals(job_id: str, step: str) -> Iterator[None]:
-    """Engine calls that make or start a sandbox before the job's input is written to it:
-    an error the engine answers with (a 4xx or 5xx; runc refusing a CPU quota is a 500)
-    is SandboxRefused, never InfrastructureLost: the job never ran, and a re-run would
-    repeat the refusal. A sandbox gone (404) and an engine away (no answer) pass on, for
-    ``sandbox_failures`` to call them the infrastructure's."""
-    try:
-        yield
-    except NotFound:
-        raise
-    except APIError as e:
-        raise refusal(e, step, job_id) from e
-
-
-def refusal(e: APIError, step: str, job_id: str) -> SandboxRefused:
-    """The engine's error ``e`` at ``step`` (create, start) of job ``job_id``'s sandbox."""
-    detail = str(e.explanation or e).strip()
-    return SandboxRefused(
-        detail,
-        message=f"The Docker engine refused to {step} the sandbox of job {job_id}, so the job "
-        f"did not run (and is not run again: it would be refused the same way): {detail}. "
-        "Check the Docker engine (docker info, its log), its OCI runtime "
-        "(STUDIO_CODE_OCI_RUNTIME) and the limits STUDIO_CODE_CPUS, STUDIO_CODE_MEMORY and "
-        "STUDIO_CODE_PIDS.",
-    )
+from executor.runtimes.docker.engine_errors import ENGINE_ERRORS, kind, unreachable
 
 
 def engine_stopping(api: docker.APIClient) -> str | None:
@@ -193,7 +125,7 @@ def run_attached(
     ``raw``. The node's timeout counts from ``started`` (start_ms from ``t0``, when the job
     asked for a sandbox). ``answered(stdout)``: the runner's answer is complete (asked after
     every read), so exit 0 is taken without waiting for the exit. Engine and socket errors
-    propagate: the caller wraps them (``sandbox_failures``) and removes the container."""
+    propagate: the caller wraps them (``engine_errors.at_step``) and removes the container."""
     writer = threading.Thread(target=feed, args=(raw, payload), daemon=True)
     writer.start()
     out = BoundedBuffer(limits.output_max_bytes + 4096)
@@ -263,19 +195,24 @@ def exit_state(api: docker.APIClient, cid: str, deadline: float) -> tuple[int | 
     """Exit status, OOM-killed (from the container state, never guessed) and the ending."""
     try:
         code = api.wait(cid, timeout=max(0.5, deadline - time.monotonic()))["StatusCode"]
-    except NotFound:
-        return None, False, "eof"  # removed from outside (a cancel by label, or not)
-    except requests.exceptions.ConnectionError as e:
-        # The engine itself went away (stopped or crashed, and the sandbox with it): not
-        # the code's timeout, which is what a read timeout below means.
-        raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
-    except requests.exceptions.RequestException:
-        return None, False, "deadline"  # still running with its streams closed
+    except ENGINE_ERRORS as e:
+        what = kind(e)
+        if what == "gone":
+            return None, False, "eof"  # removed from outside (a cancel by label, or not)
+        if what == "no_answer":
+            return None, False, "deadline"  # still running with its streams closed
+        if what == "down":
+            # The engine itself went away (stopped or crashed, and the sandbox with it): not
+            # the code's timeout, which is what no answer in time means.
+            raise unreachable(e) from e
+        raise
     oom = False
     if code == 137:  # only a SIGKILL can be the OOM killer's
         try:
             state = api.inspect_container(cid)["State"]
-        except NotFound:
+        except ENGINE_ERRORS as e:
+            if kind(e) != "gone":
+                raise
             state = {"Status": "removing"}
         if state.get("Status") in ("removing", "dead") or state.get("Dead"):
             # killed by a removal from outside (a `docker rm -f`, a cancel by label: the

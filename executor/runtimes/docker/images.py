@@ -40,6 +40,7 @@ from executor.packages import PACKAGES_LABEL, ImagePackages, parse_image_package
 from executor.runtimes.base import owner_id
 from executor.runtimes.docker.client import shared_api
 from executor.runtimes.docker.policy import sandbox_policy, shape_limits
+from executor.runtimes.docker.sandbox import create
 from executor.sandbox_names import container_name
 
 if TYPE_CHECKING:
@@ -167,28 +168,23 @@ def _save(path: Path, data: dict[str, Any]) -> None:
 def read_file(api: Any, settings: Settings, image: str, path: str) -> bytes:
     """The bytes of the file at ``path`` in ``image``; raises what the engine raises (no such
     image or file, an engine that refuses) after removing the container it made."""
-    cid = api.create_container(**_never_started(api, settings, image))["Id"]
+    name, policy = _never_started(api, settings, image)
+    box = create(api, settings, policy, name, measured=False)
     try:
-        stream, _ = api.get_archive(cid, path)
+        stream, _ = api.get_archive(box.cid, path)
         with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
             member = tar.extractfile(tar.getmembers()[0])
             if member is None:
                 raise FileNotFoundError(f"{path} in {image} is not a file")
             return member.read()
     finally:
-        api.remove_container(cid, force=True)
+        api.remove_container(box.cid, force=True)
 
 
-def _never_started(api: Any, settings: Settings, image: str) -> dict[str, Any]:
-    """The create arguments of the container a file is copied out of: a sandbox's, running
-    ``true``, never started."""
+def _never_started(api: Any, settings: Settings, image: str) -> tuple[str, dict[str, Any]]:
+    """The name and create arguments of the container a file is copied out of: a
+    sandbox's, running ``true``, never started (so not measured)."""
     limits = shape_limits(settings.memory_bytes, settings.code_cpus, settings.code_pids)
     job = CodeJob(job_id=f"modules-{uuid.uuid4().hex[:12]}", code="")
     policy = sandbox_policy(settings, get_language("python"), job, limits, owner_id(), api=api)
-    return {
-        **policy,
-        "name": container_name(job.job_id),
-        "image": image,
-        "command": ["true"],
-        "host_config": api.create_host_config(**policy["host_config"]),
-    }
+    return container_name(job.job_id), {**policy, "image": image, "command": ["true"]}

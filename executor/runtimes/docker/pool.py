@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import docker
-from docker.errors import APIError, DockerException
+from docker.errors import DockerException
 
 from executor.errors import InfrastructureLost, RuntimeUnavailable
 from executor.languages.base import Language
@@ -74,8 +74,9 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.constants import KILL_GRACE_S
-from executor.runtimes.docker import preimport_memory, usage
-from executor.runtimes.docker.attached import RunLogs, run_attached, sandbox_failures
+from executor.runtimes.docker import preimport_memory
+from executor.runtimes.docker.attached import RunLogs, run_attached
+from executor.runtimes.docker.engine_errors import ENGINE_ERRORS, at_step, kind
 from executor.runtimes.docker.policy import (
     LABEL_DEADLINE,
     LABEL_JOB,
@@ -83,6 +84,7 @@ from executor.runtimes.docker.policy import (
     container_name,
     sandbox_policy,
 )
+from executor.runtimes.docker.sandbox import Sandbox, create
 from executor.sandbox_names import POOL_NAME_PREFIX
 from executor.settings import Settings
 
@@ -118,23 +120,21 @@ class SandboxHost(Protocol):
     @property
     def api(self) -> docker.APIClient: ...
 
-    def remove(self, api: docker.APIClient, cid: str) -> bool: ...
+    def remove(self, api: docker.APIClient, sandbox: Sandbox | str) -> bool: ...
 
-    def remove_surely(self, api: docker.APIClient, cid: str) -> None: ...
+    def remove_surely(self, api: docker.APIClient, sandbox: Sandbox) -> None: ...
 
-    def leave(self, cid: str) -> None: ...
+    def leave(self, sandbox: Sandbox) -> None: ...
 
     def retry_leftovers(self, timeout_s: float = 0.0) -> None: ...
 
     def refused_engine(self) -> str | None: ...
 
 
-@dataclass
-class Pooled:
-    """One pre-started container, waiting on stdin."""
+@dataclass(eq=False)
+class Pooled(Sandbox):
+    """One pre-started container, waiting on stdin (its handle: id, name, usage meter)."""
 
-    cid: str
-    name: str
     language: str
     shape: dict[str, Any]
     sock: Any
@@ -187,7 +187,7 @@ class SandboxPool(IdlePoolStats):
         self._failures: Counter[str] = Counter()
         self._retry_at: dict[str, float] = {}
         #: released for removal (the remover thread's queue)
-        self._retire: deque[Pooled | str] = deque()
+        self._retire: deque[Pooled] = deque()
         self._taken: dict[str, str] = {}
         self._removing = 0
         #: jobs of this process on their caller's path (see on_path): no upkeep of theirs
@@ -369,7 +369,7 @@ class SandboxPool(IdlePoolStats):
     def _ended_pending(self) -> int:
         """Used or dead sandboxes released and not removed yet (the one being removed
         counts, whatever it is); with the lock held."""
-        queued = sum(1 for x in self._retire if isinstance(x, str) or not x.unused)
+        queued = sum(1 for x in self._retire if not x.unused)
         return queued + self._removing
 
     def _asked_to_cancel(self, should_cancel: CancelCheck) -> bool:
@@ -413,8 +413,8 @@ class SandboxPool(IdlePoolStats):
         renamer = p.renamer = _Renamer(self, p, job.job_id)
         lost = False
         try:
-            with sandbox_failures(job.job_id):
-                usage.hand_over(api, p.cid)  # its start so far is not the job's
+            with at_step(job.job_id, "run"):
+                p.hand_over(api)  # its start so far is not the job's
                 started = time.monotonic()
                 mark = f"\x1estudio-end:{secrets.token_hex(16)}\x1e"
                 payload = language.stdin_payload(job, end_mark=mark)
@@ -440,7 +440,7 @@ class SandboxPool(IdlePoolStats):
                     answered=answered,
                     pooled=True,
                 )
-                run.usage = usage.read(api, p.cid)
+                run.usage = p.usage(api)
                 if answered_now:
                     # the answer is complete: the container's exit and its removal happen
                     # off the caller's path (when the job's path ends)
@@ -455,11 +455,11 @@ class SandboxPool(IdlePoolStats):
                 self._taken.pop(job.job_id, None)
             if lost:  # its engine is away: removed later, off the job's path
                 _close(p)
-                runtime.leave(p.cid)
+                runtime.leave(p)
             elif not handed_off:
                 renamer.join()
                 _close(p)
-                runtime.remove_surely(api, p.cid)
+                runtime.remove_surely(api, p)
 
     def _rename(self, p: Pooled, job_id: str) -> None:
         api = self.runtime.api
@@ -467,8 +467,8 @@ class SandboxPool(IdlePoolStats):
         try:
             api.rename(p.cid, name)
             return
-        except APIError as e:
-            if e.status_code != 409:
+        except ENGINE_ERRORS as e:
+            if kind(e) != "conflict":
                 raise
         # A container of this job already exists (a redelivery after a crash, or a re-run
         # after an earlier attempt's sandbox was lost, its removal perhaps still under way):
@@ -488,8 +488,8 @@ class SandboxPool(IdlePoolStats):
             try:
                 api.rename(p.cid, name)
                 return
-            except APIError as e:
-                if e.status_code != 409 or time.monotonic() > deadline:
+            except ENGINE_ERRORS as e:
+                if kind(e) != "conflict" or time.monotonic() > deadline:
                     raise
             time.sleep(0.1)
 
@@ -676,18 +676,12 @@ class SandboxPool(IdlePoolStats):
                 + KILL_GRACE_S
             )
         )
-        meter = usage.new_meter(api, self.settings.code_usage_cgroup_parent)
-        args = {
-            **policy,
-            "labels": labels,
-            "host_config": api.create_host_config(**usage.host_config(meter, policy)),
-        }
         name = f"{POOL_NAME_PREFIX}{uuid.uuid4().hex[:12]}"
         # The id _maintain read last (every IMAGE_CHECK_S), not an inspect per container: a
         # rebuild in between makes this one look old at the next check, and it is replaced.
         image_id = self._image_id(language)
-        cid = api.create_container(name=name, **args)["Id"]
-        usage.attach(meter, cid)
+        box = create(api, self.settings, {**policy, "labels": labels}, name)
+        cid = box.cid
         sock = None
         try:
             sock = api.attach_socket(
@@ -697,11 +691,12 @@ class SandboxPool(IdlePoolStats):
         except BaseException:
             if sock is not None:
                 _close_sock(sock)
-            self.runtime.remove_surely(api, cid)
+            self.runtime.remove_surely(api, box)
             raise
         return Pooled(
             cid=cid,
             name=name,
+            meter=box.meter,
             language=language.name,
             shape=shape,
             sock=sock,
@@ -755,16 +750,14 @@ class SandboxPool(IdlePoolStats):
                     return
                 item = self._retire.popleft()
                 self._removing += 1
-            cid = item if isinstance(item, str) else item.cid
-            if not isinstance(item, str):
-                if item.renamer is not None:
-                    item.renamer.join()
-                _close(item)
+            if item.renamer is not None:
+                item.renamer.join()
+            _close(item)
             try:
                 api = api or self.runtime.api
-                self.runtime.remove_surely(api, cid)
+                self.runtime.remove_surely(api, item)
             except RuntimeUnavailable as e:
-                log.warning("could not remove sandbox %s: %s", cid[:12], e)
+                log.warning("could not remove sandbox %s: %s", item.cid[:12], e)
             finally:
                 with self._cond:
                     self._removing -= 1

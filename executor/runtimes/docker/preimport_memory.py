@@ -46,10 +46,14 @@ if TYPE_CHECKING:
 
 
 class Sandbox(Protocol):
-    """A pre-started sandbox as this module sees it (the pool's ``Pooled``)."""
+    """A pre-started sandbox as this module sees it (the pool's ``Pooled``, a sandbox.py
+    handle: its usage meter rides on it)."""
 
     @property
     def cid(self) -> str: ...
+
+    @property
+    def meter(self) -> usage.Meter | None: ...
 
     @property
     def language(self) -> str: ...
@@ -213,7 +217,7 @@ def wait_quiet(
 def _idle_reading(pool: MeasuredPool[S], p: S) -> tuple[int, str] | None:
     """``p``'s anonymous memory once it is quiet, and the source; None when it could not
     be read while ``p`` was idle (taken by a job, ended, or no view of its cgroup)."""
-    meter = usage.of(p.cid)
+    meter = p.meter
     if meter is None or not wait_quiet(pool.api, meter, stop=pool.closing):
         return None
     figure = meter.resident()
@@ -224,7 +228,7 @@ def _idle_reading(pool: MeasuredPool[S], p: S) -> tuple[int, str] | None:
 
 def _measure(pool: MeasuredPool[S], p: S) -> None:
     try:
-        if usage.of(p.cid) is None:
+        if p.meter is None:
             _record(pool, p, None, None, UNREADABLE)
             return
         for attempt in range(1, ATTEMPTS + 1):
@@ -268,7 +272,7 @@ def _measure_once(pool: MeasuredPool[S], p: S) -> bool:
 
 
 def _bare_reading(pool: MeasuredPool[S], bare: S) -> int | None:
-    meter = usage.of(bare.cid)
+    meter = bare.meter
     if meter is None or not wait_quiet(pool.api, meter, stop=pool.closing):
         return None
     return meter.resident() or None  # nothing resident yet is not a figure

@@ -15,8 +15,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import docker
-import requests
-from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.errors import DockerException
 
 from executor.errors import InfrastructureLost, RuntimeUnavailable
 from executor.languages.base import ImageFacts, Language
@@ -32,15 +31,17 @@ from executor.runtimes.base import (
     owner_id,
 )
 from executor.runtimes.docker import usage
-from executor.runtimes.docker.attached import (
-    docker_down,
-    engine_refusals,
-    engine_stopping,
-    refusal,
-    run_attached,
-    sandbox_failures,
-)
+from executor.runtimes.docker.attached import engine_stopping, run_attached
 from executor.runtimes.docker.client import shared_api
+from executor.runtimes.docker.engine_errors import (
+    ANSWERED,
+    AWAY,
+    ENGINE_ERRORS,
+    at_step,
+    docker_down,
+    kind,
+    meaning,
+)
 from executor.runtimes.docker.images import DockerImageFacts
 from executor.runtimes.docker.policy import (
     AUTO,
@@ -53,6 +54,8 @@ from executor.runtimes.docker.policy import (
     sandbox_policy,
 )
 from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, NAME_FREE_S, SandboxPool
+from executor.runtimes.docker.sandbox import Sandbox, create
+from executor.runtimes.docker.sandbox import remove as remove_sandbox
 from executor.settings import KNOWN_LANGUAGES, Settings
 
 if TYPE_CHECKING:
@@ -81,9 +84,11 @@ def start_delay(api: docker.APIClient, c: dict[str, Any], now: float, deadline: 
         return 0.0
     try:
         state = api.inspect_container(c["Id"]).get("State") or {}
-    except NotFound:
-        return float("inf")  # gone already: nothing to remove
-    except (APIError, requests.exceptions.RequestException) as e:
+    except ENGINE_ERRORS as e:
+        if kind(e) == "gone":
+            return float("inf")  # gone already: nothing to remove
+        if kind(e) not in ANSWERED | AWAY:
+            raise
         log.debug("reaper: %s not inspected (%s): its label decides", c["Id"][:12], e)
         return 0.0
     if state.get("Status") == "created":
@@ -127,7 +132,7 @@ class DockerRuntime(Runtime):
         self._lock = threading.Lock()
         self.pool: SandboxPool | None = None
         #: sandboxes whose removal failed (the engine was away): retried, see retry_leftovers
-        self._leftovers: set[str] = set()
+        self._leftovers: set[Sandbox] = set()
         self._posture: tuple[float, EnginePosture] | None = None
 
     # --- what it can do (the Runtime interface) ---------------------------------------
@@ -243,7 +248,9 @@ class DockerRuntime(Runtime):
             try:
                 if not self.remove(api, c["Id"]):
                     continue
-            except APIError as e:
+            except ENGINE_ERRORS as e:
+                if kind(e) not in ANSWERED:
+                    raise
                 log.warning("reaper: could not remove %s: %s", c["Id"][:12], e)
                 continue
             name = (c.get("Names") or ["?"])[0].lstrip("/")
@@ -253,11 +260,7 @@ class DockerRuntime(Runtime):
                 "reaper: removed the sandbox %s (%s, owner %s)", what, why, labels.get(LABEL_OWNER)
             )
             reaped.append(what)
-        usage.sweep(
-            api,
-            self.settings.code_max_seconds + usage.SWEEP_GRACE_S,
-            self.settings.code_usage_cgroup_parent,
-        )
+        usage.sweep(self.settings, self.settings.code_max_seconds + usage.SWEEP_GRACE_S)
         return reaped
 
     @property
@@ -295,12 +298,12 @@ class DockerRuntime(Runtime):
         image = language.image(self.settings)
         try:
             self.api.inspect_image(image)
-        except ImageNotFound:
-            return (
-                f"The {language.name} image {image} is missing: build it with `make image` "
-                f"(docker/build.sh {language.name})."
-            )
         except DockerException as e:
+            if kind(e) == "no_image":
+                return (
+                    f"The {language.name} image {image} is missing: build it with `make image` "
+                    f"(docker/build.sh {language.name})."
+                )
             return docker_down(e)
         return None
 
@@ -359,27 +362,25 @@ class DockerRuntime(Runtime):
         if should_cancel is not None and should_cancel():
             # e.g. cancelled while it waited for a pre-started one: make nothing
             raise CancelledBeforeStart()
-        meter = usage.new_meter(api, self.settings.code_usage_cgroup_parent)
-        policy["host_config"] = api.create_host_config(**usage.host_config(meter, policy))
         t0 = time.monotonic()
-        cid = self._create(api, policy, job.job_id)
-        usage.attach(meter, cid)
+        box = self._create(api, policy, job.job_id)
+        cid = box.cid
         sock = None
         lost = False
         try:
-            with sandbox_failures(job.job_id):
-                with engine_refusals(job.job_id, "start"):  # no input written yet
-                    sock = api.attach_socket(
-                        cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
-                    )
-                    raw = getattr(sock, "_sock", sock)
-                    api.start(cid)
+            with at_step(job.job_id, "start"):  # no input written yet
+                sock = api.attach_socket(
+                    cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+                )
+                raw = getattr(sock, "_sock", sock)
+                api.start(cid)
+            with at_step(job.job_id, "run"):
                 started = time.monotonic()
                 payload = language.stdin_payload(job)
                 run = run_attached(
                     api, cid, raw, payload, limits, should_cancel, started=started, t0=t0
                 ).run
-                run.usage = usage.read(api, cid)
+                run.usage = box.usage(api)
                 return run
         except InfrastructureLost as e:
             lost = not e.engine_answers
@@ -389,64 +390,64 @@ class DockerRuntime(Runtime):
                 getattr(sock, "_sock", sock).close()  # SocketIO.close leaves the socket open
                 sock.close()
             if lost:
-                self.leave(cid)
+                self.leave(box)
             else:
-                self.remove_surely(api, cid)
+                self.remove_surely(api, box)
 
-    def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> str:
+    def _create(self, api: docker.APIClient, policy: dict[str, Any], job_id: str) -> Sandbox:
+        """Its sandbox (engine_errors.py: an answer of the engine is a refusal). A container
+        of this job that already exists (409: a redelivery after a crash, or a re-run after
+        the infrastructure lost the sandbox of an earlier attempt, whose removal may still be
+        under way, off that attempt's path) must not run twice: the old one goes first, and
+        the name is taken once the engine has let it go."""
         name = container_name(job_id)
-        try:
-            return api.create_container(name=name, **policy)["Id"]
-        except ImageNotFound as e:
-            raise RuntimeUnavailable(
-                f"The image {policy['image']} is missing: build it with `make image`."
-            ) from e
-        except APIError as e:
-            if e.status_code != 409:  # any other answer: the engine refused it (SandboxRefused)
-                raise refusal(e, "create", job_id) from e
-        except requests.exceptions.ConnectionError as e:
-            raise InfrastructureLost(InfrastructureLost.ENGINE_UNREACHABLE, docker_down(e)) from e
-        # A container of this job already exists: a redelivery after a crash, or a re-run
-        # after the infrastructure lost the sandbox of an earlier attempt (whose removal may
-        # still be under way, off that attempt's path). It must not run twice, so the old
-        # one goes first, and the name is taken once the engine has let it go.
-        deadline = time.monotonic() + NAME_FREE_S
+        deadline: float | None = None  # from the first conflict on
         while True:
-            self.kill(job_id)
             try:
-                return api.create_container(name=name, **policy)["Id"]
-            except APIError as e:
-                if e.status_code != 409 or time.monotonic() > deadline:
-                    if e.status_code == 409:
-                        raise InfrastructureLost(
-                            InfrastructureLost.ENGINE_ERROR,
-                            f"the sandbox of an earlier attempt, {name}, was still not removed "
-                            f"after {NAME_FREE_S:.0f} s: {e}",
-                        ) from e
-                    raise refusal(e, "create", job_id) from e
-            time.sleep(0.1)
+                return create(api, self.settings, policy, name)
+            except ENGINE_ERRORS as e:
+                if kind(e) != "conflict":
+                    said = meaning(e, "create", job_id, image=policy["image"])
+                    if said is None:
+                        raise
+                    raise said from e
+                if deadline is None:
+                    deadline = time.monotonic() + NAME_FREE_S
+                elif time.monotonic() > deadline:
+                    raise InfrastructureLost(
+                        InfrastructureLost.ENGINE_ERROR,
+                        f"the sandbox of an earlier attempt, {name}, was still not removed "
+                        f"after {NAME_FREE_S:.0f} s: {e}",
+                    ) from e
+                else:
+                    time.sleep(0.1)
+            self.kill(job_id)
 
-    def remove_surely(self, api: docker.APIClient, cid: str) -> None:
+    def remove_surely(self, api: docker.APIClient, sandbox: Sandbox) -> None:
         """Remove in a ``finally``: retried, never raising. What still fails (the engine is
         away: a restart) is kept and retried later by ``retry_leftovers``, until this
         process stops; after that the reapers (its studio.deadline label says when anyone
         may remove it)."""
         for attempt in range(3):
             try:
-                self.remove(api, cid)
+                self.remove(api, sandbox)
                 return
-            except (APIError, requests.exceptions.RequestException) as e:
-                log.warning("removing sandbox %s failed (attempt %d): %s", cid[:12], attempt + 1, e)
+            except ENGINE_ERRORS as e:
+                if kind(e) not in ANSWERED | AWAY:
+                    raise
+                log.warning(
+                    "removing sandbox %s failed (attempt %d): %s", sandbox.cid[:12], attempt + 1, e
+                )
                 time.sleep(0.2 * (attempt + 1))
         with self._lock:
-            self._leftovers.add(cid)
+            self._leftovers.add(sandbox)
 
-    def leave(self, cid: str) -> None:
+    def leave(self, sandbox: Sandbox) -> None:
         """A sandbox the infrastructure took (its engine away, restarting or gone): removed
         later by ``retry_leftovers``, never on its job's path (a removal that waits for an
         engine coming back held the job's hand-back 15 s, measured)."""
         with self._lock:
-            self._leftovers.add(cid)
+            self._leftovers.add(sandbox)
 
     def retry_leftovers(self, timeout_s: float = 0.0) -> None:
         """Remove the sandboxes whose removal failed before; with ``timeout_s`` (a stopping
@@ -458,17 +459,22 @@ class DockerRuntime(Runtime):
             if not todo:
                 return
             away = False
-            for cid in todo:
+            for box in todo:
                 try:
-                    self.remove(self.api, cid)
-                except (RuntimeUnavailable, requests.exceptions.RequestException):
+                    self.remove(self.api, box)
+                except RuntimeUnavailable:
                     away = True  # still away: try again later
                     break
-                except APIError:
-                    continue  # this one refused (the engine is up): the others go on
+                except ENGINE_ERRORS as e:
+                    if kind(e) in AWAY:
+                        away = True
+                        break
+                    if kind(e) in ANSWERED:
+                        continue  # this one refused (the engine is up): the others go on
+                    raise
                 with self._lock:
-                    self._leftovers.discard(cid)
-                log.info("removed sandbox %s, left over while the engine was away", cid[:12])
+                    self._leftovers.discard(box)
+                log.info("removed sandbox %s, left over while the engine was away", box.cid[:12])
             if not away and len(todo) > len(self._leftovers):
                 continue  # progress: once more for what came meanwhile (or to return)
             if time.monotonic() >= deadline:
@@ -484,20 +490,9 @@ class DockerRuntime(Runtime):
             time.sleep(LEFTOVERS_RETRY_S)
 
     @staticmethod
-    def remove(api: docker.APIClient, cid: str) -> bool:
-        """Force-remove; True when this call removed it. Gone, or already being removed by
-        another process (409), counts as done."""
-        try:
-            api.remove_container(cid, force=True)
-            usage.released(cid)
-            return True
-        except NotFound:
-            usage.released(cid)
-            return False
-        except APIError as e:
-            if e.status_code == 409:
-                return False
-            raise
+    def remove(api: docker.APIClient, sandbox: Sandbox | str) -> bool:
+        """Force-remove (sandbox.remove); True when this call removed it."""
+        return remove_sandbox(api, sandbox)
 
     # --- from anywhere ----------------------------------------------------------------
 
@@ -508,7 +503,9 @@ class DockerRuntime(Runtime):
         cid = self.pool.taken_by(job_id) if self.pool is not None else None
         try:
             killed |= self.remove(self.api, cid or container_name(job_id))
-        except APIError as e:
+        except ENGINE_ERRORS as e:
+            if kind(e) not in ANSWERED:
+                raise
             log.warning("removing the sandbox of job %s failed: %s", job_id, e)
         return killed
 

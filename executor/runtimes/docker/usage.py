@@ -23,8 +23,9 @@ hierarchy (the engine configured otherwise) means no per-run parents: not measur
 - **cgroup v2**: ``memory.peak`` (Linux >= 5.19, else no memory figure), ``cpu.stat``
   ``usage_usec``, ``pids.peak`` (Linux >= 6.1?, else none).
 - **a read-only view** (a worker in a container under Compose: the host's /sys/fs/cgroup
-  bound read-only at ``STUDIO_CODE_HOST_CGROUP``): parents are made only when another
-  process removes them (``STUDIO_CODE_USAGE_SWEEPER=1``: Compose's usage-sweeper service,
+  bound read-only at ``STUDIO_CODE_HOST_CGROUP``, ``Settings.code_host_cgroup``): parents
+  are made only when another process removes them (``STUDIO_CODE_USAGE_SWEEPER=1``,
+  ``Settings.code_usage_sweeper``: Compose's usage-sweeper service,
   ``python -m executor.runtimes.docker.usage``, ``sweep_empty``).
 - **no view**: not measured (null). The engine's stats call is no way out: on Docker 20.10
   the engine samples every container in one loop (collect, publish, sleep 1 s), and a
@@ -42,7 +43,8 @@ manages) and an engine on this host (a ``unix://`` DOCKER_HOST: its own socket, 
 guard's, which passes a ``CgroupParent`` of exactly ``<engine parent>/studio-code-usage-<16
 hex>``). Tested on cgroup v1 (Docker 20.10, cgroupfs); the v2 paths are the same paths under
 the unified mount, untested here.
-``STUDIO_CODE_USAGE=0`` turns the reading off (usage null): the bench's comparison.
+``STUDIO_CODE_USAGE=0`` (``Settings.code_usage``) turns the reading off (usage null): the
+bench's comparison. The three switches are settings, read by the caller's ``Settings``.
 """
 
 from __future__ import annotations
@@ -52,11 +54,15 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from executor.models import Usage, UsageSource, usage_on
+from executor.models import Usage, UsageSource
 from executor.sandbox_names import ENGINE_PARENT, USAGE_PARENT_PREFIX
+
+if TYPE_CHECKING:
+    from executor.settings import Settings
 
 log = logging.getLogger("studio_code")
 
@@ -133,30 +139,33 @@ class CgroupHost:
 #: memory peak (bytes), CPU (ns), processes peak, source
 Reading = tuple[int | None, int | None, int | None, UsageSource]
 
-#: by DOCKER_HOST (a socket guard or a test's engine put in front later is another view) and
-#: engine parent: the view, and when to look again for one not found
-_hosts: dict[tuple[str, str], tuple[CgroupHost | None, float]] = {}
+#: by DOCKER_HOST (a socket guard or a test's engine put in front later is another view), engine
+#: parent, where the host's cgroup fs is seen and whether a sweeper removes the parents: the
+#: view, and when to look again for one not found
+_hosts: dict[tuple[str, str, str, bool], tuple[CgroupHost | None, float]] = {}
 _host_lock = threading.Lock()
 #: how often a process that found no view of the engine's cgroups looks again
 REDETECT_S = 60.0
 
 
-def cgroup_host(api: Any, engine_parent: str = ENGINE_PARENT) -> CgroupHost | None:
+def cgroup_host(settings: Settings) -> CgroupHost | None:
     """This process's view of the host's cgroups (read once per engine), or None: they
     cannot be seen from here (a worker in a container): its runs are not measured.
-    ``engine_parent``: STUDIO_CODE_USAGE_CGROUP_PARENT."""
-    key = (os.environ.get("DOCKER_HOST", ""), engine_parent)
+    ``settings``: the engine's parent (STUDIO_CODE_USAGE_CGROUP_PARENT), where the host's
+    cgroup fs is seen (STUDIO_CODE_HOST_CGROUP) and STUDIO_CODE_USAGE_SWEEPER."""
+    engine_parent = settings.code_usage_cgroup_parent
+    view, swept = settings.code_host_cgroup.rstrip("/"), settings.code_usage_sweeper
+    key = (os.environ.get("DOCKER_HOST", ""), engine_parent, view, swept)
     got = _hosts.get(key)
     if got is not None and (got[0] is not None or time.monotonic() < got[1]):
         return got[0]
     with _host_lock:
-        host = _detect(engine_parent)
+        host = _detect(engine_parent, view, swept)
         _hosts[key] = (host, time.monotonic() + REDETECT_S)
         return host
 
 
-def _detect(engine_parent: str = ENGINE_PARENT) -> CgroupHost | None:
-    view = os.environ.get("STUDIO_CODE_HOST_CGROUP", "/sys/fs/cgroup").rstrip("/")
+def _detect(engine_parent: str, view: str, swept: bool) -> CgroupHost | None:
     mounts: dict[str, str] = {}
     v2: str | None = None
     try:
@@ -204,7 +213,6 @@ def _detect(engine_parent: str = ENGINE_PARENT) -> CgroupHost | None:
     # cannot write (mounted read-only into a worker's container) without one reads the
     # sandboxes' own groups only
     writable = os.access(base, os.W_OK)
-    swept = os.environ.get("STUDIO_CODE_USAGE_SWEEPER", "") == "1"
     parents = driver == "cgroupfs" and local and (writable or swept)
     return CgroupHost(version, found, driver, parents, writable, engine_parent)
 
@@ -216,9 +224,10 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-@dataclass
+@dataclass(eq=False)
 class Meter:
-    """One sandbox's readings, from its creation to its removal."""
+    """One sandbox's readings, from its creation to its removal: it rides on the sandbox's
+    handle (sandbox.py), never looked up by container id."""
 
     host: CgroupHost | None
     parent: str | None
@@ -298,6 +307,8 @@ class Meter:
 
     def release(self) -> None:
         """After the container's removal: its parent's directories go."""
+        with _unreleased_lock:
+            _unreleased.discard(self)
         if self.host is None or self.parent is None or not self.host.removes:
             return
         for d in self.host.all_parent_dirs(self.parent):
@@ -309,20 +320,24 @@ class Meter:
                 log.debug("usage: could not remove %s: %s", d, e)
 
 
-#: the meters of this process's sandboxes, by container id (until removed)
-_meters: dict[str, Meter] = {}
-_meters_lock = threading.Lock()
+#: this process's meters not released yet: ``sweep`` leaves their parents (each is found on
+#: its sandbox's handle, never here)
+_unreleased: weakref.WeakSet[Meter] = weakref.WeakSet()
+_unreleased_lock = threading.Lock()
 
 
-def new_meter(api: Any, engine_parent: str) -> Meter | None:
-    """A meter for a sandbox about to be created, or None when usage is off.
-    ``engine_parent``: STUDIO_CODE_USAGE_CGROUP_PARENT."""
-    if not usage_on():
+def new_meter(settings: Settings) -> Meter | None:
+    """A meter for a sandbox about to be created, or None when usage is off
+    (STUDIO_CODE_USAGE=0) or the cgroups cannot be seen from here."""
+    if not settings.code_usage:
         return None
-    host = cgroup_host(api, engine_parent)
+    host = cgroup_host(settings)
     if host is None:
         return None
-    return Meter(host, PARENT_PREFIX + secrets.token_hex(8) if host.parents else None)
+    meter = Meter(host, PARENT_PREFIX + secrets.token_hex(8) if host.parents else None)
+    with _unreleased_lock:
+        _unreleased.add(meter)
+    return meter
 
 
 def host_config(meter: Meter | None, policy: dict[str, Any]) -> dict[str, Any]:
@@ -331,61 +346,37 @@ def host_config(meter: Meter | None, policy: dict[str, Any]) -> dict[str, Any]:
     return meter.host_config(hc) if meter is not None else hc
 
 
-def attach(meter: Meter | None, cid: str) -> None:
-    """The sandbox of ``meter`` was created as ``cid``."""
-    if meter is None:
-        return
-    meter.cid = cid
-    with _meters_lock:
-        _meters[cid] = meter
-
-
-def of(cid: str) -> Meter | None:
-    with _meters_lock:
-        return _meters.get(cid)
-
-
 #: read at hand-over and at the end (the bench turns it off for its without-usage side, the
 #: sandboxes made alike: what it measures is the cost on a job's path)
 READING = True
 
 
-def hand_over(api: Any, cid: str) -> None:
-    meter = of(cid) if READING else None
-    if meter is not None:
+def hand_over(api: Any, meter: Meter | None) -> None:
+    if meter is not None and READING:
         meter.hand_over(api)
 
 
-def read(api: Any, cid: str) -> Usage | None:
-    """The usage of the sandbox ``cid`` so far, or None (off, or it could not be read)."""
-    meter = of(cid) if READING else None
-    if meter is None:
+def read(api: Any, meter: Meter | None) -> Usage | None:
+    """What the sandbox of ``meter`` used so far, or None (off, or it could not be read)."""
+    if meter is None or not READING:
         return None
     try:
         return meter.read(api)
     except Exception as e:  # noqa: BLE001 - figures never fail a run
-        log.debug("usage of %s not read: %s", cid[:12], e)
+        log.debug("usage of %s not read: %s", meter.cid[:12], e)
         return None
 
 
-def released(cid: str) -> None:
-    """``cid`` was removed (or found gone): its parent cgroup goes too."""
-    with _meters_lock:
-        meter = _meters.pop(cid, None)
-    if meter is not None:
-        meter.release()
-
-
-def sweep(api: Any, older_than_s: float, engine_parent: str) -> int:
+def sweep(settings: Settings, older_than_s: float) -> int:
     """Remove the empty per-run parents made more than ``older_than_s`` ago: those of a
     process that died before it removed its sandboxes (the reaper removed them). A parent of
     a run still going holds its container's group (rmdir fails: EBUSY), and one whose
     container just ended is younger than the longest run. Returns how many went."""
-    host = cgroup_host(api, engine_parent)
+    host = cgroup_host(settings)
     if host is None or not host.parents or not host.removes:
         return 0
-    with _meters_lock:
-        mine = {m.parent for m in _meters.values()}
+    with _unreleased_lock:
+        mine = {m.parent for m in _unreleased}
     base = host.parents_dir()
     cutoff = time.time() - older_than_s
     gone = 0
@@ -411,13 +402,13 @@ SWEEP_EVERY_S = 5.0
 
 
 def sweep_empty(
-    seen: dict[str, float], empty_for_s: float = EMPTY_FOR_S, engine_parent: str = ENGINE_PARENT
+    settings: Settings, seen: dict[str, float], empty_for_s: float = EMPTY_FOR_S
 ) -> int:
     """One pass of the sweeper (a process that can write the host's cgroup fs, for workers
     whose view is read-only): remove the per-run parents seen empty (no sandbox group in them)
     for ``empty_for_s``; ``seen`` carries when each was first seen empty. Returns how many
     went."""
-    host = cgroup_host(None, engine_parent)
+    host = cgroup_host(settings)
     if host is None or not host.parents or not host.removes:
         return 0
     base = host.parents_dir()
@@ -460,18 +451,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        engine_parent = load_settings().code_usage_cgroup_parent
+        settings = load_settings()
     except SettingsError as e:
         log.error("usage sweeper: %s", e.message)
         return 2
-    host = cgroup_host(None, engine_parent)
+    engine_parent = settings.code_usage_cgroup_parent
+    host = cgroup_host(settings)
     if host is None or not host.removes:
         log.error(
             "usage sweeper: no writable view of the engine's cgroups (cgroupfs driver, its "
             "containers under STUDIO_CODE_USAGE_CGROUP_PARENT=%s) under "
             "STUDIO_CODE_HOST_CGROUP=%s: mount the host's /sys/fs/cgroup there, read-write",
             engine_parent,
-            os.environ.get("STUDIO_CODE_HOST_CGROUP", "/sys/fs/cgroup"),
+            settings.code_host_cgroup,
         )
         return 2
     stop = threading.Event()
@@ -483,9 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     seen: dict[str, float] = {}
     while not stop.wait(args.every):
-        if n := sweep_empty(seen, args.empty_for, engine_parent):
+        if n := sweep_empty(settings, seen, args.empty_for):
             log.info("usage sweeper: removed %d empty per-run parents", n)
-    n = sweep_empty(seen, 0.0, engine_parent)
+    n = sweep_empty(settings, seen, 0.0)
     log.info("usage sweeper: stopping, removed %d empty per-run parents", n)
     return 0
 

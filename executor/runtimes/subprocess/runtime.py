@@ -327,7 +327,7 @@ class SubprocessRuntime(Runtime):
         child = runner.child
         with self._lock:
             self._children[job.job_id] = child
-        base = usage.hand_over(runner)
+        base = usage.hand_over(runner, on=self.settings.code_usage)
         started = time.monotonic()  # the time limit counts from here (a hand-out too)
         out = BoundedBuffer(limits.output_max_bytes + 4096)
         logs = BoundedBuffer(limits.log_max_bytes, tap=LOG_TAP.get())  # live logs
@@ -352,7 +352,8 @@ class SubprocessRuntime(Runtime):
                 t.join(timeout=2)
             with self._lock:
                 self._children.pop(job.job_id, None)
-            used = usage.measure(child, runner.group, base)  # before its cgroup goes
+            # before its cgroup goes
+            used = usage.measure(child, runner.group, base, on=self.settings.code_usage)
             oom_kills = self._release(runner)
         if oom_kills and ending == "eof":
             ending = "memory"  # the cgroup's limit (e.g. pages written to /dev/shm)

@@ -13,7 +13,8 @@ memory peak and the processes, and the kernel's rusage of its process tree for t
 A pre-started runner's interpreter start is not its job's: ``hand_over`` reads its CPU time
 so far (/proc/<pid>/stat, in clock ticks: 10 ms steps) and, on cgroup v1, resets the
 group's memory peak to its current usage (the idle interpreter's memory stays in).
-``STUDIO_CODE_USAGE=0``: nothing is read (usage null).
+``STUDIO_CODE_USAGE=0`` (``Settings.code_usage``, passed by the runtime as ``on``): nothing
+is read (usage null).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from executor.models import Usage, usage_on
+from executor.models import Usage
 from executor.runtimes.subprocess.cgroups import RunCgroup
 
 if TYPE_CHECKING:
@@ -70,9 +71,10 @@ class Baseline:
     cpu_ms: float = 0.0
 
 
-def hand_over(runner: Runner) -> Baseline:
-    """At the start of a job: a pre-started runner's CPU so far, and its peak reset."""
-    if not runner.prestarted or not usage_on():
+def hand_over(runner: Runner, *, on: bool) -> Baseline:
+    """At the start of a job: a pre-started runner's CPU so far, and its peak reset (``on``:
+    usage is read, STUDIO_CODE_USAGE)."""
+    if not runner.prestarted or not on:
         return Baseline()
     pid, group = runner.runner_pid(), runner.group
     cpu_ms = 0.0
@@ -87,10 +89,11 @@ def hand_over(runner: Runner) -> Baseline:
 
 
 def measure(
-    child: subprocess.Popen[bytes], group: RunCgroup | None, base: Baseline
+    child: subprocess.Popen[bytes], group: RunCgroup | None, base: Baseline, *, on: bool
 ) -> Usage | None:
-    """After ``reap``, before the group is removed: what the run used (None: not read)."""
-    if not usage_on():
+    """After ``reap``, before the group is removed: what the run used (None: not read, or
+    not ``on``: STUDIO_CODE_USAGE=0)."""
+    if not on:
         return None
     ru = _rusage.pop(child, None)
     cpu_ms = None
