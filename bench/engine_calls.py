@@ -8,16 +8,17 @@ and stdin: ``bench.common.raw_container``) measured in the same run. No assertio
   request is counted as ``METHOD /path/template``. A pooled job (one pre-started sandbox,
   as a worker's pool process: each job taken once the pool is settled, its window running
   until it is settled again) counts its replacement's start and its own removal; a cold job
-  its own life. What the pool does by the clock (the image id every 10 s) falls in too,
-  spread over the jobs.
-* **CPU**: on the engine's own socket (no relay), interleaved job by job: the CPU of dockerd
-  and containerd (/proc/<pid>/stat, own + reaped children; both are the machine's, shared
-  with anything else using the engine meanwhile), of the containerd shims of THIS run's
-  containers (each shim's -id read from its command line; sampled every SAMPLE_S while it
-  lives, its last few ms missed) and of their reaped children (runc, and the sandbox's own
-  processes: the same runner and code on every side), and this process's own (the client:
-  the SDK, the pool's threads). The engine here uses the cgroupfs driver on cgroup v1 with
-  dockerd in the root cgroup, so there is no service cgroup whose cpu.stat would hold it all.
+  its own life. Beside them, a pooled job as before issue 43 (``pooled, renamed at take``:
+  STUDIO_CODE_PREWARM_RENAME_AFTER_S=0, every taken sandbox renamed after its job). What
+  the pool does by the clock (the image id every 10 s) falls in too, spread over the jobs.
+* **CPU**: interleaved job by job, each side's jobs through the engine's socket itself (no
+  relay), all of it in a Docker engine of the bench's own (``bench.own_engine.OwnEngine``:
+  its own dockerd and containerd, started inside a cpuacct cgroup of their own, which their
+  shims and every runc call inherit; the machine's engine, shared with whatever else runs
+  here, is not used): the engine's CPU is that cgroup's ``cpuacct.usage``, the sandboxes'
+  own processes are read from the cgroup parent the engine and the runs put them under
+  (STUDIO_CODE_USAGE_CGROUP_PARENT), and this process's own (the client: the SDK, the
+  pool's threads) from ``time.process_time``.
 
     python -m bench.engine_calls [--n 30] [--runtime runsc]
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,18 +35,32 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import raw_container
-from bench.cpu import ENGINE, SHIM, pids_named, stat
 from bench.engine_relay import CountingRelay
+from bench.own_engine import OwnEngine
 from bench.sockguard import TRIVIAL, executor, via
 from executor.languages import get_language
 from executor.models import CodeJob
 from executor.runtimes.docker.policy import sandbox_policy
 from executor.service import Executor
-from testkit.sockguard import REAL_DOCKER_HOST
+from executor.settings import load_settings
 
-SAMPLE_S = 0.02
 #: host CPU per pooled job over the raw lifecycle's (issue 43)
 GOAL = 1.1
+#: the sides, in the tables' order: (pre-started sandboxes, more settings)
+SIDES: dict[str, tuple[bool, dict[str, Any]]] = {
+    "pooled": (True, {}),
+    # as before issue 43: every taken sandbox renamed after its job at once
+    "pooled, renamed at take": (True, {"code_prewarm_rename_after_s": 0}),
+    "cold": (False, {}),
+    "raw": (False, {}),
+}
+HEADS_BEFORE = "pooled, renamed at take"
+HEADS = {
+    "pooled": "pooled job",
+    "pooled, renamed at take": "pooled, renamed at take (before)",
+    "cold": "cold job",
+    "raw": "raw lifecycle",
+}
 
 
 def raw_lifecycle(ex: Executor) -> Callable[[], object]:
@@ -70,30 +84,17 @@ def settle(ex: Executor) -> None:
         assert pool.wait_settled(120), "the pool did not settle"
 
 
-def mine(ex: Executor, ours: set[str]) -> None:
-    """Record the id of every container ``ex``'s client creates in ``ours``."""
-    api = ex.runtime.api  # type: ignore[union-attr]
-    create = api.create_container
-
-    def recorded(*a: Any, **k: Any) -> Any:
-        out = create(*a, **k)
-        ours.add(out["Id"])
-        return out
-
-    api.create_container = recorded
-
-
 # --- calls ----------------------------------------------------------------------------------
 
 
-def count_calls(n: int, overrides: dict[str, Any]) -> dict[str, Counter[str]]:
+def count_calls(n: int, engine: OwnEngine, overrides: dict[str, Any]) -> dict[str, Counter[str]]:
     """Calls per side over ``n`` jobs each (not yet divided)."""
     out: dict[str, Counter[str]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-engine-calls-") as tmp:
-        relay = CountingRelay(Path(tmp) / "relay.sock", REAL_DOCKER_HOST.removeprefix("unix://"))
+        relay = CountingRelay(Path(tmp) / "relay.sock", engine.host.removeprefix("unix://"))
         try:
-            for side in ("pooled", "cold", "raw"):
-                ex = executor(relay.host, pooled=side == "pooled", **overrides)
+            for side, (pool, more) in SIDES.items():
+                ex = executor(relay.host, pooled=pool, **overrides, **more)
                 try:
                     job = raw_lifecycle(ex) if side == "raw" else via(ex)
                     settle(ex)
@@ -114,115 +115,71 @@ def count_calls(n: int, overrides: dict[str, Any]) -> dict[str, Counter[str]]:
 # --- CPU ------------------------------------------------------------------------------------
 
 
-class Shims(threading.Thread):
-    """Every containerd shim's CPU (own, reaped children's) and its container id, read every
-    SAMPLE_S while it lives; ``read()`` reads them now and returns the last of each."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.last: dict[int, tuple[str, float, float]] = {}
-        self.halt = threading.Event()
-        self._lock = threading.Lock()
-        #: this thread's own CPU ms so far: not the client's
-        self.spent = 0.0
-
-    def run(self) -> None:
-        while not self.halt.wait(SAMPLE_S):
-            t0 = time.thread_time()
-            self.read()
-            self.spent += (time.thread_time() - t0) * 1000
-
-    def read(self) -> dict[int, tuple[str, float, float]]:
-        with self._lock:
-            for pid in pids_named((), SHIM):
-                s = stat(pid)
-                if s == (0.0, 0.0):
-                    continue
-                cid = self.last[pid][0] if pid in self.last else _shim_id(pid)
-                self.last[pid] = (cid, *s)
-            return dict(self.last)
-
-
-def _shim_id(pid: int) -> str:
+def engine_of_own(overrides: dict[str, Any]) -> OwnEngine:
+    """The bench's own engine, started, with the sandbox image in it."""
+    engine = OwnEngine().start()
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return ""
-    for i, a in enumerate(argv[:-1]):
-        if a == b"-id":
-            return argv[i + 1].decode()
-    return ""
+        engine.load([load_settings(**overrides).code_image])
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
 
 
-def engine_now(shims: Shims) -> tuple[float, dict[int, tuple[str, float, float]]]:
-    """(dockerd + containerd ms, the shims) now."""
-    return sum(sum(stat(p)) for p in pids_named(ENGINE)), shims.read()
-
-
-def client_now(shims: Shims) -> float:
-    """This process's CPU ms now, the shim sampler's aside."""
-    return time.process_time() * 1000 - shims.spent
-
-
-def cpu_window(
-    shims: Shims, ours: set[str], fn: Callable[[], object], into: dict[str, float]
-) -> None:
-    d0, s0 = engine_now(shims)
-    c0 = client_now(shims)
+def cpu_window(engine: OwnEngine, fn: Callable[[], object], into: dict[str, float]) -> None:
+    """Add the CPU ms of ``fn()`` to ``into``: the engine's, the sandboxes', the client's."""
+    e0, b0 = engine.cpu_ms()
+    c0 = time.process_time()
     fn()
-    c1 = client_now(shims)
-    d1, s1 = engine_now(shims)
-    own = kids = 0.0
-    for pid, (cid, o, k) in s1.items():
-        if cid in ours:
-            _, o0, k0 = s0.get(pid, (cid, 0.0, 0.0))
-            own, kids = own + o - o0, kids + k - k0
-    for key, v in (("daemons", d1 - d0), ("shims", own), ("kids", kids), ("client", c1 - c0)):
+    c1 = time.process_time()
+    e1, b1 = engine.cpu_ms()
+    for key, v in (("engine", e1 - e0), ("sandboxes", b1 - b0), ("client", (c1 - c0) * 1000)):
         into[key] = into.get(key, 0.0) + v
 
 
-def measure_cpu(n: int, overrides: dict[str, Any]) -> dict[str, dict[str, float]]:
+def pooled_job(ex: Executor) -> Callable[[], None]:
+    def job() -> None:  # its replacement's start and its removal in its window
+        via(ex)()
+        settle(ex)
+
+    return job
+
+
+def measure_cpu(
+    n: int, engine: OwnEngine, overrides: dict[str, Any]
+) -> dict[str, dict[str, float]]:
     """CPU ms per job per side, interleaved job by job on the engine's own socket."""
-    ours: set[str] = set()
-    pooled = executor(REAL_DOCKER_HOST, pooled=True, **overrides)
-    cold = executor(REAL_DOCKER_HOST, pooled=False, **overrides)
-    shims = Shims()
-    shims.start()
+    more = {"code_usage_cgroup_parent": engine.cg_parent, **overrides}
+    executors = {
+        side: executor(engine.host, pooled=pool, **more, **extra)
+        for side, (pool, extra) in SIDES.items()
+        if side != "raw"
+    }
+    pools = [ex for side, ex in executors.items() if SIDES[side][0]]
     try:
-        for ex in (pooled, cold):
-            mine(ex, ours)  # (both share one client: the raw lifecycle's creates too)
-
-        def pooled_job() -> None:  # its replacement's start and its removal in its window
-            via(pooled)()
-            settle(pooled)
-
         sides: dict[str, Callable[[], object]] = {
-            "pooled": pooled_job,
-            "cold": via(cold),
-            "raw": raw_lifecycle(cold),
+            side: pooled_job(ex) if SIDES[side][0] else via(ex) for side, ex in executors.items()
         }
+        sides["raw"] = raw_lifecycle(executors["cold"])
         totals: dict[str, dict[str, float]] = {k: {} for k in sides}
         for i in range(n + 2):
             for side, fn in sides.items():
-                settle(pooled)
-                time.sleep(0.05)  # the last shim's exit read
+                for ex in pools:
+                    settle(ex)
                 if i < 2:
                     fn()  # warm-up
                 else:
-                    cpu_window(shims, ours, fn, totals[side])
-        # the engine's own rate with nothing of ours to do (others' use, its own timers)
-        settle(pooled)
+                    cpu_window(engine, fn, totals[side])
+        # the engine's own rate with nothing to do (its timers, the pools' image checks)
         idle: dict[str, float] = {}
         t0 = time.monotonic()
-        cpu_window(shims, ours, lambda: time.sleep(5), idle)
-        idle_rate = idle["daemons"] / (time.monotonic() - t0)
+        cpu_window(engine, lambda: time.sleep(5), idle)
         out = {side: {k: v / n for k, v in t.items()} for side, t in totals.items()}
-        out["idle"] = {"daemons per s": idle_rate}
+        out["idle"] = {"engine per s": idle["engine"] / (time.monotonic() - t0)}
         return out
     finally:
-        shims.halt.set()
-        pooled.close()
-        cold.close()
+        for ex in executors.values():
+            ex.close()
 
 
 def main() -> None:
@@ -233,43 +190,46 @@ def main() -> None:
     n = args.n
     overrides: dict[str, Any] = {"code_oci_runtime": args.runtime} if args.runtime else {}
     label = args.runtime or "the engine's default (runc)"
-    calls = count_calls(n, overrides)
+    engine = engine_of_own(overrides)
+    try:
+        calls = count_calls(n, engine, overrides)
+        cpu = measure_cpu(n, engine, overrides)
+    finally:
+        engine.stop()
     print(
         f"# bench.engine_calls: engine calls per job through a counting relay, n={n} per side, "
         f"OCI runtime {label}; a trivial Python node (pooled: its replacement's start and its "
         "own removal included)"
     )
-    print("| call | pooled job | cold job | raw lifecycle |")
-    print("|---|---|---|---|")
+    print(f"| call | {' | '.join(HEADS.values())} |")
+    print("|---|---|---|---|---|")
     keys = sorted(set().union(*calls.values()), key=lambda k: (k.split(" ", 1)[1], k))
     for key in keys:
-        cells = " | ".join(f"{calls[s][key] / n:.2f}" for s in ("pooled", "cold", "raw"))
+        cells = " | ".join(f"{calls[s][key] / n:.2f}" for s in SIDES)
         print(f"| `{key}` | {cells} |")
-    totals = " | ".join(f"**{sum(calls[s].values()) / n:.2f}**" for s in ("pooled", "cold", "raw"))
+    totals = " | ".join(f"**{sum(calls[s].values()) / n:.2f}**" for s in SIDES)
     print(f"| **in all** | {totals} |")
 
-    cpu = measure_cpu(n, overrides)
     print(
-        f"\n# bench.engine_calls: host CPU per job (ms), n={n} per side interleaved, on the "
-        f"engine's own socket; {os.cpu_count()} CPUs; the engine's idle rate meanwhile "
-        f"{cpu['idle']['daemons per s']:.1f} ms/s (not subtracted)"
+        f"\n# bench.engine_calls: host CPU per job (ms), n={n} per side interleaved, in an "
+        f"engine of the bench's own (its cgroup's cpuacct); {os.cpu_count()} CPUs; the "
+        f"engine's idle rate {cpu['idle']['engine per s']:.1f} ms/s (not subtracted)"
     )
-    print("| process | pooled job | cold job | raw lifecycle | pooled / raw | goal |")
-    print("|---|---|---|---|---|---|")
+    print(f"| process | {' | '.join(HEADS.values())} | pooled / raw | before / raw | goal |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = [
-        ("dockerd + containerd", ("daemons",), ""),
-        ("containerd shims (own)", ("shims",), ""),
-        ("shims' children (runc, the sandbox)", ("kids",), ""),
-        ("**the engine's, in all**", ("daemons", "shims", "kids"), f"≤ {GOAL}x"),
+        ("the engine: dockerd, containerd, shims, runc", ("engine",), ""),
+        ("the sandboxes' own processes (runner, code)", ("sandboxes",), ""),
         ("this process (the client, the pool's threads)", ("client",), ""),
-        ("**host, in all**", ("daemons", "shims", "kids", "client"), ""),
+        ("**host, in all**", ("engine", "sandboxes", "client"), f"≤ {GOAL}x"),
     ]
     for name, keys_, goal in rows:
-        v = {s: sum(cpu[s][k] for k in keys_) for s in ("pooled", "cold", "raw")}
-        ratio = v["pooled"] / v["raw"] if v["raw"] else float("nan")
+        v = {s: sum(cpu[s][k] for k in keys_) for s in SIDES}
+        raw = v["raw"] or float("nan")
+        cells = " | ".join(f"{v[s]:.1f}" for s in SIDES)
         print(
-            f"| {name} | {v['pooled']:.1f} | {v['cold']:.1f} | {v['raw']:.1f} | "
-            f"{ratio:.2f}x | {goal} |"
+            f"| {name} | {cells} | {v['pooled'] / raw:.2f}x | {v[HEADS_BEFORE] / raw:.2f}x | "
+            f"{goal} |"
         )
 
 
