@@ -34,13 +34,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import raw_container
+from bench.core import raw_docker_floor
 from bench.engine_relay import CountingRelay
 from bench.own_engine import OwnEngine
-from bench.sockguard import TRIVIAL, executor, via
-from executor.languages import get_language
-from executor.models import CodeJob
-from executor.runtimes.docker.policy import sandbox_policy
+from bench.sockguard import executor, via
 from executor.service import Executor
 from executor.settings import load_settings
 
@@ -66,16 +63,7 @@ HEADS = {
 def raw_lifecycle(ex: Executor) -> Callable[[], object]:
     """The floor: one container's whole life with the SDK, on ``ex``'s client (the same
     engine, the same lightened connection pool), its image, policy and stdin."""
-    api = ex.runtime.api  # type: ignore[union-attr]
-    lang = get_language("python")
-    limits = ex.limits(20)
-
-    def run() -> None:
-        job = CodeJob(code=TRIVIAL)
-        policy = sandbox_policy(ex.settings, lang, job, limits, "bench")
-        assert raw_container(api, policy, lang.stdin_payload(job)) == 0
-
-    return run
+    return raw_docker_floor(ex, "{}")
 
 
 def settle(ex: Executor) -> None:
