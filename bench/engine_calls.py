@@ -20,7 +20,7 @@ and stdin: ``bench.common.raw_container``) measured in the same run. No assertio
   (STUDIO_CODE_USAGE_CGROUP_PARENT), and this process's own (the client: the SDK, the
   pool's threads) from ``time.process_time``.
 
-    python -m bench.engine_calls [--n 30] [--runtime runsc]
+    python -m bench.engine_calls [--n 30]
 """
 
 from __future__ import annotations
@@ -173,11 +173,10 @@ def measure_cpu(
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.engine_calls")
     p.add_argument("--n", type=int, default=30, help="jobs per side")
-    p.add_argument("--runtime", default="", help="STUDIO_CODE_OCI_RUNTIME (e.g. runsc)")
     args = p.parse_args()
     n = args.n
-    overrides: dict[str, Any] = {"code_oci_runtime": args.runtime} if args.runtime else {}
-    label = args.runtime or "the engine's default (runc)"
+    overrides: dict[str, Any] = {}  # runc: the own engine has no runsc (nor crun here)
+    label = "the engine's default (runc)"
     engine = engine_of_own(overrides)
     try:
         calls = count_calls(n, engine, overrides)

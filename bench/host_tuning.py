@@ -23,7 +23,7 @@ favordynmods is measured only where the cgroup2 mount can be remounted with it a
 its exact options (here: cgroup v1 for the engine, an unused cgroup2 at
 /sys/fs/cgroup/unified); otherwise the bench says why not.
 
-    python -m bench.host_tuning [--rounds 4] [--k 8] [--runtime runsc]
+    python -m bench.host_tuning [--rounds 4] [--k 8]
 """
 
 from __future__ import annotations
@@ -114,9 +114,8 @@ def baseline() -> Iterator[None]:
     yield
 
 
-def docker_run(host: str, image: str, runtime: str) -> Callable[[], object]:
+def docker_run(host: str, image: str) -> Callable[[], object]:
     argv = ["docker", "-H", host, "run", "--rm", "--network", "none"]
-    argv += ["--runtime", runtime] if runtime else []
 
     def run() -> None:
         subprocess.run([*argv, image, "true"], check=True, capture_output=True)
@@ -133,9 +132,8 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.host_tuning")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--k", type=int, default=8, help="of each kind per block")
-    p.add_argument("--runtime", default="", help="STUDIO_CODE_OCI_RUNTIME (e.g. runsc)")
     args = p.parse_args()
-    overrides: dict[str, Any] = {"code_oci_runtime": args.runtime} if args.runtime else {}
+    overrides: dict[str, Any] = {}  # runc: the own engine has no runsc (nor crun here)
     settings: dict[str, Callable[[], Any]] = {
         "baseline": baseline,
         "rcu_expedited=1": rcu_expedited,
@@ -158,7 +156,7 @@ def main() -> None:
         pooled = executor(engine.host, pooled=True, **more)
         image = pooled.settings.code_image
         kinds: dict[str, Callable[[], object]] = {
-            "docker run --rm (CLI) true": docker_run(engine.host, image, args.runtime),
+            "docker run --rm (CLI) true": docker_run(engine.host, image),
             "pooled job (+ its refill, removal)": pooled_job(pooled),
             "raw SDK lifecycle": raw_lifecycle(pooled),
         }
