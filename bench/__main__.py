@@ -27,6 +27,7 @@ SECTIONS = [
     "bench.sockguard",
     "bench.redis_faults",
     "bench.cpu",
+    "bench.engine_calls",
 ]
 
 if __name__ == "__main__":

@@ -231,7 +231,8 @@ class Worker:
 class StartCounter(threading.Thread):
     """Counts the executions of the soak's jobs from Docker's events: a container started
     with a job's label (a cold start), or a pre-started one renamed to a job's name (the
-    pool's, executor.runtimes.docker.pool: renamed when a job takes it). From a stream that
+    pool's, executor.runtimes.docker.pool: renamed when a job takes it, the soak's workers
+    have STUDIO_CODE_PREWARM_RENAME_AFTER_S=0). From a stream that
     is opened again when the engine goes away (an engine restart ends the stream, and a
     restarted dockerd has forgotten its earlier events)."""
 
@@ -440,6 +441,9 @@ def run_round(args: argparse.Namespace, faults: list[str], seed: int) -> bool:
             "STUDIO_QUEUE_REAP_INTERVAL_S": "5",
             "STUDIO_QUEUE_PROBE_INTERVAL_S": "2",
             "STUDIO_CODE_LANGUAGES": "python",
+            # every pre-started sandbox renamed after the job that takes it, however short:
+            # the executions are counted from those renames (StartCounter)
+            "STUDIO_CODE_PREWARM_RENAME_AFTER_S": "0",
         }
     )
     # The burst is queued as the workers start (before their first heartbeat): the client

@@ -17,6 +17,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import docker
 
@@ -29,15 +30,19 @@ from testkit.sockguard import REAL_DOCKER_HOST, SockGuardProcess
 TRIVIAL = "def main(state):\n    return 1\n"
 
 
-def executor(docker_host: str, *, pooled: bool) -> Executor:
+def executor(docker_host: str, *, pooled: bool, **overrides: Any) -> Executor:
     """An executor whose Docker client is on ``docker_host`` (connected now: the env is
-    read once, when the client is made); ``pooled``: one pre-started sandbox, filled."""
+    read once, when the client is made); ``pooled``: one pre-started sandbox, filled;
+    ``overrides``: more settings (load_settings')."""
     saved = os.environ.get("DOCKER_HOST")
     os.environ["DOCKER_HOST"] = docker_host
     try:
         ex = Executor(
             load_settings(
-                enable_code_nodes=True, code_languages="python", code_prewarm=1 if pooled else 0
+                enable_code_nodes=True,
+                code_languages="python",
+                code_prewarm=1 if pooled else 0,
+                **overrides,
             )
         )
         _ = ex.runtime.api  # type: ignore[union-attr]

@@ -209,6 +209,15 @@ class Settings(BaseSettings):
         description="Seconds a pre-started sandbox may wait for a job; older ones are "
         "removed and replaced.",
     )
+    code_prewarm_rename_after_s: float = Field(
+        0.5,
+        ge=0,
+        le=1.5,
+        description="Seconds a job runs in a pre-started container under its pool name "
+        "before the container is renamed studio-code-<job id> (how another process's cancel "
+        "backstop, 2 s after the revoke, and `docker ps` find it); a job that ends sooner is "
+        "never renamed, one engine call fewer. 0: renamed when taken, every job.",
+    )
     code_oci_runtime: str = Field(
         "",
         description="The OCI runtime Docker starts sandboxes with (a name `docker info` lists "

@@ -19,16 +19,53 @@
 #
 # On a machine that has all of it, it changes nothing and takes well under a second.
 # STUDIO_HOST_SETUP=0 skips it (a machine managed otherwise).
+#
+#   --tune [--dry-run]  ONLY this, never by default: a machine-wide kernel setting that cuts a
+#             container's start on some VMs (measure yours first: python -m bench.host_tuning;
+#             docs/operations.md, "Host tuning"): /sys/kernel/rcu_expedited = 1, until the
+#             next boot. It prints what it changed and how to undo it; --dry-run prints what it
+#             would change.
 set -Eeuo pipefail
-[[ ${STUDIO_HOST_SETUP:-1} == 0 ]] && exit 0
-export DEBIAN_FRONTEND=noninteractive
-
 log() { printf '[host-setup] %s\n' "$*" >&2; }
+usage() { printf 'usage: %s [--tune [--dry-run]]\n' "${BASH_SOURCE[0]}"; }
+tune=0 dry=0
+for arg in "$@"; do
+  case $arg in
+    --tune) tune=1 ;;
+    --dry-run) dry=1 ;;
+    -h | --help) usage; exit 0 ;;
+    *) log "unknown argument: $arg"; usage >&2; exit 2 ;;
+  esac
+done
+if ((dry && !tune)); then
+  log "--dry-run goes with --tune"; usage >&2; exit 2
+fi
 SUDO=()
 if [[ $(id -u) -ne 0 ]]; then
   command -v sudo >/dev/null || { log "not root and no sudo: install the packages below by hand"; }
   SUDO=(sudo)
 fi
+
+if ((tune)); then
+  # RCU grace periods waited for the expedited way (IPIs to every CPU): runc's cgroup moves
+  # and namespace set-up wait for grace periods, which on a VM's idle vCPUs are slow.
+  knob=${STUDIO_HOST_RCU_EXPEDITED:-/sys/kernel/rcu_expedited}
+  if [[ ! -e $knob ]]; then
+    log "tune: $knob does not exist (this kernel has no rcu_expedited): nothing changed"
+  elif [[ $(cat "$knob") == 1 ]]; then
+    log "tune: $knob is 1 already: nothing changed"
+  elif ((dry)); then
+    log "tune (dry run): would set $knob $(cat "$knob") -> 1 (machine-wide, until reboot)"
+  else
+    was=$(cat "$knob")
+    echo 1 | "${SUDO[@]}" tee "$knob" >/dev/null
+    log "tune: set $knob $was -> 1: every RCU grace period on this machine is expedited until the next boot; undo: echo $was | sudo tee $knob"
+  fi
+  exit 0
+fi
+
+[[ ${STUDIO_HOST_SETUP:-1} == 0 ]] && exit 0
+export DEBIAN_FRONTEND=noninteractive
 
 need=()
 command -v dockerd >/dev/null && command -v docker >/dev/null || need+=(docker.io)

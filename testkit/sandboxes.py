@@ -17,7 +17,8 @@ from testkit.processes import (
 
 def sandbox_events(docker_client: Any, job_id: str, since: int, until: int) -> list[dict]:
     """Every Docker event between ``since`` and ``until`` (Unix seconds) of a container
-    made for ``job_id`` (its label) or renamed to it (a pre-started one taken by the job)."""
+    made for ``job_id`` (its label) or renamed to it (a pre-started one taken by the job, once
+    the job ran STUDIO_CODE_PREWARM_RENAME_AFTER_S: a shorter one keeps its pool name)."""
     events: list[dict] = []
     for filters in (
         {"type": "container", "label": [f"studio.job_id={job_id}"]},

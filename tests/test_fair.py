@@ -275,7 +275,8 @@ def test_other_users_runs_start_behind_a_flood_in_turns(make_stack: Any) -> None
 def test_cancel_of_a_run_waiting_behind_fairness(make_stack: Any, docker_client: Any) -> None:
     """A run held back on its user's list is cancelled: it ends cancelled at once, leaves
     the list, and never gets a sandbox; the runs around it all run."""
-    q = make_stack(code_concurrency=1, queue_test_slots=0)
+    # a pre-started sandbox renamed after any job it runs: the events below would show one
+    q = make_stack(code_concurrency=1, queue_test_slots=0, code_prewarm_rename_after_s=0)
     q.start_worker("w1", 1)
     since = int(time.time()) - 1
     runs = [q.client.submit(sleeper(0.5, f"r{i}"), "python", {}, user="ann") for i in range(6)]

@@ -45,7 +45,10 @@ def start_detail(trace: list[Any]) -> str:
 @pytest.mark.timeout(240)
 def test_each_pre_started_container_gets_exactly_one_job(pooled: Any, docker_client: Any) -> None:
     """50 jobs through a pool: every job's container id (seen from inside) is new; every
-    pooled container was attached once (its stdin) and renamed once, to its one job."""
+    pooled container was attached once (its stdin) and renamed at most once, to its one
+    job: a trivial job ends before STUDIO_CODE_PREWARM_RENAME_AFTER_S (here its largest,
+    1.5 s), under its pool name (an engine call fewer), so a loaded machine may rename
+    some, never most (at 0.5 s, 11 of 49 were renamed beside a bench and -n 2 tests)."""
     from executor.runtimes.base import owner_id
 
     # Followed as they happen, from before the pool is filled (the engine keeps only its
@@ -57,7 +60,7 @@ def test_each_pre_started_container_gets_exactly_one_job(pooled: Any, docker_cli
     reader = threading.Thread(target=lambda: events.extend(stream), daemon=True)
     reader.start()
     time.sleep(0.2)
-    ex = pooled()
+    ex = pooled(code_prewarm_rename_after_s=1.5)
     pool = ex.runtime.pool
     results = [ex.run(CodeJob(code=WHOAMI, timeout_s=20)) for _ in range(50)]
     assert all(r.status is Status.SUCCEEDED for r in results), [r.error for r in results]
@@ -80,11 +83,44 @@ def test_each_pre_started_container_gets_exactly_one_job(pooled: Any, docker_cli
     assert len(hits) >= 40, f"only {len(hits)} of 50 jobs took a pre-started sandbox"
     for r in hits:
         cid = r.output["cid"]
-        assert renames[cid] == [f"studio-code-{r.job_id}"], (cid, renames.get(cid))
+        assert renames[cid] in ([], [f"studio-code-{r.job_id}"]), (cid, renames.get(cid))
         assert attaches[cid] == 1
     assert set(attaches.values()) == {1}, "a pre-started container was attached twice"
-    assert all(len(names) == 1 for names in renames.values())
+    assert all(len(names) <= 1 for names in renames.values())
+    renamed = [cid for cid, names in renames.items() if names]
+    assert len(renamed) <= len(hits) // 2, f"{len(renamed)} of {len(hits)} trivial jobs renamed"
     assert pool.hits["python"] == len(hits) and pool.misses["python"] == 50 - len(hits)
+
+
+def test_a_pooled_job_that_runs_on_takes_its_name_and_any_process_kills_it(
+    pooled: Any, docker_client: Any
+) -> None:
+    """A job still running STUDIO_CODE_PREWARM_RENAME_AFTER_S after it took a pre-started
+    sandbox has it renamed ``studio-code-<job id>``: another process's ``kill(job_id)`` (a
+    cancel's backstop, which comes 2 s after the revoke) finds it by that name, removes it."""
+    from executor.service import make_runtime
+
+    ex = pooled()
+    job = CodeJob(code=WHOAMI, state_json=json.dumps({"mode": "sleep"}), timeout_s=30)
+    done: list[Any] = []
+    runner = threading.Thread(target=lambda: done.append(ex.run(job)), daemon=True)
+    runner.start()
+    named = wait_for(
+        lambda: docker_client.api.containers(filters={"name": f"studio-code-{job.job_id}"}),
+        10,
+        "the pooled sandbox renamed after its job",
+    )
+    assert LABEL_POOL in named[0]["Labels"], named  # the pre-started one, not a cold one
+    other = make_runtime(ex.settings)  # as the worker's main process: no pool, no map
+    assert other is not None
+    try:
+        assert other.kill(job.job_id)
+    finally:
+        other.close()
+    runner.join(30)
+    # removed from outside, not by its own cancel: lost to the infrastructure, as it says
+    assert done and done[0].status is Status.FAILED, done
+    assert [r.detail for r in done[0].trace if r.step == "sandbox.lost"] == ["sandbox_vanished"]
 
 
 def test_other_limits_start_cold_a_nodes_own_timeout_does_not(pooled: Any) -> None:
@@ -410,8 +446,8 @@ def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_not
     owner = f"{os.uname().nodename}:{slot}"
     wait_for(lambda: pool_containers(docker_client, owner), 60, "the slot's idle sandbox")
 
-    def name_gone(job_id: str) -> bool:
-        return not docker_client.api.containers(all=True, filters={"name": f"studio-code-{job_id}"})
+    def gone(cid: str) -> bool:  # by id: a short job's sandbox keeps its pool name
+        return not docker_client.api.containers(all=True, filters={"id": cid})
 
     seen: list[str] = []
     # cancel
@@ -441,9 +477,9 @@ def test_worker_pool_cancel_timeout_oom_sigkill_and_stop_leave_nothing_reuse_not
     rec = q.client.wait(ok, 30)
     assert rec.status == "succeeded" and rec.output["reused"] is False, rec
     seen.append(rec.output["cid"])
-    for job_id in (spin, late, hog, ok):
+    for job_id, cid in zip((spin, late, hog, ok), seen, strict=True):
         assert start_detail(q.client.status(job_id).trace) == "pool"
-        wait_for(lambda j=job_id: name_gone(j), 10, f"the sandbox of {job_id} removed")
+        wait_for(lambda c=cid: gone(c), 10, f"the sandbox of {job_id} removed")
     assert len(set(seen)) == 4, "a container ran two jobs"
 
     # SIGKILL with an idle pre-started sandbox: it stays until the reaper sees its owner gone

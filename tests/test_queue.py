@@ -174,7 +174,9 @@ def test_test_call_never_waits_behind_runs(make_stack: Any, docker_client: Any) 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_200_jobs_over_two_workers_each_once(make_stack: Any, docker_client: Any) -> None:
-    q = make_stack(code_concurrency=2)
+    # every pre-started sandbox takes its job's name, however short the job: how the
+    # sampler below sees the sandboxes of unfinished jobs
+    q = make_stack(code_concurrency=2, code_prewarm_rename_after_s=0)
     workers = [q.start_worker("w1", 2), q.start_worker("w2", 2)]
     pid_to_worker: dict[int, str] = {}
 

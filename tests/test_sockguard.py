@@ -389,6 +389,10 @@ def test_a_job_runs_through_the_guard_cold_and_pooled(
         for n in range(3):
             r = pooled.run(CodeJob(code=TRIVIAL, state_json=json.dumps({"n": n})))
             assert r.status == "succeeded" and r.output == n + 1, r.error
+        # a job that runs on past STUDIO_CODE_PREWARM_RENAME_AFTER_S: its sandbox takes its name
+        slow = "import time\n\ndef main(state):\n    time.sleep(1.5)\n    return 1\n"
+        r = pooled.run(CodeJob(code=slow, timeout_s=20))
+        assert r.status == "succeeded" and r.output == 1, r.error
         stats = pooled.runtime.pool.stats()["languages"]["python"]
         assert stats["hits"] >= 1, stats
         # the reaper's list and removals pass too (on a shared engine it may find the dead

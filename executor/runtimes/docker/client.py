@@ -64,7 +64,7 @@ def shared_api() -> docker.APIClient:
 
 def _lighten(api: docker.APIClient) -> None:
     """Two costs the SDK's client pays on every call to an engine on a local socket, here a
-    pooled job's five calls (create, attach, start, rename, remove), each then ~1.2 ms of CPU:
+    pooled job's four calls (create, attach, start, remove), each then ~1.2 ms of CPU:
 
     * its unix-socket adapter keeps a connection pool per request URL, path included, so a
       call naming a container it has not named before opens a new pool and a new connection

@@ -13,10 +13,13 @@ pre-started container until it is taken.
   A container is taken out of the pool under its lock, so it can never serve two jobs,
   and a container whose attach stream shows anything before its job (it died, or printed)
   is thrown away, never handed out.
-* **Run** (``run``): the container is renamed ``studio-code-<job id>`` first (labels cannot
-  change after create: the name is how ANY process's ``kill(job_id)`` finds it), then the
-  job's stdin is written and the attach stream read exactly as for a cold container. The
-  node's timeout counts from here, the job's start.
+* **Run** (``run``): the job's stdin is written and the attach stream read exactly as for
+  a cold container. The node's timeout counts from here, the job's start. A job still
+  running STUDIO_CODE_PREWARM_RENAME_AFTER_S (0.5 s) later has its container renamed
+  ``studio-code-<job id>``: labels cannot change after create, and the name is how ANY
+  process's ``kill(job_id)`` (a cancel's backstop, 2 s after the revoke) and ``docker ps``
+  find it. A job that ends sooner (most: a trivial one takes ~20 ms) is removed under its
+  pool name, one engine call fewer per job (``python -m bench.engine_calls`` counts them).
 * **Done at the frame**: EOF on the attach stream comes only when the container has exited
   (measured on Docker 20.10: closing fds 1 and 2 does not end it), ~30-150 ms after the
   result. So the job's header carries a per-job end-of-logs mark, which the runner writes to
@@ -405,11 +408,11 @@ class SandboxPool(IdlePoolStats):
             self._taken[job.job_id] = p.cid
         handed_off = False
         # The container takes its job's name (so any process finds it by name: a cancel's
-        # backstop, `docker ps`) while the job already runs, and the answer does not wait
-        # for it: the rename is a daemon round trip of 10-40 ms (more on a busy engine),
-        # half of a pooled job's latency when it came first. Until it lands this process
-        # finds the container by id (taken_by), a dead owner's reaper by its pool label;
-        # its removal waits for it (_drain_retired).
+        # backstop, `docker ps`) once the job has run code_prewarm_rename_after_s, and the
+        # answer never waits for it: the rename is a daemon round trip of 10-40 ms (more
+        # on a busy engine), and a job that ends sooner needs none. Until it lands this
+        # process finds the container by id (taken_by), a dead owner's reaper by its pool
+        # label; its removal waits for it (_drain_retired), a job that ended calls it off.
         renamer = p.renamer = _Renamer(self, p, job.job_id)
         lost = False
         try:
@@ -440,6 +443,7 @@ class SandboxPool(IdlePoolStats):
                     answered=answered,
                     pooled=True,
                 )
+                renamer.call_off()
                 run.usage = p.usage(api)
                 if answered_now:
                     # the answer is complete: the container's exit and its removal happen
@@ -451,6 +455,7 @@ class SandboxPool(IdlePoolStats):
             lost = not e.engine_answers
             raise
         finally:
+            renamer.call_off()
             with self._cond:
                 self._taken.pop(job.job_id, None)
             if lost:  # its engine is away: removed later, off the job's path
@@ -766,8 +771,10 @@ class SandboxPool(IdlePoolStats):
 
 
 class _Renamer:
-    """``SandboxPool._rename`` on a thread of its own, joined before the job's answer (a
-    failure is logged: the job ran all the same; only finding it by name was missed)."""
+    """``SandboxPool._rename`` on a thread of its own, ``code_prewarm_rename_after_s`` after
+    the job was given to the container unless the job ended first (``call_off``), joined
+    before its removal (a failure is logged: the job ran all the same; only finding it by
+    name was missed)."""
 
     JOIN_S = 30.0
 
@@ -775,16 +782,24 @@ class _Renamer:
         self.pool, self.p, self.job_id = pool, p, job_id
         self.error: BaseException | None = None
         self._joined = False
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._run, name="studio-pool-rename", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        if self._ended.wait(self.pool.settings.code_prewarm_rename_after_s):
+            return  # the job ended under the pool name
         try:
             self.pool._rename(self.p, self.job_id)
         except BaseException as e:  # noqa: BLE001 - reported by join()
             self.error = e
 
+    def call_off(self) -> None:
+        """The job ended: no rename from now on (one under way goes on)."""
+        self._ended.set()
+
     def join(self) -> None:
+        self.call_off()
         if self._joined:
             return
         self._joined = True
