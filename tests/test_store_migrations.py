@@ -135,8 +135,9 @@ def test_a_store_made_before_migrations_is_brought_to_head_and_reads_the_same(
             assert rec is not None
             new = _plain(rec)
             assert {k: new[k] for k in old} == old, job_id
-            # fields the older release had no column for: their defaults
-            assert all(new[k] in (None, [], False, 0) for k in new.keys() - old.keys()), new
+            # fields the older release had no column for: their defaults ("": no tenant, no
+            # workflow)
+            assert all(new[k] in (None, [], False, 0, "") for k in new.keys() - old.keys()), new
             assert store.get_many([job_id])[job_id] == rec
         assert [e.model_dump(mode="json") for e in store.list_audit()] == capture["audit"]
         kept = capture["rows"].get("code_store")
