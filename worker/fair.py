@@ -43,7 +43,9 @@ queued sweep sends, worker.upkeep.queued) carry ``HEADER_FAIR_AGAIN`` too and go
 ``FairQueue.enqueue(again=True)``: a run that holds its slot (released, not ended) gets its
 message back in its queue, counted once; a run waiting on its lane is left there; any
 other waits on the lane its last attempt had (kept by ``pause`` when that attempt ended for
-a retry) or its user's. A message kombu restores or a worker hands back (Reject) is not
+a retry) or on the lane of the keys the message carries (the sweeps send the user, tenant
+and workflow the run store's row holds: a run whose fair state Redis lost entirely comes
+back to its own lane). A message kombu restores or a worker hands back (Reject) is not
 sent through a channel's ``_put``: its run keeps its slot.
 
 Each worker group's workflow-run queue (code.run.NAME) has a fair state of its own, the
