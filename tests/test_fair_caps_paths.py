@@ -23,6 +23,17 @@ SLOW_RAISE = (
 )
 #: a retry on CODE_ERROR, 3 attempts, 0.3 s apart
 RETRY = {"max_attempts": 3, "on": ["CODE_ERROR"], "backoff": {"initial_s": 0.3, "jitter": 0}}
+#: workflow cap 2, no worker needed at submit, lost messages looked for after 2 s, retries'
+#: next attempts sent within 0.2 s of their delay (make_stack's settings)
+RESEND_STACK: dict[str, Any] = {
+    "code_concurrency": 3,
+    "queue_test_slots": 0,
+    "queue_run_workflow_slots": 2,
+    "queue_require_worker": False,
+    "queue_lost_after_s": 2,
+    "queue_reap_interval_s": 1,
+    "queue_retry_tick_s": 0.2,
+}
 
 
 def _message(job_id: str) -> str:
@@ -124,6 +135,17 @@ def _submit_nightly(q: Any, ids: list[str], n: int, *, users: int, **more: Any) 
         )
 
 
+def _cap_held_retries_ended(watch: CapWatch, recs: dict[str, Any], failing: list[str]) -> None:
+    """The workflow cap of 2 held and was reached; the ``failing`` runs failed after 3
+    attempts, the others succeeded at their first."""
+    held, running = watch.peaks
+    assert held <= 2 and running <= 2, watch.account(recs)
+    assert held == 2, "the cap was reached (the test saw it hold)"
+    for j, rec in recs.items():
+        want = ("failed", 3) if j in failing else ("succeeded", 1)
+        assert (str(rec.status), max(1, len(rec.history))) == want, (j, rec)
+
+
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(600)
@@ -134,15 +156,7 @@ def test_workflow_cap_holds_through_retries_and_sweep_resends(make_stack: Any) -
     the queued sweep sends them again). Then 2 workers of 3 slots: sampled every 50 ms, the
     workflow never has more than 2 runs released nor running; every run ends once; the
     slots come back."""
-    q = make_stack(
-        code_concurrency=3,
-        queue_test_slots=0,
-        queue_run_workflow_slots=2,
-        queue_require_worker=False,
-        queue_lost_after_s=2,
-        queue_reap_interval_s=1,
-        queue_retry_tick_s=0.2,
-    )
+    q = make_stack(**RESEND_STACK)
     ids: list[str] = []
     failing: list[str] = []
     with CapWatch(q.client, "w:acme/nightly", ids) as watch:
@@ -175,12 +189,7 @@ def test_workflow_cap_holds_through_retries_and_sweep_resends(make_stack: Any) -
         q.start_worker("w2", 3)
         recs = q.wait_all(ids, 300)
     print(f"\n{watch.account(recs)}; lost messages resent: {lost}")
-    held, running = watch.peaks
-    assert held <= 2 and running <= 2, watch.account(recs)
-    assert held == 2, "the cap was reached (the test saw it hold)"
-    for j in ids:
-        want = ("failed", 3) if j in failing else ("succeeded", 1)
-        assert (str(recs[j].status), max(1, len(recs[j].history))) == want, (j, recs[j])
+    _cap_held_retries_ended(watch, recs, failing)
     assert all(recs[j].finished for j in lost)
     r = q.client.redis
     assert r.hget("studio:fair:held_count", "w:acme/nightly") is None, "every slot came back"
@@ -202,15 +211,7 @@ def test_a_run_whose_fair_state_redis_lost_returns_to_its_workflow_lane(make_sta
     released nor running; every run ends once; the slots come back."""
     import threading
 
-    q = make_stack(
-        code_concurrency=3,
-        queue_test_slots=0,
-        queue_run_workflow_slots=2,
-        queue_require_worker=False,
-        queue_lost_after_s=2,
-        queue_reap_interval_s=1,
-        queue_retry_tick_s=0.2,
-    )
+    q = make_stack(**RESEND_STACK)
     r = q.client.redis
     ids: list[str] = []
     failing: list[str] = []
@@ -244,12 +245,7 @@ def test_a_run_whose_fair_state_redis_lost_returns_to_its_workflow_lane(make_sta
         stop.set()
         dropper.join(5)
     print(f"\n{watch.account(recs)}; kept lanes dropped: {sum(dropped)}")
-    held, running = watch.peaks
-    assert held <= 2 and running <= 2, watch.account(recs)
-    assert held == 2, "the cap was reached (the test saw it hold)"
-    for j in ids:
-        want = ("failed", 3) if j in failing else ("succeeded", 1)
-        assert (str(recs[j].status), max(1, len(recs[j].history))) == want, (j, recs[j])
+    _cap_held_retries_ended(watch, recs, failing)
     assert all(q.done_count(j) == 1 for j in ids), "each ended once"
     assert r.hget("studio:fair:held_count", "w:acme/nightly") is None, "every slot came back"
     assert r.hlen("studio:fair:held") == 0
