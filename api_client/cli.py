@@ -364,8 +364,8 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         code, state = _read_code(args.file), _read_state(args, settings)
         timeout = _timeout(args, settings)
         _limits(args, settings, groups=True)
+        from executor.keys import check_key
         from executor.retry import parse_policy
-        from worker.fair import check_key
 
         retry = parse_policy(args.retry)
         check_key("--tenant", args.tenant)

@@ -37,6 +37,7 @@ from executor.errors import (
     StoreUnavailable,
 )
 from executor.groups import DEFAULT_GROUP, asks_text, choose, groups_of, widest
+from executor.keys import check_key
 from executor.languages.base import Problem
 from executor.models import CodeJob, CodeResult, Kind, Status
 from executor.retry import parse_policy
@@ -53,7 +54,7 @@ from executor.store import (
 )
 from worker import lua, preimport, redis_conn
 from worker.cancel import CancelWatch
-from worker.fair import FairQueue, Waiting, check_key, fair_headers
+from worker.fair import FairQueue, Waiting, fair_headers
 from worker.protocol import (
     CANCEL_SIGNAL_NAME,
     TASK_NAME,
@@ -564,7 +565,7 @@ class CodeClient:
         CodeInvalid, one with no live worker that holds the job RuntimeUnavailable naming
         the group and what the job asks. ``tenant`` and ``workflow``: the run's concurrency
         keys (worker.fair: the share key and the caps STUDIO_QUEUE_RUN_SHARE_KEY,
-        _TENANT_SLOTS, _WORKFLOW_SLOTS); a key that is not one (worker.fair.check_key)
+        _TENANT_SLOTS, _WORKFLOW_SLOTS); a key that is not one (executor.keys.check_key)
         raises CodeInvalid."""
         with tracing.submitting(traceparent, tracestate):
             job = self.prepare(

@@ -134,14 +134,10 @@ class CodeJob(BaseModel):
     retry: RetryPolicy | None = None
     #: the worker group it goes to (executor.groups; None: the default group)
     worker_group: str | None = None
-    #: its concurrency keys (worker.fair; "": none): they ride in its message, never stored
-    #: (MESSAGE_ONLY)
+    #: its concurrency keys (worker.fair; "": none): in its message and in the run store
+    #: (NULL: none), so a message sent again without its fair state goes to its own lane
     tenant: str = ""
     workflow: str = ""
-
-
-#: the fields of a CodeJob the run store does not hold (a job read back has them empty)
-MESSAGE_ONLY = frozenset({"tenant", "workflow"})
 
 
 class CodeErrorInfo(BaseModel):

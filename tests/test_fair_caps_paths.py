@@ -23,6 +23,17 @@ SLOW_RAISE = (
 )
 #: a retry on CODE_ERROR, 3 attempts, 0.3 s apart
 RETRY = {"max_attempts": 3, "on": ["CODE_ERROR"], "backoff": {"initial_s": 0.3, "jitter": 0}}
+#: workflow cap 2, no worker needed at submit, lost messages looked for after 2 s, retries'
+#: next attempts sent within 0.2 s of their delay (make_stack's settings)
+RESEND_STACK: dict[str, Any] = {
+    "code_concurrency": 3,
+    "queue_test_slots": 0,
+    "queue_run_workflow_slots": 2,
+    "queue_require_worker": False,
+    "queue_lost_after_s": 2,
+    "queue_reap_interval_s": 1,
+    "queue_retry_tick_s": 0.2,
+}
 
 
 def _message(job_id: str) -> str:
@@ -124,6 +135,17 @@ def _submit_nightly(q: Any, ids: list[str], n: int, *, users: int, **more: Any) 
         )
 
 
+def _cap_held_retries_ended(watch: CapWatch, recs: dict[str, Any], failing: list[str]) -> None:
+    """The workflow cap of 2 held and was reached; the ``failing`` runs failed after 3
+    attempts, the others succeeded at their first."""
+    held, running = watch.peaks
+    assert held <= 2 and running <= 2, watch.account(recs)
+    assert held == 2, "the cap was reached (the test saw it hold)"
+    for j, rec in recs.items():
+        want = ("failed", 3) if j in failing else ("succeeded", 1)
+        assert (str(rec.status), max(1, len(rec.history))) == want, (j, rec)
+
+
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(600)
@@ -134,15 +156,7 @@ def test_workflow_cap_holds_through_retries_and_sweep_resends(make_stack: Any) -
     the queued sweep sends them again). Then 2 workers of 3 slots: sampled every 50 ms, the
     workflow never has more than 2 runs released nor running; every run ends once; the
     slots come back."""
-    q = make_stack(
-        code_concurrency=3,
-        queue_test_slots=0,
-        queue_run_workflow_slots=2,
-        queue_require_worker=False,
-        queue_lost_after_s=2,
-        queue_reap_interval_s=1,
-        queue_retry_tick_s=0.2,
-    )
+    q = make_stack(**RESEND_STACK)
     ids: list[str] = []
     failing: list[str] = []
     with CapWatch(q.client, "w:acme/nightly", ids) as watch:
@@ -175,16 +189,66 @@ def test_workflow_cap_holds_through_retries_and_sweep_resends(make_stack: Any) -
         q.start_worker("w2", 3)
         recs = q.wait_all(ids, 300)
     print(f"\n{watch.account(recs)}; lost messages resent: {lost}")
-    held, running = watch.peaks
-    assert held <= 2 and running <= 2, watch.account(recs)
-    assert held == 2, "the cap was reached (the test saw it hold)"
-    for j in ids:
-        want = ("failed", 3) if j in failing else ("succeeded", 1)
-        assert (str(recs[j].status), max(1, len(recs[j].history))) == want, (j, recs[j])
+    _cap_held_retries_ended(watch, recs, failing)
     assert all(recs[j].finished for j in lost)
     r = q.client.redis
     assert r.hget("studio:fair:held_count", "w:acme/nightly") is None, "every slot came back"
     assert r.hlen("studio:fair:held") == 0 and r.hlen("studio:fair:again") == 0
+
+
+@pytest.mark.docker
+@pytest.mark.redis
+@pytest.mark.timeout(600)
+def test_a_run_whose_fair_state_redis_lost_returns_to_its_workflow_lane(make_stack: Any) -> None:
+    """STUDIO_QUEUE_RUN_WORKFLOW_SLOTS=2, no user cap. 8 runs of acme's workflow nightly by 4
+    users, 2 of them failing with a retry policy of 3 attempts, submitted with no worker up:
+    then Redis loses their fair state entirely (a failover losing unreplicated writes: every
+    ``studio:fair:*`` key, the lanes, the released runs' slots and their messages in
+    code.run), and while they run a thread drops every kept lane of a retry
+    (``studio:fair:again``) as soon as it is written. The queued sweep sends the 8 again and
+    the retry sweep sends the next attempts, each knowing the run's tenant and workflow from
+    the run store only: sampled every 50 ms, never more than 2 of the workflow's runs
+    released nor running; every run ends once; the slots come back."""
+    import threading
+
+    q = make_stack(**RESEND_STACK)
+    r = q.client.redis
+    ids: list[str] = []
+    failing: list[str] = []
+    for i in range(8):
+        more: dict[str, Any] = {"retry": RETRY} if i in (2, 5) else {}
+        code, state = (SLOW_RAISE, {"s": 0.3}) if more else (sleeper(0.4, "ok"), {})
+        job = q.client.submit(
+            code, "python", state, user=f"u{i % 4}", tenant="acme", workflow="nightly", **more
+        )
+        (failing if more else []).append(job)
+        ids.append(job)
+    assert r.llen("code.run") == 2 and r.hget("studio:fair:jobs", ids[-1]) is not None
+    # the failover: every fair key and message gone (the run store still holds the 8)
+    lost = [k for k in r.scan_iter("studio:fair:*")]
+    assert r.delete("code.run", *lost) >= 3
+    dropped: list[int] = []
+    stop = threading.Event()
+
+    def drop_kept_lanes() -> None:
+        while not stop.wait(0.01):
+            dropped.append(int(r.delete("studio:fair:again")))
+
+    dropper = threading.Thread(target=drop_kept_lanes, daemon=True)
+    dropper.start()
+    try:
+        with CapWatch(q.client, "w:acme/nightly", ids) as watch:
+            q.start_worker("w1", 3)
+            q.start_worker("w2", 3)
+            recs = q.wait_all(ids, 300)
+    finally:
+        stop.set()
+        dropper.join(5)
+    print(f"\n{watch.account(recs)}; kept lanes dropped: {sum(dropped)}")
+    _cap_held_retries_ended(watch, recs, failing)
+    assert all(q.done_count(j) == 1 for j in ids), "each ended once"
+    assert r.hget("studio:fair:held_count", "w:acme/nightly") is None, "every slot came back"
+    assert r.hlen("studio:fair:held") == 0
 
 
 @pytest.mark.docker

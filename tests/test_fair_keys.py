@@ -135,7 +135,8 @@ def test_caps_set_to_zero_free_the_parked_lanes(redis_server: Any) -> None:
 
 def test_keys_are_checked() -> None:
     from executor.errors import CodeInvalid
-    from worker.fair import check_key, lane_of
+    from executor.keys import check_key
+    from worker.fair import lane_of
 
     assert check_key("tenant", None) == "" == check_key("tenant", "")
     assert check_key("workflow", "wf-1.a_b:c") == "wf-1.a_b:c"

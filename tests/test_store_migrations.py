@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
+from executor.errors import CodeInvalid
 from executor.models import CodeJob, CodeResult, Status
 from executor.store import JobRecord, SqlRunStore, migrations, open_store, schema, sqlite
 from executor.store.sql import normalize_url
@@ -135,8 +136,9 @@ def test_a_store_made_before_migrations_is_brought_to_head_and_reads_the_same(
             assert rec is not None
             new = _plain(rec)
             assert {k: new[k] for k in old} == old, job_id
-            # fields the older release had no column for: their defaults
-            assert all(new[k] in (None, [], False, 0) for k in new.keys() - old.keys()), new
+            # fields the older release had no column for: their defaults ("": no tenant, no
+            # workflow)
+            assert all(new[k] in (None, [], False, 0, "") for k in new.keys() - old.keys()), new
             assert store.get_many([job_id])[job_id] == rec
         assert [e.model_dump(mode="json") for e in store.list_audit()] == capture["audit"]
         kept = capture["rows"].get("code_store")
@@ -287,3 +289,95 @@ def test_a_revision_from_the_template_runs_after_head_and_older_code_keeps_worki
         assert rec is not None and rec.output == 1 and rec.status is Status.SUCCEEDED
         assert older.get(before.job_id) is not None
     assert _versions(store_url) == [nxt]
+
+
+# --- 0006: a run's concurrency keys ------------------------------------------------------
+
+
+def test_a_store_at_0005_gets_the_keys_and_a_run_keeps_its_keys(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A store at the previous head (0005, made by this release's revisions up to it, with a
+    queued run of that release in it) is brought to 0006; the run reads no keys, and a run
+    created now keeps its tenant and workflow through every read a message sent again is
+    made from (``list_queued``: the lost-message sweep; ``due_retries``: the retry sweep),
+    its claim and ``get``, on both stores."""
+    from sqlalchemy import insert
+
+    location = tmp_path / "migrations"
+    shutil.copytree(
+        migrations.LOCATION,
+        location,
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "0006_*.py"),
+    )
+    old = CodeJob(code="def main(state):\n    return 1\n", user="ann")
+    values, inputs = SqlRunStore._new_rows(old, "docker")
+    engine = _engine_of(store_url)
+    try:
+        with engine.begin() as conn:
+            assert migrations.upgrade(conn, location)[-1] == "0005"
+            assert not {"tenant", "workflow"} & {
+                c["name"] for c in inspect(conn).get_columns("code_jobs")
+            }
+            # the row as the release before wrote it: no key columns
+            del values["tenant"], values["workflow"]
+            conn.execute(insert(schema.jobs).values(**values))
+            conn.execute(insert(schema.job_inputs).values(**inputs))
+    finally:
+        engine.dispose()
+    assert _versions(store_url) == ["0005"]
+
+    with open_store(store_url) as store:
+        assert isinstance(store, SqlRunStore) and store.schema_steps == ("0006",)
+        before = store.get(old.job_id)
+        assert before is not None and (before.tenant, before.workflow) == ("", "")
+        assert before.problems == [] and before.to_job().tenant == ""
+
+        keyed = CodeJob(code="def main(state):\n    return 2\n", user="bob", tenant="acme")
+        keyed = keyed.model_copy(update={"workflow": "nightly:7"})
+        plain = CodeJob(code="def main(state):\n    return 3\n", user="bob")
+        assert store.create(keyed, code_runtime="docker")
+        assert store.create(plain, code_runtime="docker")
+        rec = store.get(keyed.job_id)
+        assert rec is not None and (rec.tenant, rec.workflow) == ("acme", "nightly:7")
+        assert rec.to_job().tenant == "acme" and rec.to_job().workflow == "nightly:7"
+        assert store.get_many([keyed.job_id], inputs=False)[keyed.job_id] == rec.model_copy(
+            update={"code": "", "state_json": "{}"}
+        )
+        queued = {q.job_id: q for q in store.list_queued(0)}
+        assert (queued[keyed.job_id].tenant, queued[keyed.job_id].workflow) == (
+            "acme",
+            "nightly:7",
+        )
+        assert (queued[old.job_id].tenant, queued[old.job_id].workflow) == ("", "")
+        with store.engine.begin() as conn:
+            # no key: NULL, as the release before's rows; the keyed run as a retry now due
+            raw = dict(
+                conn.execute(
+                    text("SELECT job_id, tenant FROM code_jobs WHERE workflow IS NULL")
+                ).all()
+            )
+            assert raw == {old.job_id: None, plain.job_id: None}
+            conn.execute(
+                text("UPDATE code_jobs SET not_before_ts = 0 WHERE job_id = :j"),
+                {"j": keyed.job_id},
+            )
+        due = store.due_retries()
+        assert [(d.job_id, d.user, d.tenant, d.workflow) for d in due] == [
+            (keyed.job_id, "bob", "acme", "nightly:7")
+        ]
+        claimed = store.claim(keyed.job_id, "w1")
+        assert claimed is not None and (claimed.tenant, claimed.workflow) == ("acme", "nightly:7")
+
+        # a row holding what is not a key (written by hand) reads as none, not as a problem
+        with store.engine.begin() as conn:
+            conn.execute(
+                text("UPDATE code_jobs SET tenant = :t WHERE job_id = :j"),
+                {"t": "not a key!", "j": plain.job_id},
+            )
+        odd = store.get(plain.job_id)
+        assert odd is not None and odd.tenant == "" and odd.problems == []
+        # and a job whose key is not one is never stored
+        with pytest.raises(CodeInvalid):
+            store.create(CodeJob(code="x", tenant="a b"), code_runtime="docker")
+    assert _versions(store_url) == [migrations.head()]

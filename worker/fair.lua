@@ -250,7 +250,7 @@ function ops.enqueue()
   return ops.release()
 end
 
--- Arguments: job id, lane (its user's: what the sender knows), the kombu message. A
+-- Arguments: job id, lane (its keys as the run store holds them), the kombu message. A
 -- message the workers send again for a job that was sent before: a retry's next attempt
 -- (worker.upkeep.retry_due) or a lost message (worker.upkeep.queued). A job released and
 -- not ended (HELD: its message was lost after its release) holds its slot: the message

@@ -43,7 +43,9 @@ queued sweep sends, worker.upkeep.queued) carry ``HEADER_FAIR_AGAIN`` too and go
 ``FairQueue.enqueue(again=True)``: a run that holds its slot (released, not ended) gets its
 message back in its queue, counted once; a run waiting on its lane is left there; any
 other waits on the lane its last attempt had (kept by ``pause`` when that attempt ended for
-a retry) or its user's. A message kombu restores or a worker hands back (Reject) is not
+a retry) or on the lane of the keys the message carries (the sweeps send the user, tenant
+and workflow the run store's row holds: a run whose fair state Redis lost entirely comes
+back to its own lane). A message kombu restores or a worker hands back (Reject) is not
 sent through a channel's ``_put``: its run keeps its slot.
 
 Each worker group's workflow-run queue (code.run.NAME) has a fair state of its own, the
@@ -55,7 +57,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +66,6 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
-from executor.errors import CodeInvalid
 from executor.settings import Settings
 from worker import lua
 from worker.protocol import (
@@ -244,25 +244,6 @@ def _text(value: Any) -> str:
 def user_cap(settings: Settings) -> int:
     """The per-user cap the script applies (0: none; fairness off: none)."""
     return settings.queue_run_user_slots if settings.queue_run_fairness == "users" else 0
-
-
-#: a tenant or workflow key: what the submit may name (never a metrics label nor logged)
-KEY_MAX = 64
-_KEY_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:-]{{0,{KEY_MAX - 1}}}")
-
-
-def check_key(field: str, value: str | None) -> str:
-    """A submit's ``tenant`` or ``workflow`` ("" when not given); raises CodeInvalid with
-    what a key may be."""
-    if value is None or value == "":
-        return ""
-    if not isinstance(value, str) or not _KEY_RE.fullmatch(value):
-        shown = repr(value) if isinstance(value, str) and len(value) <= 80 else "the one given"
-        raise CodeInvalid(
-            f"{field} {shown} is not a key: give 1 to {KEY_MAX} characters, letters, digits, "
-            f"'.', '_', ':' or '-', starting with a letter or digit (or leave {field} out)."
-        )
-    return value
 
 
 def lane_of(user: str, tenant: str = "", workflow: str = "") -> str:
@@ -571,7 +552,6 @@ def job_ended(queue: FairQueue, job_id: str, *, paused: bool = False) -> None:
 
 
 __all__ = [
-    "check_key",
     "fair_headers",
     "group_keys",
     "lane_of",

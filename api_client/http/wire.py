@@ -17,10 +17,10 @@ from pydantic_core import PydanticCustomError
 from executor.errors import CodeInvalid
 from executor.floors import MIN_CPUS
 from executor.inputs import check_cpus
+from executor.keys import KEY_MAX, check_key
 from executor.models import Attempt, CodeErrorInfo, RetryPolicy, Status, TraceRow, Usage
 from executor.retry import parse_policy
 from executor.store.base import JobRecord, RunSummary
-from worker.fair import KEY_MAX, check_key
 
 #: the longest source a request may carry, in characters
 CODE_MAX_CHARS = 1_000_000

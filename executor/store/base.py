@@ -29,7 +29,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from executor.errors import ErrorCode
 from executor.models import (
-    MESSAGE_ONLY,
     Attempt,
     CodeErrorInfo,
     CodeJob,
@@ -90,6 +89,9 @@ class JobRecord(BaseModel):
     cpus: float | None = None
     #: the worker group it was sent to (executor.groups; None: the default group)
     worker_group: str | None = None
+    #: its concurrency keys as the submit gave them (executor.keys.check_key; "": none)
+    tenant: str = ""
+    workflow: str = ""
     usage: Usage | None = None  # what the run used, measured by the host (None: not measured)
     #: the node's retry policy (executor.retry) and its attempts so far
     retry: RetryPolicy | None = None
@@ -120,10 +122,8 @@ class JobRecord(BaseModel):
 
     def to_job(self) -> CodeJob:
         """The job this record holds, to run it: every field of CodeJob from the record's
-        own field of the same name (but MESSAGE_ONLY's, which it does not hold)."""
-        return CodeJob.model_validate(
-            {name: getattr(self, name) for name in CodeJob.model_fields if name not in MESSAGE_ONLY}
-        )
+        own field of the same name."""
+        return CodeJob.model_validate({name: getattr(self, name) for name in CodeJob.model_fields})
 
     def to_result(self) -> CodeResult | None:
         """The CodeResult this record holds, or None while the job has not finished."""
@@ -145,8 +145,10 @@ class QueuedJob(NamedTuple):
     queued_at: datetime
     #: its worker group (executor.groups; None: the default group)
     worker_group: str | None = None
-    #: its user (a message sent again goes to its user's lane: worker.fair)
+    #: its user, tenant and workflow (a message sent again goes to their lane: worker.fair)
     user: str = ""
+    tenant: str = ""
+    workflow: str = ""
 
 
 class RunSummary(BaseModel):

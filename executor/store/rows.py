@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import Row
 
 from executor.errors import ErrorCode
+from executor.keys import stored_key
 from executor.models import (
     Attempt,
     CodeErrorInfo,
@@ -28,7 +29,7 @@ from executor.outputs import (
     safe_text,
     safe_value,
 )
-from executor.store.base import JobRecord, RunSummary
+from executor.store.base import JobRecord, QueuedJob, RunSummary
 from executor.store.schema import INPUTS, jobs
 
 
@@ -128,8 +129,23 @@ def _record_strict(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord:
         retry=retry_of(m["retry"]),
         history=history_of(m["history"]),
         retry_sent=bool(m["retry_sent"]),
+        tenant=stored_key(m["tenant"]),
+        workflow=stored_key(m["workflow"]),
     )
     return JobRecord(**fields)
+
+
+def queued_job(row: Any) -> QueuedJob:
+    """The QueuedJob of a row of ``statements.QUEUED_COLUMNS``."""
+    return QueuedJob(
+        row.job_id,
+        row.kind,
+        row.queued_at,
+        row.worker_group,
+        row.user,
+        stored_key(row.tenant),
+        stored_key(row.workflow),
+    )
 
 
 def retry_of(v: Any) -> RetryPolicy | None:
@@ -186,6 +202,8 @@ _ALLOWED = {
     "memory_bytes": "a number of bytes",
     "cpus": "a CPU share",
     "worker_group": "a worker group's name",
+    "tenant": "a key",
+    "workflow": "a key",
     "usage": "a usage object ({memory_peak_bytes, cpu_ms, pids_peak, source})",
     "retry": "a retry policy ({max_attempts, backoff, on})",
     "history": "a JSON list of attempts",
@@ -244,6 +262,8 @@ def _record_tolerant(row: Row[Any], inputs: Row[Any] | None = None) -> JobRecord
         "retry": retry_of,
         "history": history_of,
         "retry_sent": bool,
+        "tenant": stored_key,
+        "workflow": stored_key,
     }
     job_id = _raw(row, "job_id")
     fields["job_id"] = str(job_id) if not isinstance(job_id, Exception) else "?"

@@ -114,6 +114,10 @@ jobs = Table(
     Column("claims_before", Integer, nullable=False, server_default="0"),
     # The job's worker group (migration 0005, executor.groups; NULL: default).
     Column("worker_group", String(32), nullable=True),
+    # The run's concurrency keys (migration 0006, worker.fair; NULL: none; executor.keys:
+    # at most 64 characters), so a message sent again from the row takes its own lane.
+    Column("tenant", String(64), nullable=True),
+    Column("workflow", String(64), nullable=True),
     Index("ix_code_jobs_status", "status"),
     # Run history, newest first, with a keyset cursor: all runs (admins) and one user's.
     Index("ix_code_jobs_queued", "queued_at", "job_id"),

@@ -49,9 +49,9 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 
 from executor.errors import ErrorCode, StoreUnavailable
+from executor.keys import check_key
 from executor.models import (
     FINISHED,
-    MESSAGE_ONLY,
     Attempt,
     CodeErrorInfo,
     CodeJob,
@@ -394,8 +394,11 @@ class SqlRunStore(RunStore):
     def _new_rows(job: CodeJob, code_runtime: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """The ``code_jobs`` row of a new queued job, and its ``code_job_inputs`` row."""
         values = {
-            # fields = columns (the concurrency keys ride in the message only)
-            **job.model_dump(exclude={"code", "state_json", "retry", *MESSAGE_ONLY}),
+            # fields = columns
+            **job.model_dump(exclude={"code", "state_json", "retry"}),
+            # the concurrency keys as the submit checked them (NULL: none)
+            "tenant": check_key("tenant", job.tenant) or None,
+            "workflow": check_key("workflow", job.workflow) or None,
             "retry": None if job.retry is None else job.retry.model_dump_json(),
             "code": "",  # in job_inputs (see there)
             "state_json": "{}",
@@ -579,7 +582,7 @@ class SqlRunStore(RunStore):
         params = {"now": _utcnow().timestamp(), "lim": max(0, int(limit))}
         with self._read() as conn:
             found = conn.execute(st.SELECT_DUE, params)
-            return [QueuedJob(r.job_id, r.kind, r.queued_at, r.worker_group, r.user) for r in found]
+            return [rows.queued_job(r) for r in found]
 
     def mark_retry_sent(self, job_id: str) -> bool:
         with self._write() as conn:
@@ -666,7 +669,7 @@ class SqlRunStore(RunStore):
             and_(jobs.c.retry_sent.is_(True), jobs.c.not_before_ts < cutoff_ts),
         )
         stmt = (
-            select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at, jobs.c.worker_group, jobs.c.user)
+            select(*st.QUEUED_COLUMNS)
             .where(jobs.c.status == Status.QUEUED.value, waited)
             .order_by(jobs.c.queued_at)
             .limit(max(0, int(limit)))
@@ -674,8 +677,7 @@ class SqlRunStore(RunStore):
         if kind is not None:
             stmt = stmt.where(jobs.c.kind == kind)
         with self._read() as conn:
-            rows = conn.execute(stmt)
-            return [QueuedJob(r.job_id, r.kind, r.queued_at, r.worker_group, r.user) for r in rows]
+            return [rows.queued_job(r) for r in conn.execute(stmt)]
 
     def fail_queued(self, job_ids: Iterable[str], message: str) -> list[str]:
         ids = list(dict.fromkeys(job_ids))

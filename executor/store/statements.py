@@ -168,9 +168,19 @@ RETRY = (
         worker=None,
     )
 )
+#: a QueuedJob's columns (rows.queued_job reads them)
+QUEUED_COLUMNS = (
+    jobs.c.job_id,
+    jobs.c.kind,
+    jobs.c.queued_at,
+    jobs.c.worker_group,
+    jobs.c.user,
+    jobs.c.tenant,
+    jobs.c.workflow,
+)
 #: queued attempts of a retry now due whose message no sweep sent yet (parameter now)
 SELECT_DUE = (
-    select(jobs.c.job_id, jobs.c.kind, jobs.c.queued_at, jobs.c.worker_group, jobs.c.user)
+    select(*QUEUED_COLUMNS)
     .where(
         jobs.c.status == Status.QUEUED.value,
         jobs.c.retry_sent.is_(False),

@@ -32,7 +32,9 @@ janitor at a time (a Redis lock) every STUDIO_QUEUE_REAP_INTERVAL_S.
 A workflow run's message sent again goes through its group's fair queue (worker.fair,
 ``again``), never straight to its queue: a job that holds its slot (released, its message
 lost after) gets its message back in its queue, the slot counted once; any other waits on
-its lane (the one its last attempt had, else its user's) at its keys' caps.
+its lane (the one its last attempt had, else the lane of its user, tenant and workflow as the
+run store's row holds them: a run whose fair state Redis lost entirely comes back to its own
+lane) at its keys' caps.
 
 Cost: one SELECT of old queued rows per sweep; the broker is read only when there are some,
 and never when the queues hold more than MAX_SCAN messages (then only the wait bound acts).
@@ -320,7 +322,9 @@ class QueuedSweep:
                 headers={
                     **job_headers(self.store.store_id, self.store.describe()),
                     # a workflow run: through its group's fair queue (the module's doc)
-                    **fair_headers(self.settings, lost.kind, lost.user, again=True),
+                    **fair_headers(
+                        self.settings, lost.kind, lost.user, lost.tenant, lost.workflow, again=True
+                    ),
                 },
             )
             resent.append(job_id)

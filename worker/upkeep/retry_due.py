@@ -10,9 +10,9 @@ it, the lost-message sweep leaves it alone (``list_queued``), so the two never b
 
 A workflow run's next attempt goes through its group's fair queue, as its first did
 (worker.fair, ``again``): on the lane its last attempt had (its user's, tenant's and
-workflow's: the lane was kept when that attempt ended), waiting there while one of its keys
-is at its cap. Its slot was freed when the attempt ended (``pause``): a run waiting out its
-delay holds none.
+workflow's: the lane was kept when that attempt ended; when Redis lost that, the lane of the
+keys the run store's row holds), waiting there while one of its keys is at its cap. Its
+slot was freed when the attempt ended (``pause``): a run waiting out its delay holds none.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def send_due(store: RunStore, app: Any, settings: Settings) -> list[str]:
             ignore_result=True,
             headers={
                 **job_headers(store.store_id, store.describe()),
-                **fair_headers(settings, due.kind, due.user, again=True),
+                **fair_headers(settings, due.kind, due.user, due.tenant, due.workflow, again=True),
             },
         )
         sent.append(due.job_id)
