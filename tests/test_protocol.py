@@ -27,6 +27,10 @@ from worker.protocol import (
     QUEUES,
     TASK_NAME,
     queue_lists,
+    restore_interval_s,
+    restore_mutex_s,
+    stuck_after_s,
+    visibility_timeout_s,
 )
 from worker.upkeep.queued import broker_job_ids
 
@@ -116,3 +120,33 @@ def test_a_message_taken_without_ack_is_in_protocols_unacked_hash(
         message.ack()
         assert client.hlen(KOMBU_UNACKED) == 0
         assert broker_job_ids(client) == {"waiting-job"}
+
+
+def test_a_worker_killed_mid_restore_holds_the_restore_lock_one_interval(
+    broker: tuple[Any, redis.Redis], make_settings: Any
+) -> None:
+    """kombu's restore lock (``unacked_mutex``) outlives a holder SIGKILLed mid-pass by its
+    expiry; at kombu's 300 s every worker's restores stopped that long, past the reaper's
+    ``stuck_after_s``, and a dead worker's job waited five minutes for its redelivery. The
+    expiry reaches the channel every worker process uses (read off a real connection), and
+    with it a dead worker's messages come back within ``stuck_after_s`` whatever the lock:
+    the visibility timeout, one restore interval for the lock, one for the pass."""
+    app, client = broker
+    settings = make_settings()
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        assert channel.unacked_mutex_expire == restore_mutex_s(settings)
+        # the lock a dead holder left is the channel's, with the expiry the channel sets
+        from kombu.transport.redis import Mutex
+
+        held = Mutex(client, channel.unacked_mutex_key, channel.unacked_mutex_expire)
+        held.__enter__()  # never left: its holder was SIGKILLed
+        ttl = client.ttl(channel.unacked_mutex_key)
+        assert 0 < ttl <= restore_mutex_s(settings), ttl
+    for s in (
+        settings,
+        make_settings(code_max_seconds=600),
+        make_settings(queue_visibility_timeout_s=2),
+    ):
+        worst = visibility_timeout_s(s) + restore_mutex_s(s) + restore_interval_s(s)
+        assert worst <= stuck_after_s(s), (worst, stuck_after_s(s))

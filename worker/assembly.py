@@ -26,6 +26,7 @@ from worker.context import StudioCelery
 from worker.protocol import (
     group_queues,
     restore_interval_s,
+    restore_mutex_s,
     visibility_timeout_s,
 )
 
@@ -74,6 +75,8 @@ def make_app(settings: Settings) -> StudioCelery:
             # (kombu's default sweeps every 100 s).
             "unacked_restore_interval": restore_interval_s(settings),
             "unacked_restore_throttle": 1,
+            # a worker killed mid-restore holds kombu's restore lock this long, not 300 s
+            "unacked_mutex_expire": restore_mutex_s(settings),
         },
         broker_connection_retry_on_startup=True,
         # A Redis blip must not kill running sandboxes: their result goes to the run store

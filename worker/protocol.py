@@ -10,6 +10,7 @@ nothing heavy (no Docker, no SQL, no Redis client: the writers take one).
 from __future__ import annotations
 
 import json
+import math
 import signal
 from typing import Any
 
@@ -155,6 +156,17 @@ def held_lost_after_s(settings: Settings) -> float:
 def restore_interval_s(settings: Settings) -> float:
     """How often a worker looks for messages whose visibility timeout has passed."""
     return max(1.0, min(10.0, visibility_timeout_s(settings) / 4))
+
+
+def restore_mutex_s(settings: Settings) -> int:
+    """How long kombu's restore lock (``unacked_mutex``, taken by a worker for each pass that
+    sends dead workers' messages back) lives when its holder dies holding it: one restore
+    interval, not kombu's 300 s. A worker SIGKILLed mid-pass otherwise stopped every worker's
+    restores for five minutes, past ``stuck_after_s``: a dead worker's running job waited
+    that long for its redelivery (seen in a test: a job re-run 5 min after its worker's
+    SIGKILL). A pass takes milliseconds (at most 10 messages); two passes at once are safe,
+    each message's restore is a WATCHed transaction that only one of them carries out."""
+    return max(1, math.ceil(restore_interval_s(settings)))
 
 
 def stuck_after_s(settings: Settings) -> float:
