@@ -178,6 +178,8 @@ class CodeClient:
         self.fairs[self.fair.group] = self.fair
         self._served_until: dict[tuple[str, int, float], float] = {}
         self._aworkers: AsyncWorkerRegistry | None = None  # on async_redis (the API's loop)
+        #: the run store's id has been read (the store keeps it): the loop needs no thread
+        self._store_id_known = False
         # BLMOVE blocks up to WAIT_SLICE_S: its socket must wait longer than that.
         self._blocking = redis_conn.client(settings, block_s=WAIT_SLICE_S)
         self._rate = self.redis.register_script(ADMIT_LUA)
@@ -408,8 +410,11 @@ class CodeClient:
             live = e
         else:
             # the judge compares store ids: this API's is read (once, then kept) off the
-            # loop, as the sync check reads it in the submit's thread
-            await asyncio.to_thread(lambda: self.store.store_id)
+            # loop, as the sync check reads it in the submit's thread; once known, no
+            # thread hop (each one costs the call a wake-up of a pool thread and back)
+            if not self._store_id_known:
+                await asyncio.to_thread(lambda: self.store.store_id)
+                self._store_id_known = True
         self._judge_served(queue, live, ask)
 
     def _served_asked(self, queue: str, ask: tuple[int, float] | None = None) -> bool:

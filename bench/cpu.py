@@ -36,8 +36,9 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from bench.common import bench_stack, end_stack
 from bench.http import TRIVIAL, test_call_overhead
@@ -193,6 +194,111 @@ def sdk_floor(image: str, n: int) -> float:
     return spent * 1000 / n
 
 
+#: commands one connection sends within this long of each other (MONITOR's timestamps) are
+#: counted as one round trip: a pipeline's or a transaction's arrive together, while a new
+#: round trip waits for the answer of the one before (tens of µs at least on loopback)
+TRIP_GAP_S = 50e-6
+
+
+def _port_pids() -> dict[int, int]:
+    """Local TCP port -> the pid holding that socket (loopback connections to Redis)."""
+    inode_pid: dict[str, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{d}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{d}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inode_pid[link[8:-1]] = int(d)
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[9] in inode_pid:
+                out[int(f[1].rsplit(":", 1)[1], 16)] = inode_pid[f[9]]
+    return out
+
+
+def redis_per_job(
+    redis_url: str, groups: dict[str, list[int]], n: int, work: Callable[[], None]
+) -> dict[str, tuple[float, float]]:
+    """(commands, round trips) per job each group of processes (name -> pids) sends to
+    Redis over ``work()`` (``n`` jobs), read with MONITOR (a script's own commands are not
+    counted; its EVALSHA is): the busy window's less an idle window's as long."""
+    import redis as redis_lib
+
+    def watch(seconds: float | None) -> list[dict[str, Any]]:
+        seen: list[dict[str, Any]] = []
+        done = threading.Event()
+        client = redis_lib.Redis.from_url(redis_url)
+
+        def listen() -> None:
+            with client.monitor() as m:
+                started.set()
+                for cmd in m.listen():
+                    seen.append(cmd)
+                    if done.is_set():
+                        return
+
+        started = threading.Event()
+        t = threading.Thread(target=listen, daemon=True)
+        t.start()
+        started.wait(10)
+        time.sleep(0.2)
+        t0 = time.time()
+        if seconds is None:
+            work()
+        else:
+            time.sleep(seconds)
+        t1 = time.time()
+        done.set()
+        client.ping()  # one more line for the listener to see the stop
+        t.join(10)
+        client.close()
+        return [c for c in seen if t0 <= float(c["time"]) <= t1]
+
+    t0 = time.monotonic()
+    busy = watch(None)
+    idle = watch(time.monotonic() - t0)
+    pid_group = {p: name for name, pids in groups.items() for p in pids}
+    ports = _port_pids()
+    out = {}
+    counted = []
+    for lines in (busy, idle):
+        cmds: dict[str, int] = dict.fromkeys(groups, 0)
+        trips: dict[str, int] = dict.fromkeys(groups, 0)
+        last: dict[int, float] = {}
+        for c in lines:
+            try:
+                port = int(str(c["client_port"]))
+            except (KeyError, ValueError):
+                continue  # a script's own command
+            name = pid_group.get(ports.get(port, -1))
+            if name is None:
+                continue
+            at = float(c["time"])
+            cmds[name] += 1
+            if at - last.get(port, -1.0) > TRIP_GAP_S:
+                trips[name] += 1
+            last[port] = at
+        counted.append((cmds, trips))
+    (bc, bt), (ic, it) = counted
+    for name in groups:
+        out[name] = ((bc[name] - ic[name]) / n, (bt[name] - it[name]) / n)
+    return out
+
+
 def measure(runtime: str, n: int) -> dict[str, float]:
     """CPU ms per job per group, idle rate subtracted, and the floors (``floor: ...``)."""
     token = secrets.token_hex(24)
@@ -250,6 +356,13 @@ def measure(runtime: str, n: int) -> dict[str, float]:
         ) / n
         if runtime == "docker":
             per["floor: SDK calls"] = sdk_floor(client.settings.code_image, n)
+        groups = {
+            "api": process_tree(api.pid),
+            "worker main": [worker.pid],
+            "pool process": children(worker.pid),
+        }
+        for name, (cmds, trips) in redis_per_job(stack.redis_url, groups, n, jobs).items():
+            per[f"redis commands: {name}"], per[f"redis trips: {name}"] = cmds, trips
         return per
     finally:
         end_stack(stack)
@@ -300,6 +413,16 @@ def main() -> None:
             f"| {runtime} | **ours above the stack's floors** ({ours:.1f} − {floor:.1f}) | "
             f"**{ours - floor:.1f}** | |"
         )
+        print(
+            f"| {runtime} | **our CPU per job vs the stack's floor** ({ours:.1f} / "
+            f"{floor:.1f}) | **{ours / floor:.2f}x** | ≤ 1.3x |"
+        )
+        for name in ("api", "worker main", "pool process"):
+            print(
+                f"| {runtime} | Redis per job, ours: {name} (MONITOR, idle window's "
+                f"subtracted): commands / ≈ round trips | "
+                f"{per[f'redis commands: {name}']:.1f} / {per[f'redis trips: {name}']:.1f} | |"
+            )
         print(f"| {runtime} | redis-server | {per['redis-server']:.1f} | |")
         if runtime == "subprocess":
             print(f"| {runtime} | the job's runner interpreter | {per['runner']:.1f} | |")

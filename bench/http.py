@@ -45,20 +45,60 @@ def unfinished_tests(db: Path) -> int:
     return int(row[0])
 
 
+def run_call(c: Any) -> float:
+    """A workflow run through HTTP as the studio makes it: ``POST /api/runs``, then
+    ``GET /api/runs/{id}`` again as soon as each answers, until the run has finished; its
+    overhead (ms): the wall − the run's duration_ms."""
+    t0 = time.perf_counter()
+    r = c.post("/api/runs", json={"code": TRIVIAL}, timeout=60)
+    if r.status_code != 202:
+        raise RuntimeError(f"POST /api/runs answered {r.status_code}: {r.text[:300]}")
+    job_id = r.json()["job_id"]
+    while True:
+        body = c.get(f"/api/runs/{job_id}", timeout=60).json()
+        if body["status"] not in ("queued", "running"):
+            break
+    wall = (time.perf_counter() - t0) * 1000
+    if body["status"] != "succeeded":
+        raise RuntimeError(f"the run ended {body['status']}: {body.get('error')}")
+    return wall - float(body["duration_ms"])
+
+
+def client_call(client: Any, kind: str) -> float:
+    """The same job through the queue without HTTP (CodeClient.submit → wait, as the routes
+    submit and wait): its overhead (ms), the wall − the run's duration_ms."""
+    t0 = time.perf_counter()
+    job_id = client.submit(TRIVIAL, "python", {}, user="bench", kind=kind)
+    rec = client.wait(job_id, submitted=True)
+    wall = (time.perf_counter() - t0) * 1000
+    if rec.status != "succeeded":
+        raise RuntimeError(f"the queued {kind} job ended {rec.status}: {rec.error}")
+    return wall - float(rec.duration_ms or 0)
+
+
 def test_call_overhead(
-    base: str, auth: dict[str, str], n: int, client: Any = None, executor: Any = None
+    base: str,
+    auth: dict[str, str],
+    n: int,
+    client: Any = None,
+    executor: Any = None,
+    *,
+    runs: bool = False,
 ) -> dict[str, list[float]]:
     """n editor test calls one at a time, SETTLE_S apart: ``wall`` (ms) and ``over`` (wall
     − the run's duration_ms). With ``client`` (a CodeClient on the same Redis, store and
     worker), each call is followed by the same job through the queue without HTTP
     (``queue``: submit → wait − duration_ms); with ``executor`` (pre-started sandboxes, in
-    this process), by the same node run in-process (``inproc``: its wall), so every side
-    sees the same noise."""
+    this process), by the same node run in-process (``inproc``: its wall); with ``runs``,
+    by a workflow run through HTTP (``runs``: ``run_call``) and, with ``client``, the same
+    run through the queue (``queue_run``), so every side sees the same noise."""
     import httpx
 
     from executor.models import CodeJob
 
-    out: dict[str, list[float]] = {"wall": [], "over": [], "queue": [], "inproc": [], "bare": []}
+    out: dict[str, list[float]] = {
+        k: [] for k in ("wall", "over", "queue", "inproc", "bare", "runs", "queue_run")
+    }
     with httpx.Client(base_url=base, headers={**auth, "X-Studio-User": "bench"}) as c:
         while len(out["wall"]) < n:
             time.sleep(SETTLE_S)  # each call on a settled worker (see bench.queue)
@@ -78,13 +118,13 @@ def test_call_overhead(
             out["bare"].append((time.perf_counter() - t0) * 1000)
             if client is not None:
                 time.sleep(SETTLE_S)
-                t0 = time.perf_counter()
-                job_id = client.submit(TRIVIAL, "python", {}, user="bench", kind="test")
-                rec = client.wait(job_id, submitted=True)  # as the route waits
-                wall = (time.perf_counter() - t0) * 1000
-                if rec.status != "succeeded":
-                    raise RuntimeError(f"the queued test job ended {rec.status}: {rec.error}")
-                out["queue"].append(wall - float(rec.duration_ms or 0))
+                out["queue"].append(client_call(client, "test"))
+            if runs:
+                time.sleep(SETTLE_S)
+                out["runs"].append(run_call(c))
+                if client is not None:
+                    time.sleep(SETTLE_S)
+                    out["queue_run"].append(client_call(client, "run"))
             if executor is not None:
                 time.sleep(SETTLE_S)
                 t0 = time.perf_counter()
@@ -163,11 +203,65 @@ class Burst:
         self._thread.join(60)
 
 
+def print_calls(calls: dict[str, list[float]]) -> None:
+    """The rows of ``test_call_overhead``'s samples (with the client, the executor and runs)."""
+    print(
+        f"| POST /api/code/test, trivial node, one at a time, {SETTLE_S} s apart "
+        f"(n={len(calls['wall'])}): whole "
+        f"call | {pct(calls['wall'], 50):.1f} / {pct(calls['wall'], 99):.1f} ms | | | |"
+    )
+    print(
+        f"| … its overhead: the call − the run's duration_ms (queue, HTTP, auth, "
+        f"limits) | {pct(calls['over'], 50):.1f} ms / p95 {pct(calls['over'], 95):.1f} ms | | | "
+        "≤ 10 ms p50 |"
+    )
+    print(
+        f"| … the same job through the queue without HTTP (CodeClient.submit → wait, "
+        f"code.test, the same worker; interleaved): its overhead | "
+        f"{pct(calls['queue'], 50):.1f} ms / p95 {pct(calls['queue'], 95):.1f} ms | | "
+        f"HTTP − queue: {pct(calls['over'], 50) - pct(calls['queue'], 50):+.1f} ms p50 | "
+        "≤ +3 ms |"
+    )
+    print(
+        f"| … a bare HTTP round trip beside each call (GET /healthz/live, the same client "
+        f"and server, {SETTLE_S} s apart; interleaved) | {pct(calls['bare'], 50):.1f} ms / "
+        f"p95 {pct(calls['bare'], 95):.1f} ms | | HTTP − queue − bare round trip: "
+        f"{pct(calls['over'], 50) - pct(calls['queue'], 50) - pct(calls['bare'], 50):+.1f} ms "
+        "p50 (what the route adds) | |"
+    )
+    print(
+        f"| … the same node run in-process on a pre-started sandbox (Executor.run; "
+        f"interleaved): whole run | {pct(calls['inproc'], 50):.1f} / "
+        f"{pct(calls['inproc'], 99):.1f} ms | | HTTP call / in-process: "
+        f"{pct(calls['wall'], 50) / pct(calls['inproc'], 50):.2f}x p50 | |"
+    )
+    for name, http, queue in (
+        ("POST /api/code/test", calls["over"], calls["queue"]),
+        (
+            "POST /api/runs + GET /api/runs/{id} until finished (back to back) vs "
+            "CodeClient.submit(kind=run) → wait",
+            calls["runs"],
+            calls["queue_run"],
+        ),
+    ):
+        print(
+            f"| HTTP test call vs client p50: {name}, overhead over the run's duration_ms "
+            f"(interleaved, n={len(http)}) | {pct(http, 50):.1f} ms / p95 {pct(http, 95):.1f} "
+            f"ms | client {pct(queue, 50):.1f} ms / p95 {pct(queue, 95):.1f} ms | "
+            f"HTTP − client: {pct(http, 50) - pct(queue, 50):+.1f} ms p50 | ≤ +3 ms |"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--users", type=int, default=20)
     p.add_argument("--n", type=int, default=300)
+    p.add_argument(
+        "--calls-only",
+        action="store_true",
+        help="only the call overheads beside the client's (no probes, no waiting burst)",
+    )
     args = p.parse_args()
 
     import httpx
@@ -214,9 +308,14 @@ def main() -> None:
         queue_client = stack.client
         executor = Executor(settings)
         executor.prepare()
-        test_call_overhead(base, auth, 5, queue_client, executor)  # warm-up: every client
-        calls = test_call_overhead(base, auth, min(args.n, 60), queue_client, executor)
-        call_wall, call_over = calls["wall"], calls["over"]
+        test_call_overhead(base, auth, 5, queue_client, executor, runs=True)  # warm-up
+        calls = test_call_overhead(base, auth, min(args.n, 60), queue_client, executor, runs=True)
+        if args.calls_only:
+            print(f"# bench.http --calls-only: {os.cpu_count()} CPUs")
+            print("| route | idle p50 / p99 | loaded p50 / p99 | p99 loaded / idle | goal |")
+            print("|---|---|---|---|---|")
+            print_calls(calls)
+            return
 
         api_pid = api.pid
         c0, t0 = cpu_s(api_pid), time.monotonic()
@@ -280,36 +379,7 @@ def main() -> None:
             f"| API process CPU while probed | {idle_cpu:.0%} of a core | {load_cpu:.0%} "
             "of a core | | |"
         )
-        print(
-            f"| POST /api/code/test, trivial node, one at a time, {SETTLE_S} s apart "
-            f"(n={len(call_wall)}): whole "
-            f"call | {pct(call_wall, 50):.1f} / {pct(call_wall, 99):.1f} ms | | | |"
-        )
-        print(
-            f"| … its overhead: the call − the run's duration_ms (queue, HTTP, auth, "
-            f"limits) | {pct(call_over, 50):.1f} ms / p95 {pct(call_over, 95):.1f} ms | | | "
-            "≤ 10 ms p50 |"
-        )
-        print(
-            f"| … the same job through the queue without HTTP (CodeClient.submit → wait, "
-            f"code.test, the same worker; interleaved): its overhead | "
-            f"{pct(calls['queue'], 50):.1f} ms / p95 {pct(calls['queue'], 95):.1f} ms | | "
-            f"HTTP − queue: {pct(call_over, 50) - pct(calls['queue'], 50):+.1f} ms p50 | "
-            "≤ +3 ms |"
-        )
-        print(
-            f"| … a bare HTTP round trip beside each call (GET /healthz/live, the same client "
-            f"and server, {SETTLE_S} s apart; interleaved) | {pct(calls['bare'], 50):.1f} ms / "
-            f"p95 {pct(calls['bare'], 95):.1f} ms | | HTTP − queue − bare round trip: "
-            f"{pct(call_over, 50) - pct(calls['queue'], 50) - pct(calls['bare'], 50):+.1f} ms "
-            "p50 (what the route adds) | |"
-        )
-        print(
-            f"| … the same node run in-process on a pre-started sandbox (Executor.run; "
-            f"interleaved): whole run | {pct(calls['inproc'], 50):.1f} / "
-            f"{pct(calls['inproc'], 99):.1f} ms | | HTTP call / in-process: "
-            f"{pct(call_wall, 50) / pct(calls['inproc'], 50):.2f}x p50 | |"
-        )
+        print_calls(calls)
         answered = sorted(set(burst.codes))
         print(
             f"\nthe waiting calls answered {answered} once their runs were cancelled "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
+from pathlib import Path
 
 from testkit.processes import StopsOnExit, free_port
 
@@ -222,3 +223,56 @@ class ClosingRelay:
                 pass
             s.close()
         self._socks.clear()
+
+
+class UnixRelay:
+    """A unix socket at ``path`` forwarding to another (the machine's Docker socket by
+    default), each direction until its sender half-closes; ``paths`` holds the target of
+    every HTTP request line a client sent through it (the engine calls it relayed). Docker
+    'comes back' for a process whose DOCKER_HOST names ``path`` when this starts."""
+
+    def __init__(self, path: Path, target: str = "/var/run/docker.sock") -> None:
+        self.path, self.target = path, target
+        self.server: socket.socket | None = None
+        self.paths: list[str] = []
+
+    def start(self) -> None:
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(self.path))
+        self.server.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        assert self.server is not None
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            upstream.connect(self.target)
+            for a, b, sent in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, sent), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket, requests: bool) -> None:
+        try:
+            while data := a.recv(65536):
+                if requests:
+                    for line in data.split(b"\r\n"):
+                        parts = line.split(b" ")
+                        if len(parts) == 3 and parts[2].startswith(b"HTTP/1."):
+                            self.paths.append(parts[1].decode("latin-1"))
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                b.shutdown(socket.SHUT_WR)  # a half-close: the other direction goes on
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        self.path.unlink(missing_ok=True)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sqlite3
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +25,7 @@ import pytest
 
 from testkit.postgres import PgCluster, start_pg_cluster
 from testkit.processes import free_port, require, wait_for
+from testkit.relay import UnixRelay
 from testkit.stack import Stack
 from testkit.worker import health
 
@@ -235,52 +234,6 @@ def test_poison_items_are_set_aside(make_stack: Any, tmp_path: Path) -> None:
 # --- a worker that cannot run nodes --------------------------------------------------------------
 
 
-class SocketProxy:
-    """A unix socket at ``path`` forwarding to the real Docker socket: Docker 'comes back'
-    for a worker whose DOCKER_HOST names ``path`` when this starts."""
-
-    def __init__(self, path: Path, target: str = "/var/run/docker.sock") -> None:
-        self.path, self.target = path, target
-        self.server: socket.socket | None = None
-
-    def start(self) -> None:
-        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.server.bind(str(self.path))
-        self.server.listen(64)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        assert self.server is not None
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            upstream.connect(self.target)
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket) -> None:
-        try:
-            while data := a.recv(65536):
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                b.shutdown(socket.SHUT_WR)  # a half-close: the other direction goes on
-            except OSError:
-                pass
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-        self.path.unlink(missing_ok=True)
-
-
 @pytest.mark.docker
 @pytest.mark.redis
 @pytest.mark.timeout(180)
@@ -308,7 +261,7 @@ def test_dockerless_worker_steps_aside(make_stack: Any, monkeypatch: pytest.Monk
     assert not acc["attempts > 1"], acc
     assert "not taking jobs" in blind.log.read_text(errors="replace")
     # Docker comes back at the blind worker's socket: it resumes and takes jobs again.
-    proxy = SocketProxy(sock)
+    proxy = UnixRelay(sock)
     proxy.start()
     try:
         wait_for(lambda: health(pb)[0] == 200, 30, "the blind worker ready again", 0.2)
