@@ -210,13 +210,16 @@ class Settings(BaseSettings):
         "removed and replaced.",
     )
     code_prewarm_rename_after_s: float = Field(
-        0.5,
+        0,
         ge=0,
         le=1.5,
         description="Seconds a job runs in a pre-started container under its pool name "
         "before the container is renamed studio-code-<job id> (how another process's cancel "
-        "backstop, 2 s after the revoke, and `docker ps` find it); a job that ends sooner is "
-        "never renamed, one engine call fewer. 0: renamed when taken, every job.",
+        "backstop, 2 s after the revoke, and `docker ps` find it, and what removes an earlier "
+        "attempt's sandbox of the same job). 0 (the default): renamed when taken, every job, "
+        "off the answer's path. Above 0: a job that ends sooner is never renamed, one engine "
+        "call fewer, but an earlier attempt's sandbox of a re-run short job is left to its "
+        "owner or the reaper.",
     )
     code_oci_runtime: str = Field(
         "",
