@@ -709,3 +709,26 @@ def test_the_engine_client_keeps_one_pool_of_connections_for_all_containers(
         all=True, filters={"label": "studio.test=engine-connections"}
     )
     assert left == []
+
+
+def test_the_default_renames_a_taken_sandbox_however_soon_its_job_ends() -> None:
+    """With STUDIO_CODE_PREWARM_RENAME_AFTER_S=0 (the default) the rename (what removes an
+    earlier attempt's sandbox of the same job: test_infra_lost's re-run test, on a real
+    engine) happens even when the job ended before the rename's thread ran; above 0 a job
+    that ended first is never renamed. The rule alone, on the renamer's own thread body."""
+    from types import SimpleNamespace
+
+    from executor.runtimes.docker.pool import _Renamer
+
+    for after, expected in ((0.0, ["job-1"]), (0.5, [])):
+        renamed: list[str] = []
+        pool = SimpleNamespace(
+            settings=SimpleNamespace(code_prewarm_rename_after_s=after),
+            _rename=lambda p, job_id, renamed=renamed: renamed.append(job_id),
+        )
+        r = _Renamer.__new__(_Renamer)
+        r.pool, r.p, r.job_id, r.error = pool, None, "job-1", None  # type: ignore[assignment]
+        r._ended = threading.Event()
+        r._ended.set()  # the job ended before the thread ran
+        r._run()
+        assert renamed == expected, (after, renamed)

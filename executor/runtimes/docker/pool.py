@@ -772,7 +772,7 @@ class SandboxPool(IdlePoolStats):
 
 class _Renamer:
     """``SandboxPool._rename`` on a thread of its own, ``code_prewarm_rename_after_s`` after
-    the job was given to the container unless the job ended first (``call_off``), joined
+    the job was given to the container (above 0: unless the job ended first, ``call_off``), joined
     before its removal (a failure is logged: the job ran all the same; only finding it by
     name was missed)."""
 
@@ -787,7 +787,10 @@ class _Renamer:
         self._thread.start()
 
     def _run(self) -> None:
-        if self._ended.wait(self.pool.settings.code_prewarm_rename_after_s):
+        after = self.pool.settings.code_prewarm_rename_after_s
+        # 0 (the default): always renamed, however soon the job ends (the rename is what
+        # removes an earlier attempt's sandbox of the same job); above 0: not if it ended first
+        if after > 0 and self._ended.wait(after):
             return  # the job ended under the pool name
         try:
             self.pool._rename(self.p, self.job_id)
