@@ -26,3 +26,10 @@ MIN_MEMORY_BYTES = 64 * 1024**2
 #: the subprocess runtime (V8 --single-threaded) Deno peaks at 4 threads; Python needs 1.
 #: 8 leaves twice the largest of these.
 MIN_PIDS = 8
+#: the fewest under gVisor (an OCI runtime named runsc*): its Sentry's and gofer's own host
+#: threads live in the sandbox's pids cgroup. Measured with ptrace on this machine kind, an
+#: idle sandbox holds 33-38; at --pids-limit 32 `docker run --runtime=runsc` failed two
+#: starts of three ("urpc method containerManager.StartRoot failed: EOF"), and a pre-started
+#: one that did start ended mid-job with its cgroup full (a CI run: no output, pids peak 32).
+#: 48 starts every time and leaves the code about ten; the default 64 leaves it ~26.
+GVISOR_MIN_PIDS = 48

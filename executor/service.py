@@ -66,6 +66,9 @@ RUNNER_CODES = {
     )
 }
 READINESS_TIMEOUT_S = 20.0
+#: a run its cancel ended (its sandbox removed)
+CANCELLED_MESSAGE = "The run was cancelled and its sandbox killed."
+
 #: the trace row of a run whose sandbox the infrastructure killed (InfrastructureLost): its
 #: detail is the machine-readable cause
 LOST_STEP = "sandbox.lost"
@@ -355,6 +358,16 @@ class Executor:
                 job, Status.CANCELLED, error=ErrorCode.CODE_CANCELLED, message=str(e), t0=t0
             )
         except InfrastructureLost as e:
+            if should_cancel is not None and should_cancel():
+                # the cancel removed its sandbox (between its create and start, or before
+                # the run saw the cancel): the job's end is the cancel, never a re-run
+                return self._result(
+                    job,
+                    Status.CANCELLED,
+                    error=ErrorCode.CODE_CANCELLED,
+                    message=CANCELLED_MESSAGE,
+                    t0=t0,
+                )
             # never the code's: RUNTIME_UNAVAILABLE, and the trace row says the cause (the
             # worker runs it again elsewhere when the runtime's re-run is harmless)
             log.warning("job %s: sandbox lost to the infrastructure: %s", job.job_id, e.message)
@@ -442,7 +455,7 @@ class Executor:
                 job,
                 Status.CANCELLED,
                 error=ErrorCode.CODE_CANCELLED,
-                message="The run was cancelled and its sandbox killed.",
+                message=CANCELLED_MESSAGE,
                 **common,
             )
         if raw.timed_out:

@@ -130,7 +130,7 @@ def test_what_each_error_means_at_each_step(errors: dict) -> None:
     e = errors
     refused = "The Docker engine refused to {step} the sandbox of job j1, so the job did not run"
     for step in ("create", "start"):
-        for what in ("refused", "failed") + (("gone",) if step == "create" else ("conflict",)):
+        for what in ("refused", "failed") + (("gone",) if step == "create" else ()):
             name, cause, message = _said(e[what], step)
             assert (name, cause) == ("SandboxRefused", ""), (step, what)
             assert message.startswith(refused.format(step=step)), message
@@ -148,6 +148,13 @@ def test_what_each_error_means_at_each_step(errors: dict) -> None:
     )
     for what in ("conflict", "no_answer", "stream"):  # the caller's to decide, or raw
         assert _said(e[what], "create") == ("passed on", "", ""), what
+    # a 409 at start ("container is marked for removal"): removed from outside between its
+    # create and its start, lost to the infrastructure, never a refusal a re-run would meet
+    assert _said(e["conflict"], "start") == (
+        "InfrastructureLost",
+        InfrastructureLost.SANDBOX_VANISHED,
+        f"the sandbox of job j1 was being removed before it started ({e['conflict']})",
+    )
     for step in ("start", "run"):
         assert _said(e["gone"], step) == (
             "InfrastructureLost",

@@ -240,3 +240,35 @@ def test_a_rerun_waits_for_the_earlier_attempts_sandbox_to_be_removed(
             pass
     assert taken, "the runtime never asked to remove the earlier attempt's sandbox"
     assert r.status.value == "succeeded" and r.output == 7, (r.status, r.error)
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_sandbox_removed_between_its_create_and_start_is_lost_or_its_cancels(
+    docker_executor: Any, docker_client: Any, monkeypatch: pytest.MonkeyPatch, cancelled: bool
+) -> None:
+    """Removed from outside after the engine made it and before it started (an operator's
+    `docker rm -f`, a reaper; or the job's own cancel): the engine answers the start 404, or
+    409 "marked for removal" while the removal is under way. Either is the infrastructure's
+    loss (run again), never a refusal a re-run would meet (a CI run saw the hostile battery's
+    job end "refused" on that 409); when the job's cancel was asked, it ends cancelled. The
+    removal is the real engine's, done just before the real start call."""
+    api = docker_executor.runtime.api
+    real_start = api.start
+    removed: list[str] = []
+
+    def start(cid: str, *args: Any, **kwargs: Any) -> Any:
+        docker_client.api.remove_container(cid, force=True)
+        removed.append(cid)
+        return real_start(cid, *args, **kwargs)
+
+    monkeypatch.setattr(api, "start", start)
+    job = CodeJob(code="def main(state):\n    return 1\n", timeout_s=20)
+    r = docker_executor.run(job, should_cancel=lambda: cancelled and bool(removed))
+    assert removed, "the start was never called"
+    if cancelled:
+        assert (r.status.value, r.error.code) == ("cancelled", "CODE_CANCELLED"), r
+        assert r.lost is None
+        return
+    assert (r.status.value, r.error.code) == ("failed", "RUNTIME_UNAVAILABLE"), r
+    assert r.lost == "sandbox_vanished" and r.refused is None, r
+    assert [(t.step, t.detail) for t in r.trace] == [("sandbox.lost", "sandbox_vanished")]

@@ -9,7 +9,8 @@ runtime (runtime.py, attached.py, pool.py and sandbox.py ask it), in two questio
 - ``stream``: a socket of ours to the engine broke (an attach stream).
 - ``gone``: 404, the container is not there (removed, or never made); ``no_image``: 404 for
   the image.
-- ``conflict``: 409, a name taken or a removal already under way.
+- ``conflict``: 409, a name taken or a removal already under way (at ``start``: the
+  sandbox was removed from outside between its create and its start, lost).
 - ``failed``: 5xx, the engine failed the call (runc refusing a CPU quota is a 500 too).
 - ``refused``: another 4xx, the engine (or a socket guard, 403) refused the call.
 - None: not the engine's (a bug of ours): passed on as it is.
@@ -86,6 +87,15 @@ def meaning(
         return InfrastructureLost(
             InfrastructureLost.SANDBOX_VANISHED,
             f"the sandbox of job {job_id} was removed while it ran ({e})",
+        )
+    if what == "conflict" and step == "start":
+        # 409 at start: "container is marked for removal and cannot be started" (someone
+        # removed it between its create and its start: an operator's `docker rm -f`, a
+        # reaper) or paused from outside; never this job's own request, so never a refusal
+        # a re-run would meet again (a CI run saw the battery's job end "refused" so)
+        return InfrastructureLost(
+            InfrastructureLost.SANDBOX_VANISHED,
+            f"the sandbox of job {job_id} was being removed before it started ({e})",
         )
     if what in ("no_answer", "stream"):
         return InfrastructureLost(

@@ -18,6 +18,7 @@ import docker
 from docker.errors import DockerException
 
 from executor.errors import InfrastructureLost, RuntimeUnavailable
+from executor.floors import GVISOR_MIN_PIDS
 from executor.languages.base import ImageFacts, Language
 from executor.models import CodeJob, Limits, RawRun
 from executor.runtimes.base import (
@@ -56,6 +57,7 @@ from executor.runtimes.docker.policy import (
 from executor.runtimes.docker.pool import LEFTOVERS_AT_CLOSE_S, NAME_FREE_S, SandboxPool
 from executor.runtimes.docker.sandbox import Sandbox, create
 from executor.runtimes.docker.sandbox import remove as remove_sandbox
+from executor.runtimes.docker.seccomp import is_gvisor
 from executor.settings import KNOWN_LANGUAGES, Settings
 
 if TYPE_CHECKING:
@@ -308,8 +310,13 @@ class DockerRuntime(Runtime):
         return None
 
     def refused_engine(self) -> str | None:
-        """Why this engine is refused (STUDIO_CODE_ENGINE_REFUSE_VULNERABLE on, and it has
-        known container escapes or its versions cannot be read); None: it is not."""
+        """Why this engine is refused: its OCI runtime cannot start a sandbox under
+        STUDIO_CODE_PIDS (gvisor_pids_problem), or STUDIO_CODE_ENGINE_REFUSE_VULNERABLE is
+        on and it has known container escapes or its versions cannot be read; None: it is
+        not. Asked by readiness, on every run's path and before each pre-start."""
+        too_few = self.gvisor_pids_problem()
+        if too_few is not None:
+            return too_few
         if not self.settings.code_engine_refuse_vulnerable:
             return None
         posture = self.engine_posture()
@@ -325,6 +332,27 @@ class DockerRuntime(Runtime):
             f"STUDIO_CODE_ENGINE_REFUSE_VULNERABLE is on and the Docker engine has known "
             f"container escapes ({ids}): upgrade it (docs/security.md, 'The engine posture'), "
             "or turn the setting off to run with a WARNING."
+        )
+
+    def gvisor_pids_problem(self) -> str | None:
+        """Under gVisor the Sentry's own host threads count in the sandbox's pids limit
+        (floors.GVISOR_MIN_PIDS): below that floor a sandbox fails to start, or ends
+        mid-job, at random. Said once, plainly, instead of jobs failing now and then."""
+        pids = self.settings.code_pids
+        if pids >= GVISOR_MIN_PIDS:
+            return None
+        try:  # auto asks the engine (cached); an explicit name is read as it is
+            runtime = oci_runtime(self.settings, self.api)
+        except (DockerException, RuntimeUnavailable):
+            return None  # the engine cannot be asked: its own error is what a job reports
+        if not is_gvisor(runtime):
+            return None
+        return (
+            f"STUDIO_CODE_PIDS={pids} is fewer processes than gVisor ({runtime}) needs: its "
+            "own threads count in the sandbox's pids limit (33-38 at rest), so a sandbox "
+            f"would fail to start or end mid-job at random. Give STUDIO_CODE_PIDS="
+            f"{GVISOR_MIN_PIDS} or more (the default is 64), or another OCI runtime "
+            "(STUDIO_CODE_OCI_RUNTIME)."
         )
 
     # --- one call -----------------------------------------------------------------------
