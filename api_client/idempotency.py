@@ -80,6 +80,9 @@ def request_hash(job: CodeJob) -> str:
         request["retry"] = job.retry.model_dump(mode="json")
     if job.worker_group is not None:  # likewise: a job of another worker group than default
         request["worker_group"] = job.worker_group
+    for name in ("tenant", "workflow"):  # likewise: the concurrency keys, when named
+        if getattr(job, name):
+            request[name] = getattr(job, name)
     text = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -261,6 +261,14 @@ def test_the_same_key_with_another_request_is_409_naming_the_first(stack: Stack)
     err = r.json()["error"]
     assert err["code"] == "IDEMPOTENCY_CONFLICT" and err["job_id"] == first
     assert first in err["message"]
+    # the concurrency keys are part of the request: the same body under another workflow
+    # (or tenant) is another request
+    for keys in ({"workflow": "wf-other"}, {"tenant": "t-other"}):
+        r = stack.http.post(
+            "/api/runs", json={"code": OK_CODE, "state": {"n": 1}, **keys}, headers=h
+        )
+        assert r.status_code == 409, (keys, r.text)
+        assert r.json()["error"]["job_id"] == first
     # the state is compared as JSON: the same object with its keys in another order is the
     # same request
     r = stack.http.post(
