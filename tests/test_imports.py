@@ -23,6 +23,9 @@ HEAVY = (
     "requests",
     "tree_sitter",
 )
+#: the Docker SDK and the HTTP client beneath it
+DOCKER_SDK = ("docker", "requests", "urllib3")
+
 #: the queue and the run store, which `studio-code run` (no queue) must not load
 QUEUE_AND_STORE = (
     "sqlalchemy",
@@ -102,6 +105,7 @@ def test_validate_loads_no_runtime_nor_asyncio(tmp_path, runtime):
     )
     assert "pydantic_settings" in mods  # the settings were loaded, by pydantic-settings
     unused = ("asyncio", "importlib.metadata", "dotenv", "executor.runtimes", "ctypes")
+    unused += ("api_client.image",)  # the other commands' parsers (api_client/cli.py)
     assert loaded_of(mods, unused) == []
 
 
@@ -175,7 +179,9 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
     )
     assert f"executor.runtimes.{runtime}.runtime" in mods  # it did run, in that runtime
     other = "subprocess" if runtime == "docker" else "docker"
-    assert loaded_of(mods, (*QUEUE_AND_STORE, f"executor.runtimes.{other}")) == []
+    # the subprocess runtime talks to no engine: not a module of the Docker SDK's
+    sdk = DOCKER_SDK if runtime == "subprocess" else ()
+    assert loaded_of(mods, (*QUEUE_AND_STORE, f"executor.runtimes.{other}", *sdk)) == []
 
 
 #: what a one-shot ``run`` never uses: the engine posture and its table of escapes
@@ -184,6 +190,7 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
 #: secret values; the Docker SDK's requests loads them whatever we do)
 RUN_NEVER_USES = (
     "executor.runtimes.docker.posture",
+    "api_client.image",  # the other commands' parsers (api_client/cli.py build_parser)
     "tomllib",
     "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (runtimes/docker/client.py)
     # requests' guess of a text's encoding (runtimes/docker/client.py): its package, which loads
