@@ -273,14 +273,41 @@ def cmd_meta(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: commands a parser is built for alone when the command line names them (see build_parser)
+PARSED_ALONE = ("run", "validate")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every command's, or only ``command``'s when it is one of
+    PARSED_ALONE (``main`` asks so when the command line names it): building every other
+    command's parser (and importing the image command's module) was ~9 ms of each
+    one-shot ``run`` and ``validate``. The named command parses and refuses exactly as in
+    the whole parser; only ``studio-code --help`` lists the commands, and it gets them all."""
     p = Parser(
         prog="studio-code",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    if command in PARSED_ALONE:
+        (_run_command if command == "run" else _validate_command)(sub)
+        return p
+    _run_command(sub)
+    _validate_command(sub)
+    meta = sub.add_parser(
+        "meta", help="what GET /api/meta/runtime reports (an admin's view), asked fresh"
+    )
+    meta.set_defaults(handler=cmd_meta)
+    _queue_commands(sub)
+    _serve_command(sub)
+    _sockguard_command(sub)
+    from api_client.image import add_image_command
 
+    add_image_command(sub, cmd_image)
+    return p
+
+
+def _run_command(sub: Any) -> None:
     run = sub.add_parser("run", help="run a code node file once, here (no queue)")
     run.add_argument("file")
     run.add_argument(
@@ -295,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=cmd_run)
     _limit_args(run)
 
+
+def _validate_command(sub: Any) -> None:
     val = sub.add_parser("validate", help="the save-time check of a code node file")
     val.add_argument("file")
     val.add_argument(
@@ -303,18 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: from the extension (.py; .ts, .mts, .tsx)",
     )
     val.set_defaults(handler=cmd_validate)
-
-    meta = sub.add_parser(
-        "meta", help="what GET /api/meta/runtime reports (an admin's view), asked fresh"
-    )
-    meta.set_defaults(handler=cmd_meta)
-    _queue_commands(sub)
-    _serve_command(sub)
-    _sockguard_command(sub)
-    from api_client.image import add_image_command
-
-    add_image_command(sub, cmd_image)
-    return p
 
 
 def cmd_image(args: argparse.Namespace, settings: Settings) -> int:
@@ -953,7 +970,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(words[0] if words else None)
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # parse_args would refuse them in the top parser's name: say the command's

@@ -269,3 +269,42 @@ def test_an_empty_value_means_the_default(node):
     }
     proc = run_cli("run", path, env={**SUB, **empty})
     assert (proc.returncode, one_json(proc)["output"]) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "x.py"],
+        ["run", "x.py", "--state", '{"n": 1}', "--timeout", "3", "--memory", "512m"],
+        ["run", "x.py", "--cpus", "0.5", "--language", "typescript", "--state-file", "s"],
+        ["run"],
+        ["run", "x.py", "--language", "cobol"],
+        ["run", "x.py", "--state", "{}", "--state-file", "s.json"],
+        ["run", "x.py", "--cpus", "many"],
+        ["run", "x.py", "--bogus", "y"],
+        ["validate", "x.py", "--language", "python"],
+        ["validate"],
+        ["validate", "x.py", "--timeout", "3"],
+    ],
+)
+def test_a_command_parsed_alone_parses_and_refuses_as_in_the_whole_parser(argv, capsys):
+    """`run` and `validate` get a parser of their own command only (api_client/cli.py
+    build_parser): what it parses, refuses and prints for help is the whole parser's."""
+    from api_client.cli import UsageError, build_parser
+
+    def parse(parser):
+        try:
+            args, extra = parser.parse_known_args(argv)
+        except UsageError as e:
+            return ("refused", e.command, e.message)
+        seen = vars(args)
+        return ("parsed", seen.pop("handler").__name__, seen, extra)
+
+    assert parse(build_parser(argv[0])) == parse(build_parser())
+
+    def help_text(parser):
+        with pytest.raises(SystemExit):
+            parser.parse_known_args([argv[0], "--help"])
+        return capsys.readouterr().out
+
+    assert help_text(build_parser(argv[0])) == help_text(build_parser())

@@ -23,6 +23,9 @@ HEAVY = (
     "requests",
     "tree_sitter",
 )
+#: the Docker SDK and the HTTP client beneath it
+DOCKER_SDK = ("docker", "requests", "urllib3")
+
 #: the queue and the run store, which `studio-code run` (no queue) must not load
 QUEUE_AND_STORE = (
     "sqlalchemy",
@@ -102,6 +105,7 @@ def test_validate_loads_no_runtime_nor_asyncio(tmp_path, runtime):
     )
     assert "pydantic_settings" in mods  # the settings were loaded, by pydantic-settings
     unused = ("asyncio", "importlib.metadata", "dotenv", "executor.runtimes", "ctypes")
+    unused += ("api_client.image",)  # the other commands' parsers (api_client/cli.py)
     assert loaded_of(mods, unused) == []
 
 
@@ -175,7 +179,9 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
     )
     assert f"executor.runtimes.{runtime}.runtime" in mods  # it did run, in that runtime
     other = "subprocess" if runtime == "docker" else "docker"
-    assert loaded_of(mods, (*QUEUE_AND_STORE, f"executor.runtimes.{other}")) == []
+    # the subprocess runtime talks to no engine: not a module of the Docker SDK's
+    sdk = DOCKER_SDK if runtime == "subprocess" else ()
+    assert loaded_of(mods, (*QUEUE_AND_STORE, f"executor.runtimes.{other}", *sdk)) == []
 
 
 #: what a one-shot ``run`` never uses: the engine posture and its table of escapes
@@ -184,11 +190,16 @@ def test_run_loads_no_queue_and_no_store(tmp_path, runtime):
 #: secret values; the Docker SDK's requests loads them whatever we do)
 RUN_NEVER_USES = (
     "executor.runtimes.docker.posture",
+    "api_client.image",  # the other commands' parsers (api_client/cli.py build_parser)
     "tomllib",
     "importlib.metadata",  # pydantic's plugins, urllib3's HTTP/2 (runtimes/docker/client.py)
     # requests' guess of a text's encoding (runtimes/docker/client.py): its package, which loads
     # .api first, and not its version module (imported for requests to read)
     "charset_normalizer.api",
+    # requests' re-export of idna (a host name not ASCII) and its zip archive reader (a CA
+    # bundle inside one): runtimes/docker/client.py
+    "idna",
+    "zipfile",
 )
 SUBPROCESS_RUN_NEVER_USES = ("socket", "secrets", "hmac")
 
@@ -229,16 +240,33 @@ def test_secrets_left_out_of_pydantic_still_compare_when_used():
 
 
 def test_what_the_docker_sdk_is_imported_without_still_works_when_used():
-    """import_sdk leaves out charset_normalizer and importlib.metadata: requests still reads
-    their versions at import, guesses a body's encoding with the real library, and urllib3's
-    HTTP/2 check still reads a package's version, each importing it then."""
+    """import_sdk leaves out charset_normalizer, importlib.metadata, idna and zipfile:
+    requests still reads their versions at import, guesses a body's encoding with the real
+    library, encodes a host name that is not ASCII and reads a path inside a zip archive, and
+    urllib3's HTTP/2 check still reads a package's version, each importing it then."""
     mods = loaded_after("""
         import sys
         from executor.runtimes.docker.client import import_sdk
         import_sdk()
         assert "docker" in sys.modules
-        assert "charset_normalizer" not in sys.modules
-        assert "importlib.metadata" not in sys.modules
+        for name in ("charset_normalizer", "importlib.metadata", "idna", "zipfile"):
+            assert name not in sys.modules, name
+        import requests.models, requests.utils
+        host = requests.models.PreparedRequest._get_idna_encoded_host("bücher.example")
+        assert host == "xn--bcher-kva.example"
+        assert type(sys.modules["idna"]).__name__ == "module"
+        assert requests.packages.idna.encode("bücher") == b"xn--bcher-kva"
+        import os, tempfile
+        not_zip = os.path.join(sys.executable, "ca.pem")  # beneath a file that is no archive
+        assert requests.utils.extract_zipped_paths(not_zip) == not_zip
+        assert type(sys.modules["zipfile"]).__name__ == "module"
+        import zipfile as real_zip
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = os.path.join(tmp, "certs.zip")
+            with real_zip.ZipFile(archive, "w") as z:
+                z.writestr("ca.pem", "x")
+            found = requests.utils.extract_zipped_paths(os.path.join(archive, "ca.pem"))
+            assert found != os.path.join(archive, "ca.pem") and open(found).read() == "x"
         import requests, urllib3.http2
         from requests.models import Response
         r = Response()
@@ -251,7 +279,7 @@ def test_what_the_docker_sdk_is_imported_without_still_works_when_used():
         import charset_normalizer
         assert charset_normalizer.__version__ == requests.compat.chardet.__version__
     """)
-    assert {"charset_normalizer", "importlib.metadata"} <= mods
+    assert {"charset_normalizer", "importlib.metadata", "idna", "zipfile"} <= mods
 
 
 def test_executor_never_imports_worker_or_api_client():

@@ -29,12 +29,15 @@ _shared: tuple[int, str, docker.APIClient] | None = None
 
 
 def import_sdk() -> None:
-    """Import the Docker SDK without two modules it loads for what this process never does,
-    10 to 30 ms of a one-shot ``studio-code run`` here (then imported on first use, if ever):
+    """Import the Docker SDK without modules it loads for what this process never does,
+    15 to 35 ms of a one-shot ``studio-code run`` here (then imported on first use, if ever):
     ``importlib.metadata``, which urllib3's HTTP/2 support calls only when HTTP/2 is
-    turned on (never, for the engine's socket), and charset_normalizer, which requests
-    calls only to guess the text encoding of a response that names none (``.text``; the
-    engine's answers are read as JSON or bytes). Its version is read as requests does."""
+    turned on (never, for the engine's socket); charset_normalizer, which requests calls
+    only to guess the text encoding of a response that names none (``.text``; the engine's
+    answers are read as JSON or bytes), its version read as requests does; idna, which
+    requests only re-exports (``requests.packages``) and calls for a host name that is not
+    ASCII (the engine's is ``localhost`` or the one DOCKER_HOST names); zipfile, which
+    requests opens only to find a CA bundle inside a zip archive (an HTTPS engine's)."""
     if "docker" in sys.modules:
         return
     from executor.deferred_import import on_first_use
@@ -42,6 +45,8 @@ def import_sdk() -> None:
     with (
         on_first_use("importlib.metadata", functions=("version",)),
         on_first_use("charset_normalizer", names_of="version"),
+        on_first_use("idna"),
+        on_first_use("zipfile"),
     ):
         import docker  # noqa: F401
 
