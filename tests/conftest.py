@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from testkit import processes
+from testkit import processes, xdist_groups
 from testkit.postgres import POSTGRES_URL, pg_schema, pg_unreachable
 from testkit.processes import ROOT, require
 from testkit.reaper import stop_on_sigterm
@@ -52,7 +52,7 @@ def service_markers(item: pytest.Item, fixturenames: list[str]) -> set[str]:
 #: another on one process (never at the same time as each other). A new module joins with no
 #: edit. The modules that hold a test marked ``slow`` are handed out first, so the longest
 #: ones do not start last.
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (testkit.xdist_groups)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_modules)  # stable: the order within
@@ -73,6 +73,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # and the fixtures' teardowns stop what they started; what a SIGKILL leaves behind,
     # each service's reaper stops (testkit/reaper.py)
     stop_on_sigterm(KeyboardInterrupt)
+    # each module (or the group it names) on one process under --dist loadgroup
+    if not config.pluginmanager.is_registered(xdist_groups):
+        config.pluginmanager.register(xdist_groups, "studio-xdist-groups")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import shutil
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -859,9 +860,15 @@ def _cases(runtime: str) -> list[Case]:
     return [c for c in CASES if runtime in c.runtimes]
 
 
+#: the battery's job ids are this process's own: another process or session running the
+#: battery on the same engine with the same ids would meet its names (409), and each run's
+#: create removes the sandbox of that job it finds (a redelivery's rule: DockerRuntime._create)
+RUN = uuid.uuid4().hex[:8]
+
+
 def _job(case: Case, runtime: str) -> CodeJob:
     return CodeJob(
-        job_id=f"hostile-{runtime}-{case.name}",
+        job_id=f"hostile-{runtime}-{case.name}-{RUN}",
         language=case.language,  # type: ignore[arg-type]
         code=case.code,
         state_json=case.state,
@@ -880,9 +887,9 @@ def _run_all(executor: Executor, runtime: str, cases: list[Case] | None = None) 
         results = list(pool.map(executor.run, jobs))
     # A sandbox lost to the infrastructure (InfrastructureLost: the trace's sandbox.lost) is
     # not the code's answer; a worker runs such a job again, and so does the battery, once.
-    # (A CI run under load saw four runsc sandboxes vanish at once: most likely another
-    # test's reaper, which counted their studio.deadline from before a slow start; the
-    # reapers now move it by the start's delay, test_pool's test of it.)
+    # (CI runs saw sandboxes of the battery vanish: the battery ran on several xdist
+    # processes at once with the same job ids, whose creates removed each other's sandboxes;
+    # the module now keeps to one process, testkit/xdist_groups.py, and the ids to RUN.)
     results = [
         executor.run(j) if any(t.step == "sandbox.lost" for t in r.trace) else r
         for j, r in zip(jobs, results, strict=True)

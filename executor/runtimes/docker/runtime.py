@@ -79,9 +79,9 @@ def start_delay(api: docker.APIClient, c: dict[str, Any], now: float, deadline: 
     The label is written before the sandbox is made, counting the node's whole timeout from
     then, while the node's clock starts when the sandbox has started; a start that takes
     longer than KILL_GRACE_S (a loaded host, gVisor's) would otherwise let any reaper remove
-    a sandbox whose node is still within its timeout (seen: four runsc sandboxes "vanished"
-    at once in a loaded CI run). Read only for a sandbox already past its label (one inspect,
-    rare); 0 when it cannot be read (the label alone decides, as before)."""
+    a sandbox whose node is still within its timeout. Read only for a sandbox already past
+    its label (one inspect, rare); 0 when it cannot be read (the label alone decides, as
+    before)."""
     if now <= deadline:
         return 0.0
     try:
