@@ -60,3 +60,27 @@ def test_a_writer_killed_mid_write_leaves_its_slot_unread_until_written_again() 
     struct.pack_into("<Q", page._mem, 0, 3)  # as a writer killed between its two heads
     assert page.read(0) is None
     assert page.write(0, b"new") and page.read(0) == b"new"
+
+
+def test_untouched_slots_and_the_gates_last_report_across_a_fork() -> None:
+    # the pool process's check before each job: slots never written are one comparison,
+    # and a report written in another process (a real fork) is seen
+    from worker import gate
+
+    page = SharedPage(8, 32)
+    assert page.untouched(0, 8)
+    page.write_float(5, 1.5)
+    assert page.untouched(0, 5) and not page.untouched(0, 8) and page.untouched(6, 2)
+    assert gate.last_report(gate.RUNTIME) == 0.0 and not gate.pending_in_child()
+    child = os.fork()
+    if child == 0:
+        try:
+            gate.report(gate.RUNTIME, "the engine is away (a test)", index=7)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    try:
+        assert gate.last_report(gate.RUNTIME) > 0.0 and gate.last_report(gate.RUN_STORE) == 0.0
+        assert gate.pending_in_child()
+    finally:
+        gate._page._mem[:] = bytes(len(gate._page._mem))  # as a new worker's page

@@ -2,10 +2,13 @@
 pool process, worker.job.tasks, and in an API that runs a call itself, ``CodeClient.run_inline``).
 
 The executor calls it about every 100 ms while the sandbox runs, so each call must be
-cheap: one Redis ``EXISTS`` of the job's cancel flag. The run store (the truth, where
-``cancel`` records the intent FIRST) is read once a second, at once when the process got
-the cancel signal, and instead of Redis while Redis is unreachable. So a cancel whose
-revoke broadcast was lost, or whose Redis flag was lost, still stops the job.
+cheap: one Redis ``EXISTS`` of the job's cancel flag, and none when the flag was read less
+than FRESH_S ago (the job's start reads it with its other start reads, and the pool's take
+and the sandbox's first poll follow within milliseconds: one read answers them all). The
+run store (the truth, where ``cancel`` records the intent FIRST) is read once a second, at
+once when the process got the cancel signal, and instead of Redis while Redis is
+unreachable. So a cancel whose revoke broadcast was lost, or whose Redis flag was lost,
+still stops the job.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ log = logging.getLogger("studio_code.worker")
 
 STORE_EVERY_S = 1.0
 REDIS_RETRY_S = 1.0
+#: a Redis read of the flag younger than this answers a call (under the executor's poll
+#: interval, 100 ms, so a steady poll still reads it each time)
+FRESH_S = 0.08
 
 
 class CancelWatch:
@@ -31,8 +37,8 @@ class CancelWatch:
     ``nudged`` (optional) returns True once after the process received the cancel signal.
     A signal is only a hint: it may have been meant for a job this process ran before
     (Celery signals a pid, not a job), so it makes the watch read the store for THIS job
-    and never cancels by itself. ``flagged``: the Redis flag as already read for this job
-    (None: not read), used by the first call."""
+    and never cancels by itself. ``flagged``: the Redis flag as read for this job just
+    before (None: not read), which answers the calls of the next FRESH_S as any read does."""
 
     def __init__(
         self,
@@ -53,8 +59,10 @@ class CancelWatch:
         self._next_store = now + STORE_EVERY_S
         self._redis_ok_after = now
         #: the flag as the job's start read it (with its parked-result lookup, one round
-        #: trip): the first call uses it instead of its own EXISTS
+        #: trip): the calls of the next FRESH_S use it instead of their own EXISTS
         self._flagged = flagged
+        #: when Redis last answered for the flag (a False answer stands until FRESH_S later)
+        self._read_at = now if flagged is not None else None
 
     def __call__(self) -> bool:
         if self.cancelled_at is not None:
@@ -67,9 +75,12 @@ class CancelWatch:
         flagged, self._flagged = self._flagged, None
         if flagged is not None:
             hit = flagged
+        elif self._read_at is not None and now - self._read_at < FRESH_S:
+            pass  # Redis answered a moment ago: that answer stands
         elif self.client is not None and now >= self._redis_ok_after:
             try:
                 hit = bool(self.client.exists(self.key))
+                self._read_at = now
             except redis.RedisError as e:
                 log.warning(
                     "cancel flag of job %s unreadable (%s): using the run store", self.job_id, e

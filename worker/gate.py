@@ -62,8 +62,12 @@ def closed_in_child() -> bool:
 
 
 def last_report(kind: str) -> float:
-    """When a pool process last reported ``kind`` failing (read by the main process)."""
-    return max(_page.read_float(_report_slot(kind, i)) for i in range(PROCESSES))
+    """When a pool process last reported ``kind`` failing (read by the main process, and
+    by a pool process before each job: 0.0 at once while none ever did)."""
+    first = _report_slot(kind, 0)
+    if _page.untouched(first, PROCESSES):
+        return 0.0
+    return max(_page.read_float(first + i) for i in range(PROCESSES))
 
 
 def pending_in_child() -> bool:

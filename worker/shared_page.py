@@ -81,6 +81,12 @@ class SharedPage:
                 time.sleep(0.001)
         return None
 
+    def untouched(self, first: int, count: int) -> bool:
+        """Slots ``first`` .. ``first + count - 1`` were never written (every byte still
+        zero): one comparison instead of ``count`` reads."""
+        at, end = first * self.slot_bytes, (first + count) * self.slot_bytes
+        return self._mem[at:end] == bytes(end - at)
+
     def write_float(self, index: int, value: float) -> None:
         self.write(index, _FLOAT.pack(value))
 

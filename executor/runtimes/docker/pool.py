@@ -312,6 +312,7 @@ class SandboxPool(IdlePoolStats):
         shape = _shape(policy)
         deadline = time.monotonic() + WAIT_FOR_STARTING_S
         asked = False  # should_cancel asked since the last wait
+        retired = False  # a stale one put aside for the remover
         with self._cond:
             try:
                 if name not in self._idle or self._stop:
@@ -329,6 +330,7 @@ class SandboxPool(IdlePoolStats):
                         if not p.fresh():
                             log.warning("pre-started sandbox %s was not fresh; removed", p.name)
                             self._retire.append(p)
+                            retired = True
                             continue
                         self.hits[name] += 1
                         return p
@@ -349,7 +351,11 @@ class SandboxPool(IdlePoolStats):
                     self.misses[name] += 1
                     return None
             finally:
-                self._cond.notify_all()  # the thread starts a replacement
+                # the thread starts a replacement, the remover removes a stale one; on a
+                # job's path the replacement waits for the path's end (on_path wakes it),
+                # so with nothing retired neither thread is woken for nothing
+                if retired or not self._on_path:
+                    self._cond.notify_all()
 
     def _wait_for_removals(self, should_cancel: CancelCheck | None) -> None:
         """With the lock held: while more than MAX_PENDING_REMOVALS used sandboxes wait for
