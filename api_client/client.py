@@ -398,24 +398,21 @@ class CodeClient:
         """``_check_served`` on the event loop (redis.asyncio), so the HTTP test call asks
         it beside its admission instead of after it, in the submit's thread: a yes it finds
         is what that submit then believes (SERVED_CACHE_S)."""
+        check = self.served_check(queue, ask)
+        if check is not None:
+            await check.judge()
+
+    def served_check(self, queue: str, ask: tuple[int, float] | None = None) -> ServedCheck | None:
+        """``check_served_async`` in two halves, for a caller that sends the registry read
+        in one pipeline with its own commands (the HTTP test call: with its admission, one
+        round trip): None when a yes is believed (nothing to read)."""
         if not self._served_asked(queue, ask):
-            return
+            return None
         aredis = self.async_redis
         registry = self._aworkers
         if registry is None or registry.client is not aredis:
             registry = self._aworkers = AsyncWorkerRegistry(aredis)
-        try:
-            live: Any = await registry.live([queue])
-        except redis.RedisError as e:
-            live = e
-        else:
-            # the judge compares store ids: this API's is read (once, then kept) off the
-            # loop, as the sync check reads it in the submit's thread; once known, no
-            # thread hop (each one costs the call a wake-up of a pool thread and back)
-            if not self._store_id_known:
-                await asyncio.to_thread(lambda: self.store.store_id)
-                self._store_id_known = True
-        self._judge_served(queue, live, ask)
+        return ServedCheck(self, registry, queue, ask)
 
     def _served_asked(self, queue: str, ask: tuple[int, float] | None = None) -> bool:
         """Whether a job of ``queue`` asking ``ask`` needs the registry read now (not
@@ -1032,6 +1029,48 @@ class CodeClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ServedCheck:
+    """One live-worker check on the event loop (``CodeClient.served_check``): ``add`` puts
+    its registry read in a pipeline and the caller sets ``reply`` to what that read
+    answered (its reply, or the redis.RedisError it raised); ``judge`` then returns or
+    raises as ``check_served_async`` does. Without a reply (or NoScriptError) ``judge``
+    reads the registry itself."""
+
+    def __init__(
+        self,
+        client: CodeClient,
+        registry: AsyncWorkerRegistry,
+        queue: str,
+        ask: tuple[int, float] | None,
+    ) -> None:
+        self.client, self.registry, self.queue, self.ask = client, registry, queue, ask
+        self.reply: Any = None
+        self._names = [queue]
+
+    def add(self, pipe: Any) -> None:
+        self._names = self.registry.add_live(pipe, [self.queue])
+
+    async def judge(self) -> None:
+        client, reply = self.client, self.reply
+        live: Any
+        if reply is None or isinstance(reply, redis.exceptions.NoScriptError):
+            try:
+                live = await self.registry.live([self.queue])
+            except redis.RedisError as e:
+                live = e
+        elif isinstance(reply, redis.RedisError):
+            live = reply
+        else:
+            live = self.registry.parse_live(self._names, reply)
+        if not isinstance(live, redis.RedisError) and not client._store_id_known:
+            # the judge compares store ids: this API's is read (once, then kept) off the
+            # loop, as the sync check reads it in the submit's thread; once known, no
+            # thread hop (each one costs the call a wake-up of a pool thread and back)
+            await asyncio.to_thread(lambda: client.store.store_id)
+            client._store_id_known = True
+        client._judge_served(self.queue, live, self.ask)
 
 
 class _StatusReads:

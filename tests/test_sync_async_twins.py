@@ -20,7 +20,15 @@ from api_client.log_follower import LogEvent, follow, follow_async
 from executor.errors import ErrorCode, RuntimeUnavailable
 from executor.models import Status
 from testkit.redis import RedisServer, start_redis
-from worker.protocol import QUEUE_RUN, QUEUE_TEST, done_key, leave_notice, logs_key
+from worker.protocol import (
+    QUEUE_RUN,
+    QUEUE_TEST,
+    done_key,
+    in_flight_key,
+    leave_notice,
+    logs_key,
+    rate_key,
+)
 from worker.registry import AsyncWorkerRegistry, WorkerRegistry
 from worker.upkeep.heartbeat import Heartbeat
 
@@ -319,6 +327,37 @@ def refused(client: Any, queue: str) -> list[str]:
             check()
         out.append(str(e.value))
     return out
+
+
+def test_admission_beside_the_served_check_survives_a_script_flush(client: Any) -> None:
+    """The HTTP test call's one round trip (``InFlight.admit`` with the ``ServedCheck``
+    beside it, both scripts called by their hash): on a Redis that lost its scripts (both
+    answer NoScriptError), the call is admitted exactly once and the served check refuses
+    with the sync check's sentence."""
+    from api_client.http.inflight import InFlight
+
+    settings = client.settings
+    client.settings = settings.model_copy(update={"queue_require_worker": True})
+    user = f"beside-{uuid.uuid4().hex[:8]}"
+    try:
+        client.redis.script_flush()
+
+        async def admit_and_judge() -> str:
+            check = client.served_check(QUEUE_TEST)
+            assert check is not None
+            await InFlight(5).admit(client.async_redis, user, 30, 100, beside=check)
+            with pytest.raises(RuntimeUnavailable) as e:
+                await check.judge()
+            return str(e.value)
+
+        message = on_loop(client, admit_and_judge)
+        with pytest.raises(RuntimeUnavailable) as e:
+            client._check_served(QUEUE_TEST)
+        assert message == str(e.value)
+        assert client.redis.zcard(in_flight_key(user)) == 1
+        assert client.redis.zcard(rate_key(user)) == 1
+    finally:
+        client.settings = settings
 
 
 def test_check_served_refuses_alike(client: Any) -> None:

@@ -139,6 +139,20 @@ class AsyncWorkerRegistry(_Registry):
         names, keys = self._ask(queues)
         return _parse_live(names, await self._read(keys=keys))
 
+    def add_live(self, pipe: Any, queues: Iterable[str]) -> list[str]:
+        """The read of ``live`` added to a pipeline of this client (one round trip with the
+        caller's own commands); returns the names ``parse_live`` takes with its reply. The
+        script is called by its hash: a Redis that does not know it answers NoScriptError
+        in its place (``live`` then reads again, loading it)."""
+        names, keys = self._ask(queues)
+        pipe.evalsha(self._read.sha, len(keys), *keys)
+        return names
+
+    @staticmethod
+    def parse_live(names: list[str], reply: Any) -> dict[str, list[WorkerInfo]]:
+        """``live``'s answer from the reply of the read ``add_live`` added."""
+        return _parse_live(names, reply)
+
 
 def _parse_live(names: list[str], reply: Any) -> dict[str, list[WorkerInfo]]:
     """The read script's reply as the live workers of each of ``names``."""

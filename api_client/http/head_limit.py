@@ -9,6 +9,12 @@ are counted as they arrive, and a head past STUDIO_API_HEAD_MAX_BYTES is answere
 same JSON body) and its connection closed, so the server never holds more of a head than
 the cap and one read (asyncio reads at most 256 KiB at a time).
 
+The same protocol writes a response's head and its body in one send when the body follows
+in the same turn of the loop (a whole response: every JSON answer), instead of uvicorn's
+two writes, so the caller reads the answer in one segment rather than waking twice (the
+second write arriving after the caller woke for the first). A head whose body comes later
+(a stream, Server-Sent Events) is written at the end of that turn, as before.
+
 Counted: every read that arrives while a head is incomplete, from the read after the one
 that began it (a read can hold the end of the previous request too: not counting the
 first read of a head never counts another request's bytes, so a head within the cap is
@@ -17,8 +23,9 @@ never refused here; the middleware checks it exactly).
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -51,7 +58,10 @@ class _BoundedHttpTools(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle is not before:
+            self.cycle.transport = cast(asyncio.Transport, _OneWrite(self.transport, self.loop))
 
     def data_received(self, data: bytes) -> None:
         self._began = False
@@ -70,6 +80,42 @@ class _BoundedHttpTools(HttpToolsProtocol):
         if idle:  # no response of an earlier request under way on this connection
             self.transport.write(self.refusal)
         self.transport.close()
+
+
+class _OneWrite:
+    """A request's view of its connection's transport: its first write (the response's
+    head) is held until the next write (its body), which sends both at once, or until the
+    end of the current turn of the loop (a body that comes later), or a close."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._first = True
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._held = data
+            self._loop.call_soon(self._flush)
+            return
+        held, self._held = self._held, None
+        self._transport.write(data if held is None else held + data)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def bounded_http_protocol(settings: Settings) -> type[HttpToolsProtocol]:

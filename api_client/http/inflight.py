@@ -50,27 +50,46 @@ class InFlight:
         self.limit = limit
         self._admit: Any = None  # the admission script, on the client it was made for
 
-    async def admit(self, aredis: Any, user: str, hold_s: float, per_minute: int) -> Slot:
+    async def admit(
+        self, aredis: Any, user: str, hold_s: float, per_minute: int, *, beside: Any = None
+    ) -> Slot:
         """A slot for an editor test call that waits at most ``hold_s``, and its place in
         the user's per-minute count (STUDIO_CODE_TEST_PER_MINUTE), in one round trip
         (EVALSHA); raises RateLimited for either (too many waiting is said first). A call
         whose job is then not queued gives its place back with its slot:
-        ``release(..., refund=True)``."""
+        ``release(..., refund=True)``. ``beside``: a check whose one command goes in the
+        same round trip, before the admission (a ServedCheck: its ``add`` puts the command
+        in the pipeline; its ``reply`` is set to what it answered, or to the redis.RedisError
+        the round trip raised); the caller judges it."""
         script = self._admit
         if script is None or script.registered_client is not aredis:
             script = self._admit = aredis.register_script(ADMIT_LUA)
         slot = Slot(in_flight_key(user), uuid.uuid4().hex, rate_key(user))
+        keys = [slot.rate_key, slot.key]  # api_client/admit.lua, with a slot
+        args = [
+            per_minute,
+            RATE_WINDOW_S * 1_000_000,
+            slot.token,
+            self.limit,
+            math.ceil(hold_s * 1000),
+        ]
         try:
-            admitted, wait_us = await script(
-                keys=[slot.rate_key, slot.key],  # api_client/admit.lua, with a slot
-                args=[
-                    per_minute,
-                    RATE_WINDOW_S * 1_000_000,
-                    slot.token,
-                    self.limit,
-                    math.ceil(hold_s * 1000),
-                ],
-            )
+            if beside is None:
+                admitted, wait_us = await script(keys=keys, args=args)
+            else:
+                pipe = aredis.pipeline(transaction=False)
+                beside.add(pipe)
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                try:
+                    beside.reply, reply = await pipe.execute(raise_on_error=False)
+                except redis.RedisError as e:
+                    beside.reply = e
+                    raise
+                if isinstance(reply, redis.exceptions.NoScriptError):
+                    reply = await script(keys=keys, args=args)  # loads it, then runs it
+                elif isinstance(reply, Exception):
+                    raise reply
+                admitted, wait_us = reply
         except redis.RedisError as e:
             raise RuntimeUnavailable(
                 f"Redis at STUDIO_REDIS_URL cannot count editor test calls ({e}): check that "

@@ -151,11 +151,11 @@ async def test_code(
         wait_s = wait_s * policy.max_attempts + delays
     aredis = client.async_redis
     # Before its job is stored: its admission (its in-flight slot and its place in the
-    # per-minute count, one round trip) and whether a live worker serves code.test (the
-    # submit believes a yes it finds) go to Redis at once, and while they are on the wire
-    # the job is checked here (a small body: no I/O, a fraction of a millisecond; a big
-    # one is checked in a thread). A refusal is said in the order it always was: 429, then
-    # the job's own error (400), then no worker (503).
+    # per-minute count) and whether a live worker serves code.test (the submit believes a
+    # yes it finds) go to Redis at once, in ONE round trip (a pipeline), and while they are
+    # on the wire the job is checked here (a small body: no I/O, a fraction of a
+    # millisecond; a big one is checked in a thread). A refusal is said in the order it
+    # always was: 429, then the job's own error (400), then no worker (503).
 
     def prepare() -> Any:
         return client.prepare(
@@ -183,12 +183,13 @@ async def test_code(
         if first is not None:
             wait = client.wait_async(first, wait_s, submitted=True, **trace_headers(request))
             return _answer(await _unless_disconnected(request, wait))
-    # the test queue of the job's worker group (executor.groups), as far as the body says
-    served = asyncio.ensure_future(
-        client.check_served_async(*client.test_queue_hint(body.memory, body.cpus, body.group))
-    )
+    # the test queue of the job's worker group (executor.groups), as far as the body says;
+    # None: a live worker was found within SERVED_CACHE_S (nothing to read)
+    served = client.served_check(*client.test_queue_hint(body.memory, body.cpus, body.group))
     admitted = asyncio.ensure_future(
-        services.in_flight.admit(aredis, who.user, wait_s + 5, s.code_test_per_minute)
+        services.in_flight.admit(
+            aredis, who.user, wait_s + 5, s.code_test_per_minute, beside=served
+        )
     )
 
     length = request.headers.get("content-length", "")
@@ -200,8 +201,8 @@ async def test_code(
             checked = asyncio.get_running_loop().create_future()
             checked.set_result(keyed_job)
         elif inline:
-            # one turn of the loop first: both tasks send their commands, then wait for
-            # the answers while the job is checked here
+            # one turn of the loop first: the admission sends its commands, then waits
+            # for the answers while the job is checked here
             await asyncio.sleep(0)
             checked = asyncio.get_running_loop().create_future()
             try:
@@ -214,21 +215,16 @@ async def test_code(
     except BaseException:
         # refused (429, Redis away) or the caller gone (cancelled): nothing was queued; a
         # slot the admission took all the same is given back with its count
-        served.cancel()
-        others = [f for f in (served, checked) if f is not None]
+        others = [checked] if checked is not None else []
         got, *_ = await asyncio.gather(admitted, *others, return_exceptions=True)
         if isinstance(got, Slot):
             await services.in_flight.release(aredis, got, refund=True)
         raise
     queued = False
     try:
-        try:
-            job = await checked
-            await served
-        finally:
-            if not served.done():
-                served.cancel()  # the job's own error is said: the served check is moot
-            await asyncio.gather(served, return_exceptions=True)
+        job = await checked  # the job's own error is said before the served check's
+        if served is not None:
+            await served.judge()
         traced = trace_headers(request)  # the caller's W3C trace, if it sent one
         job_id = await run_in_threadpool(
             lambda: client.enqueue(job, rate_checked=True, idempotency_key=key, **traced)
