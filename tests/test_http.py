@@ -291,6 +291,9 @@ def test_get_run_with_wait_answers_when_the_run_finishes(stack: Stack) -> None:
     assert time.monotonic() - t0 < 25, "the wait ran to its end instead of the run's"
     assert stack.http.get(f"/api/runs/{job_id}", headers=h).json() == done
     assert stack.http.get(f"/api/runs/{job_id}", params={"wait": 5}, headers=h).json() == done
+    # a finished run is answered from its done notice: still only to its user
+    r = stack.http.get(f"/api/runs/{job_id}", params={"wait": 5}, headers=stack.as_user(_user()))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND", r.text
 
     slow = stack.http.post(
         "/api/runs", json={"code": SLEEP_CODE, "state": {"s": 60}}, headers=h

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
+import redis
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -43,6 +44,7 @@ from api_client.log_follower import follow_async
 from executor.errors import ErrorCode
 from executor.models import Status
 from executor.store.base import JobRecord
+from worker.protocol import done_key, record_of_notice
 
 router = APIRouter(route_class=ErrorRoute)
 _STREAM_ID = re.compile(r"(\d{1,20})-(\d{1,20})")
@@ -139,9 +141,13 @@ async def get_run(
     (holds no thread while it waits: the worker's done notice wakes it)."""
     if wait <= 0:
         return _answer(await run_in_threadpool(_read_view, services, job_id, who))
+    client = services.opened or await run_in_threadpool(lambda: services.client)
+    ended = await _ended(client, job_id)
+    if ended is not None and who.may_see(ended):  # as the wait would answer it at once
+        return _answer(RunView.of(ended))
     rec = await run_in_threadpool(own_record, services, job_id, who)
     if not rec.status.finished:
-        waited = services.client.wait_async(job_id, wait, submitted=True)
+        waited = client.wait_async(job_id, wait, submitted=True)
         try:
             got = await unless_disconnected(request, waited)
         except JobNotFound as e:  # removed while it was waited for
@@ -154,6 +160,18 @@ async def get_run(
         if rec.status is Status.QUEUED:
             return _answer(await run_in_threadpool(_view, services, rec))
     return _answer(RunView.of(rec))
+
+
+async def _ended(client: Any, job_id: str) -> JobRecord | None:
+    """The finished record a done notice of ``job_id`` carries (what a wait wakes on and
+    answers, worker.protocol), read on the event loop in one round trip; None when there
+    is none (not finished, a long record, Redis unreadable): the store is read then."""
+    try:
+        items = await client.async_redis.lrange(done_key(job_id), 0, -1)
+    except redis.RedisError:
+        return None
+    found = (record_of_notice(item) for item in items)
+    return next((rec for rec in found if rec is not None), None)
 
 
 def _read_view(services: Services, job_id: str, who: Caller) -> RunView:
