@@ -45,17 +45,19 @@ def unfinished_tests(db: Path) -> int:
     return int(row[0])
 
 
-def run_call(c: Any) -> float:
+def run_call(c: Any, wait_s: float = 0) -> float:
     """A workflow run through HTTP as the studio makes it: ``POST /api/runs``, then
-    ``GET /api/runs/{id}`` again as soon as each answers, until the run has finished; its
-    overhead (ms): the wall − the run's duration_ms."""
+    ``GET /api/runs/{id}`` again as soon as each answers (with ``wait_s``: the long poll
+    ``?wait=``), until the run has finished; its overhead (ms): the wall − the run's
+    duration_ms."""
+    params = {"wait": wait_s} if wait_s else None
     t0 = time.perf_counter()
     r = c.post("/api/runs", json={"code": TRIVIAL}, timeout=60)
     if r.status_code != 202:
         raise RuntimeError(f"POST /api/runs answered {r.status_code}: {r.text[:300]}")
     job_id = r.json()["job_id"]
     while True:
-        body = c.get(f"/api/runs/{job_id}", timeout=60).json()
+        body = c.get(f"/api/runs/{job_id}", params=params, timeout=60).json()
         if body["status"] not in ("queued", "running"):
             break
     wall = (time.perf_counter() - t0) * 1000
@@ -90,14 +92,15 @@ def test_call_overhead(
     worker), each call is followed by the same job through the queue without HTTP
     (``queue``: submit → wait − duration_ms); with ``executor`` (pre-started sandboxes, in
     this process), by the same node run in-process (``inproc``: its wall); with ``runs``,
-    by a workflow run through HTTP (``runs``: ``run_call``) and, with ``client``, the same
-    run through the queue (``queue_run``), so every side sees the same noise."""
+    by a workflow run through HTTP (``runs``: ``run_call``, polled back to back; and
+    ``runs_wait``: the long poll ``?wait=``) and, with ``client``, the same run through the
+    queue (``queue_run``), so every side sees the same noise."""
     import httpx
 
     from executor.models import CodeJob
 
     out: dict[str, list[float]] = {
-        k: [] for k in ("wall", "over", "queue", "inproc", "bare", "runs", "queue_run")
+        k: [] for k in ("wall", "over", "queue", "inproc", "bare", "runs", "runs_wait", "queue_run")
     }
     with httpx.Client(base_url=base, headers={**auth, "X-Studio-User": "bench"}) as c:
         while len(out["wall"]) < n:
@@ -122,6 +125,8 @@ def test_call_overhead(
             if runs:
                 time.sleep(SETTLE_S)
                 out["runs"].append(run_call(c))
+                time.sleep(SETTLE_S)
+                out["runs_wait"].append(run_call(c, wait_s=30))
                 if client is not None:
                     time.sleep(SETTLE_S)
                     out["queue_run"].append(client_call(client, "run"))
@@ -241,6 +246,12 @@ def print_calls(calls: dict[str, list[float]]) -> None:
             "POST /api/runs + GET /api/runs/{id} until finished (back to back) vs "
             "CodeClient.submit(kind=run) → wait",
             calls["runs"],
+            calls["queue_run"],
+        ),
+        (
+            "POST /api/runs + GET /api/runs/{id}?wait=30 (long poll) vs "
+            "CodeClient.submit(kind=run) → wait",
+            calls["runs_wait"],
             calls["queue_run"],
         ),
     ):

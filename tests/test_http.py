@@ -273,6 +273,44 @@ def test_another_users_run_is_hidden_but_an_admin_sees_it(stack: Stack) -> None:
     assert r.status_code == 404
 
 
+def test_get_run_with_wait_answers_when_the_run_finishes(stack: Stack) -> None:
+    """GET /api/runs/{id}?wait=S, the long poll: an unfinished run is answered once it has
+    finished (the same view a plain GET gives then), or as it is when the wait ends; a
+    finished one, another user's (404) and a wait out of range (422) at once."""
+    user = _user()
+    h = stack.as_user(user)
+    job_id = stack.http.post(
+        "/api/runs", json={"code": SLEEP_CODE, "state": {"s": 2}}, headers=h
+    ).json()["job_id"]
+    assert not stack.http.get(f"/api/runs/{job_id}", headers=h).json()["finished"]
+    t0 = time.monotonic()
+    r = stack.http.get(f"/api/runs/{job_id}", params={"wait": 30}, headers=h)
+    assert r.status_code == 200, r.text
+    done = r.json()
+    assert done["status"] == "succeeded" and done["output"] == 1, done
+    assert time.monotonic() - t0 < 25, "the wait ran to its end instead of the run's"
+    assert stack.http.get(f"/api/runs/{job_id}", headers=h).json() == done
+    assert stack.http.get(f"/api/runs/{job_id}", params={"wait": 5}, headers=h).json() == done
+    # a finished run is answered from its done notice: still only to its user
+    r = stack.http.get(f"/api/runs/{job_id}", params={"wait": 5}, headers=stack.as_user(_user()))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND", r.text
+
+    slow = stack.http.post(
+        "/api/runs", json={"code": SLEEP_CODE, "state": {"s": 60}}, headers=h
+    ).json()["job_id"]
+    try:
+        r = stack.http.get(f"/api/runs/{slow}", params={"wait": 0.5}, headers=h)
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] in ("queued", "running") and not r.json()["finished"]
+        r = stack.http.get(f"/api/runs/{slow}", params={"wait": 30}, headers=stack.as_user(_user()))
+        assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND", r.text
+        for bad in (-1, 31, "soon"):
+            r = stack.http.get(f"/api/runs/{slow}", params={"wait": bad}, headers=h)
+            assert r.status_code == 422 and r.json()["error"]["code"] == "REQUEST_INVALID", r.text
+    finally:
+        stack.http.post(f"/api/runs/{slow}/cancel", headers=h)
+
+
 # --- editor test calls ----------------------------------------------------------------------
 
 

@@ -168,5 +168,9 @@ def test_runs_in_their_queue_say_their_place_and_an_estimate(stack: Any) -> None
             waiting = r.json()["waiting"]
             assert waiting["held_by"] == "queue" and waiting["position"] == last.position
             assert waiting["reason"] == last.reason
+            # a long poll that ends before the run starts says why it waits the same way
+            r = s.http.get(f"/api/runs/{jobs[-1]}?wait=0.2", headers=s.as_user("ann"))
+            assert r.status_code == 200, r.text
+            assert r.json()["waiting"] == waiting
         for job in jobs:
             s.client.cancel(job)

@@ -1,7 +1,8 @@
 """The runs: submit, read, cancel, and the history and logs.
 
     POST /api/runs                  submit a workflow run's Code node (202)
-    GET  /api/runs/{job_id}         the run, with its result once finished
+    GET  /api/runs/{job_id}[?wait=S]  the run, with its result once finished (``wait``: a
+                                    long poll that answers as soon as it finishes)
     POST /api/runs/{job_id}/cancel  cancel it (the worker kills its sandbox)
     GET  /api/runs                  the caller's runs (an admin: anyone's, or one user's),
                                     newest first, filtered, in pages with an opaque cursor
@@ -18,24 +19,32 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+import redis
+from fastapi import APIRouter, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from api_client.client import RUNS_PAGE_MAX, JobNotFound
 from api_client.http.kit import (
     ERRORS,
     ApiError,
+    Caller,
     CallerDep,
     ErrorRoute,
     JobIdPath,
+    Services,
     ServicesDep,
+    error_response,
     idempotency_key,
     own_record,
     trace_headers,
 )
+from api_client.http.routes.code import _unless_disconnected as unless_disconnected
 from api_client.http.wire import ErrorBody, RunBody, RunList, RunLogs, RunView, RunWaiting
 from api_client.log_follower import follow_async
 from executor.errors import ErrorCode
 from executor.models import Status
+from executor.store.base import JobRecord
+from worker.protocol import done_key, record_of_notice
 
 router = APIRouter(route_class=ErrorRoute)
 _STREAM_ID = re.compile(r"(\d{1,20})-(\d{1,20})")
@@ -61,42 +70,116 @@ def stream_id_refusal(value: str) -> str | None:
 
 
 @router.post("/api/runs", response_model=RunView, status_code=202, tags=["runs"], responses=ERRORS)
-def submit_run(body: RunBody, who: CallerDep, services: ServicesDep, request: Request) -> RunView:
+async def submit_run(
+    body: RunBody, who: CallerDep, services: ServicesDep, request: Request
+) -> Response:
     """Queue a workflow run's Code node (queue code.run); poll GET /api/runs/{job_id}. A
     W3C ``traceparent`` header (and ``tracestate``) puts the run's spans in the caller's
     trace when the API and the workers export traces (docs/operations.md, Traces). An
     ``Idempotency-Key`` header makes a retry safe: the same key and request again (within
     STUDIO_IDEMPOTENCY_TTL_S) answer the first run as it is now, never a second run; the
     same key with another request is 409 IDEMPOTENCY_CONFLICT naming the first run."""
-    job_id = services.client.submit(
-        body.code,
-        body.language,
-        body.state,
-        body.timeout_s,
-        who.user,
-        kind="run",
-        memory=body.memory,
-        cpus=body.cpus,
-        retry=body.retry,
-        tenant=body.tenant,
-        workflow=body.workflow,
-        group=body.group,
-        idempotency_key=idempotency_key(request),
-        **trace_headers(request),
-    )
-    rec = services.record(job_id)
-    if rec is None:  # pragma: no cover
-        raise ApiError(503, str(ErrorCode.RUNTIME_UNAVAILABLE), "The run was lost.")
-    return RunView.of(rec)
+    key, traced = idempotency_key(request), trace_headers(request)
+
+    def submit() -> JobRecord:
+        job_id = services.client.submit(
+            body.code,
+            body.language,
+            body.state,
+            body.timeout_s,
+            who.user,
+            kind="run",
+            memory=body.memory,
+            cpus=body.cpus,
+            retry=body.retry,
+            tenant=body.tenant,
+            workflow=body.workflow,
+            group=body.group,
+            idempotency_key=key,
+            **traced,
+        )
+        rec = services.record(job_id)
+        if rec is None:  # pragma: no cover
+            raise ApiError(503, str(ErrorCode.RUNTIME_UNAVAILABLE), "The run was lost.")
+        return rec
+
+    # one hop to the thread pool (the submit and the read), and the view serialised once
+    return _answer(RunView.of(await run_in_threadpool(submit)), 202)
+
+
+def _answer(view: RunView, status: int = 200) -> Response:
+    """``view`` as FastAPI would send it from response_model (the same JSON), serialised
+    once by pydantic on the event loop, without validating it again on the way out."""
+    return Response(view.model_dump_json(), status_code=status, media_type="application/json")
+
+
+#: the longest ``GET /api/runs/{job_id}?wait=`` holds (below the usual 60 s proxy timeout)
+RUN_WAIT_MAX_S = 30.0
 
 
 @router.get("/api/runs/{job_id}", response_model=RunView, tags=["runs"], responses=ERRORS)
-def get_run(job_id: JobIdPath, who: CallerDep, services: ServicesDep) -> RunView:
+async def get_run(
+    job_id: JobIdPath,
+    who: CallerDep,
+    services: ServicesDep,
+    request: Request,
+    wait: Annotated[
+        float,
+        Query(
+            ge=0,
+            le=RUN_WAIT_MAX_S,
+            description="Seconds to wait for an unfinished run to finish before answering "
+            f"(long poll, at most {RUN_WAIT_MAX_S:g}): the answer comes as soon as the run "
+            "finishes, or the run as it is when the wait ends. 0 (default): at once.",
+        ),
+    ] = 0,
+) -> Any:
     """The run and, once finished, its result. 404 for an unknown id or another user's
     run (unless the caller is an admin). A queued run says why it waits (``waiting``: no
     live worker, paused workers, its user's cap or turn, its place in its queue, with an
-    estimate), naming no other user."""
-    rec = own_record(services, job_id, who)
+    estimate), naming no other user. ``wait``: a long poll instead of polling back to back
+    (holds no thread while it waits: the worker's done notice wakes it)."""
+    if wait <= 0:
+        return _answer(await run_in_threadpool(_read_view, services, job_id, who))
+    client = services.opened or await run_in_threadpool(lambda: services.client)
+    ended = await _ended(client, job_id)
+    if ended is not None and who.may_see(ended):  # as the wait would answer it at once
+        return _answer(RunView.of(ended))
+    rec = await run_in_threadpool(own_record, services, job_id, who)
+    if not rec.status.finished:
+        waited = client.wait_async(job_id, wait, submitted=True)
+        try:
+            got = await unless_disconnected(request, waited)
+        except JobNotFound as e:  # removed while it was waited for
+            raise ApiError(404, "NOT_FOUND", f"No run {job_id!r} that you can see.") from e
+        if got is None:
+            return error_response(
+                499, "CLIENT_GONE", "The caller went away before the run finished."
+            )
+        rec = got
+        if rec.status is Status.QUEUED:
+            return _answer(await run_in_threadpool(_view, services, rec))
+    return _answer(RunView.of(rec))
+
+
+async def _ended(client: Any, job_id: str) -> JobRecord | None:
+    """The finished record a done notice of ``job_id`` carries (what a wait wakes on and
+    answers, worker.protocol), read on the event loop in one round trip; None when there
+    is none (not finished, a long record, Redis unreadable): the store is read then."""
+    try:
+        items = await client.async_redis.lrange(done_key(job_id), 0, -1)
+    except redis.RedisError:
+        return None
+    found = (record_of_notice(item) for item in items)
+    return next((rec for rec in found if rec is not None), None)
+
+
+def _read_view(services: Services, job_id: str, who: Caller) -> RunView:
+    return _view(services, own_record(services, job_id, who))
+
+
+def _view(services: Services, rec: JobRecord) -> RunView:
+    """The run's view; a queued run's says why it waits."""
     view = RunView.of(rec)
     if rec.status is Status.QUEUED:
         why = services.client.why_waiting(rec)
