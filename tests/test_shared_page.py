@@ -67,6 +67,10 @@ def test_untouched_slots_and_the_gates_last_report_across_a_fork() -> None:
     # and a report written in another process (a real fork) is seen
     from worker import gate
 
+    # the gate's page is this process's: an earlier test of another module in the same
+    # (xdist) process may have reported on it (a fresh-clone CI run saw RUN_STORE's slot
+    # set), so it starts as a new worker's page
+    gate._page._mem[:] = bytes(len(gate._page._mem))
     page = SharedPage(8, 32)
     assert page.untouched(0, 8)
     page.write_float(5, 1.5)
